@@ -1,0 +1,28 @@
+# The two entry points of the README: `make demo` and `make test`.
+# Both create .venv on first use and install the project with its dependencies.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed-stamp
+
+.PHONY: demo test install bench clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install --quiet -e '.[dev]'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/paella experiment hol --json hol.json --plot hol.png
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q
+
+bench: $(STAMP)
+	$(BIN)/python -m paella.experiments.bench_sim
+
+clean:
+	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,25 @@
+"""``paella experiment NAME``: each experiment module registers one sub-command."""
+from __future__ import annotations
+
+import argparse
+import importlib
+
+#: Experiment modules; each exposes ``register(subparsers)``.
+EXPERIMENTS = [
+    "paella.experiments.hol",
+]
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("experiment", help="reproduce a figure of the paper on the simulated GPU")
+    esub = p.add_subparsers(dest="experiment", metavar="NAME", required=True)
+    for mod in EXPERIMENTS:
+        importlib.import_module(mod).register(esub)
+
+
+def add_common(p: argparse.ArgumentParser) -> None:
+    """Options every experiment takes."""
+    p.add_argument("--json", metavar="FILE", help="write the results as JSON")
+    p.add_argument("--plot", metavar="FILE.png", help="write a plot")
+    p.add_argument("--quick", action="store_true", help="a reduced sweep that finishes in minutes")
+    p.add_argument("--seed", type=int, default=1, help="random seed (default 1)")

@@ -1,0 +1,81 @@
+"""The one ``paella`` command. Each component contributes its sub-commands.
+
+A component module listed in :data:`COMMANDS` exposes ``register(subparsers)``, which
+adds its parser(s) and sets ``func`` to a callable taking the parsed arguments and
+returning the exit status. Modules keep heavy imports (TVM, matplotlib) inside their
+command functions so that ``paella --help`` stays fast.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import sys
+
+#: Modules that add sub-commands, in the order ``--help`` lists them.
+COMMANDS = [
+    "paella.cli",                      # occupancy
+    "paella.experiments.cli",          # experiment ...
+]
+
+
+class CLIError(Exception):
+    """A user error: printed as ``paella: error: ...`` with exit status 2."""
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("occupancy", help="occupancy calculator (CUDA Occupancy Calculator rules)",
+                       description="Resident blocks per SM for one kernel, and which limit binds.")
+    p.add_argument("--gpu", default="t4", help="GPU preset (default: t4)")
+    p.add_argument("--threads", type=int, required=True, help="threads per block")
+    p.add_argument("--regs", type=int, required=True, help="registers per thread")
+    p.add_argument("--smem", type=int, default=0, help="shared memory per block, bytes (static + dynamic)")
+    p.add_argument("--json", action="store_true", help="print a JSON object")
+    p.set_defaults(func=_occupancy)
+
+
+def _occupancy(args: argparse.Namespace) -> int:
+    from paella.gpus import preset
+    from paella.occupancy import OccupancyError, occupancy
+    try:
+        spec = preset(args.gpu)
+        occ = occupancy(spec, args.threads, args.regs, args.smem)
+    except (OccupancyError, ValueError) as e:
+        raise CLIError(str(e)) from None
+    if args.json:
+        print(json.dumps({"gpu": spec.name, "threads": args.threads, "regs": args.regs,
+                          "smem": args.smem, "blocks_per_sm": occ.blocks_per_sm, "limit": occ.limit,
+                          "binding": list(occ.binding), "per_limit": occ.per_limit,
+                          "active_warps": occ.active_warps, "max_warps": occ.max_warps,
+                          "occupancy": occ.fraction}))
+    else:
+        print(f"GPU {spec.name} ({spec.sm_name}), {args.threads} threads, {args.regs} regs/thread, "
+              f"{args.smem} B shared memory")
+        print(f"resident blocks per SM: {occ.blocks_per_sm}")
+        print(f"binding limit:          {', '.join(occ.binding)}")
+        for k, v in occ.per_limit.items():
+            print(f"  {k:<14} allows {v if v < (1 << 30) else 'unlimited'}")
+        print(f"occupancy:              {occ.active_warps}/{occ.max_warps} warps ({occ.fraction:.0%})")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="paella", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for mod in COMMANDS:
+        importlib.import_module(mod).register(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except CLIError as e:
+        print(f"paella: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
