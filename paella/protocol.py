@@ -104,3 +104,33 @@ def group_posts(start: int, n: int, total: int, group: int) -> list[tuple[int, i
 def entries_per_kernel(blocks: int, group: int = DEFAULT_GROUP) -> int:
     """Entries of one kind that a kernel of ``blocks`` blocks posts: ceil(blocks/group)."""
     return -(-blocks // group)
+
+
+# --- The notifQ region in device-mapped memory ---------------------------------------
+#
+# One contiguous region; instrumented kernels receive a pointer to its start as their
+# first extra parameter. The device header (compiler_pass/include/paella_notif.cuh)
+# defines the same offsets. Counters are indexed by ``launch_id & counter_mask``; the
+# backend zeroes a launch's pair before launching it, and the dispatcher never has more
+# than ``counter_mask + 1`` instrumented launches in flight.
+#
+#   offset 0    uint32 tail           writer index, advanced with atomicAdd by the device
+#   offset 4    uint32 slot_mask      slots - 1 (slots is a power of two)
+#   offset 8    uint32 counter_mask   counter pairs - 1 (a power of two)
+#   offset 12   uint32 reserved
+#   offset 64   uint64 slots[slots]
+#   then        uint32 counters[counter_pairs][2]   (blocks started, blocks ended)
+NOTIFQ_HEADER_BYTES = 64
+NOTIFQ_TAIL_OFFSET = 0
+NOTIFQ_SLOT_MASK_OFFSET = 4
+NOTIFQ_COUNTER_MASK_OFFSET = 8
+DEFAULT_NOTIFQ_SLOTS = 1 << 16
+DEFAULT_COUNTER_PAIRS = 1 << 12
+
+
+def notifq_region_bytes(slots: int, counter_pairs: int) -> int:
+    return NOTIFQ_HEADER_BYTES + 8 * slots + 8 * counter_pairs
+
+
+def notifq_counters_offset(slots: int) -> int:
+    return NOTIFQ_HEADER_BYTES + 8 * slots
