@@ -1,0 +1,137 @@
+"""``SimDevice``: the device interface on the simulated GPU.
+
+Virtual time (the default) is a deterministic discrete-event clock that the caller
+steps (:meth:`SimDevice.run_until`, :meth:`SimDevice.step`, :meth:`SimDevice.run`);
+tests and experiments use it. Real time (``realtime=True``) follows the wall clock and
+advances whenever the dispatcher calls :meth:`poll`, or on any submission, so the
+daemon can run against it with no thread or process of its own.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from paella import protocol
+from paella.dispatcher.devices.base import (Callback, Device, DeviceError, Dim3, Function,
+                                            ModuleImage)
+from paella.gpus import GpuSpec, preset
+from paella.occupancy import Footprint
+
+from .clock import EventLoop, RealTimeLoop
+from .cost import CostModel
+from .hardware import D2H, H2D, GpuModel, Op
+from .memory import SimMemory
+
+
+class SimDevice(Device):
+    backend = "sim"
+
+    def __init__(self, props: GpuSpec | str = "t4", *, n_streams: int | None = None,
+                 notifq_slots: int = protocol.DEFAULT_NOTIFQ_SLOTS, seed: int = 0,
+                 cost: CostModel | None = None, jitter: float = 0.0, realtime: bool = False,
+                 speed: float = 1.0):
+        spec = preset(props) if isinstance(props, str) else props
+        super().__init__(spec, n_streams or spec.hw_queues, notifq_slots)
+        if jitter < 0:
+            raise ValueError(f"jitter must be >= 0, got {jitter}")
+        self.realtime = realtime
+        self.loop: EventLoop = RealTimeLoop(speed) if realtime else EventLoop()
+        self.cost = cost or CostModel()
+        self.gpu = GpuModel(spec, self.loop, self.cost, len(self.streams), self.notifq, seed, jitter)
+        self.memory = SimMemory()
+
+    @property
+    def resources(self):
+        """Ground truth: the free resources of every SM (``paella.occupancy.SMResources``)."""
+        return self.gpu.res
+
+    # -- clock ----------------------------------------------------------------------
+    def now(self) -> float:
+        return self.loop.wall() if self.realtime else self.loop.now
+
+    def poll(self) -> None:
+        if self.realtime:
+            self.loop.poll()
+
+    def next_event_time(self) -> float:
+        return self.loop.peek()
+
+    def run_until(self, t: float) -> None:
+        self.loop.run_until(t)
+
+    def step(self) -> None:
+        self.loop.step()
+
+    def run(self) -> None:
+        """Run until the device is idle (virtual time jumps; real time sleeps)."""
+        if self.realtime:
+            import time
+            while self.loop.peek() != float("inf"):
+                time.sleep(self.loop.seconds_until_next())
+                self.loop.poll()
+        else:
+            self.loop.run()
+
+    # -- kernels --------------------------------------------------------------------
+    def _load_module(self, image: ModuleImage) -> dict[str, Function]:
+        return {k.name: Function(k) for k in image.kernels}
+
+    def _launch(self, func: Function, grid: Dim3, block: Dim3, fp: Footprint, dyn_smem: int,
+                args: tuple, stream: int, launch_id: int, instrumented: bool, group: int,
+                on_complete: Callback) -> None:
+        self.loop.sync()
+        info = func.info
+        self.gpu.launch(info.name, fp, grid[0] * grid[1] * grid[2], info.flops, info.bytes,
+                        info.duration, stream, launch_id, instrumented, group, on_complete)
+
+    # -- memory ---------------------------------------------------------------------
+    def _alloc(self, nbytes: int) -> int:
+        return self.memory.alloc(nbytes)
+
+    def _free(self, ptr: int) -> None:
+        self.memory.free(ptr)
+
+    def _memcpy_htod(self, dst: int, src: np.ndarray, stream: int, on_complete: Callback) -> None:
+        target = self.memory.view(dst, src.size)      # checks the range now, not at completion
+        self.loop.sync()
+        self.gpu.copy(H2D, stream, src.size, lambda: target.__setitem__(slice(None), src), on_complete)
+
+    def _memcpy_dtoh(self, dst: np.ndarray, src: int, stream: int, on_complete: Callback) -> None:
+        source = self.memory.view(src, dst.size)
+        self.loop.sync()
+        self.gpu.copy(D2H, stream, dst.size, lambda: dst.__setitem__(slice(None), source), on_complete)
+
+    # -- ordering -------------------------------------------------------------------
+    def _record_event(self, stream: int) -> Op:
+        self.loop.sync()
+        return self.gpu.marker(stream)
+
+    def _event_query(self, event: Any) -> bool:
+        if not isinstance(event, Op):
+            raise TypeError(f"not an event of this device: {event!r}")
+        return event.done
+
+    def _stream_query(self, stream: int) -> bool:
+        return not self.gpu.streams[stream]
+
+    def _synchronize(self) -> None:
+        """Wait for all submitted work: virtual time runs the loop until the streams
+        drain; real time sleeps until they do."""
+        loop = self.loop
+        while self.gpu.busy():
+            if loop.peek() == float("inf"):
+                raise DeviceError("synchronize: work is pending but no event can complete it "
+                                  "(simulator bug; please report)")
+            if self.realtime:
+                import time
+                time.sleep(loop.seconds_until_next())
+                loop.poll()
+            else:
+                loop.step()
+
+    # -- statistics -----------------------------------------------------------------
+    def stats(self) -> dict[str, float]:
+        g = self.gpu
+        return {"now": self.loop.now, "resident_blocks": g.resident, "placements": g.placements,
+                "events": g.events, "notifications": g.tail, "mean_resident": g.mean_resident()}

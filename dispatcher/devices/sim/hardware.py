@@ -1,0 +1,355 @@
+"""The simulated GPU's hardware: SMs, hardware queues, the block scheduler, copy engines,
+and the device side of the notifQ.
+
+The rules that produce head-of-line blocking, stated once:
+
+* stream ``s`` feeds hardware queue ``s mod N``; every queue is strictly FIFO;
+* an operation may start only when every earlier operation of its stream has completed;
+* only the head of a queue is considered; a kernel stays the head until all its blocks
+  have been placed, and only then can the operation behind it start;
+* the block scheduler visits the dispatchable heads in launch order and places blocks
+  of each while some SM has room for a whole block (the Occupancy Calculator's
+  granularity, :class:`paella.occupancy.SMResources`), spreading them breadth-first
+  over the SMs, round-robin from where it last stopped;
+* blocks of one kernel placed together on one SM form one *group*: one event starts
+  them and one event ends them (each block lasts the kernel's time over its waves).
+
+Copies go to one H2D and one D2H engine, each FIFO. Instrumented kernels post into the
+notifQ exactly what the device header posts (``paella.protocol.group_posts``'s rule).
+"""
+from __future__ import annotations
+
+import bisect
+import random
+from collections import deque
+from typing import Callable
+
+import numpy as np
+
+from paella import protocol
+from paella.dispatcher.devices.base import NotifQOverrun
+from paella.gpus import GpuSpec
+from paella.occupancy import Footprint, SMResources, limits_per_resource
+
+from .clock import EventLoop
+from .cost import CostModel
+
+KERNEL, H2D, D2H, MARKER = 0, 1, 2, 3
+_PLACE = protocol.PLACEMENT << protocol.KIND_SHIFT
+_DONE = protocol.COMPLETION << protocol.KIND_SHIFT
+
+
+class Op:
+    """Something submitted to a stream: a kernel, a copy, or an event marker."""
+    __slots__ = ("kind", "stream", "seq", "on_complete", "done", "t_submit", "t_done")
+
+    def __init__(self, kind: int, stream: int, on_complete: Callable[[], None] | None):
+        self.kind = kind
+        self.stream = stream
+        self.on_complete = on_complete
+        self.done = False
+        self.seq = 0
+        self.t_submit = self.t_done = 0.0
+
+    def __lt__(self, other: "Op") -> bool:   # launch order, for the active list
+        return self.seq < other.seq
+
+
+class KernelOp(Op):
+    __slots__ = ("name", "fp", "total", "unplaced", "started", "ended", "block_time",
+                 "launch_id", "instrumented", "group", "issued", "blocked", "t_first")
+
+    def __init__(self, stream, on_complete, name, fp, total, block_time, launch_id, instrumented, group):
+        super().__init__(KERNEL, stream, on_complete)
+        self.name = name
+        self.fp = fp
+        self.total = self.unplaced = total
+        self.started = self.ended = 0
+        self.block_time = block_time
+        self.launch_id = launch_id
+        self.instrumented = instrumented
+        self.group = group
+        self.issued = False       # reached the head of its queue, stream-ready
+        self.blocked = False      # True once a scan found no SM with room for it
+        self.t_first = -1.0
+
+
+class CopyOp(Op):
+    __slots__ = ("nbytes", "action")
+
+    def __init__(self, kind, stream, on_complete, nbytes, action):
+        super().__init__(kind, stream, on_complete)
+        self.nbytes = nbytes
+        self.action = action      # moves the bytes when the copy completes
+
+
+class GpuModel:
+    """SMs, queues and engines of one simulated GPU, driven by an event loop."""
+
+    def __init__(self, spec: GpuSpec, loop: EventLoop, cost: CostModel, n_streams: int,
+                 notifq: np.ndarray, seed: int = 0, jitter: float = 0.0):
+        self.spec = spec
+        self.loop = loop
+        self.cost = cost
+        self.res = SMResources(spec)
+        self.n_sm = spec.sm_count
+        self.nq = spec.hw_queues
+        self.queues: list[deque[Op]] = [deque() for _ in range(self.nq)]
+        self.streams: list[deque[Op]] = [deque() for _ in range(n_streams)]
+        self.active: list[KernelOp] = []          # dispatchable queue heads, launch order
+        self.engines = {H2D: deque(), D2H: deque()}
+        self.ring = notifq
+        self.mask = notifq.size - 1
+        self.tail = 0
+        self.rng = random.Random(seed)
+        self.jitter = jitter
+        self._seq = 0
+        self._rr = 0
+        # Every rotation of the SM order, so a full scan allocates nothing.
+        order = list(range(self.n_sm))
+        self._rotations = [order[i:] + order[:i] for i in range(self.n_sm)]
+        self._dirty: list[int] = []               # SMs that gained room since the last pass
+        self._is_dirty = [False] * self.n_sm
+        self._waves_cache: dict[Footprint, int] = {}
+        # Statistics.
+        self.resident = 0
+        self.placements = 0
+        self.events = 0
+        self._resident_area = 0.0
+        self._last_t = 0.0
+
+    # -- submission ---------------------------------------------------------------
+    def launch(self, name: str, fp: Footprint, blocks: int, flops: float, nbytes: float,
+               duration: float | None, stream: int, launch_id: int, instrumented: bool,
+               group: int, on_complete) -> KernelOp:
+        per_wave = self._blocks_per_sm(fp) * self.n_sm
+        waves = -(-blocks // per_wave)
+        block_time = self.cost.kernel_time(self.spec, flops, nbytes, duration) / waves
+        op = KernelOp(stream, on_complete, name, fp, blocks, block_time, launch_id, instrumented, group)
+        self._submit(op)
+        return op
+
+    def copy(self, kind: int, stream: int, nbytes: int, action, on_complete) -> CopyOp:
+        op = CopyOp(kind, stream, on_complete, nbytes, action)
+        self._submit(op)
+        return op
+
+    def marker(self, stream: int) -> Op:
+        op = Op(MARKER, stream, None)
+        self._submit(op)
+        return op
+
+    def _submit(self, op: Op) -> None:
+        self._seq += 1
+        op.seq = self._seq
+        op.t_submit = self.loop.now
+        self.streams[op.stream].append(op)
+        q = op.stream % self.nq
+        self.queues[q].append(op)
+        if len(self.queues[q]) == 1:
+            self._advance(q)
+            self._dispatch()
+
+    def _blocks_per_sm(self, fp: Footprint) -> int:
+        n = self._waves_cache.get(fp)
+        if n is None:
+            n = self._waves_cache[fp] = min(limits_per_resource(self.spec, fp).values())
+        return n
+
+    # -- queues -------------------------------------------------------------------
+    def _advance(self, qi: int) -> None:
+        """Start what the head of queue ``qi`` allows: copies go to their engine, markers
+        complete, a kernel becomes dispatchable. Stops at an op whose stream is busy."""
+        q = self.queues[qi]
+        while q:
+            op = q[0]
+            if self.streams[op.stream][0] is not op:
+                return                      # an earlier op of its stream is still running
+            if op.kind == KERNEL:
+                if not op.issued:
+                    op.issued = True
+                    bisect.insort(self.active, op)
+                return
+            q.popleft()
+            if op.kind == MARKER:
+                self._complete(op)
+            else:
+                engine = self.engines[op.kind]
+                engine.append(op)
+                if len(engine) == 1:
+                    self._start_copy(op)
+
+    def _complete(self, op: Op) -> None:
+        op.done = True
+        op.t_done = self.loop.now
+        head = self.streams[op.stream].popleft()
+        if head is not op:
+            raise AssertionError("stream order violated in the simulator")
+        self._advance(op.stream % self.nq)
+        if op.on_complete is not None:
+            op.on_complete()
+
+    # -- block scheduler ------------------------------------------------------------
+    def _dispatch(self) -> None:
+        """Place blocks of the dispatchable heads, in launch order, while they fit."""
+        active = self.active
+        progressed = True
+        while progressed and active:
+            # A kernel whose last block is placed leaves its queue; the op behind it may
+            # then become dispatchable, so passes repeat until one changes nothing.
+            progressed = False
+            for k in tuple(active):
+                self._place(k)
+                if not k.unplaced:
+                    active.remove(k)
+                    qi = k.stream % self.nq
+                    self.queues[qi].popleft()
+                    self._advance(qi)
+                    progressed = True
+        for s in self._dirty:
+            self._is_dirty[s] = False
+        self._dirty.clear()
+
+    def _place(self, k: KernelOp) -> None:
+        # A kernel that found every SM full last time can only fit where room appeared.
+        cands = self._dirty if k.blocked else self._rotations[self._rr]
+        if not cands:
+            return
+        fp = k.fp
+        fit = self.res.fit
+        need = k.unplaced
+        caps = []
+        got = 0
+        for s in cands:
+            c = fit(s, fp)
+            if c:
+                caps.append((s, c))
+                got += c
+                if len(caps) >= need:
+                    break           # one block per SM already covers what is left
+        if not caps:
+            k.blocked = True
+            return
+        if len(caps) >= need:
+            caps = [(s, 1) for s, _ in caps]       # breadth-first: one block per SM
+        elif got > need:
+            caps = _water_fill(caps, need)
+        for s, n in caps:
+            self._start_blocks(k, s, n)
+        self._rr = (caps[-1][0] + 1) % self.n_sm
+        k.blocked = k.unplaced > 0
+
+    def _start_blocks(self, k: KernelOp, s: int, n: int) -> None:
+        now = self.loop.now
+        split = self.res.take(s, k.fp, n)
+        self._account(now, n)
+        self.placements += n
+        k.unplaced -= n
+        c0 = k.started
+        k.started = c0 + n
+        if c0 == 0:
+            k.t_first = now
+        if k.instrumented:
+            self._post(_PLACE, s, c0, n, k)
+        d = k.block_time
+        if self.jitter:
+            d *= self.rng.lognormvariate(0.0, self.jitter)
+        self.loop.at(now + d, self._blocks_done, (k, s, n, split))
+
+    def _blocks_done(self, group: tuple) -> None:
+        k, s, n, split = group
+        self.events += 1
+        self.res.give(s, k.fp, n, split)
+        self._account(self.loop.now, -n)
+        if not self._is_dirty[s]:
+            self._is_dirty[s] = True
+            self._dirty.append(s)
+        c0 = k.ended
+        k.ended = c0 + n
+        if k.instrumented:
+            self._post(_DONE, s, c0, n, k)
+        if k.ended == k.total:
+            self._complete(k)
+        self._dispatch()
+
+    # -- copy engines ---------------------------------------------------------------
+    def _start_copy(self, op: CopyOp) -> None:
+        self.loop.at(self.loop.now + self.cost.copy_time(self.spec, op.nbytes), self._copy_done, op)
+
+    def _copy_done(self, op: CopyOp) -> None:
+        self.events += 1
+        engine = self.engines[op.kind]
+        engine.popleft()
+        if op.action is not None:
+            op.action()
+        if engine:
+            self._start_copy(engine[0])
+        self._complete(op)
+        self._dispatch()
+
+    # -- notifQ ---------------------------------------------------------------------
+    def _post(self, kind_bits: int, sm: int, c0: int, n: int, k: KernelOp) -> None:
+        """Write the entries the device header would write for blocks c0+1..c0+n."""
+        g = k.group
+        total = k.total
+        end = c0 + n
+        base = kind_bits | (sm << protocol.SM_SHIFT) | k.launch_id
+        nxt = (c0 // g + 1) * g
+        while nxt <= end:
+            self._write(base | (g << protocol.COUNT_SHIFT))
+            nxt += g
+        if end == total and total % g:
+            self._write(base | ((total % g) << protocol.COUNT_SHIFT))
+
+    def _write(self, word: int) -> None:
+        slot = self.tail & self.mask
+        if self.ring[slot]:
+            raise NotifQOverrun(
+                f"notifQ overrun at slot {slot} (entry {self.tail}): the reader has not consumed "
+                f"it; the dispatcher must bound outstanding blocks to fewer than "
+                f"{self.mask + 1} ring slots' worth of notifications")
+        self.ring[slot] = word
+        self.tail += 1
+
+    # -- statistics -----------------------------------------------------------------
+    def _account(self, now: float, delta: int) -> None:
+        self._resident_area += self.resident * (now - self._last_t)
+        self._last_t = now
+        self.resident += delta
+
+    def mean_resident(self, since_area: float = 0.0, since_t: float = 0.0) -> float:
+        """Time-averaged resident blocks since (area, time) snapshot, up to now."""
+        now = self.loop.now
+        area = self._resident_area + self.resident * (now - self._last_t)
+        return (area - since_area) / (now - since_t) if now > since_t else float(self.resident)
+
+    def area_snapshot(self) -> tuple[float, float]:
+        now = self.loop.now
+        return self._resident_area + self.resident * (now - self._last_t), now
+
+    def busy(self) -> bool:
+        return any(self.streams)
+
+
+def _water_fill(caps: list[tuple[int, int]], need: int) -> list[tuple[int, int]]:
+    """Breadth-first share of ``need`` blocks over SMs with capacities ``caps``: every SM
+    gets a block before any gets a second, as the hardware spreads a grid."""
+    level = 0
+    placed = 0
+    while True:
+        nxt = sum(c if c < level + 1 else level + 1 for _, c in caps)
+        if nxt > need:
+            break
+        level += 1
+        placed = nxt
+    extra = need - placed
+    out = []
+    for s, c in caps:
+        n = c if c < level else level
+        if extra and c > level:
+            n += 1
+            extra -= 1
+        if n:
+            out.append((s, n))
+    return out
+

@@ -1,0 +1,52 @@
+"""Device memory for the simulator: address ranges backed by lazily-zeroed numpy arrays.
+
+Backing the memory lets copies round-trip real bytes (H2D then D2H returns what was
+sent), which tests and the functional mode rely on. ``np.zeros`` is calloc-backed, so
+large parameter buffers cost nothing until touched.
+"""
+from __future__ import annotations
+
+import bisect
+
+import numpy as np
+
+from paella.dispatcher.devices.base import DeviceError
+
+ALIGN = 256
+BASE = 0x7000_0000_0000
+
+
+class SimMemory:
+    def __init__(self) -> None:
+        self._next = BASE
+        self._bases: list[int] = []
+        self._arrays: dict[int, np.ndarray] = {}
+
+    def alloc(self, nbytes: int) -> int:
+        ptr = self._next
+        self._next += -(-nbytes // ALIGN) * ALIGN + ALIGN   # a guard gap between buffers
+        bisect.insort(self._bases, ptr)
+        self._arrays[ptr] = np.zeros(nbytes, dtype=np.uint8)
+        return ptr
+
+    def free(self, ptr: int) -> None:
+        if ptr not in self._arrays:
+            raise DeviceError(f"free of {ptr:#x}: not the start of a live allocation")
+        del self._arrays[ptr]
+        self._bases.remove(ptr)
+
+    def view(self, ptr: int, nbytes: int) -> np.ndarray:
+        """The bytes ``[ptr, ptr+nbytes)``; raises if they leave one allocation."""
+        i = bisect.bisect_right(self._bases, ptr) - 1
+        if i >= 0:
+            base = self._bases[i]
+            arr = self._arrays[base]
+            off = ptr - base
+            if off + nbytes <= arr.size:
+                return arr[off:off + nbytes]
+        raise DeviceError(f"device range [{ptr:#x}, +{nbytes}) is outside every allocation; "
+                          f"check the buffer sizes in the launch plan")
+
+    @property
+    def allocated(self) -> int:
+        return sum(a.size for a in self._arrays.values())
