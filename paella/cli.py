@@ -36,6 +36,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def _occupancy(args: argparse.Namespace) -> int:
     from paella.gpus import preset
+    from paella.occupancy import UNLIMITED
     from paella.occupancy import OccupancyError, occupancy
     try:
         spec = preset(args.gpu)
@@ -45,7 +46,8 @@ def _occupancy(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps({"gpu": spec.name, "threads": args.threads, "regs": args.regs,
                           "smem": args.smem, "blocks_per_sm": occ.blocks_per_sm, "limit": occ.limit,
-                          "binding": list(occ.binding), "per_limit": occ.per_limit,
+                          "binding": list(occ.binding),
+                          "per_limit": {k: (v if v < UNLIMITED else None) for k, v in occ.per_limit.items()},
                           "active_warps": occ.active_warps, "max_warps": occ.max_warps,
                           "occupancy": occ.fraction}))
     else:
@@ -54,7 +56,7 @@ def _occupancy(args: argparse.Namespace) -> int:
         print(f"resident blocks per SM: {occ.blocks_per_sm}")
         print(f"binding limit:          {', '.join(occ.binding)}")
         for k, v in occ.per_limit.items():
-            print(f"  {k:<14} allows {v if v < (1 << 30) else 'unlimited'}")
+            print(f"  {k:<14} allows {v if v < UNLIMITED else 'unlimited'}")
         print(f"occupancy:              {occ.active_warps}/{occ.max_warps} warps ({occ.fraction:.0%})")
     return 0
 

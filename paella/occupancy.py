@@ -24,7 +24,7 @@ from paella.gpus import GpuSpec
 
 REG_ALLOC_UNIT = 256
 LIMITS = ("blocks", "warps", "registers", "shared_memory")
-_UNLIMITED = 1 << 30
+UNLIMITED = 1 << 30           # "no limit from this resource"
 
 
 class OccupancyError(ValueError):
@@ -98,8 +98,9 @@ def footprint(spec: GpuSpec, threads: int, regs_per_thread: int, smem: int = 0) 
     if spec.major >= 8:
         limit += spec.reserved_smem_per_block
     if smem_alloc > limit or smem_alloc > spec.smem_per_sm:
-        raise OccupancyError(f"{smem} bytes of shared memory per block exceeds the {spec.name} "
-                             f"per-block limit of {spec.smem_per_block_optin} bytes")
+        raise OccupancyError(f"{smem} bytes of shared memory per block (allocated: {smem_alloc}) "
+                             f"exceeds the {spec.name} per-block limit of {limit} bytes; use less "
+                             f"shared memory per block")
     return Footprint(threads, warps, regs_per_thread, rpw, smem_alloc)
 
 
@@ -123,12 +124,12 @@ def limits_per_resource(spec: GpuSpec, fp: Footprint) -> dict[str, int]:
         reg_warps = (spec.regs_per_sm // parts // fp.regs_per_warp) * parts
         reg_blocks = reg_warps // fp.warps
     else:
-        reg_blocks = _UNLIMITED
+        reg_blocks = UNLIMITED
     return {
         "blocks": spec.max_blocks_per_sm,
         "warps": spec.max_warps_per_sm // fp.warps,
         "registers": reg_blocks,
-        "shared_memory": spec.smem_per_sm // fp.smem if fp.smem else _UNLIMITED,
+        "shared_memory": spec.smem_per_sm // fp.smem if fp.smem else UNLIMITED,
     }
 
 
@@ -183,33 +184,37 @@ class SMResources:
                 n = r
         return n
 
-    def take(self, sm: int, fp: Footprint, n: int) -> tuple[int, ...]:
+    def take(self, sm: int, fp: Footprint, n: int) -> tuple:
         """Allocate ``n`` blocks on ``sm``; returns the per-sub-partition warp split,
-        which :meth:`give` needs to free the registers again."""
+        which :meth:`give` needs to free the registers again. Call :meth:`fit` first:
+        a request that does not fit raises before anything changes."""
+        if self.blocks[sm] < n or self.warps[sm] < n * fp.warps or self.smem[sm] < n * fp.smem:
+            raise AssertionError("take() called for blocks that do not fit; call fit() first")
+        split = ()
+        rpw = fp.regs_per_warp
+        if rpw:
+            need = n * fp.warps
+            base = sm * self.parts
+            regs = self.regs
+            parts = []
+            # Fill the sub-partition with the most free registers first, so that mixed
+            # kernels pack the way the per-partition rule allows.
+            for p in sorted(range(base, base + self.parts), key=regs.__getitem__, reverse=True):
+                k = min(regs[p] // rpw, need)
+                if k:
+                    parts.append((p, k))
+                    need -= k
+                    if not need:
+                        break
+            if need:
+                raise AssertionError("take() called for blocks that do not fit; call fit() first")
+            for p, k in parts:
+                regs[p] -= k * rpw
+            split = tuple(parts)
         self.blocks[sm] -= n
         self.warps[sm] -= n * fp.warps
         self.smem[sm] -= n * fp.smem
-        rpw = fp.regs_per_warp
-        if not rpw:
-            return ()
-        need = n * fp.warps
-        base = sm * self.parts
-        split = []
-        # Fill the sub-partition with the most free registers first, so that mixed
-        # kernels pack the way the per-partition rule allows.
-        order = sorted(range(base, base + self.parts), key=self.regs.__getitem__, reverse=True)
-        for p in order:
-            k = self.regs[p] // rpw
-            if k > need:
-                k = need
-            self.regs[p] -= k * rpw
-            split.append((p, k))
-            need -= k
-            if not need:
-                break
-        if need:
-            raise AssertionError("take() called for blocks that do not fit; call fit() first")
-        return tuple(split)
+        return split
 
     def give(self, sm: int, fp: Footprint, n: int, split: tuple) -> None:
         self.blocks[sm] += n

@@ -1,0 +1,201 @@
+"""Control-socket messages between a client and the daemon: encode and decode in one place.
+
+The control channel is a Unix stream socket. It carries the handshake (the segment's
+name and layout, plus its file descriptor through SCM_RIGHTS), the model list, the
+"almost finished" wake-ups and errors. Request data never crosses it: that lives in
+the shared-memory segment (``paella.rings``).
+
+Every message is a frame: an 8-byte header ``<HHI`` (type, flags = 0, payload length)
+then the payload. Control payloads are UTF-8 JSON objects; the two hot messages (WAKE,
+DONE) carry one little-endian uint64 request id and are packed with a precompiled
+``struct`` so sending one allocates almost nothing.
+
+    type  name         direction  payload
+    1     HELLO        c -> d     {"version", "mode": hybrid|polling|socket}
+    2     WELCOME      d -> c     {"client_id", "segment", "layout", "models"} + fd
+    3     LIST_MODELS  c -> d     {}
+    4     MODELS       d -> c     {"models": [model descriptions]}
+    5     WAKE         d -> c     req_id: the job is almost finished (hybrid mode)
+    6     DONE         d -> c     req_id: the completion is on the ring (socket mode)
+    7     ERROR        d -> c     {"error": code name, "message": text}
+    8     KICK         c -> d     {} or empty: "I pushed onto a ring while you slept"
+"""
+from __future__ import annotations
+
+import json
+import struct
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+PROTOCOL_VERSION = 1
+
+HELLO, WELCOME, LIST_MODELS, MODELS, WAKE, DONE, ERROR, KICK = range(1, 9)
+NAMES = {HELLO: "HELLO", WELCOME: "WELCOME", LIST_MODELS: "LIST_MODELS", MODELS: "MODELS",
+         WAKE: "WAKE", DONE: "DONE", ERROR: "ERROR", KICK: "KICK"}
+JSON_TYPES = frozenset({HELLO, WELCOME, LIST_MODELS, MODELS, ERROR})
+ID_TYPES = frozenset({WAKE, DONE})
+
+#: Client wait modes (HELLO "mode"): which notification the daemon sends per request.
+MODES = ("hybrid", "polling", "socket")
+
+HEADER = struct.Struct("<HHI")
+ID_FRAME = struct.Struct("<HHIQ")
+MAX_PAYLOAD = 1 << 20
+
+KICK_FRAME = HEADER.pack(KICK, 0, 0)
+
+
+class WireError(ValueError):
+    """A malformed frame or message. ``code`` is a short machine-readable name."""
+
+    def __init__(self, code: str, message: str):
+        super().__init__(message)
+        self.code = code
+
+
+def encode(kind: int, payload: dict[str, Any] | None = None) -> bytes:
+    """One JSON-carrying frame."""
+    if kind not in JSON_TYPES and kind != KICK:
+        raise ValueError(f"message type {kind} does not carry JSON")
+    body = b"" if payload is None else json.dumps(payload, separators=(",", ":")).encode()
+    if len(body) > MAX_PAYLOAD:
+        raise WireError("too_large", f"{NAMES[kind]} payload of {len(body)} bytes exceeds "
+                                     f"{MAX_PAYLOAD}")
+    return HEADER.pack(kind, 0, len(body)) + body
+
+
+def encode_id(kind: int, req_id: int) -> bytes:
+    """A WAKE or DONE frame (hot path)."""
+    return ID_FRAME.pack(kind, 0, 8, req_id)
+
+
+def error(code: str, message: str) -> bytes:
+    return encode(ERROR, {"error": code, "message": message})
+
+
+def decode_payload(kind: int, body: bytes) -> Any:
+    """The payload of one frame: a dict for JSON frames, an int for WAKE/DONE."""
+    if kind in ID_TYPES:
+        if len(body) != 8:
+            raise WireError("bad_length", f"{NAMES[kind]} payload must be 8 bytes, got {len(body)}")
+        return int.from_bytes(body, "little")
+    if not body:
+        return {}
+    try:
+        obj = json.loads(body.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise WireError("bad_json", f"{NAMES.get(kind, kind)} payload is not UTF-8 JSON: {e}") from None
+    if not isinstance(obj, dict):
+        raise WireError("bad_json", f"{NAMES.get(kind, kind)} payload must be a JSON object, "
+                                    f"got {type(obj).__name__}")
+    return obj
+
+
+class FrameReader:
+    """Reassembles frames from a byte stream. Framing errors cannot be resynchronised,
+    so :meth:`feed` raises :class:`WireError` and the caller closes the connection."""
+
+    def __init__(self, max_payload: int = MAX_PAYLOAD):
+        self.buf = bytearray()
+        self.max_payload = max_payload
+
+    def feed(self, data: bytes) -> list[tuple[int, Any]]:
+        """Append bytes; return the complete frames as (type, decoded payload).
+        Callers that need per-frame error handling use :meth:`next_raw` instead."""
+        self.buf += data
+        out = []
+        while True:
+            raw = self.next_raw()
+            if raw is None:
+                return out
+            out.append((raw[0], decode_payload(raw[0], raw[1])))
+
+    def next_raw(self) -> tuple[int, bytes] | None:
+        """Pop one complete frame as (type, payload bytes), or None if incomplete."""
+        if len(self.buf) < HEADER.size:
+            return None
+        kind, flags, n = HEADER.unpack_from(self.buf)
+        if kind not in NAMES:
+            raise WireError("unknown_type", f"unknown message type {kind}")
+        if flags:
+            raise WireError("bad_flags", f"{NAMES[kind]} frame has reserved flags {flags:#x} set")
+        if n > self.max_payload:
+            raise WireError("too_large", f"{NAMES[kind]} frame announces {n} bytes "
+                                         f"(limit {self.max_payload})")
+        end = HEADER.size + n
+        if len(self.buf) < end:
+            return None
+        body = bytes(self.buf[HEADER.size:end])
+        del self.buf[:end]
+        return kind, body
+
+
+# --- model descriptions (MODELS and WELCOME payloads) ---------------------------------
+@dataclass(frozen=True)
+class TensorInfo:
+    """One tensor of a model variant, at a byte offset in the request's io region."""
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    offset: int
+
+    @property
+    def nbytes(self) -> int:
+        n = np.dtype(self.dtype).itemsize
+        for d in self.shape:
+            n *= d
+        return n
+
+    def to_dict(self) -> dict:
+        return {"name": self.name, "shape": list(self.shape), "dtype": self.dtype,
+                "offset": self.offset}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "TensorInfo":
+        return cls(str(d["name"]), tuple(int(x) for x in d["shape"]), str(d["dtype"]),
+                   int(d["offset"]))
+
+
+@dataclass(frozen=True)
+class VariantInfo:
+    """One compiled variant; a request selects it with ``options & VARIANT_MASK``."""
+    io_bytes: int
+    inputs: tuple[TensorInfo, ...]
+    outputs: tuple[TensorInfo, ...]
+
+    def to_dict(self) -> dict:
+        return {"io_bytes": self.io_bytes, "inputs": [t.to_dict() for t in self.inputs],
+                "outputs": [t.to_dict() for t in self.outputs]}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "VariantInfo":
+        return cls(int(d["io_bytes"]), tuple(TensorInfo.from_dict(t) for t in d["inputs"]),
+                   tuple(TensorInfo.from_dict(t) for t in d["outputs"]))
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What a client needs to know about a served model."""
+    model_id: int
+    name: str
+    variants: tuple[VariantInfo, ...]
+
+    def to_dict(self) -> dict:
+        return {"id": self.model_id, "name": self.name,
+                "variants": [v.to_dict() for v in self.variants]}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "ModelInfo":
+        try:
+            return cls(int(d["id"]), str(d["name"]),
+                       tuple(VariantInfo.from_dict(v) for v in d["variants"]))
+        except (KeyError, TypeError, ValueError) as e:
+            raise WireError("bad_model", f"malformed model description {d!r}: {e}") from None
+
+
+#: Request options: the low 16 bits select the model variant; the rest are reserved
+#: and must be 0 (the daemon rejects unknown bits rather than ignoring them).
+VARIANT_MASK = 0xFFFF
+KNOWN_OPTIONS = VARIANT_MASK
