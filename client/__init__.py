@@ -1,0 +1,40 @@
+"""The Paella client library: ``connect``, ``predict``, ``read_result``, ``infer``.
+
+``paella.client.predict`` and ``paella.client.read_result`` use a default connection
+made on first use (socket from ``$PAELLA_SOCKET``, else ``/run/paella/paella.sock``).
+"""
+from __future__ import annotations
+
+import threading
+
+from paella.client.client import NONBLOCK, Client, connect, default_socket
+from paella.client.errors import (ArenaFull, DaemonError, DaemonGone, DaemonUnavailable,
+                                  NothingInFlight, PaellaError, RequestFailed, RingFull,
+                                  UnknownModel)
+
+_default: Client | None = None
+_default_lock = threading.Lock()
+
+
+def default_client() -> Client:
+    """The module-level connection, made on first use (thread-safe)."""
+    global _default
+    with _default_lock:
+        if _default is None or _default.closed:
+            _default = connect()
+        return _default
+
+
+def predict(model: str | int, length: int, io_offset: int, options: int = 0) -> int:
+    """§5.1 ``paella.predict`` on the default connection."""
+    return default_client().predict(model, length, io_offset, options)
+
+
+def read_result(options: int = 0) -> int:
+    """§5.3 ``paella.readResult`` on the default connection."""
+    return default_client().read_result(options)
+
+
+__all__ = ["Client", "connect", "default_socket", "default_client", "predict", "read_result",
+           "NONBLOCK", "PaellaError", "DaemonUnavailable", "DaemonGone", "DaemonError",
+           "UnknownModel", "NothingInFlight", "RingFull", "ArenaFull", "RequestFailed"]

@@ -16,6 +16,7 @@ import sys
 COMMANDS = [
     "paella.cli",                      # occupancy
     "paella.experiments.cli",          # experiment ...
+    "paella.dispatcher.daemon",
 ]
 
 

@@ -1,0 +1,399 @@
+"""A connection to the Paella daemon: predict / read_result (§5.1, §5.3) and infer.
+
+Requests go through shared memory: the inputs are written into the client's arena,
+one entry {req_id, model_id, offset, length, options} is pushed on the request ring,
+and the outputs appear in the same arena when the completion shows up on the
+completion ring. The Unix socket only carries the handshake, the model list and, in
+the default *hybrid* mode, an "almost finished" wake-up per request: a blocking
+``read_result`` sleeps in ``recv`` until a wake-up arrives, then polls the ring for
+the few microseconds the job's last operation takes.
+
+Wait modes (chosen at connect time, the daemon sends notifications accordingly):
+
+* ``hybrid``  (default) sleep on the socket until WAKE, then poll the ring;
+* ``polling`` spin on the completion ring (lowest latency, burns a core per client);
+* ``socket``  sleep on the socket until DONE, sent after the completion is pushed.
+
+Threads: a :class:`Client` may be shared by threads. Submission (predict, the request
+ring) and reception (read_result, the completion ring, the socket) have one lock each,
+so a thread can predict while another blocks in read_result. ``read_result`` returns
+whichever request completed first, whoever submitted it; :meth:`Client.infer` and
+:meth:`Client.wait` wait for one request id and keep the others for later readers.
+Reception is serialized, so a thread waiting on a long job delays another thread's
+wait for a short one: for the lowest latency, give each thread its own client.
+"""
+from __future__ import annotations
+
+import errno
+import mmap
+import os
+import socket
+import threading
+import time
+from typing import Mapping
+
+import numpy as np
+
+from paella import rings, wire
+from paella.client.arena import ArenaAllocator
+from paella.client.errors import (DaemonError, DaemonGone, DaemonUnavailable, NothingInFlight,
+                                  PaellaError, RequestFailed, RingFull, UnknownModel)
+
+#: read_result option: return -errno.EAGAIN instead of waiting.
+NONBLOCK = 1
+
+DEFAULT_SOCKET = "/run/paella/paella.sock"
+
+#: Spins between two looks at the socket while polling, so a dead daemon is noticed.
+_SPINS_PER_CHECK = 2048
+
+
+def default_socket() -> str:
+    """``$PAELLA_SOCKET`` if set, else the systemd unit's socket path."""
+    return os.environ.get("PAELLA_SOCKET", DEFAULT_SOCKET)
+
+
+def connect(socket: str | None = None, mode: str = "hybrid", arena_bytes: int | None = None,
+            timeout: float = 5.0) -> "Client":
+    """Connect to the daemon at ``socket`` (default: :func:`default_socket`)."""
+    return Client(socket or default_socket(), mode, arena_bytes, timeout)
+
+
+class Client:
+    """One connection: a control socket plus a mapped segment (rings and arena)."""
+
+    def __init__(self, path: str, mode: str = "hybrid", arena_bytes: int | None = None,
+                 timeout: float = 5.0):
+        if mode not in wire.MODES:
+            raise ValueError(f"mode must be one of {wire.MODES}, got {mode!r}")
+        self.path = path
+        self.mode = mode
+        self._reader = wire.FrameReader()
+        self._sock = self._dial(path, timeout)
+        try:
+            welcome, fd = self._handshake(mode, arena_bytes, timeout)
+        except BaseException:
+            self._sock.close()
+            raise
+        self.client_id: int = welcome["client_id"]
+        self.segment_name: str = welcome["segment"]
+        layout = rings.Layout.from_dict(welcome["layout"])
+        try:
+            self._mm = mmap.mmap(fd, layout.total_bytes)
+        finally:
+            os.close(fd)
+        self._seg = rings.Segment(self._mm, layout)
+        self._seg.check_header()
+        self._requests = rings.RequestProducer(self._seg)
+        self._completions = rings.CompletionConsumer(self._seg)
+        #: The shared-memory arena (uint8). Zero-copy users place inputs here themselves,
+        #: with offsets from :meth:`alloc`, and pass them to :meth:`predict`.
+        self.arena: np.ndarray = self._seg.arena
+        self._alloc = ArenaAllocator(layout.arena_bytes)
+        self.models: dict[str, wire.ModelInfo] = {}
+        self._set_models(welcome["models"])
+        self._submit_lock = threading.Lock()
+        self._recv_lock = threading.Lock()
+        self._send_lock = threading.Lock()
+        self._next_id = 1
+        self._submitted = 0       # under _submit_lock
+        self._completed = 0       # under _recv_lock
+        self._notified = 0        # WAKE/DONE frames received, under _recv_lock
+        self._stash: dict[int, tuple[int, str]] = {}   # read by wait(), not yet returned
+        self._replies: list[tuple[int, object]] = []
+        self._sock.settimeout(None)
+        self.closed = False
+
+    # -- connection ------------------------------------------------------------------
+    @staticmethod
+    def _dial(path: str, timeout: float) -> socket.socket:
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.settimeout(timeout)
+        try:
+            s.connect(path)
+        except (FileNotFoundError, ConnectionRefusedError) as e:
+            s.close()
+            raise DaemonUnavailable(f"no paella daemon listens on {path} ({e.strerror}); "
+                                    f"start one with `paella serve` or set PAELLA_SOCKET") from None
+        except OSError as e:
+            s.close()
+            raise DaemonUnavailable(f"cannot connect to {path}: {e}") from None
+        return s
+
+    def _handshake(self, mode: str, arena_bytes: int | None, timeout: float) -> tuple[dict, int]:
+        hello: dict = {"version": wire.PROTOCOL_VERSION, "mode": mode}
+        if arena_bytes is not None:
+            hello["arena_bytes"] = int(arena_bytes)
+        self._sock.sendall(wire.encode(wire.HELLO, hello))
+        fds: list[int] = []
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                data, got, _, _ = socket.recv_fds(self._sock, 1 << 16, 1)
+            except socket.timeout:
+                raise DaemonUnavailable(f"the daemon at {self.path} did not answer HELLO "
+                                        f"within {timeout} s") from None
+            fds += got
+            if not data:
+                raise DaemonUnavailable(f"the daemon at {self.path} closed the connection "
+                                        f"during the handshake")
+            for kind, msg in self._reader.feed(data):
+                if kind == wire.ERROR:
+                    for fd in fds:
+                        os.close(fd)
+                    raise DaemonUnavailable(f"the daemon refused the connection: "
+                                            f"{msg.get('error')}: {msg.get('message')}")
+                if kind == wire.WELCOME:
+                    if len(fds) != 1:
+                        raise DaemonUnavailable(f"WELCOME carried {len(fds)} descriptors, "
+                                                f"expected the segment's one")
+                    return msg, fds[0]
+            if time.monotonic() > deadline:
+                raise DaemonUnavailable(f"no WELCOME from {self.path} within {timeout} s")
+
+    def close(self) -> None:
+        """Close the socket (the daemon unlinks the segment) and unmap the arena."""
+        if self.closed:
+            return
+        self.closed = True
+        self._sock.close()
+        self._seg.release()
+        self.arena = None   # type: ignore[assignment]
+        self._requests = self._completions = None   # type: ignore[assignment]
+        try:
+            self._mm.close()
+        except BufferError:
+            pass  # the caller still holds a view into the arena; GC unmaps it later
+
+    def __enter__(self) -> "Client":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # -- models ------------------------------------------------------------------------
+    def _set_models(self, descs: list) -> None:
+        self.models = {m.name: m for m in (wire.ModelInfo.from_dict(d) for d in descs)}
+        self._ids = {m.model_id for m in self.models.values()}
+
+    def model(self, model: str | int) -> wire.ModelInfo:
+        if isinstance(model, str):
+            m = self.models.get(model)
+        else:
+            m = next((x for x in self.models.values() if x.model_id == model), None)
+        if m is None:
+            raise UnknownModel(f"the daemon serves no model {model!r}; it serves "
+                               f"{sorted(self.models) or 'none'}")
+        return m
+
+    def list_models(self) -> dict[str, wire.ModelInfo]:
+        """Ask the daemon again (it reloads its repository on SIGHUP)."""
+        self._send(wire.encode(wire.LIST_MODELS))
+        with self._recv_lock:
+            kind, msg = self._await_reply()
+        if kind == wire.ERROR:
+            raise DaemonError(msg.get("error", "?"), msg.get("message", ""))   # type: ignore[union-attr]
+        self._set_models(msg["models"])   # type: ignore[index]
+        return self.models
+
+    # -- §5.1: predict ---------------------------------------------------------------------
+    def predict(self, model: str | int, length: int, io_offset: int, options: int = 0) -> int:
+        """Submit a request whose io region is ``arena[io_offset:io_offset+length]``.
+
+        Returns its request id. The daemon validates every field; a bad request still
+        gets an id, and its read_result raises :class:`RequestFailed` with the reason.
+        """
+        if isinstance(model, str):
+            m = self.models.get(model)
+            if m is None:
+                self.model(model)   # raises UnknownModel with the list
+            model_id = m.model_id   # type: ignore[union-attr]
+        else:
+            model_id = model
+        if not (0 <= model_id <= rings.U32 and 0 <= length <= rings.U64
+                and 0 <= io_offset <= rings.U64 and 0 <= options <= rings.U32):
+            raise ValueError(f"predict fields out of range: model {model_id}, length {length}, "
+                             f"offset {io_offset}, options {options}")
+        with self._submit_lock:
+            req_id = self._next_id
+            # Counted before the push, so a reader never sees more completions than
+            # submissions (it would otherwise wait on a request it already got).
+            self._submitted += 1
+            if not self._requests.push(req_id, model_id, io_offset, length, options):
+                try:
+                    self._wait_for_room(req_id, model_id, io_offset, length, options)
+                except PaellaError:
+                    self._submitted -= 1
+                    raise
+            self._next_id += 1
+            if self._requests.daemon_sleeping():
+                self._send(wire.KICK_FRAME)
+        return req_id
+
+    def _wait_for_room(self, *entry: int) -> None:
+        deadline = time.monotonic() + 2.0
+        while not self._requests.push(*entry):
+            if self._requests.daemon_sleeping():
+                self._send(wire.KICK_FRAME)
+            if time.monotonic() > deadline:
+                raise RingFull(f"the request ring ({self._seg.layout.req_slots} slots) stayed "
+                               f"full for 2 s; read results so the daemon can take more")
+            time.sleep(0.0001)
+
+    # -- §5.3: read_result -----------------------------------------------------------------
+    def read_result(self, options: int = 0) -> int:
+        """Id of the first completed request.
+
+        Raises :class:`RequestFailed` (with the daemon's reason) when that request
+        failed, and :class:`NothingInFlight` when no request is outstanding. With
+        ``NONBLOCK`` returns ``-errno.EAGAIN`` when nothing is ready yet.
+        """
+        with self._recv_lock:
+            if self._stash:
+                req_id = next(iter(self._stash))
+                return self._result(req_id, *self._stash.pop(req_id))
+            got = self._next_completion(bool(options & NONBLOCK))
+            if got is None:
+                return -errno.EAGAIN
+            return self._result(*got)
+
+    def wait(self, req_id: int) -> None:
+        """Wait for one request; raises RequestFailed if it failed."""
+        with self._recv_lock:
+            while req_id not in self._stash:
+                got = self._next_completion(False)
+                self._stash[got[0]] = got[1:]   # type: ignore[index]
+            self._result(req_id, *self._stash.pop(req_id))
+
+    @staticmethod
+    def _result(req_id: int, status: int, reason: str) -> int:
+        if status:
+            raise RequestFailed(req_id, status, reason)
+        return req_id
+
+    def _next_completion(self, nonblock: bool) -> tuple[int, int, str] | None:
+        """Pop one completion, waiting according to the mode. Caller holds _recv_lock."""
+        pop = self._completions.pop
+        spins = 0
+        while True:
+            got = pop()
+            if got is not None:
+                self._completed += 1
+                return got
+            if nonblock:
+                self._pump(block=False)   # consume wake-ups, notice a dead daemon
+                got = pop()
+                if got is not None:
+                    self._completed += 1
+                    return got
+                return None
+            if self._submitted == self._completed:
+                raise NothingInFlight("read_result: no request is in flight")
+            if self.mode == "polling" or self._notified > self._completed:
+                spins += 1           # the completion is on its way: poll shared memory
+                if spins % _SPINS_PER_CHECK == 0:
+                    self._pump(block=False)
+            else:
+                self._pump(block=True)   # hybrid/socket: sleep until the daemon speaks
+
+    def _pump(self, block: bool) -> None:
+        """Read what the socket holds (waiting for at least one frame if ``block``)."""
+        try:
+            data = self._sock.recv(65536) if block else self._sock.recv(65536, socket.MSG_DONTWAIT)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError as e:
+            raise DaemonGone(f"lost the daemon at {self.path}: {e}") from None
+        if not data:
+            raise DaemonGone(f"the daemon at {self.path} closed the connection "
+                             f"({self._submitted - self._completed} requests were in flight)")
+        try:
+            frames = self._reader.feed(data)
+        except wire.WireError as e:
+            raise DaemonGone(f"the daemon sent a malformed frame: {e}") from None
+        for kind, msg in frames:
+            if kind in (wire.WAKE, wire.DONE):
+                self._notified += 1
+            elif kind == wire.ERROR:
+                self._replies.append((kind, msg))
+            elif kind == wire.MODELS:
+                self._replies.append((kind, msg))
+            else:
+                raise DaemonGone(f"the daemon sent an unexpected {wire.NAMES[kind]}")
+        if self._replies and not self._awaiting:
+            kind, msg = self._replies.pop(0)
+            raise DaemonError(msg.get("error", "?"), msg.get("message", ""))   # type: ignore[union-attr]
+
+    _awaiting = False
+
+    def _await_reply(self) -> tuple[int, object]:
+        self._awaiting = True
+        try:
+            while not self._replies:
+                self._pump(block=True)
+            return self._replies.pop(0)
+        finally:
+            self._awaiting = False
+
+    def _send(self, frame: bytes) -> None:
+        with self._send_lock:
+            try:
+                self._sock.sendall(frame)
+            except OSError as e:
+                raise DaemonGone(f"lost the daemon at {self.path}: {e}") from None
+
+    # -- convenience -------------------------------------------------------------------
+    def alloc(self, nbytes: int) -> int:
+        """Reserve an io region in the arena (zero-copy use); free it with :meth:`free`."""
+        return self._alloc.alloc(nbytes)
+
+    def free(self, offset: int) -> None:
+        self._alloc.free(offset)
+
+    def io_views(self, model: str | int, offset: int, variant: int = 0
+                 ) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+        """numpy views of a variant's inputs and outputs in the region at ``offset``."""
+        v = self.model(model).variants[variant]
+        def view(t: wire.TensorInfo) -> np.ndarray:
+            start = offset + t.offset
+            return self.arena[start:start + t.nbytes].view(t.dtype).reshape(t.shape)
+        return {t.name: view(t) for t in v.inputs}, {t.name: view(t) for t in v.outputs}
+
+    def infer(self, model: str | int, inputs: Mapping[str, np.ndarray],
+              variant: int = 0) -> dict[str, np.ndarray]:
+        """Run one request: place inputs, predict, wait, return copies of the outputs.
+
+        Inputs must match the variant's names and shapes exactly (values are cast to
+        the tensor's dtype as numpy assignment does). For zero-copy use, take a region
+        with :meth:`alloc`, fill the views from :meth:`io_views`, and call
+        :meth:`predict` and :meth:`wait` yourself.
+        """
+        m = self.model(model)
+        if not 0 <= variant < len(m.variants):
+            raise ValueError(f"{m.name} has {len(m.variants)} variant(s); no variant {variant}")
+        v = m.variants[variant]
+        names = {t.name for t in v.inputs}
+        if set(inputs) != names:
+            raise ValueError(f"{m.name} takes inputs {sorted(names)}, got {sorted(inputs)}")
+        off = self._alloc.alloc(v.io_bytes)
+        try:
+            ins, outs = self.io_views(m.model_id, off, variant)
+            for t in v.inputs:
+                a = np.asarray(inputs[t.name])
+                if a.shape != t.shape:
+                    raise ValueError(f"{m.name} input {t.name!r} must have shape {t.shape} "
+                                     f"({t.dtype}), got {a.shape}")
+                ins[t.name][...] = a
+            req_id = self.predict(m.model_id, v.io_bytes, off, variant)
+            self.wait(req_id)
+            return {k: a.copy() for k, a in outs.items()}
+        finally:
+            self._alloc.free(off)
+
+    @property
+    def in_flight(self) -> int:
+        """Requests submitted and not yet read back."""
+        return self._submitted - self._completed
+
+
+__all__ = ["Client", "connect", "NONBLOCK", "default_socket", "PaellaError"]

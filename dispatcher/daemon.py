@@ -1,0 +1,506 @@
+"""``paella serve``: the daemon. One thread, one loop, pinned to one core.
+
+The loop (below, :meth:`Daemon.run`) is the paper's dispatcher loop: poll the client
+request rings in round-robin, step the execution path (device poll, notifQ, jobs),
+and look at the control sockets without blocking. Two idle modes:
+
+* ``spin``: never block. Right on a dedicated core under load.
+* ``adaptive`` (default): after ``idle_spin_us`` without work, raise the "sleeping"
+  flag in every client segment and block in epoll on the sockets until a client
+  speaks (a client that pushes onto a ring while the flag is up sends a KICK frame),
+  a signal arrives, or the execution path's next deadline (the simulated GPU's next
+  event) comes. Then clear the flag and spin again.
+
+Configuration comes from a TOML file (``--config``, sections [daemon] [policy]
+[access] [limits]; see ``dist/paella.toml``), and every setting can be overridden on
+the command line. SIGTERM drains (stop accepting, finish in-flight jobs until
+``drain_seconds``, cancel the rest), unlinks every segment and exits 0. SIGHUP
+reloads the model repository. READY=1 goes to $NOTIFY_SOCKET once the models are
+loaded and the socket listens.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import os
+import signal
+import socket
+import sys
+import time
+import tomllib
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import numpy as np
+
+from paella import rings, wire
+from paella.dispatcher.frontend import Frontend, FrontendConfig, FrontendError, ModelTable
+
+log = logging.getLogger("paella.daemon")
+
+
+class ConfigError(ValueError):
+    """A bad setting: the message names the setting and what it accepts."""
+
+
+# --- configuration -------------------------------------------------------------------
+@dataclass
+class DaemonConfig:
+    # [daemon]
+    socket: str = "/run/paella/paella.sock"
+    models: str = ""                    # model repository: a directory of bundles
+    backend: str = "auto"               # auto | sim | cuda
+    gpu: str = "t4"                     # GPU preset of the sim backend
+    cpu: str = "auto"                   # core of the loop: auto (last allowed) | none | N
+    rt_priority: int = 1                # SCHED_FIFO priority; 0 keeps normal scheduling
+    idle: str = "adaptive"              # adaptive | spin
+    idle_spin_us: int = 200             # adaptive: spin this long after the last work
+    drain_seconds: float = 10.0         # SIGTERM: how long in-flight jobs may finish
+    echo: bool = True                   # serve the built-in "echo" model
+    log_level: str = "info"
+    # [policy]
+    policy: str = "paella"
+    policy_params: dict[str, Any] = field(default_factory=dict)
+    # [access]
+    allowed_users: list[str] = field(default_factory=list)
+    allowed_groups: list[str] = field(default_factory=list)
+    socket_mode: int = 0o666
+    # [limits]
+    max_clients: int = 256
+    max_inflight_per_client: int = 256
+    arena_bytes: int = 16 << 20
+    max_arena_bytes: int = 256 << 20
+    ring_slots: int = 1024
+
+    def check(self) -> None:
+        choices = {"backend": ("auto", "sim", "cuda"), "idle": ("adaptive", "spin"),
+                   "log_level": ("debug", "info", "warning", "error")}
+        for name, allowed in choices.items():
+            if getattr(self, name) not in allowed:
+                raise ConfigError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
+        if self.cpu not in ("auto", "none") and not str(self.cpu).isdigit():
+            raise ConfigError(f"cpu must be auto, none or a core number, got {self.cpu!r}")
+        if not 0 <= self.rt_priority <= 99:
+            raise ConfigError(f"rt_priority must be 0..99, got {self.rt_priority}")
+        for name in ("max_clients", "max_inflight_per_client", "arena_bytes", "max_arena_bytes"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.arena_bytes > self.max_arena_bytes:
+            raise ConfigError(f"arena_bytes ({self.arena_bytes}) exceeds max_arena_bytes "
+                              f"({self.max_arena_bytes})")
+        try:
+            rings.Layout(self.ring_slots, self.ring_slots, self.arena_bytes)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+
+
+SECTIONS = {
+    "daemon": ("socket", "models", "backend", "gpu", "cpu", "rt_priority", "idle",
+               "idle_spin_us", "drain_seconds", "echo", "log_level"),
+    "access": ("allowed_users", "allowed_groups", "socket_mode"),
+    "limits": ("max_clients", "max_inflight_per_client", "arena_bytes", "max_arena_bytes",
+               "ring_slots"),
+}
+
+
+def load_config(path: str | None) -> DaemonConfig:
+    """Read a TOML config. Unknown sections or keys are errors, not silently ignored."""
+    cfg = DaemonConfig()
+    if path is None:
+        return cfg
+    try:
+        with open(path, "rb") as f:
+            data = tomllib.load(f)
+    except OSError as e:
+        raise ConfigError(f"cannot read config {path}: {e.strerror}") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"config {path} is not valid TOML: {e}") from None
+    for section, table in data.items():
+        if not isinstance(table, dict):
+            raise ConfigError(f"{path}: top-level key {section!r} must be a [section]")
+        if section == "policy":
+            table = dict(table)
+            if "name" in table:
+                cfg.policy = str(table.pop("name"))
+            cfg.policy_params.update(table)
+            continue
+        if section not in SECTIONS:
+            raise ConfigError(f"{path}: unknown section [{section}] (known: daemon, policy, "
+                              f"access, limits)")
+        for key, value in table.items():
+            if key not in SECTIONS[section]:
+                raise ConfigError(f"{path}: unknown setting {key!r} in [{section}] "
+                                  f"(known: {', '.join(SECTIONS[section])})")
+            setattr(cfg, key, _coerce(key, value))
+    return cfg
+
+
+def _coerce(key: str, value: Any) -> Any:
+    want = type(getattr(DaemonConfig(), key))
+    if key == "socket_mode" and isinstance(value, str):
+        return int(value, 8)
+    if key == "cpu":
+        return str(value)
+    if want is float and isinstance(value, int):
+        return float(value)
+    if not isinstance(value, want) or (want is int and isinstance(value, bool)):
+        raise ConfigError(f"setting {key} must be {want.__name__}, got {value!r}")
+    return value
+
+
+def _parse_param(text: str) -> tuple[str, Any]:
+    if "=" not in text:
+        raise argparse.ArgumentTypeError(f"policy parameter must be NAME=VALUE, got {text!r}")
+    k, v = text.split("=", 1)
+    try:
+        return k, tomllib.loads(f"v = {v}")["v"]
+    except tomllib.TOMLDecodeError:
+        return k, v
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("serve", help="run the Paella daemon",
+                       description="Run the Paella daemon: control socket, per-client shared-"
+                                   "memory rings, the dispatcher loop on one core.")
+    p.add_argument("--config", help="TOML config file (see dist/paella.toml)")
+    p.add_argument("--socket", help="control socket path")
+    p.add_argument("--models", help="model repository directory (a directory of bundles)")
+    p.add_argument("--backend", choices=("auto", "sim", "cuda"))
+    p.add_argument("--gpu", help="GPU preset for the sim backend (e.g. t4)")
+    p.add_argument("--cpu", help="core of the dispatcher loop: auto, none or a number")
+    p.add_argument("--rt-priority", type=int, dest="rt_priority",
+                   help="SCHED_FIFO priority (0: normal scheduling)")
+    p.add_argument("--idle", choices=("adaptive", "spin"), help="idle mode (default adaptive)")
+    p.add_argument("--idle-spin-us", type=int, dest="idle_spin_us")
+    p.add_argument("--drain-seconds", type=float, dest="drain_seconds")
+    p.add_argument("--echo", action=argparse.BooleanOptionalAction, default=None,
+                   help="serve the built-in echo model")
+    p.add_argument("--log-level", dest="log_level", choices=("debug", "info", "warning", "error"))
+    p.add_argument("--policy", help="scheduling policy")
+    p.add_argument("--policy-param", dest="policy_param", action="append", type=_parse_param,
+                   default=[], metavar="NAME=VALUE", help="policy parameter (repeatable)")
+    p.add_argument("--allow-user", dest="allowed_users", action="append", metavar="USER")
+    p.add_argument("--allow-group", dest="allowed_groups", action="append", metavar="GROUP")
+    p.add_argument("--socket-mode", dest="socket_mode", type=lambda s: int(s, 8))
+    for name in SECTIONS["limits"]:
+        p.add_argument("--" + name.replace("_", "-"), dest=name, type=int)
+    p.set_defaults(func=_serve)
+
+
+def config_from_args(args: argparse.Namespace) -> DaemonConfig:
+    cfg = load_config(args.config)
+    for f in dataclasses.fields(DaemonConfig):
+        v = getattr(args, f.name, None)
+        if v is not None and f.name != "policy_params":
+            setattr(cfg, f.name, v)
+    cfg.policy_params.update(dict(args.policy_param))
+    cfg.check()
+    return cfg
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from paella.cli import CLIError
+    try:
+        cfg = config_from_args(args)
+    except ConfigError as e:
+        raise CLIError(str(e)) from None
+    logging.basicConfig(level=cfg.log_level.upper(), stream=sys.stderr,
+                        format="%(asctime)s paella[%(process)d] %(levelname)s %(message)s")
+    try:
+        daemon = Daemon(cfg)
+    except (FrontendError, ConfigError) as e:
+        raise CLIError(str(e)) from None
+    return daemon.serve()
+
+
+# --- models ----------------------------------------------------------------------------
+@dataclass
+class HostModel:
+    """A model the daemon computes on its own CPU, without the device path.
+
+    The only one is the built-in ``echo`` (output = input): a health check for the
+    service path (socket, rings, validation, wake-ups) that needs no bundle and no
+    GPU. It is what the front-end tests and the round-trip benchmark's baseline use.
+    """
+    info: wire.ModelInfo
+    run: Callable[[np.ndarray], None]
+
+
+ECHO_FLOATS = 256
+
+
+def echo_model(model_id: int) -> HostModel:
+    n = ECHO_FLOATS * 4
+    x = wire.TensorInfo("x", (ECHO_FLOATS,), "float32", 0)
+    y = wire.TensorInfo("y", (ECHO_FLOATS,), "float32", n)
+    info = wire.ModelInfo(model_id, "echo", (wire.VariantInfo(2 * n, (x,), (y,)),))
+
+    def run(io: np.ndarray) -> None:
+        io[n:2 * n] = io[:n]
+    return HostModel(info, run)
+
+
+# --- execution paths -------------------------------------------------------------------
+class HostExecutor:
+    """Runs host models in the loop: wake-up, compute, complete, one per request."""
+
+    def __init__(self, front: Frontend, models: dict[int, HostModel]):
+        self.front = front
+        self.models = models
+        self.queue: deque = deque()
+
+    def submit(self, client_id: int, req_id: int, model_id: int, variant: int,
+               io: np.ndarray) -> None:
+        self.queue.append((client_id, req_id, model_id, io))
+
+    def step(self) -> bool:
+        q = self.queue
+        for _ in range(len(q)):        # a snapshot: work queued meanwhile waits a pass
+            cid, rid, mid, io = q.popleft()
+            self.front.almost_finished(cid, rid)
+            try:
+                self.models[mid].run(io)
+            except Exception as e:  # noqa: BLE001 - a model failure fails its request only
+                log.exception("host model %d failed on request %d of client %d", mid, rid, cid)
+                self.front.complete(cid, rid, rings.E_FAILED, f"{type(e).__name__}: {e}")
+                continue
+            self.front.complete(cid, rid, rings.OK, None)
+        return bool(q)
+
+    def cancel_client(self, client_id: int) -> None:
+        keep = deque(x for x in self.queue if x[0] != client_id)
+        gone = [x for x in self.queue if x[0] == client_id]
+        self.queue = keep
+        for cid, rid, _, _ in gone:
+            self.front.complete(cid, rid, rings.E_CANCELLED, "client disconnected")
+
+    def cancel_all(self, reason: str) -> None:
+        while self.queue:
+            cid, rid, _, _ = self.queue.popleft()
+            self.front.complete(cid, rid, rings.E_CANCELLED, reason)
+
+    def deadline(self) -> float | None:
+        return 0.0 if self.queue else None
+
+    @property
+    def in_flight(self) -> int:
+        return len(self.queue)
+
+
+class Router:
+    """The front end's executor: sends each model's requests to the path serving it."""
+
+    def __init__(self) -> None:
+        self.paths: list = []
+        self.by_model: dict[int, Any] = {}
+
+    def submit(self, client_id: int, req_id: int, model_id: int, variant: int,
+               io: np.ndarray) -> None:
+        self.by_model[model_id].submit(client_id, req_id, model_id, variant, io)
+
+    def step(self) -> bool:
+        busy = False
+        for p in self.paths:
+            busy |= p.step()
+        return busy
+
+    def cancel_client(self, client_id: int) -> None:
+        for p in self.paths:
+            p.cancel_client(client_id)
+
+    def cancel_all(self, reason: str) -> None:
+        for p in self.paths:
+            p.cancel_all(reason)
+
+    def deadline(self) -> float | None:
+        ds = [d for d in (p.deadline() for p in self.paths) if d is not None]
+        return min(ds) if ds else None
+
+    @property
+    def in_flight(self) -> int:
+        return sum(p.in_flight for p in self.paths)
+
+
+# --- process setup ---------------------------------------------------------------------
+def sd_notify(message: str) -> bool:
+    """Send one sd_notify datagram to $NOTIFY_SOCKET; False when not under systemd."""
+    addr = os.environ.get("NOTIFY_SOCKET")
+    if not addr:
+        return False
+    if addr[0] == "@":
+        addr = "\0" + addr[1:]      # abstract namespace
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC) as s:
+        s.connect(addr)
+        s.sendall(message.encode())
+    return True
+
+
+def pin_and_prioritize(cpu: str, rt_priority: int) -> None:
+    """Pin the loop to its core and ask for SCHED_FIFO; say what was granted."""
+    if cpu != "none":
+        allowed = sorted(os.sched_getaffinity(0))
+        core = allowed[-1] if cpu == "auto" else int(cpu)
+        if core not in allowed:
+            raise ConfigError(f"cpu {core} is not among this process's cores {allowed}")
+        os.sched_setaffinity(0, {core})
+        log.info("dispatcher loop pinned to core %d (of %s)", core, allowed)
+    else:
+        log.info("dispatcher loop not pinned (cpu = none)")
+    if rt_priority <= 0:
+        log.info("real-time priority off (rt_priority = 0): normal scheduling")
+        return
+    try:
+        os.sched_setscheduler(0, os.SCHED_FIFO, os.sched_param(rt_priority))
+        log.info("running SCHED_FIFO priority %d", rt_priority)
+    except PermissionError:
+        log.warning("SCHED_FIFO priority %d not permitted (needs CAP_SYS_NICE or "
+                    "LimitRTPRIO); running with normal scheduling", rt_priority)
+
+
+# --- the daemon ------------------------------------------------------------------------
+class Daemon:
+    def __init__(self, cfg: DaemonConfig):
+        self.cfg = cfg
+        self.table = ModelTable()
+        fcfg = FrontendConfig(
+            socket_path=cfg.socket, allowed_users=tuple(cfg.allowed_users),
+            allowed_groups=tuple(cfg.allowed_groups), socket_mode=cfg.socket_mode,
+            layout=rings.Layout(cfg.ring_slots, cfg.ring_slots, cfg.arena_bytes),
+            max_arena_bytes=cfg.max_arena_bytes, max_clients=cfg.max_clients,
+            max_inflight_per_client=cfg.max_inflight_per_client)
+        self.front = Frontend(fcfg, self.table)
+        self.router = Router()
+        self.host = HostExecutor(self.front, {})
+        self.router.paths.append(self.host)
+        self.front.executor = self.router
+        self.draining = False
+        self.drain_deadline = 0.0
+        self.reload_requested = False
+        self._sig_r, self._sig_w = os.pipe()
+
+    # -- models ----------------------------------------------------------------------
+    def load_models(self) -> None:
+        """(Re)load the repository; requests already running keep their model."""
+        host: dict[int, HostModel] = {}
+        if self.cfg.echo:
+            m = echo_model(self.table.id_for("echo"))
+            host[m.info.model_id] = m
+        if self.cfg.models:
+            self._load_repository(self.cfg.models)
+        self.host.models = host
+        for mid in host:
+            self.router.by_model[mid] = self.host
+        self.table.replace([m.info for m in host.values()])
+        log.info("serving %d model(s): %s", len(self.table.by_id),
+                 ", ".join(m.name for m in self.table.by_id.values()) or "none")
+
+    def _load_repository(self, path: str) -> None:
+        if not os.path.isdir(path):
+            raise ConfigError(f"model repository {path} is not a directory")
+        bundles = sorted(d for d in os.listdir(path)
+                         if os.path.isfile(os.path.join(path, d, "manifest.json")))
+        if bundles:
+            raise ConfigError(f"model repository {path} holds bundles {bundles}, but this "
+                              f"daemon build cannot run bundles yet (no dispatcher path)")
+
+    # -- signals ---------------------------------------------------------------------
+    def _install_signals(self) -> None:
+        os.set_blocking(self._sig_w, False)
+        os.set_blocking(self._sig_r, False)
+        signal.set_wakeup_fd(self._sig_w, warn_on_full_buffer=False)
+        signal.signal(signal.SIGTERM, self._on_term)
+        signal.signal(signal.SIGINT, self._on_term)
+        signal.signal(signal.SIGHUP, self._on_hup)
+        self.front.watch(self._sig_r, self._drain_sigpipe)
+
+    def _drain_sigpipe(self) -> None:
+        try:
+            os.read(self._sig_r, 4096)
+        except BlockingIOError:
+            pass  # already drained
+
+    def _on_term(self, signum: int, frame) -> None:
+        if not self.draining:
+            self.draining = True
+            self.drain_deadline = time.monotonic() + self.cfg.drain_seconds
+
+    def _on_hup(self, signum: int, frame) -> None:
+        self.reload_requested = True
+
+    # -- lifecycle -------------------------------------------------------------------
+    def serve(self) -> int:
+        """Start, run the loop until drained, clean up. Returns the exit status."""
+        self.front.listen()          # raises FrontendError if another daemon holds it
+        try:
+            self.load_models()
+            pin_and_prioritize(self.cfg.cpu, self.cfg.rt_priority)
+            self._install_signals()
+            log.info("listening on %s (idle mode %s)", self.cfg.socket, self.cfg.idle)
+            sd_notify(f"READY=1\nSTATUS=serving {len(self.table.by_id)} models\n"
+                      f"MAINPID={os.getpid()}")
+            self.run()
+        finally:
+            self.front.close()
+            os.close(self._sig_r)
+            os.close(self._sig_w)
+        log.info("stopped cleanly; stats %s", self.front.stats)
+        return 0
+
+    def run(self) -> None:
+        """The dispatcher loop. This while loop right here is the daemon."""
+        front, router, cfg = self.front, self.router, self.cfg
+        idle_spin = cfg.idle_spin_us / 1e6
+        adaptive = cfg.idle == "adaptive"
+        last_work = time.monotonic()
+        while True:
+            taken = front.poll_rings(admit=not self.draining)
+            busy = router.step()
+            front.poll_io(0)
+            if self.reload_requested:
+                self._reload()
+            if self.draining and self._drain_step():
+                return
+            if taken or busy:
+                last_work = time.monotonic()
+                continue
+            if not adaptive:
+                continue
+            now = time.monotonic()
+            if now - last_work < idle_spin:
+                continue
+            # Idle: raise the flag, look once more (a push may have raced the flag),
+            # then block until a socket speaks or the next deadline.
+            deadline = router.deadline()
+            if self.draining:
+                deadline = min(deadline if deadline is not None else 0.05, 0.05)
+            front.set_sleeping(True)
+            if not front.any_pending():
+                front.poll_io(deadline)
+            front.set_sleeping(False)
+            last_work = time.monotonic()
+
+    def _drain_step(self) -> bool:
+        """SIGTERM: True once nothing is left in flight (or the deadline passed)."""
+        if self.front.accepting:
+            log.info("SIGTERM: draining %d in-flight request(s), deadline %.1f s",
+                     self.router.in_flight, self.cfg.drain_seconds)
+            sd_notify("STOPPING=1")
+            self.front.stop_accepting()
+        if self.router.in_flight == 0:
+            return True
+        if time.monotonic() > self.drain_deadline:
+            log.warning("drain deadline passed: cancelling %d request(s)", self.router.in_flight)
+            self.router.cancel_all("the daemon stopped before the job finished")
+            return True
+        return False
+
+    def _reload(self) -> None:
+        self.reload_requested = False
+        sd_notify("RELOADING=1")
+        try:
+            self.load_models()
+        except ConfigError as e:
+            log.error("SIGHUP reload failed, keeping the previous models: %s", e)
+        sd_notify("READY=1")
