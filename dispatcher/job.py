@@ -1,0 +1,227 @@
+"""Jobs: one greenlet per request, and the CUDA-like API that code inside it calls (§4.2).
+
+An adaptor's ``run(io)`` executes inside the job's greenlet. Its CUDA calls
+(:mod:`paella.dispatcher.cuda`, or the methods below) never reach the device: they
+append ops to the job's :class:`~paella.dispatcher.waitlist.Waitlist` and return.
+Synchronous calls (stream/event/device synchronize) switch back to the dispatcher
+loop, which switches into the job again once what it waits for has completed; a
+synchronize with nothing pending returns at once, without yielding.
+"""
+from __future__ import annotations
+
+from collections import deque
+from typing import TYPE_CHECKING, Any, Sequence
+
+import greenlet
+import numpy as np
+
+from paella.dispatcher.devices.base import Function, dim3
+
+from .waitlist import D2H, DONE, H2D, KERNEL, MARKER, Event, Op, VStream, Waitlist
+
+if TYPE_CHECKING:
+    from .core import Dispatcher, Request
+
+RUNNING, FINISHED = 0, 1
+
+_current: "Job | None" = None
+
+
+class NotInJobError(RuntimeError):
+    """A CUDA-like call was made outside a job (adaptor.run() under the dispatcher)."""
+
+
+def current() -> "Job":
+    """The job whose greenlet is running; the CUDA-like calls act on it."""
+    if _current is None:
+        raise NotInJobError("paella.dispatcher.cuda calls are only valid inside a job adaptor's "
+                            "run(io), executed by the dispatcher")
+    return _current
+
+
+class Job:
+    """One request's execution: its greenlet, waitlist and scheduling state."""
+
+    def __init__(self, dispatcher: "Dispatcher", req: "Request", model: Any, seq: int):
+        self.d = dispatcher
+        self.req = req
+        self.model = model
+        self.client_id = req.client_id
+        self.seq = seq                       # arrival order
+        self.waitlist = Waitlist(dispatcher._on_active)
+        self.waitlist.eager = dispatcher.policy.eager
+        self.ready: deque[Op] = deque()      # released-able kernels, issue order
+        # Policy state.
+        self.queued = False                  # owned by the policy
+        self.in_policy = False               # owned by the dispatcher: announced as ready
+        self.left_policy = False             # job_finished() was called
+        self.pver = 0
+        self.punit: Any = None
+        # SRPT estimate (see profile.py).
+        self.estimate = model.profile.total
+        self.remaining = self.estimate
+        self.kcount: dict[str, int] = {}
+        # Greenlet and synchronization.
+        self.glet: greenlet.greenlet | None = None
+        self.state = RUNNING
+        self.returned = False                # run() has returned (or raised)
+        self.error: str | None = None
+        self.wait_op: Op | None = None
+        self.wait_all = False
+        self.blocked = False
+        self.almost_sent = False
+        self.almost_next = False
+        self.cancelled = False
+        self.allocations: list[int] = []
+        self.t_arrival = dispatcher.device.now()
+
+    def __repr__(self) -> str:
+        return f"<Job {self.seq} req={self.req.req_id} model={self.model.name}>"
+
+    # -- lifecycle (dispatcher side) ----------------------------------------------------------
+    def start(self) -> None:
+        self.glet = greenlet.greenlet(self._main)
+        self.resume()
+
+    def resume(self) -> None:
+        global _current
+        self.blocked = False
+        prev = _current
+        _current = self
+        try:
+            self.glet.switch()
+        finally:
+            _current = prev
+
+    def _main(self) -> None:
+        try:
+            self.model.adaptor.run(self.req.io)
+        except Exception as e:   # the adaptor's failure fails this request only
+            self.error = f"{type(e).__name__}: {e}"
+            self.d._job_failed(self)
+        self.returned = True
+
+    def wake_if_satisfied(self) -> bool:
+        """Called when one of its ops finished: is the job's synchronize satisfied?"""
+        if self.wait_all:
+            return self.waitlist.pending == 0
+        op = self.wait_op
+        return op is not None and op.state >= DONE
+
+    # -- the CUDA-like API (job side) ----------------------------------------------------------
+    def stream_create(self, non_blocking: bool = False) -> VStream:
+        return self.waitlist.create_stream(non_blocking)
+
+    def stream_destroy(self, stream: VStream) -> None:
+        self.waitlist.destroy_stream(stream)
+
+    def _stream(self, stream: VStream | None) -> VStream:
+        if stream is None or stream == 0:
+            return self.waitlist.default
+        self.waitlist.check_stream(stream)
+        return stream
+
+    def launch(self, func: Function, grid: int | Sequence[int], block: int | Sequence[int],
+               stream: VStream | None = None, *, dyn_smem: int = 0, args: Sequence[Any] = ()) -> Op:
+        if not isinstance(func, Function):
+            raise TypeError(f"launch needs a Function from device.load_module(), got {func!r}")
+        g = dim3(grid, "grid")
+        b = dim3(block, "block")
+        # Refuse what can never run, now, with the kernel's name: an OccupancyError says
+        # which limit is exceeded.
+        fp = self.d.device.block_footprint(func, b, dyn_smem)
+        blocks = g[0] * g[1] * g[2]
+        self.d._check_launch_size(func, blocks)
+        op = Op(KERNEL, self, self._stream(stream))
+        op.func, op.key, op.grid, op.block, op.dyn_smem, op.args = func, func.name, g, b, dyn_smem, tuple(args)
+        op.fp, op.blocks = fp, blocks
+        return self._issue(op)
+
+    def memcpy_htod(self, dst: int, src: np.ndarray, stream: VStream | None = None) -> Op:
+        op = Op(H2D, self, self._stream(stream))
+        op.dptr, op.host = dst, _contiguous(src, "source")
+        return self._issue(op)
+
+    def memcpy_dtoh(self, dst: np.ndarray, src: int, stream: VStream | None = None) -> Op:
+        op = Op(D2H, self, self._stream(stream))
+        op.dptr, op.host = src, _contiguous(dst, "destination")
+        return self._issue(op)
+
+    def event_create(self) -> Event:
+        return Event()
+
+    def event_record(self, event: Event, stream: VStream | None = None) -> None:
+        _check_event(event)
+        event.marker = self._issue(Op(MARKER, self, self._stream(stream)))
+
+    def event_query(self, event: Event) -> bool:
+        _check_event(event)
+        return event.done()
+
+    def stream_wait_event(self, stream: VStream | None, event: Event) -> None:
+        _check_event(event)
+        m = event.marker
+        if m is not None and m.state < DONE:
+            self.waitlist.issue(Op(MARKER, self, self._stream(stream)), wait_on=m)
+
+    def stream_query(self, stream: VStream | None = None) -> bool:
+        return self._stream(stream).idle()
+
+    def stream_synchronize(self, stream: VStream | None = None) -> None:
+        self._wait_for(self._stream(stream).last)
+
+    def event_synchronize(self, event: Event) -> None:
+        _check_event(event)
+        self._wait_for(event.marker)
+
+    def device_synchronize(self) -> None:
+        if self.waitlist.pending:
+            self.wait_all = True
+            self._yield()
+            self.wait_all = False
+
+    def malloc(self, nbytes: int) -> int:
+        """Device memory for this job, freed when the job ends."""
+        ptr = self.d.device.alloc(nbytes)
+        self.allocations.append(ptr)
+        return ptr
+
+    def almost_finished(self) -> None:
+        """Arm the client's "almost finished" wake-up (§4.2) on the next op issued: it is
+        sent when that op is released to the GPU (e.g. the last D2H copy)."""
+        self.almost_next = True
+
+    # -- helpers ---------------------------------------------------------------------------
+    def _issue(self, op: Op) -> Op:
+        if self.state != RUNNING or self.error is not None:
+            raise RuntimeError(f"job of request {self.req.req_id} is no longer running")
+        op.t_issue = self.d.now
+        if self.almost_next:
+            self.almost_next = False
+            op.almost_finished = True
+        return self.waitlist.issue(op)
+
+    def _wait_for(self, op: Op | None) -> None:
+        if op is None or op.state >= DONE:
+            return                           # nothing pending: return at once
+        self.wait_op = op
+        self._yield()
+        self.wait_op = None
+
+    def _yield(self) -> None:
+        if greenlet.getcurrent() is not self.glet:
+            raise NotInJobError("a synchronize was called outside the job's own greenlet")
+        self.blocked = True
+        self.glet.parent.switch()
+
+
+def _check_event(event: Any) -> None:
+    if not isinstance(event, Event):
+        raise TypeError(f"expected an Event from event_create(), got {event!r}")
+
+
+def _contiguous(arr: Any, what: str) -> np.ndarray:
+    if not isinstance(arr, np.ndarray) or not arr.flags.c_contiguous:
+        raise TypeError(f"copy {what} must be a C-contiguous numpy array (got {type(arr).__name__}); "
+                        f"use np.ascontiguousarray()")
+    return arr

@@ -1,0 +1,72 @@
+"""Per-model kernel statistics for the remaining-time estimate of §6 (1).
+
+    remaining(job) = sum over unique kernels i of max(0, C_i - c_i) * T_i
+
+``C_i`` is the average number of times a job of the model runs kernel ``i`` and ``T_i``
+its average time (first placement to last completion, as the dispatcher sees it);
+``c_i`` counts the job's own releases of ``i`` so far. Kernels are identified by name.
+
+Profiling runs at registration fill the averages; every finished job and kernel then
+refines them online. Averages are running means over the last ``window`` observations
+(an exact mean until then), so a model whose behaviour drifts is followed. A job's
+estimate starts at the model's total when it arrives and drops by
+``min(1, C_i - c_i) * T_i`` at each release of ``i`` (O(1) per release); estimates of
+jobs already running are not revised when the averages move.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(slots=True)
+class KernelStat:
+    count: float = 0.0      # C_i: mean executions per job
+    time: float = 0.0       # T_i: mean seconds per execution
+    n_time: int = 0
+
+
+class ModelProfile:
+    def __init__(self, window: int = 1000):
+        if window < 1:
+            raise ValueError(f"profile window must be >= 1, got {window}")
+        self.window = window
+        self.kernels: dict[str, KernelStat] = {}
+        self.jobs = 0
+        self._total: float | None = 0.0
+
+    @property
+    def total(self) -> float:
+        """Estimated time of a whole job: sum of C_i * T_i (cached)."""
+        if self._total is None:
+            self._total = sum(k.count * k.time for k in self.kernels.values())
+        return self._total
+
+    def charge(self, key: str, done_before: int) -> float:
+        """How much a job's remaining estimate drops when it releases ``key`` for the
+        ``done_before + 1``-th time."""
+        k = self.kernels.get(key)
+        if k is None:
+            return 0.0
+        left = k.count - done_before
+        if left <= 0.0:
+            return 0.0
+        return (1.0 if left > 1.0 else left) * k.time
+
+    def record_kernel(self, key: str, seconds: float) -> None:
+        k = self.kernels.get(key)
+        if k is None:
+            k = self.kernels[key] = KernelStat()
+        k.n_time += 1
+        k.time += (seconds - k.time) / min(k.n_time, self.window)
+        self._total = None
+
+    def record_job(self, counts: dict[str, int]) -> None:
+        """A job finished having run each kernel ``counts[key]`` times."""
+        self.jobs += 1
+        div = min(self.jobs, self.window)
+        for key, k in self.kernels.items():
+            k.count += (counts.get(key, 0) - k.count) / div
+        for key, c in counts.items():
+            if key not in self.kernels:
+                self.kernels[key] = KernelStat(count=c / div)
+        self._total = None

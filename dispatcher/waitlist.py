@@ -1,0 +1,245 @@
+"""Per-job waitlists: CUDA stream semantics on the dispatcher's timeline (§4.2, Figure 7).
+
+A job's CUDA calls become :class:`Op` records. Each op counts its unmet dependencies;
+it is *active* (schedulable) when the count reaches zero. Dependencies are computed once,
+when the op is issued, following the CUDA programming guide's stream semantics:
+
+* **stream order:** an op depends on the previous op of its stream, so only the first
+  incomplete op of a stream is active;
+* **legacy default stream** (stream 0): an op on it depends on the last op of every
+  *blocking* stream of the job, and an op on a blocking stream depends on the last op
+  of the default stream. Non-blocking streams (``cudaStreamNonBlocking``) skip both;
+* **events:** ``event_record`` issues a zero-cost MARKER op on the stream, so the event
+  completes when everything before it in the stream (and, on stream 0, in the blocking
+  streams) has completed; ``stream_wait_event`` issues a MARKER on the waiting stream
+  that also depends on the event's marker as of the call (CUDA captures the most recent
+  record; waiting on a never-recorded event is a no-op).
+
+Because ops of one stream complete in order, depending on a stream's *last* op covers
+everything issued to it before, so each issue costs O(#blocking streams) at most.
+
+*Eager* release (``eager=True``, the job-granularity baselines): an op's dependency on
+its stream predecessor is met once the predecessor is *released* to a real stream,
+because the dispatcher then places the op on the same real stream, whose FIFO order
+enforces the rest. Cross-stream dependencies and MARKERs always wait for completion.
+"""
+from __future__ import annotations
+
+from collections import deque
+from typing import Any, Callable
+
+KERNEL, H2D, D2H, MARKER = 0, 1, 2, 3
+KIND_NAMES = ("kernel", "h2d", "d2h", "marker")
+
+# Op states.
+WAITING, READY, RELEASED, DONE, DROPPED = range(5)
+
+
+class Op:
+    """One waitlisted operation. Slots only: an op is created per CUDA call."""
+    __slots__ = ("kind", "job", "vstream", "deps", "pred", "pred_pending", "succ", "dependents",
+                 "state", "func", "key", "grid", "block", "blocks", "dyn_smem", "args", "fp",
+                 "host", "dptr", "stream", "launch_id", "placed", "ended", "t_issue",
+                 "t_release", "t_first", "almost_finished")
+
+    def __init__(self, kind: int, job: Any, vstream: "VStream"):
+        self.kind = kind
+        self.job = job
+        self.vstream = vstream
+        self.deps = 0
+        self.pred: Op | None = None
+        self.pred_pending = False
+        self.succ: Op | None = None
+        self.dependents: list[Op] | None = None
+        self.state = WAITING
+        self.func = self.key = self.fp = self.host = None
+        self.grid = self.block = None
+        self.blocks = 0
+        self.dyn_smem = 0
+        self.args = ()
+        self.dptr = 0
+        self.stream = -1
+        self.launch_id = -1
+        self.placed = self.ended = 0
+        self.t_issue = self.t_release = self.t_first = 0.0
+        self.almost_finished = False
+
+    def __repr__(self) -> str:
+        what = self.key if self.kind == KERNEL else KIND_NAMES[self.kind]
+        return f"<Op {what} v{self.vstream.vid} {('waiting', 'ready', 'released', 'done', 'dropped')[self.state]}>"
+
+
+class VStream:
+    """A virtual stream of one job; mapped to a real stream only at release time."""
+    __slots__ = ("vid", "blocking", "last", "real", "destroyed")
+
+    def __init__(self, vid: int, blocking: bool):
+        self.vid = vid
+        self.blocking = blocking
+        self.last: Op | None = None     # last op issued (None or finished: the stream is idle)
+        self.real = -1                   # sticky real stream (policies that bind streams)
+        self.destroyed = False
+
+    def idle(self) -> bool:
+        last = self.last
+        return last is None or last.state >= DONE
+
+
+class Event:
+    """A CUDA event: the MARKER op of its most recent record, or None if never recorded."""
+    __slots__ = ("marker",)
+
+    def __init__(self) -> None:
+        self.marker: Op | None = None
+
+    def done(self) -> bool:
+        m = self.marker
+        return m is None or m.state >= DONE
+
+
+class Waitlist:
+    """The ops of one job, with their dependencies; reports ops that become active.
+
+    ``on_active(op)`` is called for every op whose dependencies are all met, except
+    MARKERs, which complete on the spot.
+    """
+
+    def __init__(self, on_active: Callable[[Op], None]):
+        self.on_active = on_active
+        self.default = VStream(0, blocking=True)
+        self.streams: list[VStream] = [self.default]
+        self.blocking: list[VStream] = []     # created blocking streams (not the default)
+        self.pending = 0                       # issued and not finished
+        self.eager = False
+
+    # -- streams ------------------------------------------------------------------------
+    def create_stream(self, non_blocking: bool = False) -> VStream:
+        vs = VStream(len(self.streams), blocking=not non_blocking)
+        self.streams.append(vs)
+        if vs.blocking:
+            self.blocking.append(vs)
+        return vs
+
+    def destroy_stream(self, vs: VStream) -> None:
+        """cudaStreamDestroy: pending work still completes; the handle becomes invalid."""
+        self.check_stream(vs)
+        if vs is self.default:
+            raise ValueError("the default stream (0) cannot be destroyed")
+        vs.destroyed = True
+        if vs.blocking and vs.idle():
+            self.blocking.remove(vs)
+
+    def check_stream(self, vs: VStream) -> None:
+        if not isinstance(vs, VStream) or vs.vid >= len(self.streams) or self.streams[vs.vid] is not vs:
+            raise ValueError(f"{vs!r} is not a stream of this job; create it with stream_create()")
+        if vs.destroyed:
+            raise ValueError(f"stream {vs.vid} was destroyed; create a new one with stream_create()")
+
+    # -- issue ----------------------------------------------------------------------------
+    def issue(self, op: Op, wait_on: Op | None = None) -> Op:
+        """Add ``op`` behind its stream's work (and ``wait_on``, for stream-wait-event)."""
+        vs = op.vstream
+        last = vs.last
+        if last is not None and last.state < DONE:
+            op.pred = last
+            op.pred_pending = not (self.eager and last.state == RELEASED and op.kind != MARKER)
+            if op.pred_pending:
+                op.deps += 1
+            last.succ = op
+        if vs is self.default:
+            for b in self.blocking:
+                self._depend(op, b.last)
+        elif vs.blocking:
+            self._depend(op, self.default.last)
+        if wait_on is not None:
+            self._depend(op, wait_on)
+        vs.last = op
+        self.pending += 1
+        if op.deps == 0:
+            self._activate(op)
+        return op
+
+    @staticmethod
+    def _depend(op: Op, on: Op | None) -> None:
+        if on is None or on.state >= DONE or on is op.pred:
+            return
+        op.deps += 1
+        if on.dependents is None:
+            on.dependents = [op]
+        else:
+            on.dependents.append(op)
+
+    def _activate(self, op: Op) -> None:
+        if op.kind == MARKER:
+            self.finish(op)
+        else:
+            op.state = READY
+            self.on_active(op)
+
+    # -- progress -------------------------------------------------------------------------
+    def released(self, op: Op) -> None:
+        """``op`` went to a real stream; in eager mode its stream successor may go too."""
+        op.state = RELEASED
+        succ = op.succ
+        if self.eager and succ is not None and succ.pred_pending and succ.kind != MARKER:
+            succ.pred_pending = False
+            succ.deps -= 1
+            if succ.deps == 0 and succ.state == WAITING:
+                self._activate(succ)
+
+    def finish(self, op: Op) -> None:
+        """``op`` completed: meet the dependencies of the ops behind it."""
+        op.state = DONE
+        self.pending -= 1
+        # An explicit stack, not recursion: chains of MARKERs finish in one sweep.
+        stack = [op]
+        while stack:
+            done = stack.pop()
+            succ = done.succ
+            if succ is not None and succ.pred_pending:
+                succ.pred_pending = False
+                succ.deps -= 1
+                if succ.deps == 0 and succ.state == WAITING:
+                    self._activate_into(succ, stack)
+            if done.dependents:
+                for d in done.dependents:
+                    d.deps -= 1
+                    if d.deps == 0 and d.state == WAITING:
+                        self._activate_into(d, stack)
+            vs = done.vstream
+            if vs.destroyed and vs.blocking and vs.idle() and vs in self.blocking:
+                self.blocking.remove(vs)
+
+    def _activate_into(self, op: Op, stack: list[Op]) -> None:
+        if op.kind == MARKER:
+            op.state = DONE
+            self.pending -= 1
+            stack.append(op)
+        else:
+            op.state = READY
+            self.on_active(op)
+
+    def drop_unreleased(self) -> list[Op]:
+        """Abort: every op not yet released is dropped (a failed or cancelled job).
+        Returns the dropped ops that were READY, so the caller can unqueue them."""
+        was_ready = []
+        for op in self._unfinished():
+            if op.state in (WAITING, READY):
+                if op.state == READY:
+                    was_ready.append(op)
+                op.state = DROPPED
+                self.pending -= 1
+        return was_ready
+
+    def _unfinished(self) -> list[Op]:
+        """Every op not finished, found by walking each stream back from its last op."""
+        seen: list[Op] = []
+        for vs in self.streams:
+            op = vs.last
+            while op is not None and op.state < DONE:
+                seen.append(op)
+                op = op.pred
+        return seen
+
+    def ready_ops(self) -> deque:
+        return deque(op for op in self._unfinished() if op.state == READY)
