@@ -239,7 +239,13 @@ class _ParamPack:
         size, off, buf = self.sizes[index], self.offsets[index], self.values
         if isinstance(value, (bool, np.bool_)):
             value = int(value)
-        if isinstance(value, int):
+        if isinstance(value, np.generic):     # before float: np.float64 is a float subclass
+            raw = value.tobytes()
+            if len(raw) != size:
+                raise TypeError(self._where(index) + f"is {size} bytes but a {value.dtype} "
+                                f"({len(raw)} bytes) was given")
+            buf[off:off + size] = np.frombuffer(raw, dtype=np.uint8)
+        elif isinstance(value, int):
             fmts = _INT_FORMATS.get(size)
             if fmts is None:
                 raise TypeError(self._where(index) + f"is {size} bytes; an int cannot fill it")
@@ -253,12 +259,6 @@ class _ParamPack:
             if fmt is None:
                 raise TypeError(self._where(index) + f"is {size} bytes; a float cannot fill it")
             struct.pack_into("<" + fmt, buf, off, value)
-        elif isinstance(value, np.generic):
-            raw = value.tobytes()
-            if len(raw) != size:
-                raise TypeError(self._where(index) + f"is {size} bytes but a {value.dtype} "
-                                f"({len(raw)} bytes) was given")
-            buf[off:off + size] = np.frombuffer(raw, dtype=np.uint8)
         elif isinstance(value, (bytes, bytearray)):
             if len(value) != size:
                 raise TypeError(self._where(index) + f"is {size} bytes but {len(value)} bytes were given")
