@@ -16,7 +16,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from paella.dispatcher.devices.base import Device, Function, KernelInfo, ModuleImage
+from paella.dispatcher.devices.base import Device, Function, KernelInfo, ModuleImage, dim3
 
 from . import cuda
 
@@ -108,7 +108,10 @@ class PlanAdaptor(JobAdaptor):
         steps = []
         for op in self.plan.ops:
             if op.kind == "launch":
-                steps.append((0, self.funcs[op.kernel], op.grid, op.block, op.dyn_smem, op.stream))
+                func = self.funcs[op.kernel]
+                # Refuse a kernel that can never run now, at registration, by name.
+                device.block_footprint(func, dim3(op.block, "block"), op.dyn_smem)
+                steps.append((0, func, op.grid, op.block, op.dyn_smem, op.stream))
             else:
                 steps.append((1 if op.kind == "h2d" else 2, self.buffers[op.buffer],
                               op.io_offset, op.io_offset + op.nbytes, 0, op.stream))

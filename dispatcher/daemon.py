@@ -257,7 +257,9 @@ class HostExecutor:
 
     def step(self) -> bool:
         q = self.queue
-        for _ in range(len(q)):        # a snapshot: work queued meanwhile waits a pass
+        n = len(q)                     # a snapshot: work queued meanwhile waits a pass
+        while n and q:                 # (cancel_client may shrink q under us)
+            n -= 1
             cid, rid, mid, io = q.popleft()
             self.front.almost_finished(cid, rid)
             try:
@@ -270,9 +272,12 @@ class HostExecutor:
         return bool(q)
 
     def cancel_client(self, client_id: int) -> None:
-        keep = deque(x for x in self.queue if x[0] != client_id)
         gone = [x for x in self.queue if x[0] == client_id]
-        self.queue = keep
+        if not gone:
+            return
+        keep = [x for x in self.queue if x[0] != client_id]
+        self.queue.clear()             # in place: step() holds a reference
+        self.queue.extend(keep)
         for cid, rid, _, _ in gone:
             self.front.complete(cid, rid, rings.E_CANCELLED, "client disconnected")
 

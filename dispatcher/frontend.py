@@ -533,15 +533,16 @@ class Frontend:
             self._release(c)
 
     def _release(self, c: ClientConn) -> None:
-        """Drop the mapping (numpy views first, then the mmap) and the client record."""
+        """Drop the mapping and the client record.
+
+        The mmap is never closed explicitly: numpy views made with ``buffer=`` do not
+        pin it, so closing it under a live view (an executor finishing a cancelled
+        job) would crash the daemon. Dropping our references lets the last view's
+        death unmap it.
+        """
         if c.seg is not None:
-            buf = c.seg.buf
             c.seg.release()
             c.seg = c.reqs = c.cmps = None
-            try:
-                buf.close()
-            except BufferError:
-                pass  # an executor still holds a view of a cancelled job: GC unmaps it
         self.clients.pop(c.cid, None)
 
     def close(self) -> None:

@@ -50,7 +50,8 @@ def register_policy(name: str) -> Callable[[type["Policy"]], type["Policy"]]:
             raise PolicyError(f"policy name {key!r} is already registered by "
                               f"{_REGISTRY[key].__module__}.{_REGISTRY[key].__qualname__}; "
                               f"choose another name")
-        cls.name = key
+        if "name" not in cls.__dict__:
+            cls.name = key
         _REGISTRY[key] = cls
         return cls
     return deco

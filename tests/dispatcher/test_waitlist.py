@@ -1,0 +1,192 @@
+"""Stream-semantics scenarios: which ops are active at each point (CUDA programming
+guide: in-order streams, the legacy default stream, non-blocking streams, events)."""
+from __future__ import annotations
+
+import pytest
+
+from paella.dispatcher.waitlist import D2H, DONE, KERNEL, MARKER, Event, Op, Waitlist
+
+
+class Scenario:
+    """A waitlist plus a log of activations, with ops named for readable asserts."""
+
+    def __init__(self, eager: bool = False):
+        self.active: list[str] = []
+        self.wl = Waitlist(lambda op: self.active.append(op.key))
+        self.wl.eager = eager
+        self.ops: dict[str, Op] = {}
+
+    def op(self, name: str, stream=None, kind: int = KERNEL) -> Op:
+        op = Op(kind, None, stream or self.wl.default)
+        op.key = name
+        self.ops[name] = op
+        return self.wl.issue(op)
+
+    def finish(self, name: str) -> None:
+        op = self.ops[name]
+        assert op.key in self.active, f"{name} finished while not active"
+        self.wl.finish(op)
+
+    def record(self, event: Event, stream=None) -> None:
+        event.marker = self.wl.issue(Op(MARKER, None, stream or self.wl.default))
+
+    def wait(self, stream, event: Event) -> None:
+        m = event.marker
+        if m is not None and m.state < DONE:
+            self.wl.issue(Op(MARKER, None, stream), wait_on=m)
+
+
+def test_one_stream_runs_in_order():
+    s = Scenario()
+    a = s.wl.create_stream()
+    s.op("A", a), s.op("B", a), s.op("C", a)
+    assert s.active == ["A"]
+    s.finish("A")
+    assert s.active == ["A", "B"]
+    s.finish("B")
+    assert s.active == ["A", "B", "C"]
+    s.finish("C")
+    assert s.wl.pending == 0 and a.idle()
+
+
+def test_blocking_streams_are_independent_of_each_other():
+    s = Scenario()
+    a, b = s.wl.create_stream(), s.wl.create_stream()
+    s.op("A1", a), s.op("B1", b), s.op("A2", a)
+    assert s.active == ["A1", "B1"]
+
+
+def test_default_stream_waits_for_blocking_streams_and_they_wait_for_it():
+    s = Scenario()
+    a, b = s.wl.create_stream(), s.wl.create_stream()
+    s.op("A", a), s.op("B", b)
+    s.op("D", None)                       # legacy stream 0: behind A and B
+    s.op("A2", a)                         # blocking stream: behind D
+    assert s.active == ["A", "B"]
+    s.finish("A")
+    assert s.active == ["A", "B"]         # D still waits for B
+    s.finish("B")
+    assert s.active == ["A", "B", "D"]
+    s.finish("D")
+    assert s.active == ["A", "B", "D", "A2"]
+
+
+def test_non_blocking_stream_ignores_the_default_stream():
+    s = Scenario()
+    nb = s.wl.create_stream(non_blocking=True)
+    a = s.wl.create_stream()
+    s.op("D", None)
+    s.op("N", nb)                         # not behind D
+    s.op("A", a)                          # behind D
+    s.op("N2", nb)
+    s.op("D2", None)                      # behind A (blocking) but not behind N/N2
+    assert s.active == ["D", "N"]
+    s.finish("D")
+    assert s.active == ["D", "N", "A"]
+    s.finish("A")
+    assert s.active == ["D", "N", "A", "D2"]
+
+
+def test_event_orders_work_across_streams():
+    s = Scenario()
+    a, b = s.wl.create_stream(), s.wl.create_stream()
+    e = Event()
+    s.op("A", a)
+    s.record(e, a)
+    s.op("A2", a)                         # after the record: not covered by the event
+    s.wait(b, e)
+    s.op("B", b)
+    assert s.active == ["A"] and not e.done()
+    s.finish("A")
+    assert e.done()
+    assert s.active == ["A", "A2", "B"]   # B ran without waiting for A2
+
+
+def test_wait_on_a_never_recorded_event_is_a_no_op():
+    s = Scenario()
+    b = s.wl.create_stream()
+    e = Event()
+    assert e.done()
+    s.wait(b, e)
+    s.op("B", b)
+    assert s.active == ["B"]
+
+
+def test_wait_captures_the_record_current_at_the_call():
+    s = Scenario()
+    a, b = s.wl.create_stream(), s.wl.create_stream()
+    e = Event()
+    s.op("A", a)
+    s.record(e, a)
+    s.wait(b, e)                          # captures the record after A
+    s.op("A2", a)
+    s.record(e, a)                        # re-record: later waits would need A2
+    s.op("B", b)
+    s.finish("A")
+    assert "B" in s.active and not e.done()
+
+
+def test_event_on_default_stream_covers_blocking_streams():
+    s = Scenario()
+    a = s.wl.create_stream()
+    e = Event()
+    s.op("A", a)
+    s.record(e)                           # on stream 0: implicitly behind A
+    assert not e.done()
+    s.finish("A")
+    assert e.done()
+
+
+def test_eager_release_activates_the_stream_successor_before_completion():
+    s = Scenario(eager=True)
+    a = s.wl.create_stream()
+    s.op("A", a), s.op("B", a)
+    assert s.active == ["A"]
+    s.wl.released(s.ops["A"])
+    assert s.active == ["A", "B"]         # the real stream keeps the order
+    s.wl.finish(s.ops["A"])
+    assert s.active == ["A", "B"]         # no double activation
+
+
+def test_eager_marker_still_waits_for_completion():
+    s = Scenario(eager=True)
+    a = s.wl.create_stream()
+    e = Event()
+    s.op("A", a)
+    s.record(e, a)
+    s.wl.released(s.ops["A"])
+    assert not e.done()
+    s.wl.finish(s.ops["A"])
+    assert e.done()
+
+
+def test_destroyed_stream_rejects_new_work_and_drains():
+    s = Scenario()
+    a = s.wl.create_stream()
+    s.op("A", a)
+    s.wl.destroy_stream(a)
+    with pytest.raises(ValueError, match="destroyed"):
+        s.wl.check_stream(a)
+    s.op("D", None)
+    assert s.active == ["A"]              # pending work of a destroyed stream still counts
+    s.finish("A")
+    assert s.active == ["A", "D"]
+    assert a not in s.wl.blocking
+
+
+def test_default_stream_cannot_be_destroyed():
+    s = Scenario()
+    with pytest.raises(ValueError, match="default stream"):
+        s.wl.destroy_stream(s.wl.default)
+
+
+def test_drop_unreleased_keeps_released_ops():
+    s = Scenario()
+    a = s.wl.create_stream()
+    s.op("A", a), s.op("B", a), s.op("C", None, kind=D2H)
+    s.wl.released(s.ops["A"])
+    ready = s.wl.drop_unreleased()
+    assert ready == []                    # A is released; B and C waited
+    assert s.wl.pending == 1
+    s.wl.finish(s.ops["A"])
+    assert s.wl.pending == 0 and s.active == ["A"]
