@@ -17,6 +17,7 @@ COMMANDS = [
     "paella.cli",                      # occupancy
     "paella.experiments.cli",          # experiment ...
     "paella.dispatcher.daemon",
+    "paella.doctor",
 ]
 
 

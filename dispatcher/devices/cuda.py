@@ -129,10 +129,6 @@ class CudaContextLost(CudaError):
                      "restart the process",)
 
 
-class NoDriverError(DeviceError):
-    """The cuda backend was asked for but no usable NVIDIA driver or GPU is present."""
-
-
 def check(result: Any, call: str) -> Any:
     """Unwrap a cuda-python result: ``(CUresult, *outputs)`` or a bare CUresult.
 
@@ -306,8 +302,6 @@ class CudaDevice(Device):
     """
 
     backend = "cuda"
-    #: The aggregation group the compiler pass's header is built with.
-    group = protocol.DEFAULT_GROUP
 
     def __init__(self, device: int = 0, *, n_streams: int | None = None,
                  notifq_slots: int = protocol.DEFAULT_NOTIFQ_SLOTS,
@@ -464,12 +458,11 @@ class CudaDevice(Device):
             raise DeviceError(f"kernel {k.name!r} is launched as instrumented but its parameters "
                               f"{pack.sizes} do not end with (notifQ pointer, uint32 launch id): "
                               "was it compiled without the Paella pass?")
+        # ``group`` is informational here: a real kernel aggregates by the PAELLA_GROUP it
+        # was compiled with (the manifest's), which the caller passes on.
         if len(args) != own:
             raise DeviceError(f"kernel {k.name!r} takes {own} argument(s) of its own "
                               f"(sizes {pack.sizes[:own]}), {len(args)} given")
-        if instrumented and group != self.group:
-            raise ValueError(f"the cuda backend's kernels aggregate notifications by {self.group} "
-                             f"blocks (fixed when the header is compiled), not {group}")
         if dyn_smem > k.max_dyn_smem:
             self._raise_dyn_smem(func, dyn_smem)
         for i, a in enumerate(args):

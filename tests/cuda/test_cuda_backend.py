@@ -221,12 +221,6 @@ def test_a_counter_pair_still_in_flight_is_not_reused(drv, dev):
     assert [l.launch_id for l in drv.launches] == [1, 1 + PAIRS]
 
 
-def test_group_is_fixed_by_the_compiled_header(dev):
-    f = dev.load_module(image())["add1"]
-    with pytest.raises(ValueError, match="aggregate notifications by 16"):
-        dev.launch(f, 1, 32, stream=0, launch_id=1, args=(0, 1), group=8)
-
-
 def test_dynamic_shared_memory_cap_is_raised_once_before_the_launch(drv, dev):
     f = dev.load_module(image())["add1"]
     x = dev.alloc(64)
