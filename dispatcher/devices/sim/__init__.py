@@ -2,5 +2,6 @@
 from .clock import EventLoop, RealTimeLoop
 from .cost import CostModel
 from .device import SimDevice
+from .process import SimProcessDevice
 
-__all__ = ["SimDevice", "CostModel", "EventLoop", "RealTimeLoop"]
+__all__ = ["SimDevice", "SimProcessDevice", "CostModel", "EventLoop", "RealTimeLoop"]

@@ -1,0 +1,245 @@
+"""The real-time simulator in a process of its own (``SimProcessDevice``).
+
+The stepped variant (``SimDevice(realtime=True)``) does the simulation work inside the
+dispatcher's loop. This one moves it to a child process that *sleeps* until its next
+event or the next command, so it never busy-polls a core that clients need:
+
+* the notifQ lives in POSIX shared memory: the child's simulated kernels write it and
+  the dispatcher polls it exactly as it would poll a real GPU's pinned ring;
+* commands (launch, copy, event) go to the child over a pipe; the child answers with
+  the tokens of completed operations, which the parent collects in :meth:`poll`;
+* both processes read the same monotonic clock, so device time agrees;
+* device memory and the functional callbacks stay in the parent: the child only keeps
+  time, so bytes never cross the pipe.
+
+The child exits when the parent closes the pipe, so a dead dispatcher leaves no
+simulator behind.
+"""
+from __future__ import annotations
+
+import mmap
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections import deque
+from multiprocessing.connection import Connection
+from typing import Any
+
+import numpy as np
+import posix_ipc
+
+from paella import protocol
+from paella.dispatcher.devices.base import (Callback, Device, DeviceError, Dim3, Function,
+                                            KernelInfo, ModuleImage)
+from paella.gpus import GpuSpec, preset
+from paella.occupancy import Footprint
+
+from .cost import CostModel
+from .hardware import D2H, H2D
+from .memory import SimMemory
+
+_LOAD, _LAUNCH, _COPY, _MARK, _STOP = range(5)
+
+
+class _Pending:
+    """A parent-side record of an op the child runs: what to do when it completes."""
+    __slots__ = ("stream", "action", "on_complete", "done")
+
+    def __init__(self, stream: int, action, on_complete):
+        self.stream, self.action, self.on_complete, self.done = stream, action, on_complete, False
+
+
+class SimProcessDevice(Device):
+    backend = "sim"
+
+    def __init__(self, props: GpuSpec | str = "t4", *, n_streams: int | None = None,
+                 notifq_slots: int = protocol.DEFAULT_NOTIFQ_SLOTS, seed: int = 0,
+                 cost: CostModel | None = None, jitter: float = 0.0, speed: float = 1.0):
+        spec = preset(props) if isinstance(props, str) else props
+        self._shm_name = f"/paella-sim-{os.getpid()}-{id(self):x}"
+        self._shm = posix_ipc.SharedMemory(self._shm_name, posix_ipc.O_CREX, mode=0o600,
+                                           size=8 * notifq_slots)
+        self._map = mmap.mmap(self._shm.fd, self._shm.size)
+        self._shm.close_fd()
+        super().__init__(spec, n_streams or spec.hw_queues, notifq_slots)
+        self.speed = speed
+        self.cost = cost or CostModel()
+        self.memory = SimMemory()
+        self._t0 = time.perf_counter()
+        self._pending: dict[int, _Pending] = {}
+        self._per_stream = [0] * len(self.streams)
+        self._token = 0
+        # A fresh interpreter (not fork): the child inherits none of the daemon's sockets.
+        mine, theirs = socket.socketpair()
+        self._proc = subprocess.Popen(
+            [sys.executable, "-c", f"import sys; from {__name__} import child_main; "
+             f"child_main(int(sys.argv[1]))", str(theirs.fileno())], pass_fds=[theirs.fileno()])
+        theirs.close()
+        self._conn = Connection(mine.detach())
+        self._conn.send((self._shm_name, spec, len(self.streams), notifq_slots, seed, self.cost,
+                         jitter, speed, self._t0))
+
+    def _alloc_notifq(self, slots: int) -> np.ndarray:
+        return np.frombuffer(self._map, dtype=np.uint64, count=slots)
+
+    # -- clock ----------------------------------------------------------------------
+    def now(self) -> float:
+        return (time.perf_counter() - self._t0) * self.speed
+
+    def poll(self) -> None:
+        """Collect completions the child has reported (non-blocking)."""
+        conn = self._conn
+        try:
+            while conn.poll():
+                for token in conn.recv():
+                    self._finish(token)
+        except (EOFError, ConnectionResetError):
+            raise DeviceError(f"the simulator process exited (code {self._proc.poll()}); "
+                              f"see its error above, then restart the daemon") from None
+
+    def _finish(self, token: int) -> None:
+        p = self._pending.pop(token)
+        p.done = True
+        self._per_stream[p.stream] -= 1
+        if p.action is not None:
+            p.action()
+        if p.on_complete is not None:
+            p.on_complete()
+
+    def _send(self, msg: tuple, stream: int, action=None, on_complete: Callback = None) -> _Pending:
+        if self._proc.poll() is not None:
+            raise DeviceError(f"the simulator process exited (code {self._proc.returncode}); "
+                              f"see its error above, then restart the daemon")
+        self._token += 1
+        p = self._pending[self._token] = _Pending(stream, action, on_complete)
+        self._per_stream[stream] += 1
+        self._conn.send(msg + (self._token,))
+        return p
+
+    # -- kernels --------------------------------------------------------------------
+    def _load_module(self, image: ModuleImage) -> dict[str, Function]:
+        self._conn.send((_LOAD, list(image.kernels)))
+        return {k.name: Function(k) for k in image.kernels}
+
+    def _launch(self, func: Function, grid: Dim3, block: Dim3, fp: Footprint, dyn_smem: int,
+                args: tuple, stream: int, launch_id: int, instrumented: bool, group: int,
+                on_complete: Callback) -> None:
+        self._send((_LAUNCH, func.name, grid, block, stream, launch_id, dyn_smem, instrumented, group),
+                   stream, None, on_complete)
+
+    # -- memory (kept here: the child only keeps time) -------------------------------------
+    def _alloc(self, nbytes: int) -> int:
+        return self.memory.alloc(nbytes)
+
+    def _free(self, ptr: int) -> None:
+        self.memory.free(ptr)
+
+    def _memcpy_htod(self, dst: int, src: np.ndarray, stream: int, on_complete: Callback) -> None:
+        target = self.memory.view(dst, src.size)
+        self._send((_COPY, H2D, stream, src.size), stream,
+                   lambda: target.__setitem__(slice(None), src), on_complete)
+
+    def _memcpy_dtoh(self, dst: np.ndarray, src: int, stream: int, on_complete: Callback) -> None:
+        source = self.memory.view(src, dst.size)
+        self._send((_COPY, D2H, stream, dst.size), stream,
+                   lambda: dst.__setitem__(slice(None), source), on_complete)
+
+    # -- ordering -------------------------------------------------------------------
+    def _record_event(self, stream: int) -> _Pending:
+        return self._send((_MARK, stream), stream)
+
+    def _event_query(self, event: Any) -> bool:
+        if not isinstance(event, _Pending):
+            raise TypeError(f"not an event of this device: {event!r}")
+        return event.done
+
+    def _stream_query(self, stream: int) -> bool:
+        return self._per_stream[stream] == 0
+
+    def _synchronize(self) -> None:
+        while self._pending:
+            if not self._conn.poll(5.0):
+                raise DeviceError("synchronize: the simulator process answered nothing for 5 s")
+            self.poll()
+
+    def close(self) -> None:
+        if self._proc.poll() is None:
+            try:
+                self._conn.send((_STOP,))
+                self._proc.wait(timeout=5)
+            except (BrokenPipeError, OSError, subprocess.TimeoutExpired):
+                self._proc.kill()         # unresponsive or already gone: make sure it ends
+                self._proc.wait()
+        self._conn.close()
+        try:
+            posix_ipc.unlink_shared_memory(self._shm_name)
+        except posix_ipc.ExistentialError:
+            pass                          # already unlinked by an earlier close()
+        # The mapping itself goes when the last numpy view of the notifQ does.
+
+    def __del__(self) -> None:
+        proc = getattr(self, "_proc", None)
+        if proc is not None and proc.poll() is None:
+            self.close()
+
+
+def child_main(fd: int) -> None:
+    """The simulator process: sleep until the next event or command, then catch up."""
+    from .device import SimDevice
+
+    conn = Connection(fd)
+    shm_name, spec, n_streams, slots, seed, cost, jitter, speed, t0 = conn.recv()
+
+    shm = posix_ipc.SharedMemory(shm_name)
+    buf = mmap.mmap(shm.fd, shm.size)
+    shm.close_fd()
+
+    class _SharedRingSim(SimDevice):
+        def _alloc_notifq(self, n: int) -> np.ndarray:
+            return np.frombuffer(buf, dtype=np.uint64, count=n)
+
+    dev = _SharedRingSim(spec, n_streams=n_streams, notifq_slots=slots, seed=seed, cost=cost,
+                         jitter=jitter, realtime=True, speed=speed)
+    dev.loop._t0 = t0                    # the parent's clock origin: device time agrees
+    funcs: dict[str, Function] = {}
+    done: deque[int] = deque()
+    loop = dev.loop
+    try:
+        while True:
+            wait = loop.seconds_until_next()
+            if conn.poll(None if wait == float("inf") else wait):
+                msg = conn.recv()
+                op = msg[0]
+                if op == _STOP:
+                    return
+                if op == _LOAD:
+                    funcs.update(dev.load_module(ModuleImage("m", msg[1])))
+                    continue
+                token = msg[-1]
+                cb = (lambda t=token: done.append(t))
+                if op == _LAUNCH:
+                    _, name, grid, block, stream, lid, dyn, instr, group, _ = msg
+                    dev.launch(funcs[name], grid, block, stream, lid, dyn_smem=dyn,
+                               instrumented=instr, group=group, on_complete=cb)
+                elif op == _COPY:
+                    _, kind, stream, nbytes, _ = msg
+                    loop.sync()
+                    dev.gpu.copy(kind, stream, nbytes, None, cb)
+                elif op == _MARK:
+                    loop.sync()
+                    marker = dev.gpu.marker(msg[1])
+                    if marker.done:
+                        done.append(token)
+                    else:
+                        marker.on_complete = cb
+            loop.poll()
+            if done:
+                conn.send(list(done))
+                done.clear()
+    except (EOFError, BrokenPipeError):
+        return                            # the parent is gone: so is its simulator
+
+
+__all__ = ["SimProcessDevice", "KernelInfo"]
