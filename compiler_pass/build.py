@@ -1,0 +1,302 @@
+"""Compile one model into a bundle directory (the body of ``paella compile``).
+
+Stages, each reported to ``progress``:
+
+1. Relax CUDA pipeline (legalize, fuse, DLight schedules, static memory plan);
+2. TIR lowering with the Paella pipeline; the host functions are captured right
+   after ``SplitHostDevice`` (they say which kernels each PrimFunc launches);
+3. device finalization + instrumentation, CUDA codegen with the header prepended;
+4. nvcc: PTX, cubin, and ptxas's registers / static shared memory per kernel;
+5. the launch plan (:mod:`.plan`), kernel records, manifest;
+6. the CPU (llvm) build for reference outputs; params.
+
+Everything is written into a temporary sibling directory and renamed into place at
+the end, so a failure never leaves a half-written bundle. Bundles are cached by a
+content hash of the model, the options and the compiler's own sources.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import tvm
+from tvm import relax, tirx
+
+from paella.bundle import FORMAT_VERSION, MANIFEST, KernelSpec, Manifest, Variant, check_variant
+from paella.models.base import ModelDef
+
+from . import nvcc
+from .instrument import (INSTRUMENTED_ATTR, LAUNCH_ID_PARAM, NOTIFQ_PARAM, InstrumentOptions,
+                         finalize_device_with, is_device_kernel, override_global_func,
+                         paella_tir_pipeline, postproc_hook)
+from .kernels import HostPlan, PlanError, host_plan, kernel_params, thread_count
+from .plan import PlanResult, build_plan
+
+Progress = Callable[[str], None]
+FILES = {"cuda_source": "kernels.cu", "ptx": "kernels.ptx", "cubin": "kernels.cubin",
+         "params": "params.npz", "cpu_lib": "cpu.so", "cpu_params": "cpu_params.json"}
+#: a __global__ function *definition* (TVM also emits forward declarations ending in ';')
+_GLOBAL_FN = re.compile(r"__global__\s+void\s+(?:__launch_bounds__\([^)]*\)\s+)?(\w+)\s*\([^)]*\)\s*\{")
+
+
+class CompileError(Exception):
+    """The model cannot be compiled into a bundle; the message says why and what to do."""
+
+
+@dataclass
+class GpuBuild:
+    source: str
+    device_funcs: dict[str, tirx.PrimFunc]
+    host_plans: dict[str, HostPlan]
+    flops: dict[str, float]                  # per PrimFunc
+
+
+def gpu_target(arch: str) -> tvm.target.Target:
+    return tvm.target.Target({"kind": "cuda", "arch": nvcc.check_arch(arch)}, host={"kind": "llvm"})
+
+
+def _used_primfuncs(lowered: tvm.IRModule, entry: relax.Function) -> tvm.IRModule:
+    """Only the PrimFuncs the entry calls: an unused kernel must not be in the source."""
+    used: dict[str, tvm.ir.GlobalVar] = {}
+
+    def visit(e):
+        if isinstance(e, relax.Call) and isinstance(e.op, tvm.ir.GlobalVar):
+            used[e.op.name_hint] = e.op
+    relax.analysis.post_order_visit(entry, visit)
+    funcs = {gv: lowered[gv] for gv in used.values() if isinstance(lowered[gv], tirx.PrimFunc)}
+    return tvm.IRModule(funcs)
+
+
+def _flops(tir_mod: tvm.IRModule) -> dict[str, float]:
+    from tvm.s_tir.analysis import estimate_tir_flops
+    out = {}
+    for gv, f in tir_mod.functions.items():
+        try:
+            out[gv.name_hint] = float(estimate_tir_flops(tvm.IRModule({"main": f})))
+        except tvm.error.TVMError:
+            out[gv.name_hint] = 0.0   # estimator does not cover every scheduled form
+    return out
+
+
+def lower_gpu(tir_mod: tvm.IRModule, target: tvm.target.Target, options: InstrumentOptions) -> GpuBuild:
+    """TIR lowering + codegen of the model's PrimFuncs; no host code is compiled."""
+    from tvm.tirx.build import split_host_device_mods
+    snapshot: dict[str, tvm.IRModule] = {}
+
+    @tvm.instrument.pass_instrument
+    class CaptureHost:
+        def run_after_pass(self, mod, info):
+            if info.name.endswith("SplitHostDevice"):
+                snapshot["mod"] = mod
+
+    lower, _host, finalize_device = paella_tir_pipeline(options.enabled)
+    mod = tirx.transform.BindTarget(target)(tir_mod)
+    with tvm.transform.PassContext(opt_level=3, instruments=[CaptureHost()]):
+        with target:
+            mod = lower(mod)
+    if "mod" not in snapshot:
+        raise CompileError("internal: the TIR pipeline has no SplitHostDevice pass to capture "
+                           "(TVM version mismatch? paella needs apache-tvm 0.27)")
+    split = snapshot["mod"]
+    host_plans = {gv.name_hint: host_plan(f, gv.name_hint) for gv, f in split.functions.items()
+                  if not is_device_kernel(f) and gv.name_hint in {g.name_hint for g in tir_mod.functions}}
+    _host_mod, device_mods = split_host_device_mods(mod)
+    if len(device_mods) != 1:
+        raise CompileError(f"expected one CUDA device module, got {len(device_mods)}")
+    (dev_target, dev_mod), = device_mods.items()
+    with tvm.transform.PassContext(opt_level=3):
+        dev_mod = finalize_device()(dev_mod)
+    # We compile with nvcc ourselves; stop TVM from invoking NVRTC on this machine.
+    with postproc_hook(options), override_global_func(
+            "tvm_callback_cuda_compile", lambda _prev: (lambda code, *a: b"")):
+        rt = tvm.get_global_func("target.build.cuda")(dev_mod, dev_target)
+    device_funcs = {gv.name_hint: f for gv, f in dev_mod.functions.items() if is_device_kernel(f)}
+    return GpuBuild(rt.inspect_source(), device_funcs, host_plans, _flops(tir_mod))
+
+
+def global_functions(source: str) -> list[str]:
+    """Names of the ``__global__`` functions in a CUDA source."""
+    return _GLOBAL_FN.findall(source)
+
+
+def _kernel_specs(gpu: GpuBuild, plan: PlanResult, resources_: dict[str, nvcc.KernelResources],
+                  instrumented: bool) -> list[KernelSpec]:
+    specs: dict[str, KernelSpec] = {}
+    threads_per_func: dict[str, int] = {}
+    for ln in plan.launches:
+        threads_per_func[ln.primfunc] = threads_per_func.get(ln.primfunc, 0) + thread_count_of(ln)
+    for ln in plan.launches:
+        if ln.kernel in specs:
+            continue
+        func = gpu.device_funcs[ln.kernel]
+        params = [p for p in kernel_params(func) if p.name not in (NOTIFQ_PARAM, LAUNCH_ID_PARAM)]
+        res = resources_.get(ln.kernel)
+        if res is None:
+            raise CompileError(f"ptxas reported nothing for kernel {ln.kernel}")
+        share = thread_count_of(ln) / max(1, threads_per_func[ln.primfunc])
+        nbytes = sum(v.nbytes for v in ln.views if v is not None)
+        specs[ln.kernel] = KernelSpec(
+            name=ln.kernel, grid=list(ln.grid), block=list(ln.block), dyn_smem=ln.dyn_smem,
+            static_smem=res.static_smem, registers=res.registers,
+            flops=gpu.flops.get(ln.primfunc, 0.0) * share, bytes=int(nbytes),
+            params=[{"name": p.name, "kind": p.kind, "dtype": p.dtype, "access": p.access} for p in params],
+            instrumented=bool(func.attrs.get(INSTRUMENTED_ATTR, False)) and instrumented)
+    return list(specs.values())
+
+
+def thread_count_of(ln) -> int:
+    return int(np.prod(ln.grid)) * int(np.prod(ln.block))
+
+
+def cache_key(model: ModelDef, arch: str, options: InstrumentOptions) -> str:
+    """Content hash: model IR + weights, options, TVM version, and our own sources."""
+    h = hashlib.sha256()
+    h.update(json.dumps({"format": FORMAT_VERSION, "arch": arch, "instrument": options.enabled,
+                         "group": options.group, "tvm": tvm.__version__}).encode())
+    h.update(model.fingerprint().encode())
+    pkg = resources.files("paella.compiler_pass")
+    for name in sorted(p.name for p in pkg.iterdir() if p.name.endswith(".py")):
+        h.update(pkg.joinpath(name).read_bytes())
+    h.update(pkg.joinpath("include", "paella_notif.cuh").read_bytes())
+    h.update(resources.files("paella").joinpath("bundle.py").read_bytes())
+    return h.hexdigest()[:24]
+
+
+def _write_bundle(model: ModelDef, tmp: Path, arch: str, options: InstrumentOptions,
+                  key: str, progress: Progress) -> Manifest:
+    t0 = time.perf_counter()
+    target = gpu_target(arch)
+    step = _stepper(progress, 6)
+
+    step("Relax CUDA pipeline (legalize, fuse, schedule, plan memory)")
+    with target:
+        lowered = relax.get_default_pipeline(target)(model.mod)
+    entry = lowered["main"]
+
+    step("TIR lowering" + (f" + instrumentation (group={options.group})" if options.enabled else " (plain)"))
+    gpu = lower_gpu(_used_primfuncs(lowered, entry), target, options)
+    (tmp / FILES["cuda_source"]).write_text(gpu.source)
+    globals_ = global_functions(gpu.source)
+    if sorted(globals_) != sorted(gpu.device_funcs):
+        raise CompileError(f"generated source has kernels {sorted(globals_)}, the lowered module "
+                           f"{sorted(gpu.device_funcs)}")
+
+    step(f"nvcc -arch={arch}: PTX + cubin for {len(globals_)} kernels")
+    _ptx, _cubin, res = nvcc.build(tmp / FILES["cuda_source"], arch, tmp)
+
+    step("launch plan + manifest")
+    plan = build_plan(entry, gpu.host_plans, model.params)
+    kernels = _kernel_specs(gpu, plan, res, options.enabled)
+    if len(kernels) != len(globals_):
+        raise CompileError(f"the plan launches {len(kernels)} distinct kernels, the source defines "
+                           f"{len(globals_)}")
+    variant = Variant("default", plan.inputs, plan.outputs, plan.buffers, kernels, plan.plan, plan.io_bytes)
+    check_variant(variant)
+
+    step("CPU (llvm) reference build")
+    cpu_exec = tvm.compile(model.mod, target="llvm")
+    cpu_exec.export_library(str(tmp / FILES["cpu_lib"]))
+    n_in = int(entry.attrs["num_input"])
+    cpu_order = [b.name for b in plan.buffers if b.kind == "param"][:len(entry.params) - n_in]
+    (tmp / FILES["cpu_params"]).write_text(json.dumps(cpu_order))
+
+    step("params")
+    np.savez(tmp / FILES["params"], **plan.params)
+    return Manifest(model=model.name, arch=arch, instrumented=options.enabled, group=options.group,
+                    variants=[variant], files=dict(FILES), cache_key=key, tvm_version=tvm.__version__,
+                    compile_seconds=time.perf_counter() - t0)
+
+
+def _stepper(progress: Progress, total: int) -> Callable[[str], None]:
+    state = {"i": 0, "t": time.perf_counter()}
+
+    def step(msg: str) -> None:
+        now = time.perf_counter()
+        state["i"] += 1
+        progress(f"[{state['i']}/{total}] {msg}  (+{now - state['t']:.1f}s)")
+        state["t"] = now
+    return step
+
+
+def default_cache_dir() -> Path:
+    return Path(os.environ.get("PAELLA_CACHE_DIR", Path.home() / ".cache" / "paella" / "bundles"))
+
+
+def _check_writable(out: Path) -> None:
+    parent = out.resolve().parent
+    if out.exists() and not out.is_dir():
+        raise CompileError(f"output {out} exists and is not a directory; choose another -o path")
+    if not parent.is_dir():
+        raise CompileError(f"output's parent directory {parent} does not exist; create it first")
+    if not os.access(parent, os.W_OK):
+        raise CompileError(f"cannot write into {parent} (permission denied); choose a writable -o path")
+
+
+def _install(src: Path, out: Path, copy: bool) -> None:
+    """Put ``src`` at ``out`` atomically (rename within the parent; old bundle removed)."""
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.resolve().parent))
+    try:
+        staged = tmp / "b"
+        (shutil.copytree if copy else shutil.move)(str(src), str(staged))
+        old = tmp / "old"
+        if out.exists():
+            os.rename(out, old)
+        os.rename(staged, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def compile_bundle(model: ModelDef, out: str | Path, arch: str = "sm_75",
+                   options: InstrumentOptions = InstrumentOptions(), progress: Progress = lambda _m: None,
+                   cache_dir: str | Path | None = None, force: bool = False) -> Path:
+    """Build (or fetch from cache) the bundle of ``model`` into directory ``out``."""
+    out = Path(out)
+    nvcc.check_arch(arch)
+    _check_writable(out)
+    key = cache_key(model, arch, options)
+    existing = out / MANIFEST
+    if not force and existing.is_file():
+        try:
+            if json.loads(existing.read_text()).get("cache_key") == key:
+                progress(f"{out} is up to date (cache key {key})")
+                return out
+        except (json.JSONDecodeError, OSError):
+            pass  # unreadable old bundle: rebuild over it
+    cache = Path(cache_dir or default_cache_dir()) / key
+    if not force and (cache / MANIFEST).is_file():
+        progress(f"cached bundle {key} found in {cache.parent}")
+        _install(cache, out, copy=True)
+        return out
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.build.", dir=out.resolve().parent))
+    try:
+        try:
+            manifest = _write_bundle(model, tmp, arch, options, key, progress)
+        except (PlanError, nvcc.NvccError) as e:
+            raise CompileError(f"{model.name}: {e}") from None
+        (tmp / MANIFEST).write_text(json.dumps(manifest.to_dict(), indent=1))
+        _store_in_cache(tmp, cache)
+        _install(tmp, out, copy=False)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    progress(f"wrote {out} in {manifest.compile_seconds:.1f}s: {len(manifest.variants[0].kernels)} kernels, "
+             f"{len(manifest.variants[0].launches())} launches")
+    return out
+
+
+def _store_in_cache(src: Path, cache: Path) -> None:
+    try:
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        if not cache.exists():
+            _install(src, cache, copy=True)
+    except OSError:
+        pass  # the cache is an optimisation; an unwritable cache dir must not fail the compile

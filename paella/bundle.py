@@ -1,0 +1,401 @@
+"""The bundle: what ``paella compile`` writes and what the dispatcher loads.
+
+A bundle is one directory (format described in docs/bundle.md):
+
+    manifest.json    this module's schema, ``format_version`` = FORMAT_VERSION
+    kernels.cu       the (instrumented) CUDA source TVM generated, header prepended
+    kernels.ptx      PTX built by nvcc from kernels.cu
+    kernels.cubin    cubin for the bundle's arch (ptxas gave the register counts)
+    params.npz       every param buffer's initial contents, keyed by buffer name
+    cpu.so           the same model built for llvm: reference outputs on the CPU
+
+The manifest holds a LIST of variants (batch sizes, sequence buckets, stage slices
+later); each variant has its own tensors, buffers, kernels and launch plan.
+The loader checks the format version and the manifest's internal consistency, and
+refuses anything else with a :class:`BundleError` that names the cause and the fix.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+FORMAT = "paella-bundle"
+FORMAT_VERSION = 1
+MANIFEST = "manifest.json"
+#: Byte alignment of each tensor in the request's io buffer.
+IO_ALIGN = 64
+
+BUFFER_KINDS = ("input", "param", "intermediate", "workspace")
+STREAM_DEFAULT = 0
+
+
+class BundleError(Exception):
+    """A bundle that is missing, of an unknown format, or inconsistent."""
+
+
+@dataclass
+class TensorSpec:
+    """An input or output: where it lives in the io buffer and on the device."""
+
+    name: str
+    shape: list[int]
+    dtype: str
+    offset: int            # byte offset in the request's io buffer
+    nbytes: int
+    buffer: int            # device buffer id holding it
+    buffer_offset: int = 0
+
+
+@dataclass
+class BufferSpec:
+    id: int
+    name: str
+    nbytes: int
+    kind: str              # one of BUFFER_KINDS
+
+
+@dataclass
+class KernelArg:
+    """A launch argument: a device buffer (+ byte offset) or a scalar."""
+
+    buffer: int | None = None
+    offset: int = 0
+    scalar: int | float | None = None
+    dtype: str | None = None
+
+    def to_dict(self) -> dict:
+        if self.buffer is not None:
+            return {"buffer": self.buffer, "offset": self.offset}
+        return {"scalar": self.scalar, "dtype": self.dtype}
+
+
+@dataclass
+class KernelSpec:
+    name: str
+    grid: list[int]
+    block: list[int]
+    dyn_smem: int
+    static_smem: int
+    registers: int
+    flops: float
+    bytes: int
+    params: list[dict]     # [{name, kind: buffer|scalar, dtype, access}] excluding the notifQ pair
+    instrumented: bool
+
+    @property
+    def threads_per_block(self) -> int:
+        return int(np.prod(self.block))
+
+    @property
+    def blocks(self) -> int:
+        return int(np.prod(self.grid))
+
+
+@dataclass
+class Op:
+    """One step of the launch plan. ``op`` is "h2d", "launch" or "d2h"."""
+
+    op: str
+    stream: int = STREAM_DEFAULT
+    # copies
+    buffer: int | None = None
+    buffer_offset: int = 0
+    io_offset: int | None = None
+    nbytes: int | None = None
+    # launches
+    kernel: str | None = None
+    grid: list[int] | None = None
+    block: list[int] | None = None
+    dyn_smem: int = 0
+    args: list[KernelArg] = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        if self.op == "launch":
+            return {"op": "launch", "stream": self.stream, "kernel": self.kernel, "grid": self.grid,
+                    "block": self.block, "dyn_smem": self.dyn_smem,
+                    "args": [a.to_dict() for a in self.args]}
+        return {"op": self.op, "stream": self.stream, "buffer": self.buffer,
+                "buffer_offset": self.buffer_offset, "io_offset": self.io_offset, "nbytes": self.nbytes}
+
+
+@dataclass
+class Variant:
+    name: str
+    inputs: list[TensorSpec]
+    outputs: list[TensorSpec]
+    buffers: list[BufferSpec]
+    kernels: list[KernelSpec]
+    plan: list[Op]
+    io_bytes: int
+
+    def kernel(self, name: str) -> KernelSpec:
+        for k in self.kernels:
+            if k.name == name:
+                return k
+        raise KeyError(name)
+
+    def launches(self) -> list[Op]:
+        return [op for op in self.plan if op.op == "launch"]
+
+    def to_dict(self) -> dict:
+        return {"name": self.name, "io_bytes": self.io_bytes,
+                "inputs": [asdict(t) for t in self.inputs], "outputs": [asdict(t) for t in self.outputs],
+                "buffers": [asdict(b) for b in self.buffers], "kernels": [asdict(k) for k in self.kernels],
+                "plan": [op.to_dict() for op in self.plan]}
+
+
+@dataclass
+class Manifest:
+    model: str
+    arch: str
+    instrumented: bool
+    group: int
+    variants: list[Variant]
+    files: dict[str, str]
+    cache_key: str = ""
+    tvm_version: str = ""
+    compile_seconds: float = 0.0
+    format_version: int = FORMAT_VERSION
+
+    def to_dict(self) -> dict:
+        return {"format": FORMAT, "format_version": self.format_version, "model": self.model,
+                "arch": self.arch, "instrumented": self.instrumented, "group": self.group,
+                "tvm_version": self.tvm_version, "cache_key": self.cache_key,
+                "compile_seconds": round(self.compile_seconds, 3), "files": self.files,
+                "variants": [v.to_dict() for v in self.variants]}
+
+
+# ---------------------------------------------------------------- parsing + checks
+
+
+def _require(d: dict, key: str, where: str) -> Any:
+    if key not in d:
+        raise BundleError(f"manifest: {where} lacks required field {key!r}; the bundle is corrupt "
+                          "or from another tool: recompile it with `paella compile`")
+    return d[key]
+
+
+def _variant_from_dict(d: dict) -> Variant:
+    name = _require(d, "name", "variant")
+    where = f"variant {name!r}"
+    tensors = lambda key: [TensorSpec(**t) for t in _require(d, key, where)]  # noqa: E731
+    plan = []
+    for o in _require(d, "plan", where):
+        o = dict(o)
+        o["args"] = [KernelArg(**a) for a in o.get("args", [])]
+        plan.append(Op(**o))
+    return Variant(name=name, inputs=tensors("inputs"), outputs=tensors("outputs"),
+                   buffers=[BufferSpec(**b) for b in _require(d, "buffers", where)],
+                   kernels=[KernelSpec(**k) for k in _require(d, "kernels", where)],
+                   plan=plan, io_bytes=int(_require(d, "io_bytes", where)))
+
+
+def manifest_from_dict(d: dict) -> Manifest:
+    if d.get("format") != FORMAT:
+        raise BundleError(f"manifest: format is {d.get('format')!r}, expected {FORMAT!r}: "
+                          "this is not a Paella bundle")
+    version = d.get("format_version")
+    if version != FORMAT_VERSION:
+        raise BundleError(f"manifest: format_version {version!r} is not supported (this paella reads "
+                          f"version {FORMAT_VERSION}); recompile the model with this version's "
+                          "`paella compile`")
+    try:
+        variants = [_variant_from_dict(v) for v in _require(d, "variants", "manifest")]
+    except TypeError as e:  # unexpected/missing dataclass fields
+        raise BundleError(f"manifest: malformed entry ({e}); recompile the bundle") from None
+    if not variants:
+        raise BundleError("manifest: no variants; a bundle holds at least one compiled variant")
+    return Manifest(model=_require(d, "model", "manifest"), arch=_require(d, "arch", "manifest"),
+                    instrumented=bool(_require(d, "instrumented", "manifest")),
+                    group=int(_require(d, "group", "manifest")), variants=variants,
+                    files=dict(_require(d, "files", "manifest")), cache_key=d.get("cache_key", ""),
+                    tvm_version=d.get("tvm_version", ""),
+                    compile_seconds=float(d.get("compile_seconds", 0.0)), format_version=version)
+
+
+def check_variant(v: Variant) -> None:
+    """Internal consistency: ids, sizes, io layout, and dataflow order of the plan.
+
+    Every buffer an op reads must have been written earlier in the plan (inputs by
+    their H2D copy, intermediates by a kernel); params count as written at load.
+    """
+    def bad(msg: str) -> BundleError:
+        return BundleError(f"variant {v.name!r}: {msg}; the bundle is inconsistent, recompile it")
+
+    ids = [b.id for b in v.buffers]
+    if ids != list(range(len(ids))):
+        raise bad("buffer ids must be 0..n-1 in order")
+    for b in v.buffers:
+        if b.kind not in BUFFER_KINDS or b.nbytes < 0:
+            raise bad(f"buffer {b.id} has kind {b.kind!r} / size {b.nbytes}")
+    end = 0
+    for t in v.inputs + v.outputs:
+        expect = int(np.prod(t.shape, dtype=np.int64)) * np.dtype(t.dtype).itemsize
+        if t.nbytes != expect:
+            raise bad(f"tensor {t.name!r} has {t.nbytes} bytes but shape {t.shape} {t.dtype} needs {expect}")
+        if t.offset < end or not 0 <= t.buffer < len(ids):
+            raise bad(f"tensor {t.name!r} overlaps the previous one in the io buffer or names no buffer")
+        if t.buffer_offset + t.nbytes > v.buffers[t.buffer].nbytes:
+            raise bad(f"tensor {t.name!r} does not fit in buffer {t.buffer}")
+        end = t.offset + t.nbytes
+    if end > v.io_bytes:
+        raise bad(f"io_bytes {v.io_bytes} is smaller than the tensors need ({end})")
+    kernels = {k.name: k for k in v.kernels}
+    written = {b.id for b in v.buffers if b.kind == "param"}
+    for i, op in enumerate(v.plan):
+        where = f"plan op {i} ({op.op})"
+        if op.op in ("h2d", "d2h"):
+            if op.buffer is None or not 0 <= op.buffer < len(ids):
+                raise bad(f"{where} names no valid buffer")
+            if op.buffer_offset + op.nbytes > v.buffers[op.buffer].nbytes or op.io_offset + op.nbytes > v.io_bytes:
+                raise bad(f"{where} copies past the end of its buffer or of the io buffer")
+            if op.op == "h2d":
+                written.add(op.buffer)
+            elif op.buffer not in written:
+                raise bad(f"{where} reads buffer {op.buffer} before anything wrote it")
+        elif op.op == "launch":
+            k = kernels.get(op.kernel)
+            if k is None:
+                raise bad(f"{where} launches unknown kernel {op.kernel!r}")
+            if len(op.args) != len(k.params):
+                raise bad(f"{where} passes {len(op.args)} args to {op.kernel} which takes {len(k.params)}")
+            for a, p in zip(op.args, k.params):
+                if p["kind"] == "buffer":
+                    if a.buffer is None or not 0 <= a.buffer < len(ids):
+                        raise bad(f"{where}: arg {p['name']} must be a buffer")
+                    if "r" in p["access"] and "w" not in p["access"] and a.buffer not in written:
+                        raise bad(f"{where}: {op.kernel} reads buffer {a.buffer} before anything wrote it")
+            for a, p in zip(op.args, k.params):
+                if p["kind"] == "buffer" and "w" in p["access"]:
+                    written.add(a.buffer)
+        else:
+            raise bad(f"{where}: unknown op kind {op.op!r} (expected h2d, launch or d2h)")
+
+
+# ---------------------------------------------------------------- the loaded bundle
+
+
+class Bundle:
+    """A loaded bundle. Attribute shortcuts refer to the first variant."""
+
+    def __init__(self, path: Path, manifest: Manifest) -> None:
+        self.path = path
+        self.manifest = manifest
+        self._params: dict[str, np.ndarray] | None = None
+        self._vm = None
+
+    # shortcuts to variants[0]
+    @property
+    def variants(self) -> list[Variant]:
+        return self.manifest.variants
+
+    @property
+    def model(self) -> str:
+        return self.manifest.model
+
+    @property
+    def kernels(self) -> list[KernelSpec]:
+        return self.variants[0].kernels
+
+    @property
+    def plan(self) -> list[Op]:
+        return self.variants[0].plan
+
+    @property
+    def inputs(self) -> list[TensorSpec]:
+        return self.variants[0].inputs
+
+    @property
+    def outputs(self) -> list[TensorSpec]:
+        return self.variants[0].outputs
+
+    @property
+    def buffers(self) -> list[BufferSpec]:
+        return self.variants[0].buffers
+
+    @property
+    def io_bytes(self) -> int:
+        return self.variants[0].io_bytes
+
+    def file(self, key: str) -> Path:
+        name = self.manifest.files.get(key)
+        if name is None:
+            raise BundleError(f"bundle {self.path} has no {key!r} file in its manifest")
+        return self.path / name
+
+    def params(self) -> dict[str, np.ndarray]:
+        """Param buffer contents keyed by buffer name (what the device uploads once)."""
+        if self._params is None:
+            with np.load(self.file("params"), allow_pickle=False) as z:
+                self._params = {k: z[k] for k in z.files}
+        return self._params
+
+    def param_bytes(self, variant: int = 0) -> dict[int, bytes]:
+        """Initial contents per param buffer id."""
+        p = self.params()
+        return {b.id: p[b.name].tobytes() for b in self.variants[variant].buffers if b.kind == "param"}
+
+    def pack_inputs(self, inputs: dict[str, np.ndarray], variant: int = 0) -> np.ndarray:
+        """An io buffer (uint8) holding ``inputs`` at their offsets, outputs zeroed."""
+        v = self.variants[variant]
+        io = np.zeros(v.io_bytes, dtype=np.uint8)
+        for t in v.inputs:
+            a = _checked_input(t, inputs)
+            io[t.offset:t.offset + t.nbytes] = np.ascontiguousarray(a).view(np.uint8).reshape(-1)
+        return io
+
+    def unpack_outputs(self, io: np.ndarray, variant: int = 0) -> dict[str, np.ndarray]:
+        v = self.variants[variant]
+        return {t.name: io[t.offset:t.offset + t.nbytes].view(np.dtype(t.dtype)).reshape(t.shape).copy()
+                for t in v.outputs}
+
+    def run_cpu(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """Reference outputs from the CPU (llvm) build of the same model."""
+        import tvm
+        from tvm import relax
+        v = self.variants[0]
+        arrays = [_checked_input(t, inputs) for t in v.inputs]
+        if self._vm is None:
+            lib = tvm.runtime.load_module(str(self.file("cpu_lib")))
+            self._vm = relax.VirtualMachine(lib, tvm.cpu())
+        p = self.params()
+        order = json.loads(self.file("cpu_params").read_text())
+        dev = tvm.cpu()
+        args = [tvm.runtime.tensor(a, dev) for a in arrays] + [tvm.runtime.tensor(p[n], dev) for n in order]
+        out = self._vm["main"](*args)
+        outs = list(out) if not hasattr(out, "numpy") else [out]
+        if len(outs) != len(v.outputs):
+            raise BundleError(f"CPU build returned {len(outs)} outputs, manifest lists {len(v.outputs)}")
+        return {t.name: o.numpy() for t, o in zip(v.outputs, outs)}
+
+
+def _checked_input(t: TensorSpec, inputs: dict[str, np.ndarray]) -> np.ndarray:
+    if t.name not in inputs:
+        raise ValueError(f"missing input {t.name!r}; the model takes {t.name!r} {t.shape} {t.dtype}")
+    a = np.asarray(inputs[t.name])
+    if list(a.shape) != list(t.shape) or a.dtype != np.dtype(t.dtype):
+        raise ValueError(f"input {t.name!r} is {list(a.shape)} {a.dtype}, the model needs {t.shape} {t.dtype}")
+    return a
+
+
+def load_bundle(path: str | Path) -> Bundle:
+    """Load and check a bundle directory; raises :class:`BundleError` when unusable."""
+    path = Path(path)
+    mpath = path / MANIFEST
+    if not mpath.is_file():
+        raise BundleError(f"{path} is not a bundle: no {MANIFEST} (create one with `paella compile MODEL -o {path}`)")
+    try:
+        d = json.loads(mpath.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise BundleError(f"{mpath} is not valid JSON ({e}); the bundle is corrupt, recompile it") from None
+    m = manifest_from_dict(d)
+    for key, name in m.files.items():
+        if not (path / name).is_file():
+            raise BundleError(f"bundle {path}: file {name!r} ({key}) is missing; recompile the bundle")
+    for v in m.variants:
+        check_variant(v)
+    return Bundle(path, m)
