@@ -29,7 +29,7 @@ import greenlet
 import numpy as np
 
 from paella import protocol
-from paella.dispatcher.devices.base import Device
+from paella.dispatcher.devices.base import Device, DeviceError
 
 from .adaptor import JobAdaptor
 from .job import FINISHED, Job
@@ -37,7 +37,7 @@ from .occupancy import Tracker
 from .policies.base import Policy, get_policy
 from .profile import ModelProfile
 from .streams import StreamMap
-from .waitlist import D2H, DROPPED, H2D, KERNEL, Op
+from .waitlist import DROPPED, H2D, KERNEL, RELEASED, Op
 
 log = logging.getLogger(__name__)
 
@@ -173,8 +173,13 @@ class Dispatcher:
         lid = self.tracker.release(op)
         op.t_release = self.now
         self._progress += 1
-        self.device.launch(op.func, op.grid, op.block, s, lid, dyn_smem=op.dyn_smem, args=op.args,
-                           instrumented=True, group=self.group)
+        try:
+            self.device.launch(op.func, op.grid, op.block, s, lid, dyn_smem=op.dyn_smem,
+                               args=op.args, instrumented=True, group=self.group)
+        except DeviceError as e:
+            self.tracker.unrelease(op)
+            self._device_refused(op, e)
+            return
         if op.almost_finished:
             self._almost_finished(op.job)
         op.job.waitlist.released(op)
@@ -186,10 +191,14 @@ class Dispatcher:
         if op.almost_finished:
             self._almost_finished(op.job)
         dev = self.device
-        if op.kind == H2D:
-            dev.memcpy_htod(op.dptr, op.host, s)
-        else:
-            dev.memcpy_dtoh(op.host, op.dptr, s)
+        try:
+            if op.kind == H2D:
+                dev.memcpy_htod(op.dptr, op.host, s)
+            else:
+                dev.memcpy_dtoh(op.host, op.dptr, s)
+        except DeviceError as e:
+            self._device_refused(op, e)
+            return
         # Copies post no notifications: an event behind each, polled oldest first.
         q = self._copy_events.get(s)
         if q is None:
@@ -314,6 +323,25 @@ class Dispatcher:
             if cb is not None:
                 cb(job.req)
 
+    def _device_refused(self, op: Op, exc: DeviceError) -> None:
+        """The device rejected a released op (a bad pointer, say): fail its request."""
+        self.streams.done(op)
+        job = op.job
+        op.state = RELEASED
+        self._abort(job, f"{type(exc).__name__}: {exc}", cancelled=False)
+        job.waitlist.finish(op)
+        if job.waitlist.pending == 0 and job.state != FINISHED:
+            self._finish(job)
+
+    def _abort(self, job: Job, error: str, cancelled: bool) -> None:
+        """Stop a job from the loop: kill its greenlet, drop its unreleased ops."""
+        job.cancelled = cancelled
+        job.error = job.error or error
+        if job.glet is not None and not job.glet.dead:
+            job.glet.throw(greenlet.GreenletExit)
+        job.returned = True
+        self._withdraw(job)
+
     def _check_launch_size(self, func: Any, blocks: int) -> None:
         need = self.tracker.entries_for(blocks)
         if need > self.tracker.slots:
@@ -389,15 +417,10 @@ class Dispatcher:
         Released work drains first; ``on_complete`` then reports STATUS_CANCELLED."""
         victims = [j for j in self.jobs if j.client_id == client_id]
         for job in victims:
-            job.cancelled = True
-            job.error = job.error or f"cancelled: client {client_id} disconnected"
             if job in self._arrivals:
                 self._arrivals.remove(job)
                 job.left_policy = True       # never announced to the policy
-            elif job.glet is not None and not job.glet.dead:
-                job.glet.throw(greenlet.GreenletExit)
-            job.returned = True
-            self._withdraw(job)
+            self._abort(job, f"cancelled: client {client_id} disconnected", cancelled=True)
             if job.waitlist.pending == 0:
                 self._finish(job)
         return len(victims)

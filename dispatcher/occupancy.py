@@ -149,6 +149,17 @@ class Tracker:
         self.pending_entries += self.entries_for(n)
         return lid
 
+    def unrelease(self, op: Op) -> None:
+        """Undo :meth:`release` for a launch the device refused."""
+        n = op.blocks
+        fp = op.fp
+        self.unplaced -= n
+        self.d_warps -= n * fp.warps
+        self.d_regs -= n * fp.regs
+        self.d_smem -= n * fp.smem
+        self.pending_entries -= self.entries_for(n)
+        self._finish(op)
+
     # -- notification side ----------------------------------------------------------------
     def drain(self, now: float, on_done: Callable[[Op], None]) -> int:
         """Consume every valid notifQ entry; ``on_done(op)`` for each finished launch.

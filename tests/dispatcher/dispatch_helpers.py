@@ -29,7 +29,7 @@ class TwoStreams(JobAdaptor):
 
     def run(self, io):
         s1, s2 = cuda.stream_create(), cuda.stream_create(non_blocking=True)
-        cuda.memcpy_htod(self.buf, io, s1)
+        cuda.memcpy_htod(self.buf, io[:64], s1)
         cuda.launch(self.k[0], 20, 256, s1)
         e = cuda.event_create()
         cuda.event_record(e, s1)
@@ -38,7 +38,7 @@ class TwoStreams(JobAdaptor):
         cuda.launch(self.k[2], 30, 128, s2)
         cuda.stream_synchronize(s2)
         cuda.launch(self.k[3], 5, 32)          # default stream: behind s1
-        cuda.memcpy_dtoh(io, self.buf)
+        cuda.memcpy_dtoh(io[:64], self.buf)
         cuda.device_synchronize()
         cuda.stream_destroy(s1)
         cuda.stream_destroy(s2)

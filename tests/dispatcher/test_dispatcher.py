@@ -223,3 +223,23 @@ def test_profiling_seeds_the_remaining_time_estimate(make):
     assert set(prof.kernels) == {f"c_k{i}" for i in range(6)}
     assert all(k.count == pytest.approx(1.0) for k in prof.kernels.values())
     assert prof.total == pytest.approx(6 * 100e-6, rel=0.2)
+
+
+def test_copy_the_device_refuses_fails_only_its_request(make):
+    dev, d = make("paella")
+    good = d.register_model("good", chain("good", 2))
+
+    class BadPointer(JobAdaptor):
+        io_bytes = 8
+
+        def run(self, io):
+            cuda.memcpy_htod(0xdead0000, io)
+            cuda.device_synchronize()
+
+    bad = d.register_model("badptr", BadPointer(), profile_runs=0)
+    rec = Recorder()
+    d.submit(rec.request(0, bad, 8))
+    d.submit(rec.request(1, good, 512))
+    d.run_until_idle()
+    assert rec.done[0][0] == STATUS_ERROR and "outside every allocation" in rec.done[0][1]
+    assert rec.done[1][0] == STATUS_OK

@@ -1,0 +1,199 @@
+"""Policies: SRPT order, deficit-bounded starvation, the registry, plug-in fallback."""
+from __future__ import annotations
+
+import logging
+import sys
+import types
+from importlib import metadata
+
+import pytest
+
+from paella.dispatcher.core import STATUS_OK
+from paella.dispatcher.policies import base
+from paella.dispatcher.policies.base import HeapPolicy, PolicyError, get_policy, register_policy
+from paella.dispatcher.policies.paella import Paella
+
+from dispatch_helpers import Recorder, chain
+
+
+class FakeJob:
+    """What a policy sees of a job."""
+    _n = 0
+
+    def __init__(self, remaining: float, client: int = 0):
+        FakeJob._n += 1
+        self.seq = FakeJob._n
+        self.remaining = self.estimate = remaining
+        self.client_id = client
+        self.queued = False
+        self.pver = 0
+        self.punit = None
+
+    def __repr__(self):
+        return f"J{self.seq}(rem={self.remaining})"
+
+
+def arrive(policy, *jobs):
+    for j in jobs:
+        policy.job_arrived(j)
+        policy.kernel_ready(j)
+
+
+def test_srpt_picks_the_least_remaining_work():
+    p = Paella(fairness_threshold=1e9)
+    a, b, c = FakeJob(5.0), FakeJob(1.0), FakeJob(3.0)
+    arrive(p, a, b, c)
+    order = []
+    for _ in range(3):
+        j = p.pick()
+        assert p.pick() is j                  # pick() does not change state
+        order.append(j)
+        p.released(j, None)
+    assert order == [b, c, a]
+    assert p.pick() is None
+
+
+def test_srpt_requeues_with_the_reduced_estimate():
+    p = Paella(fairness_threshold=1e9)
+    long_, short = FakeJob(10.0), FakeJob(4.0)
+    arrive(p, long_, short)
+    j = p.pick()
+    assert j is short
+    p.released(short, None)
+    long_.remaining = 10.0
+    short.remaining = 3.0
+    p.kernel_ready(short)
+    assert p.pick() is short
+    # A partially completed long job overtakes a fresh short one.
+    p.released(short, None)
+    p.pick()
+    long_.remaining = 2.0
+    p.released(long_, None)
+    p.kernel_ready(long_)
+    p.kernel_ready(short)
+    assert p.pick() is long_
+
+
+def starve(threshold: float, rounds: int = 400) -> int:
+    """A long job against an endless supply of one-kernel short jobs: the longest run of
+    releases during which the long job waited."""
+    p = Paella(fairness_threshold=threshold)
+    long_ = FakeJob(1e6)
+    arrive(p, long_)
+    worst = gap = 0
+    shorts = [FakeJob(1.0), FakeJob(1.0)]
+    arrive(p, *shorts)
+    for _ in range(rounds):
+        j = p.pick()
+        p.released(j, None)
+        if j is long_:
+            worst = max(worst, gap)
+            gap = 0
+            p.kernel_ready(long_)
+        else:
+            gap += 1
+            p.job_finished(j)
+            s = FakeJob(1.0)                   # a fresh short job takes its place
+            arrive(p, s)
+    return max(worst, gap)
+
+
+@pytest.mark.parametrize("threshold", [0.0, 2.0, 8.0])
+def test_deficits_bound_how_long_a_long_job_starves(threshold):
+    # Three jobs in the system: the long one gains 1/3 per release it misses, so it is
+    # served after about 3 * (threshold + 1) releases at most.
+    worst = starve(threshold)
+    assert worst <= 3 * (threshold + 1) + 1
+
+
+def test_without_deficits_srpt_starves_the_long_job():
+    assert starve(float("inf"), rounds=200) == 200
+
+
+def test_deficits_by_client_follow_the_paper_update():
+    p = Paella(fairness_threshold=1e9, fairness_unit="client")
+    a, b = FakeJob(1.0, client=1), FakeJob(2.0, client=2)
+    arrive(p, a, b)
+    p.released(p.pick(), None)               # client 1 releases one kernel
+    assert p.deficit(1) == pytest.approx(-0.5)  # -(1 - 1/2)
+    assert p.deficit(2) == pytest.approx(0.5)   # +1/2
+
+
+def test_deficit_threshold_zero_serves_oldest_waiting_first():
+    p = Paella(fairness_threshold=0.0)
+    old, new = FakeJob(9.0), FakeJob(1.0)
+    arrive(p, old, new)
+    assert p.pick() is new                    # no deficit yet: SRPT
+    p.released(new, None)
+    p.kernel_ready(new)
+    assert p.pick() is old                    # old now owed: deficit 1/2 > 0
+
+
+@pytest.mark.parametrize("name", ["fifo", "ms-jbj", "ms_jbj", "MS-KBK", "sjf", "rr", "paella"])
+def test_registry_finds_builtin_policies(name):
+    assert get_policy(name).name == name.lower().replace("_", "-")
+
+
+def test_unknown_policy_names_the_known_ones():
+    with pytest.raises(PolicyError, match="unknown scheduling policy 'nope'.*fifo.*paella"):
+        get_policy("nope")
+
+
+def test_duplicate_registration_raises():
+    with pytest.raises(PolicyError, match="already registered"):
+        @register_policy("fifo")
+        class Other(HeapPolicy):
+            def key(self, job):
+                return 0
+
+
+def test_bad_policy_options_raise():
+    with pytest.raises(PolicyError, match="fairness_threshold"):
+        Paella(fairness_threshold=-1)
+    with pytest.raises(PolicyError, match="no option"):
+        get_policy("rr")(None, bogus=1)
+
+
+class Exploding(HeapPolicy):
+    """A plug-in that works for a while, then raises in pick()."""
+    calls = 0
+
+    def key(self, job):
+        return job.seq
+
+    def pick(self):
+        Exploding.calls += 1
+        if Exploding.calls > 25:
+            raise ZeroDivisionError("plug-in bug")
+        return super().pick()
+
+
+@pytest.fixture
+def plugin(monkeypatch):
+    """Expose ``Exploding`` as an entry point of group paella.policies."""
+    mod = types.ModuleType("paella_test_plugin")
+    mod.Exploding = Exploding
+    monkeypatch.setitem(sys.modules, "paella_test_plugin", mod)
+    ep = metadata.EntryPoint("exploding", "paella_test_plugin:Exploding", base.ENTRY_POINT_GROUP)
+    real = metadata.entry_points
+    monkeypatch.setattr(base.metadata, "entry_points",
+                        lambda group=None: [ep] if group == base.ENTRY_POINT_GROUP else real(group=group))
+    yield
+    base._REGISTRY.pop("exploding", None)
+
+
+def test_plugin_policy_loads_from_an_entry_point_and_falls_back_to_fifo(make, plugin, caplog):
+    Exploding.calls = 0
+    dev, d = make("exploding")
+    assert type(d.policy) is Exploding
+    mid = d.register_model("c", chain("c", 6), profile_runs=0)
+    rec = Recorder()
+    for i in range(12):
+        d.submit(rec.request(i, mid, 512))
+    with caplog.at_level(logging.ERROR):
+        d.run_until_idle()
+    assert d.policy.name == "fifo"
+    assert "ZeroDivisionError" in d.policy_failure
+    assert any("falling back" in r.getMessage() for r in caplog.records)
+    assert sorted(rec.done) == list(range(12))
+    assert all(v[0] == STATUS_OK for v in rec.done.values())
