@@ -124,7 +124,10 @@ class Client:
         hello: dict = {"version": wire.PROTOCOL_VERSION, "mode": mode}
         if arena_bytes is not None:
             hello["arena_bytes"] = int(arena_bytes)
-        self._sock.sendall(wire.encode(wire.HELLO, hello))
+        try:
+            self._sock.sendall(wire.encode(wire.HELLO, hello))
+        except OSError:
+            pass   # a refusing daemon may close before HELLO: its ERROR is still readable
         fds: list[int] = []
         deadline = time.monotonic() + timeout
         while True:
@@ -133,6 +136,9 @@ class Client:
             except socket.timeout:
                 raise DaemonUnavailable(f"the daemon at {self.path} did not answer HELLO "
                                         f"within {timeout} s") from None
+            except OSError as e:
+                raise DaemonUnavailable(f"the daemon at {self.path} dropped the connection "
+                                        f"during the handshake: {e}") from None
             fds += got
             if not data:
                 raise DaemonUnavailable(f"the daemon at {self.path} closed the connection "
@@ -160,10 +166,10 @@ class Client:
         self._seg.release()
         self.arena = None   # type: ignore[assignment]
         self._requests = self._completions = None   # type: ignore[assignment]
-        try:
-            self._mm.close()
-        except BufferError:
-            pass  # the caller still holds a view into the arena; GC unmaps it later
+        # No self._mm.close(): numpy views do not pin an mmap, so closing it under a
+        # view the caller kept would crash on the next access. The last reference
+        # going away unmaps it.
+        self._mm = None
 
     def __enter__(self) -> "Client":
         return self

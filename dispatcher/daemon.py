@@ -209,10 +209,9 @@ def _serve(args: argparse.Namespace) -> int:
     logging.basicConfig(level=cfg.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s paella[%(process)d] %(levelname)s %(message)s")
     try:
-        daemon = Daemon(cfg)
+        return Daemon(cfg).serve()
     except (FrontendError, ConfigError) as e:
         raise CLIError(str(e)) from None
-    return daemon.serve()
 
 
 # --- models ----------------------------------------------------------------------------
@@ -493,8 +492,8 @@ class Daemon:
                      self.router.in_flight, self.cfg.drain_seconds)
             sd_notify("STOPPING=1")
             self.front.stop_accepting()
-        if self.router.in_flight == 0:
-            return True
+        if self.router.in_flight == 0 and not self.front.any_pending():
+            return True     # (entries still in rings get "shutting down" next pass)
         if time.monotonic() > self.drain_deadline:
             log.warning("drain deadline passed: cancelling %d request(s)", self.router.in_flight)
             self.router.cancel_all("the daemon stopped before the job finished")

@@ -1,0 +1,107 @@
+"""Helpers of the service tests: a real daemon process, readiness via sd_notify.
+
+The daemon is started as ``python -m paella.cli serve`` with a real datagram socket as
+$NOTIFY_SOCKET; a test proceeds only once READY=1 arrived on it, which is exactly
+what systemd's Type=notify waits for.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+
+#: The ``paella`` command, without relying on the console script being on PATH.
+#: (Not ``-m paella.cli``: that makes a second copy of the module, whose CLIError
+#: the real one's main() would not catch.)
+PAELLA = (sys.executable, "-X", "faulthandler", "-c",
+          "import sys; from paella.cli import main; sys.exit(main())")
+
+#: Polite defaults for a shared 2-core machine; tests of pinning pass their own.
+POLITE = ("--cpu", "none", "--rt-priority", "0")
+
+
+@dataclass
+class DaemonProc:
+    proc: subprocess.Popen
+    socket: str
+    dir: str
+    log_path: str
+    notify: socket.socket
+    messages: list[str] = field(default_factory=list)
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def log(self) -> str:
+        with open(self.log_path) as f:
+            return f.read()
+
+    def segments(self) -> list[str]:
+        """This daemon's shared-memory segments still named in /dev/shm."""
+        return [n for n in os.listdir("/dev/shm") if n.startswith(f"paella.{self.pid}.")]
+
+    def recv_notify(self, timeout: float) -> list[str]:
+        self.notify.settimeout(timeout)
+        try:
+            while True:
+                self.messages.append(self.notify.recv(4096).decode())
+                self.notify.settimeout(0.01)
+        except (socket.timeout, BlockingIOError):
+            pass  # nothing more queued
+        return self.messages
+
+    def stop(self, timeout: float = 15.0) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        return self.proc.wait(timeout)
+
+
+def start_daemon(*args: str, ready: bool = True, polite: bool = True,
+                 sock_dir: str | None = None) -> DaemonProc:
+    d = sock_dir or tempfile.mkdtemp(prefix="pls", dir="/tmp")
+    sock = os.path.join(d, "p.sock")
+    notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    npath = os.path.join(d, f"notify.{time.monotonic_ns()}")
+    notify.bind(npath)
+    log_path = os.path.join(d, f"daemon.{time.monotonic_ns()}.log")
+    env = dict(os.environ, NOTIFY_SOCKET=npath)
+    cmd = [*PAELLA, "serve", "--socket", sock,
+           *(POLITE if polite else ()), *args]
+    with open(log_path, "w") as logf:
+        proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, env=env)
+    dp = DaemonProc(proc, sock, d, log_path, notify)
+    if ready:
+        deadline = time.monotonic() + 30
+        while not any("READY=1" in m for m in dp.messages):
+            if proc.poll() is not None:
+                raise RuntimeError(f"daemon exited with {proc.returncode}:\n{dp.log()}")
+            if time.monotonic() > deadline:
+                proc.kill()
+                raise RuntimeError(f"daemon not ready after 30 s:\n{dp.log()}")
+            dp.recv_notify(0.2)
+    return dp
+
+
+def cleanup(dp: DaemonProc) -> None:
+    if dp.proc.poll() is None:
+        dp.proc.kill()
+        dp.proc.wait(10)
+    for name in dp.segments():      # a failed test must not leak into the next
+        os.unlink(os.path.join("/dev/shm", name))
+    dp.notify.close()
+    shutil.rmtree(dp.dir, ignore_errors=True)
+
+
+
+def run_client(code: str, sock: str, timeout: float = 60) -> subprocess.CompletedProcess:
+    """Run ``code`` in a fresh interpreter with SOCK bound to the daemon's socket."""
+    prog = f"SOCK = {sock!r}\n" + code
+    return subprocess.run([sys.executable, "-c", prog], capture_output=True, text=True,
+                          timeout=timeout)
