@@ -53,6 +53,7 @@ class DaemonConfig:
     models: str = ""                    # model repository: a directory of bundles
     backend: str = "auto"               # auto | sim | cuda
     gpu: str = "t4"                     # GPU preset of the sim backend
+    sim_mode: str = "stepped"           # stepped (in the loop) | process (own process)
     cpu: str = "auto"                   # core of the loop: auto (last allowed) | none | N
     rt_priority: int = 1                # SCHED_FIFO priority; 0 keeps normal scheduling
     idle: str = "adaptive"              # adaptive | spin
@@ -76,6 +77,7 @@ class DaemonConfig:
 
     def check(self) -> None:
         choices = {"backend": ("auto", "sim", "cuda"), "idle": ("adaptive", "spin"),
+                   "sim_mode": ("stepped", "process"),
                    "log_level": ("debug", "info", "warning", "error")}
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
@@ -97,7 +99,7 @@ class DaemonConfig:
 
 
 SECTIONS = {
-    "daemon": ("socket", "models", "backend", "gpu", "cpu", "rt_priority", "idle",
+    "daemon": ("socket", "models", "backend", "gpu", "sim_mode", "cpu", "rt_priority", "idle",
                "idle_spin_us", "drain_seconds", "echo", "log_level"),
     "access": ("allowed_users", "allowed_groups", "socket_mode"),
     "limits": ("max_clients", "max_inflight_per_client", "arena_bytes", "max_arena_bytes",
@@ -169,6 +171,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--models", help="model repository directory (a directory of bundles)")
     p.add_argument("--backend", choices=("auto", "sim", "cuda"))
     p.add_argument("--gpu", help="GPU preset for the sim backend (e.g. t4)")
+    p.add_argument("--sim-mode", dest="sim_mode", choices=("stepped", "process"),
+                   help="real-time simulator stepped in the loop or in its own process")
     p.add_argument("--cpu", help="core of the dispatcher loop: auto, none or a number")
     p.add_argument("--rt-priority", type=int, dest="rt_priority",
                    help="SCHED_FIFO priority (0: normal scheduling)")
@@ -327,6 +331,125 @@ class Router:
         return sum(p.in_flight for p in self.paths)
 
 
+# --- bundles on the dispatcher ---------------------------------------------------------
+def model_info_from_bundle(model_id: int, bundle) -> wire.ModelInfo:
+    """The client-facing description of a loaded bundle (every variant)."""
+    def tensors(ts) -> tuple[wire.TensorInfo, ...]:
+        return tuple(wire.TensorInfo(t.name, tuple(t.shape), t.dtype, t.offset) for t in ts)
+    return wire.ModelInfo(model_id, bundle.model, tuple(
+        wire.VariantInfo(v.io_bytes, tensors(v.inputs), tensors(v.outputs))
+        for v in bundle.variants))
+
+
+def plan_from_variant(name: str, v):
+    """A bundle variant's launch plan in the dispatcher's :class:`Plan` form.
+
+    Buffers are named by their id. ``buffer_offset`` of a copy is dropped: the plan
+    form has no such field, and on the simulator only the copy's size matters.
+    """
+    from paella.dispatcher.adaptor import Plan, PlanOp
+    from paella.dispatcher.devices.base import KernelInfo
+    kernels = [KernelInfo(k.name, k.registers, static_smem=k.static_smem, flops=k.flops,
+                          bytes=k.bytes) for k in v.kernels]
+    ops = []
+    for op in v.plan:
+        if op.op == "launch":
+            ops.append(PlanOp("launch", stream=op.stream, kernel=op.kernel, grid=tuple(op.grid),
+                              block=tuple(op.block), dyn_smem=op.dyn_smem))
+        else:
+            ops.append(PlanOp(op.op, stream=op.stream, buffer=str(op.buffer),
+                              io_offset=op.io_offset, nbytes=op.nbytes))
+    return Plan(name, kernels, ops, {str(b.id): b.nbytes for b in v.buffers}, v.io_bytes)
+
+
+def functional_adaptor(bundle, name: str):
+    """Sim backend: the plan's timing on the simulated GPU, the CPU build's answers.
+
+    The simulated kernels compute nothing, so the outputs come from the bundle's CPU
+    (llvm) build: computed from the request's inputs when the job starts (before any
+    copy can touch the io region) and written into the client's arena after the job's
+    final synchronize, i.e. once its D2H copy completed and before the completion is
+    pushed. The CPU work runs in the dispatcher loop: fine for small models, and the
+    cost a real deployment pays on the GPU instead.
+    """
+    from paella.dispatcher.adaptor import PlanAdaptor
+
+    v = bundle.variants[0]
+
+    class FunctionalBundleAdaptor(PlanAdaptor):
+        def run(self, io: np.ndarray) -> None:
+            inputs = {t.name: io[t.offset:t.offset + t.nbytes].view(t.dtype).reshape(t.shape)
+                      for t in v.inputs}
+            outs = bundle.run_cpu(inputs)
+            super().run(io)
+            for t in v.outputs:
+                io[t.offset:t.offset + t.nbytes] = np.ascontiguousarray(
+                    outs[t.name], dtype=t.dtype).view(np.uint8).reshape(-1)
+
+    return FunctionalBundleAdaptor(plan_from_variant(name, v))
+
+
+class DispatcherExecutor:
+    """The Dispatcher (issue 4) on a device: the execution path of bundle models."""
+
+    #: Spin instead of sleeping when the next device event is this close (seconds).
+    SPIN_BELOW = 50e-6
+
+    def __init__(self, front: Frontend, device, cfg: DaemonConfig):
+        from paella.dispatcher.core import (STATUS_CANCELLED, STATUS_ERROR, STATUS_OK,
+                                            Dispatcher, Request)
+        params = dict(cfg.policy_params)
+        extra = params.pop("extra_blocks", None)
+        fair = params.pop("fairness_threshold", None)
+        self.front = front
+        self.device = device
+        self.disp = Dispatcher(device, cfg.policy, extra_blocks=extra, fairness_threshold=fair,
+                               policy_options=params or None)
+        self.Request = Request
+        self.status = {STATUS_OK: rings.OK, STATUS_ERROR: rings.E_FAILED,
+                       STATUS_CANCELLED: rings.E_CANCELLED}
+        self.ids: dict[int, int] = {}     # client-visible model id -> dispatcher model id
+        self._next_event = getattr(device, "next_event_time", None)
+
+    def register(self, model_id: int, name: str, adaptor) -> None:
+        self.ids[model_id] = self.disp.register_model(name, adaptor)
+
+    def submit(self, client_id: int, req_id: int, model_id: int, variant: int,
+               io: np.ndarray) -> None:
+        self.disp.submit(self.Request(req_id, client_id, self.ids[model_id], io, variant,
+                                      self._almost, self._done))
+
+    def _almost(self, req) -> None:
+        self.front.almost_finished(req.client_id, req.req_id)
+
+    def _done(self, req, status: int, error: str | None) -> None:
+        self.front.complete(req.client_id, req.req_id, self.status.get(status, rings.E_INTERNAL),
+                            error)
+
+    def step(self) -> bool:
+        return self.disp.step()
+
+    def cancel_client(self, client_id: int) -> None:
+        self.disp.cancel_client(client_id)
+
+    def cancel_all(self, reason: str) -> None:
+        for cid in {j.client_id for j in self.disp.jobs}:
+            self.disp.cancel_client(cid)
+
+    def deadline(self) -> float | None:
+        """Seconds the loop may sleep: None when idle, 0 when work is runnable now."""
+        if self.disp.in_flight == 0:
+            return None
+        if not self.disp.idle or self._next_event is None:
+            return 0.0
+        wait = (self._next_event() - self.device.now()) / getattr(self.device, "speed", 1.0)
+        return 0.0 if wait < self.SPIN_BELOW else min(wait, 0.1)
+
+    @property
+    def in_flight(self) -> int:
+        return self.disp.in_flight
+
+
 # --- process setup ---------------------------------------------------------------------
 def sd_notify(message: str) -> bool:
     """Send one sd_notify datagram to $NOTIFY_SOCKET; False when not under systemd."""
@@ -363,6 +486,28 @@ def pin_and_prioritize(cpu: str, rt_priority: int) -> None:
                     "LimitRTPRIO); running with normal scheduling", rt_priority)
 
 
+def open_device_for(cfg: DaemonConfig):
+    """The device of the dispatcher path. ``auto`` says in the log which it chose."""
+    from paella.dispatcher.devices import NoDriverError, open_device, pick_backend
+    backend = cfg.backend
+    if backend == "auto":
+        backend, reason = pick_backend()
+        log.info("backend auto: %s (%s)", backend, reason)
+    if backend == "cuda":
+        raise ConfigError("the cuda backend cannot serve bundles from the daemon yet: its "
+                          "job adaptor does not pass kernel arguments; use --backend sim")
+    if cfg.sim_mode == "process":
+        from paella.dispatcher.devices.sim import SimProcessDevice
+        log.info("simulated GPU %s in a process of its own (real time)", cfg.gpu)
+        return SimProcessDevice(cfg.gpu)
+    try:
+        dev = open_device("sim", gpu=cfg.gpu, realtime=True)
+    except (NoDriverError, ValueError) as e:
+        raise ConfigError(str(e)) from None
+    log.info("simulated GPU %s stepped from the dispatcher loop (real time)", cfg.gpu)
+    return dev
+
+
 # --- the daemon ------------------------------------------------------------------------
 class Daemon:
     def __init__(self, cfg: DaemonConfig):
@@ -379,6 +524,10 @@ class Daemon:
         self.host = HostExecutor(self.front, {})
         self.router.paths.append(self.host)
         self.front.executor = self.router
+        self.dispatcher: DispatcherExecutor | None = None
+        self.device = None
+        self._bundle_keys: dict[str, tuple] = {}
+        self._generation = 0
         self.draining = False
         self.drain_deadline = 0.0
         self.reload_requested = False
@@ -391,23 +540,60 @@ class Daemon:
         if self.cfg.echo:
             m = echo_model(self.table.id_for("echo"))
             host[m.info.model_id] = m
-        if self.cfg.models:
-            self._load_repository(self.cfg.models)
+        bundles = self._load_repository(self.cfg.models) if self.cfg.models else []
         self.host.models = host
         for mid in host:
             self.router.by_model[mid] = self.host
-        self.table.replace([m.info for m in host.values()])
+        self.table.replace([m.info for m in host.values()] + bundles)
         log.info("serving %d model(s): %s", len(self.table.by_id),
                  ", ".join(m.name for m in self.table.by_id.values()) or "none")
 
-    def _load_repository(self, path: str) -> None:
+    def _load_repository(self, path: str) -> list[wire.ModelInfo]:
+        """Every bundle under ``path``; new or changed ones are registered with the
+        dispatcher (which profiles them), unchanged ones are kept as they are."""
+        from paella.bundle import BundleError, load_bundle
         if not os.path.isdir(path):
             raise ConfigError(f"model repository {path} is not a directory")
-        bundles = sorted(d for d in os.listdir(path)
-                         if os.path.isfile(os.path.join(path, d, "manifest.json")))
-        if bundles:
-            raise ConfigError(f"model repository {path} holds bundles {bundles}, but this "
-                              f"daemon build cannot run bundles yet (no dispatcher path)")
+        found = []
+        for d in sorted(os.listdir(path)):
+            bdir = os.path.join(path, d)
+            if not os.path.isfile(os.path.join(bdir, "manifest.json")):
+                continue
+            try:
+                bundle = load_bundle(bdir)
+            except BundleError as e:
+                raise ConfigError(f"cannot load bundle {bdir}: {e}") from None
+            found.append(bundle)
+        infos = []
+        for bundle in found:
+            key = (bundle.manifest.cache_key, os.path.getmtime(bundle.path / "manifest.json"))
+            mid = self.table.id_for(bundle.model)
+            if self._bundle_keys.get(bundle.model) != key:
+                self._register_bundle(mid, bundle)
+                self._bundle_keys[bundle.model] = key
+            infos.append(model_info_from_bundle(mid, bundle))
+        return infos
+
+    def _register_bundle(self, model_id: int, bundle) -> None:
+        ex = self._dispatcher()
+        gen = self._generation = self._generation + 1
+        name = f"{bundle.model}#{gen}"     # a changed bundle registers anew
+        t0 = time.monotonic()
+        try:
+            ex.register(model_id, name, functional_adaptor(bundle, name))
+        except (ValueError, RuntimeError) as e:
+            raise ConfigError(f"bundle {bundle.path} cannot be served: {e}") from None
+        self.router.by_model[model_id] = ex
+        log.info("registered %s (%d variant(s), %d io bytes) in %.2f s", bundle.model,
+                 len(bundle.variants), bundle.io_bytes, time.monotonic() - t0)
+
+    def _dispatcher(self) -> DispatcherExecutor:
+        """The dispatcher path, made on first need (no bundles: no device opened)."""
+        if self.dispatcher is None:
+            self.device = open_device_for(self.cfg)
+            self.dispatcher = DispatcherExecutor(self.front, self.device, self.cfg)
+            self.router.paths.append(self.dispatcher)
+        return self.dispatcher
 
     # -- signals ---------------------------------------------------------------------
     def _install_signals(self) -> None:
@@ -447,38 +633,45 @@ class Daemon:
             self.run()
         finally:
             self.front.close()
+            if self.device is not None:
+                self.device.close()
             os.close(self._sig_r)
             os.close(self._sig_w)
         log.info("stopped cleanly; stats %s", self.front.stats)
         return 0
 
     def run(self) -> None:
-        """The dispatcher loop. This while loop right here is the daemon."""
+        """The dispatcher loop. This while loop right here is the daemon.
+
+        Timeout rule (adaptive mode): spin while anything can run now; with work in
+        flight that only waits for the device, sleep until the device's next event;
+        with nothing in flight, spin ``idle_spin_us`` more, then sleep until a client
+        or a signal speaks. Every sleep is preceded by raising the clients' "sleeping"
+        flag and re-checking the rings, so a push that raced the flag is not missed.
+        """
         front, router, cfg = self.front, self.router, self.cfg
         idle_spin = cfg.idle_spin_us / 1e6
         adaptive = cfg.idle == "adaptive"
         last_work = time.monotonic()
         while True:
             taken = front.poll_rings(admit=not self.draining)
-            busy = router.step()
+            router.step()
             front.poll_io(0)
             if self.reload_requested:
                 self._reload()
             if self.draining and self._drain_step():
                 return
-            if taken or busy:
-                last_work = time.monotonic()
+            if taken or not adaptive:
+                last_work = time.monotonic() if taken else last_work
                 continue
-            if not adaptive:
-                continue
-            now = time.monotonic()
-            if now - last_work < idle_spin:
-                continue
-            # Idle: raise the flag, look once more (a push may have raced the flag),
-            # then block until a socket speaks or the next deadline.
             deadline = router.deadline()
-            if self.draining:
-                deadline = min(deadline if deadline is not None else 0.05, 0.05)
+            if deadline == 0.0:
+                continue                          # runnable work: spin
+            if deadline is None:                  # nothing in flight
+                if time.monotonic() - last_work < idle_spin:
+                    continue
+                if self.draining:
+                    deadline = 0.05
             front.set_sleeping(True)
             if not front.any_pending():
                 front.poll_io(deadline)
