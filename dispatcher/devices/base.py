@@ -157,6 +157,13 @@ class Device:
         self._check_stream(stream)
         self._memcpy_dtoh(_as_bytes(dst, "destination"), src, stream, on_complete)
 
+    def register_host(self, arr: np.ndarray) -> None:
+        """Pin host memory the device will copy to and from (client arenas), so copies
+        are true asynchronous DMA. Nothing to do on the simulator."""
+
+    def unregister_host(self, arr: np.ndarray) -> None:
+        """Undo :meth:`register_host` before the memory goes away."""
+
     # -- ordering --------------------------------------------------------------
     def record_event(self, stream: int) -> Any:
         self._check_stream(stream)
