@@ -130,7 +130,7 @@ class _Planner:
                 raise PlanError(f"variable {expr.name} used before it is defined")
             return self.env[expr]
         if isinstance(expr, Constant):
-            arr = expr.data.numpy()
+            arr = expr.value.numpy()
             name = f"const_{self._consts}"
             self._consts += 1
             bid = self.buffer(name, arr.nbytes, "param")

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import tvm
+import tvm_ffi
 from tvm.relax.frontend import nn
 
 #: Seed of the zoo's random weights (no weights can be downloaded here).
@@ -28,8 +29,10 @@ class ModelDef:
     expected_outputs: list[np.ndarray] = field(default_factory=list)
 
     def fingerprint(self) -> str:
-        """Content hash of the model: its IR text and every weight's bytes."""
-        h = hashlib.sha256(self.mod.script(show_meta=True).encode())
+        """Content hash of the model: its IR text, its structural hash (which covers
+        embedded constants' data) and every weight's bytes."""
+        h = hashlib.sha256(self.mod.script(show_meta=False).encode())
+        h.update(str(tvm_ffi.structural_hash(self.mod)).encode())
         for p in self.params:
             h.update(str((p.shape, p.dtype)).encode())
             h.update(np.ascontiguousarray(p).tobytes())

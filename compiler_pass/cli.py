@@ -1,0 +1,80 @@
+"""``paella compile``: a zoo name or an .onnx file -> a bundle directory.
+
+``paella compile --zoo -o DIR`` builds every Table 2 model into ``DIR/<name>`` (cached,
+so a re-run only rebuilds what changed) and prints the compile-time / kernel-count
+table that docs/compiler.md shows.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("compile", help="compile a model into a bundle (instrumented CUDA kernels + launch plan)",
+                       description=__doc__.splitlines()[0])
+    p.add_argument("model", nargs="?", help="zoo name (e.g. resnet18, tiny_cnn, onnx_resnet50) or path to .onnx")
+    p.add_argument("-o", "--out", required=True, help="output bundle directory (with --zoo: parent directory)")
+    p.add_argument("--arch", default="sm_75", help="CUDA arch for nvcc (default sm_75, the T4)")
+    p.add_argument("--no-instrument", action="store_true", help="compile the plain kernels (no notifQ posts)")
+    p.add_argument("--group", type=int, default=16, help="blocks per notification (16 default, 1 = per block)")
+    p.add_argument("--zoo", action="store_true", help="compile all Table 2 models into OUT/<name>")
+    p.add_argument("--force", action="store_true", help="rebuild even if a cached bundle matches")
+    p.add_argument("--cache-dir", help="bundle cache (default $PAELLA_CACHE_DIR or ~/.cache/paella/bundles)")
+    p.add_argument("--list", action="store_true", help="list the zoo's model names and exit")
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress lines")
+    p.set_defaults(func=_compile)
+
+
+def _load_model(spec: str):
+    from paella.models import zoo
+    from paella.models.onnx_models import load_onnx
+    if spec.endswith(".onnx") or Path(spec).is_file():
+        return load_onnx(spec)
+    return zoo.get(spec)
+
+
+def _compile(args: argparse.Namespace) -> int:
+    from paella.cli import CLIError
+    from paella.models import zoo
+    from paella.models.onnx_models import ModelSourceError
+
+    from .build import CompileError, compile_bundle
+    from .instrument import InstrumentOptions
+    if args.list:
+        print("\n".join(zoo.names()))
+        return 0
+    try:
+        options = InstrumentOptions(enabled=not args.no_instrument, group=args.group)
+    except ValueError as e:
+        raise CLIError(str(e)) from None
+    progress = (lambda _m: None) if args.quiet else (lambda m: print(m, file=sys.stderr, flush=True))
+    if args.zoo == bool(args.model):
+        raise CLIError("give either MODEL or --zoo")
+    names = zoo.TABLE2 if args.zoo else [args.model]
+    rows = []
+    for name in names:
+        out = Path(args.out) / name if args.zoo else Path(args.out)
+        if args.zoo:
+            out.parent.mkdir(parents=True, exist_ok=True)
+        progress(f"== {name} -> {out}")
+        t0 = time.perf_counter()
+        try:
+            model = _load_model(name)
+            compile_bundle(model, out, arch=args.arch, options=options, progress=progress,
+                           cache_dir=args.cache_dir, force=args.force)
+        except (CompileError, ModelSourceError, zoo.UnknownModel, ValueError) as e:
+            raise CLIError(str(e)) from None
+        manifest = json.loads((out / "manifest.json").read_text())
+        v = manifest["variants"][0]
+        rows.append((name, manifest["compile_seconds"], len(v["kernels"]),
+                     sum(1 for o in v["plan"] if o["op"] == "launch"), time.perf_counter() - t0))
+    if args.zoo or not args.quiet:
+        print("| model | compile time (s) | distinct kernels | launches per request |")
+        print("|---|---:|---:|---:|")
+        for name, secs, kernels, launches, _wall in rows:
+            print(f"| {name} | {secs:.1f} | {kernels} | {launches} |")
+    return 0

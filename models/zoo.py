@@ -1,0 +1,50 @@
+"""The model zoo: names -> model constructors (``paella compile NAME``).
+
+Table 2 of the paper (ResNet-18/34/50, MobileNetV2, SqueezeNet 1.1, DenseNet-121,
+GoogLeNet, Inception v3) at their real shapes with seeded random weights; tiny models
+for tests; and the onnx package's light models as ``onnx_<name>``.
+"""
+from __future__ import annotations
+
+from difflib import get_close_matches
+from typing import Callable
+
+from .base import ModelDef
+
+#: The paper's Table 2, in its order; `paella compile --zoo` builds these.
+TABLE2 = ["resnet18", "mobilenetv2", "resnet34", "squeezenet1_1", "resnet50", "densenet121",
+          "googlenet", "inceptionv3"]
+
+
+class UnknownModel(KeyError):
+    def __str__(self) -> str:
+        return self.args[0]
+
+
+def _registry() -> dict[str, Callable[[], ModelDef]]:
+    from . import densenet, googlenet, inception, mobilenet, resnet, squeezenet, tiny
+    from .onnx_models import light, light_models
+    reg: dict[str, Callable[[], ModelDef]] = {
+        "tiny_mlp": tiny.tiny_mlp, "tiny_cnn": tiny.tiny_cnn,
+        "resnet18": resnet.resnet18, "resnet34": resnet.resnet34, "resnet50": resnet.resnet50,
+        "mobilenetv2": mobilenet.mobilenetv2, "squeezenet1_1": squeezenet.squeezenet11,
+        "densenet121": densenet.densenet121, "googlenet": googlenet.googlenet,
+        "inceptionv3": inception.inceptionv3,
+    }
+    for n in light_models():
+        reg[f"onnx_{n}"] = (lambda n=n: light(n))
+    return reg
+
+
+def names() -> list[str]:
+    return list(_registry())
+
+
+def get(name: str) -> ModelDef:
+    reg = _registry()
+    if name not in reg:
+        close = get_close_matches(name, reg, n=3)
+        hint = f" (did you mean {', '.join(close)}?)" if close else ""
+        raise UnknownModel(f"unknown model {name!r}{hint}; zoo models: {', '.join(reg)}; "
+                           "or pass a path to an .onnx file")
+    return reg[name]()
