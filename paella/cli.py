@@ -16,6 +16,7 @@ import sys
 COMMANDS = [
     "paella.cli",                      # occupancy
     "paella.experiments.cli",          # experiment ...
+    "paella.compiler_pass.cli",
     "paella.dispatcher.daemon",
     "paella.doctor",
 ]
