@@ -528,7 +528,8 @@ class Daemon:
         self.device = None
         self._bundle_keys: dict[str, tuple] = {}
         self._generation = 0
-        self.draining = False
+        self.draining = False        # SIGTERM seen (set by the handler)
+        self.admitting = True        # cleared by the loop once the final sweep is done
         self.drain_deadline = 0.0
         self.reload_requested = False
         self._sig_r, self._sig_w = os.pipe()
@@ -654,7 +655,7 @@ class Daemon:
         adaptive = cfg.idle == "adaptive"
         last_work = time.monotonic()
         while True:
-            taken = front.poll_rings(admit=not self.draining)
+            taken = front.poll_rings(admit=self.admitting)
             router.step()
             front.poll_io(0)
             if self.reload_requested:
@@ -685,6 +686,13 @@ class Daemon:
                      self.router.in_flight, self.cfg.drain_seconds)
             sd_notify("STOPPING=1")
             self.front.stop_accepting()
+            # Requests already on the rings were sent before we stopped: serve them.
+            # Anything pushed from now on is answered "shutting down".
+            for _ in range(self.cfg.ring_slots):      # bounded: a client may keep pushing
+                if not self.front.poll_rings(admit=True):
+                    break
+                self.router.step()
+            self.admitting = False
         if self.router.in_flight == 0 and not self.front.any_pending():
             return True     # (entries still in rings get "shutting down" next pass)
         if time.monotonic() > self.drain_deadline:
@@ -701,3 +709,22 @@ class Daemon:
         except ConfigError as e:
             log.error("SIGHUP reload failed, keeping the previous models: %s", e)
         sd_notify("READY=1")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m paella.dispatcher.daemon [serve options]``: the daemon alone, without
+    loading the other sub-commands of ``paella`` (what the tests and the unit run)."""
+    from paella.cli import CLIError
+    parser = argparse.ArgumentParser(prog="paella-daemon")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    register(sub)
+    args = parser.parse_args(["serve", *(sys.argv[1:] if argv is None else argv)])
+    try:
+        return int(args.func(args) or 0)
+    except CLIError as e:
+        print(f"paella: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -144,6 +144,19 @@ def peer_groups(pid: int, gid: int) -> set[int]:
     return groups
 
 
+def _close_gently(sock: socket.socket) -> None:
+    """Close after reading what the peer already sent: closing a Unix socket with
+    unread input makes the peer's recv fail with ECONNRESET *before* it can read the
+    ERROR frame we just sent it."""
+    for _ in range(16):
+        try:
+            if not sock.recv(65536, socket.MSG_DONTWAIT):
+                break
+        except OSError:
+            break   # nothing more (EAGAIN) or the peer is gone: either way, close
+    sock.close()
+
+
 class Frontend:
     """Control socket + rings. Single-threaded: only the daemon loop calls it."""
 
@@ -257,7 +270,7 @@ class Frontend:
             sock.send(wire.error(code, message))
         except OSError:
             pass  # the peer is gone already; nothing to tell
-        sock.close()
+        _close_gently(sock)
 
     def _read(self, c: ClientConn) -> None:
         try:
@@ -519,7 +532,7 @@ class Frontend:
             self.sel.unregister(c.sock)
         except (KeyError, ValueError):
             pass  # never registered or already gone
-        c.sock.close()
+        _close_gently(c.sock)
         if c in self.ready:
             self.ready.remove(c)
         if c.shm is not None:

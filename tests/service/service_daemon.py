@@ -16,11 +16,11 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 
-#: The ``paella`` command, without relying on the console script being on PATH.
-#: (Not ``-m paella.cli``: that makes a second copy of the module, whose CLIError
-#: the real one's main() would not catch.)
+#: ``paella serve`` without the other sub-commands (so another component's broken
+#: import cannot fail these tests). Not ``-m``: that would make a second copy of the
+#: module whose CLIError the real one's handler would not catch.
 PAELLA = (sys.executable, "-X", "faulthandler", "-c",
-          "import sys; from paella.cli import main; sys.exit(main())")
+          "import sys; from paella.dispatcher.daemon import main; sys.exit(main())")
 
 #: Polite defaults for a shared 2-core machine; tests of pinning pass their own.
 POLITE = ("--cpu", "none", "--rt-priority", "0")
@@ -72,7 +72,7 @@ def start_daemon(*args: str, ready: bool = True, polite: bool = True,
     notify.bind(npath)
     log_path = os.path.join(d, f"daemon.{time.monotonic_ns()}.log")
     env = dict(os.environ, NOTIFY_SOCKET=npath)
-    cmd = [*PAELLA, "serve", "--socket", sock,
+    cmd = [*PAELLA, "--socket", sock,
            *(POLITE if polite else ()), *args]
     with open(log_path, "w") as logf:
         proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, env=env)

@@ -225,7 +225,7 @@ def test_sigterm_drains_and_exits_zero(fresh_daemon):
 
 def test_second_daemon_is_refused_and_stale_socket_reused(fresh_daemon):
     first = fresh_daemon()
-    second = subprocess.run([*PAELLA, "serve", "--socket", first.socket,
+    second = subprocess.run([*PAELLA, "--socket", first.socket,
                              "--cpu", "none", "--rt-priority", "0"],
                             capture_output=True, text=True, timeout=30)
     assert second.returncode == 2

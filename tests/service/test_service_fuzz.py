@@ -1,0 +1,177 @@
+"""Hostile input against a real daemon: random and crafted request-ring entries, and
+malformed control-socket traffic. Every case must get an answer (an error completion
+or an ERROR frame / closed connection), and the daemon must keep serving others."""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import struct
+import time
+
+import numpy as np
+
+from paella import rings, wire
+from paella.client import RequestFailed, connect
+
+
+def echo_works(sock: str) -> None:
+    with connect(sock) as c:
+        x = np.random.default_rng().standard_normal(256).astype(np.float32)
+        np.testing.assert_array_equal(c.infer("echo", {"x": x})["y"], x)
+
+
+def test_fuzz_request_ring(daemon):
+    """Random and hostile entries pushed straight onto the ring, bypassing predict()."""
+    rng = np.random.default_rng(1234)
+    arena = 1 << 16
+    hostile_offsets = [arena - 1, arena, arena - 2047, 2 ** 63, 2 ** 64 - 1, 2 ** 64 - 2048]
+    hostile_lengths = [0, 1, 2047, 2049, 2 ** 63, 2 ** 64 - 1]
+    with connect(daemon.socket, arena_bytes=arena) as c:
+        prod = c._requests                # the raw ring: what a buggy client could write
+        cases = []
+        for i in range(600):
+            kind = i % 6
+            off = int(rng.integers(0, arena))
+            ln, mid, opts = 2048, 1, 0
+            if kind == 0:                  # pure garbage words
+                mid = int(rng.integers(0, 2 ** 32))
+                off, ln = (int(x) for x in rng.integers(0, 2 ** 63, 2, dtype=np.int64))
+                opts = int(rng.integers(0, 2 ** 32))
+            elif kind == 1:
+                off = hostile_offsets[i % len(hostile_offsets)]
+            elif kind == 2:
+                ln = hostile_lengths[i % len(hostile_lengths)]
+            elif kind == 3:
+                mid = int(rng.choice([0, 2, 77, 2 ** 32 - 1]))
+            elif kind == 4:
+                opts = int(rng.choice([1, 2, 1 << 16, 1 << 31]))
+            else:                          # a valid entry (when it fits), for contrast
+                off = int(rng.integers(0, arena - 2048))
+            cases.append((i + 1, mid, off, ln, opts))
+        answered = {}
+        pending = list(cases)
+        while pending or len(answered) < len(cases):
+            while pending and prod.push(*pending[0]):
+                if prod.daemon_sleeping():
+                    c._send(wire.KICK_FRAME)
+                c._submitted += 1
+                pending.pop(0)
+            try:
+                rid = c.read_result()
+                answered[rid] = 0
+            except RequestFailed as e:
+                answered[e.req_id] = e.status
+                assert e.reason
+        assert sorted(answered) == [cs[0] for cs in cases]
+        for rid, mid, off, ln, opts in cases:
+            valid = mid == 1 and opts == 0 and ln == 2048 and off + ln <= arena
+            assert (answered[rid] == 0) == valid, (rid, mid, off, ln, opts, answered[rid])
+        n_bad = sum(1 for s in answered.values() if s)
+        print(f"ring fuzz: {len(cases)} entries, {n_bad} rejected with an error status")
+        assert n_bad > 400
+    echo_works(daemon.socket)
+
+
+def test_fuzz_ring_indices(daemon):
+    """A client that corrupts its ring indices is dropped with an error; others go on."""
+    for field, value in ((rings.REQ_TAIL, 10 ** 6), (rings.REQ_TAIL, 2 ** 64 - 1),
+                         (rings.CMP_HEAD, 999)):
+        c = connect(daemon.socket, arena_bytes=1 << 16)
+        name = c.segment_name
+        c._seg.hdr[field] = value
+        if field == rings.CMP_HEAD:        # the daemon looks at it when it has work to do
+            c._seg.hdr[rings.REQ_TAIL] = 1
+        c._send(wire.KICK_FRAME)
+        c._sock.settimeout(5)
+        data = b""
+        while True:
+            chunk = c._sock.recv(4096)
+            if not chunk:
+                break
+            data += chunk
+        kinds = [k for k, _ in wire.FrameReader().feed(data)]
+        assert wire.ERROR in kinds
+        assert b"ring_corrupt" in data
+        deadline = time.monotonic() + 5
+        while os.path.exists("/dev/shm" + name) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert not os.path.exists("/dev/shm" + name)
+        c.close()
+    echo_works(daemon.socket)
+
+
+def _frame(kind: int, body: bytes, flags: int = 0) -> bytes:
+    return struct.pack("<HHI", kind, flags, len(body)) + body
+
+
+def _exchange(path: str, payload: bytes, hello_first: bool) -> bytes:
+    """Send ``payload`` on a fresh connection; return what the daemon said until it
+    closed the connection or went quiet for a moment."""
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.connect(path)
+    got = b""
+    try:
+        if hello_first:
+            s.sendall(wire.encode(wire.HELLO, {"version": wire.PROTOCOL_VERSION}))
+            while len(got) < 8 or len(got) < 8 + struct.unpack_from("<HHI", got)[2]:
+                got += s.recv(65536)
+            got = b""
+        s.sendall(payload)
+        s.settimeout(0.3)
+        while True:
+            chunk = s.recv(65536)
+            if not chunk:
+                break
+            got += chunk
+    except socket.timeout:
+        pass  # connection kept open: fine for a recoverable error
+    except (BrokenPipeError, ConnectionResetError):
+        pass  # the daemon closed on a framing error before we finished sending
+    finally:
+        s.close()
+    return got
+
+
+def test_fuzz_control_socket(daemon):
+    crafted = [
+        _frame(99, b""),                                           # unknown type
+        _frame(wire.HELLO, b"{}", flags=3),                        # reserved flags
+        struct.pack("<HHI", wire.HELLO, 0, 2 ** 31),               # absurd length
+        _frame(wire.HELLO, b"\xff\xfe"),                           # not UTF-8
+        _frame(wire.HELLO, b"{not json"),
+        _frame(wire.HELLO, b"[1, 2]"),                             # not an object
+        _frame(wire.HELLO, json.dumps({"version": 99}).encode()),  # wrong version
+        _frame(wire.HELLO, json.dumps({"version": 1, "mode": "turbo"}).encode()),
+        _frame(wire.HELLO, json.dumps({"version": 1, "arena_bytes": -5}).encode()),
+        _frame(wire.HELLO, json.dumps({"version": 1, "arena_bytes": 2 ** 50}).encode()),
+        _frame(wire.HELLO, json.dumps({"version": 1, "arena_bytes": "big"}).encode()),
+        _frame(wire.WAKE, struct.pack("<Q", 5)),                   # daemon-only message
+        _frame(wire.WELCOME, b"{}"),
+        _frame(wire.MODELS, b"{}"),
+        _frame(wire.WAKE, b"abc"),                                 # wrong id length
+    ]
+    after_hello = [_frame(wire.HELLO, json.dumps({"version": 1}).encode()),   # HELLO twice
+                   _frame(wire.DONE, struct.pack("<Q", 1))]
+    rng = np.random.default_rng(7)
+    random_cases = [rng.bytes(int(rng.integers(1, 200))) for _ in range(150)]
+    cases = ([(c, False) for c in crafted] + [(c, True) for c in after_hello]
+             + [(c, False) for c in random_cases])
+    answered = 0
+    for payload, hello_first in cases:
+        reply = _exchange(daemon.socket, payload, hello_first)
+        if reply:
+            frames = wire.FrameReader().feed(reply)
+            assert frames and frames[-1][0] == wire.ERROR, (payload, reply)
+            assert frames[-1][1]["message"]
+            answered += 1
+        assert daemon.proc.poll() is None
+    # Every crafted case is answered with ERROR; a random prefix that is a valid but
+    # incomplete frame is (correctly) waited on, so it may get no reply.
+    print(f"control fuzz: {len(cases)} cases, {answered} answered with ERROR")
+    assert answered >= len(crafted) + len(after_hello)
+    echo_works(daemon.socket)
+    deadline = time.monotonic() + 5          # every fuzzing connection's segment is gone
+    while daemon.segments() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert daemon.segments() == []
