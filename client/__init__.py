@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import threading
 
-from paella.client.client import NONBLOCK, Client, connect, default_socket
+from paella.client.client import DEFAULT_SOCKET, NONBLOCK, Client, connect, default_socket
 from paella.client.errors import (ArenaFull, DaemonError, DaemonGone, DaemonUnavailable,
                                   NothingInFlight, PaellaError, RequestFailed, RingFull,
                                   UnknownModel)
@@ -35,6 +35,6 @@ def read_result(options: int = 0) -> int:
     return default_client().read_result(options)
 
 
-__all__ = ["Client", "connect", "default_socket", "default_client", "predict", "read_result",
+__all__ = ["Client", "connect", "default_socket", "DEFAULT_SOCKET", "default_client", "predict", "read_result",
            "NONBLOCK", "PaellaError", "DaemonUnavailable", "DaemonGone", "DaemonError",
            "UnknownModel", "NothingInFlight", "RingFull", "ArenaFull", "RequestFailed"]

@@ -1,0 +1,81 @@
+"""The shipped files: the systemd unit verifies, the example config loads."""
+from __future__ import annotations
+
+import configparser
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from paella.client import DEFAULT_SOCKET
+from paella.dispatcher.daemon import DaemonConfig, ConfigError, load_config
+
+DIST = Path(__file__).resolve().parents[2] / "dist"
+
+
+def test_unit_is_type_notify_with_a_sandbox():
+    unit = configparser.ConfigParser(strict=False, interpolation=None)
+    unit.optionxform = str
+    unit.read(DIST / "paella.service")
+    svc = unit["Service"]
+    assert svc["Type"] == "notify"
+    assert svc["User"] == "paella" and svc["RuntimeDirectory"] == "paella"
+    assert "--config /etc/paella/paella.toml" in svc["ExecStart"]
+    assert svc["ExecReload"] == "/bin/kill -HUP $MAINPID"
+    assert svc["ProtectSystem"] == "strict" and svc["NoNewPrivileges"] == "yes"
+
+
+@pytest.mark.skipif(shutil.which("systemd-analyze") is None,
+                    reason="systemd-analyze is not installed (apt-get install systemd)")
+def test_unit_passes_systemd_analyze_verify(tmp_path):
+    # The unit names /usr/local/bin/paella (where `pip install` puts it system-wide);
+    # verify checks that ExecStart exists, so point it at this environment's command.
+    paella = Path(sys.executable).with_name("paella")
+    text = (DIST / "paella.service").read_text().replace("/usr/local/bin/paella", str(paella))
+    unit = tmp_path / "paella.service"
+    unit.write_text(text)
+    r = subprocess.run(["systemd-analyze", "verify", str(unit)], capture_output=True, text=True,
+                       cwd=tmp_path, env=dict(os.environ, SYSTEMD_LOG_LEVEL="warning"))
+    assert r.returncode == 0, r.stderr
+    assert "paella.service" not in r.stderr, r.stderr     # no warning about our unit
+
+
+def test_example_config_loads_and_agrees_with_the_client():
+    cfg = load_config(str(DIST / "paella.toml"))
+    cfg.check()
+    assert cfg.socket == DEFAULT_SOCKET
+    assert cfg.allowed_groups == ["paella"] and cfg.socket_mode == 0o666
+    assert cfg.policy == "paella" and cfg.idle == "adaptive"
+    default = DaemonConfig()
+    for name in ("backend", "idle_spin_us", "max_clients", "arena_bytes", "ring_slots"):
+        assert getattr(cfg, name) == getattr(default, name), name
+
+
+@pytest.mark.parametrize("text, msg", [
+    ("[daemon]\nsocket = 3\n", "socket must be str"),
+    ("[daemon]\nbogus = 1\n", "unknown setting 'bogus'"),
+    ("[nope]\nx = 1\n", "unknown section"),
+    ("[daemon\n", "not valid TOML"),
+])
+def test_bad_config_is_named(tmp_path, text, msg):
+    p = tmp_path / "bad.toml"
+    p.write_text(text)
+    with pytest.raises(ConfigError, match=msg):
+        load_config(str(p))
+
+
+def test_command_line_overrides_the_file(tmp_path):
+    import argparse
+    from paella.dispatcher.daemon import config_from_args, register
+    parser = argparse.ArgumentParser()
+    register(parser.add_subparsers())
+    args = parser.parse_args(["serve", "--config", str(DIST / "paella.toml"), "--idle", "spin",
+                              "--policy-param", "extra_blocks=8", "--ring-slots", "256",
+                              "--no-echo", "--cpu", "0"])
+    cfg = config_from_args(args)
+    assert (cfg.idle, cfg.ring_slots, cfg.echo, cfg.cpu) == ("spin", 256, False, "0")
+    assert cfg.policy_params == {"extra_blocks": 8}
+    assert cfg.socket == DEFAULT_SOCKET                       # untouched: from the file
