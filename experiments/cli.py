@@ -7,6 +7,8 @@ import importlib
 #: Experiment modules; each exposes ``register(subparsers)``.
 EXPERIMENTS = [
     "paella.experiments.hol",
+    "paella.experiments.short_long",
+    "paella.experiments.fairness",
 ]
 
 

@@ -1,0 +1,180 @@
+"""Virtual-time harness: lognormal clients against the dispatcher on the simulated GPU.
+
+One process, one clock. Each loop iteration submits the requests that have arrived,
+runs one :meth:`Dispatcher.step`, measures the CPU time that step took
+(``time.thread_time``) and advances the simulated GPU by that much (times
+``cpu_scale``): the dispatcher's own overhead costs simulated latency, as it would on a
+real machine, while the GPU keeps running underneath. Time spent *inside* the
+simulator's methods (placing blocks, scheduling its events) is not the dispatcher's: it
+is measured apart and replaced by ``device_call_cost`` per call (a CUDA driver call's
+CPU cost, about 2 us for a launch). An iteration that changed nothing
+is a poll; the clock then jumps to the next device event or arrival (Trio's rule: never
+spin when nothing can happen).
+
+``run_point`` is what the experiments call; ``hol`` needs only
+``run_point(policy, [Workload(...)], rate, sigma, n, seed, gpu="gtx1660s")`` with
+:func:`adaptor_for` turning a :class:`paella.models.synthetic.SyntheticJob` into an
+adaptor.
+"""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import numpy as np
+
+from paella.dispatcher.adaptor import JobAdaptor, PlanAdaptor, synthetic_plan
+from paella.dispatcher.core import STATUS_OK, Dispatcher, Request
+from paella.dispatcher.devices.sim import SimDevice
+from paella.experiments.workload import latency_summary, lognormal_arrivals
+
+#: Real streams in the device pool. Many more than hardware queues, as Paella creates:
+#: the ``pool`` mapping never makes a kernel wait behind another in its stream, and
+#: ``ms-jbj`` gets one stream per job (reused after this many jobs).
+DEFAULT_STREAMS = 1024
+
+
+@dataclass
+class Workload:
+    """One kind of request: a model, its share of the arrivals, and its client."""
+    name: str
+    make_adaptor: Callable[[], JobAdaptor]
+    weight: float = 1.0
+    client_id: int | None = None       # None: its index among the workloads
+
+
+@dataclass
+class PointConfig:
+    policy: str
+    rate: float                         # requests/s, all workloads together
+    sigma: float = 1.5
+    n_requests: int = 1000
+    seed: int = 1
+    gpu: str = "t4"
+    n_streams: int = DEFAULT_STREAMS
+    group: int = 16
+    extra_blocks: int | None = None
+    fairness_threshold: float | None = None
+    policy_options: dict[str, Any] = field(default_factory=dict)
+    cpu_scale: float = 1.0              # 0: a free dispatcher; 1: charge what it costs here
+    device_call_cost: float = 2e-6      # seconds charged per device call instead of the sim's
+    profile_runs: int = 2
+    warmup: float = 0.1                 # fraction of requests excluded from statistics
+
+
+def adaptor_for(job: Any, in_bytes: int = 4096, out_bytes: int = 4096) -> Callable[[], JobAdaptor]:
+    """A factory of plan adaptors for a ``SyntheticJob`` (kernels run in order)."""
+    rows = [(k.name, k.grid, k.block, k.regs_per_thread, k.duration) for k in job.kernels]
+    smem = max((k.smem for k in job.kernels), default=0)
+    return lambda: PlanAdaptor(synthetic_plan(job.name, rows, in_bytes, out_bytes, smem=smem))
+
+
+def run_point(cfg: PointConfig, workloads: list[Workload]) -> dict:
+    """Simulate ``cfg.n_requests`` lognormal arrivals; per-workload latency statistics."""
+    dev = SimDevice(cfg.gpu, n_streams=cfg.n_streams, seed=cfg.seed)
+    d = Dispatcher(dev, cfg.policy, extra_blocks=cfg.extra_blocks, group=cfg.group,
+                   fairness_threshold=cfg.fairness_threshold,
+                   policy_options=dict(cfg.policy_options), profile_runs=cfg.profile_runs)
+    mids = [d.register_model(w.name, w.make_adaptor()) for w in workloads]
+    ios = [np.zeros(max(d.models[m].adaptor.io_bytes, 1), np.uint8) for m in mids]
+    n = cfg.n_requests
+    rng = np.random.default_rng(cfg.seed)
+    weights = np.array([w.weight for w in workloads], float)
+    kinds = rng.choice(len(workloads), n, p=weights / weights.sum())
+    t0 = dev.now()
+    arrivals = t0 + lognormal_arrivals(cfg.rate, cfg.sigma, n, cfg.seed)
+    done = np.full(n, np.nan)
+    status = np.zeros(n, int)
+
+    def complete(req: Request, st: int, err: str | None) -> None:
+        done[req.req_id] = dev.now()
+        status[req.req_id] = st
+
+    meter = DeviceMeter(dev, cfg.device_call_cost)
+    cpu = _drive(d, dev, arrivals, lambda i: d.submit(Request(
+        i, _client(workloads, kinds[i]), mids[kinds[i]], ios[kinds[i]], on_complete=complete)),
+        cfg.cpu_scale, meter)
+    if np.any(status != STATUS_OK):
+        raise RuntimeError(f"{int(np.sum(status != STATUS_OK))} requests failed in the harness")
+    warm = int(n * cfg.warmup)
+    keep = slice(warm, n)
+    lat = done[keep] - arrivals[keep]
+    span = np.nanmax(done[keep]) - arrivals[warm]
+    out = {"policy": cfg.policy, "offered": cfg.rate, "sigma": cfg.sigma,
+           "throughput": float((n - warm) / span), **latency_summary(lat),
+           "per_model": {}, "iterations": d.iterations,
+           "cpu_per_iteration_us": 1e6 * cpu / max(d.iterations, 1),
+           "policy_failure": getattr(d, "policy_failure", None)}
+    for k, w in enumerate(workloads):
+        mask = kinds[keep] == k
+        out["per_model"][w.name] = {"count": int(mask.sum()), **latency_summary(lat[mask])}
+    return out
+
+
+def _client(workloads: list[Workload], k: int) -> int:
+    c = workloads[k].client_id
+    return k if c is None else c
+
+
+class DeviceMeter:
+    """Times the simulator's methods that the dispatcher calls, so that the harness
+    charges the dispatcher's CPU time only. Instance attributes shadow the methods."""
+
+    METHODS = ("launch", "memcpy_htod", "memcpy_dtoh", "record_event", "event_query")
+
+    def __init__(self, dev: SimDevice, call_cost: float):
+        self.seconds = 0.0          # simulator time minus the charged call cost
+        for name in self.METHODS:
+            setattr(dev, name, self._timed(getattr(dev, name), call_cost))
+
+    def _timed(self, fn: Callable, call_cost: float) -> Callable:
+        clock = time.thread_time
+
+        def timed(*args: Any, **kw: Any) -> Any:
+            c0 = clock()
+            try:
+                return fn(*args, **kw)
+            finally:
+                self.seconds += clock() - c0 - call_cost
+        return timed
+
+    def take(self) -> float:
+        s, self.seconds = self.seconds, 0.0
+        return s
+
+
+def _drive(d: Dispatcher, dev: SimDevice, arrivals: np.ndarray, submit: Callable[[int], None],
+           cpu_scale: float, meter: DeviceMeter) -> float:
+    """The harness loop; returns the dispatcher CPU seconds charged."""
+    n = len(arrivals)
+    i = 0
+    total_cpu = 0.0
+    clock = time.thread_time
+    inf = math.inf
+    while i < n or d.in_flight:
+        now = dev.now()
+        while i < n and arrivals[i] <= now:
+            submit(i)
+            i += 1
+        meter.take()
+        c0 = clock()
+        d.step()
+        spent = max(clock() - c0 - meter.take(), 0.0)
+        total_cpu += spent
+        t = now + spent * cpu_scale
+        if d.idle:
+            nxt = min(dev.next_event_time(), arrivals[i] if i < n else inf)
+            if nxt == inf:
+                if d.in_flight:
+                    raise RuntimeError("harness stalled: requests in flight, no device event")
+                break
+            t = max(t, nxt)
+        dev.run_until(t)
+    return total_cpu
+
+
+def saturated(point: dict, tolerance: float = 0.9) -> bool:
+    """A load point is saturated when completions fall behind arrivals."""
+    return point["throughput"] < tolerance * point["offered"]
