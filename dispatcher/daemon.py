@@ -59,7 +59,8 @@ class DaemonConfig:
     idle: str = "adaptive"              # adaptive | spin
     idle_spin_us: int = 200             # adaptive: spin this long after the last work
     drain_seconds: float = 10.0         # SIGTERM: how long in-flight jobs may finish
-    echo: bool = True                   # serve the built-in "echo" model
+    echo: bool = True                   # serve the built-in "echo" model (host)
+    noop: bool = True                   # serve the built-in "noop" model (sim backend)
     log_level: str = "info"
     # [policy]
     policy: str = "paella"
@@ -100,7 +101,7 @@ class DaemonConfig:
 
 SECTIONS = {
     "daemon": ("socket", "models", "backend", "gpu", "sim_mode", "cpu", "rt_priority", "idle",
-               "idle_spin_us", "drain_seconds", "echo", "log_level"),
+               "idle_spin_us", "drain_seconds", "echo", "noop", "log_level"),
     "access": ("allowed_users", "allowed_groups", "socket_mode"),
     "limits": ("max_clients", "max_inflight_per_client", "arena_bytes", "max_arena_bytes",
                "ring_slots"),
@@ -181,6 +182,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--drain-seconds", type=float, dest="drain_seconds")
     p.add_argument("--echo", action=argparse.BooleanOptionalAction, default=None,
                    help="serve the built-in echo model")
+    p.add_argument("--noop", action=argparse.BooleanOptionalAction, default=None,
+                   help="serve the built-in noop model (one trivial kernel, sim backend)")
     p.add_argument("--log-level", dest="log_level", choices=("debug", "info", "warning", "error"))
     p.add_argument("--policy", help="scheduling policy")
     p.add_argument("--policy-param", dest="policy_param", action="append", type=_parse_param,
@@ -243,6 +246,25 @@ def echo_model(model_id: int) -> HostModel:
     def run(io: np.ndarray) -> None:
         io[n:2 * n] = io[:n]
     return HostModel(info, run)
+
+
+NOOP_IO = 64
+NOOP_KERNEL_SECONDS = 5e-6
+
+
+def noop_adaptor():
+    """The built-in ``noop`` model: 64 input bytes copied to the device, one 1-block
+    kernel of 5 us, no output (so the wake-up goes before its only kernel, the paper's
+    pinned-output case). It is the smallest job that takes the whole device path
+    (dispatcher, policy, notifQ, simulated GPU): the round-trip benchmark's model."""
+    from paella.dispatcher.adaptor import PlanAdaptor, synthetic_plan
+    return PlanAdaptor(synthetic_plan("noop", [("noop_kernel", 1, 32, 8, NOOP_KERNEL_SECONDS)],
+                                      in_bytes=NOOP_IO))
+
+
+def noop_info(model_id: int) -> wire.ModelInfo:
+    x = wire.TensorInfo("x", (NOOP_IO,), "uint8", 0)
+    return wire.ModelInfo(model_id, "noop", (wire.VariantInfo(NOOP_IO, (x,), ()),))
 
 
 # --- execution paths -------------------------------------------------------------------
@@ -542,6 +564,8 @@ class Daemon:
             m = echo_model(self.table.id_for("echo"))
             host[m.info.model_id] = m
         bundles = self._load_repository(self.cfg.models) if self.cfg.models else []
+        if self.cfg.noop:
+            bundles.append(self._load_noop())
         self.host.models = host
         for mid in host:
             self.router.by_model[mid] = self.host
@@ -574,6 +598,15 @@ class Daemon:
                 self._bundle_keys[bundle.model] = key
             infos.append(model_info_from_bundle(mid, bundle))
         return infos
+
+    def _load_noop(self) -> wire.ModelInfo:
+        mid = self.table.id_for("noop")
+        if "noop" not in self._bundle_keys:
+            ex = self._dispatcher()
+            ex.register(mid, "noop", noop_adaptor())
+            self.router.by_model[mid] = ex
+            self._bundle_keys["noop"] = ()
+        return noop_info(mid)
 
     def _register_bundle(self, model_id: int, bundle) -> None:
         ex = self._dispatcher()

@@ -42,7 +42,7 @@ def test_infer_equals_cpu_reference(served, repo):
     b = load_bundle(os.path.join(repo, "tiny_mlp"))
     rng = np.random.default_rng(3)
     with connect(served.socket) as c:
-        assert set(c.models) == {"echo", "tiny_mlp"}
+        assert set(c.models) == {"echo", "noop", "tiny_mlp"}
         assert c.models["tiny_mlp"].variants[0].io_bytes == b.io_bytes
         for _ in range(20):
             x = rng.standard_normal((2, 16)).astype(np.float32)
@@ -141,7 +141,7 @@ def test_sigterm_finishes_gpu_jobs_then_exits_zero(repo):
 def test_sighup_picks_up_a_new_bundle(repo):
     extra = tempfile.mkdtemp(prefix="plrepo2")
     shutil.copytree(os.path.join(repo, "tiny_mlp"), os.path.join(extra, "tiny_mlp"))
-    dp = start_daemon("--models", extra, "--no-echo")
+    dp = start_daemon("--models", extra, "--no-echo", "--no-noop")
     try:
         with connect(dp.socket) as c:
             assert set(c.models) == {"tiny_mlp"}

@@ -34,6 +34,17 @@ def test_ready_notification_and_model_list(daemon):
         assert "echo" in c.list_models()
 
 
+def test_noop_takes_the_device_path(daemon):
+    """The built-in noop model runs one kernel on the simulated GPU via the dispatcher."""
+    with connect(daemon.socket) as c:
+        info = c.models["noop"].variants[0]
+        assert (info.io_bytes, info.outputs) == (64, ())
+        off = c.alloc(64)
+        ids = [c.predict("noop", 64, off) for _ in range(20)]
+        assert sorted(c.read_result() for _ in ids) == ids
+    assert "stepped from the dispatcher loop" in daemon.log()
+
+
 def test_infer_matches_reference(daemon):
     rng = np.random.default_rng(0)
     with connect(daemon.socket) as c:
@@ -295,7 +306,7 @@ def test_sighup_reloads(fresh_daemon, tmp_path):
     deadline = time.monotonic() + 10
     while "RELOADING=1" not in "".join(dp.recv_notify(0.2)) and time.monotonic() < deadline:
         pass
-    assert dp.log().count("serving 1 model(s): echo") == 2
+    assert dp.log().count("serving 2 model(s): echo, noop") == 2
     with connect(dp.socket) as c:
         assert c.infer("echo", {"x": np.ones(256)})["y"][0] == 1
 
