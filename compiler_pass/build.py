@@ -39,7 +39,7 @@ from . import nvcc
 from .instrument import (INSTRUMENTED_ATTR, LAUNCH_ID_PARAM, NOTIFQ_PARAM, InstrumentOptions,
                          finalize_device_with, is_device_kernel, override_global_func,
                          paella_tir_pipeline, postproc_hook)
-from .kernels import HostPlan, PlanError, host_plan, kernel_params, thread_count
+from .kernels import HostPlan, PlanError, host_plan, kernel_params
 from .plan import PlanResult, build_plan
 
 Progress = Callable[[str], None]
@@ -47,6 +47,10 @@ FILES = {"cuda_source": "kernels.cu", "ptx": "kernels.ptx", "cubin": "kernels.cu
          "params": "params.npz", "cpu_lib": "cpu.so", "cpu_params": "cpu_params.json"}
 #: a __global__ function *definition* (TVM also emits forward declarations ending in ';')
 _GLOBAL_FN = re.compile(r"__global__\s+void\s+(?:__launch_bounds__\([^)]*\)\s+)?(\w+)\s*\([^)]*\)\s*\{")
+
+
+#: What TVM raises when it cannot lower or build a model.
+_TVM_ERRORS = (tvm.error.InternalError, tvm.error.OpError, tvm.error.DiagnosticError)
 
 
 class CompileError(Exception):
@@ -77,18 +81,21 @@ def _used_primfuncs(lowered: tvm.IRModule, entry: relax.Function) -> tvm.IRModul
     return tvm.IRModule(funcs)
 
 
-def _flops(tir_mod: tvm.IRModule) -> dict[str, float]:
+def _flops(tir_mod: tvm.IRModule, progress: Progress) -> dict[str, float]:
+    """TVM's FLOP estimate per PrimFunc; 0 (with a warning) where it cannot estimate."""
     from tvm.s_tir.analysis import estimate_tir_flops
     out = {}
     for gv, f in tir_mod.functions.items():
         try:
             out[gv.name_hint] = float(estimate_tir_flops(tvm.IRModule({"main": f})))
-        except tvm.error.TVMError:
-            out[gv.name_hint] = 0.0   # estimator does not cover every scheduled form
+        except _TVM_ERRORS as e:
+            progress(f"warning: no FLOP estimate for {gv.name_hint} ({str(e).splitlines()[0]}); recorded as 0")
+            out[gv.name_hint] = 0.0
     return out
 
 
-def lower_gpu(tir_mod: tvm.IRModule, target: tvm.target.Target, options: InstrumentOptions) -> GpuBuild:
+def lower_gpu(tir_mod: tvm.IRModule, target: tvm.target.Target, options: InstrumentOptions,
+              progress: Progress = lambda _m: None) -> GpuBuild:
     """TIR lowering + codegen of the model's PrimFuncs; no host code is compiled."""
     from tvm.tirx.build import split_host_device_mods
     snapshot: dict[str, tvm.IRModule] = {}
@@ -121,7 +128,7 @@ def lower_gpu(tir_mod: tvm.IRModule, target: tvm.target.Target, options: Instrum
             "tvm_callback_cuda_compile", lambda _prev: (lambda code, *a: b"")):
         rt = tvm.get_global_func("target.build.cuda")(dev_mod, dev_target)
     device_funcs = {gv.name_hint: f for gv, f in dev_mod.functions.items() if is_device_kernel(f)}
-    return GpuBuild(rt.inspect_source(), device_funcs, host_plans, _flops(tir_mod))
+    return GpuBuild(rt.inspect_source(), device_funcs, host_plans, _flops(tir_mod, progress))
 
 
 def global_functions(source: str) -> list[str]:
@@ -178,13 +185,14 @@ def _write_bundle(model: ModelDef, tmp: Path, arch: str, options: InstrumentOpti
     target = gpu_target(arch)
     step = _stepper(progress, 6)
 
+    _require_static_inputs(model)
     step("Relax CUDA pipeline (legalize, fuse, schedule, plan memory)")
     with target:
         lowered = relax.get_default_pipeline(target)(model.mod)
     entry = lowered["main"]
 
     step("TIR lowering" + (f" + instrumentation (group={options.group})" if options.enabled else " (plain)"))
-    gpu = lower_gpu(_used_primfuncs(lowered, entry), target, options)
+    gpu = lower_gpu(_used_primfuncs(lowered, entry), target, options, progress)
     (tmp / FILES["cuda_source"]).write_text(gpu.source)
     globals_ = global_functions(gpu.source)
     if sorted(globals_) != sorted(gpu.device_funcs):
@@ -215,6 +223,16 @@ def _write_bundle(model: ModelDef, tmp: Path, arch: str, options: InstrumentOpti
     return Manifest(model=model.name, arch=arch, instrumented=options.enabled, group=options.group,
                     variants=[variant], files=dict(FILES), cache_key=key, tvm_version=tvm.__version__,
                     compile_seconds=time.perf_counter() - t0)
+
+
+def _require_static_inputs(model: ModelDef) -> None:
+    main = model.mod["main"]
+    for var in main.params:
+        shape = getattr(var.ty, "shape", None)
+        values = getattr(shape, "values", None)
+        if values is None or not all(isinstance(d, tirx.IntImm) for d in values):
+            raise PlanError(f"input/param {var.name} has shape {shape} with symbolic dimensions; the "
+                            "launch plan needs static shapes: compile one variant per fixed shape")
 
 
 def _stepper(progress: Progress, total: int) -> Callable[[str], None]:
@@ -277,14 +295,20 @@ def compile_bundle(model: ModelDef, out: str | Path, arch: str = "sm_75",
         progress(f"cached bundle {key} found in {cache.parent}")
         _install(cache, out, copy=True)
         return out
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.build.", dir=out.resolve().parent))
+    try:
+        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.build.", dir=out.resolve().parent))
+    except OSError as e:
+        raise CompileError(f"cannot write into {out.resolve().parent} ({e.strerror}); choose a writable -o path") from None
     try:
         try:
             manifest = _write_bundle(model, tmp, arch, options, key, progress)
         except (PlanError, nvcc.NvccError) as e:
             raise CompileError(f"{model.name}: {e}") from None
+        except _TVM_ERRORS as e:
+            first = str(e).strip().splitlines()[-1]
+            raise CompileError(f"{model.name}: TVM could not compile the model: {first}") from None
         (tmp / MANIFEST).write_text(json.dumps(manifest.to_dict(), indent=1))
-        _store_in_cache(tmp, cache)
+        _store_in_cache(tmp, cache, progress)
         _install(tmp, out, copy=False)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -293,10 +317,12 @@ def compile_bundle(model: ModelDef, out: str | Path, arch: str = "sm_75",
     return out
 
 
-def _store_in_cache(src: Path, cache: Path) -> None:
+def _store_in_cache(src: Path, cache: Path, progress: Progress) -> None:
+    """Keep a copy for later compiles; an unwritable cache only costs a warning."""
     try:
         cache.parent.mkdir(parents=True, exist_ok=True)
         if not cache.exists():
             _install(src, cache, copy=True)
-    except OSError:
-        pass  # the cache is an optimisation; an unwritable cache dir must not fail the compile
+    except OSError as e:
+        progress(f"warning: cannot store the bundle in the cache {cache.parent} ({e}); "
+                 "set PAELLA_CACHE_DIR to a writable directory to enable caching")

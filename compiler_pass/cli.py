@@ -78,3 +78,20 @@ def _compile(args: argparse.Namespace) -> int:
         for name, secs, kernels, launches, _wall in rows:
             print(f"| {name} | {secs:.1f} | {kernels} | {launches} |")
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m paella.compiler_pass.cli``: the compile command alone (no other components)."""
+    from paella.cli import CLIError
+    parser = argparse.ArgumentParser(prog="paella")
+    register(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(["compile", *(sys.argv[1:] if argv is None else argv)])
+    try:
+        return args.func(args)
+    except CLIError as e:
+        print(f"paella: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import numpy as np
 import tvm
 import tvm_ffi
 from tvm import tirx
@@ -205,6 +204,3 @@ def kernel_params(func: tirx.PrimFunc) -> list[KernelParam]:
             out.append(KernelParam(p.name, "scalar", str(p.ty.dtype)))
     return out
 
-
-def thread_count(launch: HostLaunch) -> int:
-    return int(np.prod(launch.grid)) * int(np.prod(launch.block))

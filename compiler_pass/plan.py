@@ -245,4 +245,5 @@ def build_plan(func: relax.Function, host_plans: dict[str, HostPlan], params: li
         outputs.append(TensorSpec(f"output{i}", list(v.shape), v.dtype, io, v.nbytes, v.buffer, v.offset))
         p.ops.append(Op("d2h", buffer=v.buffer, buffer_offset=v.offset, io_offset=io, nbytes=v.nbytes))
         io = _align(io + v.nbytes)
-    return PlanResult(inputs, outputs, p.buffers, p.params, p.launches, p.ops, io)
+    last = (inputs + outputs)[-1]
+    return PlanResult(inputs, outputs, p.buffers, p.params, p.launches, p.ops, last.offset + last.nbytes)
