@@ -480,9 +480,14 @@ def sd_notify(message: str) -> bool:
         return False
     if addr[0] == "@":
         addr = "\0" + addr[1:]      # abstract namespace
-    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC) as s:
-        s.connect(addr)
-        s.sendall(message.encode())
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC) as s:
+            s.connect(addr)
+            s.sendall(message.encode())
+    except OSError as e:
+        # The service manager went away; serving clients matters more than telling it.
+        log.warning("sd_notify %r to %s failed: %s", message.split("\n")[0], addr, e)
+        return False
     return True
 
 
