@@ -112,22 +112,14 @@ class ModelTable:
         return [m.to_dict() for m in sorted(self.by_id.values(), key=lambda m: m.model_id)]
 
 
-def _resolve_uid(u: str | int) -> int:
-    if isinstance(u, int) or str(u).isdigit():
-        return int(u)
+def _resolve_id(name: str | int, lookup, field: str, what: str) -> int:
+    """A user or group name (or number) as its numeric id; unknown names are errors."""
+    if isinstance(name, int) or str(name).isdigit():
+        return int(name)
     try:
-        return pwd.getpwnam(u).pw_uid
+        return getattr(lookup(name), field)
     except KeyError:
-        raise FrontendError(f"allowed user {u!r} does not exist") from None
-
-
-def _resolve_gid(g: str | int) -> int:
-    if isinstance(g, int) or str(g).isdigit():
-        return int(g)
-    try:
-        return grp.getgrnam(g).gr_gid
-    except KeyError:
-        raise FrontendError(f"allowed group {g!r} does not exist") from None
+        raise FrontendError(f"allowed {what} {name!r} does not exist") from None
 
 
 def peer_groups(pid: int, gid: int) -> set[int]:
@@ -173,8 +165,10 @@ class Frontend:
         self.accepting = True
         self._lock_fd: int | None = None
         self._sleeping = False
-        self.allowed_uids = {_resolve_uid(u) for u in cfg.allowed_users} | {os.geteuid(), 0}
-        self.allowed_gids = {_resolve_gid(g) for g in cfg.allowed_groups}
+        self.allowed_uids = {_resolve_id(u, pwd.getpwnam, 'pw_uid', 'user')
+                             for u in cfg.allowed_users} | {os.geteuid(), 0}
+        self.allowed_gids = {_resolve_id(g, grp.getgrnam, 'gr_gid', 'group')
+                             for g in cfg.allowed_groups}
         self.stats = {"accepted": 0, "refused": 0, "lost": 0, "requests": 0, "rejected": 0,
                       "bad_messages": 0}
 

@@ -161,16 +161,24 @@ class Segment:
         self.hdr = self.req = self.cmp = self.msg = self.arena = None  # type: ignore[assignment]
 
 
+class _RingEnd:
+    """One end of one ring: the views it touches, cached as attributes (hot path)."""
+
+    def __init__(self, seg: Segment, requests: bool):
+        self.seg = seg
+        self.hdr = seg.hdr
+        self.ring = seg.req if requests else seg.cmp
+        self.msg = seg.msg
+        self.mask = seg.req_mask if requests else seg.cmp_mask
+        self.slots = seg.layout.req_slots if requests else seg.layout.cmp_slots
+
+
 # --- client side ------------------------------------------------------------------
-class RequestProducer:
+class RequestProducer(_RingEnd):
     """Client end of the request ring. Not thread-safe by itself: the client locks."""
 
     def __init__(self, seg: Segment):
-        self.seg = seg
-        self.hdr = seg.hdr
-        self.ring = seg.req
-        self.mask = seg.req_mask
-        self.slots = seg.layout.req_slots
+        super().__init__(seg, requests=True)
         self.tail = int(seg.hdr[REQ_TAIL])
 
     def push(self, req_id: int, model_id: int, offset: int, length: int, options: int) -> bool:
@@ -186,15 +194,11 @@ class RequestProducer:
         return bool(self.hdr[SLEEPING])
 
 
-class CompletionConsumer:
+class CompletionConsumer(_RingEnd):
     """Client end of the completion ring."""
 
     def __init__(self, seg: Segment):
-        self.seg = seg
-        self.hdr = seg.hdr
-        self.ring = seg.cmp
-        self.msg = seg.msg
-        self.mask = seg.cmp_mask
+        super().__init__(seg, requests=False)
         self.head = int(seg.hdr[CMP_HEAD])
 
     def ready(self) -> bool:
@@ -214,15 +218,11 @@ class CompletionConsumer:
 
 
 # --- daemon side ------------------------------------------------------------------
-class RequestConsumer:
+class RequestConsumer(_RingEnd):
     """Daemon end of the request ring. Checks the client-written tail."""
 
     def __init__(self, seg: Segment):
-        self.seg = seg
-        self.hdr = seg.hdr
-        self.ring = seg.req
-        self.mask = seg.req_mask
-        self.slots = seg.layout.req_slots
+        super().__init__(seg, requests=True)
         self.head = 0
 
     def pending(self) -> int:
@@ -242,16 +242,11 @@ class RequestConsumer:
         return entry
 
 
-class CompletionProducer:
+class CompletionProducer(_RingEnd):
     """Daemon end of the completion ring."""
 
     def __init__(self, seg: Segment):
-        self.seg = seg
-        self.hdr = seg.hdr
-        self.ring = seg.cmp
-        self.msg = seg.msg
-        self.mask = seg.cmp_mask
-        self.slots = seg.layout.cmp_slots
+        super().__init__(seg, requests=False)
         self.tail = 0
 
     def unread(self) -> int:
