@@ -355,12 +355,14 @@ class Router:
 
 # --- bundles on the dispatcher ---------------------------------------------------------
 def model_info_from_bundle(model_id: int, bundle) -> wire.ModelInfo:
-    """The client-facing description of a loaded bundle (every variant)."""
+    """The client-facing description of a loaded bundle."""
     def tensors(ts) -> tuple[wire.TensorInfo, ...]:
         return tuple(wire.TensorInfo(t.name, tuple(t.shape), t.dtype, t.offset) for t in ts)
+    # Only variant 0 is served for now: the functional adaptor runs that one, so
+    # announcing the others would accept requests it would answer wrongly.
     return wire.ModelInfo(model_id, bundle.model, tuple(
         wire.VariantInfo(v.io_bytes, tensors(v.inputs), tensors(v.outputs))
-        for v in bundle.variants))
+        for v in bundle.variants[:1]))
 
 
 def plan_from_variant(name: str, v):
