@@ -178,3 +178,14 @@ def _drive(d: Dispatcher, dev: SimDevice, arrivals: np.ndarray, submit: Callable
 def saturated(point: dict, tolerance: float = 0.9) -> bool:
     """A load point is saturated when completions fall behind arrivals."""
     return point["throughput"] < tolerance * point["offered"]
+
+
+def write_outputs(data: dict, args: Any, plot: Callable[[dict, str], None]) -> None:
+    """Print the summary; write ``--json`` and ``--plot`` if asked."""
+    import json
+    print(json.dumps(data["summary"], indent=2))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(data, f, indent=2)
+    if args.plot:
+        plot(data, args.plot)

@@ -16,11 +16,10 @@ proportion to their FLOPs, with a 6 us floor per kernel.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 
 from paella.experiments.cli import add_common
-from paella.experiments.harness import PointConfig, Workload, adaptor_for, run_point, saturated
+from paella.experiments.harness import write_outputs, PointConfig, Workload, adaptor_for, run_point, saturated
 from paella.models.synthetic import SyntheticJob, SyntheticKernel
 
 POLICIES = ["paella", "ms-jbj", "ms-kbk", "fifo", "sjf", "rr"]
@@ -201,10 +200,5 @@ def main(args: argparse.Namespace) -> int:
               f"inception p99={pt['per_model']['inception_v3']['p99_ms']:.2f} ms", file=sys.stderr)
 
     data = run(rates, sigmas, n, args.seed, args.policies.split(","), args.cpu_scale, progress)
-    print(json.dumps(data["summary"], indent=2))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(data, f, indent=2)
-    if args.plot:
-        plot(data, args.plot)
+    write_outputs(data, args, plot)
     return 0

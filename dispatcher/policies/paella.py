@@ -3,8 +3,8 @@ deficit counters.
 
 * **SRPT.** Ready jobs sit in a heap keyed by their remaining-time estimate
   (:mod:`paella.dispatcher.profile`), ties to the earlier arrival.
-* **Deficits.** Each fairness *unit* (by default a job; ``fairness_unit="client"``
-  keys them by client) has a deficit. When a kernel of unit u is released, u's deficit
+* **Deficits.** Each fairness *unit* (a client, the paper's "user", by default;
+  ``fairness_unit="job"`` gives every job its own) has a deficit. When a kernel of unit u is released, u's deficit
   drops by 1 - 1/n and every other unit's rises by 1/n, n being the units with
   unfinished jobs. If the highest deficit among units with a ready kernel exceeds
   ``fairness_threshold``, that unit's oldest ready job is picked; otherwise SRPT's.
@@ -27,10 +27,10 @@ from typing import Any
 
 from .base import Policy, PolicyError, register_policy
 
-#: Default fairness threshold, in kernels' worth of deficit. A job starved while the
-#: others release K kernels reaches a deficit near K/n, so with a few jobs in the
-#: system a long job waits at most some hundred short kernels (a handful of ResNet-18
-#: requests) before it is served oldest-first.
+#: Default fairness threshold, in kernels' worth of deficit. A client starved while
+#: the others release K kernels reaches a deficit near K/n (n active clients), so with
+#: two clients a long job waits at most about 2 x 32 kernels of the other client (a few
+#: ResNet-18 requests) before its client's oldest job is served.
 DEFAULT_FAIRNESS_THRESHOLD = 32.0
 _REBASE = 1e9
 
@@ -51,7 +51,7 @@ class _Unit:
 @register_policy("paella")
 class Paella(Policy):
     def __init__(self, dispatcher: Any = None, *, fairness_threshold: float | None = None,
-                 fairness_unit: str = "job", **options: Any):
+                 fairness_unit: str = "client", **options: Any):
         super().__init__(dispatcher, **options)
         if fairness_threshold is None:
             fairness_threshold = DEFAULT_FAIRNESS_THRESHOLD

@@ -78,10 +78,10 @@ def starve(threshold: float, rounds: int = 400) -> int:
     """A long job against an endless supply of one-kernel short jobs: the longest run of
     releases during which the long job waited."""
     p = Paella(fairness_threshold=threshold)
-    long_ = FakeJob(1e6)
+    long_ = FakeJob(1e6, client=1)
     arrive(p, long_)
     worst = gap = 0
-    shorts = [FakeJob(1.0), FakeJob(1.0)]
+    shorts = [FakeJob(1.0, client=2), FakeJob(1.0, client=2)]
     arrive(p, *shorts)
     for _ in range(rounds):
         j = p.pick()
@@ -93,17 +93,17 @@ def starve(threshold: float, rounds: int = 400) -> int:
         else:
             gap += 1
             p.job_finished(j)
-            s = FakeJob(1.0)                   # a fresh short job takes its place
+            s = FakeJob(1.0, client=2)         # a fresh short job takes its place
             arrive(p, s)
     return max(worst, gap)
 
 
 @pytest.mark.parametrize("threshold", [0.0, 2.0, 8.0])
 def test_deficits_bound_how_long_a_long_job_starves(threshold):
-    # Three jobs in the system: the long one gains 1/3 per release it misses, so it is
-    # served after about 3 * (threshold + 1) releases at most.
+    # Two clients: the long job's gains 1/2 per release it misses, so it is served
+    # after about 2 * (threshold + 1) releases at most.
     worst = starve(threshold)
-    assert worst <= 3 * (threshold + 1) + 1
+    assert worst <= 2 * (threshold + 1) + 1
 
 
 def test_without_deficits_srpt_starves_the_long_job():
@@ -120,7 +120,7 @@ def test_deficits_by_client_follow_the_paper_update():
 
 
 def test_deficit_threshold_zero_serves_oldest_waiting_first():
-    p = Paella(fairness_threshold=0.0)
+    p = Paella(fairness_threshold=0.0, fairness_unit="job")
     old, new = FakeJob(9.0), FakeJob(1.0)
     arrive(p, old, new)
     assert p.pick() is new                    # no deficit yet: SRPT
