@@ -1,0 +1,28 @@
+"""Paella-py: software-defined GPU scheduling for low-latency model serving.
+
+The client API of the paper is available at the top level::
+
+    import paella
+    client = paella.connect()                  # or paella.predict(...) on a default connection
+    req = client.predict("resnet18", length, io_offset)
+    done = client.read_result()                # or read_result(paella.NONBLOCK) -> -EAGAIN
+
+They are loaded on first use, so ``import paella.protocol`` and friends stay light.
+"""
+from __future__ import annotations
+
+__version__ = "0.1.0"
+
+_CLIENT_API = {"connect", "predict", "read_result", "NONBLOCK", "Client", "default_client",
+               "PaellaError", "DaemonUnavailable", "DaemonGone", "DaemonError", "UnknownModel",
+               "NothingInFlight", "RingFull", "ArenaFull", "RequestFailed"}
+
+
+def __getattr__(name: str):
+    if name in _CLIENT_API:
+        from paella import client
+        return getattr(client, name)
+    raise AttributeError(f"module 'paella' has no attribute {name!r}")
+
+
+__all__ = sorted(_CLIENT_API)

@@ -83,4 +83,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # Run through the package module, not this __main__ copy, so that sub-commands and
+    # this file share one CLIError class.
+    from paella.cli import main as _main
+    sys.exit(_main())
