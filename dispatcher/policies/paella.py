@@ -3,21 +3,32 @@ deficit counters.
 
 * **SRPT.** Ready jobs sit in a heap keyed by their remaining-time estimate
   (:mod:`paella.dispatcher.profile`), ties to the earlier arrival.
-* **Deficits.** Each fairness *unit* (a client, the paper's "user", by default;
-  ``fairness_unit="job"`` gives every job its own) has a deficit. When a kernel of unit u is released, u's deficit
-  drops by 1 - 1/n and every other unit's rises by 1/n, n being the units with
-  unfinished jobs. If the highest deficit among units with a ready kernel exceeds
-  ``fairness_threshold``, that unit's oldest ready job is picked; otherwise SRPT's.
+* **Deficits** (the paper's update rule). Each fairness *unit* has a deficit; when a
+  kernel of unit u is released, u's deficit drops by 1 - 1/n and every other unit's
+  rises by 1/n, n being the units with unfinished jobs.
+* **Past the threshold.** If the highest deficit among units with a ready kernel
+  exceeds ``fairness_threshold``:
+
+  - ``fairness_unit="job"`` (the default; every job is a unit, as in the paper's
+    implementation, which shifts by 1/#jobs): the **oldest ready job** goes next,
+    whichever unit is over. Threshold 0 is therefore arrival order (Paella-SS's order,
+    kernel by kernel), a large threshold is SRPT, and in between a job is overtaken
+    by about n x threshold kernels at most before arrival order takes over.
+  - ``fairness_unit="client"`` (the paper's "user"): the oldest ready job *of the
+    client with the highest deficit*. This enforces equal kernel shares between
+    clients whatever their request rates: threshold 0 is a kernel-level round robin
+    between clients, which is FIFO only if the clients send similar mixes.
 * **O(log n) per decision.** As in the paper, deficits are stored as ``s_u`` with
   ``deficit_u = s_u + G``: a release adds 1/n to the global offset ``G`` and subtracts
-  1 from ``s_u`` (O(1)), and a max-heap of ``s_u`` over ready units (lazy deletion)
-  finds the highest. ``G`` is folded back into every ``s_u`` when it grows large (the
-  paper's O(n) reset on underflow), so floats never lose precision.
+  1 from ``s_u`` (O(1)); a max-heap of ``s_u`` over ready units, a heap of ready jobs
+  by arrival (job mode) or one per client (client mode), all with lazy deletion. ``G``
+  is folded back into every ``s_u`` when it grows large (the paper's O(n) reset), so
+  floats never lose precision.
 
 Decisions on the paper's open points (docs/policies.md): deficits are charged per
 kernel, not per block; a unit enters with deficit 0 and leaves (forgetting its
 deficit) when its last job finishes, so idle units accrue nothing; "oldest job" is
-the unit's earliest-arrived job with a ready kernel.
+the earliest-arrived job with a ready kernel.
 """
 from __future__ import annotations
 
@@ -32,6 +43,9 @@ from .base import Policy, PolicyError, register_policy
 #: two clients a long job waits at most about 2 x 32 kernels of the other client (a few
 #: ResNet-18 requests) before its client's oldest job is served.
 DEFAULT_FAIRNESS_THRESHOLD = 32.0
+#: Default fairness unit: every job is its own unit (the paper's implementation, which
+#: shifts by 1/#jobs). See the module docstring for what ``"client"`` changes.
+DEFAULT_FAIRNESS_UNIT = "job"
 _REBASE = 1e9
 
 
@@ -51,7 +65,7 @@ class _Unit:
 @register_policy("paella")
 class Paella(Policy):
     def __init__(self, dispatcher: Any = None, *, fairness_threshold: float | None = None,
-                 fairness_unit: str = "client", **options: Any):
+                 fairness_unit: str = DEFAULT_FAIRNESS_UNIT, **options: Any):
         super().__init__(dispatcher, **options)
         if fairness_threshold is None:
             fairness_threshold = DEFAULT_FAIRNESS_THRESHOLD
@@ -62,6 +76,7 @@ class Paella(Policy):
         self.threshold = float(fairness_threshold)
         self.by_client = fairness_unit == "client"
         self.srpt: list = []        # (remaining, arrival seq, pver, job)
+        self.fifo: list = []        # (arrival seq, pver, job): job mode's fairness pick
         self.dheap: list = []       # (-s, unit seq, unit ver, unit)
         self.units: dict[Any, _Unit] = {}
         self.G = 0.0
@@ -84,7 +99,10 @@ class Paella(Policy):
         pver = job.pver
         heapq.heappush(self.srpt, (job.remaining, job.seq, pver, job))
         unit = job.punit
-        heapq.heappush(unit.ready, (job.seq, pver, job))
+        if self.by_client:
+            heapq.heappush(unit.ready, (job.seq, pver, job))
+        else:
+            heapq.heappush(self.fifo, (job.seq, pver, job))
         unit.nready += 1
         if unit.nready == 1:
             self._push_unit(unit)
@@ -97,7 +115,7 @@ class Paella(Policy):
             neg_s, _, ver, unit = dheap[0]
             if ver == unit.ver and unit.nready:
                 if self.G - neg_s > self.threshold:
-                    return self._oldest(unit)
+                    return self._oldest(unit.ready if self.by_client else self.fifo)
                 break
             heapq.heappop(dheap)
         srpt = self.srpt
@@ -135,14 +153,15 @@ class Paella(Policy):
         return unit.s + self.G
 
     # -- helpers ----------------------------------------------------------------------------
-    def _oldest(self, unit: _Unit) -> Any:
-        ready = unit.ready
+    @staticmethod
+    def _oldest(ready: list) -> Any:
+        """The earliest-arrived live entry of an (arrival seq, pver, job) heap."""
         while ready:
             _, pver, job = ready[0]
             if pver == job.pver and job.queued:
                 return job
             heapq.heappop(ready)
-        raise AssertionError("unit counted as ready has no ready job")
+        raise AssertionError("a unit counted as ready has no ready job")
 
     def _push_unit(self, unit: _Unit) -> None:
         unit.ver += 1
@@ -172,3 +191,5 @@ class Paella(Policy):
     def _compact(self) -> None:
         self.srpt = [e for e in self.srpt if e[2] == e[3].pver and e[3].queued]
         heapq.heapify(self.srpt)
+        self.fifo = [e for e in self.fifo if e[1] == e[2].pver and e[2].queued]
+        heapq.heapify(self.fifo)

@@ -74,10 +74,10 @@ def test_srpt_requeues_with_the_reduced_estimate():
     assert p.pick() is long_
 
 
-def starve(threshold: float, rounds: int = 400) -> int:
-    """A long job against an endless supply of one-kernel short jobs: the longest run of
-    releases during which the long job waited."""
-    p = Paella(fairness_threshold=threshold)
+def starve(threshold: float, rounds: int = 400, unit: str = "job") -> int:
+    """A long job against an endless supply of one-kernel short jobs (two at a time, from
+    another client): the longest run of releases during which the long job waited."""
+    p = Paella(fairness_threshold=threshold, fairness_unit=unit)
     long_ = FakeJob(1e6, client=1)
     arrive(p, long_)
     worst = gap = 0
@@ -99,11 +99,13 @@ def starve(threshold: float, rounds: int = 400) -> int:
 
 
 @pytest.mark.parametrize("threshold", [0.0, 2.0, 8.0])
-def test_deficits_bound_how_long_a_long_job_starves(threshold):
-    # Two clients: the long job's gains 1/2 per release it misses, so it is served
-    # after about 2 * (threshold + 1) releases at most.
-    worst = starve(threshold)
-    assert worst <= 2 * (threshold + 1) + 1
+@pytest.mark.parametrize("unit,units", [("job", 3), ("client", 2)])
+def test_deficits_bound_how_long_a_long_job_starves(threshold, unit, units):
+    # The long job's unit gains 1/n per release it misses (n = 3 jobs or 2 clients),
+    # so it is served after about n * (threshold + 1) releases at most.
+    worst = starve(threshold, unit=unit)
+    assert worst <= units * (threshold + 1) + 1
+    assert worst >= 1 or threshold == 0.0
 
 
 def test_without_deficits_srpt_starves_the_long_job():
@@ -119,6 +121,16 @@ def test_deficits_by_client_follow_the_paper_update():
     assert p.deficit(2) == pytest.approx(0.5)   # +1/2
 
 
+def test_deficits_by_job_follow_the_paper_update():
+    p = Paella(fairness_threshold=1e9)        # fairness_unit="job" is the default
+    a, b, c = FakeJob(1.0), FakeJob(2.0), FakeJob(3.0)
+    arrive(p, a, b, c)
+    p.released(p.pick(), None)               # a releases one kernel
+    assert p.deficit(a) == pytest.approx(-2 / 3)
+    assert p.deficit(b) == pytest.approx(1 / 3)
+    assert p.deficit(c) == pytest.approx(1 / 3)
+
+
 def test_deficit_threshold_zero_serves_oldest_waiting_first():
     p = Paella(fairness_threshold=0.0, fairness_unit="job")
     old, new = FakeJob(9.0), FakeJob(1.0)
@@ -127,6 +139,51 @@ def test_deficit_threshold_zero_serves_oldest_waiting_first():
     p.released(new, None)
     p.kernel_ready(new)
     assert p.pick() is old                    # old now owed: deficit 1/2 > 0
+
+
+def release_order(threshold: float, unit: str, kernels: int = 4) -> list[int]:
+    """Six jobs of ``kernels`` kernels each, arriving together, shortest last, from two
+    clients; each released kernel is ready again at once. Returns the job (arrival
+    index) of every release."""
+    p = Paella(fairness_threshold=threshold, fairness_unit=unit)
+    jobs = [FakeJob(float(10 - i), client=i % 2) for i in range(6)]
+    left = {j: kernels for j in jobs}
+    arrive(p, *jobs)
+    order = []
+    while (j := p.pick()) is not None:
+        p.released(j, None)
+        order.append(jobs.index(j))
+        left[j] -= 1
+        j.remaining -= 1.0
+        if left[j]:
+            p.kernel_ready(j)
+        else:
+            p.job_finished(j)
+    return order
+
+
+def test_threshold_zero_is_arrival_order_and_infinity_is_srpt():
+    # Per-job deficits: past the threshold the oldest ready job goes first, so at 0
+    # only the very first decision (every deficit still 0) is SRPT's.
+    fifo = release_order(0.0, "job")
+    assert fifo[0] == 5
+    assert fifo[1:] == sorted(fifo[1:])
+    srpt = release_order(float("inf"), "job")
+    assert srpt == sorted(srpt, reverse=True)     # shortest (last-arrived) job first
+    # Per-client deficits at 0 give the two clients equal shares of the releases
+    # (kernel-level round robin between users), not arrival order.
+    by_client = release_order(0.0, "client")
+    assert by_client[:4] == [5, 0, 5, 0]
+    for k in range(1, len(by_client) + 1):
+        ones = sum(i % 2 for i in by_client[:k])
+        assert abs(ones - (k - ones)) <= 2
+
+
+def test_larger_thresholds_move_monotonically_from_fifo_to_srpt():
+    def inversions(order):
+        return sum(1 for i in range(len(order)) for k in range(i) if order[k] > order[i])
+    inv = [inversions(release_order(t, "job")) for t in (0.0, 1.0, 4.0, 1e9)]
+    assert inv == sorted(inv) and inv[0] < inv[-1]
 
 
 @pytest.mark.parametrize("name", ["fifo", "ms-jbj", "ms_jbj", "MS-KBK", "sjf", "rr", "paella"])
