@@ -82,10 +82,17 @@ def _used_primfuncs(lowered: tvm.IRModule, entry: relax.Function) -> tvm.IRModul
 
 
 def _flops(tir_mod: tvm.IRModule, progress: Progress) -> dict[str, float]:
-    """TVM's FLOP estimate per PrimFunc; 0 (with a warning) where it cannot estimate."""
+    """TVM's FLOP estimate per PrimFunc; 0 (with a warning) where it cannot estimate.
+
+    Call it on *unscheduled* PrimFuncs: after DLight's schedules, the estimate counts
+    the arithmetic of every thread of a cross-thread reduction and inflates many
+    kernels by orders of magnitude (a 1x1 convolution scheduled one block per output
+    element came out 30x too large)."""
     from tvm.s_tir.analysis import estimate_tir_flops
     out = {}
     for gv, f in tir_mod.functions.items():
+        if not isinstance(f, tirx.PrimFunc):
+            continue
         try:
             out[gv.name_hint] = float(estimate_tir_flops(tvm.IRModule({"main": f})))
         except _TVM_ERRORS as e:
@@ -94,8 +101,28 @@ def _flops(tir_mod: tvm.IRModule, progress: Progress) -> dict[str, float]:
     return out
 
 
+def relax_pipeline(mod: tvm.IRModule, target: tvm.target.Target,
+                   progress: Progress) -> tuple[tvm.IRModule, dict[str, float]]:
+    """TVM's default CUDA pipeline, plus the FLOPs of each fused PrimFunc taken just
+    before DLight schedules it (see :func:`_flops`)."""
+    flops: dict[str, float] = {}
+
+    @tvm.instrument.pass_instrument
+    class FlopsBeforeSchedule:
+        def run_before_pass(self, m, info):
+            if "ApplyDefaultSchedule" in info.name and not flops:
+                flops.update(_flops(m, progress))
+
+    with target, tvm.transform.PassContext(instruments=[FlopsBeforeSchedule()]):
+        lowered = relax.get_default_pipeline(target)(mod)
+    if not flops:
+        raise CompileError("internal: the Relax pipeline ran no DLight ApplyDefaultSchedule pass "
+                           "(TVM version mismatch? paella needs apache-tvm 0.27)")
+    return lowered, flops
+
+
 def lower_gpu(tir_mod: tvm.IRModule, target: tvm.target.Target, options: InstrumentOptions,
-              progress: Progress = lambda _m: None) -> GpuBuild:
+              flops: dict[str, float], progress: Progress = lambda _m: None) -> GpuBuild:
     """TIR lowering + codegen of the model's PrimFuncs; no host code is compiled."""
     from tvm.tirx.build import split_host_device_mods
     snapshot: dict[str, tvm.IRModule] = {}
@@ -128,7 +155,7 @@ def lower_gpu(tir_mod: tvm.IRModule, target: tvm.target.Target, options: Instrum
             "tvm_callback_cuda_compile", lambda _prev: (lambda code, *a: b"")):
         rt = tvm.get_global_func("target.build.cuda")(dev_mod, dev_target)
     device_funcs = {gv.name_hint: f for gv, f in dev_mod.functions.items() if is_device_kernel(f)}
-    return GpuBuild(rt.inspect_source(), device_funcs, host_plans, _flops(tir_mod, progress))
+    return GpuBuild(rt.inspect_source(), device_funcs, host_plans, flops)
 
 
 def global_functions(source: str) -> list[str]:
@@ -139,9 +166,15 @@ def global_functions(source: str) -> list[str]:
 def _kernel_specs(gpu: GpuBuild, plan: PlanResult, resources_: dict[str, nvcc.KernelResources],
                   instrumented: bool) -> list[KernelSpec]:
     specs: dict[str, KernelSpec] = {}
+    # A PrimFunc's FLOPs are shared among the kernels *one call* of it launches, by
+    # threads; a PrimFunc called several times (repeated layers) is not divided by
+    # its call count, so each distinct kernel is counted once.
     threads_per_func: dict[str, int] = {}
+    seen: set[str] = set()
     for ln in plan.launches:
-        threads_per_func[ln.primfunc] = threads_per_func.get(ln.primfunc, 0) + thread_count_of(ln)
+        if ln.kernel not in seen:
+            seen.add(ln.kernel)
+            threads_per_func[ln.primfunc] = threads_per_func.get(ln.primfunc, 0) + thread_count_of(ln)
     for ln in plan.launches:
         if ln.kernel in specs:
             continue
@@ -187,12 +220,11 @@ def _write_bundle(model: ModelDef, tmp: Path, arch: str, options: InstrumentOpti
 
     _require_static_inputs(model)
     step("Relax CUDA pipeline (legalize, fuse, schedule, plan memory)")
-    with target:
-        lowered = relax.get_default_pipeline(target)(model.mod)
+    lowered, flops = relax_pipeline(model.mod, target, progress)
     entry = lowered["main"]
 
     step("TIR lowering" + (f" + instrumentation (group={options.group})" if options.enabled else " (plain)"))
-    gpu = lower_gpu(_used_primfuncs(lowered, entry), target, options, progress)
+    gpu = lower_gpu(_used_primfuncs(lowered, entry), target, options, flops, progress)
     (tmp / FILES["cuda_source"]).write_text(gpu.source)
     globals_ = global_functions(gpu.source)
     if sorted(globals_) != sorted(gpu.device_funcs):
