@@ -31,8 +31,8 @@ import numpy as np
 from paella import protocol
 from paella.dispatcher.devices.base import Device, DeviceError
 
-from .adaptor import JobAdaptor
-from .job import FINISHED, Job
+from .adaptor import JobAdaptor, PlanAdaptor
+from .job import FINISHED, Job, PlanTemplate
 from .occupancy import Tracker
 from .policies.base import Policy, get_policy
 from .profile import ModelProfile
@@ -68,6 +68,8 @@ class Model:
     name: str
     adaptor: JobAdaptor
     profile: ModelProfile = field(default_factory=ModelProfile)
+    # The built-in PlanAdaptor's plan, compiled once: its requests skip the greenlet.
+    template: PlanTemplate | None = None
 
 
 class Dispatcher:
@@ -87,6 +89,7 @@ class Dispatcher:
             opts["fairness_threshold"] = fairness_threshold
         cls = get_policy(policy) if isinstance(policy, str) else policy
         self.policy: Policy = cls(self, **opts)
+        self._bind_policy()
         self.streams = StreamMap(len(device.streams), self.policy.stream_mode)
         self.models: list[Model] = []
         self.jobs: set[Job] = set()
@@ -132,39 +135,45 @@ class Dispatcher:
     def _release(self) -> None:
         if self._copies:
             self._flush_copies()
-        streams = self.streams
         policy = self.policy
         tracker = self.tracker
-        gated = policy.gated
+        admits = tracker.admits if policy.gated else tracker.flow_ok
+        streams = self.streams
+        pool = streams.mode == "pool"
+        free = streams.free
         while True:
             try:
                 job = policy.pick()
             except Exception as e:
                 self._policy_failed("pick", e)
                 policy = self.policy
-                gated = policy.gated
+                admits = tracker.admits if policy.gated else tracker.flow_ok
+                pool = streams.mode == "pool"
                 continue
             if job is None:
                 return
-            op = job.ready[0]
-            if not ((tracker.admits(op) if gated else tracker.flow_ok(op)) and streams.available()):
+            ready = job.ready
+            op = ready[0]
+            if not admits(op) or (pool and not free):
                 return
-            job.ready.popleft()
+            ready.popleft()
             job.in_policy = False
             key = op.key
-            c = job.kcount.get(key, 0)
+            kcount = job.kcount
+            c = kcount.get(key, 0)
             job.remaining -= job.model.profile.charge(key, c)
-            job.kcount[key] = c + 1
+            kcount[key] = c + 1
             try:
                 policy.released(job, op)
             except Exception as e:
                 self._policy_failed("released", e)
                 policy = self.policy
-                gated = policy.gated
+                admits = tracker.admits if policy.gated else tracker.flow_ok
+                pool = streams.mode == "pool"
             self._launch_kernel(op)
             if self._copies:                 # copies it activated keep their stream order
                 self._flush_copies()
-            if job.ready and not job.in_policy:
+            if ready and not job.in_policy:
                 self._queue(job)
 
     # -- releasing ---------------------------------------------------------------------------
@@ -182,7 +191,10 @@ class Dispatcher:
             return
         if op.almost_finished:
             self._almost_finished(op.job)
-        op.job.waitlist.released(op)
+        op.state = RELEASED
+        succ = op.succ
+        if succ is not None and op.job.waitlist.eager:
+            op.job.waitlist.released(op)
 
     def _launch_copy(self, op: Op) -> None:
         s = self.streams.assign(op)
@@ -210,10 +222,11 @@ class Dispatcher:
     def _kernel_done(self, op: Op) -> None:
         job = op.job
         job.model.profile.record_kernel(op.key, self.now - op.t_first)
-        try:
-            self.policy.kernel_completed(job, op)
-        except Exception as e:
-            self._policy_failed("kernel_completed", e)
+        if self._kernel_completed is not None:
+            try:
+                self._kernel_completed(job, op)
+            except Exception as e:
+                self._policy_failed("kernel_completed", e)
         self._op_done(op)
 
     def _poll_copies(self) -> None:
@@ -263,7 +276,16 @@ class Dispatcher:
             except Exception as e:
                 self._policy_failed("job_arrived", e)
             self._progress += 1
-            job.start()
+            template = job.model.template
+            if template is None:
+                job.start()                  # the adaptor's run(io) in a greenlet
+            else:
+                try:
+                    template.instantiate(job, job.req.io)
+                except Exception as e:       # as Job._main: fail this request only
+                    job.error = f"{type(e).__name__}: {e}"
+                    self._job_failed(job)
+                job.returned = True
             self._after_run(job)
 
     def _resume_jobs(self) -> None:
@@ -350,6 +372,11 @@ class Dispatcher:
                              f"{self.tracker.slots} slots; use a larger notifq_slots or group")
 
     # -- policy fallback -------------------------------------------------------------------------
+    def _bind_policy(self) -> None:
+        # Speed: kernel_completed runs per kernel and most policies leave it empty.
+        kc = self.policy.kernel_completed
+        self._kernel_completed = None if type(self.policy).kernel_completed is Policy.kernel_completed else kc
+
     def _policy_failed(self, hook: str, exc: Exception) -> None:
         """A policy hook raised: log it, switch to fifo, re-queue every job, go on."""
         failed = self.policy
@@ -359,6 +386,7 @@ class Dispatcher:
         log.error("scheduling policy %r raised in %s(); falling back to %r and serving on",
                   failed.name, hook, FALLBACK_POLICY, exc_info=exc)
         self.policy = policy = get_policy(FALLBACK_POLICY)(self)
+        self._bind_policy()
         self.policy_failure = f"{failed.name}.{hook}: {type(exc).__name__}: {exc}"
         self.streams.set_mode(policy.stream_mode)
         for job in sorted(self.jobs, key=lambda j: j.seq):
@@ -384,6 +412,12 @@ class Dispatcher:
             raise ValueError(f"model {name!r} is already registered")
         adaptor.init(self.device)
         model = Model(len(self.models), name, adaptor)
+        if type(adaptor).run is PlanAdaptor.run and all(
+                self.tracker.entries_for(spec[9]) <= self.tracker.slots
+                for spec in PlanTemplate(adaptor, self).specs if spec[0] == KERNEL):
+            # Only the unmodified built-in run(): a subclass that overrides it keeps its
+            # greenlet. A kernel too large for the notifQ is refused by cuda.launch.
+            model.template = PlanTemplate(adaptor, self)
         self.models.append(model)
         runs = self.profile_runs if profile_runs is None else profile_runs
         for i in range(runs):

@@ -128,13 +128,14 @@ class Job:
         g = dim3(grid, "grid")
         b = dim3(block, "block")
         # Refuse what can never run, now, with the kernel's name: an OccupancyError says
-        # which limit is exceeded.
+        # which limit is exceeded. (Footprints are cached on the Function.)
         fp = self.d.device.block_footprint(func, b, dyn_smem)
         blocks = g[0] * g[1] * g[2]
         self.d._check_launch_size(func, blocks)
         op = Op(KERNEL, self, self._stream(stream))
         op.func, op.key, op.grid, op.block, op.dyn_smem, op.args = func, func.name, g, b, dyn_smem, tuple(args)
         op.fp, op.blocks = fp, blocks
+        self.d.tracker.prepare(op)
         return self._issue(op)
 
     def memcpy_htod(self, dst: int, src: np.ndarray, stream: VStream | None = None) -> Op:
@@ -225,3 +226,84 @@ def _contiguous(arr: Any, what: str) -> np.ndarray:
         raise TypeError(f"copy {what} must be a C-contiguous numpy array (got {type(arr).__name__}); "
                         f"use np.ascontiguousarray()")
     return arr
+
+
+class PlanTemplate:
+    """A launch plan compiled once per model, instantiated per request (Nimble-style).
+
+    Everything a plan op needs is resolved at registration: the loaded function, dim3
+    grid and block, the footprint (flattened for the tracker), the notifQ entries, the
+    device buffer, the io range, the "almost finished" mark. A request then costs one
+    :class:`Op` per step and no greenlet at all: :meth:`instantiate` issues the whole
+    plan into the job's waitlist at once, which is what ``PlanAdaptor.run`` does up to
+    its final ``device_synchronize`` (the job finishes when its last op completes, as
+    that synchronize would return then).
+
+    A straight-line plan (every op on stream 0) is linked directly: op i depends on op
+    i-1 only, which is what :meth:`Waitlist.issue` computes for it, without the
+    per-op dependency analysis. Other plans go through ``Waitlist.issue`` op by op.
+    """
+
+    __slots__ = ("name", "io_bytes", "specs", "streams", "straight")
+
+    def __init__(self, adaptor: Any, dispatcher: "Dispatcher"):
+        device = dispatcher.device
+        tracker = dispatcher.tracker
+        self.name = adaptor.name
+        self.io_bytes = adaptor.io_bytes
+        self.streams = list(adaptor._streams)
+        self.straight = not self.streams
+        specs = []
+        almost = adaptor._almost_at
+        for i, (kind, a, b, c, d, s) in enumerate(adaptor._steps):
+            if kind == 0:
+                g, blk = dim3(b, "grid"), dim3(c, "block")
+                fp = device.block_footprint(a, blk, d)
+                blocks = g[0] * g[1] * g[2]
+                specs.append((KERNEL, s, i == almost, a, a.name, g, blk, d, fp, blocks,
+                              fp.warps, fp.regs, fp.smem, tracker.entries_for(blocks)))
+            else:
+                specs.append((H2D if kind == 1 else D2H, s, i == almost, a, b, c))
+        self.specs = specs
+
+    def instantiate(self, job: Job, io: np.ndarray) -> None:
+        """Issue the plan for ``job``; raises as ``PlanAdaptor.run`` would."""
+        if io.size < self.io_bytes:
+            raise ValueError(f"io buffer of {io.size} bytes is smaller than model "
+                             f"{self.name!r} needs ({self.io_bytes})")
+        wl = job.waitlist
+        now = job.d.now
+        if not self.straight:
+            streams = {0: wl.default}
+            for s in self.streams:
+                streams[s] = wl.create_stream()
+        vs = wl.default
+        prev = None
+        first = None
+        for spec in self.specs:
+            kind = spec[0]
+            op = Op(kind, job, vs if self.straight else streams[spec[1]])
+            if kind == KERNEL:
+                (_, _, almost, op.func, op.key, op.grid, op.block, op.dyn_smem, op.fp,
+                 op.blocks, op.fw, op.fr, op.fs, op.entries) = spec
+            else:
+                _, _, almost, op.dptr, lo, hi = spec
+                op.host = io[lo:hi]
+            op.t_issue = now
+            op.almost_finished = almost
+            if not self.straight:
+                wl.issue(op)
+                continue
+            # Inlined Waitlist.issue for a straight line (nothing is released yet).
+            if prev is None:
+                first = op
+            else:
+                op.pred = prev
+                op.pred_pending = True
+                op.deps = 1
+                prev.succ = op
+            prev = op
+        if self.straight and first is not None:
+            vs.last = prev
+            wl.pending += len(self.specs)
+            wl._activate(first)

@@ -68,6 +68,9 @@ class Tracker:
         n = spec.sm_count
         self.spec = spec
         self.ring = notifq
+        # Speed: a memoryview reads a slot as a Python int in ~40 ns, numpy indexing in
+        # ~300 ns (and stores INVALID back in ~35 ns against ~90 ns).
+        self._slots_mv = memoryview(notifq)
         self.slots = notifq.size
         self.mask = notifq.size - 1
         self.head = 0
@@ -88,136 +91,187 @@ class Tracker:
         self.d_warps = self.d_regs = self.d_smem = 0
         # Flow control.
         self.pending_entries = 0
-        self.launches: dict[int, Op] = {}
         self._id_shift = counter_pairs.bit_length() - 1
         self._id_mask = counter_pairs - 1
+        # Launches in flight, indexed by counter pair (the launch id's low bits): a list
+        # lookup instead of a dict; the generation is checked against ``op.launch_id``.
+        self._by_pair: list[Op | None] = [None] * counter_pairs
+        self._n_launches = 0
         self._free_ids: deque[int] = deque(range(counter_pairs))
         self._gen = [0] * counter_pairs
+        self._gen_mask = _LAUNCH_MASK >> self._id_shift
         self.notifications = 0
+
+    @property
+    def launches(self) -> dict[int, Op]:
+        """Launches in flight by launch id (a snapshot, for tests and inspection)."""
+        return {op.launch_id: op for op in self._by_pair if op is not None}
 
     # -- release side ---------------------------------------------------------------------
     def entries_for(self, blocks: int) -> int:
-        g = self.group
-        return 2 * (-(-blocks // g))
+        return 2 * (-(-blocks // self.group))
+
+    def prepare(self, op: Op) -> None:
+        """Flatten ``op.fp`` (per-block warps, registers, smem) and count the notifQ
+        entries its ``op.blocks`` may post: what the hot paths read. Done once per op,
+        at issue; ops built by hand get it at their first admission check."""
+        fp = op.fp
+        op.fw, op.fr, op.fs = fp.warps, fp.regs, fp.smem
+        op.entries = self.entries_for(op.blocks)
 
     def flow_ok(self, op: Op) -> bool:
         """May ``op`` be launched without risking a notifQ overrun?"""
-        return bool(self._free_ids) and (
-            self.pending_entries + self.entries_for(op.blocks) <= self.slots)
+        if not op.entries:
+            self.prepare(op)
+        return bool(self._free_ids) and self.pending_entries + op.entries <= self.slots
 
     def admits(self, op: Op) -> bool:
-        """The +B rule (see the module docstring), then flow control."""
+        """The +B rule (see the module docstring), then flow control. O(1): every figure
+        is a running total kept by :meth:`release` and :meth:`drain`."""
         u = self.unplaced
         if u:
-            fp_excess = 0.0
-            # Inlined over the four resources: this runs once per release decision.
             b, w, r, s = self.cap
-            free = b - self.blocks
-            frac = (u - free) / u
-            if frac > fp_excess:
-                fp_excess = frac
-            if self.d_warps:
-                frac = (self.d_warps - (w - self.warps)) / self.d_warps
-                if frac > fp_excess:
-                    fp_excess = frac
-            if self.d_regs:
-                frac = (self.d_regs - (r - self.regs)) / self.d_regs
-                if frac > fp_excess:
-                    fp_excess = frac
-            if self.d_smem:
-                frac = (self.d_smem - (s - self.smem)) / self.d_smem
-                if frac > fp_excess:
-                    fp_excess = frac
-            if u * fp_excess >= self.extra_blocks:
+            frac = (u - (b - self.blocks)) / u          # demand in blocks is u itself
+            excess = frac if frac > 0.0 else 0.0
+            dw = self.d_warps
+            if dw:
+                frac = (dw - (w - self.warps)) / dw
+                if frac > excess:
+                    excess = frac
+            dr = self.d_regs
+            if dr:
+                frac = (dr - (r - self.regs)) / dr
+                if frac > excess:
+                    excess = frac
+            ds = self.d_smem
+            if ds:
+                frac = (ds - (s - self.smem)) / ds
+                if frac > excess:
+                    excess = frac
+            if u * excess >= self.extra_blocks:
                 return False
-        return self.flow_ok(op)
+        if not op.entries:
+            self.prepare(op)
+        return bool(self._free_ids) and self.pending_entries + op.entries <= self.slots
 
     def release(self, op: Op) -> int:
         """Account for launching ``op``; returns its launch id."""
+        if not op.entries:
+            self.prepare(op)
         slot = self._free_ids.popleft()
-        gen = self._gen[slot] = (self._gen[slot] + 1) & (_LAUNCH_MASK >> self._id_shift)
+        gen = self._gen[slot] = (self._gen[slot] + 1) & self._gen_mask
         lid = (gen << self._id_shift) | slot
         op.launch_id = lid
         op.placed = op.ended = 0
-        self.launches[lid] = op
+        self._by_pair[slot] = op
+        self._n_launches += 1
         n = op.blocks
-        fp = op.fp
         self.unplaced += n
-        self.d_warps += n * fp.warps
-        self.d_regs += n * fp.regs
-        self.d_smem += n * fp.smem
-        self.pending_entries += self.entries_for(n)
+        self.d_warps += n * op.fw
+        self.d_regs += n * op.fr
+        self.d_smem += n * op.fs
+        self.pending_entries += op.entries
         return lid
 
     def unrelease(self, op: Op) -> None:
         """Undo :meth:`release` for a launch the device refused."""
         n = op.blocks
-        fp = op.fp
         self.unplaced -= n
-        self.d_warps -= n * fp.warps
-        self.d_regs -= n * fp.regs
-        self.d_smem -= n * fp.smem
-        self.pending_entries -= self.entries_for(n)
+        self.d_warps -= n * op.fw
+        self.d_regs -= n * op.fr
+        self.d_smem -= n * op.fs
+        self.pending_entries -= op.entries
         self._finish(op)
 
     # -- notification side ----------------------------------------------------------------
     def drain(self, now: float, on_done: Callable[[Op], None]) -> int:
-        """Consume every valid notifQ entry; ``on_done(op)`` for each finished launch.
-        Returns the number of entries consumed."""
-        ring = self.ring
+        """Consume every valid notifQ entry; then ``on_done(op)`` for each launch whose
+        last block completed, in completion order. Returns the entries consumed.
+
+        Speed: one pass of integer updates per entry on local variables, written back
+        once. (A numpy scan of the batch was measured slower: finding the batch's end
+        alone costs ~3 us per drain, while batches are a few entries long.)"""
+        mv = self._slots_mv
         mask = self.mask
         head = self.head
+        w = mv[head & mask]
+        if not w:
+            return 0
         start = head
-        launches = self.launches
-        while True:
-            i = head & mask
-            w = int(ring[i])
-            if not w:
-                break
-            ring[i] = 0                       # INVALID back: the slot is free again
+        by_pair = self._by_pair
+        id_mask = self._id_mask
+        sm_b, sm_w, sm_r, sm_s = self.sm_blocks, self.sm_warps, self.sm_regs, self.sm_smem
+        blocks, warps, regs, smem = self.blocks, self.warps, self.regs, self.smem
+        unplaced, d_w, d_r, d_s = self.unplaced, self.d_warps, self.d_regs, self.d_smem
+        finished = None
+        bad = 0
+        while w:
+            mv[head & mask] = 0               # INVALID back: the slot is free again
             head += 1
+            lid = w & _LAUNCH_MASK
+            op = by_pair[lid & id_mask]
+            if op is None or op.launch_id != lid:
+                bad = w
+                break
             sm = (w >> _SM_SHIFT) & 0xFF
             n = (w >> _COUNT_SHIFT) & 0xFF
-            op = launches.get(w & _LAUNCH_MASK)
-            if op is None:
-                raise RuntimeError(f"notifQ entry {w:#018x} names launch {w & _LAUNCH_MASK}, "
-                                   f"which is not in flight (internal error, please report)")
-            fp = op.fp
+            nw = n * op.fw
+            nr = n * op.fr
+            ns = n * op.fs
             if (w >> _KIND_SHIFT) == _PLACEMENT:
                 if not op.placed:
                     op.t_first = now
                 op.placed += n
-                self._add(sm, n, fp.warps * n, fp.regs * n, fp.smem * n)
-                self.unplaced -= n
-                self.d_warps -= n * fp.warps
-                self.d_regs -= n * fp.regs
-                self.d_smem -= n * fp.smem
+                blocks += n
+                warps += nw
+                regs += nr
+                smem += ns
+                sm_b[sm] += n
+                sm_w[sm] += nw
+                sm_r[sm] += nr
+                sm_s[sm] += ns
+                unplaced -= n
+                d_w -= nw
+                d_r -= nr
+                d_s -= ns
             else:
+                blocks -= n
+                warps -= nw
+                regs -= nr
+                smem -= ns
+                sm_b[sm] -= n
+                sm_w[sm] -= nw
+                sm_r[sm] -= nr
+                sm_s[sm] -= ns
                 op.ended += n
-                self._add(sm, -n, -fp.warps * n, -fp.regs * n, -fp.smem * n)
                 if op.ended == op.blocks:
-                    self._finish(op)
-                    on_done(op)
+                    by_pair[lid & id_mask] = None
+                    self._free_ids.append(lid & id_mask)
+                    if finished is None:
+                        finished = [op]
+                    else:
+                        finished.append(op)
+            w = mv[head & mask]
+        self.blocks, self.warps, self.regs, self.smem = blocks, warps, regs, smem
+        self.unplaced, self.d_warps, self.d_regs, self.d_smem = unplaced, d_w, d_r, d_s
         self.head = head
         consumed = head - start
         self.pending_entries -= consumed
         self.notifications += consumed
+        if finished is not None:
+            self._n_launches -= len(finished)
+            for op in finished:
+                on_done(op)
+        if bad:
+            raise RuntimeError(f"notifQ entry {bad:#018x} names launch {bad & _LAUNCH_MASK}, "
+                               f"which is not in flight (internal error, please report)")
         return consumed
 
-    def _add(self, sm: int, b: int, w: int, r: int, s: int) -> None:
-        self.blocks += b
-        self.warps += w
-        self.regs += r
-        self.smem += s
-        self.sm_blocks[sm] += b
-        self.sm_warps[sm] += w
-        self.sm_regs[sm] += r
-        self.sm_smem[sm] += s
-
     def _finish(self, op: Op) -> None:
-        lid = op.launch_id
-        del self.launches[lid]
-        self._free_ids.append(lid & self._id_mask)
+        slot = op.launch_id & self._id_mask
+        self._by_pair[slot] = None
+        self._n_launches -= 1
+        self._free_ids.append(slot)
 
     # -- reporting ------------------------------------------------------------------------
     def used(self) -> dict[str, int]:
@@ -226,4 +280,4 @@ class Tracker:
                 "shared_memory": self.smem}
 
     def in_flight(self) -> int:
-        return len(self.launches)
+        return self._n_launches

@@ -39,8 +39,8 @@ class Op:
     """One waitlisted operation. Slots only: an op is created per CUDA call."""
     __slots__ = ("kind", "job", "vstream", "deps", "pred", "pred_pending", "succ", "dependents",
                  "state", "func", "key", "grid", "block", "blocks", "dyn_smem", "args", "fp",
-                 "host", "dptr", "stream", "launch_id", "placed", "ended", "t_issue",
-                 "t_release", "t_first", "almost_finished")
+                 "fw", "fr", "fs", "entries", "host", "dptr", "stream", "launch_id", "placed",
+                 "ended", "t_issue", "t_release", "t_first", "almost_finished")
 
     def __init__(self, kind: int, job: Any, vstream: "VStream"):
         self.kind = kind
@@ -55,6 +55,9 @@ class Op:
         self.func = self.key = self.fp = self.host = None
         self.grid = self.block = None
         self.blocks = 0
+        # Per-block warps, registers and shared memory (the footprint's, flattened for
+        # the tracker) and the notifQ entries the launch may post; set with ``fp``.
+        self.fw = self.fr = self.fs = self.entries = 0
         self.dyn_smem = 0
         self.args = ()
         self.dptr = 0
@@ -191,6 +194,18 @@ class Waitlist:
         """``op`` completed: meet the dependencies of the ops behind it."""
         op.state = DONE
         self.pending -= 1
+        succ = op.succ
+        if op.dependents is None and not op.vstream.destroyed and (
+                succ is None or succ.kind != MARKER):
+            # Speed: the common case (a straight-line stream: at most a non-MARKER
+            # successor, no cross-stream dependents) without the sweep below.
+            if succ is not None and succ.pred_pending:
+                succ.pred_pending = False
+                succ.deps -= 1
+                if succ.deps == 0 and succ.state == WAITING:
+                    succ.state = READY
+                    self.on_active(succ)
+            return
         # An explicit stack, not recursion: chains of MARKERs finish in one sweep.
         stack = [op]
         while stack:

@@ -1,74 +1,160 @@
-"""Benchmark (not a test): dispatcher CPU cost per released kernel and per notification.
+"""Benchmark (not a test): the dispatcher's CPU cost per kernel, everything included.
 
-    .venv/bin/python -m paella.experiments.bench_dispatcher [--jobs 3000]
+    .venv/bin/python -m paella.experiments.bench_dispatcher [--jobs 6000] [--rate 3000]
 
-Figure-2 jobs (8 one-block kernels) on the simulated GTX 1660 SUPER, driven in virtual
-time. Each release (policy pick, +B check, stream and launch-id assignment, the device
-launch call, the waitlist update) and each notifQ drain is timed with
-``time.thread_time``; the simulator's own time inside ``launch`` is measured apart and
-reported separately, since on a GPU that work is the hardware's.
+Figure-2 jobs (an H2D copy, 8 dependent one-block 300 us kernels, a D2H copy; the
+harness's ``adaptor_for(figure2_job())``) arrive lognormally (sigma 1.5) faster than
+the dispatcher can serve them, on the simulated GTX 1660 SUPER in virtual time, driven
+the way ``experiments/harness.py`` drives it: each ``step()``'s CPU time
+(``time.thread_time``) minus the time spent inside the simulator's methods advances
+the clock. Reported:
+
+* **whole**: dispatcher CPU per released kernel with everything a kernel involves
+  (starting the job and issuing its ops, the policy, +B, streams, launch ids, the
+  waitlist, the notifications and completion, the copies, finishing the request),
+  over windows of 256 kernels: median and p99 of the windows, and kernels per
+  second of dispatcher CPU over the whole run;
+* **phases** (a second run with each phase of ``step()`` timed): per released kernel
+  in ``_release`` (pick, +B, launch bookkeeping, waitlist), per notifQ entry drained
+  (incl. completion bookkeeping), per job started (issuing its plan), medians and p99
+  over the calls that did something.
+
+The simulator's own time is excluded everywhere: on a GPU that work is the hardware's.
 """
 from __future__ import annotations
 
 import argparse
+import math
 import time
+from typing import Any, Callable
 
 import numpy as np
 
-from paella.dispatcher.adaptor import PlanAdaptor, synthetic_plan
 from paella.dispatcher.core import Dispatcher, Request
 from paella.dispatcher.devices.sim import SimDevice
+from paella.experiments.harness import adaptor_for
+from paella.experiments.workload import lognormal_arrivals
+from paella.models.synthetic import figure2_job
+
+_clock = time.thread_time
+_DEVICE_METHODS = ("launch", "memcpy_htod", "memcpy_dtoh", "record_event", "event_query")
 
 
-def measure(n_jobs: int, policy: str = "paella") -> dict:
-    dev = SimDevice("gtx1660s", n_streams=1024)
+class _SimMeter:
+    """Time spent inside the simulator's methods (subtracted), and launches counted."""
+
+    def __init__(self, dev: SimDevice):
+        self.seconds = 0.0
+        self.launches = 0
+        for name in _DEVICE_METHODS:
+            setattr(dev, name, self._timed(getattr(dev, name), name == "launch"))
+
+    def _timed(self, fn: Callable, count: bool) -> Callable:
+        def timed(*a: Any, **k: Any) -> Any:
+            c0 = _clock()
+            try:
+                return fn(*a, **k)
+            finally:
+                self.seconds += _clock() - c0
+                if count:
+                    self.launches += 1
+        return timed
+
+    def take(self) -> float:
+        s, self.seconds = self.seconds, 0.0
+        return s
+
+
+def _setup(policy: str, seed: int) -> tuple[SimDevice, Dispatcher, int, _SimMeter]:
+    dev = SimDevice("gtx1660s", n_streams=1024, seed=seed)
     d = Dispatcher(dev, policy)
-    plan = synthetic_plan("fig2", [("fig2_kernel", 1, 128, 9, 300e-6)] * 8)
-    mid = d.register_model("fig2", PlanAdaptor(plan))
-    clock = time.thread_time
-    release, device, notif = [], [], []
-    dev_launch = dev.launch
-    inner = [0.0]
+    mid = d.register_model("fig2", adaptor_for(figure2_job())())
+    return dev, d, mid, _SimMeter(dev)
 
-    def timed_launch(*a, **k):
-        c0 = clock()
-        dev_launch(*a, **k)
-        inner[0] += clock() - c0
-    dev.launch = timed_launch
-    launch_kernel = d._launch_kernel
 
-    def timed_release(op):
-        inner[0] = 0.0
-        c0 = clock()
-        launch_kernel(op)
-        release.append(clock() - c0)
-        device.append(inner[0])
-    d._launch_kernel = timed_release
-    drain = d.tracker.drain
+def _drive(dev: SimDevice, d: Dispatcher, mid: int, meter: _SimMeter, n_jobs: int, rate: float,
+           seed: int, on_step: Callable[[float, int], None]) -> None:
+    """The harness's loop (cpu_scale 1): ``on_step(cpu_seconds, kernels_launched)``."""
+    io = np.zeros(max(d.models[mid].adaptor.io_bytes, 1), np.uint8)
+    arrivals = dev.now() + lognormal_arrivals(rate, 1.5, n_jobs, seed)
+    i = 0
+    inf = math.inf
+    while i < n_jobs or d.in_flight:
+        now = dev.now()
+        while i < n_jobs and arrivals[i] <= now:
+            d.submit(Request(i, i % 4, mid, io))
+            i += 1
+        meter.take()
+        k0 = meter.launches
+        c0 = _clock()
+        d.step()
+        spent = max(_clock() - c0 - meter.take(), 0.0)
+        on_step(spent, meter.launches - k0)
+        t = now + spent
+        if d.idle:
+            nxt = min(dev.next_event_time(), arrivals[i] if i < n_jobs else inf)
+            if nxt == inf:
+                break
+            t = max(t, nxt)
+        dev.run_until(t)
 
-    def timed_drain(now, cb):
-        c0 = clock()
-        n = drain(now, cb)
+
+def measure_whole(n_jobs: int, policy: str = "paella", rate: float = 3000.0, seed: int = 1,
+                  window: int = 256) -> dict:
+    dev, d, mid, meter = _setup(policy, seed)
+    windows: list[float] = []
+    acc = [0.0, 0, 0.0, 0]           # window cpu, window kernels, total cpu, total kernels
+
+    def on_step(cpu: float, k: int) -> None:
+        acc[0] += cpu
+        acc[1] += k
+        acc[2] += cpu
+        acc[3] += k
+        if acc[1] >= window:
+            windows.append(acc[0] / acc[1])
+            acc[0], acc[1] = 0.0, 0
+    _drive(dev, d, mid, meter, n_jobs, rate, seed, on_step)
+    w = np.array(windows) * 1e6
+    return {"kernels": acc[3], "cpu_s": acc[2], "kernels_per_cpu_s": acc[3] / acc[2],
+            "whole_per_kernel_us": _stats(w), "iterations": d.iterations}
+
+
+def measure_phases(n_jobs: int, policy: str = "paella", rate: float = 3000.0, seed: int = 1) -> dict:
+    dev, d, mid, meter = _setup(policy, seed)
+    release, notif, starts = [], [], []
+    release_fn, start_fn, drain_fn = d._release, d._start_arrivals, d.tracker.drain
+
+    def timed_release() -> None:
+        meter.take()
+        k0 = meter.launches
+        c0 = _clock()
+        release_fn()
+        spent = _clock() - c0 - meter.take()
+        k = meter.launches - k0
+        if k:
+            release.append(spent / k)
+
+    def timed_start() -> None:
+        n = len(d._arrivals)
+        meter.take()
+        c0 = _clock()
+        start_fn()
+        spent = _clock() - c0 - meter.take()
         if n:
-            notif.append((clock() - c0) / n)
+            starts.append(spent / n)
+
+    def timed_drain(*a: Any) -> int:
+        c0 = _clock()
+        n = drain_fn(*a)
+        if n:
+            notif.append((_clock() - c0) / n)
         return n
-    d.tracker.drain = timed_drain
-    io = np.zeros(1, np.uint8)
-    for i in range(n_jobs):
-        d.submit(Request(i, i % 4, mid, io))
-        if i % 8 == 7:
-            d.step()
-            dev.run_until(dev.now() + 150e-6)
-    d.run_until_idle()
-    # Pick cost: the whole release loop minus what _launch_kernel took is the policy's
-    # pick/+B/bookkeeping; measured as the step() overhead per release below.
-    rel = np.array(release) * 1e6
-    dev_us = np.array(device) * 1e6
-    disp = rel - dev_us
-    no = np.array(notif) * 1e6
-    return {"releases": len(rel), "notification_batches": len(no),
-            "release_total_us": _stats(rel), "release_dispatcher_us": _stats(disp),
-            "release_sim_device_us": _stats(dev_us), "per_notification_us": _stats(no)}
+    d._release, d._start_arrivals, d.tracker.drain = timed_release, timed_start, timed_drain
+    _drive(dev, d, mid, meter, n_jobs, rate, seed, lambda cpu, k: None)
+    us = lambda x: _stats(np.array(x) * 1e6)      # noqa: E731
+    return {"release_per_kernel_us": us(release), "per_notification_us": us(notif),
+            "start_per_job_us": us(starts), "release_calls": len(release),
+            "drain_calls": len(notif)}
 
 
 def _stats(x: np.ndarray) -> dict:
@@ -77,13 +163,22 @@ def _stats(x: np.ndarray) -> dict:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--jobs", type=int, default=3000)
+    p.add_argument("--jobs", type=int, default=6000)
+    p.add_argument("--rate", type=float, default=3000.0, help="job arrivals per second")
     p.add_argument("--policy", default="paella")
+    p.add_argument("--seed", type=int, default=1)
     a = p.parse_args()
-    r = measure(a.jobs, a.policy)
-    print(f"{r['releases']} releases, {r['notification_batches']} notifQ drains ({a.policy})")
-    for k in ("release_total_us", "release_dispatcher_us", "release_sim_device_us", "per_notification_us"):
-        print(f"  {k:24s} median {r[k]['median']:7.2f}  p99 {r[k]['p99']:7.2f}")
+    w = measure_whole(a.jobs, a.policy, a.rate, a.seed)
+    ph = measure_phases(a.jobs, a.policy, a.rate, a.seed)
+    print(f"{a.jobs} Figure-2 jobs at {a.rate:g}/s, policy {a.policy}: {w['kernels']} kernels, "
+          f"{w['iterations']} iterations")
+    print(f"  whole, per kernel (windows)   median {w['whole_per_kernel_us']['median']:7.2f}  "
+          f"p99 {w['whole_per_kernel_us']['p99']:7.2f} us   "
+          f"-> {w['kernels_per_cpu_s']:,.0f} kernels per CPU second")
+    for k, label in (("release_per_kernel_us", "release, per kernel"),
+                     ("per_notification_us", "per notification"),
+                     ("start_per_job_us", "start + issue, per job")):
+        print(f"  {label:29s} median {ph[k]['median']:7.2f}  p99 {ph[k]['p99']:7.2f} us")
 
 
 if __name__ == "__main__":
