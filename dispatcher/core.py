@@ -178,7 +178,12 @@ class Dispatcher:
 
     # -- releasing ---------------------------------------------------------------------------
     def _launch_kernel(self, op: Op) -> None:
-        s = self.streams.assign(op)
+        streams = self.streams
+        if streams.mode == "pool":           # inlined StreamMap.assign, the common case
+            s = op.stream = streams.free.popleft()
+            streams.busy[s] += 1
+        else:
+            s = streams.assign(op)
         lid = self.tracker.release(op)
         op.t_release = self.now
         self._progress += 1
@@ -240,13 +245,19 @@ class Dispatcher:
                 del self._copy_events[s]
 
     def _op_done(self, op: Op) -> None:
-        self.streams.done(op)
+        streams = self.streams
+        s = op.stream                        # inlined StreamMap.done
+        busy = streams.busy
+        busy[s] -= 1
+        if not busy[s] and streams.mode == "pool":
+            streams.free.append(s)
         job = op.job
-        job.waitlist.finish(op)
+        wl = job.waitlist
+        wl.finish(op)
         if job.blocked and job.wake_if_satisfied():
             job.blocked = False
             self._resume.append(job)
-        elif job.returned and job.waitlist.pending == 0:
+        elif job.returned and wl.pending == 0:
             self._finish(job)
 
     def _on_active(self, op: Op) -> None:
@@ -255,7 +266,11 @@ class Dispatcher:
             job = op.job
             job.ready.append(op)
             if not job.in_policy:
-                self._queue(job)
+                job.in_policy = True         # inlined _queue
+                try:
+                    self.policy.kernel_ready(job)
+                except Exception as e:
+                    self._policy_failed("kernel_ready", e)
         else:
             self._copies.append(op)
 
