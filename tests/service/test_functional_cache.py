@@ -1,0 +1,37 @@
+"""The daemon's cache of reference outputs: repeated inputs skip the slow CPU build."""
+import numpy as np
+
+from paella.dispatcher.daemon import FunctionalCache
+
+
+class CountingBundle:
+    """Doubles its input, counting how often the 'CPU build' runs."""
+
+    def __init__(self):
+        self.runs = 0
+
+    def run_cpu(self, inputs):
+        self.runs += 1
+        return {"y": inputs["x"] * 2}
+
+
+def test_repeated_inputs_are_answered_from_the_cache():
+    cache, b = FunctionalCache(), CountingBundle()
+    x1, x2 = np.arange(8, dtype=np.float32), np.ones(8, dtype=np.float32)
+    np.testing.assert_array_equal(cache.outputs("m", b, {"x": x1})["y"], x1 * 2)
+    np.testing.assert_array_equal(cache.outputs("m", b, {"x": x1.copy()})["y"], x1 * 2)
+    np.testing.assert_array_equal(cache.outputs("m", b, {"x": x2})["y"], x2 * 2)
+    assert b.runs == 2 and cache.hits == 1 and cache.misses == 2
+    cache.outputs("other", b, {"x": x1})          # another model never shares an entry
+    assert b.runs == 3
+
+
+def test_the_cache_evicts_least_recently_used_within_its_bound():
+    cache, b = FunctionalCache(max_bytes=2 * 32), CountingBundle()
+    xs = [np.full(8, i, dtype=np.float32) for i in range(3)]     # 32-byte outputs
+    for x in xs:
+        cache.outputs("m", b, {"x": x})
+    cache.outputs("m", b, {"x": xs[2]})            # still cached
+    assert b.runs == 3
+    cache.outputs("m", b, {"x": xs[0]})            # evicted: computed again
+    assert b.runs == 4
