@@ -57,15 +57,23 @@ def start_daemon(*extra: str, timeout: float = 60.0) -> tuple[subprocess.Popen, 
             pass
     except socket.timeout:
         proc.kill()
-        raise RuntimeError("the daemon did not become ready") from None
-    finally:
         notify.close()
+        raise RuntimeError("the daemon did not become ready") from None
+    _notify_sockets[proc.pid] = notify      # kept open: the daemon reports STOPPING=1 too
     return proc, sock, d
+
+
+_notify_sockets: dict[int, socket.socket] = {}
 
 
 def stop_daemon(proc: subprocess.Popen) -> int:
     proc.send_signal(signal.SIGTERM)
-    return proc.wait(30)
+    try:
+        return proc.wait(30)
+    finally:
+        sock = _notify_sockets.pop(proc.pid, None)
+        if sock is not None:
+            sock.close()
 
 
 def client_core() -> int | None:

@@ -14,11 +14,12 @@ import sys
 
 #: Modules that add sub-commands, in the order ``--help`` lists them.
 COMMANDS = [
-    "paella.cli",                      # occupancy
+    "paella.experiments.demo",         # demo
+    "paella.dispatcher.daemon",        # serve
+    "paella.compiler_pass.cli",        # compile
     "paella.experiments.cli",          # experiment ...
-    "paella.compiler_pass.cli",
-    "paella.dispatcher.daemon",
-    "paella.doctor",
+    "paella.cli",                      # occupancy
+    "paella.doctor",                   # doctor
 ]
 
 

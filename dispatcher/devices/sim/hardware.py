@@ -11,8 +11,9 @@ The rules that produce head-of-line blocking, stated once:
   of each while some SM has room for a whole block (the Occupancy Calculator's
   granularity, :class:`paella.occupancy.SMResources`), spreading them breadth-first
   over the SMs, round-robin from where it last stopped;
-* blocks of one kernel placed together on one SM form one *group*: one event starts
-  them and one event ends them (each block lasts the kernel's time over its waves).
+* blocks of one kernel placed together on one SM form one *group*; the groups placed
+  in one pass end together, in one event (each block lasts the kernel's time over its
+  waves; with ``jitter`` each group gets its own duration and its own event).
 
 Copies go to one H2D and one D2H engine, each FIFO. Instrumented kernels post into the
 notifQ exactly what the device header posts (``paella.protocol.group_posts``'s rule).
@@ -234,40 +235,72 @@ class GpuModel:
             caps = [(s, 1) for s, _ in caps]       # breadth-first: one block per SM
         elif got > need:
             caps = _water_fill(caps, need)
-        for s, n in caps:
-            self._start_blocks(k, s, n)
+        self._start_blocks(k, caps)
         self._rr = (caps[-1][0] + 1) % self.n_sm
+        if k.blocked:
+            self._prune_dirty()
         k.blocked = k.unplaced > 0
 
-    def _start_blocks(self, k: KernelOp, s: int, n: int) -> None:
+    def _prune_dirty(self) -> None:
+        """Drop SMs that can hold no block at all any more, so the kernels waiting
+        after this one do not scan them."""
+        blocks, warps, is_dirty = self.res.blocks, self.res.warps, self._is_dirty
+        keep = []
+        for s in self._dirty:
+            if blocks[s] and warps[s]:
+                keep.append(s)
+            else:
+                is_dirty[s] = False
+        self._dirty[:] = keep
+
+    def _start_blocks(self, k: KernelOp, caps: list[tuple[int, int]]) -> None:
+        """Place ``n`` blocks of ``k`` on each SM ``s`` of ``caps``, at once.
+
+        Blocks placed together last equally long, so one event ends them all (per SM
+        when ``jitter`` gives each group its own duration)."""
         now = self.loop.now
-        split = self.res.take(s, k.fp, n)
-        self._account(now, n)
-        self.placements += n
-        k.unplaced -= n
-        c0 = k.started
-        k.started = c0 + n
-        if c0 == 0:
+        fp = k.fp
+        take = self.res.take
+        instrumented = k.instrumented
+        groups = []
+        placed = 0
+        for s, n in caps:
+            c0 = k.started
+            k.started = c0 + n
+            placed += n
+            if instrumented:
+                self._post(_PLACE, s, c0, n, k)
+            groups.append((s, n, take(s, fp, n)))
+        if k.t_first < 0:
             k.t_first = now
-        if k.instrumented:
-            self._post(_PLACE, s, c0, n, k)
+        k.unplaced -= placed
+        self.placements += placed
+        self._account(now, placed)
         d = k.block_time
         if self.jitter:
-            d *= self.rng.lognormvariate(0.0, self.jitter)
-        self.loop.at(now + d, self._blocks_done, (k, s, n, split))
+            for g in groups:
+                self.loop.at(now + d * self.rng.lognormvariate(0.0, self.jitter), self._blocks_done, (k, (g,)))
+        else:
+            self.loop.at(now + d, self._blocks_done, (k, groups))
 
-    def _blocks_done(self, group: tuple) -> None:
-        k, s, n, split = group
+    def _blocks_done(self, event: tuple) -> None:
+        k, groups = event
         self.events += 1
-        self.res.give(s, k.fp, n, split)
-        self._account(self.loop.now, -n)
-        if not self._is_dirty[s]:
-            self._is_dirty[s] = True
-            self._dirty.append(s)
-        c0 = k.ended
-        k.ended = c0 + n
-        if k.instrumented:
-            self._post(_DONE, s, c0, n, k)
+        give = self.res.give
+        fp = k.fp
+        dirty, is_dirty = self._dirty, self._is_dirty
+        ended = 0
+        for s, n, split in groups:
+            give(s, fp, n, split)
+            if not is_dirty[s]:
+                is_dirty[s] = True
+                dirty.append(s)
+            c0 = k.ended
+            k.ended = c0 + n
+            ended += n
+            if k.instrumented:
+                self._post(_DONE, s, c0, n, k)
+        self._account(self.loop.now, -ended)
         if k.ended == k.total:
             self._complete(k)
         self._dispatch()

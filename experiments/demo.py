@@ -1,0 +1,181 @@
+"""``paella demo``: the whole system end to end on the simulated GPU.
+
+1. compiles two or three zoo models (cached after the first run);
+2. starts the daemon (``paella serve``) on the real-time simulated T4;
+3. runs several client processes with lognormal arrivals for a fixed time, with a
+   progress line every second;
+4. checks every output against the model's CPU reference (computed here, in the demo
+   process, independently of the daemon);
+5. prints p50 and p99 latency and throughput per model;
+6. stops the daemon with SIGTERM and checks it exits 0 and leaves no shared memory.
+
+The simulated kernels compute nothing: the daemon answers with the bundle's CPU build,
+so the first request for each distinct input waits for the CPU (a second or so); the
+demo sends every input once before the timed phase, and the clients then draw their
+inputs from that set.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import multiprocessing as mp
+import os
+import queue
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+DEFAULT_MODELS = ["resnet18", "squeezenet1_1", "googlenet"]
+INPUTS_PER_MODEL = 3
+
+
+def make_inputs(bundle, n: int, seed: int) -> list[dict[str, np.ndarray]]:
+    rng = np.random.default_rng(seed)
+    return [{t.name: rng.standard_normal(t.shape).astype(t.dtype) for t in bundle.inputs}
+            for _ in range(n)]
+
+
+def paella_segments() -> set[str]:
+    """The daemon's shared-memory segments (multiprocessing's own semaphores aside)."""
+    return {n for n in os.listdir("/dev/shm") if n.startswith("paella")}
+
+
+def check(outputs: dict[str, np.ndarray], ref: dict[str, np.ndarray]) -> bool:
+    return all(np.allclose(outputs[k], ref[k], rtol=1e-4, atol=1e-5) for k in ref)
+
+
+def client_main(idx: int, sock: str, work: dict, seconds: float, rate: float, sigma: float,
+                seed: int, results: mp.Queue) -> None:
+    """One client process: lognormal gaps, a random model and input per request."""
+    from paella.client import connect
+    rng = np.random.default_rng(seed + idx)
+    names = sorted(work)
+    mu = math.log(1.0 / rate) - sigma * sigma / 2
+    with connect(sock) as c:
+        end = time.monotonic() + seconds
+        nxt = time.monotonic()
+        while True:
+            nxt += rng.lognormal(mu, sigma)
+            if nxt >= end:
+                break
+            time.sleep(max(0.0, nxt - time.monotonic()))
+            name = names[rng.integers(len(names))]
+            inputs, ref = work[name][rng.integers(len(work[name]))]
+            t0 = time.perf_counter()
+            out = c.infer(name, inputs)
+            results.put((name, time.perf_counter() - t0, check(out, ref)))
+    results.put(None)
+
+
+def run(models: list[str], clients: int, seconds: float, rate: float, sigma: float, seed: int,
+        gpu: str, policy: str) -> dict:
+    from paella.experiments.bench_roundtrip import start_daemon, stop_daemon
+    from paella.experiments.zoo import DEFAULT_ZOO_DIR, ensure_bundles
+
+    print(f"[1/6] compiling {', '.join(models)} (cached in {DEFAULT_ZOO_DIR})", flush=True)
+    bundles = ensure_bundles(models, DEFAULT_ZOO_DIR)
+    repo = Path(tempfile.mkdtemp(prefix="paella-demo-models-"))
+    for name, b in bundles.items():
+        os.symlink(b.path.resolve(), repo / name)
+
+    print(f"[2/6] computing CPU references ({INPUTS_PER_MODEL} inputs per model)", flush=True)
+    work = {}
+    for i, (name, b) in enumerate(bundles.items()):
+        ins = make_inputs(b, INPUTS_PER_MODEL, seed + 100 * i)
+        work[name] = [(x, b.run_cpu(x)) for x in ins]
+
+    print(f"[3/6] starting the daemon: paella serve --backend sim --gpu {gpu} --policy {policy}",
+          flush=True)
+    shm_before = paella_segments()
+    proc, sock, tmp = start_daemon("--models", str(repo), "--backend", "sim", "--gpu", gpu,
+                                   "--policy", policy, timeout=300)
+    try:
+        from paella.client import connect
+        with connect(sock) as c:
+            print("[4/6] warm-up: every input once, checked against its reference", flush=True)
+            for name, pairs in work.items():
+                for x, ref in pairs:
+                    if not check(c.infer(name, x), ref):
+                        raise SystemExit(f"demo: {name}'s output differs from the CPU reference")
+
+        print(f"[5/6] {clients} clients, {rate:g} requests/s each (lognormal, sigma {sigma}), "
+              f"for {seconds:g} s", flush=True)
+        ctx = mp.get_context("spawn")
+        results = ctx.Queue()
+        procs = [ctx.Process(target=client_main, args=(i, sock, work, seconds, rate, sigma, seed, results))
+                 for i in range(clients)]
+        for p in procs:
+            p.start()
+        lat: dict[str, list[float]] = {n: [] for n in work}
+        bad, live = 0, clients
+        t0 = last = time.monotonic()
+        while live:
+            try:
+                item = results.get(timeout=1.0)
+            except queue.Empty:
+                item = ()
+                if not any(p.is_alive() for p in procs):
+                    raise SystemExit("demo: a client process died; see its error above") from None
+            if item is None:
+                live -= 1
+            elif item:
+                lat[item[0]].append(item[1])
+                bad += not item[2]
+            if time.monotonic() - last >= 1.0:
+                last = time.monotonic()
+                done = sum(len(v) for v in lat.values())
+                print(f"  {last - t0:5.1f} s  {done:6d} requests  "
+                      + "  ".join(f"{n} {len(v)}" for n, v in lat.items())
+                      + (f"  MISMATCHES {bad}" if bad else ""), flush=True)
+        for p in procs:
+            p.join()
+        elapsed = time.monotonic() - t0
+    finally:
+        print("[6/6] stopping the daemon (SIGTERM)", flush=True)
+        code = stop_daemon(proc)
+        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.rmtree(repo, ignore_errors=True)
+    leaked = sorted(paella_segments() - shm_before)
+    table = {}
+    for name, v in lat.items():
+        a = np.array(v) * 1e3
+        table[name] = {"requests": len(v), "p50_ms": float(np.percentile(a, 50)) if len(a) else float("nan"),
+                       "p99_ms": float(np.percentile(a, 99)) if len(a) else float("nan"),
+                       "throughput": len(v) / elapsed}
+    return {"models": table, "mismatches": bad, "daemon_exit": code, "leaked_segments": leaked,
+            "seconds": elapsed, "clients": clients, "rate_per_client": rate, "gpu": gpu, "policy": policy}
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("demo", help="end to end: compile, serve on the simulated GPU, run clients, check")
+    p.add_argument("--models", default=",".join(DEFAULT_MODELS), help="comma-separated zoo models")
+    p.add_argument("--clients", type=int, default=3)
+    p.add_argument("--seconds", type=float, default=20.0)
+    p.add_argument("--rate", type=float, default=20.0, help="requests/s per client (mean)")
+    p.add_argument("--sigma", type=float, default=1.5, help="lognormal sigma of the gaps")
+    p.add_argument("--gpu", default="t4")
+    p.add_argument("--policy", default="paella")
+    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--json", metavar="FILE")
+    p.set_defaults(func=main)
+
+
+def main(args: argparse.Namespace) -> int:
+    import json
+    data = run([m for m in args.models.split(",") if m], args.clients, args.seconds, args.rate,
+               args.sigma, args.seed, args.gpu, args.policy)
+    print(f"\n{'model':<15}{'requests':>9}{'p50 ms':>9}{'p99 ms':>9}{'req/s':>8}")
+    for name, m in data["models"].items():
+        print(f"{name:<15}{m['requests']:>9}{m['p50_ms']:>9.2f}{m['p99_ms']:>9.2f}{m['throughput']:>8.1f}")
+    ok = data["mismatches"] == 0 and data["daemon_exit"] == 0 and not data["leaked_segments"]
+    print(f"outputs checked against the CPU reference: {data['mismatches']} mismatches; daemon exit "
+          f"code {data['daemon_exit']}; leaked shared-memory segments: {len(data['leaked_segments'])}")
+    print("demo: OK" if ok else "demo: FAILED")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(data, f, indent=1)
+    return 0 if ok else 1
