@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: demo test install bench clean
+.PHONY: demo test install bench zoo clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -16,13 +16,16 @@ $(STAMP): pyproject.toml
 install: $(STAMP)
 
 demo: $(STAMP)
-	$(BIN)/paella experiment hol --json hol.json --plot hol.png
+	$(BIN)/paella demo
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q
 
 bench: $(STAMP)
 	$(BIN)/python -m paella.experiments.bench_sim
+
+zoo: $(STAMP)
+	$(BIN)/paella compile --zoo -o bundles
 
 clean:
 	rm -rf $(VENV) build *.egg-info

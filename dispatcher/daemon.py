@@ -210,6 +210,10 @@ def config_from_args(args: argparse.Namespace) -> DaemonConfig:
 
 def _serve(args: argparse.Namespace) -> int:
     from paella.cli import CLIError
+    # The CPU builds that answer for the simulator run inside the dispatcher loop: keep
+    # TVM's runtime on this one thread. Its worker pool, pinned with the loop to one
+    # core under SCHED_FIFO, would spin-wait on each other and stall for seconds.
+    os.environ["TVM_NUM_THREADS"] = "1"
     try:
         cfg = config_from_args(args)
     except ConfigError as e:

@@ -9,6 +9,7 @@ EXPERIMENTS = [
     "paella.experiments.hol",
     "paella.experiments.short_long",
     "paella.experiments.fairness",
+    "paella.experiments.calibrate",
 ]
 
 
