@@ -101,9 +101,36 @@ def _flops(tir_mod: tvm.IRModule, progress: Progress) -> dict[str, float]:
     return out
 
 
+def cuda_relax_pipeline(target: tvm.target.Target) -> tvm.transform.Pass:
+    """TVM's default Relax CUDA pipeline (``tvm/relax/backend/cuda/pipeline.py``) with one
+    change: DLight's ``ApplyDefaultSchedule`` runs our rule list
+    (:func:`.schedules.cuda_schedule_rules`: :class:`.schedules.SmallReduction`, then TVM's
+    default rules in TVM's order). Every other pass is taken from TVM's own lists, in order."""
+    from tvm.relax.backend.cuda import pipeline as cuda
+    from tvm.s_tir import dlight as dl
+
+    from .schedules import cuda_schedule_rules
+
+    legalize = list(cuda.legalize_passes(target))
+    at = [i for i, p in enumerate(legalize) if p.info.name == "ApplyDefaultSchedule"]
+    if len(at) != 1:
+        raise CompileError(f"internal: TVM's CUDA legalize passes have {len(at)} ApplyDefaultSchedule "
+                           f"passes ({[p.info.name for p in legalize]}), expected one "
+                           "(TVM version mismatch? paella needs apache-tvm 0.27)")
+    legalize[at[0]] = dl.ApplyDefaultSchedule(*cuda_schedule_rules())
+    passes = (cuda.library_dispatch_passes(target) + legalize + cuda.dataflow_lower_passes(target)
+              + cuda.finalize_passes(target))
+
+    @tvm.transform.module_pass(opt_level=0, name="PaellaRelaxCUDAPipeline")
+    def _pipeline(mod: tvm.IRModule, _ctx: tvm.transform.PassContext) -> tvm.IRModule:
+        with target:
+            return tvm.transform.Sequential(passes)(mod)
+    return _pipeline
+
+
 def relax_pipeline(mod: tvm.IRModule, target: tvm.target.Target,
                    progress: Progress) -> tuple[tvm.IRModule, dict[str, float]]:
-    """TVM's default CUDA pipeline, plus the FLOPs of each fused PrimFunc taken just
+    """:func:`cuda_relax_pipeline`, plus the FLOPs of each fused PrimFunc taken just
     before DLight schedules it (see :func:`_flops`)."""
     flops: dict[str, float] = {}
 
@@ -114,7 +141,7 @@ def relax_pipeline(mod: tvm.IRModule, target: tvm.target.Target,
                 flops.update(_flops(m, progress))
 
     with target, tvm.transform.PassContext(instruments=[FlopsBeforeSchedule()]):
-        lowered = relax.get_default_pipeline(target)(mod)
+        lowered = cuda_relax_pipeline(target)(mod)
     if not flops:
         raise CompileError("internal: the Relax pipeline ran no DLight ApplyDefaultSchedule pass "
                            "(TVM version mismatch? paella needs apache-tvm 0.27)")
