@@ -3,29 +3,58 @@
 ``run`` executes inside the request's greenlet and talks to the GPU only through
 :mod:`paella.dispatcher.cuda`. :class:`PlanAdaptor` is the built-in adaptor: it runs a
 launch plan (copy the inputs from the io buffer, launch the kernels, copy the outputs
-back) and is what a compiled bundle needs. Users subclass :class:`JobAdaptor` for
-anything else.
+back) and is what a compiled bundle needs (:meth:`PlanAdaptor.from_bundle`). Users
+subclass :class:`JobAdaptor` for anything else.
 
-The plan format here (:class:`Plan`) is the dispatcher's own; ``from_bundle`` adapts
-a bundle variant to it when :mod:`paella.bundle` is available.
+The plan format here (:class:`Plan`) is the dispatcher's own; :func:`plan_from_bundle`
+adapts a bundle variant to it.
+
+Device memory of a plan (what makes it correct on a real GPU, not only on the
+simulator):
+
+* **params** (``Plan.params``: weights, folded constants) are allocated once per model
+  in ``init`` and uploaded there, synchronously (``memcpy_htod`` then
+  ``device.synchronize()``), before the model serves any request;
+* **every other buffer** (inputs, intermediates, workspace, outputs) is per request:
+  each job holds one :class:`BufferSet` from the model's :class:`BufferPool` for its
+  whole life, so concurrent requests never share activations. The pool grows on
+  demand up to its limit (:attr:`BufferPool.limit`) and takes a set back when the job
+  finishes (after its last released op has completed). When every set is in use, a
+  new request of that model **waits** in the dispatcher (FIFO per model, not yet
+  announced to the policy) until a set comes back.
+* Launch arguments are bound once per buffer set, not per request: a set carries, per
+  plan step, the device pointer of a copy (buffer + ``buffer_offset``) or the argument
+  tuple of a launch (buffer args become ``pointer + offset`` ints, scalars numpy
+  scalars of their dtype), which the job's ops pass to ``device.launch(args=...)``.
 """
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
 from paella.dispatcher.devices.base import Device, Function, KernelInfo, ModuleImage, dim3
 
 from . import cuda
+from .job import current
+
+#: Default device memory one model may spend on per-request buffer sets (bytes).
+DEFAULT_BUFFER_BUDGET = 1 << 30
 
 
 class JobAdaptor:
-    """Base class of job adaptors. ``io_bytes`` sizes the profiling runs' io buffer."""
+    """Base class of job adaptors. ``io_bytes`` sizes the profiling runs' io buffer.
+
+    ``buffer_pool``: when an adaptor sets it (in ``init``), the dispatcher acquires one
+    :class:`BufferSet` per job before the job starts (``job.bindings``), returns it when
+    the job finishes, and holds a job back while the pool is exhausted.
+    """
 
     name = "adaptor"
     io_bytes = 0
+    buffer_pool: "BufferPool | None" = None
 
     def init(self, device: Device) -> None:
         """Load modules and parameters; called once when the model is registered."""
@@ -38,10 +67,28 @@ class JobAdaptor:
 
 
 @dataclass(frozen=True)
+class BufferArg:
+    """A kernel argument that is a device buffer of the plan, ``offset`` bytes in."""
+    buffer: str
+    offset: int = 0
+
+
+@dataclass(frozen=True)
+class ScalarArg:
+    """A kernel argument passed by value as ``dtype`` (a numpy dtype name)."""
+    value: int | float
+    dtype: str
+
+    def typed(self) -> np.generic:
+        return np.dtype(self.dtype).type(self.value)
+
+
+@dataclass(frozen=True)
 class PlanOp:
     """One step of a launch plan: ``h2d`` / ``d2h`` between the io buffer and a device
-    buffer, or ``launch`` of a kernel. ``stream`` is a plan-level stream number (0 is
-    the default stream)."""
+    buffer (``buffer_offset`` bytes into it), or ``launch`` of a kernel with ``args``
+    (:class:`BufferArg` / :class:`ScalarArg`, the kernel's own parameters in order).
+    ``stream`` is a plan-level stream number (0 is the default stream)."""
     kind: str
     stream: int = 0
     kernel: str = ""
@@ -51,24 +98,41 @@ class PlanOp:
     buffer: str = ""
     io_offset: int = 0
     nbytes: int = 0
+    buffer_offset: int = 0
+    args: tuple[BufferArg | ScalarArg, ...] = ()
 
 
 @dataclass
 class Plan:
+    """A launch plan. ``buffers``: name -> bytes. ``params``: name -> initial contents
+    of the buffers that are allocated once per model and uploaded at ``init``; all
+    other buffers are per request. ``cubin``/``ptx``: the device code (a real GPU needs
+    one of them; the simulator ignores them)."""
     name: str
     kernels: Sequence[KernelInfo]
     ops: Sequence[PlanOp]
     buffers: dict[str, int] = field(default_factory=dict)   # name -> bytes
     io_bytes: int = 0
+    params: dict[str, bytes] = field(default_factory=dict)
+    cubin: bytes | None = None
+    ptx: bytes | None = None
 
     def __post_init__(self) -> None:
         names = {k.name for k in self.kernels}
+        for name, data in self.params.items():
+            if name not in self.buffers:
+                raise ValueError(f"plan {self.name!r}: param {name!r} is not a declared buffer")
+            if len(data) > self.buffers[name]:
+                raise ValueError(f"plan {self.name!r}: param {name!r} has {len(data)} bytes, more "
+                                 f"than its buffer's {self.buffers[name]}")
         for i, op in enumerate(self.ops):
             where = f"plan {self.name!r} op {i}"
             if op.kind == "launch":
                 if op.kernel not in names:
                     raise ValueError(f"{where} launches unknown kernel {op.kernel!r}; "
                                      f"add it to the plan's kernels")
+                for j, a in enumerate(op.args):
+                    self._check_arg(f"{where} ({op.kernel}) argument {j}", a)
             elif op.kind in ("h2d", "d2h"):
                 if op.buffer not in self.buffers:
                     raise ValueError(f"{where} copies to/from unknown buffer {op.buffer!r}; "
@@ -76,23 +140,131 @@ class Plan:
                 if op.nbytes <= 0 or op.io_offset < 0 or op.io_offset + op.nbytes > self.io_bytes:
                     raise ValueError(f"{where}: io range [{op.io_offset}, {op.io_offset + op.nbytes}) "
                                      f"is outside the plan's io buffer of {self.io_bytes} bytes")
-                if op.nbytes > self.buffers[op.buffer]:
-                    raise ValueError(f"{where}: {op.nbytes} bytes exceed buffer {op.buffer!r}")
+                if op.buffer_offset < 0 or op.buffer_offset + op.nbytes > self.buffers[op.buffer]:
+                    raise ValueError(f"{where}: {op.nbytes} bytes at offset {op.buffer_offset} "
+                                     f"exceed buffer {op.buffer!r} ({self.buffers[op.buffer]} bytes)")
+                if op.kind == "h2d" and op.buffer in self.params:
+                    raise ValueError(f"{where} writes param buffer {op.buffer!r}, which is shared "
+                                     f"by every request; copy into a per-request buffer")
             else:
                 raise ValueError(f"{where} has unknown kind {op.kind!r}; use h2d, launch or d2h")
+
+    def _check_arg(self, where: str, a: Any) -> None:
+        if isinstance(a, BufferArg):
+            size = self.buffers.get(a.buffer)
+            if size is None:
+                raise ValueError(f"{where} names unknown buffer {a.buffer!r}; declare it in the "
+                                 f"plan's buffers")
+            if not 0 <= a.offset < size:
+                raise ValueError(f"{where}: offset {a.offset} is outside buffer {a.buffer!r} "
+                                 f"({size} bytes)")
+        elif isinstance(a, ScalarArg):
+            try:
+                v = a.typed()
+            except (TypeError, ValueError, OverflowError) as e:
+                raise ValueError(f"{where}: scalar {a.value!r} is not a valid {a.dtype!r} ({e})") from None
+            if v.dtype.kind in "iub" and int(v) != a.value:
+                raise ValueError(f"{where}: scalar {a.value!r} does not fit dtype {a.dtype!r}")
+        else:
+            raise ValueError(f"{where} is a {type(a).__name__}; use BufferArg or ScalarArg")
+
+    @property
+    def request_buffers(self) -> dict[str, int]:
+        """The buffers each request gets its own copy of (name -> bytes)."""
+        return {n: b for n, b in self.buffers.items() if n not in self.params}
+
+
+class BufferSet:
+    """One request's device buffers and the plan bound to them: ``ptrs`` maps every
+    buffer name (the model's params included) to its device pointer, ``own`` lists the
+    allocations of this set, ``bound[i]`` is step i's device pointer (a copy) or
+    argument tuple (a launch)."""
+
+    __slots__ = ("ptrs", "own", "bound")
+
+    def __init__(self, ptrs: dict[str, int], own: list[int], bound: list):
+        self.ptrs, self.own, self.bound = ptrs, own, bound
+
+
+class BufferPool:
+    """The per-request buffer sets of one model: grown on demand up to ``limit`` sets,
+    reused when a job finishes. :meth:`acquire` returns None when ``limit`` sets are in
+    use; the dispatcher then parks the job in :attr:`waiting` until :meth:`release`.
+
+    A plan without per-request buffers needs no sets: every job shares one, unlimited.
+    """
+
+    def __init__(self, name: str, make: Callable[[], BufferSet], destroy: Callable[[BufferSet], None],
+                 limit: int, set_bytes: int):
+        if limit < 1:
+            raise ValueError(f"model {name!r}: the buffer pool limit must be at least 1, got {limit}")
+        self.name = name
+        self.limit = limit
+        self.set_bytes = set_bytes
+        self._make, self._destroy = make, destroy
+        self.free: list[BufferSet] = []
+        self.created = 0
+        self.in_use = 0
+        self.peak = 0
+        self.waiting: deque = deque()        # jobs held back, owned by the dispatcher
+        self.closed = False
+        self.shared: BufferSet | None = make() if set_bytes == 0 else None
+
+    def acquire(self) -> BufferSet | None:
+        if self.shared is not None:
+            return self.shared
+        if self.free:
+            b = self.free.pop()
+        elif self.created < self.limit:
+            b = self._make()
+            self.created += 1
+        else:
+            return None
+        self.in_use += 1
+        if self.in_use > self.peak:
+            self.peak = self.in_use
+        return b
+
+    def release(self, b: BufferSet) -> None:
+        if b is self.shared:
+            return
+        self.in_use -= 1
+        if self.closed:
+            self._destroy(b)
+        else:
+            self.free.append(b)
+
+    def close(self) -> None:
+        """Free the idle sets now; sets still in use are freed when released. Call it
+        only once the model takes no more requests."""
+        self.closed = True
+        while self.free:
+            self._destroy(self.free.pop())
 
 
 class PlanAdaptor(JobAdaptor):
     """Runs a :class:`Plan`. The "almost finished" wake-up goes out before the last
-    D2H copy (or before the last kernel when the plan copies nothing back)."""
+    D2H copy (or before the last kernel when the plan copies nothing back).
 
-    def __init__(self, plan: Plan):
+    ``max_buffer_sets`` caps the per-request buffer sets (concurrent requests of this
+    model on the device); by default the cap is ``buffer_budget`` bytes divided by one
+    set's size (at least 1). Requests beyond it wait for a set (see the module doc).
+    """
+
+    def __init__(self, plan: Plan, *, max_buffer_sets: int | None = None,
+                 buffer_budget: int = DEFAULT_BUFFER_BUDGET):
         self.plan = plan
         self.name = plan.name
         self.io_bytes = plan.io_bytes
         self.funcs: dict[str, Function] = {}
-        self.buffers: dict[str, int] = {}
+        self.buffers: dict[str, int] = {}    # the model's own (param) buffers: name -> pointer
+        self.buffer_pool = None
+        self.device: Device | None = None
         self._steps: list[tuple] = []
+        self._set_bytes = sum(plan.request_buffers.values())
+        if max_buffer_sets is None:
+            max_buffer_sets = max(1, buffer_budget // self._set_bytes) if self._set_bytes else 1
+        self.max_buffer_sets = max_buffer_sets
         ops = plan.ops
         last = max((i for i, op in enumerate(ops) if op.kind == "d2h"), default=-1)
         if last < 0:
@@ -100,24 +272,83 @@ class PlanAdaptor(JobAdaptor):
         self._almost_at = last
         self._streams = sorted({op.stream for op in ops if op.stream})
 
+    @classmethod
+    def from_bundle(cls, bundle: Any, variant: int = 0, *, name: str | None = None,
+                    **options: Any) -> "PlanAdaptor":
+        """The adaptor of a compiled bundle's variant (see :func:`plan_from_bundle`)."""
+        return cls(plan_from_bundle(bundle, variant, name=name), **options)
+
     def init(self, device: Device) -> None:
-        self.funcs = device.load_module(ModuleImage(self.plan.name, list(self.plan.kernels)))
-        # Buffers are per model: the simulator moves no real tensors between kernels,
-        # and a real backend would hand each job its own activations (future work).
-        self.buffers = {name: device.alloc(n) for name, n in self.plan.buffers.items()}
+        plan = self.plan
+        self.device = device
+        self.funcs = device.load_module(ModuleImage(plan.name, list(plan.kernels),
+                                                    cubin=plan.cubin, ptx=plan.ptx))
         steps = []
-        for op in self.plan.ops:
+        for op in plan.ops:
             if op.kind == "launch":
                 func = self.funcs[op.kernel]
                 # Refuse a kernel that can never run now, at registration, by name.
                 device.block_footprint(func, dim3(op.block, "block"), op.dyn_smem)
                 steps.append((0, func, op.grid, op.block, op.dyn_smem, op.stream))
             else:
-                steps.append((1 if op.kind == "h2d" else 2, self.buffers[op.buffer],
-                              op.io_offset, op.io_offset + op.nbytes, 0, op.stream))
+                steps.append((1 if op.kind == "h2d" else 2, None, op.io_offset,
+                              op.io_offset + op.nbytes, 0, op.stream))
         self._steps = steps
+        try:
+            for name in plan.params:
+                self.buffers[name] = device.alloc(plan.buffers[name])
+            self._upload_params(device)
+            self.buffer_pool = BufferPool(plan.name, self._new_set, self._free_set,
+                                          self.max_buffer_sets, self._set_bytes)
+        except Exception:
+            self.close(device)
+            raise
+
+    def _upload_params(self, device: Device) -> None:
+        """Copy every param's initial contents to the device and wait for it."""
+        pending = False
+        for name, data in self.plan.params.items():
+            if data:
+                device.memcpy_htod(self.buffers[name], np.frombuffer(data, dtype=np.uint8), 0)
+                pending = True
+        if pending:
+            device.synchronize()
+
+    def _new_set(self) -> BufferSet:
+        device = self.device
+        ptrs = dict(self.buffers)
+        own: list[int] = []
+        try:
+            for name, nbytes in self.plan.request_buffers.items():
+                ptrs[name] = p = device.alloc(nbytes)
+                own.append(p)
+        except Exception:
+            for p in own:
+                device.free(p)
+            raise
+        return BufferSet(ptrs, own, self.bind(ptrs))
+
+    def _free_set(self, b: BufferSet) -> None:
+        for p in b.own:
+            self.device.free(p)
+        b.own = []
+
+    def bind(self, ptrs: dict[str, int]) -> list:
+        """Per step: a copy's device pointer, or a launch's argument tuple."""
+        bound: list = []
+        for op in self.plan.ops:
+            if op.kind == "launch":
+                bound.append(tuple(ptrs[a.buffer] + a.offset if isinstance(a, BufferArg) else a.typed()
+                                   for a in op.args))
+            else:
+                bound.append(ptrs[op.buffer] + op.buffer_offset)
+        return bound
 
     def close(self, device: Device) -> None:
+        if self.buffer_pool is not None:
+            self.buffer_pool.close()
+            if self.buffer_pool.shared is not None:
+                self._free_set(self.buffer_pool.shared)
         for ptr in self.buffers.values():
             device.free(ptr)
         self.buffers = {}
@@ -126,6 +357,11 @@ class PlanAdaptor(JobAdaptor):
         if io.size < self.io_bytes:
             raise ValueError(f"io buffer of {io.size} bytes is smaller than model "
                              f"{self.name!r} needs ({self.io_bytes})")
+        bindings = current().bindings
+        if bindings is None:
+            raise RuntimeError(f"model {self.name!r}: the job holds no buffer set; register the "
+                               f"adaptor with Dispatcher.register_model (which acquires one)")
+        bound = bindings.bound
         streams: dict[int, Any] = {0: None}
         for s in self._streams:
             streams[s] = cuda.stream_create()
@@ -134,12 +370,45 @@ class PlanAdaptor(JobAdaptor):
             if i == almost:
                 cuda.almost_finished()
             if kind == 0:
-                cuda.launch(a, b, c, streams[s], dyn_smem=d)
+                cuda.launch(a, b, c, streams[s], dyn_smem=d, args=bound[i])
             elif kind == 1:
-                cuda.memcpy_htod(a, io[b:c], streams[s])
+                cuda.memcpy_htod(bound[i], io[b:c], streams[s])
             else:
-                cuda.memcpy_dtoh(io[b:c], a, streams[s])
+                cuda.memcpy_dtoh(io[b:c], bound[i], streams[s])
         cuda.device_synchronize()
+
+
+def plan_from_bundle(bundle: Any, variant: int = 0, *, name: str | None = None) -> Plan:
+    """A compiled bundle's variant (:mod:`paella.bundle`) as a :class:`Plan`.
+
+    Buffers are named by their id (``"5"``); ``param`` buffers carry their contents from
+    ``params.npz`` and are shared by the model's requests; input, intermediate and
+    workspace buffers are per request. Launch args keep their order, offsets and
+    scalar dtypes; copies keep ``buffer_offset``. The module image is the bundle's cubin
+    and PTX (whichever exist).
+    """
+    if not 0 <= variant < len(bundle.variants):
+        raise ValueError(f"bundle {bundle.model!r} has {len(bundle.variants)} variant(s); "
+                         f"variant {variant} does not exist")
+    v = bundle.variants[variant]
+    kernels = [KernelInfo(k.name, k.registers, static_smem=k.static_smem, flops=k.flops,
+                          bytes=k.bytes) for k in v.kernels]
+    ops = []
+    for op in v.plan:
+        if op.op == "launch":
+            args = tuple(BufferArg(str(a.buffer), a.offset) if a.buffer is not None
+                         else ScalarArg(a.scalar, a.dtype) for a in op.args)
+            ops.append(PlanOp("launch", stream=op.stream, kernel=op.kernel, grid=tuple(op.grid),
+                              block=tuple(op.block), dyn_smem=op.dyn_smem, args=args))
+        else:
+            ops.append(PlanOp(op.op, stream=op.stream, buffer=str(op.buffer),
+                              buffer_offset=op.buffer_offset, io_offset=op.io_offset,
+                              nbytes=op.nbytes))
+    params = {str(i): data for i, data in bundle.param_bytes(variant).items()}
+    files = bundle.manifest.files
+    code = {key: bundle.file(key).read_bytes() if key in files else None for key in ("cubin", "ptx")}
+    return Plan(name or bundle.model, kernels, ops, {str(b.id): b.nbytes for b in v.buffers},
+                v.io_bytes, params=params, cubin=code["cubin"], ptx=code["ptx"])
 
 
 def synthetic_plan(name: str, kernels: Sequence[tuple[str, int, int, int, float]],

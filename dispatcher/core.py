@@ -70,6 +70,8 @@ class Model:
     profile: ModelProfile = field(default_factory=ModelProfile)
     # The built-in PlanAdaptor's plan, compiled once: its requests skip the greenlet.
     template: PlanTemplate | None = None
+    # The adaptor's per-request buffer sets (adaptor.BufferPool), if it has any.
+    pool: Any = None
 
 
 class Dispatcher:
@@ -286,6 +288,13 @@ class Dispatcher:
         arrivals = self._arrivals
         while arrivals:
             job = arrivals.popleft()
+            pool = job.model.pool
+            if pool is not None and job.bindings is None:
+                bindings = pool.acquire()
+                if bindings is None:         # every buffer set in use: wait for one
+                    pool.waiting.append(job)
+                    continue
+                job.bindings = bindings
             try:
                 self.policy.job_arrived(job)
             except Exception as e:
@@ -340,6 +349,16 @@ class Dispatcher:
         self.in_flight -= 1
         for ptr in job.allocations:
             self.device.free(ptr)
+        bindings = job.bindings
+        if bindings is not None:             # its released ops have all completed
+            job.bindings = None
+            pool = job.model.pool
+            if pool.waiting:                 # straight to the oldest job waiting for one
+                nxt = pool.waiting.popleft()
+                nxt.bindings = bindings
+                self._arrivals.append(nxt)
+            else:
+                pool.release(bindings)
         req = job.req
         if job.error is None:
             job.model.profile.record_job(job.kcount)
@@ -426,13 +445,14 @@ class Dispatcher:
         if any(m.name == name for m in self.models):
             raise ValueError(f"model {name!r} is already registered")
         adaptor.init(self.device)
-        model = Model(len(self.models), name, adaptor)
-        if type(adaptor).run is PlanAdaptor.run and all(
-                self.tracker.entries_for(spec[9]) <= self.tracker.slots
-                for spec in PlanTemplate(adaptor, self).specs if spec[0] == KERNEL):
+        model = Model(len(self.models), name, adaptor, pool=adaptor.buffer_pool)
+        if type(adaptor).run is PlanAdaptor.run:
             # Only the unmodified built-in run(): a subclass that overrides it keeps its
             # greenlet. A kernel too large for the notifQ is refused by cuda.launch.
-            model.template = PlanTemplate(adaptor, self)
+            template = PlanTemplate(adaptor, self)
+            if all(self.tracker.entries_for(spec[9]) <= self.tracker.slots
+                   for spec in template.specs if spec[0] == KERNEL):
+                model.template = template
         self.models.append(model)
         runs = self.profile_runs if profile_runs is None else profile_runs
         for i in range(runs):
@@ -466,9 +486,13 @@ class Dispatcher:
         Released work drains first; ``on_complete`` then reports STATUS_CANCELLED."""
         victims = [j for j in self.jobs if j.client_id == client_id]
         for job in victims:
+            parked = job.model.pool.waiting if job.model.pool is not None else ()
             if job in self._arrivals:
                 self._arrivals.remove(job)
                 job.left_policy = True       # never announced to the policy
+            elif job in parked:              # waiting for a buffer set
+                parked.remove(job)
+                job.left_policy = True
             self._abort(job, f"cancelled: client {client_id} disconnected", cancelled=True)
             if job.waitlist.pending == 0:
                 self._finish(job)

@@ -370,27 +370,6 @@ def model_info_from_bundle(model_id: int, bundle) -> wire.ModelInfo:
         for v in bundle.variants[:1]))
 
 
-def plan_from_variant(name: str, v):
-    """A bundle variant's launch plan in the dispatcher's :class:`Plan` form.
-
-    Buffers are named by their id. ``buffer_offset`` of a copy is dropped: the plan
-    form has no such field, and on the simulator only the copy's size matters.
-    """
-    from paella.dispatcher.adaptor import Plan, PlanOp
-    from paella.dispatcher.devices.base import KernelInfo
-    kernels = [KernelInfo(k.name, k.registers, static_smem=k.static_smem, flops=k.flops,
-                          bytes=k.bytes) for k in v.kernels]
-    ops = []
-    for op in v.plan:
-        if op.op == "launch":
-            ops.append(PlanOp("launch", stream=op.stream, kernel=op.kernel, grid=tuple(op.grid),
-                              block=tuple(op.block), dyn_smem=op.dyn_smem))
-        else:
-            ops.append(PlanOp(op.op, stream=op.stream, buffer=str(op.buffer),
-                              io_offset=op.io_offset, nbytes=op.nbytes))
-    return Plan(name, kernels, ops, {str(b.id): b.nbytes for b in v.buffers}, v.io_bytes)
-
-
 class FunctionalCache:
     """Reference outputs by (model, input digest), least recently used first out.
 
@@ -441,7 +420,7 @@ def functional_adaptor(bundle, name: str, cache: FunctionalCache | None = None):
     arena after the job's final synchronize, i.e. once its D2H copy completed and before
     the completion is pushed.
     """
-    from paella.dispatcher.adaptor import PlanAdaptor
+    from paella.dispatcher.adaptor import PlanAdaptor, plan_from_bundle
 
     v = bundle.variants[0]
     cache = cache or FunctionalCache()
@@ -456,7 +435,22 @@ def functional_adaptor(bundle, name: str, cache: FunctionalCache | None = None):
                 io[t.offset:t.offset + t.nbytes] = np.ascontiguousarray(
                     outs[t.name], dtype=t.dtype).view(np.uint8).reshape(-1)
 
-    return FunctionalBundleAdaptor(plan_from_variant(name, v))
+    return FunctionalBundleAdaptor(plan_from_bundle(bundle, 0, name=name))
+
+
+def bundle_adaptor(bundle, name: str, device, cache: FunctionalCache | None = None):
+    """The adaptor serving ``bundle`` (variant 0) on ``device``.
+
+    Every backend gets the same plan with real device memory (params uploaded once,
+    per-request buffer sets, bound kernel arguments: see ``paella.dispatcher.adaptor``).
+    On the simulator, whose kernels compute nothing, the outputs come from the CPU build
+    (:func:`functional_adaptor`); on a real GPU the kernels compute them, and the plain
+    adaptor keeps the dispatcher's plan-template fast path (no greenlet per request).
+    """
+    if device.backend == "sim":
+        return functional_adaptor(bundle, name, cache)
+    from paella.dispatcher.adaptor import PlanAdaptor
+    return PlanAdaptor.from_bundle(bundle, name=name)
 
 
 class DispatcherExecutor:
@@ -569,8 +563,13 @@ def open_device_for(cfg: DaemonConfig):
         backend, reason = pick_backend()
         log.info("backend auto: %s (%s)", backend, reason)
     if backend == "cuda":
-        raise ConfigError("the cuda backend cannot serve bundles from the daemon yet: its "
-                          "job adaptor does not pass kernel arguments; use --backend sim")
+        try:
+            dev = open_device("cuda")
+        except NoDriverError as e:
+            raise ConfigError(str(e)) from None
+        log.info("cuda device %d: %s (%s), %d SMs", dev.ordinal, dev.props.name, dev.props.sm_name,
+                 dev.props.sm_count)
+        return dev
     if cfg.sim_mode == "process":
         from paella.dispatcher.devices.sim import SimProcessDevice
         log.info("simulated GPU %s in a process of its own (real time)", cfg.gpu)
@@ -599,6 +598,10 @@ class Daemon:
         self.host = HostExecutor(self.front, {})
         self.router.paths.append(self.host)
         self.front.executor = self.router
+        self.front.on_arena_mapped = self._arena_mapped
+        self.front.on_arena_released = self._arena_released
+        self._arenas: dict[int, np.ndarray] = {}     # client id -> arena, while mapped
+        self._pinned: set[int] = set()               # clients whose arena is page-locked
         self.dispatcher: DispatcherExecutor | None = None
         self.device = None
         self._bundle_keys: dict[str, tuple] = {}
@@ -619,7 +622,9 @@ class Daemon:
             host[m.info.model_id] = m
         bundles = self._load_repository(self.cfg.models) if self.cfg.models else []
         if self.cfg.noop:
-            bundles.append(self._load_noop())
+            noop = self._load_noop()
+            if noop is not None:
+                bundles.append(noop)
         self.host.models = host
         for mid in host:
             self.router.by_model[mid] = self.host
@@ -653,10 +658,14 @@ class Daemon:
             infos.append(model_info_from_bundle(mid, bundle))
         return infos
 
-    def _load_noop(self) -> wire.ModelInfo:
+    def _load_noop(self) -> wire.ModelInfo | None:
         mid = self.table.id_for("noop")
         if "noop" not in self._bundle_keys:
             ex = self._dispatcher()
+            if self.device.backend != "sim":
+                log.info("built-in model noop not served: its kernel exists only on the "
+                         "simulated GPU (--backend sim)")
+                return None
             ex.register(mid, "noop", noop_adaptor())
             self.router.by_model[mid] = ex
             self._bundle_keys["noop"] = ()
@@ -668,7 +677,7 @@ class Daemon:
         name = f"{bundle.model}#{gen}"     # a changed bundle registers anew
         t0 = time.monotonic()
         try:
-            ex.register(model_id, name, functional_adaptor(bundle, name, self._functional))
+            ex.register(model_id, name, bundle_adaptor(bundle, name, self.device, self._functional))
         except (ValueError, RuntimeError) as e:
             raise ConfigError(f"bundle {bundle.path} cannot be served: {e}") from None
         self.router.by_model[model_id] = ex
@@ -681,7 +690,38 @@ class Daemon:
             self.device = open_device_for(self.cfg)
             self.dispatcher = DispatcherExecutor(self.front, self.device, self.cfg)
             self.router.paths.append(self.dispatcher)
+            for cid, arena in self._arenas.items():     # clients that came first
+                self._pin_arena(cid, arena)
         return self.dispatcher
+
+    # -- client arenas -----------------------------------------------------------------
+    def _arena_mapped(self, client_id: int, arena: np.ndarray) -> None:
+        self._arenas[client_id] = arena
+        if self.device is not None:
+            self._pin_arena(client_id, arena)
+
+    def _pin_arena(self, client_id: int, arena: np.ndarray) -> None:
+        """Page-lock a client's arena for DMA (a no-op on the simulator). A failure only
+        costs speed (the driver stages pageable copies), so it is logged, not fatal."""
+        from paella.dispatcher.devices.base import DeviceError
+        try:
+            self.device.register_host(arena)
+        except DeviceError as e:
+            log.warning("client %d: arena of %d bytes not page-locked (%s); its copies are "
+                        "staged by the driver", client_id, arena.nbytes, e)
+            return
+        self._pinned.add(client_id)
+
+    def _arena_released(self, client_id: int, arena: np.ndarray) -> None:
+        """The client's mapping is about to go (no job of it is left): unpin it first."""
+        from paella.dispatcher.devices.base import DeviceError
+        self._arenas.pop(client_id, None)
+        if client_id in self._pinned:
+            self._pinned.discard(client_id)
+            try:
+                self.device.unregister_host(arena)
+            except DeviceError as e:
+                log.warning("client %d: unpinning its arena failed: %s", client_id, e)
 
     # -- signals ---------------------------------------------------------------------
     def _install_signals(self) -> None:

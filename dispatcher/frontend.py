@@ -24,7 +24,7 @@ import selectors
 import socket
 import struct
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Callable, Protocol
 
 import numpy as np
 import posix_ipc
@@ -156,6 +156,11 @@ class Frontend:
         self.cfg = cfg
         self.models = models
         self.executor: Executor | None = None
+        #: Hooks of the device path: ``(client_id, arena)`` once a client's arena is
+        #: mapped (HELLO done), and again just before the mapping is dropped (no job of
+        #: the client is left). The daemon page-locks arenas with them (register_host).
+        self.on_arena_mapped: Callable[[int, np.ndarray], None] | None = None
+        self.on_arena_released: Callable[[int, np.ndarray], None] | None = None
         self.clients: dict[int, ClientConn] = {}
         self.ready: list[ClientConn] = []      # round-robin order
         self._rr = 0
@@ -344,6 +349,8 @@ class Frontend:
         finally:
             shm.close_fd()
         self.ready.append(c)
+        if self.on_arena_mapped is not None:
+            self.on_arena_mapped(c.cid, c.seg.arena)
         log.info("client %d (pid %d uid %d) ready: mode %s, segment %s, arena %d bytes",
                  c.cid, c.pid, c.uid, mode, name, arena)
 
@@ -548,6 +555,8 @@ class Frontend:
         death unmap it.
         """
         if c.seg is not None:
+            if self.on_arena_released is not None:
+                self.on_arena_released(c.cid, c.seg.arena)
             c.seg.release()
             c.seg = c.reqs = c.cmps = None
         self.clients.pop(c.cid, None)

@@ -73,6 +73,9 @@ class Job:
         self.almost_next = False
         self.cancelled = False
         self.allocations: list[int] = []
+        # The adaptor's per-request device buffers (adaptor.BufferSet), acquired by the
+        # dispatcher before the job starts and returned when it finishes.
+        self.bindings: Any = None
         self.t_arrival = dispatcher.device.now()
 
     def __repr__(self) -> str:
@@ -233,11 +236,14 @@ class PlanTemplate:
 
     Everything a plan op needs is resolved at registration: the loaded function, dim3
     grid and block, the footprint (flattened for the tracker), the notifQ entries, the
-    device buffer, the io range, the "almost finished" mark. A request then costs one
-    :class:`Op` per step and no greenlet at all: :meth:`instantiate` issues the whole
-    plan into the job's waitlist at once, which is what ``PlanAdaptor.run`` does up to
-    its final ``device_synchronize`` (the job finishes when its last op completes, as
-    that synchronize would return then).
+    io range, the "almost finished" mark. What differs per request is bound ahead too:
+    the job's buffer set (``job.bindings``, see :class:`~paella.dispatcher.adaptor.BufferSet`)
+    carries each step's device pointer (copies) or argument tuple (launches), bound once
+    when the set was created. A request then costs one :class:`Op` per step and no
+    greenlet at all: :meth:`instantiate` issues the whole plan into the job's waitlist
+    at once, which is what ``PlanAdaptor.run`` does up to its final
+    ``device_synchronize`` (the job finishes when its last op completes, as that
+    synchronize would return then).
 
     A straight-line plan (every op on stream 0) is linked directly: op i depends on op
     i-1 only, which is what :meth:`Waitlist.issue` computes for it, without the
@@ -263,7 +269,7 @@ class PlanTemplate:
                 specs.append((KERNEL, s, i == almost, a, a.name, g, blk, d, fp, blocks,
                               fp.warps, fp.regs, fp.smem, tracker.entries_for(blocks)))
             else:
-                specs.append((H2D if kind == 1 else D2H, s, i == almost, a, b, c))
+                specs.append((H2D if kind == 1 else D2H, s, i == almost, b, c))
         self.specs = specs
 
     def instantiate(self, job: Job, io: np.ndarray) -> None:
@@ -271,6 +277,10 @@ class PlanTemplate:
         if io.size < self.io_bytes:
             raise ValueError(f"io buffer of {io.size} bytes is smaller than model "
                              f"{self.name!r} needs ({self.io_bytes})")
+        if job.bindings is None:
+            raise RuntimeError(f"model {self.name!r}: the job holds no buffer set (the adaptor "
+                               f"has no buffer_pool after init; internal error, please report)")
+        bound = job.bindings.bound
         wl = job.waitlist
         now = job.d.now
         if not self.straight:
@@ -280,14 +290,16 @@ class PlanTemplate:
         vs = wl.default
         prev = None
         first = None
-        for spec in self.specs:
+        for i, spec in enumerate(self.specs):
             kind = spec[0]
             op = Op(kind, job, vs if self.straight else streams[spec[1]])
             if kind == KERNEL:
                 (_, _, almost, op.func, op.key, op.grid, op.block, op.dyn_smem, op.fp,
                  op.blocks, op.fw, op.fr, op.fs, op.entries) = spec
+                op.args = bound[i]
             else:
-                _, _, almost, op.dptr, lo, hi = spec
+                _, _, almost, lo, hi = spec
+                op.dptr = bound[i]
                 op.host = io[lo:hi]
             op.t_issue = now
             op.almost_finished = almost
