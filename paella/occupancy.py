@@ -20,6 +20,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
+
 from paella.gpus import GpuSpec
 
 REG_ALLOC_UNIT = 256
@@ -145,9 +147,11 @@ def occupancy(spec: GpuSpec, threads: int, regs_per_thread: int, smem: int = 0) 
 class SMResources:
     """Free resources of every SM, with the Occupancy Calculator's granularity.
 
-    Used by the simulator (ground truth) and by the dispatcher's tracker (estimate),
-    so both count alike. Plain lists of ints: cheaper than numpy for the per-SM scalar
-    updates of the hot path.
+    The simulator's ground truth. State is plain lists of ints (one entry per SM;
+    registers per sub-partition in a flat list, ``sm * parts + p``): scalar updates on
+    lists are several times cheaper than on numpy arrays, and most placements touch an
+    SM or two. A kernel's whole wave goes through :meth:`fit_all`, :meth:`take_many` and
+    :meth:`give_many`, which do the arithmetic as vector operations.
     """
 
     __slots__ = ("spec", "parts", "part_regs", "blocks", "warps", "smem", "regs")
@@ -160,9 +164,9 @@ class SMResources:
         self.blocks = [spec.max_blocks_per_sm] * n
         self.warps = [spec.max_warps_per_sm] * n
         self.smem = [spec.smem_per_sm] * n
-        # Free registers per sub-partition, one flat list: sm*parts + p.
         self.regs = [self.part_regs] * (n * self.parts)
 
+    # -- one SM -------------------------------------------------------------------------
     def fit(self, sm: int, fp: Footprint) -> int:
         """How many more blocks of ``fp`` fit on ``sm`` right now."""
         n = self.blocks[sm]
@@ -184,45 +188,87 @@ class SMResources:
                 n = r
         return n
 
-    def take(self, sm: int, fp: Footprint, n: int) -> tuple:
-        """Allocate ``n`` blocks on ``sm``; returns the per-sub-partition warp split,
-        which :meth:`give` needs to free the registers again. Call :meth:`fit` first:
-        a request that does not fit raises before anything changes."""
-        if self.blocks[sm] < n or self.warps[sm] < n * fp.warps or self.smem[sm] < n * fp.smem:
+    def take(self, sm: int, fp: Footprint, n: int) -> tuple[int, ...]:
+        """Allocate ``n`` blocks on ``sm``; returns the warps taken from each
+        sub-partition, which :meth:`give` needs to free the registers again. Call
+        :meth:`fit` first: a request that does not fit raises before anything changes."""
+        if self.fit(sm, fp) < n:
             raise AssertionError("take() called for blocks that do not fit; call fit() first")
-        split = ()
         rpw = fp.regs_per_warp
+        base = sm * self.parts
+        regs = self.regs
+        split = [0] * self.parts
         if rpw:
+            # Sub-partitions in order, each up to what it holds: a warp's registers come
+            # from one sub-partition, and this order places as many warps as any other.
             need = n * fp.warps
-            base = sm * self.parts
-            regs = self.regs
-            parts = []
-            # Fill the sub-partition with the most free registers first, so that mixed
-            # kernels pack the way the per-partition rule allows.
-            for p in sorted(range(base, base + self.parts), key=regs.__getitem__, reverse=True):
-                k = min(regs[p] // rpw, need)
-                if k:
-                    parts.append((p, k))
-                    need -= k
-                    if not need:
-                        break
-            if need:
-                raise AssertionError("take() called for blocks that do not fit; call fit() first")
-            for p, k in parts:
-                regs[p] -= k * rpw
-            split = tuple(parts)
+            for i in range(self.parts):
+                k = regs[base + i] // rpw
+                if k > need:
+                    k = need
+                split[i] = k
+                regs[base + i] -= k * rpw
+                need -= k
+                if not need:
+                    break
         self.blocks[sm] -= n
         self.warps[sm] -= n * fp.warps
         self.smem[sm] -= n * fp.smem
-        return split
+        return tuple(split)
 
-    def give(self, sm: int, fp: Footprint, n: int, split: tuple) -> None:
+    def give(self, sm: int, fp: Footprint, n: int, split: tuple[int, ...]) -> None:
         self.blocks[sm] += n
         self.warps[sm] += n * fp.warps
         self.smem[sm] += n * fp.smem
         rpw = fp.regs_per_warp
-        for p, k in split:
-            self.regs[p] += k * rpw
+        if rpw:
+            base = sm * self.parts
+            for i, k in enumerate(split):
+                self.regs[base + i] += k * rpw
+
+    # -- every SM at once ----------------------------------------------------------------
+    def fit_all(self, fp: Footprint) -> np.ndarray:
+        """:meth:`fit` for every SM: an array of block counts."""
+        n = np.minimum(np.array(self.blocks), np.array(self.warps) // fp.warps)
+        if fp.smem:
+            np.minimum(n, np.array(self.smem) // fp.smem, out=n)
+        if fp.regs_per_warp:
+            regs = np.array(self.regs).reshape(-1, self.parts)
+            np.minimum(n, (regs // fp.regs_per_warp).sum(axis=1) // fp.warps, out=n)
+        return n
+
+    def take_many(self, sms: np.ndarray, fp: Footprint, ns: np.ndarray) -> np.ndarray:
+        """Allocate ``ns[i]`` blocks on SM ``sms[i]`` (distinct SMs, each fitting, as
+        :meth:`fit_all` said); returns the per-sub-partition warp split of each."""
+        parts = self.parts
+        sm_l = sms.tolist()
+        if fp.regs_per_warp:
+            free = np.array([self.regs[s * parts:(s + 1) * parts] for s in sm_l])
+            split = _split_warps(free, fp, ns * fp.warps)
+            rpw = fp.regs_per_warp
+            for s, row in zip(sm_l, split.tolist()):
+                base = s * parts
+                for i in range(parts):
+                    self.regs[base + i] -= row[i] * rpw
+        else:
+            split = np.zeros((len(sm_l), parts), dtype=np.int64)
+        w, sm_bytes = fp.warps, fp.smem
+        for s, n in zip(sm_l, ns.tolist()):
+            self.blocks[s] -= n
+            self.warps[s] -= n * w
+            self.smem[s] -= n * sm_bytes
+        return split
+
+    def give_many(self, sms: np.ndarray, fp: Footprint, ns: np.ndarray, split: np.ndarray) -> None:
+        parts, rpw, w, sm_bytes = self.parts, fp.regs_per_warp, fp.warps, fp.smem
+        for s, n, row in zip(sms.tolist(), ns.tolist(), split.tolist()):
+            self.blocks[s] += n
+            self.warps[s] += n * w
+            self.smem[s] += n * sm_bytes
+            if rpw:
+                base = s * parts
+                for i in range(parts):
+                    self.regs[base + i] += row[i] * rpw
 
     def used(self) -> dict[str, int]:
         """Totals in use over all SMs: blocks, warps, registers, shared memory."""
@@ -234,3 +280,20 @@ class SMResources:
             "registers": n * self.parts * self.part_regs - sum(self.regs),
             "shared_memory": n * spec.smem_per_sm - sum(self.smem),
         }
+
+
+def _split_warps(free_regs: np.ndarray, fp: Footprint, need: np.ndarray) -> np.ndarray:
+    """Warps to take from each sub-partition (rows: SMs) to place ``need`` warps.
+
+    A warp's registers come from one sub-partition; partitions are filled in order,
+    each up to what it can hold, which places as many warps as any other order would.
+    """
+    rows = free_regs.shape[0]
+    if not fp.regs_per_warp:
+        return np.zeros((rows, free_regs.shape[1]), dtype=np.int64)
+    cap = free_regs // fp.regs_per_warp
+    before = np.cumsum(cap, axis=1) - cap                 # capacity of earlier partitions
+    split = np.clip(need.reshape(rows, 1) - before, 0, cap)
+    if (split.sum(axis=1) != need).any():
+        raise AssertionError("blocks placed where their registers do not fit; call fit() first")
+    return split

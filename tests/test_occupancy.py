@@ -496,10 +496,11 @@ def _check_invariants(res: SMResources, live) -> None:
         assert spec.smem_per_sm - res.smem[sm] == sum(n * fp.smem for fp, n, _ in mine)
         regs_by_part = [0] * res.parts
         for fp, n, split in mine:
-            assert sum(k for _, k in split) == (n * fp.warps if fp.regs_per_warp else 0)
-            for p, k in split:
-                assert sm * res.parts <= p < (sm + 1) * res.parts
-                regs_by_part[p - sm * res.parts] += k * fp.regs_per_warp
+            # split: warps taken from each of the SM's sub-partitions
+            assert len(split) == res.parts
+            assert sum(split) == (n * fp.warps if fp.regs_per_warp else 0)
+            for i, k in enumerate(split):
+                regs_by_part[i] += int(k) * fp.regs_per_warp
         for i, used in enumerate(regs_by_part):
             assert res.part_regs - res.regs[sm * res.parts + i] == used
     u = res.used()
@@ -547,10 +548,10 @@ def test_smresources_subpartition_packing():
     assert res.fit(0, big) == 20
     res.take(0, big, 20)
     assert res.fit(0, big) == 0
-    assert res.regs == [1024] * 4
+    assert list(res.regs) == [1024] * 4
     assert res.fit(0, small) == 4
     res.take(0, small, 4)
-    assert res.regs == [0] * 4 and res.fit(0, small) == 0
+    assert list(res.regs) == [0] * 4 and res.fit(0, small) == 0
 
 
 # --------------------------------------------------------------------------------------

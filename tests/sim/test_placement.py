@@ -69,7 +69,8 @@ def test_mixed_kernels_never_overallocate_and_always_drain(kernels):
                         duration=rng.uniform(10, 300) * US) for i in range(12)]
     funcs = kernels(dev, *infos)
     res = dev.resources
-    start = (list(res.blocks), list(res.warps), list(res.smem), list(res.regs))
+    state = lambda: (list(res.blocks), list(res.warps), list(res.smem), list(res.regs))  # noqa: E731
+    start = state()
     for i in range(300):
         f = rng.choice(funcs)
         dev.launch(f, rng.randint(1, 400), rng.choice([32, 96, 128, 256, 512]), rng.randrange(64), i,
@@ -82,5 +83,5 @@ def test_mixed_kernels_never_overallocate_and_always_drain(kernels):
                 assert min(res.blocks) >= 0 and min(res.warps) >= 0 and min(res.smem) >= 0
                 assert min(res.regs) >= 0
     dev.run()
-    assert (res.blocks, res.warps, res.smem, res.regs) == start
+    assert state() == start
     assert dev.gpu.resident == 0 and not dev.gpu.busy()

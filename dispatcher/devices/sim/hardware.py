@@ -36,6 +36,8 @@ from .clock import EventLoop
 from .cost import CostModel
 
 KERNEL, H2D, D2H, MARKER = 0, 1, 2, 3
+#: Placements of more blocks than this take the vector path (every SM at once).
+FEW_BLOCKS = 8
 _PLACE = protocol.PLACEMENT << protocol.KIND_SHIFT
 _DONE = protocol.COMPLETION << protocol.KIND_SHIFT
 
@@ -103,14 +105,17 @@ class GpuModel:
         self.mask = notifq.size - 1
         self.tail = 0
         self.rng = random.Random(seed)
+        self.np_rng = np.random.default_rng(seed)
         self.jitter = jitter
         self._seq = 0
         self._rr = 0
         # Every rotation of the SM order, so a full scan allocates nothing.
         order = list(range(self.n_sm))
         self._rotations = [order[i:] + order[:i] for i in range(self.n_sm)]
+        self._rotations_np = [np.array(r, dtype=np.int64) for r in self._rotations]
         self._dirty: list[int] = []               # SMs that gained room since the last pass
         self._is_dirty = [False] * self.n_sm
+        self._is_dirty_np = np.zeros(self.n_sm, dtype=bool)    # the same, for vector scans
         self._waves_cache: dict[Footprint, int] = {}
         # Statistics.
         self.resident = 0
@@ -209,13 +214,21 @@ class GpuModel:
                     progressed = True
         for s in self._dirty:
             self._is_dirty[s] = False
+        self._is_dirty_np[:] = False
         self._dirty.clear()
 
     def _place(self, k: KernelOp) -> None:
         # A kernel that found every SM full last time can only fit where room appeared.
-        cands = self._dirty if k.blocked else self._rotations[self._rr]
-        if not cands:
+        if k.blocked:
+            if not self._dirty:
+                return
+            wave = k.unplaced > FEW_BLOCKS and len(self._dirty) > FEW_BLOCKS
+        else:
+            wave = k.unplaced > FEW_BLOCKS
+        if wave:
+            self._place_wave(k)
             return
+        cands = self._dirty if k.blocked else self._rotations[self._rr]
         fp = k.fp
         fit = self.res.fit
         need = k.unplaced
@@ -236,7 +249,28 @@ class GpuModel:
         elif got > need:
             caps = _water_fill(caps, need)
         self._start_blocks(k, caps)
-        self._rr = (caps[-1][0] + 1) % self.n_sm
+        self._placed(k, caps[-1][0])
+
+    def _place_wave(self, k: KernelOp) -> None:
+        """:meth:`_place` for many blocks: every SM in a few vector operations."""
+        caps = self.res.fit_all(k.fp)
+        order = self._rotations_np[self._rr]
+        if k.blocked:
+            order = order[self._is_dirty_np[order]]
+        c = caps[order]
+        sel = c > 0
+        if not sel.any():
+            k.blocked = True
+            return
+        sms, ns = order[sel], _water_fill_np(c[sel], k.unplaced)
+        if not ns.all():
+            keep = ns > 0
+            sms, ns = sms[keep], ns[keep]
+        self._start_wave(k, sms, ns)
+        self._placed(k, int(sms[-1]))
+
+    def _placed(self, k: KernelOp, last_sm: int) -> None:
+        self._rr = (last_sm + 1) % self.n_sm
         if k.blocked:
             self._prune_dirty()
         k.blocked = k.unplaced > 0
@@ -251,6 +285,7 @@ class GpuModel:
                 keep.append(s)
             else:
                 is_dirty[s] = False
+                self._is_dirty_np[s] = False
         self._dirty[:] = keep
 
     def _start_blocks(self, k: KernelOp, caps: list[tuple[int, int]]) -> None:
@@ -271,11 +306,7 @@ class GpuModel:
             if instrumented:
                 self._post(_PLACE, s, c0, n, k)
             groups.append((s, n, take(s, fp, n)))
-        if k.t_first < 0:
-            k.t_first = now
-        k.unplaced -= placed
-        self.placements += placed
-        self._account(now, placed)
+        self._started(k, now, placed)
         d = k.block_time
         if self.jitter:
             for g in groups:
@@ -283,23 +314,63 @@ class GpuModel:
         else:
             self.loop.at(now + d, self._blocks_done, (k, groups))
 
+    def _start_wave(self, k: KernelOp, sms: np.ndarray, ns: np.ndarray) -> None:
+        """:meth:`_start_blocks` for many SMs, as arrays."""
+        now = self.loop.now
+        split = self.res.take_many(sms, k.fp, ns)
+        placed = int(ns.sum())
+        if k.instrumented:
+            self._post_wave(_PLACE, sms, ns, k.started, k)
+        k.started += placed
+        self._started(k, now, placed)
+        d = k.block_time
+        if self.jitter:
+            for i, f in enumerate(self.np_rng.lognormal(0.0, self.jitter, len(sms))):
+                self.loop.at(now + d * f, self._wave_done, (k, sms[i:i + 1], ns[i:i + 1], split[i:i + 1]))
+        else:
+            self.loop.at(now + d, self._wave_done, (k, sms, ns, split))
+
+    def _started(self, k: KernelOp, now: float, placed: int) -> None:
+        if k.t_first < 0:
+            k.t_first = now
+        k.unplaced -= placed
+        self.placements += placed
+        self._account(now, placed)
+
     def _blocks_done(self, event: tuple) -> None:
         k, groups = event
-        self.events += 1
         give = self.res.give
         fp = k.fp
-        dirty, is_dirty = self._dirty, self._is_dirty
         ended = 0
         for s, n, split in groups:
             give(s, fp, n, split)
-            if not is_dirty[s]:
-                is_dirty[s] = True
-                dirty.append(s)
+            self._mark_dirty(s)
             c0 = k.ended
             k.ended = c0 + n
             ended += n
             if k.instrumented:
                 self._post(_DONE, s, c0, n, k)
+        self._ended(k, ended)
+
+    def _wave_done(self, event: tuple) -> None:
+        k, sms, ns, split = event
+        self.res.give_many(sms, k.fp, ns, split)
+        for s in sms.tolist():
+            self._mark_dirty(s)
+        if k.instrumented:
+            self._post_wave(_DONE, sms, ns, k.ended, k)
+        ended = int(ns.sum())
+        k.ended += ended
+        self._ended(k, ended)
+
+    def _mark_dirty(self, s: int) -> None:
+        if not self._is_dirty[s]:
+            self._is_dirty[s] = True
+            self._is_dirty_np[s] = True
+            self._dirty.append(s)
+
+    def _ended(self, k: KernelOp, ended: int) -> None:
+        self.events += 1
         self._account(self.loop.now, -ended)
         if k.ended == k.total:
             self._complete(k)
@@ -334,13 +405,38 @@ class GpuModel:
         if end == total and total % g:
             self._write(base | ((total % g) << protocol.COUNT_SHIFT))
 
+    def _post_wave(self, kind_bits: int, sms: np.ndarray, ns: np.ndarray, c0: int, k: KernelOp) -> None:
+        """:meth:`_post` for blocks c0+1.. spread over SMs ``sms`` (``ns`` each), in order:
+        the block whose counter value is a multiple of the group, or the last, posts."""
+        g = k.group
+        ends = c0 + np.cumsum(ns)
+        end = int(ends[-1])
+        values = np.arange((c0 // g + 1) * g, end + 1, g)
+        who = sms[np.searchsorted(ends, values)]
+        words = (kind_bits | k.launch_id | (g << protocol.COUNT_SHIFT)) | (who << protocol.SM_SHIFT)
+        if end == k.total and k.total % g:
+            last = kind_bits | k.launch_id | ((k.total % g) << protocol.COUNT_SHIFT) | (int(sms[-1]) << protocol.SM_SHIFT)
+            words = np.append(words, last)
+        if len(words):
+            self._write_many(words)
+
+    def _write_many(self, words: np.ndarray) -> None:
+        slots = (self.tail + np.arange(len(words))) & self.mask
+        if self.ring[slots].any():
+            raise self._overrun(int(slots[np.nonzero(self.ring[slots])[0][0]]))
+        self.ring[slots] = words.astype(np.uint64)
+        self.tail += len(words)
+
+    def _overrun(self, slot: int) -> NotifQOverrun:
+        return NotifQOverrun(
+            f"notifQ overrun at slot {slot} (entry {self.tail}): the reader has not consumed "
+            f"it; the dispatcher must bound outstanding blocks to fewer than "
+            f"{self.mask + 1} ring slots' worth of notifications")
+
     def _write(self, word: int) -> None:
         slot = self.tail & self.mask
         if self.ring[slot]:
-            raise NotifQOverrun(
-                f"notifQ overrun at slot {slot} (entry {self.tail}): the reader has not consumed "
-                f"it; the dispatcher must bound outstanding blocks to fewer than "
-                f"{self.mask + 1} ring slots' worth of notifications")
+            raise self._overrun(slot)
         self.ring[slot] = word
         self.tail += 1
 
@@ -362,6 +458,23 @@ class GpuModel:
 
     def busy(self) -> bool:
         return any(self.streams)
+
+
+def _water_fill_np(caps: np.ndarray, need: int) -> np.ndarray:
+    """:func:`_water_fill` on an array of capacities; returns blocks per SM."""
+    if caps.sum() <= need:
+        return caps
+    out = np.zeros_like(caps)
+    if len(caps) >= need:
+        out[:need] = 1
+        return out
+    level = 0
+    while np.minimum(caps, level + 1).sum() <= need:
+        level += 1
+    out = np.minimum(caps, level)
+    extra = need - int(out.sum())
+    out[np.nonzero(caps > level)[0][:extra]] += 1
+    return out
 
 
 def _water_fill(caps: list[tuple[int, int]], need: int) -> list[tuple[int, int]]:
