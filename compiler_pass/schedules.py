@@ -160,7 +160,7 @@ def _hoist_init(sch: s_tir.Schedule, red) -> None:
     """Put the accumulator's initialization before the window loops (``decompose_reduction``)
     rather than an ``if (first iteration)`` inside them. TVM refuses when the thread's
     output coordinates simplify to a non-quasi-affine binding (e.g. a fused extent that is a
-    multiple of the block size: 32*112*112 = 1568*256); the reduction is then kept with its
+    multiple of the block size: 32*112*112 = 392*1024); the reduction is then kept with its
     init, which TIR lowering turns into that ``if`` - correct, only a compare per step."""
     inner = sch.get_loops(red)[2:]                       # below blockIdx.x, threadIdx.x
     if not inner:
