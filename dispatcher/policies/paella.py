@@ -7,7 +7,8 @@ deficit counters.
   kernel of unit u is released, u's deficit drops by 1 - 1/n and every other unit's
   rises by 1/n, n being the units with unfinished jobs.
 * **Past the threshold.** If the highest deficit among units with a ready kernel
-  exceeds ``fairness_threshold``:
+  reaches ``fairness_threshold`` (``>=``, so that at 0 a lone job's deficit of 0,
+  which stays 0 while it runs alone, already counts and a newcomer cannot overtake it):
 
   - ``fairness_unit="job"`` (the default; every job is a unit, as in the paper's
     implementation, which shifts by 1/#jobs): the **oldest ready job** goes next,
@@ -114,7 +115,7 @@ class Paella(Policy):
         while dheap:
             neg_s, _, ver, unit = dheap[0]
             if ver == unit.ver and unit.nready:
-                if self.G - neg_s > self.threshold:
+                if self.G - neg_s >= self.threshold:
                     return self._oldest(unit.ready if self.by_client else self.fifo)
                 break
             heapq.heappop(dheap)

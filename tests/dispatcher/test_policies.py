@@ -135,10 +135,21 @@ def test_deficit_threshold_zero_serves_oldest_waiting_first():
     p = Paella(fairness_threshold=0.0, fairness_unit="job")
     old, new = FakeJob(9.0), FakeJob(1.0)
     arrive(p, old, new)
-    assert p.pick() is new                    # no deficit yet: SRPT
+    assert p.pick() is old                    # deficits 0 reach threshold 0: oldest first
+    p.released(old, None)
+    p.kernel_ready(old)
+    assert p.pick() is old                    # new is owed 1/2, old still the oldest
+
+
+def test_deficit_threshold_is_reached_not_exceeded():
+    p = Paella(fairness_threshold=0.5, fairness_unit="job")
+    old, new = FakeJob(9.0), FakeJob(1.0)
+    arrive(p, old, new)
+    assert p.pick() is new                    # deficits 0 < 0.5: SRPT
     p.released(new, None)
     p.kernel_ready(new)
-    assert p.pick() is old                    # old now owed: deficit 1/2 > 0
+    assert p.deficit(old) == pytest.approx(0.5)
+    assert p.pick() is old                    # 0.5 reaches 0.5
 
 
 def release_order(threshold: float, unit: str, kernels: int = 4) -> list[int]:
@@ -163,17 +174,16 @@ def release_order(threshold: float, unit: str, kernels: int = 4) -> list[int]:
 
 
 def test_threshold_zero_is_arrival_order_and_infinity_is_srpt():
-    # Per-job deficits: past the threshold the oldest ready job goes first, so at 0
-    # only the very first decision (every deficit still 0) is SRPT's.
+    # Per-job deficits: once one reaches the threshold the oldest ready job goes
+    # first; every deficit starts at 0, so threshold 0 is arrival order throughout.
     fifo = release_order(0.0, "job")
-    assert fifo[0] == 5
-    assert fifo[1:] == sorted(fifo[1:])
+    assert fifo == sorted(fifo)
     srpt = release_order(float("inf"), "job")
     assert srpt == sorted(srpt, reverse=True)     # shortest (last-arrived) job first
     # Per-client deficits at 0 give the two clients equal shares of the releases
     # (kernel-level round robin between users), not arrival order.
     by_client = release_order(0.0, "client")
-    assert by_client[:4] == [5, 0, 5, 0]
+    assert by_client[:4] == [0, 1, 0, 1]
     for k in range(1, len(by_client) + 1):
         ones = sum(i % 2 for i in by_client[:k])
         assert abs(ones - (k - ones)) <= 2
