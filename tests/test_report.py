@@ -1,0 +1,17 @@
+"""docs/EXPERIMENTS.md is generated from the JSON files, and says which are missing."""
+import json
+
+from paella.experiments import report
+
+
+def test_report_renders_from_json_and_names_what_is_missing(tmp_path):
+    cal = {"setting": {"gpu": "t4", "fit": "grid"},
+           "cost_model": {"efficiency": 0.5, "launch_overhead_us": 10.0},
+           "models": {"m": {"kernels": 3, "gflops": 1.0, "simulated_ms": 2.0, "paper_ms": 4.0, "ratio": 0.5}},
+           "summary": {"worst_relative_error": 0.5, "goal": 0.25, "within_goal": False,
+                       "same_ordering": True, "paper_order": ["m"], "simulated_order": ["m"]}}
+    (tmp_path / "calibrate.json").write_text(json.dumps(cal))
+    text = report.render(tmp_path)
+    assert "| m | 3 | 1.00 | 2.00 | 4.00 | 0.50 |" in text
+    assert "**not met**" in text
+    assert "hol.json` is missing" in text
