@@ -39,10 +39,11 @@ from typing import Any
 
 from .base import Policy, PolicyError, register_policy
 
-#: Default fairness threshold, in kernels' worth of deficit. A client starved while
-#: the others release K kernels reaches a deficit near K/n (n active clients), so with
-#: two clients a long job waits at most about 2 x 32 kernels of the other client (a few
-#: ResNet-18 requests) before its client's oldest job is served.
+#: Default fairness threshold, in kernels' worth of deficit. A unit starved while the
+#: others release K kernels reaches a deficit near K/n (n units with unfinished jobs),
+#: so a job is overtaken by about n x 32 kernels at most before arrival order takes
+#: over. Figure 13's sweep (docs/policies.md) turns from fifo-like to SRPT-like between
+#: 16 and 64 at 72% load; 32 keeps most of SRPT's gain for short jobs.
 DEFAULT_FAIRNESS_THRESHOLD = 32.0
 #: Default fairness unit: every job is its own unit (the paper's implementation, which
 #: shifts by 1/#jobs). See the module docstring for what ``"client"`` changes.
