@@ -11,10 +11,12 @@ CPU cost, about 2 us for a launch). An iteration that changed nothing
 is a poll; the clock then jumps to the next device event or arrival (Trio's rule: never
 spin when nothing can happen).
 
-``run_point`` is what the experiments call; ``hol`` needs only
-``run_point(policy, [Workload(...)], rate, sigma, n, seed, gpu="gtx1660s")`` with
-:func:`adaptor_for` turning a :class:`paella.models.synthetic.SyntheticJob` into an
-adaptor.
+``run_point`` is what the experiments call, e.g. ``hol --driver dispatcher``:
+``run_point(PointConfig(policy, rate, sigma, n, seed, gpu="gtx1660s", cpu_scale=...),
+[Workload("fig2", adaptor_for(figure2_job(), 64, 64))])``, :func:`adaptor_for` turning a
+:class:`paella.models.synthetic.SyntheticJob` into an adaptor factory. ``cpu_scale=0`` is
+a free dispatcher (the policy and mechanism alone); 1 charges this Python dispatcher in
+full.
 """
 from __future__ import annotations
 
