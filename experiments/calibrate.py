@@ -19,14 +19,13 @@ values are then checked by simulating every model once more.
 from __future__ import annotations
 
 import argparse
-import json
-import math
 import sys
 import time
 
 import numpy as np
 
 from paella.dispatcher.devices.sim import CostModel, SimDevice
+from paella.experiments.cli import save_figure, save_outputs
 from paella.experiments.zoo import DEFAULT_ZOO_DIR, TABLE2_MS, ensure_bundles, module_image
 
 GPU = "t4"
@@ -118,9 +117,7 @@ def plot(data: dict, path: str) -> None:
     ax.set_title(f"calibration: efficiency {c['efficiency']:.3f}, launch overhead "
                  f"{c['launch_overhead_us']:.1f} us", fontsize=9)
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -146,10 +143,6 @@ def main(args: argparse.Namespace) -> int:
     s = data["summary"]
     print(f"worst relative error {s['worst_relative_error']:.0%} (goal {s['goal']:.0%}: "
           f"{'met' if s['within_goal'] else 'NOT met'}); same ordering as the paper: {s['same_ordering']}")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(data, f, indent=1)
-    if args.plot:
-        plot(data, args.plot)
+    save_outputs(data, args, plot)
     print(f"done in {data['wall_seconds']:.1f} s", file=sys.stderr)
     return 0

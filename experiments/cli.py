@@ -27,3 +27,21 @@ def add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--plot", metavar="FILE.png", help="write a plot")
     p.add_argument("--quick", action="store_true", help="a reduced sweep that finishes in minutes")
     p.add_argument("--seed", type=int, default=1, help="random seed (default 1)")
+
+
+def save_outputs(data: dict, args: argparse.Namespace, plot) -> None:
+    """Write ``--json`` and ``--plot`` when asked (every experiment ends this way)."""
+    import json
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(data, f, indent=1)
+    if args.plot:
+        plot(data, args.plot)
+
+
+def save_figure(fig, path: str, dpi: int = 90) -> None:
+    """Lay out, write and close a matplotlib figure (plots are committed small)."""
+    import matplotlib.pyplot as plt
+    fig.tight_layout()
+    fig.savefig(path, dpi=dpi)
+    plt.close(fig)

@@ -22,7 +22,6 @@ import multiprocessing as mp
 import os
 import queue
 import shutil
-import sys
 import tempfile
 import time
 from pathlib import Path

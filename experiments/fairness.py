@@ -30,7 +30,7 @@ import argparse
 import math
 import sys
 
-from paella.experiments.cli import add_common
+from paella.experiments.cli import add_common, save_figure
 from paella.experiments.harness import write_outputs, PointConfig, Workload, adaptor_for, run_point
 from paella.models.synthetic import chain_job
 
@@ -107,8 +107,7 @@ def plot(data: dict, path: str) -> None:
                  f"cpu_scale {st['cpu_scale']:g})", fontsize=9)
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    save_figure(fig, path, dpi=120)
 
 
 def register(sub: argparse._SubParsersAction) -> None:

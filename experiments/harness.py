@@ -185,9 +185,7 @@ def saturated(point: dict, tolerance: float = 0.9) -> bool:
 def write_outputs(data: dict, args: Any, plot: Callable[[dict, str], None]) -> None:
     """Print the summary; write ``--json`` and ``--plot`` if asked."""
     import json
+
+    from paella.experiments.cli import save_outputs
     print(json.dumps(data["summary"], indent=2))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(data, f, indent=2)
-    if args.plot:
-        plot(data, args.plot)
+    save_outputs(data, args, plot)

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import heapq
-import json
 import sys
 import time
 from functools import partial
@@ -37,6 +36,7 @@ import numpy as np
 
 from paella.dispatcher.devices.base import KernelInfo, ModuleImage
 from paella.dispatcher.devices.sim import SimDevice
+from paella.experiments.cli import save_figure, save_outputs
 from paella.experiments.workload import goodput, latency_summary, lognormal_arrivals
 from paella.models.synthetic import SyntheticJob, figure2_job
 
@@ -206,9 +206,7 @@ def plot(data: dict, path: str) -> None:
     b.set_xlabel("offered load (k jobs/s)")
     b.set_ylabel("mean resident blocks")
     fig.suptitle(f"Head-of-line blocking on {GPU}: goodput ratio {data['goodput_ratio']:.2f}x", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def plot_dispatcher(data: dict, path: str) -> None:
@@ -226,9 +224,7 @@ def plot_dispatcher(data: dict, path: str) -> None:
     ax.legend(fontsize=8)
     ax.set_title(f"Figure 2 setting, real dispatcher (cpu_scale {data['setting']['cpu_scale']:g}): "
                  f"goodput ratio {data['goodput_ratio']:.2f}x", fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -266,11 +262,7 @@ def main_dispatcher(args: argparse.Namespace) -> int:
     print(f"goodput at p99 <= {args.slo_ms} ms (cpu_scale {args.cpu_scale:g}): "
           + ", ".join(f"{p} {v / 1e3:.1f}k jobs/s" for p, v in g.items())
           + f" -> ratio {data['goodput_ratio']:.2f}x (paper: 2.2x)")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(data, f, indent=1)
-    if args.plot:
-        plot(data, args.plot)
+    save_outputs(data, args, plot)
     print(f"done in {data['wall_seconds']:.1f} s", file=sys.stderr)
     return 0
 
@@ -297,10 +289,6 @@ def main(args: argparse.Namespace) -> int:
     print(f"resident blocks: naive peaks at {data['naive_peak_resident_blocks']:.1f}, aware at "
           f"{data['aware_peak_resident_blocks']:.1f}, of {data['possible_resident_blocks']} possible "
           f"(paper: naive capped at 32 of 176)")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(data, f, indent=1)
-    if args.plot:
-        plot(data, args.plot)
+    save_outputs(data, args, plot)
     print(f"done in {data['wall_seconds']:.1f} s", file=sys.stderr)
     return 0

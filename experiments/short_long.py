@@ -24,7 +24,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from paella.experiments.cli import add_common
+from paella.experiments.cli import add_common, save_figure
 from paella.experiments.harness import write_outputs, PointConfig, Workload, adaptor_for, run_point, saturated
 from paella.models.synthetic import SyntheticJob, SyntheticKernel
 
@@ -190,8 +190,7 @@ def plot(data: dict, path: str) -> None:
     fig.suptitle(f"Figure 12: short vs long jobs (ResNet-18 p99 speedup over ms-jbj "
                  f"{data['summary']['short_p99_speedup']:.2f}x; cpu_scale "
                  f"{data['setting']['cpu_scale']:g})")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    save_figure(fig, path, dpi=120)
 
 
 def register(sub: argparse._SubParsersAction) -> None:
