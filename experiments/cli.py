@@ -10,6 +10,7 @@ EXPERIMENTS = [
     "paella.experiments.short_long",
     "paella.experiments.fairness",
     "paella.experiments.calibrate",
+    "paella.experiments.sched_delay",
     "paella.experiments.report",
 ]
 

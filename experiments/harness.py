@@ -62,6 +62,7 @@ class PointConfig:
     policy_options: dict[str, Any] = field(default_factory=dict)
     cpu_scale: float = 1.0              # 0: a free dispatcher; 1: charge what it costs here
     device_call_cost: float = 2e-6      # seconds charged per device call instead of the sim's
+    decision_delay: float = 0.0         # seconds added per kernel release (Figure 9's synthetic delay)
     profile_runs: int = 2
     warmup: float = 0.1                 # fraction of requests excluded from statistics
 
@@ -97,7 +98,7 @@ def run_point(cfg: PointConfig, workloads: list[Workload]) -> dict:
     meter = DeviceMeter(dev, cfg.device_call_cost)
     cpu = _drive(d, dev, arrivals, lambda i: d.submit(Request(
         i, _client(workloads, kinds[i]), mids[kinds[i]], ios[kinds[i]], on_complete=complete)),
-        cfg.cpu_scale, meter)
+        cfg.cpu_scale, meter, cfg.decision_delay)
     if np.any(status != STATUS_OK):
         raise RuntimeError(f"{int(np.sum(status != STATUS_OK))} requests failed in the harness")
     warm = int(n * cfg.warmup)
@@ -128,11 +129,13 @@ class DeviceMeter:
 
     def __init__(self, dev: SimDevice, call_cost: float):
         self.seconds = 0.0          # simulator time minus the charged call cost
+        self.launches = 0           # kernel releases since the last take_launches()
         for name in self.METHODS:
-            setattr(dev, name, self._timed(getattr(dev, name), call_cost))
+            setattr(dev, name, self._timed(name, getattr(dev, name), call_cost))
 
-    def _timed(self, fn: Callable, call_cost: float) -> Callable:
+    def _timed(self, name: str, fn: Callable, call_cost: float) -> Callable:
         clock = time.thread_time
+        is_launch = name == "launch"
 
         def timed(*args: Any, **kw: Any) -> Any:
             c0 = clock()
@@ -140,15 +143,21 @@ class DeviceMeter:
                 return fn(*args, **kw)
             finally:
                 self.seconds += clock() - c0 - call_cost
+                if is_launch:
+                    self.launches += 1
         return timed
 
     def take(self) -> float:
         s, self.seconds = self.seconds, 0.0
         return s
 
+    def take_launches(self) -> int:
+        n, self.launches = self.launches, 0
+        return n
+
 
 def _drive(d: Dispatcher, dev: SimDevice, arrivals: np.ndarray, submit: Callable[[int], None],
-           cpu_scale: float, meter: DeviceMeter) -> float:
+           cpu_scale: float, meter: DeviceMeter, decision_delay: float = 0.0) -> float:
     """The harness loop; returns the dispatcher CPU seconds charged."""
     n = len(arrivals)
     i = 0
@@ -161,11 +170,12 @@ def _drive(d: Dispatcher, dev: SimDevice, arrivals: np.ndarray, submit: Callable
             submit(i)
             i += 1
         meter.take()
+        meter.take_launches()
         c0 = clock()
         d.step()
         spent = max(clock() - c0 - meter.take(), 0.0)
         total_cpu += spent
-        t = now + spent * cpu_scale
+        t = now + spent * cpu_scale + meter.take_launches() * decision_delay
         if d.idle:
             nxt = min(dev.next_event_time(), arrivals[i] if i < n else inf)
             if nxt == inf:
