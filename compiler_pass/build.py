@@ -37,7 +37,7 @@ from paella.models.base import ModelDef
 
 from . import nvcc
 from .instrument import (INSTRUMENTED_ATTR, LAUNCH_ID_PARAM, NOTIFQ_PARAM, InstrumentOptions,
-                         finalize_device_with, is_device_kernel, override_global_func,
+                         is_device_kernel, override_global_func,
                          paella_tir_pipeline, postproc_hook)
 from .kernels import HostPlan, PlanError, host_plan, kernel_params
 from .plan import PlanResult, build_plan

@@ -6,7 +6,6 @@ import onnx
 import onnx.reference
 import pytest
 from onnx import TensorProto, helper, numpy_helper
-from tvm.relax.frontend import nn
 
 from paella.bundle import load_bundle
 from paella.compiler_pass import cli

@@ -7,7 +7,7 @@ import logging
 
 import numpy as np
 import pytest
-from conftest import INFOS, KERNELS, PAIRS, SLOTS, image
+from cuda_fixtures import INFOS, KERNELS, PAIRS, SLOTS, image
 from cuda.bindings import driver as real
 from cuda_fake_driver import (REAL_DRIVER_PRESENT, FakeDriver, Violation, _STICKY_NAMES_OF_REAL,
                               fake_cubin, kernel_spec)

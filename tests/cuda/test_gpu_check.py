@@ -3,7 +3,6 @@ device steps on a CudaDevice over the recording stand-in driver."""
 from __future__ import annotations
 
 import shutil
-import subprocess
 from types import SimpleNamespace
 
 import numpy as np

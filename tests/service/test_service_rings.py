@@ -5,7 +5,6 @@ from __future__ import annotations
 import mmap
 import struct
 
-import numpy as np
 import pytest
 
 from paella import rings, wire
