@@ -29,7 +29,7 @@ import greenlet
 import numpy as np
 
 from paella import protocol
-from paella.dispatcher.devices.base import Device, DeviceError
+from paella.dispatcher.devices.base import Device, DeviceError, DeviceLost
 
 from .adaptor import JobAdaptor, PlanAdaptor
 from .job import FINISHED, Job, PlanTemplate
@@ -380,7 +380,10 @@ class Dispatcher:
                 cb(job.req)
 
     def _device_refused(self, op: Op, exc: DeviceError) -> None:
-        """The device rejected a released op (a bad pointer, say): fail its request."""
+        """The device rejected a released op (a bad pointer, say): fail its request.
+        A lost device is not one request's failure: it goes up to the daemon."""
+        if isinstance(exc, DeviceLost):
+            raise exc
         self.streams.done(op)
         job = op.job
         op.state = RELEASED

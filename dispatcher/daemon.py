@@ -37,6 +37,7 @@ from typing import Any, Callable
 import numpy as np
 
 from paella import rings, wire
+from paella.dispatcher.devices.base import DeviceLost
 from paella.dispatcher.frontend import Frontend, FrontendConfig, FrontendError, ModelTable
 
 log = logging.getLogger("paella.daemon")
@@ -473,6 +474,7 @@ class DispatcherExecutor:
         self.status = {STATUS_OK: rings.OK, STATUS_ERROR: rings.E_FAILED,
                        STATUS_CANCELLED: rings.E_CANCELLED}
         self.ids: dict[int, int] = {}     # client-visible model id -> dispatcher model id
+        self._failing: str | None = None  # the reason while cancel_all fails everything
         self._next_event = getattr(device, "next_event_time", None)
 
     def register(self, model_id: int, name: str, adaptor) -> None:
@@ -487,8 +489,10 @@ class DispatcherExecutor:
         self.front.almost_finished(req.client_id, req.req_id)
 
     def _done(self, req, status: int, error: str | None) -> None:
-        self.front.complete(req.client_id, req.req_id, self.status.get(status, rings.E_INTERNAL),
-                            error)
+        code = self.status.get(status, rings.E_INTERNAL)
+        if self._failing is not None and code == rings.E_CANCELLED:
+            code, error = rings.E_FAILED, self._failing      # cancel_all(reason): say why
+        self.front.complete(req.client_id, req.req_id, code, error)
 
     def step(self) -> bool:
         return self.disp.step()
@@ -497,8 +501,12 @@ class DispatcherExecutor:
         self.disp.cancel_client(client_id)
 
     def cancel_all(self, reason: str) -> None:
-        for cid in {j.client_id for j in self.disp.jobs}:
-            self.disp.cancel_client(cid)
+        self._failing = reason
+        try:
+            for cid in {j.client_id for j in self.disp.jobs}:
+                self.disp.cancel_client(cid)
+        finally:
+            self._failing = None
 
     def deadline(self) -> float | None:
         """Seconds the loop may sleep: None when idle, 0 when work is runnable now."""
@@ -574,8 +582,13 @@ def open_device_for(cfg: DaemonConfig):
         from paella.dispatcher.devices.sim import SimProcessDevice
         log.info("simulated GPU %s in a process of its own (real time)", cfg.gpu)
         return SimProcessDevice(cfg.gpu)
+    lose_after = os.environ.get("PAELLA_SIM_LOSE_DEVICE_AFTER")
+    if lose_after is not None:
+        log.warning("fault injection: the simulated GPU is lost after %s launches "
+                    "(PAELLA_SIM_LOSE_DEVICE_AFTER)", lose_after)
     try:
-        dev = open_device("sim", gpu=cfg.gpu, realtime=True)
+        dev = open_device("sim", gpu=cfg.gpu, realtime=True,
+                          lose_after=int(lose_after) if lose_after is not None else None)
     except (NoDriverError, ValueError) as e:
         raise ConfigError(str(e)) from None
     log.info("simulated GPU %s stepped from the dispatcher loop (real time)", cfg.gpu)
@@ -583,6 +596,10 @@ def open_device_for(cfg: DaemonConfig):
 
 
 # --- the daemon ------------------------------------------------------------------------
+#: Exit status after a lost device (sticky GPU error): the unit restarts the daemon.
+EXIT_DEVICE_LOST = 3
+
+
 class Daemon:
     def __init__(self, cfg: DaemonConfig):
         self.cfg = cfg
@@ -758,7 +775,10 @@ class Daemon:
             log.info("listening on %s (idle mode %s)", self.cfg.socket, self.cfg.idle)
             sd_notify(f"READY=1\nSTATUS=serving {len(self.table.by_id)} models\n"
                       f"MAINPID={os.getpid()}")
-            self.run()
+            try:
+                self.run()
+            except DeviceLost as e:
+                return self._device_lost(e)
         finally:
             self.front.close()
             if self.device is not None:
@@ -767,6 +787,18 @@ class Daemon:
             os.close(self._sig_w)
         log.info("stopped cleanly; stats %s", self.front.stats)
         return 0
+
+    def _device_lost(self, exc: DeviceLost) -> int:
+        """The GPU can run nothing more: fail every in-flight request with the reason,
+        tell the clients, and exit non-zero so that the service manager restarts us."""
+        n = self.router.in_flight
+        log.critical("the device is lost (%s): failing %d in-flight request(s) and exiting with "
+                     "status %d so that the service manager restarts the daemon", exc, n,
+                     EXIT_DEVICE_LOST)
+        sd_notify(f"STATUS=device lost: {exc}")
+        self.router.cancel_all(f"the GPU failed ({exc}); the daemon is restarting")
+        self.front.poll_io(0)                 # deliver the completions' wake-ups
+        return EXIT_DEVICE_LOST
 
     def run(self) -> None:
         """The dispatcher loop. This while loop right here is the daemon.

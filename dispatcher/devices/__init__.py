@@ -20,7 +20,7 @@ BACKENDS = ("auto", "sim", "cuda")
 #: The driver library the CUDA driver API lives in (Linux; the soname is stable).
 DRIVER_LIBRARY = "libcuda.so.1"
 #: Options only the simulator understands (see SimDevice).
-SIM_ONLY = frozenset({"seed", "cost", "jitter", "realtime", "speed"})
+SIM_ONLY = frozenset({"seed", "cost", "jitter", "realtime", "speed", "lose_after"})
 #: Options only the cuda backend understands (``driver`` substitutes the driver module: tests).
 CUDA_ONLY = frozenset({"counter_pairs", "driver"})
 

@@ -29,6 +29,15 @@ class DeviceError(RuntimeError):
     """A device operation failed; the message names the operation and the cause."""
 
 
+class DeviceLost(DeviceError):
+    """The device can run nothing any more (on a GPU, a sticky error lost the context).
+
+    Unlike other device errors it does not fail one request: the dispatcher re-raises
+    it, and the daemon fails every in-flight request and exits non-zero so that its
+    service manager restarts it.
+    """
+
+
 class NotifQOverrun(DeviceError):
     """The device wrote into a notifQ slot the dispatcher had not consumed yet.
 

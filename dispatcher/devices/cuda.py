@@ -51,8 +51,8 @@ import numpy as np
 from cuda.bindings import driver as _drv
 
 from paella import protocol
-from paella.dispatcher.devices.base import (Callback, Device, DeviceError, Dim3, Function,
-                                            KernelInfo, ModuleImage)
+from paella.dispatcher.devices.base import (Callback, Device, DeviceError, DeviceLost, Dim3,
+                                            Function, KernelInfo, ModuleImage)
 from paella.gpus import GpuSpec
 from paella.occupancy import Footprint
 
@@ -116,7 +116,7 @@ class CudaError(DeviceError):
         super().__init__(msg)
 
 
-class CudaContextLost(CudaError):
+class CudaContextLost(CudaError, DeviceLost):
     """A sticky error: the CUDA context is gone and every later call fails the same way.
 
     The only recovery is a new process. The daemon fails its in-flight jobs with this

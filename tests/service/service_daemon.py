@@ -64,14 +64,14 @@ class DaemonProc:
 
 
 def start_daemon(*args: str, ready: bool = True, polite: bool = True,
-                 sock_dir: str | None = None) -> DaemonProc:
+                 sock_dir: str | None = None, env: dict[str, str] | None = None) -> DaemonProc:
     d = sock_dir or tempfile.mkdtemp(prefix="pls", dir="/tmp")
     sock = os.path.join(d, "p.sock")
     notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
     npath = os.path.join(d, f"notify.{time.monotonic_ns()}")
     notify.bind(npath)
     log_path = os.path.join(d, f"daemon.{time.monotonic_ns()}.log")
-    env = dict(os.environ, NOTIFY_SOCKET=npath)
+    env = dict(os.environ, NOTIFY_SOCKET=npath, **(env or {}))
     cmd = [*PAELLA, "--socket", sock,
            *(POLITE if polite else ()), *args]
     with open(log_path, "w") as logf:

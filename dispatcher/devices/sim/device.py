@@ -13,8 +13,8 @@ from typing import Any
 import numpy as np
 
 from paella import protocol
-from paella.dispatcher.devices.base import (Callback, Device, DeviceError, Dim3, Function,
-                                            ModuleImage)
+from paella.dispatcher.devices.base import (Callback, Device, DeviceError, DeviceLost, Dim3,
+                                            Function, ModuleImage)
 from paella.gpus import GpuSpec, preset
 from paella.occupancy import Footprint
 
@@ -30,7 +30,7 @@ class SimDevice(Device):
     def __init__(self, props: GpuSpec | str = "t4", *, n_streams: int | None = None,
                  notifq_slots: int = protocol.DEFAULT_NOTIFQ_SLOTS, seed: int = 0,
                  cost: CostModel | None = None, jitter: float = 0.0, realtime: bool = False,
-                 speed: float = 1.0):
+                 speed: float = 1.0, lose_after: int | None = None):
         spec = preset(props) if isinstance(props, str) else props
         super().__init__(spec, n_streams or spec.hw_queues, notifq_slots)
         if jitter < 0:
@@ -40,6 +40,10 @@ class SimDevice(Device):
         self.cost = cost or CostModel()
         self.gpu = GpuModel(spec, self.loop, self.cost, len(self.streams), self.notifq, seed, jitter)
         self.memory = SimMemory()
+        # Fault injection: after this many launches the device is "lost", as a GPU is after
+        # a sticky error, so the daemon's handling of that case can be tested.
+        self.lose_after = lose_after
+        self._launches = 0
 
     @property
     def resources(self):
@@ -80,6 +84,10 @@ class SimDevice(Device):
     def _launch(self, func: Function, grid: Dim3, block: Dim3, fp: Footprint, dyn_smem: int,
                 args: tuple, stream: int, launch_id: int, instrumented: bool, group: int,
                 on_complete: Callback) -> None:
+        self._launches += 1
+        if self.lose_after is not None and self._launches > self.lose_after:
+            raise DeviceLost(f"simulated sticky error after {self.lose_after} launches (fault "
+                             f"injection, PAELLA_SIM_LOSE_DEVICE_AFTER)")
         self.loop.sync()
         info = func.info
         self.gpu.launch(info.name, fp, grid[0] * grid[1] * grid[2], info.flops, info.bytes,
