@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 
 from paella.bundle import load_bundle
-from paella.compiler_pass.build import compile_bundle
+from paella.compiler_pass.build import CompileError, compile_bundle
 from paella.models.onnx_models import light, light_models
 
 
@@ -48,7 +48,12 @@ def main(argv: list[str] | None = None) -> int:
     print("|---|---:|---:|---:|---|---:|")
     failed = 0
     for name in names:
-        r = check(name, out)
+        try:
+            r = check(name, out)
+        except CompileError as e:
+            failed += 1
+            print(f"| {name} | compile failed: {str(e).splitlines()[0][:120]} | | | | |", flush=True)
+            continue
         failed += not r["match"]
         print(f"| {r['model']} | {r['compile_s']:.1f} | {r['kernels']} | {r['launches']} | "
               f"{'yes' if r['match'] else 'NO'} | {r['max_abs_err']:.1e} |", flush=True)
