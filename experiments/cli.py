@@ -8,6 +8,7 @@ import importlib
 EXPERIMENTS = [
     "paella.experiments.hol",
     "paella.experiments.short_long",
+    "paella.experiments.mix",
     "paella.experiments.fairness",
     "paella.experiments.calibrate",
     "paella.experiments.sched_delay",

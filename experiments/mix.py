@@ -1,0 +1,259 @@
+"""``paella experiment mix`` (Figure 11): a uniform mix of the eight Table 2 models.
+
+Setting (the paper's Figure 11): every request is one of the eight compiled zoo models
+(:data:`paella.experiments.zoo.TABLE2_MS`), chosen uniformly at random, on the ``t4``
+preset; lognormal arrivals with sigma 1.5 and 2; the offered load is swept up to
+saturation. Each point reports average throughput and p99 latency, overall and per
+model. Systems (Table 3 as far as this project can express it):
+
+* through the dispatcher, in virtual time (:func:`paella.experiments.harness.run_point`):
+  ``fifo`` (Paella-SS), ``ms-jbj``, ``ms-kbk``, ``paella``, ``sjf``, ``rr``. Each model is
+  a :meth:`PlanAdaptor.from_bundle` of its compiled bundle. ``--cpu-scale`` (default 0,
+  a free dispatcher, as in ``short-long``) multiplies the dispatcher CPU time charged to
+  the simulated clock; 1 charges this Python dispatcher in full.
+* directly on the simulated device, with no dispatcher (:func:`direct_point`), the same
+  bundles' plans, uninstrumented launches: ``cuda-ss`` submits every job's plan to ONE
+  stream in arrival order; ``cuda-ms`` submits each job's plan to its own stream
+  (1024 streams, reused after 1024 jobs), so that streams beyond the 32 hardware queues
+  share queues (stream ``s`` feeds queue ``s % 32``), as with CUDA. The jobs share one
+  scratch buffer per model: the simulator times copies by size, and nobody reads the
+  results.
+
+Both kinds of point draw the same request sequence (models and arrival times) for a
+given seed and load, and drop the first 10% of requests as warm-up.
+
+SLO: p99 <= ``--slo-x`` (default 10) times the mix's mean isolated time (each model's
+plan alone on one stream, :func:`paella.experiments.calibrate.simulate`). 10x is the
+multiple ``hol`` uses; at 1x even an idle GPU fails the mix's long models, and the
+mean isolated time is what a request costs on average. A policy *sustains* a load when
+its p99 meets the SLO and it is not saturated (throughput >= 90% of the offered load,
+:func:`paella.experiments.harness.saturated`). ``summary.load_ratio_vs_ms_jbj`` is
+paella's highest sustained load over ms-jbj's, the smaller over the sigmas run (the
+per-sigma values are beside it); the load grid bounds its resolution.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+import time
+
+import numpy as np
+
+from paella.dispatcher.adaptor import Plan, PlanAdaptor, plan_from_bundle
+from paella.dispatcher.devices.base import ModuleImage
+from paella.dispatcher.devices.sim import CostModel, SimDevice
+from paella.experiments.cli import add_common, save_figure
+from paella.experiments.harness import (DEFAULT_STREAMS, PointConfig, Workload, run_point,
+                                        saturated, write_outputs)
+from paella.experiments.workload import latency_summary, lognormal_arrivals
+
+GPU = "t4"
+DISPATCHER_POLICIES = ["fifo", "ms-jbj", "ms-kbk", "paella", "sjf", "rr"]
+DIRECT = ["cuda-ss", "cuda-ms"]
+SYSTEMS = DIRECT + DISPATCHER_POLICIES
+LABELS = {"cuda-ss": "CUDA-SS", "cuda-ms": "CUDA-MS", "fifo": "Paella-SS (fifo)",
+          "ms-jbj": "Paella-MS-jbj", "ms-kbk": "Paella-MS-kbk", "paella": "Paella",
+          "sjf": "Paella-SJF", "rr": "Paella-RR"}
+FULL_RATES = [100, 150, 200, 250, 300, 350, 400, 450, 500, 600]
+QUICK_RATES = [150, 300, 450]
+FULL_SIGMAS = [1.5, 2.0]
+QUICK_SIGMAS = [1.5]
+WARMUP = 0.1
+
+
+def direct_point(mode: str, rate: float, sigma: float, n: int, seed: int,
+                 plans: dict[str, Plan], gpu: str = GPU) -> dict:
+    """CUDA-SS or CUDA-MS: jobs' plans submitted straight to the simulated device."""
+    if mode not in DIRECT:
+        raise ValueError(f"unknown direct mode {mode!r}; use one of {DIRECT}")
+    n_streams = 1 if mode == "cuda-ss" else DEFAULT_STREAMS
+    dev = SimDevice(gpu, n_streams=n_streams, seed=seed)
+    names = list(plans)
+    loaded = []
+    for name in names:
+        plan = plans[name]
+        funcs = dev.load_module(ModuleImage(plan.name, list(plan.kernels)))
+        largest = max((op.nbytes for op in plan.ops), default=0) or 1
+        loaded.append((plan.ops, funcs, dev.alloc(largest), np.zeros(largest, np.uint8)))
+    kinds = _kinds(len(names), n, seed)
+    arrivals = dev.now() + lognormal_arrivals(rate, sigma, n, seed)
+    done = np.full(n, np.nan)
+    launch_id = 0
+    for i, t in enumerate(arrivals):
+        dev.run_until(t)
+        ops, funcs, scratch, host = loaded[kinds[i]]
+        stream = 0 if mode == "cuda-ss" else i % n_streams
+        finish = (lambda i=i: done.__setitem__(i, dev.now()))
+        for j, op in enumerate(ops):
+            cb = finish if j == len(ops) - 1 else None
+            if op.kind == "launch":
+                launch_id += 1
+                dev.launch(funcs[op.kernel], op.grid, op.block, stream, launch_id,
+                           dyn_smem=op.dyn_smem, instrumented=False, on_complete=cb)
+            elif op.kind == "h2d":
+                dev.memcpy_htod(scratch, host[:op.nbytes], stream, on_complete=cb)
+            else:
+                dev.memcpy_dtoh(host[:op.nbytes], scratch, stream, on_complete=cb)
+    dev.run()
+    if np.isnan(done).any():
+        raise RuntimeError(f"{mode}: {int(np.isnan(done).sum())} jobs never completed")
+    warm = int(n * WARMUP)
+    lat = done[warm:] - arrivals[warm:]
+    span = done[warm:].max() - arrivals[warm]
+    out = {"policy": mode, "offered": rate, "sigma": sigma, "throughput": float((n - warm) / span),
+           **latency_summary(lat), "per_model": {}}
+    for k, name in enumerate(names):
+        mask = kinds[warm:] == k
+        out["per_model"][name] = {"count": int(mask.sum()), **latency_summary(lat[mask])}
+    return out
+
+
+def _kinds(n_models: int, n: int, seed: int) -> np.ndarray:
+    """The model of each request: the draw :func:`run_point` makes for equal weights."""
+    w = np.ones(n_models)
+    return np.random.default_rng(seed).choice(n_models, n, p=w / w.sum())
+
+
+def isolated_ms(bundles: dict) -> dict[str, float]:
+    """Each model alone, its plan on one stream, on the default cost model (ms)."""
+    from paella.experiments.calibrate import simulate
+    return {name: simulate(b, CostModel(), GPU) * 1e3 for name, b in bundles.items()}
+
+
+def run(bundles: dict, rates: list[float], sigmas: list[float], n: int, seed: int,
+        systems: list[str], cpu_scale: float, slo_x: float, progress=None) -> dict:
+    unknown = sorted(set(systems) - set(SYSTEMS))
+    if unknown:
+        raise ValueError(f"unknown systems {unknown}; choose from {SYSTEMS}")
+    plans = {name: plan_from_bundle(b) for name, b in bundles.items()}
+    workloads = [Workload(name, (lambda b=b: PlanAdaptor.from_bundle(b))) for name, b in bundles.items()]
+    iso = isolated_ms(bundles)
+    mean_iso = float(np.mean(list(iso.values())))
+    slo_ms = slo_x * mean_iso
+    results: dict[str, dict[str, list[dict]]] = {}
+    for sigma in sigmas:
+        per = results[f"sigma={sigma}"] = {s: [] for s in systems}
+        for i, rate in enumerate(rates):
+            for system in systems:
+                t0 = time.perf_counter()
+                if system in DIRECT:
+                    pt = direct_point(system, rate, sigma, n, seed + i, plans)
+                else:
+                    pt = run_point(PointConfig(system, rate, sigma, n, seed + i, gpu=GPU,
+                                               cpu_scale=cpu_scale), workloads)
+                pt["wall_seconds"] = time.perf_counter() - t0
+                per[system].append(pt)
+                if progress:
+                    progress(sigma, rate, system, pt)
+    setting = {"gpu": GPU, "models": list(bundles), "isolated_ms": iso, "mean_isolated_ms": mean_iso,
+               "slo_x": slo_x, "slo_ms": slo_ms, "rates": rates, "sigmas": sigmas,
+               "requests_per_point": n, "warmup": WARMUP, "seed": seed, "cpu_scale": cpu_scale,
+               "cuda_ms_streams": DEFAULT_STREAMS}
+    return {"setting": setting, "results": results, "summary": summarize(results, slo_ms)}
+
+
+def sustained_load(points: list[dict], slo_ms: float) -> float:
+    """Highest offered load whose p99 meets the SLO without saturating (0 if none)."""
+    ok = [p["offered"] for p in points if p["p99_ms"] <= slo_ms and not saturated(p)]
+    return max(ok) if ok else 0.0
+
+
+def _ratio(a: float, b: float) -> float:
+    if b > 0:
+        return a / b
+    return math.inf if a > 0 else math.nan
+
+
+def summarize(results: dict, slo_ms: float) -> dict:
+    """Sustained loads per sigma and system; paella over ms-jbj in load and in p99."""
+    sustained, ratios, p99_ratios = {}, {}, {}
+    for key, per in results.items():
+        sustained[key] = {s: sustained_load(pts, slo_ms) for s, pts in per.items()}
+        if "paella" in per and "ms-jbj" in per:
+            ratios[key] = _ratio(sustained[key]["paella"], sustained[key]["ms-jbj"])
+            # p99 at the highest load ms-jbj sustains (paella ran the same loads).
+            base = sustained[key]["ms-jbj"]
+            at = [(p, q) for p, q in zip(per["paella"], per["ms-jbj"]) if q["offered"] == base]
+            p99_ratios[key] = at[0][1]["p99_ms"] / at[0][0]["p99_ms"] if at else math.nan
+    finite = [r for r in ratios.values() if not math.isnan(r)]
+    overall = min(finite) if finite else math.nan
+    return {"slo_ms": slo_ms, "sustained_load": sustained,
+            "load_ratio_vs_ms_jbj": overall, "load_ratio_vs_ms_jbj_per_sigma": ratios,
+            "p99_ratio_ms_jbj_over_paella_at_ms_jbj_load": p99_ratios,
+            "paella_beats_ms_jbj": bool(finite) and overall > 1.0,
+            "paper": {"load_ratio": 1.4, "latency_ratio": 1.35}}
+
+
+def plot(data: dict, path: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    keys = list(data["results"])
+    fig, axes = plt.subplots(1, len(keys), figsize=(4.6 * len(keys), 3.6), squeeze=False)
+    slo = data["setting"]["slo_ms"]
+    for ax, key in zip(axes[0], keys):
+        for system, pts in data["results"][key].items():
+            ax.plot([p["throughput"] for p in pts], [p["p99_ms"] for p in pts],
+                    "--" if system in DIRECT else "-", marker="o", ms=3, label=LABELS.get(system, system))
+        ax.axhline(slo, color="grey", ls=":", lw=1, label=f"SLO {slo:.0f} ms")
+        ax.set_yscale("log")
+        ax.set_title(f"{key}", fontsize=9)
+        ax.set_xlabel("throughput (req/s)")
+        ax.set_ylabel("p99 latency (ms)")
+        ax.grid(True, alpha=0.3)
+    axes[0][0].legend(fontsize=6)
+    s = data["summary"]
+    fig.suptitle(f"Figure 11: eight-model mix on t4 (cpu_scale {data['setting']['cpu_scale']:g}); "
+                 f"paella/ms-jbj sustained load {s['load_ratio_vs_ms_jbj']:.2f}x", fontsize=9)
+    save_figure(fig, path)
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("mix", help="Figure 11: a uniform mix of the eight Table 2 models")
+    add_common(p)
+    p.add_argument("--requests", type=int, default=None,
+                   help="requests per load point (default 400, quick 150)")
+    p.add_argument("--rates", default=None, help="comma-separated offered loads in req/s "
+                   f"(default {','.join(map(str, FULL_RATES))}; quick {','.join(map(str, QUICK_RATES))})")
+    p.add_argument("--sigmas", default=None, help="comma-separated lognormal sigmas (default 1.5,2; quick 1.5)")
+    p.add_argument("--systems", default=",".join(SYSTEMS), help=f"subset of {','.join(SYSTEMS)}")
+    p.add_argument("--cpu-scale", type=float, default=0.0,
+                   help="multiplier on the dispatcher CPU time charged to the clock (default 0: "
+                        "a free dispatcher; 1 charges this Python dispatcher in full)")
+    p.add_argument("--slo-x", type=float, default=10.0,
+                   help="p99 SLO as a multiple of the mix's mean isolated time (default 10)")
+    p.set_defaults(func=main)
+
+
+def main(args: argparse.Namespace) -> int:
+    from paella.experiments.zoo import TABLE2_MS, ensure_bundles
+    rates = [float(r) for r in args.rates.split(",")] if args.rates else (QUICK_RATES if args.quick else FULL_RATES)
+    sigmas = ([float(s) for s in args.sigmas.split(",")] if args.sigmas
+              else (QUICK_SIGMAS if args.quick else FULL_SIGMAS))
+    n = args.requests or (150 if args.quick else 400)
+    systems = args.systems.split(",")
+    print(f"mix: {len(systems)} systems x {len(rates)} loads x {len(sigmas)} sigma(s), {n} requests "
+          f"per point; dispatcher CPU charged at cpu_scale {args.cpu_scale:g} "
+          f"({'a free dispatcher' if args.cpu_scale == 0 else 'this Python dispatcher, scaled'})",
+          file=sys.stderr)
+    t0 = time.perf_counter()
+
+    def progress(sigma, rate, system, pt):
+        worst = max(pt["per_model"].items(), key=lambda kv: kv[1]["p99_ms"])
+        print(f"[{time.perf_counter() - t0:6.0f} s] sigma={sigma} offered={rate:g}/s {system:7s} "
+              f"thr={pt['throughput']:6.1f}/s p99={pt['p99_ms']:8.2f} ms "
+              f"(worst model {worst[0]} {worst[1]['p99_ms']:.1f} ms) [{pt['wall_seconds']:.0f} s]",
+              file=sys.stderr, flush=True)
+
+    bundles = ensure_bundles(list(TABLE2_MS))
+    data = run(bundles, rates, sigmas, n, args.seed, systems, args.cpu_scale, args.slo_x, progress)
+    data["wall_seconds"] = time.perf_counter() - t0
+    s = data["summary"]
+    print(f"SLO p99 <= {s['slo_ms']:.1f} ms ({args.slo_x:g}x the mean isolated "
+          f"{data['setting']['mean_isolated_ms']:.2f} ms); sustained load per system:", file=sys.stderr)
+    for key, per in s["sustained_load"].items():
+        print(f"  {key}: " + ", ".join(f"{k} {v:g}" for k, v in per.items()), file=sys.stderr)
+    write_outputs(data, args, plot)
+    print(f"done in {data['wall_seconds']:.0f} s", file=sys.stderr)
+    return 0

@@ -1,0 +1,92 @@
+"""``paella experiment mix`` (Figure 11): the summary's definition, and one small run of
+three compiled zoo models through the dispatcher and straight to the device."""
+import math
+
+import pytest
+
+from paella.experiments import mix
+from paella.experiments.zoo import DEFAULT_ZOO_DIR
+
+
+def point(offered, throughput, p99):
+    return {"offered": offered, "throughput": throughput, "p99_ms": p99}
+
+
+def test_sustained_load_needs_the_slo_and_no_saturation():
+    pts = [point(100, 100, 10.0), point(200, 199, 40.0), point(300, 250, 45.0), point(400, 390, 90.0)]
+    # 300 meets the SLO but is saturated (250 < 0.9 * 300); 400 misses the SLO.
+    assert mix.sustained_load(pts, slo_ms=50.0) == 200
+    assert mix.sustained_load(pts, slo_ms=5.0) == 0.0
+
+
+def test_summary_ratio_is_paella_over_ms_jbj_and_the_worse_sigma():
+    results = {
+        "sigma=1.5": {"paella": [point(100, 100, 10.0), point(200, 200, 20.0)],
+                      "ms-jbj": [point(100, 100, 30.0), point(200, 200, 80.0)]},
+        "sigma=2.0": {"paella": [point(100, 100, 10.0), point(200, 200, 60.0)],
+                      "ms-jbj": [point(100, 100, 20.0), point(200, 200, 90.0)]},
+    }
+    s = mix.summarize(results, slo_ms=50.0)
+    assert s["sustained_load"] == {"sigma=1.5": {"paella": 200, "ms-jbj": 100},
+                                   "sigma=2.0": {"paella": 100, "ms-jbj": 100}}
+    assert s["load_ratio_vs_ms_jbj_per_sigma"] == {"sigma=1.5": 2.0, "sigma=2.0": 1.0}
+    assert s["load_ratio_vs_ms_jbj"] == 1.0 and s["paella_beats_ms_jbj"] is False
+    # p99 compared at ms-jbj's sustained load (100 req/s): 30/10 and 20/10.
+    assert s["p99_ratio_ms_jbj_over_paella_at_ms_jbj_load"] == {"sigma=1.5": 3.0, "sigma=2.0": 2.0}
+
+
+def test_unknown_system_is_refused():
+    with pytest.raises(ValueError, match="unknown systems"):
+        mix.run({}, [100.0], [1.5], 10, 1, ["cuda-xx"], 0.0, 10.0)
+
+
+SMALL = ["resnet18", "squeezenet1_1", "mobilenetv2"]
+
+
+@pytest.fixture(scope="module")
+def small_run():
+    missing = [m for m in SMALL if not (DEFAULT_ZOO_DIR / m / "manifest.json").exists()]
+    if missing:
+        pytest.skip(f"zoo bundles {missing} not compiled in {DEFAULT_ZOO_DIR}; "
+                    f"run `paella experiment calibrate` once to compile them")
+    from paella.experiments.zoo import ensure_bundles
+    bundles = ensure_bundles(SMALL, progress=False)
+    return mix.run(bundles, [100.0, 1200.0], [1.5], 60, 1, ["cuda-ss", "cuda-ms", "paella", "ms-jbj"],
+                   cpu_scale=0.0, slo_x=10.0)
+
+
+def test_small_run_structure_and_summary_from_points(small_run):
+    data = small_run
+    st = data["setting"]
+    assert st["models"] == SMALL and st["cpu_scale"] == 0.0
+    assert math.isclose(st["slo_ms"], 10.0 * st["mean_isolated_ms"])
+    per = data["results"]["sigma=1.5"]
+    assert list(per) == ["cuda-ss", "cuda-ms", "paella", "ms-jbj"]
+    kept = 60 - int(60 * mix.WARMUP)
+    for system, pts in per.items():
+        assert [p["offered"] for p in pts] == [100.0, 1200.0]
+        for p in pts:
+            assert set(p["per_model"]) == set(SMALL)
+            assert sum(m["count"] for m in p["per_model"].values()) == kept
+            # No request beats its model alone on an idle GPU.
+            for name, m in p["per_model"].items():
+                if m["count"]:
+                    assert m["p50_ms"] >= 0.99 * min(st["isolated_ms"].values())
+    # Direct and dispatcher points serve the same request sequence.
+    for a, b in zip(per["cuda-ss"], per["paella"]):
+        assert {k: v["count"] for k, v in a["per_model"].items()} == \
+               {k: v["count"] for k, v in b["per_model"].items()}
+    s = data["summary"]
+    for system, pts in per.items():
+        assert s["sustained_load"]["sigma=1.5"][system] == mix.sustained_load(pts, st["slo_ms"])
+    assert s["load_ratio_vs_ms_jbj"] == mix._ratio(s["sustained_load"]["sigma=1.5"]["paella"],
+                                                   s["sustained_load"]["sigma=1.5"]["ms-jbj"])
+
+
+def test_cuda_ss_saturates_below_paella(small_run):
+    per = small_run["results"]["sigma=1.5"]
+    ss, pa = per["cuda-ss"][-1], per["paella"][-1]
+    # One stream runs one kernel at a time: far below 1200 req/s of ~3 ms models.
+    assert ss["throughput"] < 0.9 * ss["offered"]
+    assert ss["throughput"] < 0.8 * pa["throughput"]
+    assert ss["p99_ms"] > pa["p99_ms"]
