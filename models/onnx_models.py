@@ -7,6 +7,7 @@ the onnx test runner feeds them (``arange(n).reshape(shape) / n``).
 """
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import numpy as np
@@ -35,6 +36,26 @@ def _runner_input(value_info) -> np.ndarray:
     return (np.arange(n).reshape(shape) / n).astype(np.float32)
 
 
+def _identifier_inputs(model) -> dict[str, str]:
+    """Rename graph inputs that are not C identifiers (``gpu_0/data_0`` becomes
+    ``gpu_0_data_0``): TVM's CUDA codegen names kernel parameters after them, and nvcc
+    rejects the result. The bundle's inputs carry the new names."""
+    renamed = {}
+    for inp in model.graph.input:
+        new = re.sub(r"\W", "_", inp.name)
+        if new and new[0].isdigit():
+            new = "input_" + new
+        if new != inp.name:
+            renamed[inp.name] = new
+            inp.name = new
+    if renamed:
+        for node in model.graph.node:
+            for k, n in enumerate(node.input):
+                if n in renamed:
+                    node.input[k] = renamed[n]
+    return renamed
+
+
 def load_onnx(path: str | Path, name: str | None = None) -> ModelDef:
     """Import an .onnx file with fixed input shapes; weights become params."""
     import onnx
@@ -50,6 +71,7 @@ def load_onnx(path: str | Path, name: str | None = None) -> ModelDef:
     except Exception as e:  # onnx raises DecodeError, ValidationError, ... for bad files
         raise ModelSourceError(f"{path} is not a valid ONNX model ({type(e).__name__}: {e}); "
                                "re-export it or check the file is complete") from None
+    _identifier_inputs(model)
     inits = {i.name for i in model.graph.initializer}
     graph_inputs = [i for i in model.graph.input if i.name not in inits]
     shapes = {}

@@ -1,0 +1,24 @@
+"""ONNX graph inputs that are not C identifiers (``gpu_0/data_0``, as in the ONNX model
+zoo) compile: the importer renames them, since TVM's CUDA codegen names kernel
+parameters after them."""
+import numpy as np
+import onnx
+from onnx import TensorProto, helper
+
+from paella.bundle import load_bundle
+from paella.compiler_pass.build import compile_bundle
+from paella.models.onnx_models import load_onnx
+
+
+def test_a_slashed_input_name_compiles_under_a_c_identifier(tmp_path):
+    graph = helper.make_graph(
+        [helper.make_node("Relu", ["gpu_0/data_0"], ["y"])],
+        "slashed", [helper.make_tensor_value_info("gpu_0/data_0", TensorProto.FLOAT, [2, 4])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 4])])
+    path = tmp_path / "slashed.onnx"
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)]), str(path))
+    bundle = load_bundle(compile_bundle(load_onnx(path), tmp_path / "b",    # nvcc must accept it
+                                        cache_dir=tmp_path / "cache"))
+    assert [t.name for t in bundle.inputs] == ["gpu_0_data_0"]
+    x = np.arange(8, dtype=np.float32).reshape(2, 4) - 3
+    np.testing.assert_array_equal(bundle.run_cpu({"gpu_0_data_0": x})["output0"], np.maximum(x, 0))
