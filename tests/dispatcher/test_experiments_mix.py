@@ -90,3 +90,12 @@ def test_cuda_ss_saturates_below_paella(small_run):
     assert ss["throughput"] < 0.9 * ss["offered"]
     assert ss["throughput"] < 0.8 * pa["throughput"]
     assert ss["p99_ms"] > pa["p99_ms"]
+
+
+def test_report_section_renders_the_run(small_run):
+    from paella.experiments import report
+    text = "\n".join(report._mix(small_run))
+    s = small_run["summary"]
+    assert f"{s['slo_ms']:.1f} ms" in text
+    assert f"| sustained load, paella over ms-jbj (worse sigma) | {s['load_ratio_vs_ms_jbj']:.2f}x | 1.4x |" in text
+    assert "| CUDA-SS | " in text and "| **Paella** | " in text
