@@ -39,7 +39,9 @@ def _runner_input(value_info) -> np.ndarray:
 def _identifier_inputs(model) -> dict[str, str]:
     """Rename graph inputs that are not C identifiers (``gpu_0/data_0`` becomes
     ``gpu_0_data_0``): TVM's CUDA codegen names kernel parameters after them, and nvcc
-    rejects the result. The bundle's inputs carry the new names."""
+    rejects the result. Older models list their initializers among the graph inputs
+    too; those are renamed with their initializer, so they stay constants. The bundle's
+    inputs carry the new names."""
     renamed = {}
     for inp in model.graph.input:
         new = re.sub(r"\W", "_", inp.name)
@@ -49,6 +51,8 @@ def _identifier_inputs(model) -> dict[str, str]:
             renamed[inp.name] = new
             inp.name = new
     if renamed:
+        for init in model.graph.initializer:
+            init.name = renamed.get(init.name, init.name)
         for node in model.graph.node:
             for k, n in enumerate(node.input):
                 if n in renamed:

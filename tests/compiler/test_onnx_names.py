@@ -22,3 +22,19 @@ def test_a_slashed_input_name_compiles_under_a_c_identifier(tmp_path):
     assert [t.name for t in bundle.inputs] == ["gpu_0_data_0"]
     x = np.arange(8, dtype=np.float32).reshape(2, 4) - 3
     np.testing.assert_array_equal(bundle.run_cpu({"gpu_0_data_0": x})["output0"], np.maximum(x, 0))
+
+
+def test_an_initializer_listed_among_the_inputs_stays_a_constant(tmp_path):
+    # Older ONNX files list initializers as graph inputs too (the zoo's ZFNet-512 does).
+    b = helper.make_tensor("gpu_0/b", TensorProto.FLOAT, [2, 4], np.full(8, 0.5, np.float32).tolist())
+    graph = helper.make_graph(
+        [helper.make_node("Add", ["gpu_0/data_0", "gpu_0/b"], ["y"])], "with_init",
+        [helper.make_tensor_value_info("gpu_0/data_0", TensorProto.FLOAT, [2, 4]),
+         helper.make_tensor_value_info("gpu_0/b", TensorProto.FLOAT, [2, 4])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 4])], initializer=[b])
+    path = tmp_path / "with_init.onnx"
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)]), str(path))
+    bundle = load_bundle(compile_bundle(load_onnx(path), tmp_path / "b", cache_dir=tmp_path / "cache"))
+    assert [t.name for t in bundle.inputs] == ["gpu_0_data_0"]          # b is not an input
+    x = np.ones((2, 4), np.float32)
+    np.testing.assert_array_equal(bundle.run_cpu({"gpu_0_data_0": x})["output0"], x + 0.5)
