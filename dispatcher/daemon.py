@@ -873,16 +873,11 @@ class Daemon:
 def main(argv: list[str] | None = None) -> int:
     """``python -m paella.dispatcher.daemon [serve options]``: the daemon alone, without
     loading the other sub-commands of ``paella`` (what the tests and the unit run)."""
-    from paella.cli import CLIError
+    from paella.cli import run_command
     parser = argparse.ArgumentParser(prog="paella-daemon")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     register(sub)
-    args = parser.parse_args(["serve", *(sys.argv[1:] if argv is None else argv)])
-    try:
-        return int(args.func(args) or 0)
-    except CLIError as e:
-        print(f"paella: error: {e}", file=sys.stderr)
-        return 2
+    return run_command(parser.parse_args(["serve", *(sys.argv[1:] if argv is None else argv)]))
 
 
 if __name__ == "__main__":

@@ -19,13 +19,12 @@ values are then checked by simulating every model once more.
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 
 import numpy as np
 
 from paella.dispatcher.devices.sim import CostModel, SimDevice
-from paella.experiments.cli import save_figure, save_outputs
+from paella.experiments.cli import finish, save_figure
 from paella.experiments.zoo import DEFAULT_ZOO_DIR, TABLE2_MS, ensure_bundles, module_image
 
 GPU = "t4"
@@ -133,7 +132,6 @@ def main(args: argparse.Namespace) -> int:
     from pathlib import Path
     t0 = time.perf_counter()
     data = run(list(TABLE2_MS), Path(args.zoo_dir))
-    data["wall_seconds"] = time.perf_counter() - t0
     c = data["cost_model"]
     print(f"fitted cost model: efficiency {c['efficiency']:.4f}, launch overhead {c['launch_overhead_us']:.2f} us")
     print(f"{'model':<15}{'kernels':>8}{'GFLOP':>8}{'simulated ms':>14}{'paper ms':>10}{'ratio':>8}")
@@ -143,6 +141,4 @@ def main(args: argparse.Namespace) -> int:
     s = data["summary"]
     print(f"worst relative error {s['worst_relative_error']:.0%} (goal {s['goal']:.0%}: "
           f"{'met' if s['within_goal'] else 'NOT met'}); same ordering as the paper: {s['same_ordering']}")
-    save_outputs(data, args, plot)
-    print(f"done in {data['wall_seconds']:.1f} s", file=sys.stderr)
-    return 0
+    return finish(data, args, plot, t0)

@@ -31,6 +31,17 @@ def add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=1, help="random seed (default 1)")
 
 
+def finish(data: dict, args: argparse.Namespace, plot, t0: float) -> int:
+    """End an experiment: record its running time since ``t0`` (``time.perf_counter``),
+    write ``--json``/``--plot``, say how long it took. Returns the exit status."""
+    import sys
+    import time
+    data["wall_seconds"] = time.perf_counter() - t0
+    save_outputs(data, args, plot)
+    print(f"done in {data['wall_seconds']:.1f} s", file=sys.stderr)
+    return 0
+
+
 def save_outputs(data: dict, args: argparse.Namespace, plot) -> None:
     """Write ``--json`` and ``--plot`` when asked (every experiment ends this way)."""
     import json

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import heapq
-import sys
 import time
 from functools import partial
 
@@ -36,7 +35,7 @@ import numpy as np
 
 from paella.dispatcher.devices.base import KernelInfo, ModuleImage
 from paella.dispatcher.devices.sim import SimDevice
-from paella.experiments.cli import save_figure, save_outputs
+from paella.experiments.cli import finish, save_figure
 from paella.experiments.workload import goodput, latency_summary, lognormal_arrivals
 from paella.models.synthetic import SyntheticJob, figure2_job
 
@@ -94,7 +93,7 @@ def run_point(mode: str, rate: float, n_jobs: int, sigma: float, seed: int) -> d
     arrivals = lognormal_arrivals(rate, sigma, n_jobs, seed)
     done = np.full(n_jobs, np.nan)
 
-    def finish(job_id: int) -> None:
+    def job_done(job_id: int) -> None:
         done[job_id] = dev.now()
 
     warm = n_jobs // 10
@@ -108,9 +107,9 @@ def run_point(mode: str, rate: float, n_jobs: int, sigma: float, seed: int) -> d
             for ki, k in enumerate(job.kernels):
                 last = ki == len(job.kernels) - 1
                 dev.launch(func, k.grid, k.block, stream, i * 8 + ki, instrumented=False,
-                           on_complete=partial(finish, i) if last else None)
+                           on_complete=partial(job_done, i) if last else None)
     elif mode == "aware":
-        driver = AwareDriver(dev, func, job, finish)
+        driver = AwareDriver(dev, func, job, job_done)
         for i, t in enumerate(arrivals):
             dev.run_until(t)
             if i == warm:
@@ -257,14 +256,11 @@ def main_dispatcher(args: argparse.Namespace) -> int:
 
     data = run_dispatcher(rates, n_jobs, args.sigma, args.seed, args.slo_ms, args.cpu_scale,
                           progress=progress)
-    data["wall_seconds"] = time.perf_counter() - t0
     g = data["goodput"]
     print(f"goodput at p99 <= {args.slo_ms} ms (cpu_scale {args.cpu_scale:g}): "
           + ", ".join(f"{p} {v / 1e3:.1f}k jobs/s" for p, v in g.items())
           + f" -> ratio {data['goodput_ratio']:.2f}x (paper: 2.2x)")
-    save_outputs(data, args, plot)
-    print(f"done in {data['wall_seconds']:.1f} s", file=sys.stderr)
-    return 0
+    return finish(data, args, plot, t0)
 
 
 def main(args: argparse.Namespace) -> int:
@@ -282,13 +278,10 @@ def main(args: argparse.Namespace) -> int:
               flush=True)
 
     data = run(rates, n_jobs, args.sigma, args.seed, args.slo_ms, progress)
-    data["wall_seconds"] = time.perf_counter() - t0
     print(f"goodput at p99 <= {args.slo_ms} ms: naive {data['goodput']['naive'] / 1e3:.1f}k jobs/s, "
           f"aware {data['goodput']['aware'] / 1e3:.1f}k jobs/s -> ratio {data['goodput_ratio']:.2f}x "
           f"(paper: 2.2x)")
     print(f"resident blocks: naive peaks at {data['naive_peak_resident_blocks']:.1f}, aware at "
           f"{data['aware_peak_resident_blocks']:.1f}, of {data['possible_resident_blocks']} possible "
           f"(paper: naive capped at 32 of 176)")
-    save_outputs(data, args, plot)
-    print(f"done in {data['wall_seconds']:.1f} s", file=sys.stderr)
-    return 0
+    return finish(data, args, plot, t0)

@@ -16,10 +16,9 @@ Python dispatcher (about 30 us of CPU per kernel, docs/dispatcher.md).
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 
-from paella.experiments.cli import add_common, save_figure, save_outputs
+from paella.experiments.cli import add_common, finish, save_figure
 from paella.experiments.harness import PointConfig, run_point, saturated
 from paella.experiments.short_long import workloads
 
@@ -101,11 +100,8 @@ def main(args: argparse.Namespace) -> int:
               flush=True)
 
     data = run(delays, rates, args.sigma, n, args.seed, progress)
-    data["wall_seconds"] = time.perf_counter() - t0
     s = data["summary"]
     print(f"headroom: up to {s['headroom_us']:g} us per decision keeps p99 within "
           f"{(TOLERANCE - 1):.0%} of the undelayed run; this Python dispatcher spends about "
           f"{PYTHON_DECISION_US:g} us per kernel")
-    save_outputs(data, args, plot)
-    print(f"done in {data['wall_seconds']:.1f} s", file=sys.stderr)
-    return 0
+    return finish(data, args, plot, t0)

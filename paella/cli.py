@@ -73,14 +73,17 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
+def run_command(args: argparse.Namespace) -> int:
+    """Run a parsed sub-command; a :class:`CLIError` becomes a message and status 2."""
     try:
         return int(args.func(args) or 0)
     except CLIError as e:
         print(f"paella: error: {e}", file=sys.stderr)
         return 2
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_command(build_parser().parse_args(argv))
 
 
 if __name__ == "__main__":

@@ -116,6 +116,18 @@ class Policy:
         pass
 
 
+def top_queued(heap: list) -> Any:
+    """The job at the top of a ``(key, seq, pver, job)`` heap whose entry is still live,
+    popping stale entries on the way (lazy deletion); None when none is left."""
+    while heap:
+        top = heap[0]
+        job = top[3]
+        if top[2] == job.pver and job.queued:
+            return job
+        heapq.heappop(heap)
+    return None
+
+
 class HeapPolicy(Policy):
     """A policy that orders ready jobs by a key: one heap, lazy deletion.
 
@@ -142,14 +154,7 @@ class HeapPolicy(Policy):
             self._compact()
 
     def pick(self) -> Any:
-        heap = self.heap
-        while heap:
-            top = heap[0]
-            job = top[3]
-            if top[2] == job.pver and job.queued:
-                return job
-            heapq.heappop(heap)
-        return None
+        return top_queued(self.heap)
 
     def released(self, job: Any, op: Any) -> None:
         self._unqueue(job)

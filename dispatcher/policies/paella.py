@@ -37,7 +37,7 @@ import heapq
 import itertools
 from typing import Any
 
-from .base import Policy, PolicyError, register_policy
+from .base import Policy, PolicyError, register_policy, top_queued
 
 #: Default fairness threshold, in kernels' worth of deficit. A unit starved while the
 #: others release K kernels reaches a deficit near K/n (n units with unfinished jobs),
@@ -120,14 +120,7 @@ class Paella(Policy):
                     return self._oldest(unit.ready if self.by_client else self.fifo)
                 break
             heapq.heappop(dheap)
-        srpt = self.srpt
-        while srpt:
-            top = srpt[0]
-            job = top[3]
-            if top[2] == job.pver and job.queued:
-                return job
-            heapq.heappop(srpt)
-        return None
+        return top_queued(self.srpt)
 
     def released(self, job: Any, op: Any) -> None:
         unit = job.punit
