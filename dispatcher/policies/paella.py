@@ -41,13 +41,18 @@ from .base import Policy, PolicyError, register_policy, top_queued
 
 #: Default fairness threshold, in kernels' worth of deficit. A unit starved while the
 #: others release K kernels reaches a deficit near K/n (n units with unfinished jobs),
-#: so a job is overtaken by about n x 32 kernels at most before arrival order takes
+#: so a job is overtaken by about n x 64 kernels at most before arrival order takes
 #: over. Figure 13's sweep (docs/policies.md) turns from fifo-like to SRPT-like between
-#: 16 and 64 at 72% load; 32 keeps most of SRPT's gain for short jobs.
-DEFAULT_FAIRNESS_THRESHOLD = 32.0
+#: 16 and 64; with the hold rule, 32 still lets forced releases of a long job's big
+#: kernels set the short jobs' tail in Figure 12, and 64 keeps it near SRPT's while
+#: bounding starvation (docs/policies.md, "Defaults").
+DEFAULT_FAIRNESS_THRESHOLD = 64.0
 #: Default fairness unit: every job is its own unit (the paper's implementation, which
 #: shifts by 1/#jobs). See the module docstring for what ``"client"`` changes.
 DEFAULT_FAIRNESS_UNIT = "job"
+#: Default hold factor (see :class:`Paella`): a kernel expected to outlast the shortest
+#: in-flight job's whole remaining time is held back while that job runs.
+DEFAULT_HOLD_FACTOR = 1.0
 _REBASE = 1e9
 
 
@@ -67,7 +72,8 @@ class _Unit:
 @register_policy("paella")
 class Paella(Policy):
     def __init__(self, dispatcher: Any = None, *, fairness_threshold: float | None = None,
-                 fairness_unit: str = DEFAULT_FAIRNESS_UNIT, **options: Any):
+                 fairness_unit: str = DEFAULT_FAIRNESS_UNIT,
+                 hold_factor: float | None = DEFAULT_HOLD_FACTOR, **options: Any):
         super().__init__(dispatcher, **options)
         if fairness_threshold is None:
             fairness_threshold = DEFAULT_FAIRNESS_THRESHOLD
@@ -75,8 +81,13 @@ class Paella(Policy):
             raise PolicyError(f"fairness_threshold must be >= 0, got {fairness_threshold}")
         if fairness_unit not in ("job", "client"):
             raise PolicyError(f"fairness_unit must be 'job' or 'client', got {fairness_unit!r}")
+        if hold_factor is not None and not hold_factor > 0:
+            raise PolicyError(f"hold_factor must be > 0 (or None to never hold), got {hold_factor}")
         self.threshold = float(fairness_threshold)
         self.by_client = fairness_unit == "client"
+        self.hold = hold_factor
+        self.inflight: list = []    # (remaining, arrival seq, lver, job): every live job
+        self.n_live_jobs = 0
         self.srpt: list = []        # (remaining, arrival seq, pver, job)
         self.fifo: list = []        # (arrival seq, pver, job): job mode's fairness pick
         self.dheap: list = []       # (-s, unit seq, unit ver, unit)
@@ -93,6 +104,9 @@ class Paella(Policy):
             unit = self.units[key] = _Unit(key, -self.G, next(self._useq))
         unit.jobs += 1
         job.punit = unit
+        job.lver = 0
+        self.n_live_jobs += 1
+        heapq.heappush(self.inflight, (job.remaining, job.seq, 0, job))
 
     def kernel_ready(self, job: Any) -> None:
         job.pver += 1
@@ -120,11 +134,36 @@ class Paella(Policy):
                     return self._oldest(unit.ready if self.by_client else self.fifo)
                 break
             heapq.heappop(dheap)
-        return top_queued(self.srpt)
+        job = top_queued(self.srpt)
+        if job is None or self.hold is None:
+            return job
+        # The hold rule: blocks cannot be preempted, so a kernel that outlasts the
+        # shortest in-flight job's remaining time would make that job wait for it
+        # (its next kernel becomes ready soon). Hold it back while that job runs.
+        inflight = self.inflight
+        while inflight:
+            rem, _, lver, other = inflight[0]
+            if lver == other.lver:
+                break
+            heapq.heappop(inflight)
+        else:
+            return job
+        if other is job or not rem < job.remaining:
+            return job
+        op = job.ready[0]
+        stat = job.model.profile.kernels.get(op.key)
+        if stat is not None and stat.time > self.hold * rem and self._fills_gpu(op):
+            return None
+        return job
 
     def released(self, job: Any, op: Any) -> None:
         unit = job.punit
         self._unqueue(job)
+        job.lver += 1                # its remaining estimate dropped: re-key it
+        heapq.heappush(self.inflight, (job.remaining, job.seq, job.lver, job))
+        if len(self.inflight) > 2 * self.n_live_jobs + 64:
+            self.inflight = [e for e in self.inflight if e[2] == e[3].lver]
+            heapq.heapify(self.inflight)
         # Deficits: everyone +1/n (the offset), the releasing unit -1.
         self.G += 1.0 / len(self.units)
         unit.s -= 1.0
@@ -136,6 +175,8 @@ class Paella(Policy):
     def job_finished(self, job: Any) -> None:
         if job.queued:
             self._unqueue(job)
+        job.lver += 1
+        self.n_live_jobs -= 1
         unit = job.punit
         unit.jobs -= 1
         if unit.jobs == 0:
@@ -148,6 +189,18 @@ class Paella(Policy):
         return unit.s + self.G
 
     # -- helpers ----------------------------------------------------------------------------
+    def _fills_gpu(self, op: Any) -> bool:
+        """Would ``op``'s blocks take more than what is free now (after the blocks
+        released and not yet placed)? Only then can it hold a shorter job's next kernel
+        back: a kernel that fits beside everything else does not."""
+        t = self.dispatcher.tracker if self.dispatcher is not None else None
+        if t is None:
+            return True
+        n, fp = op.blocks, op.fp
+        b, w, r, s = t.cap
+        return (n > b - t.blocks - t.unplaced or n * fp.warps > w - t.warps - t.d_warps
+                or n * fp.regs > r - t.regs - t.d_regs or n * fp.smem > s - t.smem - t.d_smem)
+
     @staticmethod
     def _oldest(ready: list) -> Any:
         """The earliest-arrived live entry of an (arrival seq, pver, job) heap."""

@@ -16,8 +16,18 @@ from paella.dispatcher.policies.paella import Paella
 from dispatch_helpers import Recorder, chain
 
 
+class _Op:
+    def __init__(self, key):
+        self.key = key
+
+
+class _Stat:
+    def __init__(self, seconds):
+        self.time = seconds
+
+
 class FakeJob:
-    """What a policy sees of a job."""
+    """What a policy sees of a job (its next kernel has no timing estimate: never held)."""
     _n = 0
 
     def __init__(self, remaining: float, client: int = 0):
@@ -28,6 +38,8 @@ class FakeJob:
         self.queued = False
         self.pver = 0
         self.punit = None
+        self.ready = [_Op("k")]
+        self.model = types.SimpleNamespace(profile=types.SimpleNamespace(kernels={}))
 
     def __repr__(self):
         return f"J{self.seq}(rem={self.remaining})"
@@ -264,3 +276,60 @@ def test_plugin_policy_loads_from_an_entry_point_and_falls_back_to_fifo(make, pl
     assert any("falling back" in r.getMessage() for r in caplog.records)
     assert sorted(rec.done) == list(range(12))
     assert all(v[0] == STATUS_OK for v in rec.done.values())
+
+
+# -- the hold rule ------------------------------------------------------------------------
+def held_job(remaining: float, kernel_seconds: float) -> FakeJob:
+    """A FakeJob whose next ready kernel is expected to last ``kernel_seconds``."""
+    j = FakeJob(remaining)
+    j.model.profile.kernels["k"] = _Stat(kernel_seconds)
+    return j
+
+
+@pytest.mark.parametrize("kernel_seconds,held", [(2.0, True), (0.5, False)])
+def test_hold_keeps_a_kernel_longer_than_a_shorter_jobs_remaining_time_back(kernel_seconds, held):
+    p = Paella(fairness_threshold=1e9)
+    short, long_ = held_job(1.0, 0.1), held_job(10.0, kernel_seconds)
+    arrive(p, short, long_)
+    assert p.pick() is short
+    p.released(short, None)                   # short's kernel runs; nothing of it is ready
+    assert (p.pick() is None) == held
+    p.job_finished(short)                     # once short is gone the long kernel goes
+    assert p.pick() is long_
+
+
+def test_hold_can_be_turned_off_and_does_not_override_fairness():
+    p = Paella(fairness_threshold=1e9, hold_factor=None)
+    short, long_ = held_job(1.0, 0.1), held_job(10.0, 5.0)
+    arrive(p, short, long_)
+    p.released(p.pick(), None)
+    assert p.pick() is long_
+    # At threshold 0 the oldest job goes first, held or not (deficits bound starvation).
+    p = Paella(fairness_threshold=0.0)
+    long_, short = held_job(10.0, 5.0), held_job(1.0, 0.1)
+    arrive(p, long_, short)
+    assert p.pick() is long_
+    with pytest.raises(PolicyError, match="hold_factor"):
+        Paella(hold_factor=0)
+
+
+def test_hold_protects_a_short_job_from_a_long_kernel_end_to_end(make):
+    """A short job (8 x 50 us) and a long one whose single kernel fills the GPU for
+    2 ms arrive together. Holding the long kernel until the short job is done keeps
+    the short job near its isolated latency; releasing it (no hold) makes the short
+    job's second kernel wait for it. Both finish either way."""
+    def run(hold):
+        dev, d = make("paella", policy_options={"hold_factor": hold})
+        s = d.register_model("short", chain("short", 8, grid=4))
+        big = d.register_model("big", chain("big", 1, grid=22 * 64, block=256, seconds=2e-3))
+        rec = Recorder()
+        d.submit(rec.request(0, s, 512))
+        d.submit(rec.request(1, big, 512))
+        d.run_until_idle()
+        assert {k: v[0] for k, v in rec.done.items()} == {0: STATUS_OK, 1: STATUS_OK}
+        return rec.done[0][2], rec.done[1][2]
+    short_held, long_held = run(1.0)
+    short_free, long_free = run(None)
+    assert short_held < 0.6e-3                # 8 kernels of 50 us plus copies
+    assert short_free > short_held + 1e-3     # waited for (part of) the 2 ms kernel
+    assert long_held > long_free              # the price: the long job waits
