@@ -249,9 +249,11 @@ def main_dispatcher(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
 
     def progress(i, n, rate, results):
-        cells = " | ".join(f"{pol}: {pts[-1]['throughput'] / 1e3:5.1f}k/s p99 {pts[-1]['p99_ms']:8.2f} ms "
-                           f"({pts[-1]['cpu_per_iteration_us']:.0f} us/iter)"
-                           for pol, pts in results.items())
+        def cpu(pt: dict) -> str:
+            us = pt["cpu_per_iteration_us"]
+            return "" if us is None else f" ({us:.0f} us/iter)"
+        cells = " | ".join(f"{pol}: {pts[-1]['throughput'] / 1e3:5.1f}k/s p99 {pts[-1]['p99_ms']:8.2f} ms"
+                           f"{cpu(pts[-1])}" for pol, pts in results.items())
         print(f"[{i:2d}/{n}] offered {rate / 1e3:5.1f}k jobs/s | {cells}", flush=True)
 
     data = run_dispatcher(rates, n_jobs, args.sigma, args.seed, args.slo_ms, args.cpu_scale,
