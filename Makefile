@@ -24,8 +24,10 @@ test: $(STAMP)
 bench: $(STAMP)
 	$(BIN)/python -m paella.experiments.bench_sim
 
+# The experiments read the zoo from $PAELLA_ZOO_DIR (default ~/.cache/paella/zoo).
+ZOO_DIR ?= $(or $(PAELLA_ZOO_DIR),$(HOME)/.cache/paella/zoo)
 zoo: $(STAMP)
-	$(BIN)/paella compile --zoo -o bundles
+	$(BIN)/paella compile --zoo -o $(ZOO_DIR)
 
 clean:
 	rm -rf $(VENV) build *.egg-info
