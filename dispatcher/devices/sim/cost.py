@@ -11,6 +11,8 @@ Table 2 (TVM on a T4): one efficiency and one per-kernel overhead for every kern
 every model (docs/EXPERIMENTS.md has the fit and its limits). The overhead comes out
 near 50 us, ten times a real launch latency: it absorbs the per-kernel inefficiency of
 untuned schedules that FLOPs and bytes do not show. Nothing is tuned per model.
+Per-SM, occupancy and latency terms built from the kernels' grids, blocks and registers
+fit Table 2 no better, and ``calibrate`` shows why no such model can (docs/simulator.md).
 """
 from __future__ import annotations
 
