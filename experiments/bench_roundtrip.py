@@ -43,14 +43,17 @@ class RoundTrip:
     client_cpu: float      # client CPU seconds / wall seconds over the run
 
 
-def start_daemon(*extra: str, timeout: float = 60.0) -> tuple[subprocess.Popen, str, str]:
-    """A daemon on a fresh socket; returns (process, socket path, temp dir) once READY."""
+def start_daemon(*extra: str, timeout: float = 60.0,
+                 command: tuple[str, ...] = DAEMON) -> tuple[subprocess.Popen, str, str]:
+    """A daemon on a fresh socket; returns (process, socket path, temp dir) once READY.
+    ``command`` starts it (default: the daemon alone; the overhead experiment passes
+    its traced entry point)."""
     d = tempfile.mkdtemp(prefix="plbench")
     sock, notify_path = os.path.join(d, "p.sock"), os.path.join(d, "notify")
     notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
     notify.bind(notify_path)
     notify.settimeout(timeout)
-    proc = subprocess.Popen([*DAEMON, "--socket", sock, "--log-level", "warning", *extra],
+    proc = subprocess.Popen([*command, "--socket", sock, "--log-level", "warning", *extra],
                             env=dict(os.environ, NOTIFY_SOCKET=notify_path))
     try:
         while b"READY=1" not in notify.recv(4096):

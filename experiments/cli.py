@@ -12,6 +12,7 @@ EXPERIMENTS = [
     "paella.experiments.fairness",
     "paella.experiments.calibrate",
     "paella.experiments.sched_delay",
+    "paella.experiments.overhead",
     "paella.experiments.report",
 ]
 
