@@ -825,9 +825,11 @@ class Daemon:
                 last_work = time.monotonic() if taken else last_work
                 continue
             deadline = router.deadline()
-            if deadline == 0.0:
-                continue                          # runnable work: spin
-            if deadline is None:                  # nothing in flight
+            if deadline is not None:              # in flight: the idle spin starts after it
+                last_work = time.monotonic()
+                if deadline == 0.0:
+                    continue                      # runnable work: spin
+            else:                                 # nothing in flight
                 if time.monotonic() - last_work < idle_spin:
                     continue
                 if self.draining:
