@@ -287,7 +287,7 @@ def held_job(remaining: float, kernel_seconds: float) -> FakeJob:
 
 
 @pytest.mark.parametrize("kernel_seconds,held", [(2.0, True), (0.5, False)])
-def test_hold_keeps_a_kernel_longer_than_a_shorter_jobs_remaining_time_back(kernel_seconds, held):
+def test_hold_keeps_a_big_kernel_back_while_a_much_shorter_job_runs(kernel_seconds, held):
     p = Paella(fairness_threshold=1e9)
     short, long_ = held_job(1.0, 0.1), held_job(10.0, kernel_seconds)
     arrive(p, short, long_)
