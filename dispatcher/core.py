@@ -37,7 +37,7 @@ from .occupancy import Tracker
 from .policies.base import Policy, get_policy
 from .profile import ModelProfile
 from .streams import StreamMap
-from .waitlist import DROPPED, H2D, KERNEL, RELEASED, Op
+from .waitlist import DONE, DROPPED, H2D, KERNEL, READY, RELEASED, Op
 
 log = logging.getLogger(__name__)
 
@@ -105,23 +105,28 @@ class Dispatcher:
         self._copy_events: dict[int, deque] = {}
         self._seq = 0
         self._progress = 0
+        self._queued = 0                     # jobs announced to the policy (job.in_policy)
 
     # ======================================================================================
     # The loop. One iteration: poll the device, learn what the GPU did, run the jobs that
     # can run, and release what the policy picks while the GPU can take it.
     # ======================================================================================
     def step(self) -> bool:
-        self.device.poll()
-        self.now = self.device.now()
+        dev = self.device
+        dev.poll()
+        self.now = now = dev.now()
         before = self._progress
-        self._progress += self.tracker.drain(self.now, self._kernel_done)   # notifQ
+        t = self.tracker
+        if t._slots_mv[t.head & t.mask]:     # (an idle iteration: no call)
+            self._progress += t.drain(now, self._op_done)                # notifQ
         if self._copy_events:
             self._poll_copies()                                          # device events
         if self._arrivals:
             self._start_arrivals()                                       # new greenlets
         if self._resume:
             self._resume_jobs()                                          # synchronize() done
-        self._release()                                                  # policy, +B
+        if self._queued or self._copies:
+            self._release()                                              # policy, +B
         self.idle = self._progress == before
         self.iterations += 1
         return self.in_flight > 0
@@ -137,13 +142,16 @@ class Dispatcher:
     def _release(self) -> None:
         if self._copies:
             self._flush_copies()
+        if not self._queued:                 # nothing announced: pick() has nothing to give
+            return
         policy = self.policy
         tracker = self.tracker
         admits = tracker.admits if policy.gated else tracker.flow_ok
         streams = self.streams
         pool = streams.mode == "pool"
-        free = streams.free
-        while True:
+        free, busy = streams.free, streams.busy
+        launch, group, now = self.device.launch, self.group, self.now
+        while self._queued:
             try:
                 job = policy.pick()
             except Exception as e:
@@ -160,6 +168,7 @@ class Dispatcher:
                 return
             ready.popleft()
             job.in_policy = False
+            self._queued -= 1
             key = op.key
             kcount = job.kcount
             c = kcount.get(key, 0)
@@ -172,37 +181,33 @@ class Dispatcher:
                 policy = self.policy
                 admits = tracker.admits if policy.gated else tracker.flow_ok
                 pool = streams.mode == "pool"
-            self._launch_kernel(op)
+            # Launch it (inlined: once per kernel).
+            if pool:                         # inlined StreamMap.assign, the common case
+                s = op.stream = free.popleft()
+                busy[s] += 1
+            else:
+                s = streams.assign(op)
+            lid = tracker.release(op)
+            op.t_release = now
+            self._progress += 1
+            try:
+                launch(op.func, op.grid, op.block, s, lid, dyn_smem=op.dyn_smem, args=op.args,
+                       instrumented=True, group=group)
+            except DeviceError as e:
+                tracker.unrelease(op)
+                self._device_refused(op, e)
+            else:
+                if op.almost_finished:
+                    self._almost_finished(job)
+                op.state = RELEASED
+                if op.succ is not None and job.waitlist.eager:
+                    job.waitlist.released(op)
             if self._copies:                 # copies it activated keep their stream order
                 self._flush_copies()
             if ready and not job.in_policy:
                 self._queue(job)
 
     # -- releasing ---------------------------------------------------------------------------
-    def _launch_kernel(self, op: Op) -> None:
-        streams = self.streams
-        if streams.mode == "pool":           # inlined StreamMap.assign, the common case
-            s = op.stream = streams.free.popleft()
-            streams.busy[s] += 1
-        else:
-            s = streams.assign(op)
-        lid = self.tracker.release(op)
-        op.t_release = self.now
-        self._progress += 1
-        try:
-            self.device.launch(op.func, op.grid, op.block, s, lid, dyn_smem=op.dyn_smem,
-                               args=op.args, instrumented=True, group=self.group)
-        except DeviceError as e:
-            self.tracker.unrelease(op)
-            self._device_refused(op, e)
-            return
-        if op.almost_finished:
-            self._almost_finished(op.job)
-        op.state = RELEASED
-        succ = op.succ
-        if succ is not None and op.job.waitlist.eager:
-            op.job.waitlist.released(op)
-
     def _launch_copy(self, op: Op) -> None:
         s = self.streams.assign(op)
         op.t_release = self.now
@@ -226,16 +231,6 @@ class Dispatcher:
         op.job.waitlist.released(op)
 
     # -- completions -------------------------------------------------------------------------
-    def _kernel_done(self, op: Op) -> None:
-        job = op.job
-        job.model.profile.record_kernel(op.key, self.now - op.t_first)
-        if self._kernel_completed is not None:
-            try:
-                self._kernel_completed(job, op)
-            except Exception as e:
-                self._policy_failed("kernel_completed", e)
-        self._op_done(op)
-
     def _poll_copies(self) -> None:
         query = self.device.event_query
         for s in list(self._copy_events):
@@ -247,13 +242,36 @@ class Dispatcher:
                 del self._copy_events[s]
 
     def _op_done(self, op: Op) -> None:
+        """``op`` completed: its last notification (kernels) or its event (copies)."""
+        job = op.job
+        if op.kind == KERNEL:
+            job.model.profile.record_kernel(op.key, self.now - op.t_first)
+            if self._kernel_completed is not None:
+                try:
+                    self._kernel_completed(job, op)
+                except Exception as e:
+                    self._policy_failed("kernel_completed", e)
         streams = self.streams
         s = op.stream                        # inlined StreamMap.done
         busy = streams.busy
         busy[s] -= 1
         if not busy[s] and streams.mode == "pool":
             streams.free.append(s)
-        job = op.job
+        plan = job.plan
+        if plan is not None:                 # a lazily started straight line: make the next
+            op.state = DONE                  # step, now that it is the active one
+            i = job.cursor + 1
+            if i < plan.n:
+                job.cursor = i
+                vs = job.waitlist.default
+                nxt = vs.last = plan.make(job, i, vs, job.bindings.bound, job.req.io)
+                nxt.state = READY
+                self._on_active(nxt)
+            else:
+                job.plan = None
+                job.waitlist.pending = 0
+                self._finish(job)
+            return
         wl = job.waitlist
         wl.finish(op)
         if job.blocked and job.wake_if_satisfied():
@@ -269,6 +287,7 @@ class Dispatcher:
             job.ready.append(op)
             if not job.in_policy:
                 job.in_policy = True         # inlined _queue
+                self._queued += 1
                 try:
                     self.policy.kernel_ready(job)
                 except Exception as e:
@@ -278,6 +297,7 @@ class Dispatcher:
 
     def _queue(self, job: Job) -> None:
         job.in_policy = True
+        self._queued += 1
         try:
             self.policy.kernel_ready(job)
         except Exception as e:
@@ -305,7 +325,12 @@ class Dispatcher:
                 job.start()                  # the adaptor's run(io) in a greenlet
             else:
                 try:
-                    template.instantiate(job, job.req.io)
+                    if template.straight and not self.policy.eager:
+                        first = template.start(job, job.req.io)
+                        if first is not None:
+                            self._on_active(first)
+                    else:
+                        template.instantiate(job, job.req.io)
                 except Exception as e:       # as Job._main: fail this request only
                     job.error = f"{type(e).__name__}: {e}"
                     self._job_failed(job)
@@ -333,10 +358,14 @@ class Dispatcher:
         self._withdraw(job)
 
     def _withdraw(self, job: Job) -> None:
-        job.waitlist.drop_unreleased()
+        job.plan = None                      # a lazy plan makes no further step
+        if job.waitlist.pending:             # (none issued and unfinished: none to drop)
+            job.waitlist.drop_unreleased()
         job.ready.clear()
         if not job.left_policy:
             job.left_policy = True
+            if job.in_policy:
+                self._queued -= 1
             job.in_policy = False
             try:
                 self.policy.job_finished(job)
@@ -426,6 +455,7 @@ class Dispatcher:
         self._bind_policy()
         self.policy_failure = f"{failed.name}.{hook}: {type(exc).__name__}: {exc}"
         self.streams.set_mode(policy.stream_mode)
+        self._queued = 0
         for job in sorted(self.jobs, key=lambda j: j.seq):
             job.waitlist.eager = policy.eager
             job.queued = False
@@ -433,7 +463,9 @@ class Dispatcher:
             if job.left_policy or job.state == FINISHED:
                 continue
             policy.job_arrived(job)
-            if job.ready:
+            if job.plan is not None and policy.eager:
+                job.plan.materialize(job)    # eager release needs the successors issued
+            if job.ready and not job.in_policy:
                 self._queue(job)
 
     # ======================================================================================

@@ -17,7 +17,7 @@ import numpy as np
 
 from paella.dispatcher.devices.base import Function, dim3
 
-from .waitlist import D2H, DONE, H2D, KERNEL, MARKER, Event, Op, VStream, Waitlist
+from .waitlist import D2H, DONE, H2D, KERNEL, MARKER, READY, WAITING, Event, Op, VStream, Waitlist
 
 if TYPE_CHECKING:
     from .core import Dispatcher, Request
@@ -77,6 +77,11 @@ class Job:
         # dispatcher before the job starts and returned when it finishes.
         self.bindings: Any = None
         self.t_arrival = dispatcher.device.now()
+        self.t_start = 0.0
+        # A lazily started straight-line plan (PlanTemplate.start): its template while
+        # steps remain to be made, and the step of its current op.
+        self.plan: PlanTemplate | None = None
+        self.cursor = 0
 
     def __repr__(self) -> str:
         return f"<Job {self.seq} req={self.req.req_id} model={self.model.name}>"
@@ -250,7 +255,7 @@ class PlanTemplate:
     per-op dependency analysis. Other plans go through ``Waitlist.issue`` op by op.
     """
 
-    __slots__ = ("name", "io_bytes", "specs", "streams", "straight")
+    __slots__ = ("name", "io_bytes", "specs", "streams", "straight", "n", "classes")
 
     def __init__(self, adaptor: Any, dispatcher: "Dispatcher"):
         device = dispatcher.device
@@ -271,42 +276,80 @@ class PlanTemplate:
             else:
                 specs.append((H2D if kind == 1 else D2H, s, i == almost, b, c))
         self.specs = specs
+        self.n = len(specs)
+        self.classes = [_step_class(f"{self.name}_{i}", spec) for i, spec in enumerate(specs)]
 
-    def instantiate(self, job: Job, io: np.ndarray) -> None:
-        """Issue the plan for ``job``; raises as ``PlanAdaptor.run`` would."""
+    def _check(self, job: Job, io: np.ndarray) -> list:
+        """What ``PlanAdaptor.run`` checks first; returns the job's bound arguments."""
         if io.size < self.io_bytes:
             raise ValueError(f"io buffer of {io.size} bytes is smaller than model "
                              f"{self.name!r} needs ({self.io_bytes})")
         if job.bindings is None:
             raise RuntimeError(f"model {self.name!r}: the job holds no buffer set (the adaptor "
                                f"has no buffer_pool after init; internal error, please report)")
-        bound = job.bindings.bound
+        return job.bindings.bound
+
+    def make(self, job: Job, i: int, vs: VStream, bound: list, io: np.ndarray) -> Op:
+        """Step ``i``'s op for ``job`` on virtual stream ``vs``, not yet issued."""
+        op = self.classes[i](job, vs, job.t_start)
+        if op.kind == KERNEL:
+            op.args = bound[i]
+        else:
+            spec = self.specs[i]
+            op.dptr = bound[i]
+            op.host = io[spec[3]:spec[4]]
+        return op
+
+    def start(self, job: Job, io: np.ndarray) -> Op | None:
+        """Start ``job`` on a straight-line plan, lazily: only step 0's op exists, as
+        the only op of the stream that can be active (``job.plan``, ``job.cursor``); the
+        dispatcher makes the next one when it completes (:meth:`make`). Same
+        dependencies, same order as :meth:`instantiate`, without building and linking
+        the ops that wait. Not for eager policies, whose stream successors go to the
+        GPU while their predecessor runs. Returns the first op (to activate), or None
+        for an empty plan. Raises as ``PlanAdaptor.run`` would."""
+        bound = self._check(job, io)
+        job.t_start = job.d.now
+        if not self.n:
+            return None
         wl = job.waitlist
-        now = job.d.now
+        op = self.make(job, 0, wl.default, bound, io)
+        job.plan = self
+        job.cursor = 0
+        wl.default.last = op
+        wl.pending = 1                       # the steps not yet made are not issued
+        op.state = READY
+        return op
+
+    def materialize(self, job: Job) -> None:
+        """Issue the steps a lazily started job has not made yet (the policy changed to
+        an eager one, or the job is inspected as a whole): it becomes an ordinary
+        waitlisted job."""
+        if job.plan is not self:
+            return
+        job.plan = None
+        bound, io, wl = job.bindings.bound, job.req.io, job.waitlist
+        for i in range(job.cursor + 1, self.n):
+            wl.issue(self.make(job, i, wl.default, bound, io))
+
+    def instantiate(self, job: Job, io: np.ndarray) -> None:
+        """Issue the whole plan for ``job``; raises as ``PlanAdaptor.run`` would."""
+        bound = self._check(job, io)
+        job.t_start = job.d.now
+        wl = job.waitlist
         if not self.straight:
             streams = {0: wl.default}
             for s in self.streams:
                 streams[s] = wl.create_stream()
+            for i, spec in enumerate(self.specs):
+                wl.issue(self.make(job, i, streams[spec[1]], bound, io))
+            return
+        # Inlined Waitlist.issue for a straight line (nothing is released yet).
         vs = wl.default
         prev = None
         first = None
-        for i, spec in enumerate(self.specs):
-            kind = spec[0]
-            op = Op(kind, job, vs if self.straight else streams[spec[1]])
-            if kind == KERNEL:
-                (_, _, almost, op.func, op.key, op.grid, op.block, op.dyn_smem, op.fp,
-                 op.blocks, op.fw, op.fr, op.fs, op.entries) = spec
-                op.args = bound[i]
-            else:
-                _, _, almost, lo, hi = spec
-                op.dptr = bound[i]
-                op.host = io[lo:hi]
-            op.t_issue = now
-            op.almost_finished = almost
-            if not self.straight:
-                wl.issue(op)
-                continue
-            # Inlined Waitlist.issue for a straight line (nothing is released yet).
+        for i in range(self.n):
+            op = self.make(job, i, vs, bound, io)
             if prev is None:
                 first = op
             else:
@@ -315,7 +358,43 @@ class PlanTemplate:
                 op.deps = 1
                 prev.succ = op
             prev = op
-        if self.straight and first is not None:
+        if first is not None:
             vs.last = prev
-            wl.pending += len(self.specs)
+            wl.pending += self.n
             wl._activate(first)
+
+
+class StepOp(Op):
+    """An op of a plan step. What every request's op of that step shares (kind, the
+    kernel, its geometry and flattened footprint, the "almost finished" mark) lives in
+    a class made per step (:func:`_step_class`) instead of in each op, so that making
+    an op sets only what differs: its job, stream, state and bound arguments. Those
+    shared attributes are read-only on these ops (nothing writes them after issue)."""
+    __slots__ = ()
+
+    def __init__(self, job: Job, vstream: VStream, t_issue: float):
+        self.job = job
+        self.vstream = vstream
+        self.deps = 0
+        self.pred = self.succ = self.dependents = None
+        self.pred_pending = False
+        self.state = WAITING
+        self.stream = self.launch_id = -1
+        self.placed = self.ended = 0
+        self.t_issue = t_issue
+        self.t_release = self.t_first = 0.0
+
+
+def _step_class(name: str, spec: tuple) -> type:
+    """The :class:`StepOp` subclass of one plan step (``PlanTemplate.specs`` entry)."""
+    kind = spec[0]
+    if kind == KERNEL:
+        (_, _, almost, func, key, grid, block, dyn_smem, fp, blocks, fw, fr, fs, entries) = spec
+        shared = dict(func=func, key=key, grid=grid, block=block, dyn_smem=dyn_smem, fp=fp,
+                      blocks=blocks, fw=fw, fr=fr, fs=fs, entries=entries, host=None, dptr=0)
+    else:
+        almost = spec[2]
+        shared = dict(func=None, key=None, grid=None, block=None, dyn_smem=0, fp=None,
+                      blocks=0, fw=0, fr=0, fs=0, entries=0, args=())
+    return type(name, (StepOp,), {"__slots__": (), "kind": kind, "almost_finished": almost,
+                                  **shared})

@@ -96,7 +96,6 @@ class Tracker:
         # Launches in flight, indexed by counter pair (the launch id's low bits): a list
         # lookup instead of a dict; the generation is checked against ``op.launch_id``.
         self._by_pair: list[Op | None] = [None] * counter_pairs
-        self._n_launches = 0
         self._free_ids: deque[int] = deque(range(counter_pairs))
         self._gen = [0] * counter_pairs
         self._gen_mask = _LAUNCH_MASK >> self._id_shift
@@ -161,10 +160,8 @@ class Tracker:
         slot = self._free_ids.popleft()
         gen = self._gen[slot] = (self._gen[slot] + 1) & self._gen_mask
         lid = (gen << self._id_shift) | slot
-        op.launch_id = lid
-        op.placed = op.ended = 0
+        op.launch_id = lid                    # (placed and ended start at 0: released once)
         self._by_pair[slot] = op
-        self._n_launches += 1
         n = op.blocks
         self.unplaced += n
         self.d_warps += n * op.fw
@@ -204,6 +201,7 @@ class Tracker:
         blocks, warps, regs, smem = self.blocks, self.warps, self.regs, self.smem
         unplaced, d_w, d_r, d_s = self.unplaced, self.d_warps, self.d_regs, self.d_smem
         finished = None
+        free_id = self._free_ids.append
         bad = 0
         while w:
             mv[head & mask] = 0               # INVALID back: the slot is free again
@@ -246,7 +244,7 @@ class Tracker:
                 op.ended += n
                 if op.ended == op.blocks:
                     by_pair[lid & id_mask] = None
-                    self._free_ids.append(lid & id_mask)
+                    free_id(lid & id_mask)
                     if finished is None:
                         finished = [op]
                     else:
@@ -259,7 +257,6 @@ class Tracker:
         self.pending_entries -= consumed
         self.notifications += consumed
         if finished is not None:
-            self._n_launches -= len(finished)
             for op in finished:
                 on_done(op)
         if bad:
@@ -270,7 +267,6 @@ class Tracker:
     def _finish(self, op: Op) -> None:
         slot = op.launch_id & self._id_mask
         self._by_pair[slot] = None
-        self._n_launches -= 1
         self._free_ids.append(slot)
 
     # -- reporting ------------------------------------------------------------------------
@@ -280,4 +276,5 @@ class Tracker:
                 "shared_memory": self.smem}
 
     def in_flight(self) -> int:
-        return self._n_launches
+        """Launches in flight: the counter pairs taken."""
+        return len(self._by_pair) - len(self._free_ids)

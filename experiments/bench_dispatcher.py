@@ -10,8 +10,9 @@ the way ``experiments/harness.py`` drives it: each ``step()``'s CPU time
 the clock. Reported:
 
 * **whole**: dispatcher CPU per released kernel with everything a kernel involves
-  (starting the job and issuing its ops, the policy, +B, streams, launch ids, the
-  waitlist, the notifications and completion, the copies, finishing the request),
+  (accepting the request, starting the job and issuing its ops, the policy, +B,
+  streams, launch ids, the waitlist, the notifications and completion, the copies,
+  finishing the request),
   over windows of 256 kernels: median and p99 of the windows, and kernels per
   second of dispatcher CPU over the whole run;
 * **phases** (a second run with each phase of ``step()`` timed): per released kernel
@@ -20,6 +21,13 @@ the clock. Reported:
   over the calls that did something.
 
 The simulator's own time is excluded everywhere: on a GPU that work is the hardware's.
+
+The meter must not be what costs: ``time.thread_time`` is a system call (~0.5 us here,
+far more on a loaded VM), so the device methods are timed with ``time.perf_counter``
+(~0.1 us, no system call; their spans are microseconds, too short for preemption to
+matter), and the part of the two ``thread_time`` calls around each step that falls
+inside the step's window (the median of back-to-back calls, measured at start) is
+subtracted.
 """
 from __future__ import annotations
 
@@ -37,6 +45,7 @@ from paella.experiments.workload import lognormal_arrivals
 from paella.models.synthetic import figure2_job
 
 _clock = time.thread_time
+_inner = time.perf_counter
 _DEVICE_METHODS = ("launch", "memcpy_htod", "memcpy_dtoh", "record_event", "event_query")
 
 
@@ -50,12 +59,14 @@ class _SimMeter:
             setattr(dev, name, self._timed(getattr(dev, name), name == "launch"))
 
     def _timed(self, fn: Callable, count: bool) -> Callable:
+        clock = _inner
+
         def timed(*a: Any, **k: Any) -> Any:
-            c0 = _clock()
+            c0 = clock()
             try:
                 return fn(*a, **k)
             finally:
-                self.seconds += _clock() - c0
+                self.seconds += clock() - c0
                 if count:
                     self.launches += 1
         return timed
@@ -63,6 +74,15 @@ class _SimMeter:
     def take(self) -> float:
         s, self.seconds = self.seconds, 0.0
         return s
+
+
+def _clock_overhead(n: int = 2000) -> float:
+    """What a ``_clock()`` pair adds to the window it brackets: back-to-back calls."""
+    d = []
+    for _ in range(n):
+        c0 = _clock()
+        d.append(_clock() - c0)
+    return float(np.median(d))
 
 
 def _setup(policy: str, seed: int) -> tuple[SimDevice, Dispatcher, int, _SimMeter]:
@@ -79,16 +99,17 @@ def _drive(dev: SimDevice, d: Dispatcher, mid: int, meter: _SimMeter, n_jobs: in
     arrivals = dev.now() + lognormal_arrivals(rate, 1.5, n_jobs, seed)
     i = 0
     inf = math.inf
+    overhead = _clock_overhead()
     while i < n_jobs or d.in_flight:
         now = dev.now()
-        while i < n_jobs and arrivals[i] <= now:
-            d.submit(Request(i, i % 4, mid, io))
-            i += 1
         meter.take()
         k0 = meter.launches
         c0 = _clock()
+        while i < n_jobs and arrivals[i] <= now:
+            d.submit(Request(i, i % 4, mid, io))
+            i += 1
         d.step()
-        spent = max(_clock() - c0 - meter.take(), 0.0)
+        spent = max(_clock() - c0 - overhead - meter.take(), 0.0)
         on_step(spent, meter.launches - k0)
         t = now + spent
         if d.idle:
@@ -124,12 +145,14 @@ def measure_phases(n_jobs: int, policy: str = "paella", rate: float = 3000.0, se
     release, notif, starts = [], [], []
     release_fn, start_fn, drain_fn = d._release, d._start_arrivals, d.tracker.drain
 
+    clock = _inner                   # phases: short spans, read at every step
+
     def timed_release() -> None:
         meter.take()
         k0 = meter.launches
-        c0 = _clock()
+        c0 = clock()
         release_fn()
-        spent = _clock() - c0 - meter.take()
+        spent = clock() - c0 - meter.take()
         k = meter.launches - k0
         if k:
             release.append(spent / k)
@@ -137,17 +160,17 @@ def measure_phases(n_jobs: int, policy: str = "paella", rate: float = 3000.0, se
     def timed_start() -> None:
         n = len(d._arrivals)
         meter.take()
-        c0 = _clock()
+        c0 = clock()
         start_fn()
-        spent = _clock() - c0 - meter.take()
+        spent = clock() - c0 - meter.take()
         if n:
             starts.append(spent / n)
 
     def timed_drain(*a: Any) -> int:
-        c0 = _clock()
+        c0 = clock()
         n = drain_fn(*a)
         if n:
-            notif.append((_clock() - c0) / n)
+            notif.append((clock() - c0) / n)
         return n
     d._release, d._start_arrivals, d.tracker.drain = timed_release, timed_start, timed_drain
     _drive(dev, d, mid, meter, n_jobs, rate, seed, lambda cpu, k: None)

@@ -7,8 +7,9 @@ import numpy as np
 import pytest
 
 from paella.dispatcher.adaptor import Plan, PlanAdaptor, PlanOp
-from paella.dispatcher.core import STATUS_ERROR, STATUS_OK
+from paella.dispatcher.core import STATUS_CANCELLED, STATUS_ERROR, STATUS_OK
 from paella.dispatcher.devices.base import KernelInfo
+from paella.dispatcher.job import RUNNING
 from paella.dispatcher.occupancy import Tracker
 from paella.gpus import preset
 from paella import protocol
@@ -125,3 +126,46 @@ def test_drain_applies_a_batch_and_reports_completions_in_order(make):
     ring[4] = protocol.encode(protocol.COMPLETION, 3, 1, stale)
     with pytest.raises(RuntimeError, match="not in flight"):
         t.drain(2.0, done.append)
+
+
+def test_a_straight_plan_makes_one_op_at_a_time(make):
+    """Under a non-eager policy a straight-line plan is started lazily: each job holds
+    only its active op; an eager policy gets the whole plan issued at once."""
+    for policy, lazy in (("paella", True), ("ms-kbk", True), ("ms-jbj", False), ("fifo", False)):
+        dev, d = make(policy)
+        mid = d.register_model("c", chain("c", 6))
+        rec = Recorder()
+        for i in range(8):
+            d.submit(rec.request(i, mid, 320))
+        seen = 0
+        while d.step() or d._arrivals:
+            for job in d.jobs:
+                if job.state == RUNNING and job.returned:      # started, not finished
+                    seen += 1
+                    assert (job.plan is not None) == lazy, policy
+                    if lazy:
+                        assert job.waitlist.pending == 1
+            if d.idle:
+                dev.run_until(dev.next_event_time())
+        assert seen and sorted(rec.done) == list(range(8))
+        assert all(v[0] == STATUS_OK for v in rec.done.values())
+
+
+def test_cancelling_a_lazily_started_job_makes_no_further_step(make):
+    dev, d = make("paella")
+    mid = d.register_model("c", chain("c", 8))
+    rec = Recorder()
+    for i in range(6):
+        d.submit(rec.request(i, mid, 320, client=i % 2))
+    for _ in range(6):                    # a few kernels into every job
+        d.step()
+        dev.run_until(dev.next_event_time())
+    victims = [j for j in d.jobs if j.client_id == 1]
+    assert victims and all(j.plan is not None for j in victims)
+    cursors = {j.req.req_id: j.cursor for j in victims}
+    assert d.cancel_client(1) == 3
+    d.run_until_idle()
+    assert all(j.cursor == cursors[j.req.req_id] and j.plan is None for j in victims)
+    assert {i for i, v in rec.done.items() if v[0] == STATUS_CANCELLED} == {1, 3, 5}
+    assert {i for i, v in rec.done.items() if v[0] == STATUS_OK} == {0, 2, 4}
+    assert d.tracker.in_flight() == 0 and not d.jobs and d._queued == 0

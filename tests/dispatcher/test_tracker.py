@@ -53,7 +53,7 @@ def drive(d, dev, rng, n_jobs, check):
             sent += 1
             t_next = dev.now() + float(rng.exponential(60e-6))
         d.step()
-        d.tracker.drain(dev.now(), d._kernel_done)   # what the next step would read first
+        d.tracker.drain(dev.now(), d._op_done)   # what the next step would read first
         check()
         nxt = dev.next_event_time()
         if sent < n_jobs:
