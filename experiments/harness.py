@@ -161,10 +161,8 @@ class DeviceMeter:
 
 def _drive(d: Dispatcher, dev: SimDevice, arrivals: np.ndarray, submit: Callable[[int], None],
            cpu_scale: float, meter: DeviceMeter | None, decision_delay: float = 0.0) -> float:
-    """The harness loop; returns the dispatcher CPU seconds charged (0 without a meter:
-    then the dispatcher is free and nothing is measured)."""
-    if meter is None:
-        return _drive_free(d, dev, arrivals, submit)
+    """The harness loop; returns the dispatcher CPU seconds charged. Without a meter
+    the dispatcher is free: nothing is measured and the clock moves with the device."""
     n = len(arrivals)
     i = 0
     total_cpu = 0.0
@@ -175,13 +173,17 @@ def _drive(d: Dispatcher, dev: SimDevice, arrivals: np.ndarray, submit: Callable
         while i < n and arrivals[i] <= now:
             submit(i)
             i += 1
-        meter.take()
-        meter.take_launches()
-        c0 = clock()
-        d.step()
-        spent = max(clock() - c0 - meter.take(), 0.0)
-        total_cpu += spent
-        t = now + spent * cpu_scale + meter.take_launches() * decision_delay
+        if meter is None:
+            d.step()
+            t = now
+        else:
+            meter.take()
+            meter.take_launches()
+            c0 = clock()
+            d.step()
+            spent = max(clock() - c0 - meter.take(), 0.0)
+            total_cpu += spent
+            t = now + spent * cpu_scale + meter.take_launches() * decision_delay
         if d.idle:
             nxt = min(dev.next_event_time(), arrivals[i] if i < n else inf)
             if nxt == inf:
@@ -191,29 +193,6 @@ def _drive(d: Dispatcher, dev: SimDevice, arrivals: np.ndarray, submit: Callable
             t = max(t, nxt)
         dev.run_until(t)
     return total_cpu
-
-
-def _drive_free(d: Dispatcher, dev: SimDevice, arrivals: np.ndarray,
-                submit: Callable[[int], None]) -> float:
-    """:func:`_drive` for a free dispatcher: the clock moves only with the device."""
-    n = len(arrivals)
-    i = 0
-    inf = math.inf
-    while i < n or d.in_flight:
-        now = dev.now()
-        while i < n and arrivals[i] <= now:
-            submit(i)
-            i += 1
-        d.step()
-        t = now
-        if d.idle:
-            t = min(dev.next_event_time(), arrivals[i] if i < n else inf)
-            if t == inf:
-                if d.in_flight:
-                    raise RuntimeError("harness stalled: requests in flight, no device event")
-                break
-        dev.run_until(t)
-    return 0.0
 
 
 def saturated(point: dict, tolerance: float = 0.9) -> bool:
