@@ -22,14 +22,19 @@ model. Systems (Table 3 as far as this project can express it):
 Both kinds of point draw the same request sequence (models and arrival times) for a
 given seed and load, and drop the first 10% of requests as warm-up.
 
-SLO: p99 <= ``--slo-x`` (default 10) times the mix's mean isolated time (each model's
-plan alone on one stream, :func:`paella.experiments.calibrate.simulate`). 10x is the
-multiple ``hol`` uses; at 1x even an idle GPU fails the mix's long models, and the
-mean isolated time is what a request costs on average. A policy *sustains* a load when
-its p99 meets the SLO and it is not saturated (throughput >= 90% of the offered load,
+SLO, per model: every model's p99 <= ``--slo-x`` (default 10) times that model's
+isolated time (its plan alone on one stream,
+:func:`paella.experiments.calibrate.simulate`). A mix of models from 2 to 15 ms alone
+needs a per-model bound: one overall p99 bound is set by the longest model alone (the
+overall p99 is almost always one of its requests) and says nothing about the short
+models, which are what an SRPT scheduler protects and what a FIFO queue hurts. 10x is
+the multiple ``hol`` uses. A policy *sustains* a load when every model meets its SLO
+and it is not saturated (throughput >= 90% of the offered load,
 :func:`paella.experiments.harness.saturated`). ``summary.load_ratio_vs_ms_jbj`` is
 paella's highest sustained load over ms-jbj's, the smaller over the sigmas run (the
-per-sigma values are beside it); the load grid bounds its resolution.
+per-sigma values are beside it); the load grid bounds its resolution. The summary also
+gives the same figures for one overall bound (overall p99 <= ``--slo-x`` times the
+mix's mean isolated time, the previous definition) under ``overall_slo``.
 
 Running time (2 cores shared with other work): the simulator costs about 1 ms of CPU per
 kernel (a request is 24-243 kernels), so a point takes 5-70 s. ``--quick`` (sigma 1.5,
@@ -43,6 +48,7 @@ import argparse
 import math
 import sys
 import time
+from typing import Callable
 
 import numpy as np
 
@@ -61,8 +67,11 @@ SYSTEMS = DIRECT + DISPATCHER_POLICIES
 LABELS = {"cuda-ss": "CUDA-SS", "cuda-ms": "CUDA-MS", "fifo": "Paella-SS (fifo)",
           "ms-jbj": "Paella-MS-jbj", "ms-kbk": "Paella-MS-kbk", "paella": "Paella",
           "sjf": "Paella-SJF", "rr": "Paella-RR"}
-FULL_RATES = [100, 150, 200, 250, 300, 350, 400, 450, 500, 600]
-QUICK_RATES = [150, 300, 450]
+FULL_RATES = [50, 100, 150, 200, 250, 300, 350, 400, 450]
+QUICK_RATES = [100, 200, 300]
+#: --quick runs the headline comparison only (paella, ms-jbj, and CUDA-MS for reference).
+QUICK_SYSTEMS = ["cuda-ms", "ms-jbj", "paella"]
+QUICK_REQUESTS = 200
 FULL_SIGMAS = [1.5, 2.0]
 QUICK_SIGMAS = [1.5]
 WARMUP = 0.1
@@ -136,7 +145,7 @@ def run(bundles: dict, rates: list[float], sigmas: list[float], n: int, seed: in
     workloads = [Workload(name, (lambda b=b: PlanAdaptor.from_bundle(b))) for name, b in bundles.items()]
     iso = isolated_ms(bundles)
     mean_iso = float(np.mean(list(iso.values())))
-    slo_ms = slo_x * mean_iso
+    slo_ms = {name: slo_x * t for name, t in iso.items()}
     results: dict[str, dict[str, list[dict]]] = {}
     for sigma in sigmas:
         per = results[f"sigma={sigma}"] = {s: [] for s in systems}
@@ -151,18 +160,25 @@ def run(bundles: dict, rates: list[float], sigmas: list[float], n: int, seed: in
                 pt["wall_seconds"] = time.perf_counter() - t0
                 per[system].append(pt)
                 if progress:
-                    progress(sigma, rate, system, pt)
+                    progress(sigma, rate, system, pt, slo_ms)
     setting = {"gpu": GPU, "models": list(bundles), "isolated_ms": iso, "mean_isolated_ms": mean_iso,
-               "slo_x": slo_x, "slo_ms": slo_ms, "rates": rates, "sigmas": sigmas,
+               "slo_x": slo_x, "slo_ms": slo_ms, "overall_slo_ms": slo_x * mean_iso, "rates": rates, "sigmas": sigmas,
                "requests_per_point": n, "warmup": WARMUP, "seed": seed, "cpu_scale": cpu_scale,
                "cuda_ms_streams": DEFAULT_STREAMS}
-    return {"setting": setting, "results": results, "summary": summarize(results, slo_ms)}
+    return {"setting": setting, "results": results,
+            "summary": summarize(results, slo_ms, slo_x * mean_iso)}
 
 
-def sustained_load(points: list[dict], slo_ms: float) -> float:
-    """Highest offered load whose p99 meets the SLO without saturating (0 if none)."""
-    ok = [p["offered"] for p in points if p["p99_ms"] <= slo_ms and not saturated(p)]
-    return max(ok) if ok else 0.0
+def meets_slo(point: dict, slo_ms: dict[str, float]) -> bool:
+    """Every model's p99 within its SLO, and the system keeps up with the load."""
+    return (not saturated(point)
+            and all(point["per_model"][m]["p99_ms"] <= slo for m, slo in slo_ms.items()))
+
+
+def sustained_load(points: list[dict], ok: Callable[[dict], bool]) -> float:
+    """Highest offered load whose point is ``ok`` (0 if none)."""
+    loads = [p["offered"] for p in points if ok(p)]
+    return max(loads) if loads else 0.0
 
 
 def _ratio(a: float, b: float) -> float:
@@ -171,11 +187,11 @@ def _ratio(a: float, b: float) -> float:
     return math.inf if a > 0 else math.nan
 
 
-def summarize(results: dict, slo_ms: float) -> dict:
-    """Sustained loads per sigma and system; paella over ms-jbj in load and in p99."""
+def _compare(results: dict, ok: Callable[[dict], bool]) -> dict:
+    """Sustained loads per sigma and system under the SLO ``ok``; paella over ms-jbj."""
     sustained, ratios, p99_ratios = {}, {}, {}
     for key, per in results.items():
-        sustained[key] = {s: sustained_load(pts, slo_ms) for s, pts in per.items()}
+        sustained[key] = {s: sustained_load(pts, ok) for s, pts in per.items()}
         if "paella" in per and "ms-jbj" in per:
             ratios[key] = _ratio(sustained[key]["paella"], sustained[key]["ms-jbj"])
             # p99 at the highest load ms-jbj sustains (paella ran the same loads).
@@ -184,11 +200,24 @@ def summarize(results: dict, slo_ms: float) -> dict:
             p99_ratios[key] = at[0][1]["p99_ms"] / at[0][0]["p99_ms"] if at else math.nan
     finite = [r for r in ratios.values() if not math.isnan(r)]
     overall = min(finite) if finite else math.nan
-    return {"slo_ms": slo_ms, "sustained_load": sustained,
-            "load_ratio_vs_ms_jbj": overall, "load_ratio_vs_ms_jbj_per_sigma": ratios,
+    return {"sustained_load": sustained, "load_ratio_vs_ms_jbj": overall,
+            "load_ratio_vs_ms_jbj_per_sigma": ratios,
             "p99_ratio_ms_jbj_over_paella_at_ms_jbj_load": p99_ratios,
-            "paella_beats_ms_jbj": bool(finite) and overall > 1.0,
+            "paella_beats_ms_jbj": bool(finite) and overall > 1.0}
+
+
+def summarize(results: dict, slo_ms: dict[str, float], overall_slo_ms: float) -> dict:
+    """The per-model SLO comparison (the headline), and one overall-p99 bound beside it."""
+    def overall_ok(p: dict) -> bool:
+        return not saturated(p) and p["p99_ms"] <= overall_slo_ms
+    return {"slo_ms": slo_ms, **_compare(results, lambda p: meets_slo(p, slo_ms)),
+            "overall_slo": {"slo_ms": overall_slo_ms, **_compare(results, overall_ok)},
             "paper": {"load_ratio": 1.4, "latency_ratio": 1.35}}
+
+
+def worst_slo_ratio(point: dict, slo_ms: dict[str, float]) -> float:
+    """The largest p99 / SLO over the models: <= 1 when every model meets its SLO."""
+    return max(point["per_model"][m]["p99_ms"] / slo for m, slo in slo_ms.items())
 
 
 def plot(data: dict, path: str) -> None:
@@ -196,25 +225,33 @@ def plot(data: dict, path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     keys = list(data["results"])
-    fig, axes = plt.subplots(1, len(keys), figsize=(max(6.0, 4.6 * len(keys)), 3.8), squeeze=False)
+    fig, axes = plt.subplots(2, len(keys), figsize=(max(6.0, 4.6 * len(keys)), 6.6), squeeze=False)
     markers = dict(zip(SYSTEMS, "vxosD^*P"))
-    slo = data["setting"]["slo_ms"]
-    for ax, key in zip(axes[0], keys):
+    st = data["setting"]
+    for col, key in enumerate(keys):
+        top, bottom = axes[0][col], axes[1][col]
         for system, pts in data["results"][key].items():
-            ax.plot([p["throughput"] for p in pts], [p["p99_ms"] for p in pts],
-                    "--" if system in DIRECT else "-", marker=markers.get(system, "o"), ms=4,
-                    label=LABELS.get(system, system))
-        ax.axhline(slo, color="grey", ls=":", lw=1, label=f"SLO {slo:.0f} ms")
-        ax.set_yscale("log")
-        ax.set_title(f"{key}", fontsize=9)
-        ax.set_xlabel("throughput (req/s)")
-        ax.set_ylabel("p99 latency (ms)")
-        ax.grid(True, alpha=0.3)
+            style = dict(ls="--" if system in DIRECT else "-", marker=markers.get(system, "o"), ms=4,
+                         label=LABELS.get(system, system))
+            thr = [p["throughput"] for p in pts]
+            top.plot(thr, [p["p99_ms"] for p in pts], **style)
+            bottom.plot(thr, [worst_slo_ratio(p, st["slo_ms"]) for p in pts], **style)
+        top.axhline(st["overall_slo_ms"], color="grey", ls=":", lw=1,
+                    label=f"overall bound {st['overall_slo_ms']:.0f} ms")
+        bottom.axhline(1.0, color="grey", ls=":", lw=1, label="per-model SLO")
+        top.set_title(f"{key}: p99 of the whole mix (the paper's axes)", fontsize=9)
+        bottom.set_title(f"{key}: worst model's p99 / its SLO ({st['slo_x']:g}x alone)", fontsize=9)
+        for ax in (top, bottom):
+            ax.set_yscale("log")
+            ax.set_xlabel("throughput (req/s)")
+            ax.grid(True, alpha=0.3)
+        top.set_ylabel("p99 latency (ms)")
+        bottom.set_ylabel("p99 / SLO")
     axes[0][0].legend(fontsize=6)
     s = data["summary"]
-    fig.suptitle(f"Figure 11: eight-model mix on t4 (cpu_scale {data['setting']['cpu_scale']:g})\n"
-                 f"sustained load at the SLO, paella over ms-jbj: {s['load_ratio_vs_ms_jbj']:.2f}x",
-                 fontsize=9)
+    fig.suptitle(f"Figure 11: eight-model mix on t4 (cpu_scale {st['cpu_scale']:g}); sustained load, "
+                 f"paella over ms-jbj: {s['load_ratio_vs_ms_jbj']:.2f}x (per-model SLO), "
+                 f"{s['overall_slo']['load_ratio_vs_ms_jbj']:.2f}x (overall bound)", fontsize=9)
     save_figure(fig, path)
 
 
@@ -222,16 +259,18 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("mix", help="Figure 11: a uniform mix of the eight Table 2 models")
     add_common(p)
     p.add_argument("--requests", type=int, default=None,
-                   help="requests per load point (default 400, quick 150)")
+                   help=f"requests per load point (default 400, quick {QUICK_REQUESTS})")
     p.add_argument("--rates", default=None, help="comma-separated offered loads in req/s "
                    f"(default {','.join(map(str, FULL_RATES))}; quick {','.join(map(str, QUICK_RATES))})")
     p.add_argument("--sigmas", default=None, help="comma-separated lognormal sigmas (default 1.5,2; quick 1.5)")
-    p.add_argument("--systems", default=",".join(SYSTEMS), help=f"subset of {','.join(SYSTEMS)}")
+    p.add_argument("--systems", default=None, help=f"subset of {','.join(SYSTEMS)} (default all; "
+                   f"quick {','.join(QUICK_SYSTEMS)})")
     p.add_argument("--cpu-scale", type=float, default=0.0,
                    help="multiplier on the dispatcher CPU time charged to the clock (default 0: "
                         "a free dispatcher; 1 charges this Python dispatcher in full)")
     p.add_argument("--slo-x", type=float, default=10.0,
-                   help="p99 SLO as a multiple of the mix's mean isolated time (default 10)")
+                   help="per-model p99 SLO as a multiple of each model's isolated time (default 10); "
+                        "the overall bound uses the same multiple of the mix's mean isolated time")
     p.set_defaults(func=main)
 
 
@@ -240,29 +279,33 @@ def main(args: argparse.Namespace) -> int:
     rates = [float(r) for r in args.rates.split(",")] if args.rates else (QUICK_RATES if args.quick else FULL_RATES)
     sigmas = ([float(s) for s in args.sigmas.split(",")] if args.sigmas
               else (QUICK_SIGMAS if args.quick else FULL_SIGMAS))
-    n = args.requests or (150 if args.quick else 400)
-    systems = args.systems.split(",")
+    n = args.requests or (QUICK_REQUESTS if args.quick else 400)
+    systems = args.systems.split(",") if args.systems else (QUICK_SYSTEMS if args.quick else SYSTEMS)
     print(f"mix: {len(systems)} systems x {len(rates)} loads x {len(sigmas)} sigma(s), {n} requests "
           f"per point; dispatcher CPU charged at cpu_scale {args.cpu_scale:g} "
           f"({'a free dispatcher' if args.cpu_scale == 0 else 'this Python dispatcher, scaled'})",
           file=sys.stderr)
     t0 = time.perf_counter()
 
-    def progress(sigma, rate, system, pt):
-        worst = max(pt["per_model"].items(), key=lambda kv: kv[1]["p99_ms"])
+    def progress(sigma, rate, system, pt, slo_ms):
+        worst = max(pt["per_model"], key=lambda m: pt["per_model"][m]["p99_ms"] / slo_ms[m])
         print(f"[{time.perf_counter() - t0:6.0f} s] sigma={sigma} offered={rate:g}/s {system:7s} "
-              f"thr={pt['throughput']:6.1f}/s p99={pt['p99_ms']:8.2f} ms "
-              f"(worst model {worst[0]} {worst[1]['p99_ms']:.1f} ms) [{pt['wall_seconds']:.0f} s]",
+              f"thr={pt['throughput']:6.1f}/s p99={pt['p99_ms']:8.2f} ms; worst against its SLO: "
+              f"{worst} {pt['per_model'][worst]['p99_ms']:.1f} ms = "
+              f"{worst_slo_ratio(pt, slo_ms):.2f}x its SLO [{pt['wall_seconds']:.0f} s]",
               file=sys.stderr, flush=True)
 
     bundles = ensure_bundles(list(TABLE2_MS))
     data = run(bundles, rates, sigmas, n, args.seed, systems, args.cpu_scale, args.slo_x, progress)
     data["wall_seconds"] = time.perf_counter() - t0
     s = data["summary"]
-    print(f"SLO p99 <= {s['slo_ms']:.1f} ms ({args.slo_x:g}x the mean isolated "
-          f"{data['setting']['mean_isolated_ms']:.2f} ms); sustained load per system:", file=sys.stderr)
+    print(f"SLO: every model's p99 <= {args.slo_x:g}x its isolated time; sustained load per system:",
+          file=sys.stderr)
     for key, per in s["sustained_load"].items():
         print(f"  {key}: " + ", ".join(f"{k} {v:g}" for k, v in per.items()), file=sys.stderr)
+    print(f"(one overall bound, p99 <= {s['overall_slo']['slo_ms']:.1f} ms: "
+          + "; ".join(f"{key}: " + ", ".join(f"{k} {v:g}" for k, v in per.items())
+                      for key, per in s["overall_slo"]["sustained_load"].items()) + ")", file=sys.stderr)
     write_outputs(data, args, plot)
     print(f"done in {data['wall_seconds']:.0f} s", file=sys.stderr)
     return 0

@@ -221,28 +221,16 @@ def _overhead(d: dict) -> list[str]:
     return out
 
 
-def _mix_tail(d: dict) -> str:
-    """Which model sets paella's and ms-jbj's p99 at ms-jbj's sustained load."""
-    st, s = d["setting"], d["summary"]
-    longest = max(st["isolated_ms"], key=st["isolated_ms"].get)
-    out = []
-    for k, per in d["results"].items():
-        load = s["sustained_load"][k].get("ms-jbj", 0)
-        at = {sy: next((p for p in per.get(sy, []) if p["offered"] == load), None) for sy in ("paella", "ms-jbj")}
-        if None in at.values():
-            continue
-        worst = {sy: max(p["per_model"], key=lambda m: p["per_model"][m]["p99_ms"]) for sy, p in at.items()}
-        out.append(f"At {load:g} req/s ({k}) the p99 is {at['paella']['p99_ms']:.1f} ms under paella (worst "
-                   f"model {worst['paella']}) and {at['ms-jbj']['p99_ms']:.1f} ms under ms-jbj (worst "
-                   f"{worst['ms-jbj']}).")
-        short = min(st["isolated_ms"], key=st["isolated_ms"].get)
-        out.append(f"Per model: {short} ({st['isolated_ms'][short]:.1f} ms alone) has p99 "
-                   f"{at['paella']['per_model'][short]['p99_ms']:.1f} ms under paella and "
-                   f"{at['ms-jbj']['per_model'][short]['p99_ms']:.1f} ms under ms-jbj; {longest} "
-                   f"({st['isolated_ms'][longest]:.1f} ms alone) "
-                   f"{at['paella']['per_model'][longest]['p99_ms']:.1f} and "
-                   f"{at['ms-jbj']['per_model'][longest]['p99_ms']:.1f} ms.")
-    return " ".join(out) + " "
+def _mix_at(d: dict, key: str, load: float) -> str:
+    """Each model's p99 under paella and ms-jbj at one load, against its SLO."""
+    st = d["setting"]
+    per = d["results"][key]
+    at = {sy: next((p for p in per.get(sy, []) if p["offered"] == load), None) for sy in ("paella", "ms-jbj")}
+    if None in at.values():
+        return ""
+    cells = [f"{m} {at['paella']['per_model'][m]['p99_ms']:.1f} / {at['ms-jbj']['per_model'][m]['p99_ms']:.1f}"
+             f" (SLO {slo:.0f})" for m, slo in st["slo_ms"].items()]
+    return (f"At {load:g} req/s ({key}), p99 in ms under paella / ms-jbj: " + "; ".join(cells) + ". ")
 
 
 def _mix(d: dict) -> list[str]:
@@ -251,37 +239,46 @@ def _mix(d: dict) -> list[str]:
               "ms-jbj": "Paella-MS-jbj", "ms-kbk": "Paella-MS-kbk", "paella": "**Paella**",
               "sjf": "Paella-SJF", "rr": "Paella-RR"}
     keys = list(d["results"])
-    rows = ["| system | " + " | ".join(f"sustained load, {k} (req/s) | peak throughput, {k}" for k in keys) + " |",
-            "|---|" + "---:|---:|" * len(keys)]
+    o = s["overall_slo"]
+    rows = ["| system | " + " | ".join(f"sustained, per-model SLO, {k} | sustained, overall bound, {k} | "
+                                       f"peak throughput, {k}" for k in keys) + " |",
+            "|---|" + "---:|---:|---:|" * len(keys)]
     for system in d["results"][keys[0]]:
         cells = []
         for k in keys:
             pts = d["results"][k][system]
-            cells += [f"{s['sustained_load'][k][system]:g}", f"{max(p['throughput'] for p in pts):.0f}"]
+            cells += [f"{s['sustained_load'][k][system]:g}", f"{o['sustained_load'][k][system]:g}",
+                      f"{max(p['throughput'] for p in pts):.0f}"]
         rows.append(f"| {labels.get(system, system)} | " + " | ".join(cells) + " |")
     ratio = s["load_ratio_vs_ms_jbj"]
     p99r = ", ".join(f"{v:.2f}x ({k})" for k, v in s["p99_ratio_ms_jbj_over_paella_at_ms_jbj_load"].items())
     verdict = ("sustains more load than ms-jbj" if s["paella_beats_ms_jbj"] else
                "does **not** sustain more load than ms-jbj (the issue requires it)")
+    details = "".join(_mix_at(d, k, max(s["sustained_load"][k]["paella"], s["sustained_load"][k]["ms-jbj"]))
+                      for k in keys)
     same = [f"{a} and {b}" for k in keys for a, b in (("fifo", "cuda-ss"), ("ms-jbj", "cuda-ms"))
             if a in d["results"][k] and b in d["results"][k]
             and [p["p99_ms"] for p in d["results"][k][a]] == [p["p99_ms"] for p in d["results"][k][b]]]
+    slos = ", ".join(f"{m} {v:.0f} ms" for m, v in st["slo_ms"].items())
     return [
         f"A uniform mix of the eight Table 2 models (compiled bundles) on `{st['gpu']}`, lognormal "
         f"arrivals ({', '.join(keys)}), offered loads {', '.join(f'{r:g}' for r in st['rates'])} req/s, "
         f"{st['requests_per_point']} requests per point (first {st['warmup']:.0%} dropped), dispatcher CPU "
         f"charged at scale {st['cpu_scale']:g} (0: a free dispatcher). CUDA-SS and CUDA-MS submit the same "
-        f"plans straight to the simulated device. SLO: p99 <= **{st['slo_ms']:.1f} ms**, {st['slo_x']:g}x "
-        f"the mix's mean isolated time ({st['mean_isolated_ms']:.2f} ms); a load is sustained when its p99 "
-        "meets the SLO and throughput keeps within 90% of it.",
+        f"plans straight to the simulated device. SLO, per-model: every model's p99 within **{st['slo_x']:g}x "
+        f"its isolated time** ({slos}); a load is sustained when every model meets its SLO and throughput "
+        f"keeps within 90% of it. Beside it, one overall bound on the whole mix's p99 "
+        f"({st['overall_slo_ms']:.1f} ms, {st['slo_x']:g}x the mean isolated time): that bound is set by "
+        "the longest model alone and ignores the short ones, so it is not the headline.",
         "", *rows, "",
         "| | this project | paper |",
         "|---|---:|---:|",
-        f"| sustained load, paella over ms-jbj (worse sigma) | {ratio:.2f}x | 1.4x |",
+        f"| sustained load, paella over ms-jbj, per-model SLO (worse sigma) | {ratio:.2f}x | 1.4x |",
+        f"| the same under the overall bound | {o['load_ratio_vs_ms_jbj']:.2f}x | |",
         f"| p99, ms-jbj over paella at ms-jbj's sustained load | {p99r} | 1.35x |",
         "",
         f"In this run paella {verdict}: {ratio:.2f}x, at the resolution of the load grid. "
-        + _mix_tail(d) + "The paper's gap also includes its C++ dispatch path, which virtual time at "
+        + details + "The paper's gap also includes its C++ dispatch path, which virtual time at "
         f"cpu_scale {st['cpu_scale']:g} does not charge."
         + (f" With a free dispatcher, {', '.join(same)} give identical points: the dispatcher adds "
            "nothing to those submission orders." if same else ""),

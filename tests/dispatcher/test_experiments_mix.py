@@ -8,31 +8,45 @@ from paella.experiments import mix
 from paella.experiments.zoo import DEFAULT_ZOO_DIR
 
 
-def point(offered, throughput, p99):
-    return {"offered": offered, "throughput": throughput, "p99_ms": p99}
+def point(offered, throughput, p99, short=None):
+    """A load point of a two-model mix; ``short``'s p99 defaults to the overall one."""
+    short = p99 if short is None else short
+    return {"offered": offered, "throughput": throughput, "p99_ms": p99,
+            "per_model": {"long": {"p99_ms": p99}, "short": {"p99_ms": short}}}
 
 
-def test_sustained_load_needs_the_slo_and_no_saturation():
-    pts = [point(100, 100, 10.0), point(200, 199, 40.0), point(300, 250, 45.0), point(400, 390, 90.0)]
-    # 300 meets the SLO but is saturated (250 < 0.9 * 300); 400 misses the SLO.
-    assert mix.sustained_load(pts, slo_ms=50.0) == 200
-    assert mix.sustained_load(pts, slo_ms=5.0) == 0.0
+SLO = {"long": 50.0, "short": 10.0}
+
+
+def test_sustained_load_needs_every_model_within_its_slo_and_no_saturation():
+    pts = [point(100, 100, 10.0, 5.0), point(200, 199, 40.0, 8.0), point(300, 250, 45.0, 5.0),
+           point(400, 390, 45.0, 12.0)]
+    ok = lambda p: mix.meets_slo(p, SLO)    # noqa: E731
+    # 300 meets both SLOs but is saturated (250 < 0.9 * 300); at 400 the short model misses.
+    assert mix.sustained_load(pts, ok) == 200
+    assert mix.sustained_load(pts, lambda p: mix.meets_slo(p, {"long": 5.0, "short": 10.0})) == 0.0
+    assert mix.worst_slo_ratio(pts[3], SLO) == pytest.approx(1.2)
 
 
 def test_summary_ratio_is_paella_over_ms_jbj_and_the_worse_sigma():
     results = {
-        "sigma=1.5": {"paella": [point(100, 100, 10.0), point(200, 200, 20.0)],
-                      "ms-jbj": [point(100, 100, 30.0), point(200, 200, 80.0)]},
-        "sigma=2.0": {"paella": [point(100, 100, 10.0), point(200, 200, 60.0)],
-                      "ms-jbj": [point(100, 100, 20.0), point(200, 200, 90.0)]},
+        "sigma=1.5": {"paella": [point(100, 100, 10.0, 2.0), point(200, 200, 20.0, 4.0)],
+                      "ms-jbj": [point(100, 100, 30.0, 6.0), point(200, 200, 40.0, 11.0)]},
+        "sigma=2.0": {"paella": [point(100, 100, 10.0, 2.0), point(200, 200, 60.0, 3.0)],
+                      "ms-jbj": [point(100, 100, 20.0, 5.0), point(200, 200, 45.0, 30.0)]},
     }
-    s = mix.summarize(results, slo_ms=50.0)
+    s = mix.summarize(results, SLO, overall_slo_ms=42.0)
     assert s["sustained_load"] == {"sigma=1.5": {"paella": 200, "ms-jbj": 100},
                                    "sigma=2.0": {"paella": 100, "ms-jbj": 100}}
     assert s["load_ratio_vs_ms_jbj_per_sigma"] == {"sigma=1.5": 2.0, "sigma=2.0": 1.0}
     assert s["load_ratio_vs_ms_jbj"] == 1.0 and s["paella_beats_ms_jbj"] is False
     # p99 compared at ms-jbj's sustained load (100 req/s): 30/10 and 20/10.
     assert s["p99_ratio_ms_jbj_over_paella_at_ms_jbj_load"] == {"sigma=1.5": 3.0, "sigma=2.0": 2.0}
+    # One overall bound of 42 ms: ms-jbj's 40 ms at 200 passes where its short model failed.
+    o = s["overall_slo"]
+    assert o["slo_ms"] == 42.0
+    assert o["sustained_load"] == {"sigma=1.5": {"paella": 200, "ms-jbj": 200},
+                                   "sigma=2.0": {"paella": 100, "ms-jbj": 100}}
 
 
 def test_unknown_system_is_refused():
@@ -59,7 +73,9 @@ def test_small_run_structure_and_summary_from_points(small_run):
     data = small_run
     st = data["setting"]
     assert st["models"] == SMALL and st["cpu_scale"] == 0.0
-    assert math.isclose(st["slo_ms"], 10.0 * st["mean_isolated_ms"])
+    assert set(st["slo_ms"]) == set(SMALL)
+    assert all(math.isclose(st["slo_ms"][m], 10.0 * st["isolated_ms"][m]) for m in SMALL)
+    assert math.isclose(st["overall_slo_ms"], 10.0 * st["mean_isolated_ms"])
     per = data["results"]["sigma=1.5"]
     assert list(per) == ["cuda-ss", "cuda-ms", "paella", "ms-jbj"]
     kept = 60 - int(60 * mix.WARMUP)
@@ -78,7 +94,8 @@ def test_small_run_structure_and_summary_from_points(small_run):
                {k: v["count"] for k, v in b["per_model"].items()}
     s = data["summary"]
     for system, pts in per.items():
-        assert s["sustained_load"]["sigma=1.5"][system] == mix.sustained_load(pts, st["slo_ms"])
+        assert s["sustained_load"]["sigma=1.5"][system] == \
+            mix.sustained_load(pts, lambda p: mix.meets_slo(p, st["slo_ms"]))
     assert s["load_ratio_vs_ms_jbj"] == mix._ratio(s["sustained_load"]["sigma=1.5"]["paella"],
                                                    s["sustained_load"]["sigma=1.5"]["ms-jbj"])
 
@@ -96,6 +113,7 @@ def test_report_section_renders_the_run(small_run):
     from paella.experiments import report
     text = "\n".join(report._mix(small_run))
     s = small_run["summary"]
-    assert f"{s['slo_ms']:.1f} ms" in text
-    assert f"| sustained load, paella over ms-jbj (worse sigma) | {s['load_ratio_vs_ms_jbj']:.2f}x | 1.4x |" in text
+    assert "per-model" in text
+    assert (f"| sustained load, paella over ms-jbj, per-model SLO (worse sigma) | "
+            f"{s['load_ratio_vs_ms_jbj']:.2f}x | 1.4x |") in text
     assert "| CUDA-SS | " in text and "| **Paella** | " in text
