@@ -17,7 +17,7 @@ import numpy as np
 
 from paella.dispatcher.devices.base import Function, dim3
 
-from .waitlist import D2H, DONE, H2D, KERNEL, MARKER, READY, WAITING, Event, Op, VStream, Waitlist
+from .waitlist import D2H, DONE, H2D, KERNEL, MARKER, READY, Event, Op, VStream, Waitlist
 
 if TYPE_CHECKING:
     from .core import Dispatcher, Request
@@ -76,7 +76,7 @@ class Job:
         # The adaptor's per-request device buffers (adaptor.BufferSet), acquired by the
         # dispatcher before the job starts and returned when it finishes.
         self.bindings: Any = None
-        self.t_arrival = dispatcher.device.now()
+        self.t_arrival = req.t_submit
         self.t_start = 0.0
         # A lazily started straight-line plan (PlanTemplate.start): its template while
         # steps remain to be made, and the step of its current op.
@@ -255,7 +255,7 @@ class PlanTemplate:
     per-op dependency analysis. Other plans go through ``Waitlist.issue`` op by op.
     """
 
-    __slots__ = ("name", "io_bytes", "specs", "streams", "straight", "n", "classes")
+    __slots__ = ("name", "io_bytes", "specs", "streams", "straight", "n")
 
     def __init__(self, adaptor: Any, dispatcher: "Dispatcher"):
         device = dispatcher.device
@@ -277,7 +277,6 @@ class PlanTemplate:
                 specs.append((H2D if kind == 1 else D2H, s, i == almost, b, c))
         self.specs = specs
         self.n = len(specs)
-        self.classes = [_step_class(f"{self.name}_{i}", spec) for i, spec in enumerate(specs)]
 
     def _check(self, job: Job, io: np.ndarray) -> list:
         """What ``PlanAdaptor.run`` checks first; returns the job's bound arguments."""
@@ -291,13 +290,21 @@ class PlanTemplate:
 
     def make(self, job: Job, i: int, vs: VStream, bound: list, io: np.ndarray) -> Op:
         """Step ``i``'s op for ``job`` on virtual stream ``vs``, not yet issued."""
-        op = self.classes[i](job, vs, job.t_start)
-        if op.kind == KERNEL:
+        # (One Op class for every op: a class per step, holding what its ops share, made
+        # ops cheaper to build but every attribute read in the loop slower, since
+        # CPython's inline caches specialise on one type per site.)
+        spec = self.specs[i]
+        kind = spec[0]
+        op = Op(kind, job, vs)
+        if kind == KERNEL:
+            (_, _, op.almost_finished, op.func, op.key, op.grid, op.block, op.dyn_smem, op.fp,
+             op.blocks, op.fw, op.fr, op.fs, op.entries) = spec
             op.args = bound[i]
         else:
-            spec = self.specs[i]
+            op.almost_finished = spec[2]
             op.dptr = bound[i]
             op.host = io[spec[3]:spec[4]]
+        op.t_issue = job.t_start
         return op
 
     def start(self, job: Job, io: np.ndarray) -> Op | None:
@@ -363,38 +370,3 @@ class PlanTemplate:
             wl.pending += self.n
             wl._activate(first)
 
-
-class StepOp(Op):
-    """An op of a plan step. What every request's op of that step shares (kind, the
-    kernel, its geometry and flattened footprint, the "almost finished" mark) lives in
-    a class made per step (:func:`_step_class`) instead of in each op, so that making
-    an op sets only what differs: its job, stream, state and bound arguments. Those
-    shared attributes are read-only on these ops (nothing writes them after issue)."""
-    __slots__ = ()
-
-    def __init__(self, job: Job, vstream: VStream, t_issue: float):
-        self.job = job
-        self.vstream = vstream
-        self.deps = 0
-        self.pred = self.succ = self.dependents = None
-        self.pred_pending = False
-        self.state = WAITING
-        self.stream = self.launch_id = -1
-        self.placed = self.ended = 0
-        self.t_issue = t_issue
-        self.t_release = self.t_first = 0.0
-
-
-def _step_class(name: str, spec: tuple) -> type:
-    """The :class:`StepOp` subclass of one plan step (``PlanTemplate.specs`` entry)."""
-    kind = spec[0]
-    if kind == KERNEL:
-        (_, _, almost, func, key, grid, block, dyn_smem, fp, blocks, fw, fr, fs, entries) = spec
-        shared = dict(func=func, key=key, grid=grid, block=block, dyn_smem=dyn_smem, fp=fp,
-                      blocks=blocks, fw=fw, fr=fr, fs=fs, entries=entries, host=None, dptr=0)
-    else:
-        almost = spec[2]
-        shared = dict(func=None, key=None, grid=None, block=None, dyn_smem=0, fp=None,
-                      blocks=0, fw=0, fr=0, fs=0, entries=0, args=())
-    return type(name, (StepOp,), {"__slots__": (), "kind": kind, "almost_finished": almost,
-                                  **shared})

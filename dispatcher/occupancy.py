@@ -89,8 +89,9 @@ class Tracker:
         # Released, not yet placed: block count and demand.
         self.unplaced = 0
         self.d_warps = self.d_regs = self.d_smem = 0
-        # Flow control.
-        self.pending_entries = 0
+        # Flow control: entries reserved by every launch so far; those not yet consumed
+        # are ``pending_entries`` (reserved minus the head), so a drain updates neither.
+        self._reserved = 0
         self._id_shift = counter_pairs.bit_length() - 1
         self._id_mask = counter_pairs - 1
         # Launches in flight, indexed by counter pair (the launch id's low bits): a list
@@ -99,7 +100,16 @@ class Tracker:
         self._free_ids: deque[int] = deque(range(counter_pairs))
         self._gen = [0] * counter_pairs
         self._gen_mask = _LAUNCH_MASK >> self._id_shift
-        self.notifications = 0
+
+    @property
+    def pending_entries(self) -> int:
+        """notifQ entries the launches in flight may still post (flow control)."""
+        return self._reserved - self.head
+
+    @property
+    def notifications(self) -> int:
+        """Entries consumed since the tracker started (the head starts at 0)."""
+        return self.head
 
     @property
     def launches(self) -> dict[int, Op]:
@@ -122,7 +132,7 @@ class Tracker:
         """May ``op`` be launched without risking a notifQ overrun?"""
         if not op.entries:
             self.prepare(op)
-        return bool(self._free_ids) and self.pending_entries + op.entries <= self.slots
+        return bool(self._free_ids) and self._reserved - self.head + op.entries <= self.slots
 
     def admits(self, op: Op) -> bool:
         """The +B rule (see the module docstring), then flow control. O(1): every figure
@@ -151,7 +161,7 @@ class Tracker:
                 return False
         if not op.entries:
             self.prepare(op)
-        return bool(self._free_ids) and self.pending_entries + op.entries <= self.slots
+        return bool(self._free_ids) and self._reserved - self.head + op.entries <= self.slots
 
     def release(self, op: Op) -> int:
         """Account for launching ``op``; returns its launch id."""
@@ -167,7 +177,7 @@ class Tracker:
         self.d_warps += n * op.fw
         self.d_regs += n * op.fr
         self.d_smem += n * op.fs
-        self.pending_entries += op.entries
+        self._reserved += op.entries
         return lid
 
     def unrelease(self, op: Op) -> None:
@@ -177,7 +187,7 @@ class Tracker:
         self.d_warps -= n * op.fw
         self.d_regs -= n * op.fr
         self.d_smem -= n * op.fs
-        self.pending_entries -= op.entries
+        self._reserved -= op.entries
         self._finish(op)
 
     # -- notification side ----------------------------------------------------------------
@@ -253,16 +263,13 @@ class Tracker:
         self.blocks, self.warps, self.regs, self.smem = blocks, warps, regs, smem
         self.unplaced, self.d_warps, self.d_regs, self.d_smem = unplaced, d_w, d_r, d_s
         self.head = head
-        consumed = head - start
-        self.pending_entries -= consumed
-        self.notifications += consumed
         if finished is not None:
             for op in finished:
                 on_done(op)
         if bad:
             raise RuntimeError(f"notifQ entry {bad:#018x} names launch {bad & _LAUNCH_MASK}, "
                                f"which is not in flight (internal error, please report)")
-        return consumed
+        return head - start
 
     def _finish(self, op: Op) -> None:
         slot = op.launch_id & self._id_mask

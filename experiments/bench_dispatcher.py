@@ -25,9 +25,9 @@ The simulator's own time is excluded everywhere: on a GPU that work is the hardw
 The meter must not be what costs: ``time.thread_time`` is a system call (~0.5 us here,
 far more on a loaded VM), so the device methods are timed with ``time.perf_counter``
 (~0.1 us, no system call; their spans are microseconds, too short for preemption to
-matter), and the part of the two ``thread_time`` calls around each step that falls
-inside the step's window (the median of back-to-back calls, measured at start) is
-subtracted.
+matter), what the wrapper itself costs per call is measured at start on a no-op and
+subtracted, and so is the part of the two ``thread_time`` calls around each step that
+falls inside the step's window (the median of back-to-back calls).
 """
 from __future__ import annotations
 
@@ -50,13 +50,20 @@ _DEVICE_METHODS = ("launch", "memcpy_htod", "memcpy_dtoh", "record_event", "even
 
 
 class _SimMeter:
-    """Time spent inside the simulator's methods (subtracted), and launches counted."""
+    """Time spent inside the simulator's methods (subtracted), and launches counted.
+
+    The wrapper's own cost outside its span (the call through it, the reads of the
+    clock) is measured once on a method that does nothing and subtracted per call too:
+    it is the meter's, not the dispatcher's."""
 
     def __init__(self, dev: SimDevice):
         self.seconds = 0.0
         self.launches = 0
+        self.per_call = 0.0
+        self.per_call = self._calibrate()
         for name in _DEVICE_METHODS:
             setattr(dev, name, self._timed(getattr(dev, name), name == "launch"))
+        self.seconds = 0.0
 
     def _timed(self, fn: Callable, count: bool) -> Callable:
         clock = _inner
@@ -66,10 +73,29 @@ class _SimMeter:
             try:
                 return fn(*a, **k)
             finally:
-                self.seconds += clock() - c0
+                self.seconds += clock() - c0 + self.per_call
                 if count:
                     self.launches += 1
         return timed
+
+    def _calibrate(self, n: int = 2000, batches: int = 15) -> float:
+        """What calling through the wrapper adds, over calling the method directly,
+        outside the metered span: median over batches of a no-op called both ways."""
+        def nop(*a: Any, **k: Any) -> None:
+            return None
+        wrapped = self._timed(nop, False)
+        out = []
+        for _ in range(batches):
+            self.seconds = 0.0
+            c0 = _clock()
+            for _ in range(n):
+                wrapped(1, 2, 3, 4, 5, dyn_smem=0, args=(), instrumented=True, group=16)
+            c1 = _clock()
+            for _ in range(n):
+                nop(1, 2, 3, 4, 5, dyn_smem=0, args=(), instrumented=True, group=16)
+            c2 = _clock()
+            out.append(((c1 - c0 - self.seconds) - (c2 - c1)) / n)
+        return max(float(np.median(out)), 0.0)
 
     def take(self) -> float:
         s, self.seconds = self.seconds, 0.0
@@ -93,24 +119,30 @@ def _setup(policy: str, seed: int) -> tuple[SimDevice, Dispatcher, int, _SimMete
 
 
 def _drive(dev: SimDevice, d: Dispatcher, mid: int, meter: _SimMeter, n_jobs: int, rate: float,
-           seed: int, on_step: Callable[[float, int], None]) -> None:
-    """The harness's loop (cpu_scale 1): ``on_step(cpu_seconds, kernels_launched)``."""
+           seed: int, on_step: Callable[[float, int, bool], None]) -> None:
+    """The harness's loop (cpu_scale 1): ``on_step(cpu_seconds, kernels_launched, idle)``.
+    The CPU of a step includes ``submit`` (the job's creation), not the client's
+    ``Request`` nor the arrival bookkeeping."""
     io = np.zeros(max(d.models[mid].adaptor.io_bytes, 1), np.uint8)
-    arrivals = dev.now() + lognormal_arrivals(rate, 1.5, n_jobs, seed)
+    arrivals = (dev.now() + lognormal_arrivals(rate, 1.5, n_jobs, seed)).tolist()
     i = 0
     inf = math.inf
     overhead = _clock_overhead()
+    submit = d.submit
     while i < n_jobs or d.in_flight:
         now = dev.now()
+        reqs = []
+        while i < n_jobs and arrivals[i] <= now:
+            reqs.append(Request(i, i % 4, mid, io))
+            i += 1
         meter.take()
         k0 = meter.launches
         c0 = _clock()
-        while i < n_jobs and arrivals[i] <= now:
-            d.submit(Request(i, i % 4, mid, io))
-            i += 1
+        for req in reqs:
+            submit(req)
         d.step()
         spent = max(_clock() - c0 - overhead - meter.take(), 0.0)
-        on_step(spent, meter.launches - k0)
+        on_step(spent, meter.launches - k0, d.idle)
         t = now + spent
         if d.idle:
             nxt = min(dev.next_event_time(), arrivals[i] if i < n_jobs else inf)
@@ -124,20 +156,34 @@ def measure_whole(n_jobs: int, policy: str = "paella", rate: float = 3000.0, see
                   window: int = 256) -> dict:
     dev, d, mid, meter = _setup(policy, seed)
     windows: list[float] = []
-    acc = [0.0, 0, 0.0, 0]           # window cpu, window kernels, total cpu, total kernels
+    busy_windows: list[float] = []
+    # window cpu, window kernels, total cpu, total kernels; the same over busy steps
+    acc = [0.0, 0, 0.0, 0]
+    busy = [0.0, 0, 0.0, 0]
+    idle_steps = [0]
 
-    def on_step(cpu: float, k: int) -> None:
-        acc[0] += cpu
-        acc[1] += k
-        acc[2] += cpu
-        acc[3] += k
-        if acc[1] >= window:
-            windows.append(acc[0] / acc[1])
-            acc[0], acc[1] = 0.0, 0
+    def add(a: list, out: list, cpu: float, k: int) -> None:
+        a[0] += cpu
+        a[1] += k
+        a[2] += cpu
+        a[3] += k
+        if a[1] >= window:
+            out.append(a[0] / a[1])
+            a[0], a[1] = 0.0, 0
+
+    def on_step(cpu: float, k: int, idle: bool) -> None:
+        add(acc, windows, cpu, k)
+        if idle:
+            idle_steps[0] += 1
+        else:
+            add(busy, busy_windows, cpu, k)
     _drive(dev, d, mid, meter, n_jobs, rate, seed, on_step)
     w = np.array(windows) * 1e6
     return {"kernels": acc[3], "cpu_s": acc[2], "kernels_per_cpu_s": acc[3] / acc[2],
-            "whole_per_kernel_us": _stats(w), "iterations": d.iterations}
+            "whole_per_kernel_us": _stats(w), "iterations": d.iterations,
+            "idle_iterations": idle_steps[0],
+            "busy_per_kernel_us": _stats(np.array(busy_windows) * 1e6),
+            "kernels_per_busy_cpu_s": busy[3] / busy[2]}
 
 
 def measure_phases(n_jobs: int, policy: str = "paella", rate: float = 3000.0, seed: int = 1) -> dict:
@@ -173,7 +219,7 @@ def measure_phases(n_jobs: int, policy: str = "paella", rate: float = 3000.0, se
             notif.append((clock() - c0) / n)
         return n
     d._release, d._start_arrivals, d.tracker.drain = timed_release, timed_start, timed_drain
-    _drive(dev, d, mid, meter, n_jobs, rate, seed, lambda cpu, k: None)
+    _drive(dev, d, mid, meter, n_jobs, rate, seed, lambda cpu, k, idle: None)
     us = lambda x: _stats(np.array(x) * 1e6)      # noqa: E731
     return {"release_per_kernel_us": us(release), "per_notification_us": us(notif),
             "start_per_job_us": us(starts), "release_calls": len(release),
@@ -194,10 +240,13 @@ def main() -> None:
     w = measure_whole(a.jobs, a.policy, a.rate, a.seed)
     ph = measure_phases(a.jobs, a.policy, a.rate, a.seed)
     print(f"{a.jobs} Figure-2 jobs at {a.rate:g}/s, policy {a.policy}: {w['kernels']} kernels, "
-          f"{w['iterations']} iterations")
+          f"{w['iterations']} iterations ({w['idle_iterations']} idle)")
     print(f"  whole, per kernel (windows)   median {w['whole_per_kernel_us']['median']:7.2f}  "
           f"p99 {w['whole_per_kernel_us']['p99']:7.2f} us   "
           f"-> {w['kernels_per_cpu_s']:,.0f} kernels per CPU second")
+    print(f"  busy steps only, per kernel   median {w['busy_per_kernel_us']['median']:7.2f}  "
+          f"p99 {w['busy_per_kernel_us']['p99']:7.2f} us   "
+          f"-> {w['kernels_per_busy_cpu_s']:,.0f} kernels per CPU second")
     for k, label in (("release_per_kernel_us", "release, per kernel"),
                      ("per_notification_us", "per notification"),
                      ("start_per_job_us", "start + issue, per job")):
