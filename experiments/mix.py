@@ -249,7 +249,7 @@ def plot(data: dict, path: str) -> None:
         bottom.set_ylabel("p99 / SLO")
     axes[0][0].legend(fontsize=6)
     s = data["summary"]
-    fig.suptitle(f"Figure 11: eight-model mix on t4 (cpu_scale {st['cpu_scale']:g}); sustained load, "
+    fig.suptitle(f"Figure 11: eight-model mix on t4 (cpu_scale {st['cpu_scale']:g})\nsustained load, "
                  f"paella over ms-jbj: {s['load_ratio_vs_ms_jbj']:.2f}x (per-model SLO), "
                  f"{s['overall_slo']['load_ratio_vs_ms_jbj']:.2f}x (overall bound)", fontsize=9)
     save_figure(fig, path)

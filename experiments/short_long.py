@@ -190,7 +190,7 @@ def plot(data: dict, path: str) -> None:
     fig.suptitle(f"Figure 12: short vs long jobs (ResNet-18 p99 speedup over ms-jbj "
                  f"{data['summary']['short_p99_speedup']:.2f}x; cpu_scale "
                  f"{data['setting']['cpu_scale']:g})")
-    save_figure(fig, path, dpi=120)
+    save_figure(fig, path)
 
 
 def register(sub: argparse._SubParsersAction) -> None:

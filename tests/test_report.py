@@ -15,3 +15,16 @@ def test_report_renders_from_json_and_names_what_is_missing(tmp_path):
     assert "| m | 3 | 1.00 | 2.00 | 4.00 | 0.50 |" in text
     assert "**not met**" in text
     assert "hol.json` is missing" in text
+
+
+def test_the_committed_figures_render():
+    """docs/EXPERIMENTS.md is generated from docs/figures/*.json: every committed JSON must
+    still render with the current report code (a format change needs a re-run)."""
+    from pathlib import Path
+
+    from paella.experiments import report
+    figures = Path(__file__).resolve().parents[1] / "docs" / "figures"
+    text = report.render(figures)
+    for name, title, _, _ in report.SECTIONS:
+        assert title in text
+        assert (figures / f"{name}.json").is_file(), f"docs/figures/{name}.json is missing"
