@@ -18,7 +18,8 @@ the clock. Reported:
 * **phases** (a second run with each phase of ``step()`` timed): per released kernel
   in ``_release`` (pick, +B, launch bookkeeping, waitlist), per notifQ entry drained
   (incl. completion bookkeeping), per job started (issuing its plan), medians and p99
-  over the calls that did something.
+  over the calls that did something;
+* **alone** (``--alone``): the dispatcher without the simulator, see :func:`measure_alone`.
 
 The simulator's own time is excluded everywhere: on a GPU that work is the hardware's.
 
@@ -38,8 +39,10 @@ from typing import Any, Callable
 
 import numpy as np
 
+from paella import protocol
 from paella.dispatcher.core import Dispatcher, Request
 from paella.dispatcher.devices.sim import SimDevice
+from paella.dispatcher.waitlist import KERNEL
 from paella.experiments.harness import adaptor_for
 from paella.experiments.workload import lognormal_arrivals
 from paella.models.synthetic import figure2_job
@@ -119,10 +122,14 @@ def _setup(policy: str, seed: int) -> tuple[SimDevice, Dispatcher, int, _SimMete
 
 
 def _drive(dev: SimDevice, d: Dispatcher, mid: int, meter: _SimMeter, n_jobs: int, rate: float,
-           seed: int, on_step: Callable[[float, int, bool], None]) -> None:
+           seed: int, on_step: Callable[[float, int, bool], None],
+           fixed: float | None = None) -> None:
     """The harness's loop (cpu_scale 1): ``on_step(cpu_seconds, kernels_launched, idle)``.
     The CPU of a step includes ``submit`` (the job's creation), not the client's
-    ``Request`` nor the arrival bookkeeping."""
+    ``Request`` nor the arrival bookkeeping. With ``fixed`` (seconds per kernel
+    launched, plus 5 us per step) the clock advances by that instead of the measured
+    CPU: every version of the dispatcher then does exactly the same work, in the same
+    batches, which is what a before/after comparison on a noisy machine needs."""
     io = np.zeros(max(d.models[mid].adaptor.io_bytes, 1), np.uint8)
     arrivals = (dev.now() + lognormal_arrivals(rate, 1.5, n_jobs, seed)).tolist()
     i = 0
@@ -142,8 +149,9 @@ def _drive(dev: SimDevice, d: Dispatcher, mid: int, meter: _SimMeter, n_jobs: in
             submit(req)
         d.step()
         spent = max(_clock() - c0 - overhead - meter.take(), 0.0)
-        on_step(spent, meter.launches - k0, d.idle)
-        t = now + spent
+        k = meter.launches - k0
+        on_step(spent, k, d.idle)
+        t = now + (spent if fixed is None else fixed * k + 5e-6)
         if d.idle:
             nxt = min(dev.next_event_time(), arrivals[i] if i < n_jobs else inf)
             if nxt == inf:
@@ -153,7 +161,7 @@ def _drive(dev: SimDevice, d: Dispatcher, mid: int, meter: _SimMeter, n_jobs: in
 
 
 def measure_whole(n_jobs: int, policy: str = "paella", rate: float = 3000.0, seed: int = 1,
-                  window: int = 256) -> dict:
+                  window: int = 256, fixed: float | None = None) -> dict:
     dev, d, mid, meter = _setup(policy, seed)
     windows: list[float] = []
     busy_windows: list[float] = []
@@ -177,7 +185,7 @@ def measure_whole(n_jobs: int, policy: str = "paella", rate: float = 3000.0, see
             idle_steps[0] += 1
         else:
             add(busy, busy_windows, cpu, k)
-    _drive(dev, d, mid, meter, n_jobs, rate, seed, on_step)
+    _drive(dev, d, mid, meter, n_jobs, rate, seed, on_step, fixed)
     w = np.array(windows) * 1e6
     return {"kernels": acc[3], "cpu_s": acc[2], "kernels_per_cpu_s": acc[3] / acc[2],
             "whole_per_kernel_us": _stats(w), "iterations": d.iterations,
@@ -226,6 +234,49 @@ def measure_phases(n_jobs: int, policy: str = "paella", rate: float = 3000.0, se
             "drain_calls": len(notif)}
 
 
+def measure_alone(n_jobs: int, policy: str = "paella", batch: int = 4, seed: int = 1,
+                  window: int = 1000) -> dict:
+    """The dispatcher alone, cache-warm: the device's methods are replaced by stubs that
+    post a launch's PLACEMENT and COMPLETION at once (copies and events complete at
+    once), ``batch`` requests are submitted per step, and the thread CPU of submit +
+    step is all the dispatcher's. Median over windows of ``window`` jobs, per kernel.
+    What the simulated runs add on top is mostly the simulator's work evicting the
+    dispatcher's data and code between steps."""
+    dev, d, mid, _ = _setup(policy, seed)
+    kernels_per_job = sum(1 for spec in d.models[mid].template.specs if spec[0] == KERNEL)
+    ring = memoryview(dev.notifq)
+    mask = dev.notifq.size - 1
+    tail = [d.tracker.head]
+    one = 1 << protocol.COUNT_SHIFT
+    placed = (protocol.PLACEMENT << protocol.KIND_SHIFT) | one
+    completed = (protocol.COMPLETION << protocol.KIND_SHIFT) | one
+
+    def launch(func: Any, grid: Any, block: Any, stream: int, lid: int, **kw: Any) -> None:
+        t = tail[0]
+        ring[t & mask] = placed | lid
+        ring[(t + 1) & mask] = completed | lid
+        tail[0] = t + 2
+    dev.launch = launch
+    dev.memcpy_htod = dev.memcpy_dtoh = lambda *a, **k: None
+    dev.record_event = lambda s: s
+    dev.event_query = lambda e: True
+    io = np.zeros(max(d.models[mid].adaptor.io_bytes, 1), np.uint8)
+    out = []
+    i = i0 = 0
+    c0 = _clock()
+    while i < n_jobs or d.in_flight:
+        for _ in range(batch):
+            if i < n_jobs:
+                d.submit(Request(i, i % 4, mid, io))
+                i += 1
+        d.step()
+        if i - i0 >= window:
+            c1 = _clock()
+            out.append((c1 - c0) / ((i - i0) * kernels_per_job))
+            c0, i0 = c1, i
+    return {"per_kernel_us": _stats(np.array(out) * 1e6), "kernels_per_cpu_s": float(1 / np.median(out))}
+
+
 def _stats(x: np.ndarray) -> dict:
     return {"median": float(np.median(x)), "p99": float(np.percentile(x, 99))}
 
@@ -236,8 +287,14 @@ def main() -> None:
     p.add_argument("--rate", type=float, default=3000.0, help="job arrivals per second")
     p.add_argument("--policy", default="paella")
     p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--fixed-us", type=float, default=None,
+                   help="advance the clock by this many us per kernel instead of the measured "
+                        "CPU (same work for every version: for before/after comparisons)")
+    p.add_argument("--alone", action="store_true",
+                   help="also time the dispatcher alone, without the simulator (cache-warm)")
     a = p.parse_args()
-    w = measure_whole(a.jobs, a.policy, a.rate, a.seed)
+    fixed = None if a.fixed_us is None else a.fixed_us * 1e-6
+    w = measure_whole(a.jobs, a.policy, a.rate, a.seed, fixed=fixed)
     ph = measure_phases(a.jobs, a.policy, a.rate, a.seed)
     print(f"{a.jobs} Figure-2 jobs at {a.rate:g}/s, policy {a.policy}: {w['kernels']} kernels, "
           f"{w['iterations']} iterations ({w['idle_iterations']} idle)")
@@ -251,6 +308,11 @@ def main() -> None:
                      ("per_notification_us", "per notification"),
                      ("start_per_job_us", "start + issue, per job")):
         print(f"  {label:29s} median {ph[k]['median']:7.2f}  p99 {ph[k]['p99']:7.2f} us")
+    if a.alone:
+        al = measure_alone(max(a.jobs, 12000), a.policy, seed=a.seed)
+        print(f"  alone (no simulator), /kernel median {al['per_kernel_us']['median']:7.2f}  "
+              f"p99 {al['per_kernel_us']['p99']:7.2f} us   "
+              f"-> {al['kernels_per_cpu_s']:,.0f} kernels per CPU second")
 
 
 if __name__ == "__main__":
