@@ -223,10 +223,10 @@ def _overhead(d: dict) -> list[str]:
         "The paper's bars are in a figure whose values the text does not give, so only its ordering can be "
         f"compared. Communication, {med['communication']:.0f} us, is the shared-memory rings plus a "
         f"socket wake-up (the echo model's whole round trip: {d['echo']['e2e_p50_us']:.0f} us p50)"
-        + (f"; with `--idle spin` it is {spin['communication']['p50']:.0f} us: the adaptive loop counts "
-           "its idle spin from the last request it took or the last time it slept, not from the last "
-           "completion, so after a long job it usually sleeps at once and the next request needs a KICK "
-           "and an epoll wake-up" if spin else "")
+        + (f"; with `--idle spin` it is {spin['communication']['p50']:.0f} us: the adaptive loop sleeps "
+           "once nothing has been in flight for `idle_spin_us` (200 us), and a request arriving after "
+           "that pays a KICK and an epoll wake-up; on this loaded 2-core machine the client's own "
+           "turnaround often exceeds 200 us" if spin else "")
         + ". Scheduling and framework, "
         f"{med['scheduling_framework'] / 1e3:.1f} ms, is mostly the GPU waiting between the job's "
         f"{d['cases'][cases[0]]['stats_us']['kernels']['p50']:.0f} kernels for this Python dispatcher "
