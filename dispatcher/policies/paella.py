@@ -92,11 +92,11 @@ class Paella(Policy):
             raise PolicyError(f"fairness_threshold must be >= 0, got {fairness_threshold}")
         if fairness_unit not in ("job", "client"):
             raise PolicyError(f"fairness_unit must be 'job' or 'client', got {fairness_unit!r}")
-        if hold_factor is not None and not hold_factor > 0:
-            raise PolicyError(f"hold_factor must be > 0 (or None to never hold), got {hold_factor}")
+        if hold_factor is not None and not hold_factor >= 0:
+            raise PolicyError(f"hold_factor must be >= 0 (0 or None: never hold), got {hold_factor}")
         self.threshold = float(fairness_threshold)
         self.by_client = fairness_unit == "client"
-        self.hold = hold_factor
+        self.hold = hold_factor or None    # 0, False (TOML) and None turn the rule off
         self.inflight: list = []    # (remaining, arrival seq, lver, job): every live job
         self.n_live_jobs = 0
         self.srpt: list = []        # (remaining, arrival seq, pver, job)

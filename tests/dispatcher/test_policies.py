@@ -310,7 +310,8 @@ def test_hold_can_be_turned_off_and_does_not_override_fairness():
     arrive(p, long_, short)
     assert p.pick() is long_
     with pytest.raises(PolicyError, match="hold_factor"):
-        Paella(hold_factor=0)
+        Paella(hold_factor=-1)
+    assert Paella(hold_factor=0).hold is None and Paella(hold_factor=False).hold is None
 
 
 def test_hold_protects_a_short_job_from_a_long_kernel_end_to_end(make):
