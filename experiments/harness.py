@@ -96,7 +96,8 @@ def run_point(cfg: PointConfig, workloads: list[Workload]) -> dict:
         status[req.req_id] = st
 
     # A free dispatcher (cpu_scale 0) without synthetic delay needs no CPU meter, and
-    # measuring is not free: time.thread_time costs ~10 us per call on this VM.
+    # measuring is not free: time.thread_time is a system call (~0.5 us; 10 us measured
+    # here while the machine was loaded).
     measure = cfg.cpu_scale > 0 or cfg.decision_delay > 0
     meter = DeviceMeter(dev, cfg.device_call_cost) if measure else None
     cpu = _drive(d, dev, arrivals, lambda i: d.submit(Request(
