@@ -34,8 +34,8 @@ from paella.experiments.cli import add_common, save_figure
 from paella.experiments.harness import write_outputs, PointConfig, Workload, adaptor_for, run_point
 from paella.models.synthetic import chain_job
 
-FULL_THRESHOLDS = [0.0, 1.0, 2.0, 4.0, 8.0, 16.0, 24.0, 32.0, 48.0, 64.0, 128.0, 1e9]
-QUICK_THRESHOLDS = [0.0, 4.0, 16.0, 32.0, 64.0, 1e9]
+FULL_THRESHOLDS = [0.0, 1.0, 2.0, 4.0, 8.0, 16.0, 24.0, 32.0, 48.0, 64.0, 128.0, 256.0, 1e9]
+QUICK_THRESHOLDS = [0.0, 4.0, 16.0, 32.0, 64.0, 256.0, 1e9]
 #: approaches_fifo: tolerances (see the module docstring).
 RATIO_TOLERANCE = 0.25
 SRPT_RATIO_FACTOR = 3.0
