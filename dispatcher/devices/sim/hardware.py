@@ -30,10 +30,11 @@ import numpy as np
 from paella import protocol
 from paella.dispatcher.devices.base import NotifQOverrun
 from paella.gpus import GpuSpec
-from paella.occupancy import Footprint, SMResources, limits_per_resource
+from paella.occupancy import Footprint
 
 from .clock import EventLoop
 from .cost import CostModel
+from .smstate import GIVE_SHIFT, TAKE_SHIFT, SMStates
 
 KERNEL, H2D, D2H, MARKER = 0, 1, 2, 3
 #: Placements of more blocks than this take the vector path (every SM at once).
@@ -59,13 +60,14 @@ class Op:
 
 
 class KernelOp(Op):
-    __slots__ = ("name", "fp", "total", "unplaced", "started", "ended", "block_time",
+    __slots__ = ("name", "fp", "shape", "total", "unplaced", "started", "ended", "block_time",
                  "launch_id", "instrumented", "group", "issued", "blocked", "t_first")
 
-    def __init__(self, stream, on_complete, name, fp, total, block_time, launch_id, instrumented, group):
+    def __init__(self, stream, on_complete, name, shape, total, block_time, launch_id, instrumented, group):
         super().__init__(KERNEL, stream, on_complete)
         self.name = name
-        self.fp = fp
+        self.fp = shape.fp
+        self.shape = shape        # the footprint's memo tables (smstate.Shape)
         self.total = self.unplaced = total
         self.started = self.ended = 0
         self.block_time = block_time
@@ -94,7 +96,7 @@ class GpuModel:
         self.spec = spec
         self.loop = loop
         self.cost = cost
-        self.res = SMResources(spec)
+        self.res = SMStates(spec)
         self.n_sm = spec.sm_count
         self.nq = spec.hw_queues
         self.queues: list[deque[Op]] = [deque() for _ in range(self.nq)]
@@ -102,6 +104,9 @@ class GpuModel:
         self.active: list[KernelOp] = []          # dispatchable queue heads, launch order
         self.engines = {H2D: deque(), D2H: deque()}
         self.ring = notifq
+        # Speed: a memoryview reads and writes a slot as a Python int several times
+        # faster than numpy scalar indexing.
+        self._ring_mv = memoryview(notifq)
         self.mask = notifq.size - 1
         self.tail = 0
         self.rng = random.Random(seed)
@@ -112,11 +117,8 @@ class GpuModel:
         # Every rotation of the SM order, so a full scan allocates nothing.
         order = list(range(self.n_sm))
         self._rotations = [order[i:] + order[:i] for i in range(self.n_sm)]
-        self._rotations_np = [np.array(r, dtype=np.int64) for r in self._rotations]
         self._dirty: list[int] = []               # SMs that gained room since the last pass
         self._is_dirty = [False] * self.n_sm
-        self._is_dirty_np = np.zeros(self.n_sm, dtype=bool)    # the same, for vector scans
-        self._waves_cache: dict[Footprint, int] = {}
         # Statistics.
         self.resident = 0
         self.placements = 0
@@ -128,10 +130,11 @@ class GpuModel:
     def launch(self, name: str, fp: Footprint, blocks: int, flops: float, nbytes: float,
                duration: float | None, stream: int, launch_id: int, instrumented: bool,
                group: int, on_complete) -> KernelOp:
-        per_wave = self._blocks_per_sm(fp) * self.n_sm
+        shape = self.res.shape(fp)
+        per_wave = shape.per_sm * self.n_sm
         waves = -(-blocks // per_wave)
         block_time = self.cost.kernel_time(self.spec, flops, nbytes, duration) / waves
-        op = KernelOp(stream, on_complete, name, fp, blocks, block_time, launch_id, instrumented, group)
+        op = KernelOp(stream, on_complete, name, shape, blocks, block_time, launch_id, instrumented, group)
         self._submit(op)
         return op
 
@@ -155,12 +158,6 @@ class GpuModel:
         if len(self.queues[q]) == 1:
             self._advance(q)
             self._dispatch()
-
-    def _blocks_per_sm(self, fp: Footprint) -> int:
-        n = self._waves_cache.get(fp)
-        if n is None:
-            n = self._waves_cache[fp] = min(limits_per_resource(self.spec, fp).values())
-        return n
 
     # -- queues -------------------------------------------------------------------
     def _advance(self, qi: int) -> None:
@@ -199,12 +196,15 @@ class GpuModel:
     def _dispatch(self) -> None:
         """Place blocks of the dispatchable heads, in launch order, while they fit."""
         active = self.active
+        dirty = self._dirty
         progressed = True
         while progressed and active:
             # A kernel whose last block is placed leaves its queue; the op behind it may
             # then become dispatchable, so passes repeat until one changes nothing.
             progressed = False
             for k in tuple(active):
+                if k.blocked and not dirty:
+                    continue        # it found every SM full, and no SM gained room since
                 self._place(k)
                 if not k.unplaced:
                     active.remove(k)
@@ -212,30 +212,38 @@ class GpuModel:
                     self.queues[qi].popleft()
                     self._advance(qi)
                     progressed = True
-        for s in self._dirty:
-            self._is_dirty[s] = False
-        self._is_dirty_np[:] = False
-        self._dirty.clear()
+        if dirty:
+            is_dirty = self._is_dirty
+            for s in dirty:
+                is_dirty[s] = False
+            dirty.clear()
 
     def _place(self, k: KernelOp) -> None:
-        # A kernel that found every SM full last time can only fit where room appeared.
-        if k.blocked:
-            if not self._dirty:
-                return
-            wave = k.unplaced > FEW_BLOCKS and len(self._dirty) > FEW_BLOCKS
-        else:
-            wave = k.unplaced > FEW_BLOCKS
-        if wave:
-            self._place_wave(k)
-            return
-        cands = self._dirty if k.blocked else self._rotations[self._rr]
-        fp = k.fp
-        fit = self.res.fit
+        """Place what fits of ``k``, breadth-first from the round-robin position; a kernel
+        that found every SM full last time only looks where room appeared (``_dirty``).
+
+        Two candidate orders, kept as they were when the second was a numpy path: up to
+        ``FEW_BLOCKS`` blocks (or few room-gaining SMs) scan the SMs in rotation order,
+        or the dirty SMs in the order they gained room, and stop once one block per SM
+        covers what is left; more scan the rotation filtered to dirty SMs. The two give
+        different placements when blocked, and draw jitter from different generators."""
         need = k.unplaced
+        if k.blocked:
+            wave = need > FEW_BLOCKS and len(self._dirty) > FEW_BLOCKS
+            if wave:
+                is_dirty = self._is_dirty
+                cands = [s for s in self._rotations[self._rr] if is_dirty[s]]
+            else:
+                cands = self._dirty
+        else:
+            wave = need > FEW_BLOCKS
+            cands = self._rotations[self._rr]
+        fit = k.shape.fit
+        sid = self.res.sid
         caps = []
         got = 0
         for s in cands:
-            c = fit(s, fp)
+            c = fit[sid[s]]
             if c:
                 caps.append((s, c))
                 got += c
@@ -248,29 +256,8 @@ class GpuModel:
             caps = [(s, 1) for s, _ in caps]       # breadth-first: one block per SM
         elif got > need:
             caps = _water_fill(caps, need)
-        self._start_blocks(k, caps)
-        self._placed(k, caps[-1][0])
-
-    def _place_wave(self, k: KernelOp) -> None:
-        """:meth:`_place` for many blocks: every SM in a few vector operations."""
-        caps = self.res.fit_all(k.fp)
-        order = self._rotations_np[self._rr]
-        if k.blocked:
-            order = order[self._is_dirty_np[order]]
-        c = caps[order]
-        sel = c > 0
-        if not sel.any():
-            k.blocked = True
-            return
-        sms, ns = order[sel], _water_fill_np(c[sel], k.unplaced)
-        if not ns.all():
-            keep = ns > 0
-            sms, ns = sms[keep], ns[keep]
-        self._start_wave(k, sms, ns)
-        self._placed(k, int(sms[-1]))
-
-    def _placed(self, k: KernelOp, last_sm: int) -> None:
-        self._rr = (last_sm + 1) % self.n_sm
+        self._start_blocks(k, caps, wave)
+        self._rr = (caps[-1][0] + 1) % self.n_sm
         if k.blocked:
             self._prune_dirty()
         k.blocked = k.unplaced > 0
@@ -278,98 +265,64 @@ class GpuModel:
     def _prune_dirty(self) -> None:
         """Drop SMs that can hold no block at all any more, so the kernels waiting
         after this one do not scan them."""
-        blocks, warps, is_dirty = self.res.blocks, self.res.warps, self._is_dirty
+        no_room, sid, is_dirty = self.res.no_room, self.res.sid, self._is_dirty
         keep = []
         for s in self._dirty:
-            if blocks[s] and warps[s]:
-                keep.append(s)
-            else:
+            if no_room[sid[s]]:
                 is_dirty[s] = False
-                self._is_dirty_np[s] = False
+            else:
+                keep.append(s)
         self._dirty[:] = keep
 
-    def _start_blocks(self, k: KernelOp, caps: list[tuple[int, int]]) -> None:
+    def _start_blocks(self, k: KernelOp, caps: list[tuple[int, int]], wave: bool) -> None:
         """Place ``n`` blocks of ``k`` on each SM ``s`` of ``caps``, at once.
 
         Blocks placed together last equally long, so one event ends them all (per SM
-        when ``jitter`` gives each group its own duration)."""
+        when ``jitter`` gives each group its own duration: drawn from ``np_rng``, all
+        at once, for a ``wave`` placement, else from ``rng`` one by one)."""
         now = self.loop.now
-        fp = k.fp
-        take = self.res.take
-        instrumented = k.instrumented
+        take = k.shape.take
+        sid = self.res.sid
         groups = []
         placed = 0
         for s, n in caps:
-            c0 = k.started
-            k.started = c0 + n
+            sid[s], did = take[(sid[s] << TAKE_SHIFT) | n]
+            groups.append((s, n, did))
             placed += n
-            if instrumented:
-                self._post(_PLACE, s, c0, n, k)
-            groups.append((s, n, take(s, fp, n)))
-        self._started(k, now, placed)
-        d = k.block_time
-        if self.jitter:
-            for g in groups:
-                self.loop.at(now + d * self.rng.lognormvariate(0.0, self.jitter), self._blocks_done, (k, (g,)))
-        else:
-            self.loop.at(now + d, self._blocks_done, (k, groups))
-
-    def _start_wave(self, k: KernelOp, sms: np.ndarray, ns: np.ndarray) -> None:
-        """:meth:`_start_blocks` for many SMs, as arrays."""
-        now = self.loop.now
-        split = self.res.take_many(sms, k.fp, ns)
-        placed = int(ns.sum())
         if k.instrumented:
-            self._post_wave(_PLACE, sms, ns, k.started, k)
+            self._post(_PLACE, groups, k.started, k)
         k.started += placed
-        self._started(k, now, placed)
-        d = k.block_time
-        if self.jitter:
-            for i, f in enumerate(self.np_rng.lognormal(0.0, self.jitter, len(sms))):
-                self.loop.at(now + d * f, self._wave_done, (k, sms[i:i + 1], ns[i:i + 1], split[i:i + 1]))
-        else:
-            self.loop.at(now + d, self._wave_done, (k, sms, ns, split))
-
-    def _started(self, k: KernelOp, now: float, placed: int) -> None:
         if k.t_first < 0:
             k.t_first = now
         k.unplaced -= placed
         self.placements += placed
         self._account(now, placed)
+        d = k.block_time
+        at, done = self.loop.at, self._blocks_done
+        if not self.jitter:
+            at(now + d, done, (k, groups))
+        elif wave:
+            for g, f in zip(groups, self.np_rng.lognormal(0.0, self.jitter, len(groups)).tolist()):
+                at(now + d * f, done, (k, (g,)))
+        else:
+            for g in groups:
+                at(now + d * self.rng.lognormvariate(0.0, self.jitter), done, (k, (g,)))
 
     def _blocks_done(self, event: tuple) -> None:
         k, groups = event
-        give = self.res.give
-        fp = k.fp
+        res = self.res
+        give, sid = res.give_memo, res.sid
+        is_dirty, dirty = self._is_dirty, self._dirty
         ended = 0
-        for s, n, split in groups:
-            give(s, fp, n, split)
-            self._mark_dirty(s)
-            c0 = k.ended
-            k.ended = c0 + n
+        for s, n, did in groups:
+            sid[s] = give[(sid[s] << GIVE_SHIFT) | did]
+            if not is_dirty[s]:
+                is_dirty[s] = True
+                dirty.append(s)
             ended += n
-            if k.instrumented:
-                self._post(_DONE, s, c0, n, k)
-        self._ended(k, ended)
-
-    def _wave_done(self, event: tuple) -> None:
-        k, sms, ns, split = event
-        self.res.give_many(sms, k.fp, ns, split)
-        for s in sms.tolist():
-            self._mark_dirty(s)
         if k.instrumented:
-            self._post_wave(_DONE, sms, ns, k.ended, k)
-        ended = int(ns.sum())
+            self._post(_DONE, groups, k.ended, k)
         k.ended += ended
-        self._ended(k, ended)
-
-    def _mark_dirty(self, s: int) -> None:
-        if not self._is_dirty[s]:
-            self._is_dirty[s] = True
-            self._is_dirty_np[s] = True
-            self._dirty.append(s)
-
-    def _ended(self, k: KernelOp, ended: int) -> None:
         self.events += 1
         self._account(self.loop.now, -ended)
         if k.ended == k.total:
@@ -392,53 +345,44 @@ class GpuModel:
         self._dispatch()
 
     # -- notifQ ---------------------------------------------------------------------
-    def _post(self, kind_bits: int, sm: int, c0: int, n: int, k: KernelOp) -> None:
-        """Write the entries the device header would write for blocks c0+1..c0+n."""
+    def _post(self, kind_bits: int, groups: list, c0: int, k: KernelOp) -> None:
+        """Write the entries the device header would write for blocks c0+1.. placed (or
+        ended) as ``groups`` (SM, blocks, _), in order: the block whose counter value is
+        a multiple of the group posts the group's count, and the kernel's last block
+        posts what remains."""
         g = k.group
         total = k.total
-        end = c0 + n
-        base = kind_bits | (sm << protocol.SM_SHIFT) | k.launch_id
+        mv, mask, tail = self._ring_mv, self.mask, self.tail
+        full = kind_bits | k.launch_id | (g << protocol.COUNT_SHIFT)
         nxt = (c0 // g + 1) * g
-        while nxt <= end:
-            self._write(base | (g << protocol.COUNT_SHIFT))
-            nxt += g
-        if end == total and total % g:
-            self._write(base | ((total % g) << protocol.COUNT_SHIFT))
-
-    def _post_wave(self, kind_bits: int, sms: np.ndarray, ns: np.ndarray, c0: int, k: KernelOp) -> None:
-        """:meth:`_post` for blocks c0+1.. spread over SMs ``sms`` (``ns`` each), in order:
-        the block whose counter value is a multiple of the group, or the last, posts."""
-        g = k.group
-        ends = c0 + np.cumsum(ns)
-        end = int(ends[-1])
-        values = np.arange((c0 // g + 1) * g, end + 1, g)
-        who = sms[np.searchsorted(ends, values)]
-        words = (kind_bits | k.launch_id | (g << protocol.COUNT_SHIFT)) | (who << protocol.SM_SHIFT)
-        if end == k.total and k.total % g:
-            last = kind_bits | k.launch_id | ((k.total % g) << protocol.COUNT_SHIFT) | (int(sms[-1]) << protocol.SM_SHIFT)
-            words = np.append(words, last)
-        if len(words):
-            self._write_many(words)
-
-    def _write_many(self, words: np.ndarray) -> None:
-        slots = (self.tail + np.arange(len(words))) & self.mask
-        if self.ring[slots].any():
-            raise self._overrun(int(slots[np.nonzero(self.ring[slots])[0][0]]))
-        self.ring[slots] = words.astype(np.uint64)
-        self.tail += len(words)
+        s = 0
+        for s, n, _ in groups:
+            c0 += n
+            if nxt <= c0:
+                word = full | (s << protocol.SM_SHIFT)
+                while nxt <= c0:
+                    slot = tail & mask
+                    if mv[slot]:
+                        self.tail = tail
+                        raise self._overrun(slot)
+                    mv[slot] = word
+                    tail += 1
+                    nxt += g
+        if c0 == total and total % g:
+            slot = tail & mask
+            if mv[slot]:
+                self.tail = tail
+                raise self._overrun(slot)
+            mv[slot] = (kind_bits | k.launch_id | ((total % g) << protocol.COUNT_SHIFT)
+                        | (s << protocol.SM_SHIFT))
+            tail += 1
+        self.tail = tail
 
     def _overrun(self, slot: int) -> NotifQOverrun:
         return NotifQOverrun(
             f"notifQ overrun at slot {slot} (entry {self.tail}): the reader has not consumed "
             f"it; the dispatcher must bound outstanding blocks to fewer than "
             f"{self.mask + 1} ring slots' worth of notifications")
-
-    def _write(self, word: int) -> None:
-        slot = self.tail & self.mask
-        if self.ring[slot]:
-            raise self._overrun(slot)
-        self.ring[slot] = word
-        self.tail += 1
 
     # -- statistics -----------------------------------------------------------------
     def _account(self, now: float, delta: int) -> None:
@@ -458,23 +402,6 @@ class GpuModel:
 
     def busy(self) -> bool:
         return any(self.streams)
-
-
-def _water_fill_np(caps: np.ndarray, need: int) -> np.ndarray:
-    """:func:`_water_fill` on an array of capacities; returns blocks per SM."""
-    if caps.sum() <= need:
-        return caps
-    out = np.zeros_like(caps)
-    if len(caps) >= need:
-        out[:need] = 1
-        return out
-    level = 0
-    while np.minimum(caps, level + 1).sum() <= need:
-        level += 1
-    out = np.minimum(caps, level)
-    extra = need - int(out.sum())
-    out[np.nonzero(caps > level)[0][:extra]] += 1
-    return out
 
 
 def _water_fill(caps: list[tuple[int, int]], need: int) -> list[tuple[int, int]]:
