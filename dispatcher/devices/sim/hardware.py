@@ -289,14 +289,18 @@ class GpuModel:
             sid[s], did = take[(sid[s] << TAKE_SHIFT) | n]
             groups.append((s, n, did))
             placed += n
-        if k.instrumented:
-            self._post(_PLACE, groups, k.started, k)
-        k.started += placed
+        c0 = k.started
+        k.started = end = c0 + placed
+        if k.instrumented and (end - end % k.group > c0 or end == k.total):
+            self._post(_PLACE, groups, c0, k)      # some block of these posts
         if k.t_first < 0:
             k.t_first = now
         k.unplaced -= placed
         self.placements += placed
-        self._account(now, placed)
+        # Resident-block area up to now, then the new count (inlined: a hot path).
+        self._resident_area += self.resident * (now - self._last_t)
+        self._last_t = now
+        self.resident += placed
         d = k.block_time
         at, done = self.loop.at, self._blocks_done
         if not self.jitter:
@@ -320,11 +324,15 @@ class GpuModel:
                 is_dirty[s] = True
                 dirty.append(s)
             ended += n
-        if k.instrumented:
-            self._post(_DONE, groups, k.ended, k)
-        k.ended += ended
+        c0 = k.ended
+        k.ended = end = c0 + ended
+        if k.instrumented and (end - end % k.group > c0 or end == k.total):
+            self._post(_DONE, groups, c0, k)
         self.events += 1
-        self._account(self.loop.now, -ended)
+        now = self.loop.now
+        self._resident_area += self.resident * (now - self._last_t)
+        self._last_t = now
+        self.resident -= ended
         if k.ended == k.total:
             self._complete(k)
         self._dispatch()
@@ -385,11 +393,6 @@ class GpuModel:
             f"{self.mask + 1} ring slots' worth of notifications")
 
     # -- statistics -----------------------------------------------------------------
-    def _account(self, now: float, delta: int) -> None:
-        self._resident_area += self.resident * (now - self._last_t)
-        self._last_t = now
-        self.resident += delta
-
     def mean_resident(self, since_area: float = 0.0, since_t: float = 0.0) -> float:
         """Time-averaged resident blocks since (area, time) snapshot, up to now."""
         now = self.loop.now
