@@ -23,6 +23,7 @@ from __future__ import annotations
 import bisect
 import random
 from collections import deque
+from heapq import heappush
 from typing import Callable
 
 import numpy as np
@@ -112,6 +113,7 @@ class GpuModel:
         self.rng = random.Random(seed)
         self.np_rng = np.random.default_rng(seed)
         self.jitter = jitter
+        self._heap, self._eseq = loop._heap, loop._seq     # for loop.at(), inlined
         self._seq = 0
         self._rr = 0
         # Every rotation of the SM order, so a full scan allocates nothing.
@@ -256,33 +258,12 @@ class GpuModel:
             caps = [(s, 1) for s, _ in caps]       # breadth-first: one block per SM
         elif got > need:
             caps = _water_fill(caps, need)
-        self._start_blocks(k, caps, wave)
-        self._rr = (caps[-1][0] + 1) % self.n_sm
-        if k.blocked:
-            self._prune_dirty()
-        k.blocked = k.unplaced > 0
-
-    def _prune_dirty(self) -> None:
-        """Drop SMs that can hold no block at all any more, so the kernels waiting
-        after this one do not scan them."""
-        no_room, sid, is_dirty = self.res.no_room, self.res.sid, self._is_dirty
-        keep = []
-        for s in self._dirty:
-            if no_room[sid[s]]:
-                is_dirty[s] = False
-            else:
-                keep.append(s)
-        self._dirty[:] = keep
-
-    def _start_blocks(self, k: KernelOp, caps: list[tuple[int, int]], wave: bool) -> None:
-        """Place ``n`` blocks of ``k`` on each SM ``s`` of ``caps``, at once.
-
-        Blocks placed together last equally long, so one event ends them all (per SM
-        when ``jitter`` gives each group its own duration: drawn from ``np_rng``, all
-        at once, for a ``wave`` placement, else from ``rng`` one by one)."""
+        # Start them: ``n`` blocks on each SM ``s`` of ``caps``, at once. Blocks placed
+        # together last equally long, so one event ends them all (per SM when
+        # ``jitter`` gives each group its own duration: drawn from ``np_rng``, all at
+        # once, for a ``wave`` placement, else from ``rng`` one by one).
         now = self.loop.now
         take = k.shape.take
-        sid = self.res.sid
         groups = []
         placed = 0
         for s, n in caps:
@@ -295,22 +276,40 @@ class GpuModel:
             self._post(_PLACE, groups, c0, k)      # some block of these posts
         if k.t_first < 0:
             k.t_first = now
-        k.unplaced -= placed
+        k.unplaced = need - placed
         self.placements += placed
         # Resident-block area up to now, then the new count (inlined: a hot path).
         self._resident_area += self.resident * (now - self._last_t)
         self._last_t = now
         self.resident += placed
         d = k.block_time
-        at, done = self.loop.at, self._blocks_done
         if not self.jitter:
-            at(now + d, done, (k, groups))
+            if d >= 0:              # loop.at(now + d, ...) inlined; at() refuses the past
+                heappush(self._heap, (now + d, next(self._eseq), self._blocks_done, (k, groups)))
+            else:
+                self.loop.at(now + d, self._blocks_done, (k, groups))
         elif wave:
+            at, done = self.loop.at, self._blocks_done
             for g, f in zip(groups, self.np_rng.lognormal(0.0, self.jitter, len(groups)).tolist()):
                 at(now + d * f, done, (k, (g,)))
         else:
+            at, done = self.loop.at, self._blocks_done
             for g in groups:
                 at(now + d * self.rng.lognormvariate(0.0, self.jitter), done, (k, (g,)))
+        self._rr = (s + 1) % self.n_sm
+        if k.blocked:
+            # Drop SMs that can hold no block at all any more, so the kernels waiting
+            # after this one do not scan them.
+            no_room, is_dirty = self.res.no_room, self._is_dirty
+            dirty = self._dirty
+            keep = []
+            for s in dirty:
+                if no_room[sid[s]]:
+                    is_dirty[s] = False
+                else:
+                    keep.append(s)
+            dirty[:] = keep
+        k.blocked = need > placed
 
     def _blocks_done(self, event: tuple) -> None:
         k, groups = event
