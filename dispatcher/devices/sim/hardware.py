@@ -38,7 +38,8 @@ from .cost import CostModel
 from .smstate import GIVE_SHIFT, TAKE_SHIFT, SMStates
 
 KERNEL, H2D, D2H, MARKER = 0, 1, 2, 3
-#: Placements of more blocks than this take the vector path (every SM at once).
+#: Placements of more blocks than this scan the candidate SMs as a wave (see ``_place``;
+#: it decides the candidate order when blocked and which generator draws the jitter).
 FEW_BLOCKS = 8
 _PLACE = protocol.PLACEMENT << protocol.KIND_SHIFT
 _DONE = protocol.COMPLETION << protocol.KIND_SHIFT
