@@ -36,11 +36,11 @@ per-sigma values are beside it); the load grid bounds its resolution. The summar
 gives the same figures for one overall bound (overall p99 <= ``--slo-x`` times the
 mix's mean isolated time, the previous definition) under ``overall_slo``.
 
-Running time (2 cores shared with other work): the simulator costs about 1 ms of CPU per
-kernel (a request is 24-243 kernels), so a point takes 5-70 s. ``--quick`` (sigma 1.5,
-loads 150/300/450, 150 requests per point, 24 points) took 512 s. The full run (both
-sigmas, ten loads, 400 requests per point, 160 points) is estimated at 2.5 hours from
-the quick run's per-point times; it has not been run yet.
+Running time (2 cores shared with other work): a point of 200-300 requests takes 3-20 s
+(the simulator costs ~15-70 ms of CPU per request since commit 3a1abad, 2-7x less than
+before). ``--quick`` (paella, ms-jbj and CUDA-MS; sigma 1.5; loads 100/200/300; 200
+requests per point) takes about a minute; every system at six loads and both sigmas
+(``--rates 100,150,200,250,300,350 --requests 300``, 96 points) about a quarter of an hour.
 """
 from __future__ import annotations
 
