@@ -242,8 +242,7 @@ def _overhead(d: dict) -> list[str]:
         f"The simulator itself costs {s['simulator_cpu_us'] / 1e3:.0f} ms of the daemon loop's CPU per "
         f"request while the GPU idles, {s['simulator_cpu_us'] / s['gpu_busy_us']:.0f}x the GPU time it "
         "simulates; it is counted as device time (the "
-        "hardware's work), not as scheduling, and it is why the end-to-end latency is tens of "
-        "milliseconds.",
+        "hardware's work), not as scheduling; on a real GPU it would not exist.",
         "",
         f"Checks: the mean components add up to the mean end-to-end latency ({s['sum_of_means_us']:.1f} "
         f"against {s['e2e_mean_us']:.1f} us; largest residual {s['max_abs_residual_us']:.3f} us)."
