@@ -134,6 +134,19 @@ class Tracker:
             self.prepare(op)
         return bool(self._free_ids) and self._reserved - self.head + op.entries <= self.slots
 
+    def fits_now(self, op: Op) -> bool:
+        """Would all of ``op``'s blocks fit in what is free now, after the blocks already
+        released and not yet placed? (GPU-wide totals, like :meth:`admits`.) Policies use
+        it to tell a kernel that runs beside everything from one that fills the GPU."""
+        if not op.entries:
+            self.prepare(op)
+        n = op.blocks
+        b, w, r, s = self.cap
+        return (n <= b - self.blocks - self.unplaced
+                and n * op.fw <= w - self.warps - self.d_warps
+                and n * op.fr <= r - self.regs - self.d_regs
+                and n * op.fs <= s - self.smem - self.d_smem)
+
     def admits(self, op: Op) -> bool:
         """The +B rule (see the module docstring), then flow control. O(1): every figure
         is a running total kept by :meth:`release` and :meth:`drain`."""

@@ -300,11 +300,8 @@ def _mix(d: dict) -> list[str]:
                      for k, v in s["p99_ratio_ms_jbj_over_paella_at_ms_jbj_load"].items())
     top = max(st["rates"])
     capped = [k for k in keys if s["sustained_load"][k].get("paella") == top]
-    if capped:
-        details_cap = (f"Paella meets the SLO at the highest load tried ({top:g} req/s, {', '.join(capped)}), "
-                       "so its sustained load there is a lower bound. ")
-    else:
-        details_cap = ""
+    capped_note = (f"Paella meets the SLO at the highest load tried ({top:g} req/s, {', '.join(capped)}), "
+                   "so its sustained load there is a lower bound. " if capped else "")
     verdict = ("sustains more load than ms-jbj" if s["paella_beats_ms_jbj"] else
                "does **not** sustain more load than ms-jbj (the issue requires it)")
     details = "".join(_mix_at(d, k, max(s["sustained_load"][k]["paella"], s["sustained_load"][k]["ms-jbj"]))
@@ -331,7 +328,7 @@ def _mix(d: dict) -> list[str]:
         f"| p99, ms-jbj over paella at ms-jbj's sustained load | {p99r} | 1.35x |",
         "",
         f"In this run paella {verdict}: {ratio:.2f}x, at the resolution of the load grid. "
-        + details_cap + details + _overall_note(s) + "The paper's gap also includes its C++ dispatch path, which virtual time at "
+        + capped_note + details + _overall_note(s) + "The paper's gap also includes its C++ dispatch path, which virtual time at "
         f"cpu_scale {st['cpu_scale']:g} does not charge."
         + (f" With a free dispatcher, {', '.join(same)} give identical points: the dispatcher adds "
            "nothing to those submission orders." if same else ""),

@@ -159,3 +159,13 @@ def test_launch_ids_never_share_a_counter_pair_in_flight():
     ids = [t.release(op) for op in ops]
     assert len({i & 7 for i in ids}) == 8
     assert not t.flow_ok(kernel_op(spec, 1))  # all eight pairs in use
+
+
+def test_fits_now_counts_what_is_released_and_not_yet_placed():
+    spec = preset("gtx1660s")               # 176 blocks of 128 threads fit
+    t = Tracker(spec, np.zeros(1 << 12, np.uint64), extra_blocks=10, group=1)
+    assert t.fits_now(kernel_op(spec, 176))
+    assert not t.fits_now(kernel_op(spec, 177))
+    t.release(kernel_op(spec, 100))          # unplaced, but it will take its room
+    assert t.fits_now(kernel_op(spec, 76))
+    assert not t.fits_now(kernel_op(spec, 77))
