@@ -116,9 +116,7 @@ class Dispatcher:
         dev.poll()
         self.now = now = dev.now()
         before = self._progress
-        t = self.tracker
-        if t._slots_mv[t.head & t.mask]:     # (an idle iteration: no call)
-            self._progress += t.drain(now, self._op_done)                # notifQ
+        self._progress += self.tracker.drain(now, self._op_done)         # notifQ
         if self._copy_events:
             self._poll_copies()                                          # device events
         if self._arrivals:

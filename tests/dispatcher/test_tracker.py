@@ -8,6 +8,7 @@ import pytest
 from paella.dispatcher.core import STATUS_OK
 from paella.dispatcher.occupancy import Tracker
 from paella.dispatcher.waitlist import KERNEL, Op, VStream
+from paella import protocol
 from paella.gpus import preset
 from paella.occupancy import footprint
 
@@ -169,3 +170,74 @@ def test_fits_now_counts_what_is_released_and_not_yet_placed():
     t.release(kernel_op(spec, 100))          # unplaced, but it will take its room
     assert t.fits_now(kernel_op(spec, 76))
     assert not t.fits_now(kernel_op(spec, 77))
+
+
+def test_malformed_notifq_entries_are_refused_with_the_reason():
+    """An unknown kind or an SM the device does not have is consumed and named, and
+    the tracker's totals are not touched by it."""
+    spec = preset("gtx1660s")
+    ring = np.zeros(64, np.uint64)
+    t = Tracker(spec, ring, extra_blocks=10, group=1)
+    op = kernel_op(spec, 2)
+    lid = t.release(op)
+    ring[0] = (3 << protocol.KIND_SHIFT) | (1 << protocol.COUNT_SHIFT) | lid     # kind 3
+    with pytest.raises(RuntimeError, match="malformed"):
+        t.drain(0.0, lambda op: None)
+    ring[1] = protocol.encode(protocol.PLACEMENT, spec.sm_count, 1, lid)        # SM 22 of 0..21
+    with pytest.raises(RuntimeError, match="malformed"):
+        t.drain(0.0, lambda op: None)
+    assert t.head == 2 and not ring[:2].any() and t.blocks == 0 and t.unplaced == 2
+    ring[2] = protocol.encode(protocol.PLACEMENT, 0, 2, lid)                   # still served
+    assert t.drain(1.0, lambda op: None) == 1 and t.blocks == 2 and op.placed == 2
+
+
+def test_a_raising_completion_callback_loses_no_state():
+    """on_done raising propagates after the whole batch is applied: the ring is
+    consumed, the finished launch's counter pair is free again."""
+    spec = preset("gtx1660s")
+    ring = np.zeros(64, np.uint64)
+    t = Tracker(spec, ring, extra_blocks=10, group=1, counter_pairs=2)
+    op = kernel_op(spec, 1)
+    lid = t.release(op)
+    ring[0] = protocol.encode(protocol.PLACEMENT, 0, 1, lid)
+    ring[1] = protocol.encode(protocol.COMPLETION, 0, 1, lid)
+
+    def boom(op):
+        raise KeyError("callback")
+    with pytest.raises(KeyError):
+        t.drain(0.5, boom)
+    assert t.head == 2 and t.in_flight() == 0 and t.blocks == 0 and op.ended == 1
+    assert t.pending_entries == 0 and t.flow_ok(kernel_op(spec, 1))
+
+
+def test_unrelease_returns_the_launch_and_its_demand():
+    spec = preset("gtx1660s")
+    t = Tracker(spec, np.zeros(64, np.uint64), extra_blocks=10, group=1, counter_pairs=2)
+    op = kernel_op(spec, 5)
+    t.release(op)
+    assert t.unplaced == 5 and t.in_flight() == 1 and t.pending_entries == 10
+    t.unrelease(op)
+    assert t.unplaced == t.d_warps == t.d_regs == 0 and t.in_flight() == 0
+    assert t.pending_entries == 0 and t.launches == {}
+    with pytest.raises(ValueError, match="not in flight"):
+        t.unrelease(op)
+
+
+def test_a_finished_dispatcher_is_garbage_collected(make):
+    """The C half holds references to the ops in flight (and they to their jobs and
+    the dispatcher): the cycle must be visible to the garbage collector."""
+    import gc
+    import weakref
+    dev, d = make("paella")
+    mid = d.register_model("c", chain("c", 3))
+    rec = Recorder()
+    for i in range(4):
+        d.submit(rec.request(i, mid, 320))
+    for _ in range(3):                    # leave launches in flight
+        d.step()
+        dev.run_until(dev.next_event_time())
+    assert d.tracker.in_flight() > 0
+    ref = weakref.ref(d.tracker)
+    del d, dev
+    gc.collect()
+    assert ref() is None

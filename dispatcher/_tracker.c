@@ -1,0 +1,588 @@
+/*
+ * The occupancy tracker's hot half, in C: the notifQ drain, the +B admission check and
+ * the launch bookkeeping (paella.dispatcher.occupancy explains the rules; the Python
+ * class there is this type's subclass and holds everything that is not per kernel).
+ *
+ * Why C: these run once per notification and once per release, and in Python they
+ * cost ~1.5 us per kernel in attribute reads and integer boxing alone. Here the state
+ * of a launch in flight lives in plain arrays indexed by its counter pair, so a
+ * notification touches no Python object except the op's three progress attributes
+ * (placed, ended, t_first), which the rest of the dispatcher and the tests read.
+ *
+ * Thread model: the dispatcher's one thread. The ring is written concurrently by the
+ * device (the GPU, or the simulator's process): slots are read through a volatile
+ * pointer, one 64-bit load each, and INVALID (0) is stored back once consumed.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stdint.h>
+#include <stdio.h>
+
+enum { B = 0, W = 1, R = 2, S = 3 };  /* blocks, warps, registers, shared memory */
+
+typedef struct {
+    PyObject_HEAD
+    PyObject *ring_obj;          /* the notifQ array (kept alive while we read it) */
+    Py_buffer view;
+    volatile uint64_t *ring;
+    int64_t nslots, mask, head, reserved;
+    int64_t extra_blocks, group;
+    int64_t cap[4], used[4], demand[4];   /* demand: released, not yet placed */
+    int nsm;
+    int64_t *sm;                 /* nsm x 4 */
+    /* the notification word's layout (paella.protocol) */
+    int kind_shift, sm_shift, count_shift, placement, completion;
+    uint64_t launch_mask;
+    /* launches in flight, by counter pair */
+    int npairs, id_shift;
+    int64_t gen_mask;
+    PyObject **op;
+    int64_t *lid, *gen, *blocks, *fw, *fr, *fs, *entries, *placed, *ended;
+    int32_t *freeq;
+    int free_head, free_count;
+} Tracker;
+
+static PyObject *s_launch_id, *s_placed, *s_ended, *s_t_first, *s_blocks, *s_fw, *s_fr,
+    *s_fs, *s_entries, *s_prepare;
+
+/* -- helpers -------------------------------------------------------------------------- */
+static int get_i64(PyObject *obj, PyObject *name, int64_t *out)
+{
+    PyObject *v = PyObject_GetAttr(obj, name);
+    if (v == NULL)
+        return -1;
+    *out = PyLong_AsLongLong(v);
+    Py_DECREF(v);
+    return (*out == -1 && PyErr_Occurred()) ? -1 : 0;
+}
+
+static int set_i64(PyObject *obj, PyObject *name, int64_t value)
+{
+    PyObject *v = PyLong_FromLongLong(value);
+    if (v == NULL)
+        return -1;
+    int rc = PyObject_SetAttr(obj, name, v);
+    Py_DECREF(v);
+    return rc;
+}
+
+/* op.entries, prepared on first sight (Tracker.prepare flattens the footprint). */
+static int op_entries(Tracker *self, PyObject *op, int64_t *entries)
+{
+    if (get_i64(op, s_entries, entries) < 0)
+        return -1;
+    if (*entries)
+        return 0;
+    PyObject *r = PyObject_CallMethodOneArg((PyObject *)self, s_prepare, op);
+    if (r == NULL)
+        return -1;
+    Py_DECREF(r);
+    return get_i64(op, s_entries, entries);
+}
+
+static inline int flow_ok(Tracker *self, int64_t entries)
+{
+    return self->free_count > 0 && self->reserved - self->head + entries <= self->nslots;
+}
+
+/* -- construction --------------------------------------------------------------------- */
+static int Tracker_init(Tracker *self, PyObject *args, PyObject *kwds)
+{
+    static char *kw[] = {"ring", "cap", "sm_count", "extra_blocks", "group", "counter_pairs",
+                         "layout", NULL};
+    PyObject *ring;
+    long long cap[4], extra, group;
+    int nsm, npairs;
+    int ks, ss, cs, pl, co;
+    unsigned long long lmask;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O(LLLL)iLLi(iiiKii)", kw, &ring, &cap[0],
+                                     &cap[1], &cap[2], &cap[3], &nsm, &extra, &group, &npairs,
+                                     &ks, &ss, &cs, &lmask, &pl, &co))
+        return -1;
+    if (self->ring_obj != NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "a Tracker is initialised once");
+        return -1;
+    }
+    if (PyObject_GetBuffer(ring, &self->view, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0)
+        return -1;
+    Py_INCREF(ring);
+    self->ring_obj = ring;
+    int64_t n = self->view.len / 8;
+    if (self->view.itemsize != 8 || n < 1 || (n & (n - 1))) {
+        PyErr_Format(PyExc_ValueError, "the notifQ must be a writable array of 64-bit "
+                     "slots whose length is a power of two (got %zd bytes of %zd-byte items)",
+                     self->view.len, self->view.itemsize);
+        return -1;
+    }
+    if (npairs < 1 || (npairs & (npairs - 1)) || nsm < 1) {
+        PyErr_Format(PyExc_ValueError, "counter pairs must be a power of two and SMs >= 1 "
+                     "(got %d pairs, %d SMs)", npairs, nsm);
+        return -1;
+    }
+    self->ring = (volatile uint64_t *)self->view.buf;
+    self->nslots = n;
+    self->mask = n - 1;
+    self->extra_blocks = extra;
+    self->group = group;
+    for (int r = 0; r < 4; r++)
+        self->cap[r] = cap[r];
+    self->nsm = nsm;
+    self->kind_shift = ks;
+    self->sm_shift = ss;
+    self->count_shift = cs;
+    self->launch_mask = lmask;
+    self->placement = pl;
+    self->completion = co;
+    self->npairs = npairs;
+    self->id_shift = 0;
+    while ((1 << self->id_shift) < npairs)
+        self->id_shift++;
+    self->gen_mask = (int64_t)(lmask >> self->id_shift);
+    self->sm = PyMem_Calloc((size_t)nsm * 4, sizeof(int64_t));
+    self->op = PyMem_Calloc(npairs, sizeof(PyObject *));
+    self->freeq = PyMem_Calloc(npairs, sizeof(int32_t));
+    int64_t **arrays[] = {&self->lid, &self->gen, &self->blocks, &self->fw, &self->fr,
+                          &self->fs, &self->entries, &self->placed, &self->ended};
+    int ok = self->sm && self->op && self->freeq;
+    for (size_t i = 0; i < sizeof arrays / sizeof arrays[0]; i++) {
+        *arrays[i] = PyMem_Calloc(npairs, sizeof(int64_t));
+        ok = ok && *arrays[i];
+    }
+    if (!ok) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    for (int i = 0; i < npairs; i++) {
+        self->freeq[i] = i;
+        self->lid[i] = -1;
+    }
+    self->free_head = 0;
+    self->free_count = npairs;
+    return 0;
+}
+
+static int Tracker_traverse(Tracker *self, visitproc visit, void *arg)
+{
+    Py_VISIT(self->ring_obj);
+    if (self->op)
+        for (int i = 0; i < self->npairs; i++)
+            Py_VISIT(self->op[i]);
+    return 0;
+}
+
+static int Tracker_clear(Tracker *self)
+{
+    if (self->op)
+        for (int i = 0; i < self->npairs; i++)
+            Py_CLEAR(self->op[i]);
+    return 0;
+}
+
+static void Tracker_dealloc(Tracker *self)
+{
+    PyObject_GC_UnTrack(self);
+    Tracker_clear(self);
+    if (self->ring_obj != NULL) {
+        PyBuffer_Release(&self->view);
+        Py_CLEAR(self->ring_obj);
+    }
+    PyMem_Free(self->sm);
+    PyMem_Free(self->op);
+    PyMem_Free(self->freeq);
+    int64_t *arrays[] = {self->lid, self->gen, self->blocks, self->fw, self->fr, self->fs,
+                         self->entries, self->placed, self->ended};
+    for (size_t i = 0; i < sizeof arrays / sizeof arrays[0]; i++)
+        PyMem_Free(arrays[i]);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+/* -- release side --------------------------------------------------------------------- */
+static PyObject *Tracker_flow_ok(Tracker *self, PyObject *op)
+{
+    int64_t e;
+    if (op_entries(self, op, &e) < 0)
+        return NULL;
+    return PyBool_FromLong(flow_ok(self, e));
+}
+
+static PyObject *Tracker_admits(Tracker *self, PyObject *op)
+{
+    int64_t u = self->demand[B];
+    if (u) {
+        double excess = 0.0;
+        for (int r = 0; r < 4; r++) {
+            int64_t d = self->demand[r];
+            if (d) {
+                double frac = (double)(d - (self->cap[r] - self->used[r])) / (double)d;
+                if (frac > excess)
+                    excess = frac;
+            }
+        }
+        if ((double)u * excess >= (double)self->extra_blocks)
+            Py_RETURN_FALSE;
+    }
+    return Tracker_flow_ok(self, op);
+}
+
+static PyObject *Tracker_fits_now(Tracker *self, PyObject *op)
+{
+    int64_t e, n, w, r, s;
+    if (op_entries(self, op, &e) < 0 || get_i64(op, s_blocks, &n) < 0 ||
+        get_i64(op, s_fw, &w) < 0 || get_i64(op, s_fr, &r) < 0 || get_i64(op, s_fs, &s) < 0)
+        return NULL;
+    int64_t need[4] = {n, n * w, n * r, n * s};
+    for (int k = 0; k < 4; k++)
+        if (need[k] > self->cap[k] - self->used[k] - self->demand[k])
+            Py_RETURN_FALSE;
+    Py_RETURN_TRUE;
+}
+
+static PyObject *Tracker_release(Tracker *self, PyObject *op)
+{
+    int64_t e, n, w, r, s;
+    if (op_entries(self, op, &e) < 0 || get_i64(op, s_blocks, &n) < 0 ||
+        get_i64(op, s_fw, &w) < 0 || get_i64(op, s_fr, &r) < 0 || get_i64(op, s_fs, &s) < 0)
+        return NULL;
+    if (!self->free_count) {
+        PyErr_SetString(PyExc_RuntimeError, "release() with every counter pair in flight: "
+                        "check admits() or flow_ok() first (internal error, please report)");
+        return NULL;
+    }
+    int slot = self->freeq[self->free_head];
+    int64_t g = self->gen[slot] = (self->gen[slot] + 1) & self->gen_mask;
+    int64_t lid = (g << self->id_shift) | slot;
+    if (set_i64(op, s_launch_id, lid) < 0)
+        return NULL;
+    self->free_head = (self->free_head + 1) & (self->npairs - 1);
+    self->free_count--;
+    Py_INCREF(op);
+    self->op[slot] = op;
+    self->lid[slot] = lid;
+    self->blocks[slot] = n;
+    self->fw[slot] = w;
+    self->fr[slot] = r;
+    self->fs[slot] = s;
+    self->entries[slot] = e;
+    self->placed[slot] = self->ended[slot] = 0;
+    self->demand[B] += n;
+    self->demand[W] += n * w;
+    self->demand[R] += n * r;
+    self->demand[S] += n * s;
+    self->reserved += e;
+    return PyLong_FromLongLong(lid);
+}
+
+static void finish_slot(Tracker *self, int slot)
+{
+    self->op[slot] = NULL;       /* the caller owns the reference now */
+    self->lid[slot] = -1;
+    self->freeq[(self->free_head + self->free_count) & (self->npairs - 1)] = slot;
+    self->free_count++;
+}
+
+static PyObject *Tracker_unrelease(Tracker *self, PyObject *op)
+{
+    int64_t lid;
+    if (get_i64(op, s_launch_id, &lid) < 0)
+        return NULL;
+    int slot = (int)(lid & (self->npairs - 1));
+    if (lid < 0 || self->op[slot] != op || self->lid[slot] != lid) {
+        PyErr_Format(PyExc_ValueError, "unrelease(): launch %lld is not in flight", lid);
+        return NULL;
+    }
+    int64_t n = self->blocks[slot] - self->placed[slot];
+    self->demand[B] -= n;
+    self->demand[W] -= n * self->fw[slot];
+    self->demand[R] -= n * self->fr[slot];
+    self->demand[S] -= n * self->fs[slot];
+    self->reserved -= self->entries[slot];
+    finish_slot(self, slot);
+    Py_DECREF(op);
+    Py_RETURN_NONE;
+}
+
+/* -- notification side ---------------------------------------------------------------- */
+static PyObject *Tracker_drain(Tracker *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "drain(now, on_done) takes 2 arguments");
+        return NULL;
+    }
+    volatile uint64_t *ring = self->ring;
+    int64_t head = self->head, mask = self->mask;
+    uint64_t w = ring[head & mask];
+    if (!w)
+        return PyLong_FromLong(0);
+    double now = PyFloat_AsDouble(args[0]);
+    if (now == -1.0 && PyErr_Occurred())
+        return NULL;
+    PyObject *on_done = args[1];
+    PyObject *now_obj = NULL;
+    int64_t start = head, pair_mask = self->npairs - 1;
+    PyObject *finished[64];      /* completions of this batch, in order (spill: a list) */
+    PyObject *more = NULL;
+    int nfin = 0;
+    uint64_t bad = 0;
+    const char *why = NULL;
+    int failed = 0;
+    while (w) {
+        ring[head & mask] = 0;   /* INVALID back: the slot is free again */
+        head++;
+        int64_t lid = (int64_t)(w & self->launch_mask);
+        int slot = (int)(lid & pair_mask);
+        int kind = (int)(w >> self->kind_shift);
+        int sm = (int)((w >> self->sm_shift) & 0xFF);
+        int64_t n = (int64_t)((w >> self->count_shift) & 0xFF);
+        PyObject *op = self->op[slot];
+        if (op == NULL || self->lid[slot] != lid) {
+            bad = w, why = "names a launch that is not in flight";
+            break;
+        }
+        if (sm >= self->nsm || (kind != self->placement && kind != self->completion)) {
+            bad = w, why = "is malformed (unknown kind, or an SM the device does not have)";
+            break;
+        }
+        int64_t d[4] = {n, n * self->fw[slot], n * self->fr[slot], n * self->fs[slot]};
+        int64_t *usm = self->sm + 4 * sm;
+        if (kind == self->placement) {
+            if (!self->placed[slot]) {
+                if (now_obj == NULL && (now_obj = PyFloat_FromDouble(now)) == NULL) {
+                    failed = 1;
+                    break;
+                }
+                if (PyObject_SetAttr(op, s_t_first, now_obj) < 0) {
+                    failed = 1;
+                    break;
+                }
+            }
+            self->placed[slot] += n;
+            for (int r = 0; r < 4; r++) {
+                self->used[r] += d[r];
+                usm[r] += d[r];
+                self->demand[r] -= d[r];
+            }
+            if (set_i64(op, s_placed, self->placed[slot]) < 0) {
+                failed = 1;
+                break;
+            }
+        } else {
+            for (int r = 0; r < 4; r++) {
+                self->used[r] -= d[r];
+                usm[r] -= d[r];
+            }
+            self->ended[slot] += n;
+            if (set_i64(op, s_ended, self->ended[slot]) < 0) {
+                failed = 1;
+                break;
+            }
+            if (self->ended[slot] == self->blocks[slot]) {
+                finish_slot(self, slot);                 /* its reference is ours now */
+                if (nfin < 64) {
+                    finished[nfin++] = op;
+                } else {
+                    if (more == NULL && (more = PyList_New(0)) == NULL) {
+                        Py_DECREF(op);
+                        failed = 1;
+                        break;
+                    }
+                    int rc = PyList_Append(more, op);
+                    Py_DECREF(op);
+                    if (rc < 0) {
+                        failed = 1;
+                        break;
+                    }
+                }
+            }
+        }
+        w = ring[head & mask];
+    }
+    self->head = head;
+    Py_XDECREF(now_obj);
+    /* Completions first, in order, even after a bad entry: they did happen. */
+    int i = 0;
+    for (; i < nfin && !failed; i++) {
+        PyObject *r = PyObject_CallOneArg(on_done, finished[i]);
+        Py_DECREF(finished[i]);
+        if (r == NULL)
+            failed = 1;
+        else
+            Py_DECREF(r);
+    }
+    for (; i < nfin; i++)
+        Py_DECREF(finished[i]);
+    if (more != NULL) {
+        for (Py_ssize_t j = 0; j < PyList_GET_SIZE(more) && !failed; j++) {
+            PyObject *r = PyObject_CallOneArg(on_done, PyList_GET_ITEM(more, j));
+            if (r == NULL)
+                failed = 1;
+            else
+                Py_DECREF(r);
+        }
+        Py_DECREF(more);
+    }
+    if (failed)
+        return NULL;
+    if (bad) {
+        char word[24];           /* PyErr_Format has no %llx before Python 3.12 */
+        snprintf(word, sizeof word, "%#018llx", (unsigned long long)bad);
+        PyErr_Format(PyExc_RuntimeError, "notifQ entry %s (launch %llu) %s "
+                     "(internal error, please report)", word,
+                     (unsigned long long)(bad & self->launch_mask), why);
+        return NULL;
+    }
+    return PyLong_FromLongLong(head - start);
+}
+
+/* -- inspection ------------------------------------------------------------------------ */
+static PyObject *Tracker_in_flight(Tracker *self, PyObject *unused)
+{
+    return PyLong_FromLong(self->npairs - self->free_count);
+}
+
+static PyObject *Tracker_ops_in_flight(Tracker *self, PyObject *unused)
+{
+    PyObject *out = PyList_New(0);
+    for (int i = 0; out != NULL && i < self->npairs; i++)
+        if (self->op[i] != NULL && PyList_Append(out, self->op[i]) < 0)
+            Py_CLEAR(out);
+    return out;
+}
+
+static PyObject *Tracker_sm_usage(Tracker *self, PyObject *arg)
+{
+    long r = PyLong_AsLong(arg);
+    if (r == -1 && PyErr_Occurred())
+        return NULL;
+    if (r < 0 || r > 3) {
+        PyErr_SetString(PyExc_ValueError, "resource index must be 0..3 (blocks, warps, "
+                        "registers, shared memory)");
+        return NULL;
+    }
+    PyObject *out = PyList_New(self->nsm);
+    for (int i = 0; out != NULL && i < self->nsm; i++) {
+        PyObject *v = PyLong_FromLongLong(self->sm[4 * i + r]);
+        if (v == NULL)
+            Py_CLEAR(out);
+        else
+            PyList_SET_ITEM(out, i, v);
+    }
+    return out;
+}
+
+#define GETTER(name, expr) \
+    static PyObject *get_##name(Tracker *self, void *c) { return PyLong_FromLongLong(expr); }
+GETTER(head, self->head)
+GETTER(slots, self->nslots)
+GETTER(mask, self->mask)
+GETTER(group, self->group)
+GETTER(extra_blocks, self->extra_blocks)
+GETTER(blocks, self->used[B])
+GETTER(warps, self->used[W])
+GETTER(regs, self->used[R])
+GETTER(smem, self->used[S])
+GETTER(unplaced, self->demand[B])
+GETTER(d_warps, self->demand[W])
+GETTER(d_regs, self->demand[R])
+GETTER(d_smem, self->demand[S])
+GETTER(pending_entries, self->reserved - self->head)
+
+static PyObject *get_cap(Tracker *self, void *c)
+{
+    return Py_BuildValue("(LLLL)", (long long)self->cap[0], (long long)self->cap[1],
+                         (long long)self->cap[2], (long long)self->cap[3]);
+}
+
+static PyObject *get_ring(Tracker *self, void *c)
+{
+    return Py_NewRef(self->ring_obj);
+}
+
+static int set_extra_blocks(Tracker *self, PyObject *v, void *c)
+{
+    long long b = v == NULL ? -1 : PyLong_AsLongLong(v);
+    if (b == -1 && PyErr_Occurred())
+        return -1;
+    if (b < 0) {
+        PyErr_SetString(PyExc_ValueError, "extra_blocks (B) must be an int >= 0");
+        return -1;
+    }
+    self->extra_blocks = b;
+    return 0;
+}
+
+static PyGetSetDef Tracker_getset[] = {
+    {"head", (getter)get_head, NULL, "notifQ entries consumed so far (the read index)"},
+    {"slots", (getter)get_slots, NULL, "notifQ slots"},
+    {"mask", (getter)get_mask, NULL, "slots - 1"},
+    {"group", (getter)get_group, NULL, "blocks per notification"},
+    {"extra_blocks", (getter)get_extra_blocks, (setter)set_extra_blocks, "B of the +B rule"},
+    {"blocks", (getter)get_blocks, NULL, "resident blocks"},
+    {"warps", (getter)get_warps, NULL, "resident warps"},
+    {"regs", (getter)get_regs, NULL, "resident registers"},
+    {"smem", (getter)get_smem, NULL, "resident shared memory (bytes)"},
+    {"unplaced", (getter)get_unplaced, NULL, "blocks released, not yet placed"},
+    {"d_warps", (getter)get_d_warps, NULL, "warps released, not yet placed"},
+    {"d_regs", (getter)get_d_regs, NULL, "registers released, not yet placed"},
+    {"d_smem", (getter)get_d_smem, NULL, "shared memory released, not yet placed"},
+    {"pending_entries", (getter)get_pending_entries, NULL,
+     "notifQ entries the launches in flight may still post (flow control)"},
+    {"cap", (getter)get_cap, NULL, "the GPU's capacity: (blocks, warps, regs, smem)"},
+    {"ring", (getter)get_ring, NULL, "the notifQ array"},
+    {NULL}
+};
+
+static PyMethodDef Tracker_methods[] = {
+    {"drain", (PyCFunction)(void (*)(void))Tracker_drain, METH_FASTCALL,
+     "drain(now, on_done) -> entries consumed; on_done(op) per finished launch, in order"},
+    {"admits", (PyCFunction)Tracker_admits, METH_O, "the +B rule, then flow control"},
+    {"flow_ok", (PyCFunction)Tracker_flow_ok, METH_O, "may op launch without a notifQ overrun?"},
+    {"fits_now", (PyCFunction)Tracker_fits_now, METH_O,
+     "would all of op's blocks fit in what is free after the unplaced ones?"},
+    {"release", (PyCFunction)Tracker_release, METH_O, "account for launching op; its launch id"},
+    {"unrelease", (PyCFunction)Tracker_unrelease, METH_O, "undo release() (a refused launch)"},
+    {"in_flight", (PyCFunction)Tracker_in_flight, METH_NOARGS, "launches in flight"},
+    {"_ops_in_flight", (PyCFunction)Tracker_ops_in_flight, METH_NOARGS, "their ops"},
+    {"_sm_usage", (PyCFunction)Tracker_sm_usage, METH_O, "per-SM usage of one resource"},
+    {NULL}
+};
+
+static PyTypeObject TrackerType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "paella.dispatcher._tracker.TrackerCore",
+    .tp_basicsize = sizeof(Tracker),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE | Py_TPFLAGS_HAVE_GC,
+    .tp_doc = "The occupancy tracker's per-kernel work (see paella.dispatcher.occupancy).",
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)Tracker_init,
+    .tp_dealloc = (destructor)Tracker_dealloc,
+    .tp_traverse = (traverseproc)Tracker_traverse,
+    .tp_clear = (inquiry)Tracker_clear,
+    .tp_methods = Tracker_methods,
+    .tp_getset = Tracker_getset,
+};
+
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT, "paella.dispatcher._tracker",
+    "C half of the occupancy tracker (paella.dispatcher.occupancy).", -1, NULL,
+};
+
+PyMODINIT_FUNC PyInit__tracker(void)
+{
+    PyObject **names[] = {&s_launch_id, &s_placed, &s_ended, &s_t_first, &s_blocks, &s_fw,
+                          &s_fr, &s_fs, &s_entries, &s_prepare};
+    const char *strs[] = {"launch_id", "placed", "ended", "t_first", "blocks", "fw", "fr",
+                          "fs", "entries", "prepare"};
+    for (size_t i = 0; i < sizeof names / sizeof names[0]; i++)
+        if ((*names[i] = PyUnicode_InternFromString(strs[i])) == NULL)
+            return NULL;
+    if (PyType_Ready(&TrackerType) < 0)
+        return NULL;
+    PyObject *m = PyModule_Create(&module);
+    if (m == NULL)
+        return NULL;
+    if (PyModule_AddObjectRef(m, "TrackerCore", (PyObject *)&TrackerType) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}
