@@ -7,9 +7,9 @@ STAMP := $(VENV)/.installed-stamp
 
 .PHONY: demo test install bench zoo clean
 
-# setup.py builds the one C module (dispatcher/_tracker.c): a C compiler and the Python
+# setup.py builds the C modules (dispatcher/*.c): a C compiler and the Python
 # headers are needed, as on the stock machine (gcc, python3-dev).
-$(STAMP): pyproject.toml setup.py dispatcher/_tracker.c
+$(STAMP): pyproject.toml setup.py $(wildcard dispatcher/*.c)
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet -e '.[dev]'
