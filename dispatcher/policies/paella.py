@@ -21,8 +21,9 @@ deficit counters.
     between clients, which is FIFO only if the clients send similar mixes.
 * **O(log n) per decision.** As in the paper, deficits are stored as ``s_u`` with
   ``deficit_u = s_u + G``: a release adds 1/n to the global offset ``G`` and subtracts
-  1 from ``s_u`` (O(1)); a max-heap of ``s_u`` over ready units, a heap of ready jobs
-  by arrival (job mode) or one per client (client mode), all with lazy deletion. ``G``
+  1 from ``s_u`` (O(1)); a max-heap of ``s_u`` over ready units and a heap of ready jobs
+  by arrival (job mode) or one per client (client mode), with lazy deletion; the SRPT
+  order in an indexed heap (:mod:`paella.dispatcher.pqueue`), re-keyed in place. ``G``
   is folded back into every ``s_u`` when it grows large (the paper's O(n) reset), so
   floats never lose precision.
 
@@ -43,11 +44,12 @@ the earliest-arrived job with a ready kernel.
 """
 from __future__ import annotations
 
-import heapq
 import itertools
+from heapq import heapify, heappop, heappush
 from typing import Any
 
-from .base import Policy, PolicyError, register_policy, top_queued
+from ..pqueue import IndexedHeap
+from .base import Policy, PolicyError, register_policy
 
 #: Default fairness threshold, in kernels' worth of deficit. A unit starved while the
 #: others release K kernels reaches a deficit near K/n (n units with unfinished jobs),
@@ -75,13 +77,30 @@ class _Unit:
         self.s = s
         self.ver = 0
         self.nready = 0
-        self.ready: list = []       # (arrival seq, pver, job), lazy deletion
+        self.ready: list = []       # client mode's fifo: (arrival seq, job), see kernel_ready
         self.jobs = 0
         self.seq = seq
 
 
 @register_policy("paella")
 class Paella(Policy):
+    """The hot path (``kernel_ready``, ``pick``, ``released``: once per kernel) is
+    inlined and written for speed; the order it gives is the module docstring's.
+
+    * ``srpt`` (queued jobs by ``(remaining, seq)``) and ``inflight`` (live jobs, the
+      same key as of their last release) are :class:`~paella.dispatcher.pqueue.IndexedHeap`
+      s: a release removes or re-keys the job in place, so nothing stale is ever
+      skipped or compacted.
+    * ``fifo`` (client mode: the unit's ``ready``): arrival order is a constant key, so
+      a job keeps one ``(seq, job)`` heapq entry (``job.infifo``) from its first ready
+      kernel until the entry reaches the top while the job is not queued; a queued job
+      always has its entry. One push per job, not per kernel.
+    * ``dheap`` keeps its lazy deletion: its length decides when ``G`` is folded into
+      the ``s_u``, which rounds the deficits, so the same pushes keep the same floats.
+    * ``_share`` (1/#units), ``_dcap`` and ``_cap`` (the rebase and compaction bounds)
+      are kept up to date where units and jobs come and go.
+    """
+
     def __init__(self, dispatcher: Any = None, *, fairness_threshold: float | None = None,
                  fairness_unit: str = DEFAULT_FAIRNESS_UNIT,
                  hold_factor: float | None = DEFAULT_HOLD_FACTOR, **options: Any):
@@ -97,69 +116,69 @@ class Paella(Policy):
         self.threshold = float(fairness_threshold)
         self.by_client = fairness_unit == "client"
         self.hold = hold_factor or None    # 0, False (TOML) and None turn the rule off
-        self.inflight: list = []    # (remaining, arrival seq, lver, job): every live job
+        self.inflight = IndexedHeap()       # every live job, by (remaining, seq)
         self.n_live_jobs = 0
-        self.srpt: list = []        # (remaining, arrival seq, pver, job)
-        self.fifo: list = []        # (arrival seq, pver, job): job mode's fairness pick
+        self.srpt = IndexedHeap()           # queued jobs, by (remaining, seq)
+        self.fifo: list = []        # (arrival seq, job): job mode's fairness pick
         self.dheap: list = []       # (-s, unit seq, unit ver, unit)
         self.units: dict[Any, _Unit] = {}
         self.G = 0.0
-        self.live = 0
+        self._share = 0.0           # 1.0 / len(self.units)
+        self._dcap = 64             # 2 * len(self.units) + 64: dheap length that rebases
+        self._cap = 64              # 2 * n_live_jobs + 64: fifo length that compacts
         self._useq = itertools.count()
 
     # -- hooks ----------------------------------------------------------------------------
     def job_arrived(self, job: Any) -> None:
         key = job.client_id if self.by_client else job
-        unit = self.units.get(key)
+        units = self.units
+        unit = units.get(key)
         if unit is None:
-            unit = self.units[key] = _Unit(key, -self.G, next(self._useq))
+            unit = units[key] = _Unit(key, -self.G, next(self._useq))
+            self._units_changed()
         unit.jobs += 1
         job.punit = unit
-        job.lver = 0
+        job.queued = False
+        job.infifo = False
         self.n_live_jobs += 1
-        heapq.heappush(self.inflight, (job.remaining, job.seq, 0, job))
+        self._cap = 2 * self.n_live_jobs + 64
+        self.inflight.push(job, job.remaining, job.seq)
 
     def kernel_ready(self, job: Any) -> None:
-        job.pver += 1
         job.queued = True
-        self.live += 1
-        pver = job.pver
-        heapq.heappush(self.srpt, (job.remaining, job.seq, pver, job))
+        self.srpt.push(job, job.remaining, job.seq)
         unit = job.punit
-        if self.by_client:
-            heapq.heappush(unit.ready, (job.seq, pver, job))
-        else:
-            heapq.heappush(self.fifo, (job.seq, pver, job))
-        unit.nready += 1
-        if unit.nready == 1:
-            self._push_unit(unit)
-        if len(self.srpt) > 2 * self.live + 64:
-            self._compact()
+        if not job.infifo:           # its (seq, job) entry in its fairness fifo
+            job.infifo = True
+            fifo = unit.ready if self.by_client else self.fifo
+            heappush(fifo, (job.seq, job))
+            if len(fifo) > self._cap:
+                self._compact_fifo(fifo)
+        n = unit.nready + 1
+        unit.nready = n
+        if n == 1:                   # inlined _push_unit
+            ver = unit.ver + 1
+            unit.ver = ver
+            heappush(self.dheap, (-unit.s, unit.seq, ver, unit))
 
     def pick(self) -> Any:
         dheap = self.dheap
         while dheap:
             neg_s, _, ver, unit = dheap[0]
-            if ver == unit.ver and unit.nready:
+            if ver == unit.ver:      # live, hence unit.nready > 0
                 if self.G - neg_s >= self.threshold:
                     return self._oldest(unit.ready if self.by_client else self.fifo)
                 break
-            heapq.heappop(dheap)
-        job = top_queued(self.srpt)
+            heappop(dheap)
+        job = self.srpt.top()
         if job is None or self.hold is None:
             return job
         # The hold rule: blocks cannot be preempted, so a kernel long next to the job
         # with the least remaining work in flight would make that job's next kernel
         # (ready soon) wait for it. Hold it back while that job runs.
         inflight = self.inflight
-        while inflight:
-            rem, _, lver, other = inflight[0]
-            if lver == other.lver:
-                break
-            heapq.heappop(inflight)
-        else:
-            return job
-        if other is job or not rem < job.remaining:
+        other = inflight.top()       # (never None: job is live)
+        if other is job or not inflight.top_key() < job.remaining:
             return job
         op = job.ready[0]
         stat = job.model.profile.kernels.get(op.key)
@@ -168,31 +187,39 @@ class Paella(Policy):
         return job
 
     def released(self, job: Any, op: Any) -> None:
+        job.queued = False           # inlined _unqueue
+        self.srpt.remove(job)
         unit = job.punit
-        self._unqueue(job)
-        job.lver += 1                # its remaining estimate dropped: re-key it
-        heapq.heappush(self.inflight, (job.remaining, job.seq, job.lver, job))
-        if len(self.inflight) > 2 * self.n_live_jobs + 64:
-            self.inflight = [e for e in self.inflight if e[2] == e[3].lver]
-            heapq.heapify(self.inflight)
+        n = unit.nready - 1
+        unit.nready = n
+        if n == 0:
+            unit.ver += 1
+        self.inflight.push(job, job.remaining, job.seq)     # its estimate dropped: re-key
         # Deficits: everyone +1/n (the offset), the releasing unit -1.
-        self.G += 1.0 / len(self.units)
+        g = self.G = self.G + self._share
         unit.s -= 1.0
-        if unit.nready:
+        if n:
             self._push_unit(unit)
-        if self.G > _REBASE or len(self.dheap) > 2 * len(self.units) + 64:
+        if g > _REBASE or len(self.dheap) > self._dcap:
             self._rebase()
 
     def job_finished(self, job: Any) -> None:
-        if job.queued:
-            self._unqueue(job)
-        job.lver += 1
-        self.n_live_jobs -= 1
         unit = job.punit
+        if job.queued:
+            job.queued = False
+            self.srpt.remove(job)
+            unit.nready -= 1
+            if unit.nready == 0:
+                unit.ver += 1
+        self.inflight.remove(job)
+        job.punit = None             # (job mode: unit.key is the job; no cycle left for the gc)
+        self.n_live_jobs -= 1
+        self._cap = 2 * self.n_live_jobs + 64
         unit.jobs -= 1
         if unit.jobs == 0:
             del self.units[unit.key]
             unit.ver += 1
+            self._units_changed()
 
     # -- inspection (tests, docs) -----------------------------------------------------------
     def deficit(self, job_or_client: Any) -> float:
@@ -200,34 +227,44 @@ class Paella(Policy):
         return unit.s + self.G
 
     # -- helpers ----------------------------------------------------------------------------
+    def _units_changed(self) -> None:
+        n = len(self.units)
+        if n:
+            self._share = 1.0 / n
+        self._dcap = 2 * n + 64
+
     def _fills_gpu(self, op: Any) -> bool:
         """Only a kernel that does not fit beside everything else can hold a shorter
         job's next kernel back (without a dispatcher, in unit tests: assume it does)."""
         return self.dispatcher is None or not self.dispatcher.tracker.fits_now(op)
 
     @staticmethod
-    def _oldest(ready: list) -> Any:
-        """The earliest-arrived live entry of an (arrival seq, pver, job) heap."""
-        while ready:
-            _, pver, job = ready[0]
-            if pver == job.pver and job.queued:
+    def _compact_fifo(fifo: list) -> None:
+        """Drop the entries of jobs not queued (finished ones too), in place."""
+        keep = []
+        for e in fifo:
+            if e[1].queued:
+                keep.append(e)
+            else:
+                e[1].infifo = False
+        heapify(keep)
+        fifo[:] = keep
+
+    @staticmethod
+    def _oldest(fifo: list) -> Any:
+        """The earliest-arrived queued job of a (seq, job) fifo; jobs not queued that
+        reach the top leave it (they re-enter at their next ready kernel)."""
+        while fifo:
+            job = fifo[0][1]
+            if job.queued:
                 return job
-            heapq.heappop(ready)
+            heappop(fifo)
+            job.infifo = False
         raise AssertionError("a unit counted as ready has no ready job")
 
     def _push_unit(self, unit: _Unit) -> None:
         unit.ver += 1
-        heapq.heappush(self.dheap, (-unit.s, unit.seq, unit.ver, unit))
-
-    def _unqueue(self, job: Any) -> None:
-        job.queued = False
-        job.pver += 1
-        self.live -= 1
-        unit = job.punit
-        unit.nready -= 1
-        if unit.nready == 0:
-            unit.ver += 1
-            unit.ready.clear()
+        heappush(self.dheap, (-unit.s, unit.seq, unit.ver, unit))
 
     def _rebase(self) -> None:
         """Fold G into every s_u and rebuild the deficit heap without stale entries."""
@@ -239,9 +276,3 @@ class Paella(Policy):
         for unit in self.units.values():
             if unit.nready:
                 self._push_unit(unit)
-
-    def _compact(self) -> None:
-        self.srpt = [e for e in self.srpt if e[2] == e[3].pver and e[3].queued]
-        heapq.heapify(self.srpt)
-        self.fifo = [e for e in self.fifo if e[1] == e[2].pver and e[2].queued]
-        heapq.heapify(self.fifo)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import logging
+import random
 import sys
 import types
 from importlib import metadata
@@ -334,3 +335,78 @@ def test_hold_protects_a_short_job_from_a_long_kernel_end_to_end(make):
     assert short_held < 0.6e-3                # 8 kernels of 50 us plus copies
     assert short_free > short_held + 1e-3     # waited for (part of) the 2 ms kernel
     assert long_held > long_free              # the price: the long job waits
+
+
+# -- the lazily deleted heaps against a scan ------------------------------------------------
+def scan_pick(live: list, queued: set, hold: float):
+    """What Paella must pick when fairness never applies: the queued job with the least
+    (remaining, seq), held back (None) when a live job with less remaining work is
+    shorter than twice its next kernel (hold 0.5; without a dispatcher, every kernel
+    counts as filling the GPU)."""
+    if not queued:
+        return None
+    job = min(queued, key=lambda j: (j.remaining, j.seq))
+    other = min(live, key=lambda j: (j.remaining, j.seq))
+    if other is job or not other.remaining < job.remaining:
+        return job
+    stat = job.model.profile.kernels.get(job.ready[0].key)
+    return None if stat is not None and stat.time > hold * other.estimate else job
+
+
+@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize("unit", ["job", "client"])
+def test_srpt_and_hold_picks_match_a_scan(seed, unit):
+    """Random arrivals, releases, ready kernels and cancellations (queued or not): every
+    pick equals a scan of the jobs, so stale entries, the in-place re-key of the
+    in-flight heap and the one-entry-per-job fairness fifo lose nothing."""
+    rnd = random.Random(seed)
+    p = Paella(fairness_threshold=float("inf"), fairness_unit=unit)
+    live: list = []
+    queued: set = set()
+    left = {}
+    for _ in range(3000):
+        r = rnd.random()
+        if r < 0.12 or not live:
+            j = held_job(rnd.uniform(1.0, 20.0), rnd.choice([0.1, 0.5, 3.0]))
+            j.client_id = rnd.randrange(3)
+            left[j] = rnd.randint(1, 6)
+            p.job_arrived(j)
+            live.append(j)
+            p.kernel_ready(j)
+            queued.add(j)
+        elif r < 0.7:
+            got = p.pick()
+            assert got is scan_pick(live, queued, p.hold)
+            if got is not None:
+                got.remaining -= rnd.choice([0.0, rnd.uniform(0.0, 3.0)])   # as the dispatcher
+                p.released(got, None)
+                queued.discard(got)
+                left[got] -= 1
+        elif r < 0.93:
+            idle = [j for j in live if j not in queued]
+            if idle:
+                j = rnd.choice(idle)
+                if left[j]:
+                    p.kernel_ready(j)
+                    queued.add(j)
+                else:
+                    p.job_finished(j)
+                    live.remove(j)
+        else:
+            j = rnd.choice(live)
+            p.job_finished(j)
+            live.remove(j)
+            queued.discard(j)
+    assert len(p.fifo) <= 2 * len(live) + 64 + 1
+
+
+def test_fairness_fifo_holds_one_entry_per_job_not_per_kernel():
+    p = Paella(fairness_threshold=1e9)
+    jobs = [FakeJob(float(i + 1)) for i in range(5)]
+    arrive(p, *jobs)
+    for _ in range(500):
+        j = p.pick()
+        p.released(j, None)
+        j.remaining -= 1e-3
+        p.kernel_ready(j)
+    assert len(p.fifo) == len(jobs)
