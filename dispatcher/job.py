@@ -17,7 +17,7 @@ import numpy as np
 
 from paella.dispatcher.devices.base import Function, dim3
 
-from .waitlist import D2H, DONE, H2D, KERNEL, MARKER, READY, Event, Op, VStream, Waitlist
+from .waitlist import D2H, DONE, H2D, KERNEL, MARKER, READY, WAITING, Event, Op, VStream, Waitlist
 
 if TYPE_CHECKING:
     from .core import Dispatcher, Request
@@ -255,7 +255,7 @@ class PlanTemplate:
     per-op dependency analysis. Other plans go through ``Waitlist.issue`` op by op.
     """
 
-    __slots__ = ("name", "io_bytes", "specs", "streams", "straight", "n")
+    __slots__ = ("name", "io_bytes", "specs", "protos", "streams", "straight", "n")
 
     def __init__(self, adaptor: Any, dispatcher: "Dispatcher"):
         device = dispatcher.device
@@ -276,6 +276,7 @@ class PlanTemplate:
             else:
                 specs.append((H2D if kind == 1 else D2H, s, i == almost, b, c))
         self.specs = specs
+        self.protos = [_proto(spec) for spec in specs]
         self.n = len(specs)
 
     def _check(self, job: Job, io: np.ndarray) -> list:
@@ -292,19 +293,24 @@ class PlanTemplate:
         """Step ``i``'s op for ``job`` on virtual stream ``vs``, not yet issued."""
         # (One Op class for every op: a class per step, holding what its ops share, made
         # ops cheaper to build but every attribute read in the loop slower, since
-        # CPython's inline caches specialise on one type per site.)
-        spec = self.specs[i]
-        kind = spec[0]
-        op = Op(kind, job, vs)
-        if kind == KERNEL:
-            (_, _, op.almost_finished, op.func, op.key, op.grid, op.block, op.dyn_smem, op.fp,
-             op.blocks, op.fw, op.fr, op.fs, op.entries) = spec
+        # CPython's inline caches specialise on one type per site.) Speed: the op is
+        # made without Op.__init__, every other slot from the step's prototype in one
+        # unpack (see _proto), which stores each slot once (~35% cheaper).
+        proto = self.protos[i]
+        op = _new_op(Op)
+        (op.kind, op.almost_finished, op.func, op.key, op.grid, op.block, op.dyn_smem, op.fp,
+         op.blocks, op.fw, op.fr, op.fs, op.entries, op.deps, op.pred, op.pred_pending, op.succ,
+         op.dependents, op.state, op.host, op.dptr, op.args, op.stream, op.launch_id, op.placed,
+         op.ended, op.t_release, op.t_first) = proto
+        op.job = job
+        op.vstream = vs
+        op.t_issue = job.t_start
+        if proto[0] == KERNEL:
             op.args = bound[i]
         else:
-            op.almost_finished = spec[2]
+            spec = self.specs[i]
             op.dptr = bound[i]
             op.host = io[spec[3]:spec[4]]
-        op.t_issue = job.t_start
         return op
 
     def start(self, job: Job, io: np.ndarray) -> Op | None:
@@ -370,3 +376,21 @@ class PlanTemplate:
             wl.pending += self.n
             wl._activate(first)
 
+
+_new_op = object.__new__
+
+
+def _proto(spec: tuple) -> tuple:
+    """The slots of a plan step's ops that are the same for every request, in the order
+    :meth:`PlanTemplate.make` unpacks them: the step's own (kernel launch or copy) and
+    :class:`Op`'s initial values for the rest (kept equal to ``Op.__init__``'s). A
+    kernel's ``args``, a copy's ``dptr`` and ``host`` are the job's, set by ``make``."""
+    if spec[0] == KERNEL:
+        (kind, _, almost, func, key, grid, block, dyn_smem, fp, blocks, fw, fr, fs,
+         entries) = spec
+    else:
+        kind, almost = spec[0], spec[2]
+        func = key = grid = block = fp = None
+        dyn_smem = blocks = fw = fr = fs = entries = 0
+    return (kind, almost, func, key, grid, block, dyn_smem, fp, blocks, fw, fr, fs, entries,
+            0, None, False, None, None, WAITING, None, 0, (), -1, -1, 0, 0, 0.0, 0.0)

@@ -2,9 +2,13 @@
 guide: in-order streams, the legacy default stream, non-blocking streams, events)."""
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
+from paella.dispatcher.job import Job
 from paella.dispatcher.waitlist import D2H, DONE, KERNEL, MARKER, Event, Op, Waitlist
+
+from dispatch_helpers import Recorder, chain
 
 
 class Scenario:
@@ -190,3 +194,52 @@ def test_drop_unreleased_keeps_released_ops():
     assert s.wl.pending == 1
     s.wl.finish(s.ops["A"])
     assert s.wl.pending == 0 and s.active == ["A"]
+
+
+def test_finished_ops_keep_no_link_back():
+    """No reference cycle outlives the work: a finished op drops its predecessor and
+    its stream's ``last`` (both mean "nothing to wait for"), so finished jobs and ops
+    are freed by reference counting rather than by the cyclic gc."""
+    s = Scenario()
+    a = s.wl.create_stream()
+    e = Event()
+    s.op("A", a), s.record(e, a), s.op("B", a), s.wait(s.wl.default, e), s.op("C", None)
+    for name in ("A", "B", "C"):
+        s.finish(name)
+    assert s.wl.pending == 0 and a.last is None and s.wl.default.last is None
+    assert all(op.pred is None for op in s.ops.values()) and e.done()
+    s.op("D", a)                          # an idle stream: D has nothing to wait for
+    assert s.active[-1] == "D" and s.ops["D"].pred is None
+
+
+def test_plan_ops_from_prototypes_equal_ops_from_op_init(make):
+    """PlanTemplate.make skips Op.__init__ for speed: each slot must hold what
+    Op.__init__ and the step's own fields would give it (a slot added to Op, or a
+    changed initial value, must be added to the prototype too)."""
+    dev, d = make("paella")
+    mid = d.register_model("c", chain("c", 3))
+    model = d.models[mid]
+    template = model.template
+    job = Job(d, Recorder().request(0, mid, model.adaptor.io_bytes), model, 1)
+    job.bindings = model.pool.acquire()
+    bound, io, vs = job.bindings.bound, job.req.io, job.waitlist.default
+    for i, spec in enumerate(template.specs):
+        op = template.make(job, i, vs, bound, io)
+        ref = Op(spec[0], job, vs)
+        ref.almost_finished = spec[2]
+        if spec[0] == KERNEL:
+            (ref.func, ref.key, ref.grid, ref.block, ref.dyn_smem, ref.fp, ref.blocks, ref.fw,
+             ref.fr, ref.fs, ref.entries) = spec[3:]
+            ref.args = bound[i]
+        else:
+            ref.dptr = bound[i]
+            ref.host = io[spec[3]:spec[4]]
+        ref.t_issue = job.t_start
+        for slot in Op.__slots__:
+            a, b = getattr(op, slot), getattr(ref, slot)
+            if isinstance(a, np.ndarray):
+                assert b is not None and np.shares_memory(a, b) and a.shape == b.shape, slot
+            else:
+                assert a is b or (type(a) is type(b) and a == b), (i, slot, a, b)
+    assert sum(spec[0] == KERNEL for spec in template.specs) == 3
+    assert sum(spec[0] == D2H for spec in template.specs) == 1
