@@ -268,6 +268,7 @@ class Dispatcher:
             else:
                 job.plan = None
                 job.waitlist.pending = 0
+                job.waitlist.default.last = None     # (idle either way; no job -> op -> job cycle)
                 self._finish(job)
             return
         wl = job.waitlist

@@ -21,11 +21,12 @@ deficit counters.
     between clients, which is FIFO only if the clients send similar mixes.
 * **O(log n) per decision.** As in the paper, deficits are stored as ``s_u`` with
   ``deficit_u = s_u + G``: a release adds 1/n to the global offset ``G`` and subtracts
-  1 from ``s_u`` (O(1)); a max-heap of ``s_u`` over ready units and a heap of ready jobs
-  by arrival (job mode) or one per client (client mode), with lazy deletion; the SRPT
-  order in an indexed heap (:mod:`paella.dispatcher.pqueue`), re-keyed in place. ``G``
-  is folded back into every ``s_u`` when it grows large (the paper's O(n) reset), so
-  floats never lose precision.
+  1 from ``s_u`` (O(1)). The SRPT order, the ready units by ``s_u`` (highest first)
+  and the hold rule's live jobs are indexed heaps (:mod:`paella.dispatcher.pqueue`),
+  re-keyed or removed in place; the arrival order of ready jobs (one per client in
+  client mode) is a heap with one entry per job. ``G`` is folded back into every
+  ``s_u`` when it passes 1e9 (the paper's O(n) reset: the deficit heap's keys shift by
+  the same amount), so floats never lose precision.
 
 * **The hold rule** (``hold_factor``, beyond the paper). Blocks cannot be preempted, so
   SRPT alone cannot protect a short job between two of its kernels: the GPU is
@@ -70,12 +71,11 @@ _REBASE = 1e9
 
 
 class _Unit:
-    __slots__ = ("key", "s", "ver", "nready", "ready", "jobs", "seq")
+    __slots__ = ("key", "s", "nready", "ready", "jobs", "seq")
 
     def __init__(self, key: Any, s: float, seq: int):
         self.key = key
         self.s = s
-        self.ver = 0
         self.nready = 0
         self.ready: list = []       # client mode's fifo: (arrival seq, job), see kernel_ready
         self.jobs = 0
@@ -87,18 +87,17 @@ class Paella(Policy):
     """The hot path (``kernel_ready``, ``pick``, ``released``: once per kernel) is
     inlined and written for speed; the order it gives is the module docstring's.
 
-    * ``srpt`` (queued jobs by ``(remaining, seq)``) and ``inflight`` (live jobs, the
-      same key as of their last release) are :class:`~paella.dispatcher.pqueue.IndexedHeap`
-      s: a release removes or re-keys the job in place, so nothing stale is ever
-      skipped or compacted.
+    * ``srpt`` (queued jobs by ``(remaining, seq)``), ``inflight`` (live jobs, the
+      same key as of their last release) and ``dheap`` (units with a queued job by
+      ``(-s_u, unit seq)``) are :class:`~paella.dispatcher.pqueue.IndexedHeap` s: a
+      release removes or re-keys in place, so nothing stale is ever skipped or
+      compacted.
     * ``fifo`` (client mode: the unit's ``ready``): arrival order is a constant key, so
       a job keeps one ``(seq, job)`` heapq entry (``job.infifo``) from its first ready
       kernel until the entry reaches the top while the job is not queued; a queued job
       always has its entry. One push per job, not per kernel.
-    * ``dheap`` keeps its lazy deletion: its length decides when ``G`` is folded into
-      the ``s_u``, which rounds the deficits, so the same pushes keep the same floats.
-    * ``_share`` (1/#units), ``_dcap`` and ``_cap`` (the rebase and compaction bounds)
-      are kept up to date where units and jobs come and go.
+    * ``_share`` (1/#units) and ``_cap`` (the fifo's compaction bound) are kept up to
+      date where units and jobs come and go.
     """
 
     def __init__(self, dispatcher: Any = None, *, fairness_threshold: float | None = None,
@@ -120,11 +119,10 @@ class Paella(Policy):
         self.n_live_jobs = 0
         self.srpt = IndexedHeap()           # queued jobs, by (remaining, seq)
         self.fifo: list = []        # (arrival seq, job): job mode's fairness pick
-        self.dheap: list = []       # (-s, unit seq, unit ver, unit)
+        self.dheap = IndexedHeap()          # units with a queued job, by (-s, unit seq)
         self.units: dict[Any, _Unit] = {}
         self.G = 0.0
         self._share = 0.0           # 1.0 / len(self.units)
-        self._dcap = 64             # 2 * len(self.units) + 64: dheap length that rebases
         self._cap = 64              # 2 * n_live_jobs + 64: fifo length that compacts
         self._useq = itertools.count()
 
@@ -156,20 +154,14 @@ class Paella(Policy):
                 self._compact_fifo(fifo)
         n = unit.nready + 1
         unit.nready = n
-        if n == 1:                   # inlined _push_unit
-            ver = unit.ver + 1
-            unit.ver = ver
-            heappush(self.dheap, (-unit.s, unit.seq, ver, unit))
+        if n == 1:
+            self.dheap.push(unit, -unit.s, unit.seq)
 
     def pick(self) -> Any:
         dheap = self.dheap
-        while dheap:
-            neg_s, _, ver, unit = dheap[0]
-            if ver == unit.ver:      # live, hence unit.nready > 0
-                if self.G - neg_s >= self.threshold:
-                    return self._oldest(unit.ready if self.by_client else self.fifo)
-                break
-            heappop(dheap)
+        unit = dheap.top()
+        if unit is not None and self.G - dheap.top_key() >= self.threshold:
+            return self._oldest(unit.ready if self.by_client else self.fifo)
         job = self.srpt.top()
         if job is None or self.hold is None:
             return job
@@ -193,14 +185,14 @@ class Paella(Policy):
         n = unit.nready - 1
         unit.nready = n
         if n == 0:
-            unit.ver += 1
+            self.dheap.remove(unit)
         self.inflight.push(job, job.remaining, job.seq)     # its estimate dropped: re-key
         # Deficits: everyone +1/n (the offset), the releasing unit -1.
         g = self.G = self.G + self._share
         unit.s -= 1.0
         if n:
-            self._push_unit(unit)
-        if g > _REBASE or len(self.dheap) > self._dcap:
+            self.dheap.push(unit, -unit.s, unit.seq)
+        if g > _REBASE:
             self._rebase()
 
     def job_finished(self, job: Any) -> None:
@@ -210,7 +202,7 @@ class Paella(Policy):
             self.srpt.remove(job)
             unit.nready -= 1
             if unit.nready == 0:
-                unit.ver += 1
+                self.dheap.remove(unit)
         self.inflight.remove(job)
         job.punit = None             # (job mode: unit.key is the job; no cycle left for the gc)
         self.n_live_jobs -= 1
@@ -218,7 +210,6 @@ class Paella(Policy):
         unit.jobs -= 1
         if unit.jobs == 0:
             del self.units[unit.key]
-            unit.ver += 1
             self._units_changed()
 
     # -- inspection (tests, docs) -----------------------------------------------------------
@@ -231,7 +222,6 @@ class Paella(Policy):
         n = len(self.units)
         if n:
             self._share = 1.0 / n
-        self._dcap = 2 * n + 64
 
     def _fills_gpu(self, op: Any) -> bool:
         """Only a kernel that does not fit beside everything else can hold a shorter
@@ -262,17 +252,10 @@ class Paella(Policy):
             job.infifo = False
         raise AssertionError("a unit counted as ready has no ready job")
 
-    def _push_unit(self, unit: _Unit) -> None:
-        unit.ver += 1
-        heappush(self.dheap, (-unit.s, unit.seq, unit.ver, unit))
-
     def _rebase(self) -> None:
-        """Fold G into every s_u and rebuild the deficit heap without stale entries."""
+        """Fold G into every s_u; the deficit heap's keys (-s_u) move by -G with them."""
         g = self.G
         self.G = 0.0
         for unit in self.units.values():
             unit.s += g
-        self.dheap = []
-        for unit in self.units.values():
-            if unit.nready:
-                self._push_unit(unit)
+        self.dheap.shift(-g)
