@@ -7,11 +7,9 @@ For each policy and offered load the JSON reports the p99 latency of each model;
 summary's ``short_p99_speedup`` is the largest ratio, over the loads at which
 ``paella`` is below saturation, of ``ms-jbj``'s ResNet-18 p99 to ``paella``'s.
 
-The default ``--cpu-scale`` is 0, a free dispatcher: the issue's 2x is a claim about
-the policy and the dispatch mechanism, and with this Python dispatcher's cost charged
-in full (``--cpu-scale 1``, ~25-30 us per kernel, as long as ResNet-18's kernels) paella
-loses to ms-jbj, whose jobs go to the GPU in one burst of launches. docs/policies.md
-gives the measured figures for both and why the speedup is only about 2x here.
+The default ``--cpu-scale`` is 0, a free dispatcher, so that runs are deterministic;
+with the dispatcher's cost charged in full (``--cpu-scale 1``, ~8.5 us per kernel)
+paella keeps its lead (docs/policies.md gives the measured figures for both).
 
 Kernel lists are synthetic until compiled bundles are swapped in: one kernel per
 layer (convolutions with their fused batch-norm/ReLU, pools, the classifier) built
