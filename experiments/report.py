@@ -192,7 +192,7 @@ def _sched_delay(d: dict) -> list[str]:
         f"{s['tolerance'] - 1:.0%}. This dispatcher spends about {s['python_decision_us']:g} us of "
         "CPU per released kernel, everything included: "
         + ("within that headroom, so charging its CPU in full (`--cpu-scale 1`) keeps short-long's "
-           "speedup (its own section below)."
+           "speedup (its section with the CPU charged, above)."
            if s["python_decision_us"] <= s["headroom_us"] else
            "beyond that headroom, so the experiments that charge its CPU in full (`--cpu-scale 1`) "
            "lose to the baselines.")
