@@ -51,8 +51,10 @@ from paella import protocol
 from paella.gpus import GpuSpec
 from paella.occupancy import sub_partitions
 
-from ._tracker import TrackerCore
+from .native import load
 from .waitlist import Op
+
+TrackerCore = load("_tracker").TrackerCore
 
 #: The notification word's layout, as the C half decodes it.
 _LAYOUT = (protocol.KIND_SHIFT, protocol.SM_SHIFT, protocol.COUNT_SHIFT, protocol.LAUNCH_MASK,

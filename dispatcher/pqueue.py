@@ -22,6 +22,8 @@ the negated key.
 """
 from __future__ import annotations
 
-from ._pqueue import IndexedHeap
+from .native import load
+
+IndexedHeap = load("_pqueue").IndexedHeap
 
 __all__ = ["IndexedHeap"]

@@ -94,3 +94,10 @@ def test_items_are_released_and_cycles_collected():
     rb = weakref.ref(b)
     del b
     assert rb() is None and len(h) == 0
+
+
+def test_a_missing_compiled_module_names_the_fix():
+    from paella.dispatcher.native import load
+    assert load("_pqueue").IndexedHeap is IndexedHeap
+    with pytest.raises(ImportError, match=r"dispatcher/_nope\.c.*pip install -e \."):
+        load("_nope")

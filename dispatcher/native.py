@@ -1,0 +1,24 @@
+"""The dispatcher's compiled modules (``dispatcher/*.c``), imported with an error that
+says how to build them.
+
+They are built by ``pip install -e .`` (``make install`` does it), which needs a C
+compiler and the Python headers. Running from a source tree that was never installed,
+or after editing a ``.c`` file without reinstalling, would otherwise fail with a bare
+"No module named ..." far from its cause.
+"""
+from __future__ import annotations
+
+import importlib
+from types import ModuleType
+
+
+def load(name: str) -> ModuleType:
+    """``paella.dispatcher.<name>``, or ImportError naming the fix."""
+    try:
+        return importlib.import_module(f"paella.dispatcher.{name}")
+    except ImportError as e:
+        raise ImportError(
+            f"the dispatcher's compiled module paella.dispatcher.{name} (dispatcher/{name}.c) "
+            f"is not built or does not load ({e}); build it with `make install` or "
+            f"`pip install -e .` in the project directory (needs gcc and the Python headers, "
+            f"python3-dev)") from e
