@@ -11,6 +11,9 @@ from __future__ import annotations
 import importlib
 from types import ModuleType
 
+#: The compiled modules (setup.py builds one per ``dispatcher/<name>.c``).
+MODULES = ("_tracker", "_pqueue")
+
 
 def load(name: str) -> ModuleType:
     """``paella.dispatcher.<name>``, or ImportError naming the fix."""
@@ -22,3 +25,15 @@ def load(name: str) -> ModuleType:
             f"is not built or does not load ({e}); build it with `make install` or "
             f"`pip install -e .` in the project directory (needs gcc and the Python headers, "
             f"python3-dev)") from e
+
+
+def status() -> dict[str, str | None]:
+    """Per compiled module: None if it loads, else why not (for ``paella doctor``)."""
+    out: dict[str, str | None] = {}
+    for name in MODULES:
+        try:
+            load(name)
+            out[name] = None
+        except ImportError as e:
+            out[name] = str(e)
+    return out

@@ -56,6 +56,7 @@ def package_version(*names: str) -> str | None:
 
 def collect(driver: Any = None) -> dict:
     """Everything the report shows, as plain data (``driver``: a stand-in driver module)."""
+    from paella.dispatcher import native
     from paella.dispatcher.devices import probe_driver
     probe = probe_driver(driver)
     nvcc = find_nvcc()
@@ -67,6 +68,7 @@ def collect(driver: Any = None) -> dict:
         "nvcc": {"path": nvcc, "version": nvcc_version(nvcc)},
         "tvm": package_version("apache-tvm", "tvm"),
         "cuda_python": package_version("cuda-bindings", "cuda-python"),
+        "compiled": native.status(),
         "auto_backend": "cuda" if probe.ok else "sim",
         "auto_reason": (f"NVIDIA driver {probe.driver_version_str}, {probe.reason}" if probe.ok
                         else probe.reason),
@@ -88,6 +90,9 @@ def format_report(info: dict) -> str:
                                        else "not found (set CUDA_HOME or put nvcc on PATH)"))
     lines.append(f"TVM           : {info['tvm'] or 'not installed (pip install apache-tvm)'}")
     lines.append(f"cuda-python   : {info['cuda_python'] or 'not installed (pip install cuda-python)'}")
+    broken = {k: v for k, v in info["compiled"].items() if v is not None}
+    lines.append("compiled      : " + (", ".join(info["compiled"]) + " loaded" if not broken
+                                       else "; ".join(broken.values())))
     lines.append(f"backend auto  : {info['auto_backend']} ({info['auto_reason']})")
     if info["auto_backend"] == "sim":
         lines.append("                the cuda backend is unavailable here; `paella serve` runs on the "

@@ -110,6 +110,15 @@ def test_doctor_report_without_a_driver(no_driver):
     assert "NVIDIA driver : not usable (no NVIDIA driver found (libcuda.so.1" in text
     assert "backend auto  : sim (" in text
     assert "cuda-python   : 13." in text
+    assert "compiled      : _tracker, _pqueue loaded" in text
+
+
+def test_doctor_names_a_compiled_module_that_does_not_load(no_driver, monkeypatch):
+    from paella.dispatcher import native
+    monkeypatch.setattr(native, "MODULES", ("_tracker", "_missing"))
+    text = doctor.format_report(doctor.collect())
+    assert "compiled      : the dispatcher's compiled module paella.dispatcher._missing" in text
+    assert "make install" in text
 
 
 def test_doctor_report_with_a_gpu():
