@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import math
 import sys
+import time
 
 from paella.experiments.cli import add_common, save_figure
 from paella.experiments.harness import write_outputs, PointConfig, Workload, adaptor_for, run_point
@@ -117,7 +118,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--requests", type=int, default=None, help="requests per point")
     p.add_argument("--cpu-scale", type=float, default=0.0,
                    help="multiplier on the dispatcher CPU time charged to the clock (default 0: "
-                        "a free dispatcher; 1 charges this Python dispatcher in full)")
+                        "a free dispatcher; 1 charges this dispatcher in full)")
     p.add_argument("--fairness-unit", choices=("job", "client"), default="job",
                    help="deficits per job (paella's default) or per client")
     p.set_defaults(func=main)
@@ -131,6 +132,7 @@ def main(args: argparse.Namespace) -> int:
         print(f"{name:14s} short mean={pt['per_model']['short']['mean_ms']:.2f} ms "
               f"long mean={pt['per_model']['long']['mean_ms']:.2f} ms", file=sys.stderr)
 
+    t0 = time.perf_counter()
     data = run(th, args.rate, 1.5, n, args.seed, args.cpu_scale, progress, args.fairness_unit)
-    write_outputs(data, args, plot)
+    write_outputs(data, args, plot, t0)
     return 0

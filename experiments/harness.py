@@ -206,10 +206,15 @@ def saturated(point: dict, tolerance: float = 0.9) -> bool:
     return point["throughput"] < tolerance * point["offered"]
 
 
-def write_outputs(data: dict, args: Any, plot: Callable[[dict, str], None]) -> None:
-    """Print the summary; write ``--json`` and ``--plot`` if asked."""
+def write_outputs(data: dict, args: Any, plot: Callable[[dict, str], None],
+                  t0: float | None = None) -> None:
+    """Print the summary; write ``--json`` and ``--plot`` if asked. With ``t0`` (the
+    ``time.perf_counter()`` of the start) the running time goes into ``wall_seconds``."""
     import json
 
-    from paella.experiments.cli import save_outputs
+    from paella.experiments.cli import finish, save_outputs
     print(json.dumps(data["summary"], indent=2))
-    save_outputs(data, args, plot)
+    if t0 is None:
+        save_outputs(data, args, plot)
+    else:
+        finish(data, args, plot, t0)

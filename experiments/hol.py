@@ -239,7 +239,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--cpu-scale", type=float, default=0.0,
                    help="with --driver dispatcher: multiplier on the dispatcher CPU time charged "
                         "to the simulated clock (default 0, a free dispatcher; 1 charges this "
-                        "Python dispatcher in full)")
+                        "dispatcher in full)")
     p.set_defaults(func=main)
 
 

@@ -10,7 +10,7 @@ model. Systems (Table 3 as far as this project can express it):
   ``fifo`` (Paella-SS), ``ms-jbj``, ``ms-kbk``, ``paella``, ``sjf``, ``rr``. Each model is
   a :meth:`PlanAdaptor.from_bundle` of its compiled bundle. ``--cpu-scale`` (default 0,
   a free dispatcher, as in ``short-long``) multiplies the dispatcher CPU time charged to
-  the simulated clock; 1 charges this Python dispatcher in full.
+  the simulated clock; 1 charges this dispatcher in full.
 * directly on the simulated device, with no dispatcher (:func:`direct_point`), the same
   bundles' plans, uninstrumented launches: ``cuda-ss`` submits every job's plan to ONE
   stream in arrival order; ``cuda-ms`` submits each job's plan to its own stream
@@ -267,7 +267,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    f"quick {','.join(QUICK_SYSTEMS)})")
     p.add_argument("--cpu-scale", type=float, default=0.0,
                    help="multiplier on the dispatcher CPU time charged to the clock (default 0: "
-                        "a free dispatcher; 1 charges this Python dispatcher in full)")
+                        "a free dispatcher; 1 charges this dispatcher in full)")
     p.add_argument("--slo-x", type=float, default=10.0,
                    help="per-model p99 SLO as a multiple of each model's isolated time (default 10); "
                         "the overall bound uses the same multiple of the mix's mean isolated time")

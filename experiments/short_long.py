@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import time
 
 from paella.experiments.cli import add_common, save_figure
 from paella.experiments.harness import write_outputs, PointConfig, Workload, adaptor_for, run_point, saturated
@@ -197,7 +198,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--requests", type=int, default=None, help="requests per load point")
     p.add_argument("--cpu-scale", type=float, default=0.0,
                    help="multiplier on the dispatcher CPU time charged to the clock (default 0: "
-                        "a free dispatcher; 1 charges this Python dispatcher in full)")
+                        "a free dispatcher; 1 charges this dispatcher in full)")
     p.add_argument("--policies", default=",".join(POLICIES))
     p.set_defaults(func=main)
 
@@ -212,6 +213,7 @@ def main(args: argparse.Namespace) -> int:
               f"resnet18 p99={pt['per_model']['resnet18']['p99_ms']:.2f} ms "
               f"inception p99={pt['per_model']['inception_v3']['p99_ms']:.2f} ms", file=sys.stderr)
 
+    t0 = time.perf_counter()
     data = run(rates, sigmas, n, args.seed, args.policies.split(","), args.cpu_scale, progress)
-    write_outputs(data, args, plot)
+    write_outputs(data, args, plot, t0)
     return 0
