@@ -1,0 +1,78 @@
+"""The C modules under AddressSanitizer and UndefinedBehaviorSanitizer: rebuilt with
+both, loaded in a subprocess in place of the installed builds, and driven through the
+tracker's and the heap's edge cases and a whole dispatcher run. A memory error or
+undefined behaviour aborts the subprocess, which fails the test."""
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import sysconfig
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+MODULES = ("_tracker", "_pqueue")
+
+DRIVER = r'''
+import importlib.util, random, sys
+for name, path in zip(sys.argv[1::2], sys.argv[2::2]):
+    spec = importlib.util.spec_from_file_location(f"paella.dispatcher.{name}", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    sys.modules[f"paella.dispatcher.{name}"] = mod
+from paella.dispatcher import occupancy, pqueue
+assert occupancy.TrackerCore.__module__ == "paella.dispatcher._tracker"
+h = pqueue.IndexedHeap()
+rng = random.Random(3)
+items = [object() for _ in range(500)]
+for _ in range(40000):
+    it = rng.choice(items)
+    r = rng.random()
+    if r < 0.5:
+        h.push(it, rng.uniform(-1, 1), rng.randint(0, 5))
+    elif r < 0.8:
+        h.remove(it)
+    elif len(h):
+        h.pop()
+    if rng.random() < 0.001:
+        h.shift(0.5)
+h.clear()
+from paella.experiments import bench_dispatcher as b
+b.measure_alone(300, "paella", window=100)
+b.measure_whole(200, "paella")
+print("sanitized run ok")
+'''
+
+
+def _libs() -> list[str]:
+    out = []
+    for lib in ("libasan.so", "libubsan.so"):
+        path = subprocess.run(["gcc", f"-print-file-name={lib}"], capture_output=True,
+                              text=True).stdout.strip()
+        if not os.path.isabs(path) or not os.path.exists(path):
+            pytest.skip(f"gcc has no {lib} here (install libasan/libubsan) to run the sanitized build")
+        out.append(path)
+    return out
+
+
+@pytest.mark.skipif(shutil.which("gcc") is None, reason="needs gcc to build the sanitized modules")
+def test_c_modules_are_clean_under_asan_and_ubsan(tmp_path):
+    libs = _libs()
+    inc = sysconfig.get_paths()["include"]
+    suffix = sysconfig.get_config_var("EXT_SUFFIX")
+    args = []
+    for name in MODULES:
+        out = tmp_path / f"{name}{suffix}"
+        subprocess.run(["gcc", "-O1", "-g", "-fsanitize=address,undefined",
+                        "-fno-sanitize-recover=all", "-fno-omit-frame-pointer", "-shared", "-fPIC",
+                        f"-I{inc}", "-o", str(out), str(ROOT / "dispatcher" / f"{name}.c")],
+                       check=True)
+        args += [name, str(out)]
+    env = dict(os.environ, LD_PRELOAD=":".join(libs), ASAN_OPTIONS="detect_leaks=0",
+               UBSAN_OPTIONS="print_stacktrace=1")
+    r = subprocess.run([sys.executable, "-c", DRIVER, *args], env=env, capture_output=True,
+                       text=True, timeout=600)
+    assert r.returncode == 0 and "sanitized run ok" in r.stdout, r.stderr[-4000:]
