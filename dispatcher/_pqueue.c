@@ -10,6 +10,7 @@
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <math.h>
 #include <stdint.h>
 
 typedef struct {
@@ -252,6 +253,10 @@ static PyObject *Heap_shift(Heap *h, PyObject *arg)
     double d = PyFloat_AsDouble(arg);
     if (d == -1.0 && PyErr_Occurred())
         return NULL;
+    if (!isfinite(d)) {
+        PyErr_SetString(PyExc_ValueError, "shift(): the delta must be finite");
+        return NULL;
+    }
     for (Py_ssize_t k = 0; k < h->n; k++)
         h->heap[k].key += d;
     /* Rounding may merge two keys (the tie then decides): restore the heap order. */
@@ -270,12 +275,25 @@ static PyObject *Heap_items(Heap *h, PyObject *unused)
 
 static int Heap_clear(Heap *h)
 {
+    /* Empty the structure first, release the items after: a finalizer that runs on a
+       release may use the heap again. */
     Py_ssize_t n = h->n;
-    h->n = 0;
-    for (Py_ssize_t k = 0; k < n; k++) {
-        h->table[h->heap[k].slot].item = NULL;
-        Py_DECREF(h->heap[k].item);
+    if (!n)
+        return 0;
+    PyObject **items = PyMem_Malloc(n * sizeof(PyObject *));
+    if (items == NULL) {             /* (no memory: release in place, as the last resort) */
+        while (h->n)
+            Py_DECREF(take(h, h->n - 1));
+        return 0;
     }
+    for (Py_ssize_t k = 0; k < n; k++) {
+        items[k] = h->heap[k].item;
+        h->table[h->heap[k].slot].item = NULL;
+    }
+    h->n = 0;
+    for (Py_ssize_t k = 0; k < n; k++)
+        Py_DECREF(items[k]);
+    PyMem_Free(items);
     return 0;
 }
 
@@ -299,6 +317,15 @@ static void Heap_dealloc(Heap *h)
     PyMem_Free(h->heap);
     PyMem_Free(h->table);
     Py_TYPE(h)->tp_free((PyObject *)h);
+}
+
+static int Heap_init(Heap *h, PyObject *args, PyObject *kwds)
+{
+    if (PyTuple_GET_SIZE(args) || (kwds != NULL && PyDict_GET_SIZE(kwds))) {
+        PyErr_SetString(PyExc_TypeError, "IndexedHeap() takes no arguments");
+        return -1;
+    }
+    return 0;
 }
 
 static Py_ssize_t Heap_len(Heap *h)
@@ -338,6 +365,7 @@ static PyTypeObject HeapType = {
     .tp_doc = "A min-heap of objects keyed by (float, int), with re-keying and removal "
               "of any item in O(log n) (see paella.dispatcher.pqueue).",
     .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)Heap_init,
     .tp_dealloc = (destructor)Heap_dealloc,
     .tp_traverse = (traverseproc)Heap_traverse,
     .tp_clear = (inquiry)Heap_clear,

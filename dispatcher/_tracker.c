@@ -99,27 +99,27 @@ static int Tracker_init(Tracker *self, PyObject *args, PyObject *kwds)
                                      &cap[1], &cap[2], &cap[3], &nsm, &extra, &group, &npairs,
                                      &ks, &ss, &cs, &lmask, &pl, &co))
         return -1;
-    if (self->ring_obj != NULL) {
+    if (self->ring_obj != NULL || self->sm != NULL) {
         PyErr_SetString(PyExc_RuntimeError, "a Tracker is initialised once");
         return -1;
     }
-    if (PyObject_GetBuffer(ring, &self->view, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0)
-        return -1;
-    Py_INCREF(ring);
-    self->ring_obj = ring;
-    int64_t n = self->view.len / 8;
-    if (self->view.itemsize != 8 || n < 1 || (n & (n - 1))) {
-        PyErr_Format(PyExc_ValueError, "the notifQ must be a writable array of 64-bit "
-                     "slots whose length is a power of two (got %zd bytes of %zd-byte items)",
-                     self->view.len, self->view.itemsize);
+    if (npairs < 1 || (npairs & (npairs - 1)) || nsm < 1 || group < 1 || extra < 0) {
+        PyErr_Format(PyExc_ValueError, "counter pairs must be a power of two, SMs and group "
+                     ">= 1, B >= 0 (got %d pairs, %d SMs, group %lld, B %lld)", npairs, nsm,
+                     group, extra);
         return -1;
     }
-    if (npairs < 1 || (npairs & (npairs - 1)) || nsm < 1) {
-        PyErr_Format(PyExc_ValueError, "counter pairs must be a power of two and SMs >= 1 "
-                     "(got %d pairs, %d SMs)", npairs, nsm);
+    Py_buffer view;
+    if (PyObject_GetBuffer(ring, &view, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0)
+        return -1;
+    int64_t n = view.len / 8;
+    if (view.itemsize != 8 || n < 1 || (n & (n - 1)) || ((uintptr_t)view.buf & 7)) {
+        PyErr_Format(PyExc_ValueError, "the notifQ must be a writable, 8-byte aligned array of "
+                     "64-bit slots whose length is a power of two (got %zd bytes of %zd-byte "
+                     "items)", view.len, view.itemsize);
+        PyBuffer_Release(&view);
         return -1;
     }
-    self->ring = (volatile uint64_t *)self->view.buf;
     self->nslots = n;
     self->mask = n - 1;
     self->extra_blocks = extra;
@@ -149,6 +149,7 @@ static int Tracker_init(Tracker *self, PyObject *args, PyObject *kwds)
         ok = ok && *arrays[i];
     }
     if (!ok) {
+        PyBuffer_Release(&view);
         PyErr_NoMemory();
         return -1;
     }
@@ -158,7 +159,21 @@ static int Tracker_init(Tracker *self, PyObject *args, PyObject *kwds)
     }
     self->free_head = 0;
     self->free_count = npairs;
+    self->view = view;               /* last: a tracker with a ring is a usable one */
+    Py_INCREF(ring);
+    self->ring_obj = ring;
+    self->ring = (volatile uint64_t *)view.buf;
     return 0;
+}
+
+/* Every method but the constructor's: refuse a tracker whose __init__ did not run. */
+static int ready(Tracker *self)
+{
+    if (self->ring == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "TrackerCore.__init__ was not called or failed");
+        return 0;
+    }
+    return 1;
 }
 
 static int Tracker_traverse(Tracker *self, visitproc visit, void *arg)
@@ -200,13 +215,15 @@ static void Tracker_dealloc(Tracker *self)
 static PyObject *Tracker_flow_ok(Tracker *self, PyObject *op)
 {
     int64_t e;
-    if (op_entries(self, op, &e) < 0)
+    if (!ready(self) || op_entries(self, op, &e) < 0)
         return NULL;
     return PyBool_FromLong(flow_ok(self, e));
 }
 
 static PyObject *Tracker_admits(Tracker *self, PyObject *op)
 {
+    if (!ready(self))
+        return NULL;
     int64_t u = self->demand[B];
     if (u) {
         double excess = 0.0;
@@ -227,7 +244,7 @@ static PyObject *Tracker_admits(Tracker *self, PyObject *op)
 static PyObject *Tracker_fits_now(Tracker *self, PyObject *op)
 {
     int64_t e, n, w, r, s;
-    if (op_entries(self, op, &e) < 0 || get_i64(op, s_blocks, &n) < 0 ||
+    if (!ready(self) || op_entries(self, op, &e) < 0 || get_i64(op, s_blocks, &n) < 0 ||
         get_i64(op, s_fw, &w) < 0 || get_i64(op, s_fr, &r) < 0 || get_i64(op, s_fs, &s) < 0)
         return NULL;
     int64_t need[4] = {n, n * w, n * r, n * s};
@@ -237,24 +254,47 @@ static PyObject *Tracker_fits_now(Tracker *self, PyObject *op)
     Py_RETURN_TRUE;
 }
 
+static void finish_slot(Tracker *self, int slot)
+{
+    self->op[slot] = NULL;       /* the caller owns the reference now */
+    self->lid[slot] = -1;
+    self->freeq[(self->free_head + self->free_count) & (self->npairs - 1)] = slot;
+    self->free_count++;
+}
+
+/* Undo a release whose blocks have not started: its demand and entries go back. */
+static void withdraw(Tracker *self, int slot)
+{
+    int64_t n = self->blocks[slot];
+    self->demand[B] -= n;
+    self->demand[W] -= n * self->fw[slot];
+    self->demand[R] -= n * self->fr[slot];
+    self->demand[S] -= n * self->fs[slot];
+    self->reserved -= self->entries[slot];
+    finish_slot(self, slot);
+}
+
 static PyObject *Tracker_release(Tracker *self, PyObject *op)
 {
     int64_t e, n, w, r, s;
-    if (op_entries(self, op, &e) < 0 || get_i64(op, s_blocks, &n) < 0 ||
+    if (!ready(self) || op_entries(self, op, &e) < 0 || get_i64(op, s_blocks, &n) < 0 ||
         get_i64(op, s_fw, &w) < 0 || get_i64(op, s_fr, &r) < 0 || get_i64(op, s_fs, &s) < 0)
         return NULL;
+    if (n < 1) {
+        PyErr_Format(PyExc_ValueError, "release(): a launch of %lld blocks", (long long)n);
+        return NULL;
+    }
     if (!self->free_count) {
         PyErr_SetString(PyExc_RuntimeError, "release() with every counter pair in flight: "
                         "check admits() or flow_ok() first (internal error, please report)");
         return NULL;
     }
+    /* Claim the pair before any Python code runs (setting op.launch_id may). */
     int slot = self->freeq[self->free_head];
-    int64_t g = self->gen[slot] = (self->gen[slot] + 1) & self->gen_mask;
-    int64_t lid = (g << self->id_shift) | slot;
-    if (set_i64(op, s_launch_id, lid) < 0)
-        return NULL;
     self->free_head = (self->free_head + 1) & (self->npairs - 1);
     self->free_count--;
+    int64_t g = self->gen[slot] = (self->gen[slot] + 1) & self->gen_mask;
+    int64_t lid = (g << self->id_shift) | slot;
     Py_INCREF(op);
     self->op[slot] = op;
     self->lid[slot] = lid;
@@ -269,62 +309,96 @@ static PyObject *Tracker_release(Tracker *self, PyObject *op)
     self->demand[R] += n * r;
     self->demand[S] += n * s;
     self->reserved += e;
+    if (set_i64(op, s_launch_id, lid) < 0) {
+        withdraw(self, slot);
+        Py_DECREF(op);
+        return NULL;
+    }
     return PyLong_FromLongLong(lid);
 }
 
-static void finish_slot(Tracker *self, int slot)
-{
-    self->op[slot] = NULL;       /* the caller owns the reference now */
-    self->lid[slot] = -1;
-    self->freeq[(self->free_head + self->free_count) & (self->npairs - 1)] = slot;
-    self->free_count++;
-}
 
 static PyObject *Tracker_unrelease(Tracker *self, PyObject *op)
 {
     int64_t lid;
-    if (get_i64(op, s_launch_id, &lid) < 0)
+    if (!ready(self) || get_i64(op, s_launch_id, &lid) < 0)
         return NULL;
     int slot = (int)(lid & (self->npairs - 1));
     if (lid < 0 || self->op[slot] != op || self->lid[slot] != lid) {
         PyErr_Format(PyExc_ValueError, "unrelease(): launch %lld is not in flight", lid);
         return NULL;
     }
-    int64_t n = self->blocks[slot] - self->placed[slot];
-    self->demand[B] -= n;
-    self->demand[W] -= n * self->fw[slot];
-    self->demand[R] -= n * self->fr[slot];
-    self->demand[S] -= n * self->fs[slot];
-    self->reserved -= self->entries[slot];
-    finish_slot(self, slot);
+    if (self->placed[slot] || self->ended[slot]) {
+        PyErr_Format(PyExc_ValueError, "unrelease(): launch %lld has blocks on the GPU already; "
+                     "unrelease is for a launch the device refused", lid);
+        return NULL;
+    }
+    withdraw(self, slot);
     Py_DECREF(op);
     Py_RETURN_NONE;
 }
 
 /* -- notification side ---------------------------------------------------------------- */
+/* Keep the first Python error of a drain; report any later one as unraisable. */
+static void keep_error(PyObject **t, PyObject **v, PyObject **tb)
+{
+    if (*t == NULL)
+        PyErr_Fetch(t, v, tb);
+    else
+        PyErr_WriteUnraisable(NULL);
+}
+
+/* Completions of one drain, in order: a small array, then a list if many. */
+typedef struct {
+    PyObject *first[64];
+    int n;
+    PyObject *more;
+} Finished;
+
+static int finished_add(Finished *f, PyObject *op)   /* steals op */
+{
+    if (f->n < 64) {
+        f->first[f->n++] = op;
+        return 0;
+    }
+    if (f->more == NULL && (f->more = PyList_New(0)) == NULL) {
+        Py_DECREF(op);
+        return -1;
+    }
+    int rc = PyList_Append(f->more, op);
+    Py_DECREF(op);
+    return rc;
+}
+
+/*
+ * Every entry is applied in C first (totals, per SM, the launch's counts, its counter
+ * pair freed when its last block completes), then mirrored into the op's attributes.
+ * A Python error there (or in on_done) does not stop the batch: what the GPU did is
+ * recorded and every finished launch is reported; the first error is raised at the end.
+ */
 static PyObject *Tracker_drain(Tracker *self, PyObject *const *args, Py_ssize_t nargs)
 {
     if (nargs != 2) {
         PyErr_SetString(PyExc_TypeError, "drain(now, on_done) takes 2 arguments");
         return NULL;
     }
+    if (!ready(self))
+        return NULL;
     volatile uint64_t *ring = self->ring;
     int64_t head = self->head, mask = self->mask;
     uint64_t w = ring[head & mask];
     if (!w)
         return PyLong_FromLong(0);
-    double now = PyFloat_AsDouble(args[0]);
+    PyObject *now_obj = args[0];
+    double now = PyFloat_AsDouble(now_obj);
     if (now == -1.0 && PyErr_Occurred())
         return NULL;
     PyObject *on_done = args[1];
-    PyObject *now_obj = NULL;
+    PyObject *et = NULL, *ev = NULL, *etb = NULL;
     int64_t start = head, pair_mask = self->npairs - 1;
-    PyObject *finished[64];      /* completions of this batch, in order (spill: a list) */
-    PyObject *more = NULL;
-    int nfin = 0;
+    Finished fin = {.n = 0, .more = NULL};
     uint64_t bad = 0;
     const char *why = NULL;
-    int failed = 0;
     while (w) {
         ring[head & mask] = 0;   /* INVALID back: the slot is free again */
         head++;
@@ -338,90 +412,72 @@ static PyObject *Tracker_drain(Tracker *self, PyObject *const *args, Py_ssize_t 
             bad = w, why = "names a launch that is not in flight";
             break;
         }
-        if (sm >= self->nsm || (kind != self->placement && kind != self->completion)) {
-            bad = w, why = "is malformed (unknown kind, or an SM the device does not have)";
+        int placing = kind == self->placement;
+        if (sm >= self->nsm || (!placing && kind != self->completion) || n < 1 ||
+            n > self->group) {
+            bad = w, why = "is malformed (unknown kind, an SM the device does not have, or a "
+                           "block count outside 1..group)";
+            break;
+        }
+        if ((placing ? self->placed[slot] : self->ended[slot]) + n > self->blocks[slot]) {
+            bad = w, why = "counts more blocks than its launch has";
             break;
         }
         int64_t d[4] = {n, n * self->fw[slot], n * self->fr[slot], n * self->fs[slot]};
         int64_t *usm = self->sm + 4 * sm;
-        if (kind == self->placement) {
-            if (!self->placed[slot]) {
-                if (now_obj == NULL && (now_obj = PyFloat_FromDouble(now)) == NULL) {
-                    failed = 1;
-                    break;
-                }
-                if (PyObject_SetAttr(op, s_t_first, now_obj) < 0) {
-                    failed = 1;
-                    break;
-                }
-            }
-            self->placed[slot] += n;
+        Py_INCREF(op);           /* held while its attributes are set (Python may run) */
+        if (placing) {
+            int first = !self->placed[slot];
+            int64_t placed = self->placed[slot] += n;
             for (int r = 0; r < 4; r++) {
                 self->used[r] += d[r];
                 usm[r] += d[r];
                 self->demand[r] -= d[r];
             }
-            if (set_i64(op, s_placed, self->placed[slot]) < 0) {
-                failed = 1;
-                break;
-            }
+            if ((first && PyObject_SetAttr(op, s_t_first, now_obj) < 0) ||
+                set_i64(op, s_placed, placed) < 0)
+                keep_error(&et, &ev, &etb);
         } else {
             for (int r = 0; r < 4; r++) {
                 self->used[r] -= d[r];
                 usm[r] -= d[r];
             }
-            self->ended[slot] += n;
-            if (set_i64(op, s_ended, self->ended[slot]) < 0) {
-                failed = 1;
-                break;
-            }
-            if (self->ended[slot] == self->blocks[slot]) {
+            int64_t ended = self->ended[slot] += n;
+            if (ended == self->blocks[slot]) {
                 finish_slot(self, slot);                 /* its reference is ours now */
-                if (nfin < 64) {
-                    finished[nfin++] = op;
-                } else {
-                    if (more == NULL && (more = PyList_New(0)) == NULL) {
-                        Py_DECREF(op);
-                        failed = 1;
-                        break;
-                    }
-                    int rc = PyList_Append(more, op);
-                    Py_DECREF(op);
-                    if (rc < 0) {
-                        failed = 1;
-                        break;
-                    }
-                }
+                if (finished_add(&fin, op) < 0)
+                    keep_error(&et, &ev, &etb);
             }
+            if (set_i64(op, s_ended, ended) < 0)
+                keep_error(&et, &ev, &etb);
         }
+        Py_DECREF(op);
         w = ring[head & mask];
     }
     self->head = head;
-    Py_XDECREF(now_obj);
-    /* Completions first, in order, even after a bad entry: they did happen. */
-    int i = 0;
-    for (; i < nfin && !failed; i++) {
-        PyObject *r = PyObject_CallOneArg(on_done, finished[i]);
-        Py_DECREF(finished[i]);
+    /* Completions, in order, even after an error or a bad entry: they did happen. */
+    for (int i = 0; i < fin.n; i++) {
+        PyObject *r = PyObject_CallOneArg(on_done, fin.first[i]);
+        Py_DECREF(fin.first[i]);
         if (r == NULL)
-            failed = 1;
+            keep_error(&et, &ev, &etb);
         else
             Py_DECREF(r);
     }
-    for (; i < nfin; i++)
-        Py_DECREF(finished[i]);
-    if (more != NULL) {
-        for (Py_ssize_t j = 0; j < PyList_GET_SIZE(more) && !failed; j++) {
-            PyObject *r = PyObject_CallOneArg(on_done, PyList_GET_ITEM(more, j));
+    if (fin.more != NULL) {
+        for (Py_ssize_t j = 0; j < PyList_GET_SIZE(fin.more); j++) {
+            PyObject *r = PyObject_CallOneArg(on_done, PyList_GET_ITEM(fin.more, j));
             if (r == NULL)
-                failed = 1;
+                keep_error(&et, &ev, &etb);
             else
                 Py_DECREF(r);
         }
-        Py_DECREF(more);
+        Py_DECREF(fin.more);
     }
-    if (failed)
+    if (et != NULL) {
+        PyErr_Restore(et, ev, etb);
         return NULL;
+    }
     if (bad) {
         char word[24];           /* PyErr_Format has no %llx before Python 3.12 */
         snprintf(word, sizeof word, "%#018llx", (unsigned long long)bad);
@@ -494,6 +550,8 @@ static PyObject *get_cap(Tracker *self, void *c)
 
 static PyObject *get_ring(Tracker *self, void *c)
 {
+    if (!ready(self))
+        return NULL;
     return Py_NewRef(self->ring_obj);
 }
 

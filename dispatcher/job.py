@@ -42,6 +42,15 @@ def current() -> "Job":
 class Job:
     """One request's execution: its greenlet, waitlist and scheduling state."""
 
+    # Slots: a job is read on every kernel, and with more attributes than CPython
+    # shares keys for (30) every instance carried its own dict. ``__dict__`` stays for
+    # the attributes policies add (``punit``, ``infifo``, a plug-in's own).
+    __slots__ = ("d", "req", "model", "client_id", "seq", "waitlist", "ready", "queued",
+                 "in_policy", "left_policy", "pver", "punit", "estimate", "remaining", "kcount",
+                 "glet", "state", "returned", "error", "wait_op", "wait_all", "blocked",
+                 "almost_sent", "almost_next", "cancelled", "allocations", "bindings",
+                 "t_arrival", "t_start", "plan", "cursor", "__dict__", "__weakref__")
+
     def __init__(self, dispatcher: "Dispatcher", req: "Request", model: Any, seq: int):
         self.d = dispatcher
         self.req = req

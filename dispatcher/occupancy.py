@@ -22,7 +22,7 @@ yet reported). With g = 1 both are exact.
 placed (``unplaced``) and their resource demand. :meth:`admits` allows a release while
 the unplaced blocks exceed what the free resources can hold by fewer than B blocks::
 
-    excess = unplaced * max over resources r of (demand_r - free_r) / demand_r
+    excess = unplaced * max(0, max over resources r of (demand_r - free_r) / demand_r)
     admit  iff  unplaced == 0  or  excess < B
 
 The check is on GPU-wide totals (O(1) per decision, no per-SM scan); it ignores
@@ -69,8 +69,13 @@ class Tracker(TrackerCore):
     ``drain(now, on_done)`` -> entries consumed, which sets ``op.t_first`` (the first
     placement's time), ``op.placed`` and ``op.ended`` and calls ``on_done(op)`` for each
     launch whose last block completed, in completion order, after the whole batch is
-    applied. An entry naming no launch in flight, an unknown kind or a non-existent SM
-    is consumed and raises RuntimeError (after the completions before it are reported).
+    applied. An entry naming no launch in flight, an unknown kind, a non-existent SM, a
+    block count outside 1..group or more blocks than its launch has is consumed and
+    raises RuntimeError, after the completions before it are reported. An ``on_done``
+    that raises does not stop the others: every finished launch is reported, and the
+    first error is raised at the end (later ones go to ``sys.unraisablehook``).
+    ``unrelease`` is only for a launch none of whose blocks have been placed (the
+    device refused it). Every method refuses a tracker whose ``__init__`` failed.
     Read-only figures: ``head``, ``slots``, ``blocks``/``warps``/``regs``/``smem``
     (resident), ``unplaced``/``d_warps``/``d_regs``/``d_smem`` (released, not placed),
     ``cap``, ``pending_entries``; ``extra_blocks`` (B) may be changed."""

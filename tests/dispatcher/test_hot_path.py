@@ -98,13 +98,13 @@ def test_drain_refuses_an_entry_of_no_launch_in_flight_after_consuming_it():
 
 
 def test_drain_applies_a_batch_and_reports_completions_in_order(make):
-    """group 1, two kernels: every placement and completion is counted, and a stale
+    """group 2, two kernels: every placement and completion is counted, and a stale
     launch id (same pair, older generation) is not mistaken for the live one."""
     from paella.dispatcher.waitlist import KERNEL, Op, VStream
     from paella.occupancy import footprint
     spec = preset("gtx1660s")
     ring = np.zeros(64, np.uint64)
-    t = Tracker(spec, ring, extra_blocks=22, group=1, counter_pairs=2)
+    t = Tracker(spec, ring, extra_blocks=22, group=2, counter_pairs=2)
     ops = []
     for blocks in (2, 1):
         op = Op(KERNEL, None, VStream(0, True))

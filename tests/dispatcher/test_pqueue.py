@@ -101,3 +101,30 @@ def test_a_missing_compiled_module_names_the_fix():
     assert load("_pqueue").IndexedHeap is IndexedHeap
     with pytest.raises(ImportError, match=r"dispatcher/_nope\.c.*pip install -e \."):
         load("_nope")
+
+
+def test_clear_survives_a_finalizer_that_uses_the_heap():
+    """Items are released after the heap is emptied, so a finalizer may push again."""
+    h = IndexedHeap()
+    keep = [Item(i) for i in range(3)]
+
+    class Pusher:
+        def __del__(self):
+            for i, k in enumerate(keep):
+                h.push(k, float(i), i)
+    h.push(Pusher(), 0.0, 0)
+    for i in range(5):
+        h.push(Item(10 + i), float(i), i)
+    h.clear()
+    assert len(h) == 3 and all(k in h for k in keep) and h.pop() is keep[0]
+
+
+def test_shift_by_a_non_finite_delta_and_constructor_arguments_are_refused():
+    h = IndexedHeap()
+    h.push(Item(0), 1.0, 0)
+    for bad in (float("nan"), float("inf"), -float("inf")):
+        with pytest.raises(ValueError, match="finite"):
+            h.shift(bad)
+    assert h.top_key() == 1.0
+    with pytest.raises(TypeError, match="no arguments"):
+        IndexedHeap(1)

@@ -177,7 +177,7 @@ def test_malformed_notifq_entries_are_refused_with_the_reason():
     the tracker's totals are not touched by it."""
     spec = preset("gtx1660s")
     ring = np.zeros(64, np.uint64)
-    t = Tracker(spec, ring, extra_blocks=10, group=1)
+    t = Tracker(spec, ring, extra_blocks=10, group=2)
     op = kernel_op(spec, 2)
     lid = t.release(op)
     ring[0] = (3 << protocol.KIND_SHIFT) | (1 << protocol.COUNT_SHIFT) | lid     # kind 3
@@ -192,22 +192,57 @@ def test_malformed_notifq_entries_are_refused_with_the_reason():
 
 
 def test_a_raising_completion_callback_loses_no_state():
-    """on_done raising propagates after the whole batch is applied: the ring is
-    consumed, the finished launch's counter pair is free again."""
+    """on_done raising does not stop the batch: every finished launch is still
+    reported, the ring is consumed, the counter pairs are free again, and the first
+    error is raised at the end."""
     spec = preset("gtx1660s")
     ring = np.zeros(64, np.uint64)
-    t = Tracker(spec, ring, extra_blocks=10, group=1, counter_pairs=2)
-    op = kernel_op(spec, 1)
-    lid = t.release(op)
-    ring[0] = protocol.encode(protocol.PLACEMENT, 0, 1, lid)
-    ring[1] = protocol.encode(protocol.COMPLETION, 0, 1, lid)
+    t = Tracker(spec, ring, extra_blocks=10, group=1, counter_pairs=4)
+    ops = [kernel_op(spec, 1) for _ in range(3)]
+    for i, op in enumerate(ops):
+        lid = t.release(op)
+        ring[2 * i] = protocol.encode(protocol.PLACEMENT, 0, 1, lid)
+        ring[2 * i + 1] = protocol.encode(protocol.COMPLETION, 0, 1, lid)
+    seen = []
 
     def boom(op):
-        raise KeyError("callback")
-    with pytest.raises(KeyError):
+        seen.append(op)
+        if len(seen) == 1:
+            raise KeyError("callback 1")
+    with pytest.raises(KeyError, match="callback 1"):
         t.drain(0.5, boom)
-    assert t.head == 2 and t.in_flight() == 0 and t.blocks == 0 and op.ended == 1
+    assert seen == ops
+    assert t.head == 6 and t.in_flight() == 0 and t.blocks == 0 and all(o.ended == 1 for o in ops)
     assert t.pending_entries == 0 and t.flow_ok(kernel_op(spec, 1))
+
+
+@pytest.mark.parametrize("kind,count", [(protocol.PLACEMENT, 0), (protocol.PLACEMENT, 3),
+                                        (protocol.COMPLETION, 3)])
+def test_block_counts_outside_the_group_or_the_launch_are_malformed(kind, count):
+    spec = preset("gtx1660s")
+    ring = np.zeros(64, np.uint64)
+    t = Tracker(spec, ring, extra_blocks=10, group=4)
+    lid = t.release(kernel_op(spec, 2))                  # 2 blocks: 3 placed or ended is wrong
+    ring[0] = (kind << protocol.KIND_SHIFT) | (count << protocol.COUNT_SHIFT) | lid
+    with pytest.raises(RuntimeError, match="malformed|more blocks than its launch"):
+        t.drain(0.0, lambda op: None)
+    assert t.head == 1 and t.blocks == 0 and t.unplaced == 2 and t.in_flight() == 1
+
+
+def test_a_tracker_without_init_or_a_bad_ring_is_refused():
+    from paella.dispatcher.occupancy import TrackerCore
+    bare = TrackerCore.__new__(TrackerCore)
+    for call in (lambda: bare.drain(0.0, print), lambda: bare.release(object()),
+                 lambda: bare.unrelease(object()), lambda: bare.admits(object()), lambda: bare.ring):
+        with pytest.raises(RuntimeError, match="__init__ was not called"):
+            call()
+    spec = preset("gtx1660s")
+    misaligned = np.zeros(8 * 65, np.uint8)[4:4 + 8 * 64].view(np.uint64)
+    assert misaligned.flags.writeable and not misaligned.flags.aligned
+    with pytest.raises(ValueError, match="aligned"):
+        Tracker(spec, misaligned, extra_blocks=1, group=1)
+    with pytest.raises(ValueError, match="power of two"):
+        Tracker(spec, np.zeros(48, np.uint64), extra_blocks=1, group=1)
 
 
 def test_unrelease_returns_the_launch_and_its_demand():
@@ -220,6 +255,12 @@ def test_unrelease_returns_the_launch_and_its_demand():
     assert t.unplaced == t.d_warps == t.d_regs == 0 and t.in_flight() == 0
     assert t.pending_entries == 0 and t.launches == {}
     with pytest.raises(ValueError, match="not in flight"):
+        t.unrelease(op)
+    ring = t.ring
+    lid = t.release(op)
+    ring[0] = protocol.encode(protocol.PLACEMENT, 0, 1, lid)
+    t.drain(0.0, lambda op: None)
+    with pytest.raises(ValueError, match="blocks on the GPU already"):
         t.unrelease(op)
 
 
