@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import hashlib
 import logging
 import os
@@ -523,6 +524,19 @@ class DispatcherExecutor:
 
 
 # --- process setup ---------------------------------------------------------------------
+def freeze_heap() -> int:
+    """Put what start-up loaded (TVM, the bundles, the models: ~100k objects) out of the
+    cyclic collector's reach, after collecting what is already garbage. A full collection
+    over that heap takes ~50 ms here, a stall every request in flight would pay whenever
+    the loop's own allocations trigger one; frozen, the collector only walks what the
+    loop allocated since. A reload unfreezes first, so the models it drops can still be
+    collected. Returns the objects frozen."""
+    gc.unfreeze()
+    gc.collect()
+    gc.freeze()
+    return gc.get_freeze_count()
+
+
 def sd_notify(message: str) -> bool:
     """Send one sd_notify datagram to $NOTIFY_SOCKET; False when not under systemd."""
     addr = os.environ.get("NOTIFY_SOCKET")
@@ -770,6 +784,7 @@ class Daemon:
         self.front.listen()          # raises FrontendError if another daemon holds it
         try:
             self.load_models()
+            log.info("froze %d start-up objects out of the garbage collector's way", freeze_heap())
             pin_and_prioritize(self.cfg.cpu, self.cfg.rt_priority)
             self._install_signals()
             log.info("listening on %s (idle mode %s)", self.cfg.socket, self.cfg.idle)
@@ -869,6 +884,7 @@ class Daemon:
             self.load_models()
         except ConfigError as e:
             log.error("SIGHUP reload failed, keeping the previous models: %s", e)
+        freeze_heap()                # (the dropped models' cycles are collected first)
         sd_notify("READY=1")
 
 
