@@ -1,10 +1,13 @@
-"""The compiled modules: the dispatcher's per-kernel data structures, in C (the occupancy
-tracker's hot half, dispatcher/_tracker.c, and the policies' indexed heap,
-dispatcher/_pqueue.c). Everything else is configured in pyproject.toml."""
+"""The compiled modules: the dispatcher's per-kernel data structures, in C, one per
+``dispatcher/<name>.c`` (the occupancy tracker's hot half, the policies' indexed heap;
+``paella.dispatcher.native.MODULES`` names them for ``paella doctor``). Everything else
+is configured in pyproject.toml."""
+from pathlib import Path
+
 from setuptools import Extension, setup
 
 _FLAGS = ["-O2", "-Wall", "-Werror"]
 
-setup(ext_modules=[Extension(f"paella.dispatcher.{name}", [f"dispatcher/{name}.c"],
+setup(ext_modules=[Extension(f"paella.dispatcher.{c.stem}", [f"dispatcher/{c.name}"],
                              extra_compile_args=_FLAGS)
-                   for name in ("_tracker", "_pqueue")])
+                   for c in sorted(Path(__file__).parent.joinpath("dispatcher").glob("*.c"))])

@@ -80,6 +80,17 @@ static int op_entries(Tracker *self, PyObject *op, int64_t *entries)
     return get_i64(op, s_entries, entries);
 }
 
+/* What the release side reads of an op: its notifQ entries, blocks and per-block warps,
+   registers and shared memory (the footprint Tracker.prepare flattened). */
+static int read_op(Tracker *self, PyObject *op, int64_t *e, int64_t *n, int64_t *w,
+                   int64_t *r, int64_t *s)
+{
+    if (op_entries(self, op, e) < 0 || get_i64(op, s_blocks, n) < 0 ||
+        get_i64(op, s_fw, w) < 0 || get_i64(op, s_fr, r) < 0 || get_i64(op, s_fs, s) < 0)
+        return -1;
+    return 0;
+}
+
 static inline int flow_ok(Tracker *self, int64_t entries)
 {
     return self->free_count > 0 && self->reserved - self->head + entries <= self->nslots;
@@ -244,8 +255,7 @@ static PyObject *Tracker_admits(Tracker *self, PyObject *op)
 static PyObject *Tracker_fits_now(Tracker *self, PyObject *op)
 {
     int64_t e, n, w, r, s;
-    if (!ready(self) || op_entries(self, op, &e) < 0 || get_i64(op, s_blocks, &n) < 0 ||
-        get_i64(op, s_fw, &w) < 0 || get_i64(op, s_fr, &r) < 0 || get_i64(op, s_fs, &s) < 0)
+    if (!ready(self) || read_op(self, op, &e, &n, &w, &r, &s) < 0)
         return NULL;
     int64_t need[4] = {n, n * w, n * r, n * s};
     for (int k = 0; k < 4; k++)
@@ -277,8 +287,7 @@ static void withdraw(Tracker *self, int slot)
 static PyObject *Tracker_release(Tracker *self, PyObject *op)
 {
     int64_t e, n, w, r, s;
-    if (!ready(self) || op_entries(self, op, &e) < 0 || get_i64(op, s_blocks, &n) < 0 ||
-        get_i64(op, s_fw, &w) < 0 || get_i64(op, s_fr, &r) < 0 || get_i64(op, s_fs, &s) < 0)
+    if (!ready(self) || read_op(self, op, &e, &n, &w, &r, &s) < 0)
         return NULL;
     if (n < 1) {
         PyErr_Format(PyExc_ValueError, "release(): a launch of %lld blocks", (long long)n);

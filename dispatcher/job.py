@@ -44,7 +44,7 @@ class Job:
 
     # Slots: a job is read on every kernel, and with more attributes than CPython
     # shares keys for (30) every instance carried its own dict. ``__dict__`` stays for
-    # the attributes policies add (``punit``, ``infifo``, a plug-in's own).
+    # the attributes policies add (``paella``'s ``infifo``, a plug-in's own).
     __slots__ = ("d", "req", "model", "client_id", "seq", "waitlist", "ready", "queued",
                  "in_policy", "left_policy", "pver", "punit", "estimate", "remaining", "kcount",
                  "glet", "state", "returned", "error", "wait_op", "wait_all", "blocked",

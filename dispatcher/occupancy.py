@@ -123,21 +123,11 @@ class Tracker(TrackerCore):
         """Launches in flight by launch id (a snapshot, for tests and inspection)."""
         return {op.launch_id: op for op in self._ops_in_flight()}
 
-    @property
-    def sm_blocks(self) -> list[int]:
-        return self._sm_usage(0)
-
-    @property
-    def sm_warps(self) -> list[int]:
-        return self._sm_usage(1)
-
-    @property
-    def sm_regs(self) -> list[int]:
-        return self._sm_usage(2)
-
-    @property
-    def sm_smem(self) -> list[int]:
-        return self._sm_usage(3)
+    # Per-SM usage of each resource (lists, snapshots), in the C half's order.
+    sm_blocks = property(lambda self: self._sm_usage(0))
+    sm_warps = property(lambda self: self._sm_usage(1))
+    sm_regs = property(lambda self: self._sm_usage(2))
+    sm_smem = property(lambda self: self._sm_usage(3))
 
     def used(self) -> dict[str, int]:
         """Totals in the keys of :meth:`paella.occupancy.SMResources.used`."""

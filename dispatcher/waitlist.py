@@ -190,19 +190,22 @@ class Waitlist:
             if succ.deps == 0 and succ.state == WAITING:
                 self._activate(succ)
 
-    def finish(self, op: Op) -> None:
-        """``op`` completed: meet the dependencies of the ops behind it.
-
-        A finished op keeps no link back (``pred``, its stream's ``last``, both read
-        only while unfinished: None and a finished op mean the same), so finished ops
-        and jobs form no reference cycle and are freed at once, not by the cyclic gc
-        (whose collections of every finished job cost ~1 us per kernel)."""
+    def _done(self, op: Op) -> None:
+        """Mark ``op`` done. A finished op keeps no link back (``pred``, its stream's
+        ``last``, both read only while unfinished: None and a finished op mean the same),
+        so finished ops and jobs form no reference cycle and are freed at once, not by the
+        cyclic gc (whose collections of every finished job cost ~1 us per kernel)."""
         op.state = DONE
         self.pending -= 1
         op.pred = None
         vs = op.vstream
         if vs.last is op:
             vs.last = None
+
+    def finish(self, op: Op) -> None:
+        """``op`` completed: meet the dependencies of the ops behind it."""
+        self._done(op)
+        vs = op.vstream
         succ = op.succ
         if op.dependents is None and not vs.destroyed and (
                 succ is None or succ.kind != MARKER):
@@ -236,12 +239,7 @@ class Waitlist:
 
     def _activate_into(self, op: Op, stack: list[Op]) -> None:
         if op.kind == MARKER:
-            op.state = DONE              # (as finish(): no link back)
-            self.pending -= 1
-            op.pred = None
-            vs = op.vstream
-            if vs.last is op:
-                vs.last = None
+            self._done(op)
             stack.append(op)
         else:
             op.state = READY

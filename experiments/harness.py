@@ -206,15 +206,12 @@ def saturated(point: dict, tolerance: float = 0.9) -> bool:
     return point["throughput"] < tolerance * point["offered"]
 
 
-def write_outputs(data: dict, args: Any, plot: Callable[[dict, str], None],
-                  t0: float | None = None) -> None:
-    """Print the summary; write ``--json`` and ``--plot`` if asked. With ``t0`` (the
-    ``time.perf_counter()`` of the start) the running time goes into ``wall_seconds``."""
+def write_outputs(data: dict, args: Any, plot: Callable[[dict, str], None], t0: float) -> None:
+    """Print the summary, then end as every experiment does (:func:`cli.finish`: the
+    running time since ``t0``, ``time.perf_counter()`` at the start, into
+    ``wall_seconds``; ``--json`` and ``--plot`` if asked)."""
     import json
 
-    from paella.experiments.cli import finish, save_outputs
+    from paella.experiments.cli import finish
     print(json.dumps(data["summary"], indent=2))
-    if t0 is None:
-        save_outputs(data, args, plot)
-    else:
-        finish(data, args, plot, t0)
+    finish(data, args, plot, t0)

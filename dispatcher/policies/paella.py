@@ -96,8 +96,8 @@ class Paella(Policy):
       a job keeps one ``(seq, job)`` heapq entry (``job.infifo``) from its first ready
       kernel until the entry reaches the top while the job is not queued; a queued job
       always has its entry. One push per job, not per kernel.
-    * ``_share`` (1/#units) and ``_cap`` (the fifo's compaction bound) are kept up to
-      date where units and jobs come and go.
+    * ``_share`` (1/#units, read at every release) is kept up to date where units come
+      and go.
     """
 
     def __init__(self, dispatcher: Any = None, *, fairness_threshold: float | None = None,
@@ -123,7 +123,6 @@ class Paella(Policy):
         self.units: dict[Any, _Unit] = {}
         self.G = 0.0
         self._share = 0.0           # 1.0 / len(self.units)
-        self._cap = 64              # 2 * n_live_jobs + 64: fifo length that compacts
         self._useq = itertools.count()
 
     # -- hooks ----------------------------------------------------------------------------
@@ -139,7 +138,6 @@ class Paella(Policy):
         job.queued = False
         job.infifo = False
         self.n_live_jobs += 1
-        self._cap = 2 * self.n_live_jobs + 64
         self.inflight.push(job, job.remaining, job.seq)
 
     def kernel_ready(self, job: Any) -> None:
@@ -150,7 +148,7 @@ class Paella(Policy):
             job.infifo = True
             fifo = unit.ready if self.by_client else self.fifo
             heappush(fifo, (job.seq, job))
-            if len(fifo) > self._cap:
+            if len(fifo) > 2 * self.n_live_jobs + 64:       # (once per job)
                 self._compact_fifo(fifo)
         n = unit.nready + 1
         unit.nready = n
@@ -206,7 +204,6 @@ class Paella(Policy):
         self.inflight.remove(job)
         job.punit = None             # (job mode: unit.key is the job; no cycle left for the gc)
         self.n_live_jobs -= 1
-        self._cap = 2 * self.n_live_jobs + 64
         unit.jobs -= 1
         if unit.jobs == 0:
             del self.units[unit.key]
