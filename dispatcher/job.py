@@ -178,9 +178,7 @@ class Job:
 
     def stream_wait_event(self, stream: VStream | None, event: Event) -> None:
         _check_event(event)
-        m = event.marker
-        if m is not None and m.state < DONE:
-            self.waitlist.issue(Op(MARKER, self, self._stream(stream)), wait_on=m)
+        self.waitlist.wait_event(self._stream(stream), event, self)
 
     def stream_query(self, stream: VStream | None = None) -> bool:
         return self._stream(stream).idle()

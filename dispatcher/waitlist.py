@@ -162,6 +162,17 @@ class Waitlist:
             self._activate(op)
         return op
 
+    def wait_event(self, vs: VStream, event: Event, job: Any = None) -> None:
+        """cudaStreamWaitEvent: later work on ``vs`` waits for ``event``'s most recent
+        record as of this call. Nothing to wait for (never recorded, or completed) adds no
+        dependency, but on the legacy default stream the call still issues its MARKER: it
+        is an operation of that stream, ordered after every blocking stream's work so far,
+        and work issued to blocking streams afterwards waits for it."""
+        m = event.marker
+        pending = m is not None and m.state < DONE
+        if pending or vs is self.default:
+            self.issue(Op(MARKER, job, vs), wait_on=m if pending else None)
+
     @staticmethod
     def _depend(op: Op, on: Op | None) -> None:
         if on is None or on.state >= DONE or on is op.pred:

@@ -35,9 +35,7 @@ class Scenario:
         event.marker = self.wl.issue(Op(MARKER, None, stream or self.wl.default))
 
     def wait(self, stream, event: Event) -> None:
-        m = event.marker
-        if m is not None and m.state < DONE:
-            self.wl.issue(Op(MARKER, None, stream), wait_on=m)
+        self.wl.wait_event(stream or self.wl.default, event)
 
 
 def test_one_stream_runs_in_order():
@@ -114,6 +112,36 @@ def test_wait_on_a_never_recorded_event_is_a_no_op():
     s.wait(b, e)
     s.op("B", b)
     assert s.active == ["B"]
+
+
+@pytest.mark.parametrize("recorded", [False, True])
+def test_wait_on_the_legacy_default_stream_is_a_barrier_even_with_nothing_to_wait_for(recorded):
+    """cudaStreamWaitEvent on stream 0 is an operation of the legacy default stream: work
+    issued to a blocking stream after it waits for every blocking stream's earlier work,
+    whether the event completed long ago or was never recorded."""
+    s = Scenario()
+    a, b = s.wl.create_stream(), s.wl.create_stream()
+    e = Event()
+    if recorded:
+        s.record(e, b)                    # recorded and completed at once (b is idle)
+        assert e.done()
+    s.op("A", a)
+    s.wait(None, e)                       # on the default stream
+    s.op("B", b)
+    assert s.active == ["A"]              # B waits for the barrier, which waits for A
+    s.finish("A")
+    assert s.active == ["A", "B"]
+
+
+def test_wait_on_a_non_blocking_stream_with_nothing_to_wait_for_adds_nothing():
+    s = Scenario()
+    a, nb = s.wl.create_stream(), s.wl.create_stream(non_blocking=True)
+    e = Event()
+    s.op("A", a)
+    s.wait(nb, e)
+    s.op("N", nb)
+    assert s.active == ["A", "N"]
+    assert s.wl.pending == 2              # no MARKER was issued
 
 
 def test_wait_captures_the_record_current_at_the_call():
