@@ -231,37 +231,59 @@ static PyObject *Tracker_flow_ok(Tracker *self, PyObject *op)
     return PyBool_FromLong(flow_ok(self, e));
 }
 
+/* The +B rule (paella.dispatcher.occupancy explains it): the blocks of the unplaced work
+   plus this launch that the free resources cannot hold now, estimated on GPU-wide totals,
+   must stay within B. A launch past that goes only when nothing else waits: with B > 0
+   at once (a kernel larger than the GPU runs in waves), with B = 0 only on an idle GPU,
+   so that at B = 0 no kernel ever waits in a hardware queue behind resident work. */
 static PyObject *Tracker_admits(Tracker *self, PyObject *op)
-{
-    if (!ready(self))
-        return NULL;
-    int64_t u = self->demand[B];
-    if (u) {
-        double excess = 0.0;
-        for (int r = 0; r < 4; r++) {
-            int64_t d = self->demand[r];
-            if (d) {
-                double frac = (double)(d - (self->cap[r] - self->used[r])) / (double)d;
-                if (frac > excess)
-                    excess = frac;
-            }
-        }
-        if ((double)u * excess >= (double)self->extra_blocks)
-            Py_RETURN_FALSE;
-    }
-    return Tracker_flow_ok(self, op);
-}
-
-static PyObject *Tracker_fits_now(Tracker *self, PyObject *op)
 {
     int64_t e, n, w, r, s;
     if (!ready(self) || read_op(self, op, &e, &n, &w, &r, &s) < 0)
         return NULL;
+    if (!flow_ok(self, e))
+        Py_RETURN_FALSE;
     int64_t need[4] = {n, n * w, n * r, n * s};
-    for (int k = 0; k < 4; k++)
-        if (need[k] > self->cap[k] - self->used[k] - self->demand[k])
+    double excess = 0.0;
+    for (int k = 0; k < 4; k++) {
+        int64_t d = self->demand[k] + need[k];
+        if (d) {
+            double frac = (double)(d - (self->cap[k] - self->used[k])) / (double)d;
+            if (frac > excess)
+                excess = frac;
+        }
+    }
+    int64_t u = self->demand[B];
+    if ((double)(u + n) * excess <= (double)self->extra_blocks)
+        Py_RETURN_TRUE;
+    if (u == 0 && (self->extra_blocks > 0 || self->used[B] == 0))
+        Py_RETURN_TRUE;
+    Py_RETURN_FALSE;
+}
+
+/* Do `k` blocks of op fit in the resources that are neither resident nor claimed by
+   unplaced work? (GPU-wide totals, as the +B rule.) */
+static PyObject *fits(Tracker *self, PyObject *op, int whole)
+{
+    int64_t e, n, w, r, s;
+    if (!ready(self) || read_op(self, op, &e, &n, &w, &r, &s) < 0)
+        return NULL;
+    int64_t k = whole ? n : 1;
+    int64_t need[4] = {k, k * w, k * r, k * s};
+    for (int i = 0; i < 4; i++)
+        if (need[i] > self->cap[i] - self->used[i] - self->demand[i])
             Py_RETURN_FALSE;
     Py_RETURN_TRUE;
+}
+
+static PyObject *Tracker_fits_now(Tracker *self, PyObject *op)
+{
+    return fits(self, op, 1);
+}
+
+static PyObject *Tracker_starts_now(Tracker *self, PyObject *op)
+{
+    return fits(self, op, 0);
 }
 
 static void finish_slot(Tracker *self, int slot)
@@ -603,6 +625,8 @@ static PyMethodDef Tracker_methods[] = {
      "drain(now, on_done) -> entries consumed; on_done(op) per finished launch, in order"},
     {"admits", (PyCFunction)Tracker_admits, METH_O, "the +B rule, then flow control"},
     {"flow_ok", (PyCFunction)Tracker_flow_ok, METH_O, "may op launch without a notifQ overrun?"},
+    {"starts_now", (PyCFunction)Tracker_starts_now, METH_O,
+     "would at least one block of op be placed at once if released now?"},
     {"fits_now", (PyCFunction)Tracker_fits_now, METH_O,
      "would all of op's blocks fit in what is free after the unplaced ones?"},
     {"release", (PyCFunction)Tracker_release, METH_O, "account for launching op; its launch id"},

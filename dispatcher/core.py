@@ -35,7 +35,7 @@ from .adaptor import JobAdaptor, PlanAdaptor
 from .job import FINISHED, Job, PlanTemplate
 from .occupancy import Tracker
 from .policies.base import Policy, get_policy
-from .profile import ModelProfile
+from .profile import ESTIMATE_DIGITS, ModelProfile
 from .streams import StreamMap
 from .waitlist import DONE, DROPPED, H2D, KERNEL, READY, RELEASED, Op
 
@@ -170,7 +170,7 @@ class Dispatcher:
             key = op.key
             kcount = job.kcount
             c = kcount.get(key, 0)
-            job.remaining -= job.model.profile.charge(key, c)
+            job.remaining = round(job.remaining - job.model.profile.charge(key, c), ESTIMATE_DIGITS)
             kcount[key] = c + 1
             try:
                 policy.released(job, op)

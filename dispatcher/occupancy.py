@@ -19,16 +19,21 @@ the truth by fewer than g blocks per in-flight kernel (placements and completion
 yet reported). With g = 1 both are exact.
 
 **The +B rule** (§6 (3)). The tracker also keeps the blocks released but not yet
-placed (``unplaced``) and their resource demand. :meth:`admits` allows a release while
-the unplaced blocks exceed what the free resources can hold by fewer than B blocks::
+placed (``unplaced``) and their resource demand. :meth:`admits` asks whether the
+unplaced blocks *plus the candidate's* that the free resources cannot hold now stay
+within B::
 
-    excess = unplaced * max(0, max over resources r of (demand_r - free_r) / demand_r)
-    admit  iff  unplaced == 0  or  excess < B
+    demand_r = unplaced demand of r + the candidate's need of r
+    waiting  = (unplaced + n) * max(0, max over resources r of (demand_r - free_r) / demand_r)
+    admit  iff  waiting <= B  or  (unplaced == 0 and (B > 0 or nothing is resident))
 
-The check is on GPU-wide totals (O(1) per decision, no per-SM scan); it ignores
-fragmentation across SMs, which B covers. A kernel larger than the whole GPU is
-released when nothing else is unplaced and then runs in waves, holding further
-releases back until its own unplaced blocks fall below B.
+So at B = 0 a kernel goes only when all of it can be placed at once (or the GPU is
+idle): no kernel ever waits in a hardware queue behind resident work. The check is on
+GPU-wide totals (O(1) per decision, no per-SM scan); it ignores fragmentation across
+SMs, which B covers. A kernel larger than the free resources is released when nothing
+else is unplaced and then runs in waves, holding further releases back until its own
+unplaced blocks fall below B. :meth:`starts_now` (would one block be placed at once?)
+lets a policy keep B's slack from reordering its choices (``paella``'s order rule).
 
 **Flow control.** A launch of n blocks posts at most ``2*ceil(n/g)`` entries. The
 tracker admits a launch only while the entries not yet consumed, plus the new ones,
@@ -37,7 +42,7 @@ counter-pair slot in their low bits (``paella.protocol``'s region layout), taken
 free list, so no two launches in flight share a counter pair.
 
 **Where the work is done.** What runs per notification and per release (``drain``,
-``admits``, ``flow_ok``, ``fits_now``, ``release``, ``unrelease``) is the C type
+``admits``, ``flow_ok``, ``fits_now``, ``starts_now``, ``release``, ``unrelease``) is the C type
 :class:`paella.dispatcher._tracker.TrackerCore` (``dispatcher/_tracker.c``), which keeps
 each launch in flight in arrays indexed by its counter pair: in Python these cost
 about 1.5 us per kernel in attribute reads and integer boxing. :class:`Tracker`, its
@@ -64,7 +69,7 @@ _LAYOUT = (protocol.KIND_SHIFT, protocol.SM_SHIFT, protocol.COUNT_SHIFT, protoco
 class Tracker(TrackerCore):
     """Resident usage from the notifQ, the +B rule and flow control (module docstring).
 
-    Per kernel: ``admits(op)`` / ``flow_ok(op)`` / ``fits_now(op)`` -> bool,
+    Per kernel: ``admits(op)`` / ``flow_ok(op)`` / ``fits_now(op)`` / ``starts_now(op)`` -> bool,
     ``release(op)`` -> launch id (sets ``op.launch_id``), ``unrelease(op)``, and
     ``drain(now, on_done)`` -> entries consumed, which sets ``op.t_first`` (the first
     placement's time), ``op.placed`` and ``op.ended`` and calls ``on_done(op)`` for each

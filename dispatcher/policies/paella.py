@@ -28,6 +28,12 @@ deficit counters.
   ``s_u`` when it passes 1e9 (the paper's O(n) reset: the deficit heap's keys shift by
   the same amount), so floats never lose precision.
 
+* **The order rule** (Figure 1's ideal schedule). B's slack (the +B rule) lets a kernel
+  that cannot start now wait in a hardware queue, whose FIFO then places it ahead of
+  whatever is picked next. So when a live job that comes before the SRPT pick is
+  between two of its kernels and not one block of the pick's kernel can be placed now
+  (``Tracker.starts_now``), ``pick()`` returns None: the kernel goes once it can start,
+  or once its job is the most urgent live one. The fairness path is never held.
 * **The hold rule** (``hold_factor``, beyond the paper). Blocks cannot be preempted, so
   SRPT alone cannot protect a short job between two of its kernels: the GPU is
   backfilled meanwhile, and a long job's big kernel released then makes the short job's
@@ -161,16 +167,25 @@ class Paella(Policy):
         if unit is not None and self.G - dheap.top_key() >= self.threshold:
             return self._oldest(unit.ready if self.by_client else self.fifo)
         job = self.srpt.top()
-        if job is None or self.hold is None:
+        if job is None:
+            return None
+        other = self.inflight.top()  # (never None: job is live)
+        if other is job:
             return job
-        # The hold rule: blocks cannot be preempted, so a kernel long next to the job
-        # with the least remaining work in flight would make that job's next kernel
-        # (ready soon) wait for it. Hold it back while that job runs.
-        inflight = self.inflight
-        other = inflight.top()       # (never None: job is live)
-        if other is job or not inflight.top_key() < job.remaining:
-            return job
+        # A live job comes before the pick in SRPT order and is between two of its
+        # kernels (it is not queued, or it would be the pick). The pick's kernel must not
+        # take the resources that job's next kernel will want:
         op = job.ready[0]
+        # (1) The order rule: a kernel that cannot start now would wait in a hardware
+        # queue, and the hardware's FIFO would place it ahead of that job's next kernel.
+        # Hold it; it goes once it can start, or once it is the most urgent live job.
+        if not self._starts_now(op):
+            return None
+        # (2) The hold rule: blocks cannot be preempted, so a kernel that is long next
+        # to that job and does not fit beside everything would make its next kernel
+        # wait for it. Hold it back while that job runs.
+        if self.hold is None or not self.inflight.top_key() < job.remaining:
+            return job
         stat = job.model.profile.kernels.get(op.key)
         if stat is not None and stat.time > self.hold * other.estimate and self._fills_gpu(op):
             return None
@@ -219,6 +234,11 @@ class Paella(Policy):
         n = len(self.units)
         if n:
             self._share = 1.0 / n
+
+    def _starts_now(self, op: Any) -> bool:
+        """Would a block of ``op`` be placed at once? (Without a dispatcher, in unit
+        tests of the order alone: assume it would.)"""
+        return self.dispatcher is None or self.dispatcher.tracker.starts_now(op)
 
     def _fills_gpu(self, op: Any) -> bool:
         """Only a kernel that does not fit beside everything else can hold a shorter
