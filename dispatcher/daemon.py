@@ -416,38 +416,34 @@ class FunctionalCache:
 def functional_adaptor(bundle, name: str, cache: FunctionalCache | None = None):
     """Sim backend: the plan's timing on the simulated GPU, the CPU build's answers.
 
-    The simulated kernels compute nothing, so the outputs come from the bundle's CPU
-    (llvm) build, through ``cache``: computed from the request's inputs when the job
-    starts (before any copy can touch the io region) and written into the client's
-    arena after the job's final synchronize, i.e. once its D2H copy completed and before
-    the completion is pushed.
+    The simulated kernels compute nothing, so the plan's last kernel carries the CPU
+    build as its functional effect (:mod:`paella.dispatcher.devices.sim.functional`): when
+    it completes, the simulated device reads the request's inputs from the device buffers
+    the H2D copies filled, computes the outputs through ``cache`` and writes them into the
+    output buffers, which the plan's D2H copies then bring back. The dispatcher replays
+    the plan as on any backend (the path the benchmarks measure).
     """
-    from paella.dispatcher.adaptor import PlanAdaptor, plan_from_bundle
+    from paella.dispatcher.adaptor import BufferArg, PlanAdaptor, plan_from_bundle
+    from paella.dispatcher.devices.sim.functional import model_effect
 
     v = bundle.variants[0]
     cache = cache or FunctionalCache()
-
-    class FunctionalBundleAdaptor(PlanAdaptor):
-        def run(self, io: np.ndarray) -> None:
-            inputs = {t.name: io[t.offset:t.offset + t.nbytes].view(t.dtype).reshape(t.shape)
-                      for t in v.inputs}
-            outs = cache.outputs(name, bundle, inputs)
-            super().run(io)
-            for t in v.outputs:
-                io[t.offset:t.offset + t.nbytes] = np.ascontiguousarray(
-                    outs[t.name], dtype=t.dtype).view(np.uint8).reshape(-1)
-
-    return FunctionalBundleAdaptor(plan_from_bundle(bundle, 0, name=name))
+    plan = plan_from_bundle(bundle, 0, name=name)
+    last = [op for op in plan.ops if op.kind == "launch"][-1]
+    effect = model_effect(v.inputs, v.outputs, lambda x: cache.outputs(name, bundle, x),
+                          len(last.args))
+    operands = [BufferArg(str(t.buffer), t.buffer_offset) for t in (*v.inputs, *v.outputs)]
+    return PlanAdaptor(plan.with_effect(effect, operands))
 
 
 def bundle_adaptor(bundle, name: str, device, cache: FunctionalCache | None = None):
     """The adaptor serving ``bundle`` (variant 0) on ``device``.
 
     Every backend gets the same plan with real device memory (params uploaded once,
-    per-request buffer sets, bound kernel arguments: see ``paella.dispatcher.adaptor``).
-    On the simulator, whose kernels compute nothing, the outputs come from the CPU build
-    (:func:`functional_adaptor`); on a real GPU the kernels compute them, and the plain
-    adaptor keeps the dispatcher's plan-template fast path (no greenlet per request).
+    per-request buffer sets, bound kernel arguments: see ``paella.dispatcher.adaptor``),
+    replayed by the dispatcher. On the simulator, whose kernels compute nothing, the
+    plan's last kernel carries the CPU build's outputs as its effect
+    (:func:`functional_adaptor`); on a real GPU the kernels compute them.
     """
     if device.backend == "sim":
         return functional_adaptor(bundle, name, cache)

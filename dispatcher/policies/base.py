@@ -23,11 +23,11 @@ case-insensitive and ``_`` equals ``-``. Unknown or duplicate names raise.
 """
 from __future__ import annotations
 
-import heapq
-import itertools
 import logging
 from importlib import metadata
 from typing import Any, Callable
+
+from ..pqueue import IndexedHeap
 
 log = logging.getLogger(__name__)
 
@@ -116,58 +116,32 @@ class Policy:
         pass
 
 
-def top_queued(heap: list) -> Any:
-    """The job at the top of a ``(key, seq, pver, job)`` heap whose entry is still live,
-    popping stale entries on the way (lazy deletion); None when none is left."""
-    while heap:
-        top = heap[0]
-        job = top[3]
-        if top[2] == job.pver and job.queued:
-            return job
-        heapq.heappop(heap)
-    return None
-
-
 class HeapPolicy(Policy):
-    """A policy that orders ready jobs by a key: one heap, lazy deletion.
-
-    Each queued job has one live entry; releasing or finishing a job bumps its
-    ``pver`` (policy version) so older entries are skipped when they reach the top.
-    O(log n) per decision. Subclasses define :meth:`key`.
-    """
+    """A policy that orders ready jobs by a key: one indexed heap (``paella.dispatcher.
+    pqueue``), so a released or finished job leaves it in place and nothing stale is ever
+    skipped. O(log n) per decision. Subclasses define :meth:`key`: a number (ties go to
+    the earlier arrival) or a ``(number, int)`` pair, least first. Holds no per-job state
+    outside the heap (``policy_state`` stays free)."""
 
     def __init__(self, dispatcher: Any = None, **options: Any):
         super().__init__(dispatcher, **options)
-        self.heap: list = []
-        self.live = 0
-        self._seq = itertools.count()
+        self.heap = IndexedHeap()
 
     def key(self, job: Any) -> Any:
         raise NotImplementedError("need key")
 
     def kernel_ready(self, job: Any) -> None:
-        job.pver += 1
-        job.queued = True
-        self.live += 1
-        heapq.heappush(self.heap, (self.key(job), next(self._seq), job.pver, job))
-        if len(self.heap) > 2 * self.live + 64:
-            self._compact()
+        key = self.key(job)
+        if type(key) is tuple:
+            self.heap.push(job, key[0], key[1])
+        else:
+            self.heap.push(job, key, job.seq)
 
     def pick(self) -> Any:
-        return top_queued(self.heap)
+        return self.heap.top()
 
     def released(self, job: Any, op: Any) -> None:
-        self._unqueue(job)
+        self.heap.remove(job)
 
     def job_finished(self, job: Any) -> None:
-        if job.queued:
-            self._unqueue(job)
-
-    def _unqueue(self, job: Any) -> None:
-        job.queued = False
-        job.pver += 1
-        self.live -= 1
-
-    def _compact(self) -> None:
-        self.heap = [e for e in self.heap if e[2] == e[3].pver and e[3].queued]
-        heapq.heapify(self.heap)
+        self.heap.remove(job)

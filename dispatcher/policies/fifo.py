@@ -18,5 +18,5 @@ class Fifo(HeapPolicy):
     stream_mode = "single"
     eager = True
 
-    def key(self, job: Any) -> Any:
-        return job.seq
+    def key(self, job: Any) -> tuple[float, int]:
+        return job.seq, 0

@@ -18,5 +18,5 @@ class MultiStreamJobByJob(HeapPolicy):
     stream_mode = "sticky"
     eager = True
 
-    def key(self, job: Any) -> Any:
-        return job.seq
+    def key(self, job: Any) -> tuple[float, int]:
+        return job.seq, 0

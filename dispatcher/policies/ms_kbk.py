@@ -17,5 +17,5 @@ class MultiStreamKernelByKernel(HeapPolicy):
     stream_mode = "pool"
     eager = False
 
-    def key(self, job: Any) -> Any:
-        return job.seq
+    def key(self, job: Any) -> tuple[float, int]:
+        return job.seq, 0

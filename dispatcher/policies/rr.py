@@ -17,5 +17,5 @@ class RoundRobin(HeapPolicy):
         super().__init__(dispatcher, **options)
         self._turn = itertools.count()
 
-    def key(self, job: Any) -> Any:
-        return next(self._turn)
+    def key(self, job: Any) -> tuple[float, int]:
+        return next(self._turn), 0

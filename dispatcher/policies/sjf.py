@@ -13,5 +13,5 @@ from .base import HeapPolicy, register_policy
 
 @register_policy("sjf")
 class ShortestJobFirst(HeapPolicy):
-    def key(self, job: Any) -> Any:
-        return (job.estimate, job.seq)
+    def key(self, job: Any) -> tuple[float, int]:
+        return job.estimate, job.seq

@@ -36,9 +36,7 @@ class FakeJob:
         self.seq = FakeJob._n
         self.remaining = self.estimate = remaining
         self.client_id = client
-        self.queued = False
-        self.pver = 0
-        self.punit = None
+        self.policy_state = None
         self.ready = [_Op("k")]
         self.model = types.SimpleNamespace(profile=types.SimpleNamespace(kernels={}))
 
@@ -439,7 +437,7 @@ def test_the_documented_policy_example_runs(make):
         old.seq, new.seq = 1, 2
         for j in (old, new):
             p.job_arrived(j)
-        old.attained = 3e-3                    # it has run kernels already
+        old.policy_state = 3e-3                # it has attained 3 ms already
         p.kernel_ready(old)
         p.kernel_ready(new)
         assert p.pick() is new
