@@ -130,7 +130,7 @@ class Dispatcher:
         before = self._progress
         instr = self.instruments                                         # notifQ
         self._progress += self.tracker.drain(
-            now, self._kernel_done, self._kernel_started if "op_started" in instr else None)
+            now, self._op_done, self._kernel_started if "op_started" in instr else None)
         if self._copy_events:
             self._poll_copies()                                          # device events
         if self._arrivals:
@@ -275,22 +275,19 @@ class Dispatcher:
         """Tracker callback, only while someone listens to op_started."""
         self.instruments.call("op_started", op, self.now)
 
-    def _kernel_done(self, op: Op, t_first: float) -> None:
-        """Tracker callback: the kernel's last block completed."""
+    def _op_done(self, op: Op, t_first: float = 0.0) -> None:
+        """``op`` completed: its last notification (kernels: the tracker's callback, with
+        the time its first block was seen placed) or its event (copies)."""
         job = op.job
-        job.model.profile.record_kernel(op.key, self.now - t_first)
-        if self._kernel_completed is not None:
-            try:
-                self._kernel_completed(job, op)
-            except Exception as e:
-                self._policy_failed("kernel_completed", e)
-        self._op_done(op)
-
-    def _op_done(self, op: Op) -> None:
-        """``op`` completed: its last notification (kernels) or its event (copies)."""
+        if op.kind == KERNEL:
+            job.model.profile.record_kernel(op.key, self.now - t_first)
+            if self._kernel_completed is not None:
+                try:
+                    self._kernel_completed(job, op)
+                except Exception as e:
+                    self._policy_failed("kernel_completed", e)
         if "op_ended" in self.instruments:
             self.instruments.call("op_ended", op, self.now)
-        job = op.job
         streams = self.streams
         s = op.stream                        # inlined StreamMap.done
         busy = streams.busy
@@ -349,7 +346,8 @@ class Dispatcher:
                                  f"entries at group {self.group}, more than the ring's "
                                  f"{self.tracker.slots} slots; use a larger notifq_slots or group")
             rec = self._launches[key] = KernelLaunch(func, g, b, dyn_smem, fp,
-                                                     self.tracker.demand(fp, blocks))
+                                                     self.tracker.demand(fp, blocks), func.name,
+                                                     blocks)
         return rec
 
     def alloc(self, nbytes: int) -> int:
@@ -550,8 +548,24 @@ class Dispatcher:
         return model.model_id
 
     def submit(self, req: Request) -> None:
-        """Accept a request; its job (serving it alone) starts in the next :meth:`step`."""
-        self.submit_group([req], req.io)
+        """Accept a request; its job (serving it alone) starts in the next :meth:`step`.
+        (:meth:`submit_group` for one request, written out: once per request.)"""
+        mid = req.model_id
+        if not 0 <= mid < len(self.models):
+            raise ValueError(f"request {req.req_id}: unknown model id {mid}; register the "
+                             f"model first ({len(self.models)} registered)")
+        io = req.io
+        if not isinstance(io, np.ndarray) or io.dtype != np.uint8 or io.ndim != 1:
+            raise ValueError(f"request {req.req_id}: io must be a 1-D numpy uint8 view of the "
+                             f"client's io region")
+        req.t_submit = self.device.now()
+        if "request_admitted" in self.instruments:
+            self.instruments.call("request_admitted", req)
+        self._seq += 1
+        job = Job(self, self.models[mid], [req], io, self._seq)
+        self.jobs.add(job)
+        self.in_flight += 1
+        self._arrivals.append(job)
 
     def submit_group(self, requests: list[Request], io: np.ndarray) -> None:
         """Accept requests of one model served by one job whose work reads and writes

@@ -25,7 +25,7 @@ finished" wake-up and cancellation are per request (see the dispatcher).
 from __future__ import annotations
 
 from collections import deque
-from typing import TYPE_CHECKING, Any, Protocol, Sequence
+from typing import Any, Protocol, Sequence
 
 import greenlet
 import numpy as np
@@ -35,9 +35,6 @@ from paella.dispatcher.devices.base import D2H, H2D, KERNEL, Function, dim3
 from .instruments import Instruments
 from .ops import KernelLaunch, Op
 from .waitlist import DONE, Event, Node, VStream, Waitlist
-
-if TYPE_CHECKING:
-    from .core import Model, Request
 
 RUNNING, FINISHED = 0, 1
 
@@ -102,8 +99,11 @@ class Job:
                  "almost_sent", "almost_next", "cancelled", "allocations", "bindings",
                  "t_arrival", "t_start", "__weakref__")
 
-    def __init__(self, host: JobHost, model: "Model", requests: "list[Request]",
-                 io: np.ndarray, seq: int):
+    def __init__(self, host: JobHost, model: Any, requests: list[Any], io: np.ndarray,
+                 seq: int):
+        # model: the dispatcher's Model (name, adaptor, profile, pool, replay); requests:
+        # its Request records (client_id, t_submit, ...). Duck-typed: a job knows nothing
+        # of the dispatcher's module.
         self.host = host
         self.requests = requests
         self.io = io
@@ -262,6 +262,19 @@ class Job:
         if "op_issued" in host.instruments:
             host.instruments.call("op_issued", op)
         return op
+
+    def issue_all(self, ops: list[Op]) -> None:
+        """:meth:`issue` each of ``ops`` in order (a replayed plan's). Speed: the checks
+        and the clock read once, not per op."""
+        self._check_running()
+        host = self.host
+        now = host.now
+        for op in ops:
+            op.t_issue = now
+        self.waitlist.issue_all(ops)
+        if "op_issued" in host.instruments:
+            for op in ops:
+                host.instruments.call("op_issued", op)
 
     def _check_running(self) -> None:
         if self.state != RUNNING or self.error is not None:

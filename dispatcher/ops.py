@@ -34,22 +34,15 @@ if TYPE_CHECKING:
 @dataclass(frozen=True, slots=True, eq=False)
 class KernelLaunch:
     """One kernel launch shape, checked: it fits on an SM (``fp``) and its notifications
-    fit in the notifQ (``demand.entries``)."""
+    fit in the notifQ (``demand.entries``). ``name`` is the kernel's (the profile's key)."""
     func: Function
     grid: Dim3
     block: Dim3
     dyn_smem: int
     fp: Footprint
     demand: "Demand"
-
-    @property
-    def name(self) -> str:
-        """The kernel's name (the profile's key)."""
-        return self.func.info.name
-
-    @property
-    def blocks(self) -> int:
-        return self.demand.blocks
+    name: str
+    blocks: int
 
 
 class Op(Node):
@@ -73,7 +66,7 @@ class Op(Node):
         self.launch = launch
         #: The kernel's name (the profile's key), copied from the launch record: read per
         #: release by the SRPT charge.
-        self.key = launch.func.info.name if launch is not None else None
+        self.key = launch.name if launch is not None else None
         self.args = args
         self.host = host
         self.dptr = dptr

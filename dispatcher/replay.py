@@ -86,12 +86,13 @@ class ReplayPlan:
         streams = {0: wl.default}
         for s in self.streams:
             streams[s] = wl.create_stream()
-        issue = job.issue
+        ops = []
         for i, step in enumerate(self.steps):
             vs = streams[step.stream]
             if step.kind == KERNEL:
-                op = Op(KERNEL, job, vs, step.launch, bound[i], None, 0, step.almost_finished)
+                ops.append(Op(KERNEL, job, vs, step.launch, bound[i], None, 0,
+                              step.almost_finished))
             else:
-                op = Op(step.kind, job, vs, None, (), io[step.io_start:step.io_end], bound[i],
-                        step.almost_finished)
-            issue(op)
+                ops.append(Op(step.kind, job, vs, None, (), io[step.io_start:step.io_end],
+                              bound[i], step.almost_finished))
+        job.issue_all(ops)

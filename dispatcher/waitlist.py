@@ -149,6 +149,36 @@ class Waitlist:
             self._activate(op)
         return op
 
+    def issue_all(self, ops: list[Node]) -> None:
+        """:meth:`issue` each of ``ops`` in order. Speed: a run of ops on one stream that
+        has no cross-stream rule to apply (the default stream with no blocking stream, or
+        a non-blocking stream) is linked op to op directly, which is what :meth:`issue`
+        computes for it (each op depends on the one before it only), without a call per
+        op; anything else goes through :meth:`issue`."""
+        i, n = 0, len(ops)
+        while i < n:
+            op = self.issue(ops[i])
+            vs = op.vstream
+            i += 1
+            if op.kind == MARKER or not (vs is self.default and not self.blocking
+                                         or not vs.blocking):
+                continue
+            prev = op
+            linked = 0
+            while i < n:
+                op = ops[i]
+                if op.vstream is not vs or op.kind == MARKER:
+                    break
+                op.pred = prev
+                op.pred_pending = True
+                op.deps = 1
+                prev.succ = op
+                prev = op
+                linked += 1
+                i += 1
+            vs.last = prev
+            self.pending += linked
+
     def record(self, vs: VStream) -> Node:
         """cudaEventRecord's operation: a MARKER on ``vs``, complete once everything before
         it (on stream 0, in the blocking streams too) has completed."""
@@ -207,13 +237,18 @@ class Waitlist:
 
     def finish(self, op: Node) -> None:
         """``op`` completed: meet the dependencies of the ops behind it."""
-        self._done(op)
         vs = op.vstream
         succ = op.succ
         if op.dependents is None and not vs.destroyed and (
                 succ is None or succ.kind != MARKER):
             # Speed: the common case (a straight-line stream: at most a non-MARKER
-            # successor, no cross-stream dependents) without the sweep below.
+            # successor, no cross-stream dependents) without the sweep below, and
+            # _done inlined.
+            op.state = DONE
+            self.pending -= 1
+            op.pred = None
+            if vs.last is op:
+                vs.last = None
             if succ is not None and succ.pred_pending:
                 succ.pred_pending = False
                 succ.deps -= 1
@@ -221,6 +256,7 @@ class Waitlist:
                     succ.state = READY
                     self.on_active(succ)
             return
+        self._done(op)
         # An explicit stack, not recursion: chains of MARKERs finish in one sweep.
         stack = [op]
         while stack:
