@@ -60,57 +60,55 @@ from paella.models.synthetic import figure2_job
 _clock = time.thread_time
 _inner = time.perf_counter
 _DEVICE_METHODS = ("launch", "memcpy_htod", "memcpy_dtoh", "record_event", "event_query")
+_DEVICE_METHODS = ("launch", "memcpy_htod", "memcpy_dtoh", "record_event", "event_query")
 
 
 class MeteredSim(SimDevice):
     """The simulated GPU with the time spent inside its methods metered (subtracted from
-    the dispatcher's), and launches counted: the public methods the dispatcher calls,
-    overridden. The wrapper's own cost outside its span (the call through it, the reads
-    of the clock) is measured once on a method that does nothing and subtracted per call
-    too: it is the meter's, not the dispatcher's."""
+    the dispatcher's), and launches counted: the public methods the dispatcher calls are
+    replaced, on this instance, by timed versions of themselves. The wrapper's own cost
+    outside its span (the call through it, the reads of the clock) is measured once on a
+    method that does nothing and subtracted per call too: it is the meter's, not the
+    dispatcher's. ``total`` accumulates every metered second (``take`` resets only
+    ``seconds``)."""
 
     def __init__(self, *a: Any, **k: Any):
         super().__init__(*a, **k)
-        self.seconds = 0.0
+        self.seconds = self.total = 0.0
         self.launches = 0
         self.per_call = 0.0
         self.per_call = self._calibrate()
-        self.seconds = 0.0
+        for name in _DEVICE_METHODS:
+            setattr(self, name, self._timed(getattr(self, name), name == "launch"))
+        self.seconds = self.total = 0.0
 
-    def _metered(self, fn: Callable, *a: Any, **k: Any) -> Any:
-        c0 = _inner()
-        try:
-            return fn(*a, **k)
-        finally:
-            self.seconds += _inner() - c0 + self.per_call
+    def _timed(self, fn: Callable, count: bool) -> Callable:
+        clock = _inner
 
-    def launch(self, *a: Any, **k: Any) -> None:
-        self.launches += 1
-        return self._metered(super().launch, *a, **k)
-
-    def memcpy_htod(self, *a: Any, **k: Any) -> None:
-        return self._metered(super().memcpy_htod, *a, **k)
-
-    def memcpy_dtoh(self, *a: Any, **k: Any) -> None:
-        return self._metered(super().memcpy_dtoh, *a, **k)
-
-    def record_event(self, *a: Any, **k: Any) -> Any:
-        return self._metered(super().record_event, *a, **k)
-
-    def event_query(self, *a: Any, **k: Any) -> bool:
-        return self._metered(super().event_query, *a, **k)
+        def timed(*a: Any, **k: Any) -> Any:
+            c0 = clock()
+            try:
+                return fn(*a, **k)
+            finally:
+                spent = clock() - c0 + self.per_call
+                self.seconds += spent
+                self.total += spent
+                if count:
+                    self.launches += 1
+        return timed
 
     def _calibrate(self, n: int = 2000, batches: int = 15) -> float:
-        """What calling through the meter adds, over calling the method directly,
+        """What calling through the wrapper adds, over calling the method directly,
         outside the metered span: median over batches of a no-op called both ways."""
         def nop(*a: Any, **k: Any) -> None:
             return None
+        wrapped = self._timed(nop, False)
         out = []
         for _ in range(batches):
             self.seconds = 0.0
             c0 = _clock()
             for _ in range(n):
-                self._metered(nop, 1, 2, 3, 4, 5, dyn_smem=0, args=(), instrumented=True, group=16)
+                wrapped(1, 2, 3, 4, 5, dyn_smem=0, args=(), instrumented=True, group=16)
             c1 = _clock()
             for _ in range(n):
                 nop(1, 2, 3, 4, 5, dyn_smem=0, args=(), instrumented=True, group=16)
@@ -264,10 +262,12 @@ def measure_whole(n_jobs: int, policy: str = "paella", rate: float = 3000.0, see
 
 
 class _Phases(Instrument):
-    """Timestamps (perf_counter) of releases, completions and job starts, through the
-    instruments: see the module docstring's "phases"."""
+    """Timestamps of releases, completions and job starts, through the instruments: see
+    the module docstring's "phases". Time inside the simulator's methods is left out
+    (``perf_counter`` minus the device's metered ``total``)."""
 
-    def __init__(self) -> None:
+    def __init__(self, dev: MeteredSim) -> None:
+        self.dev = dev
         self.release: list[float] = []       # gaps between two kernel releases of a pass
         self.react: list[float] = []         # kernel completion seen -> job's next release
         self.start: list[float] = []         # job start -> its last op issued
@@ -277,8 +277,11 @@ class _Phases(Instrument):
         self._started: dict[Any, float] = {}
         self._issued: dict[Any, float] = {}
 
+    def _now(self) -> float:
+        return _inner() - self.dev.total
+
     def op_released(self, op: Any, t: float) -> None:
-        now = _inner()
+        now = self._now()
         if op.kind != KERNEL:
             return
         step, last = self._last_release
@@ -291,13 +294,13 @@ class _Phases(Instrument):
 
     def op_ended(self, op: Any, t: float) -> None:
         if op.kind == KERNEL:
-            self._ended[op.job] = (self.step, _inner())
+            self._ended[op.job] = (self.step, self._now())
 
     def request_started(self, req: Any) -> None:
-        self._started[req] = _inner()
+        self._started[req] = self._now()
 
     def op_issued(self, op: Any) -> None:
-        self._issued[op.job] = _inner()
+        self._issued[op.job] = self._now()
 
     def request_finished(self, req: Any) -> None:
         t0 = self._started.pop(req, None)
@@ -311,7 +314,7 @@ class _Phases(Instrument):
 
 def measure_phases(n_jobs: int, policy: str = "paella", rate: float = 3000.0, seed: int = 1) -> dict:
     dev, d, mid = _setup(policy, seed)
-    ph = _Phases()
+    ph = _Phases(dev)
     d.instruments.add(ph)
 
     def on_step(cpu: float, k: int, idle: bool) -> None:
