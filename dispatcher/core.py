@@ -326,10 +326,6 @@ class Dispatcher:
             self._policy_failed("kernel_ready", e)   # the fallback re-queues every job
 
     # -- the rest of JobHost ------------------------------------------------------------------
-    @property
-    def eager(self) -> bool:
-        return self.policy.eager
-
     def kernel_launch(self, func: Function, grid: Any, block: Any, dyn_smem: int) -> KernelLaunch:
         """The checked launch record of a shape (cached: one per shape, shared by jobs)."""
         key = (func, grid if type(grid) is int else tuple(grid),
@@ -493,6 +489,8 @@ class Dispatcher:
 
     # -- policy fallback -------------------------------------------------------------------------
     def _bind_policy(self) -> None:
+        #: JobHost.eager: the policy's release mode, for new waitlists.
+        self.eager = self.policy.eager
         # Speed: kernel_completed runs per kernel and most policies leave it empty.
         kc = self.policy.kernel_completed
         self._kernel_completed = None if type(self.policy).kernel_completed is Policy.kernel_completed else kc
