@@ -460,10 +460,15 @@ class Dispatcher:
     def _almost_finished(self, job: Job) -> None:
         if not job.almost_sent:
             job.almost_sent = True
+            instr = self.instruments
             for req in job.requests:
+                if req.cancelled:
+                    continue
                 cb = req.on_almost_finished
-                if cb is not None and not req.cancelled:
+                if cb is not None:
                     cb(req)
+                if "request_woken" in instr:
+                    instr.call("request_woken", req)
 
     def _device_refused(self, op: Op, exc: DeviceError) -> None:
         """The device rejected a released op (a bad pointer, say): fail its job.

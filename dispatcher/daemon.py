@@ -223,7 +223,8 @@ def _serve(args: argparse.Namespace) -> int:
     logging.basicConfig(level=cfg.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s paella[%(process)d] %(levelname)s %(message)s")
     try:
-        return Daemon(cfg).serve()
+        return Daemon(cfg, instruments=getattr(args, "instruments", ()),
+                      open_device=getattr(args, "open_device", None)).serve()
     except (FrontendError, ConfigError) as e:
         raise CLIError(str(e)) from None
 
@@ -278,29 +279,48 @@ def noop_info(model_id: int) -> wire.ModelInfo:
 class HostExecutor:
     """Runs host models in the loop: wake-up, compute, complete, one per request."""
 
-    def __init__(self, front: Frontend, models: dict[int, HostModel]):
+    def __init__(self, front: Frontend, models: dict[int, HostModel], instruments: Any = None):
+        from paella.dispatcher.instruments import Instruments
         self.front = front
         self.models = models
         self.queue: deque = deque()
+        # The dispatcher's hooks on requests, fired for host models too.
+        self.instruments = Instruments() if instruments is None else instruments
+
+    def _hook(self, hook: str, cid: int, rid: int, mid: int, io: np.ndarray,
+              status: int = -1) -> None:
+        from paella.dispatcher.core import Request
+        req = Request(rid, cid, mid, io)
+        req.status = status
+        self.instruments.call(hook, req)
 
     def submit(self, client_id: int, req_id: int, model_id: int, variant: int,
                io: np.ndarray) -> None:
         self.queue.append((client_id, req_id, model_id, io))
+        if "request_admitted" in self.instruments:
+            self._hook("request_admitted", client_id, req_id, model_id, io)
 
     def step(self) -> bool:
         q = self.queue
         n = len(q)                     # a snapshot: work queued meanwhile waits a pass
+        instr = self.instruments
         while n and q:                 # (cancel_client may shrink q under us)
             n -= 1
             cid, rid, mid, io = q.popleft()
             self.front.almost_finished(cid, rid)
+            if "request_woken" in instr:
+                self._hook("request_woken", cid, rid, mid, io)
             try:
                 self.models[mid].run(io)
             except Exception as e:  # noqa: BLE001 - a model failure fails its request only
                 log.exception("host model %d failed on request %d of client %d", mid, rid, cid)
                 self.front.complete(cid, rid, rings.E_FAILED, f"{type(e).__name__}: {e}")
-                continue
-            self.front.complete(cid, rid, rings.OK, None)
+                status = rings.E_FAILED
+            else:
+                self.front.complete(cid, rid, rings.OK, None)
+                status = rings.OK
+            if "request_finished" in instr:
+                self._hook("request_finished", cid, rid, mid, io, status)
         return bool(q)
 
     def cancel_client(self, client_id: int) -> None:
@@ -457,7 +477,7 @@ class DispatcherExecutor:
     #: Spin instead of sleeping when the next device event is this close (seconds).
     SPIN_BELOW = 50e-6
 
-    def __init__(self, front: Frontend, device, cfg: DaemonConfig):
+    def __init__(self, front: Frontend, device, cfg: DaemonConfig, instruments: Any = ()):
         from paella.dispatcher.core import (STATUS_CANCELLED, STATUS_ERROR, STATUS_OK,
                                             Dispatcher, Request)
         params = dict(cfg.policy_params)
@@ -467,6 +487,8 @@ class DispatcherExecutor:
         self.device = device
         self.disp = Dispatcher(device, cfg.policy, extra_blocks=extra, fairness_threshold=fair,
                                policy_options=params or None)
+        for instrument in instruments:
+            self.disp.instruments.add(instrument)
         self.Request = Request
         self.status = {STATUS_OK: rings.OK, STATUS_ERROR: rings.E_FAILED,
                        STATUS_CANCELLED: rings.E_CANCELLED}
@@ -611,8 +633,16 @@ EXIT_DEVICE_LOST = 3
 
 
 class Daemon:
-    def __init__(self, cfg: DaemonConfig):
+    """The service. ``instruments`` (:mod:`paella.dispatcher.instruments`) see every request
+    of every execution path and the dispatcher's ops; ``open_device(cfg)`` replaces
+    :func:`open_device_for` (experiments that trace the device)."""
+
+    def __init__(self, cfg: DaemonConfig, *, instruments: Any = (),
+                 open_device: Callable[[DaemonConfig], Any] | None = None):
+        from paella.dispatcher.instruments import Instruments
         self.cfg = cfg
+        self.instruments = list(instruments)
+        self.open_device = open_device or open_device_for
         self.table = ModelTable()
         fcfg = FrontendConfig(
             socket_path=cfg.socket, allowed_users=tuple(cfg.allowed_users),
@@ -622,7 +652,7 @@ class Daemon:
             max_inflight_per_client=cfg.max_inflight_per_client)
         self.front = Frontend(fcfg, self.table)
         self.router = Router()
-        self.host = HostExecutor(self.front, {})
+        self.host = HostExecutor(self.front, {}, Instruments(self.instruments))
         self.router.paths.append(self.host)
         self.front.executor = self.router
         self.front.on_arena_mapped = self._arena_mapped
@@ -714,8 +744,9 @@ class Daemon:
     def _dispatcher(self) -> DispatcherExecutor:
         """The dispatcher path, made on first need (no bundles: no device opened)."""
         if self.dispatcher is None:
-            self.device = open_device_for(self.cfg)
-            self.dispatcher = DispatcherExecutor(self.front, self.device, self.cfg)
+            self.device = self.open_device(self.cfg)
+            self.dispatcher = DispatcherExecutor(self.front, self.device, self.cfg,
+                                                 self.instruments)
             self.router.paths.append(self.dispatcher)
             for cid, arena in self._arenas.items():     # clients that came first
                 self._pin_arena(cid, arena)
@@ -884,14 +915,18 @@ class Daemon:
         sd_notify("READY=1")
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, *, instruments: Any = (),
+         open_device: Callable[[DaemonConfig], Any] | None = None) -> int:
     """``python -m paella.dispatcher.daemon [serve options]``: the daemon alone, without
-    loading the other sub-commands of ``paella`` (what the tests and the unit run)."""
+    loading the other sub-commands of ``paella`` (what the tests and the unit run).
+    ``instruments`` and ``open_device``: see :class:`Daemon` (experiments that trace it)."""
     from paella.cli import run_command
     parser = argparse.ArgumentParser(prog="paella-daemon")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     register(sub)
-    return run_command(parser.parse_args(["serve", *(sys.argv[1:] if argv is None else argv)]))
+    args = parser.parse_args(["serve", *(sys.argv[1:] if argv is None else argv)])
+    args.instruments, args.open_device = instruments, open_device
+    return run_command(args)
 
 
 if __name__ == "__main__":

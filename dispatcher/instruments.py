@@ -7,6 +7,8 @@ Every hook is called synchronously from the dispatcher loop, with the device clo
 
 * ``request_admitted(req)``     the dispatcher accepted the request (``submit``);
 * ``request_started(req)``      its job started (after any wait for a buffer set);
+* ``request_woken(req)``        its "almost finished" wake-up was sent
+  (``on_almost_finished`` returned);
 * ``request_finished(req)``     its completion was delivered (``on_complete`` returned);
   ``req.status`` and ``req.error`` say how it ended;
 * ``op_issued(op)``             a job issued an op (kernel launch or copy) into its waitlist;
@@ -30,8 +32,8 @@ from typing import Any, Iterable
 
 log = logging.getLogger(__name__)
 
-HOOKS = ("request_admitted", "request_started", "request_finished", "op_issued",
-         "op_released", "op_started", "op_ended")
+HOOKS = ("request_admitted", "request_started", "request_woken", "request_finished",
+         "op_issued", "op_released", "op_started", "op_ended")
 
 
 class Instrument:
@@ -42,6 +44,9 @@ class Instrument:
 
     def request_started(self, req: Any) -> None:
         """``req``'s job started."""
+
+    def request_woken(self, req: Any) -> None:
+        """``req``'s "almost finished" wake-up was sent."""
 
     def request_finished(self, req: Any) -> None:
         """``req``'s completion was delivered."""

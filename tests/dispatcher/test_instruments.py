@@ -30,6 +30,9 @@ class Log(Instrument):
     def request_started(self, req):
         self.rows.append(("request_started", req.req_id, self.d.now))
 
+    def request_woken(self, req):
+        self.rows.append(("request_woken", req.req_id, self.d.now))
+
     def request_finished(self, req):
         self.rows.append(("request_finished", req.req_id, req.status))
 
@@ -56,6 +59,7 @@ def test_every_hook_fires_in_the_order_of_a_requests_life(make):
     d.run_until_idle()
     hooks = [(h, w) for h, w, _ in log.rows]
     assert hooks[:2] == [("request_admitted", 7), ("request_started", 7)]
+    assert ("request_woken", 7) in hooks
     assert [w for h, w in hooks if h == "op_issued"] == ["h2d", "c_k0", "c_k1", "d2h"]
     for what in ("h2d", "c_k0", "c_k1", "d2h"):      # each op: released, started, ended
         assert [h for h, w in hooks if w == what][1:] == ["op_released", "op_started", "op_ended"]
