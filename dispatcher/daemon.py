@@ -271,12 +271,14 @@ def _serve(args: argparse.Namespace) -> int:
     # TVM's runtime on this one thread. Its worker pool, pinned with the loop to one
     # core under SCHED_FIFO, would spin-wait on each other and stall for seconds.
     os.environ["TVM_NUM_THREADS"] = "1"
+    # Logging first: checking the configuration loads the policy plug-ins, which may log.
+    logging.basicConfig(level=(args.log_level or "info").upper(), stream=sys.stderr,
+                        format="%(asctime)s paella[%(process)d] %(levelname)s %(message)s")
     try:
         cfg = config_from_args(args)
     except ConfigError as e:
         raise CLIError(str(e)) from None
-    logging.basicConfig(level=cfg.log_level.upper(), stream=sys.stderr,
-                        format="%(asctime)s paella[%(process)d] %(levelname)s %(message)s")
+    logging.getLogger().setLevel(cfg.log_level.upper())
     try:
         return Daemon(cfg).serve()
     except (FrontendError, ConfigError) as e:
