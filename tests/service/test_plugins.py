@@ -2,7 +2,8 @@
 
 The plug-ins are a module on PYTHONPATH and a distribution's ``.dist-info`` directory
 beside it declaring their entry points (group ``paella.policies``), which is what
-``pip install`` leaves; a second distribution names a module that does not exist. The
+``pip install`` leaves; another distribution, in a second directory, names a module
+that does not exist. The
 daemon finds them through ``importlib.metadata`` as it would any installed plug-in.
 """
 from __future__ import annotations
@@ -47,36 +48,45 @@ class Arrival(HeapPolicy):
         return job.seq
 '''
 
-DISTS = {
-    "paella_test_policies-1.0": ("paella-test-policies", """
-        [paella.policies]
-        not-a-job = paella_test_policies:NotAJob
-        raising-init = paella_test_policies:RaisingInit
-        never-picks = paella_test_policies:NeverPicks
-        arrival = paella_test_policies:Arrival
-    """),
-    "paella_broken_plugin-0.1": ("paella-broken-plugin", """
-        [paella.policies]
-        broken = paella_missing_module:Policy
-    """),
-}
+TEST_POLICIES = """
+    [paella.policies]
+    not-a-job = paella_test_policies:NotAJob
+    raising-init = paella_test_policies:RaisingInit
+    never-picks = paella_test_policies:NeverPicks
+    arrival = paella_test_policies:Arrival
+"""
+BROKEN = """
+    [paella.policies]
+    broken = paella_missing_module:Policy
+"""
+
+
+def install(root: Path, name: str, version: str, entry_points: str) -> None:
+    """What ``pip install`` leaves for a distribution: NAME-VERSION.dist-info."""
+    info = root / f"{name.replace('-', '_')}-{version}.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n")
+    (info / "entry_points.txt").write_text(textwrap.dedent(entry_points).lstrip())
 
 
 @pytest.fixture(scope="module")
 def plugin_path(tmp_path_factory) -> str:
     root = tmp_path_factory.mktemp("plugins")
     (root / "paella_test_policies.py").write_text(PLUGINS)
-    for dirname, (name, entry_points) in DISTS.items():
-        info = root / f"{dirname}.dist-info"
-        info.mkdir()
-        version = dirname.rsplit("-", 1)[1]
-        (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n")
-        (info / "entry_points.txt").write_text(textwrap.dedent(entry_points).lstrip())
+    install(root, "paella-test-policies", "1.0", TEST_POLICIES)
     return str(root)
 
 
-def env_with(plugin_path: str) -> dict[str, str]:
-    return {"PYTHONPATH": os.pathsep.join([plugin_path, *filter(None, [os.environ.get("PYTHONPATH")])])}
+@pytest.fixture(scope="module")
+def broken_path(tmp_path_factory) -> str:
+    """A second site directory with a distribution whose module does not exist."""
+    root = tmp_path_factory.mktemp("broken")
+    install(root, "paella-broken-plugin", "0.1", BROKEN)
+    return str(root)
+
+
+def env_with(*paths: str) -> dict[str, str]:
+    return {"PYTHONPATH": os.pathsep.join([*paths, *filter(None, [os.environ.get("PYTHONPATH")])])}
 
 
 def noop_requests(sock: str, n: int) -> None:
@@ -125,9 +135,9 @@ def test_a_policy_that_never_picks_does_not_hang_start_up(plugin_path, fresh_dae
     noop_requests(dp.socket, 20)
 
 
-def test_a_broken_distribution_does_not_break_the_other_plugins(plugin_path, fresh_daemon,
-                                                                tmp_path):
-    dp = fresh_daemon("--policy", "arrival", env=env_with(plugin_path))
+def test_a_broken_distribution_does_not_break_the_other_plugins(plugin_path, broken_path,
+                                                                fresh_daemon, tmp_path):
+    dp = fresh_daemon("--policy", "arrival", env=env_with(plugin_path, broken_path))
     noop_requests(dp.socket, 20)
     log = dp.log()
     assert "scheduling policy plug-in skipped: entry point broken = 'paella_missing_module:" \
@@ -138,7 +148,7 @@ def test_a_broken_distribution_does_not_break_the_other_plugins(plugin_path, fre
     sock = str(tmp_path / "p.sock")
     r = subprocess.run([*PAELLA, "--socket", sock, "--cpu", "none", "--rt-priority", "0",
                         "--policy", "broken"], capture_output=True, text=True, timeout=60,
-                       env=dict(os.environ, **env_with(plugin_path)))
+                       env=dict(os.environ, **env_with(plugin_path, broken_path)))
     assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
     assert r.stderr.strip().splitlines()[-1].startswith(
         "paella: error: scheduling policy 'broken' is unavailable: entry point broken = "
