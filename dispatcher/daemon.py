@@ -187,13 +187,6 @@ def octal_mode(text: str) -> int:
     return mode
 
 
-def _octal_mode_arg(text: str) -> int:
-    try:
-        return octal_mode(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
-
-
 def _coerce(key: str, value: Any) -> Any:
     want = type(getattr(DaemonConfig(), key))
     if key == "socket_mode" and isinstance(value, str):
@@ -247,7 +240,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    default=[], metavar="NAME=VALUE", help="policy parameter (repeatable)")
     p.add_argument("--allow-user", dest="allowed_users", action="append", metavar="USER")
     p.add_argument("--allow-group", dest="allowed_groups", action="append", metavar="GROUP")
-    p.add_argument("--socket-mode", dest="socket_mode", type=_octal_mode_arg,
+    p.add_argument("--socket-mode", dest="socket_mode",
                    help="mode of the socket file, octal (default 0666)")
     for name in SECTIONS["limits"]:
         p.add_argument("--" + name.replace("_", "-"), dest=name, type=int)
@@ -259,7 +252,7 @@ def config_from_args(args: argparse.Namespace) -> DaemonConfig:
     for f in dataclasses.fields(DaemonConfig):
         v = getattr(args, f.name, None)
         if v is not None and f.name != "policy_params":
-            setattr(cfg, f.name, v)
+            setattr(cfg, f.name, _coerce(f.name, v) if f.name == "socket_mode" else v)
     cfg.policy_params.update(dict(args.policy_param))
     cfg.check()
     return cfg
