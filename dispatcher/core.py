@@ -138,6 +138,8 @@ class Dispatcher:
             self._resume_jobs()                                          # synchronize() done
         if self._queued or self._copies:
             self._release()                                              # policy, +B
+            if self._queued and not self._copy_events and not self.tracker.in_flight():
+                self._held_back()            # rare: ready jobs, an idle device, pick() None
         self.idle = self._progress == before
         self.iterations += 1
         return self.in_flight > 0
@@ -172,15 +174,7 @@ class Dispatcher:
                 pool = streams.mode == "pool"
                 continue
             if job is None:
-                if any(busy) or self._copies or not self._policy_stalled():
-                    return
-                self._policy_failed("pick", PolicyError(
-                    f"pick() returned None for {POLICY_STALL_SECONDS:g} s while {self._queued} "
-                    f"job(s) had a ready kernel and the device had nothing to run"))
-                policy = self.policy
-                admits = tracker.admits if policy.gated else tracker.flow_ok
-                pool = streams.mode == "pool"
-                continue
+                return
             if job.__class__ is not Job or job.d is not self or not job.in_policy:
                 self._policy_failed("pick", PolicyError(
                     f"pick() returned {job!r}, which is not a job of this dispatcher with a "
@@ -466,11 +460,20 @@ class Dispatcher:
                              f"{self.tracker.slots} slots; use a larger notifq_slots or group")
 
     # -- policy fallback -------------------------------------------------------------------------
+    def _held_back(self) -> None:
+        """After a release pass, jobs are ready and the device runs nothing (no kernel, no
+        copy): pick() held them all back. Past POLICY_STALL_SECONDS of that the policy is
+        stalled, and fifo takes over."""
+        if self._policy_stalled():
+            self._policy_failed("pick", PolicyError(
+                f"pick() returned None for {POLICY_STALL_SECONDS:g} s while {self._queued} "
+                f"job(s) had a ready kernel and the device had nothing to run"))
+
     def _policy_stalled(self, now: float | None = None) -> bool:
-        """pick() said None with jobs ready and the device idle: True once that has held
-        in every iteration for POLICY_STALL_SECONDS (``now``: judge at that time). A
-        release in between keeps the device busy for an iteration at least, which breaks
-        the chain of iterations and restarts the count."""
+        """True once the policy has held every ready job back, with the device idle, in
+        every iteration for POLICY_STALL_SECONDS (``now``: judge at that time instead).
+        An iteration in which the device ran something breaks the chain (a release keeps
+        it busy for one iteration at least); new arrivals do not."""
         t = time.monotonic()
         if self._held_iter < self.iterations - 1:
             self._held_since = t
