@@ -129,41 +129,40 @@ def test_a_restarted_daemon_removes_what_a_killed_one_left(fresh_daemon):
                 os.unlink(f"/dev/shm/{name}")
 
 
-def test_sigterm_during_model_loading_ends_start_up_cleanly(tmp_path, mlp):
+@pytest.fixture
+def loading(tmp_path, mlp):
+    """A daemon in the middle of loading a model that takes 3 s to load."""
     repo = repo_with(tmp_path, mlp, "tiny_mlp")
     make_slow_loading(repo / "tiny_mlp", seconds=3.0)
     dp = start_daemon("--models", str(repo), ready=False)
-    try:
-        wait_until_loading(dp)
-        dp.proc.send_signal(signal.SIGTERM)
-        assert dp.proc.wait(30) == 0, dp.log()
-        assert "SIGTERM during start-up" in dp.log()
-        assert not any("READY=1" in m for m in dp.recv_notify(0.2))
-        assert not os.path.exists(dp.socket) and not os.path.exists(dp.socket + ".lock")
-        assert dp.segments() == []
-    finally:
-        cleanup(dp)
+    wait_until_loading(dp)
+    yield dp
+    cleanup(dp)
 
 
-def test_sighup_during_model_loading_is_remembered(tmp_path, mlp):
+def test_sigterm_during_model_loading_ends_start_up_cleanly(loading):
+    dp = loading
+    dp.proc.send_signal(signal.SIGTERM)
+    assert dp.proc.wait(30) == 0, dp.log()
+    assert "SIGTERM during start-up" in dp.log()
+    assert not any("READY=1" in m for m in dp.recv_notify(0.2))
+    assert not os.path.exists(dp.socket) and not os.path.exists(dp.socket + ".lock")
+    assert dp.segments() == []
+
+
+def test_sighup_during_model_loading_is_remembered(loading):
     """A SIGHUP while loading is not lost: once serving, the daemon reads the repository
     again (which picks up a change made during the load)."""
-    repo = repo_with(tmp_path, mlp, "tiny_mlp")
-    make_slow_loading(repo / "tiny_mlp", seconds=3.0)
-    dp = start_daemon("--models", str(repo), ready=False)
-    try:
-        wait_until_loading(dp)
-        dp.proc.send_signal(signal.SIGHUP)
-        wait_for_notify(dp, "READY=1")
-        wait_for_notify(dp, "RELOADING=1")
-        wait_for_notify(dp, "READY=1", count=2)
-        assert dp.proc.poll() is None
-        assert "SIGHUP during start-up" in dp.log()
-        with connect(dp.socket) as c:
-            out = c.infer("tiny_mlp", {"x": np.ones((2, 16), np.float32)})["output0"]
-            assert out.shape == (2, 8)
-    finally:
-        cleanup(dp)
+    dp = loading
+    dp.proc.send_signal(signal.SIGHUP)
+    wait_for_notify(dp, "READY=1")
+    wait_for_notify(dp, "RELOADING=1")
+    wait_for_notify(dp, "READY=1", count=2)
+    assert dp.proc.poll() is None
+    assert "SIGHUP during start-up" in dp.log()
+    with connect(dp.socket) as c:
+        out = c.infer("tiny_mlp", {"x": np.ones((2, 16), np.float32)})["output0"]
+        assert out.shape == (2, 8)
 
 
 # -- 12: one bad bundle -------------------------------------------------------------------
