@@ -613,12 +613,25 @@ def freeze_heap() -> int:
     cyclic collector's reach, after collecting what is already garbage. A full collection
     over that heap takes ~50 ms here, a stall every request in flight would pay whenever
     the loop's own allocations trigger one; frozen, the collector only walks what the
-    loop allocated since. A reload unfreezes first, so the models it drops can still be
-    collected. Returns the objects frozen."""
+    loop allocated since. It unfreezes first, so that cycles frozen earlier and dropped
+    since can be collected. Returns the objects frozen."""
     gc.unfreeze()
     gc.collect()
     gc.freeze()
     return gc.get_freeze_count()
+
+
+def freeze_new_objects() -> int:
+    """After a reload: collect and freeze only what was allocated since the last freeze
+    (the new models, the loop's own objects). Unfreezing first, as :func:`freeze_heap`
+    does, would walk the whole ~100k-object heap (46-124 ms of stalled loop measured
+    after a reload) to free nothing: the dispatcher keeps every registered version of a
+    model (jobs may still run the old one), so a reload drops no model. Returns the
+    objects frozen by this call."""
+    before = gc.get_freeze_count()
+    gc.collect()
+    gc.freeze()
+    return gc.get_freeze_count() - before
 
 
 def sd_notify(message: str) -> bool:
@@ -1068,7 +1081,10 @@ class Daemon:
         if self._refreeze:
             if self.router.in_flight == 0 and not self.front.any_pending():
                 self._refreeze = False
-                freeze_heap()        # (the dropped models' cycles are collected first)
+                t0 = time.perf_counter()
+                n = freeze_new_objects()
+                log.info("froze the %d objects made since start-up or the last reload in "
+                         "%.1f ms", n, (time.perf_counter() - t0) * 1e3)
             else:
                 self.housekeeping = True     # look again next iteration
 

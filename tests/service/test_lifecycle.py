@@ -183,7 +183,9 @@ def test_a_bad_bundle_is_reported_and_the_others_are_served(tmp_path, mlp, fresh
 def test_a_slow_reload_does_not_stall_the_loop(tmp_path, mlp, fresh_daemon):
     """SIGHUP with a changed bundle whose load takes 2 s (its CPU build sleeps while it
     is loaded): the old version keeps answering during the load, with no gap near 2 s
-    between two answers, and the new version answers after the swap."""
+    between two answers, and the new version answers after the swap (the half second
+    after it, when the daemon freezes the new objects out of the collector's way, is
+    measured too)."""
     repo = repo_with(tmp_path, mlp, "tiny_mlp")
     dp = fresh_daemon("--models", str(repo))
     x = {"x": np.ones((2, 16), np.float32)}
@@ -200,9 +202,11 @@ def test_a_slow_reload_does_not_stall_the_loop(tmp_path, mlp, fresh_daemon):
             times.append(time.monotonic())
             assert times[-1] - t_hup < 30, dp.log()
         t_ready = time.monotonic()
-        np.testing.assert_array_equal(c.infer("tiny_mlp", x)["output0"], ref)   # new version
+        while time.monotonic() < t_ready + 0.5:     # the new version, and the heap freeze
+            np.testing.assert_array_equal(c.infer("tiny_mlp", x)["output0"], ref)
+            times.append(time.monotonic())
     assert t_ready - t_hup >= 2.0                   # the load did take its 2 s ...
-    gaps = np.diff([t_hup, *times, t_ready])
+    gaps = np.diff([t_hup, *times])
     assert gaps.max() < 1.0, f"worst gap {gaps.max():.3f} s during a {t_ready - t_hup:.1f} s reload"
     assert len(times) >= 10
     assert "in the background" in dp.log() and dp.log().count("registered tiny_mlp") == 2
