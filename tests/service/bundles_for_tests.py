@@ -9,18 +9,10 @@
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import subprocess
 from pathlib import Path
 
 import pytest
-
-SLOW_SOURCE = r"""
-#include <unistd.h>
-__attribute__((constructor)) static void paella_test_slow_load(void) { usleep(%d); }
-"""
-
 
 def tiny_mlp(dest: str | Path) -> Path:
     """A fresh copy of the tiny MLP bundle at ``dest``."""
@@ -38,21 +30,13 @@ def _edit_manifest(bdir: Path, edit) -> None:
 
 
 def make_slow_loading(bdir: Path, seconds: float) -> None:
-    """Point the bundle's CPU build at a wrapper library whose constructor sleeps
-    ``seconds`` and which needs the real one (TVM finds the module's symbols through
-    the dependency). Loading it releases the GIL, as loading any shared object does."""
-    cc = shutil.which("cc") or shutil.which("gcc")
-    if cc is None:
+    """The bundle's CPU build becomes a library whose constructor sleeps ``seconds``
+    (paella.experiments.bench_reload); loading it releases the GIL, as loading any
+    shared object does."""
+    from paella.experiments.bench_reload import make_slow_loading as make
+    if shutil.which("cc") is None and shutil.which("gcc") is None:
         pytest.skip("needs a C compiler to build the slow-loading library")
-    src = bdir / "slow_load.c"
-    src.write_text(SLOW_SOURCE % int(seconds * 1e6))
-    subprocess.run([cc, "-shared", "-fPIC", "-o", str(bdir / "cpu_slow.so"), str(src),
-                    "-Wl,--no-as-needed", f"-L{bdir}", "-l:cpu.so", "-Wl,-rpath,$ORIGIN"],
-                   check=True, capture_output=True)
-
-    def edit(m: dict) -> None:
-        m["files"]["cpu_lib"] = "cpu_slow.so"
-    _edit_manifest(bdir, edit)
+    make(bdir, seconds)
 
 
 def make_slow_running(bdir: Path, kernel_seconds: float) -> None:
@@ -73,9 +57,3 @@ def set_dtype(bdir: Path, dtype: str) -> None:
     def edit(m: dict) -> None:
         m["variants"][0]["inputs"][0]["dtype"] = dtype
     _edit_manifest(bdir, edit)
-
-
-def touch(bdir: Path) -> None:
-    """Make the daemon see the bundle as changed (its key includes the manifest's mtime)."""
-    st = os.stat(bdir / "manifest.json")
-    os.utime(bdir / "manifest.json", ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000_000))
