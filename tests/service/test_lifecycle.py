@@ -54,6 +54,19 @@ def wait_for_notify(dp: DaemonProc, text: str, count: int = 1, timeout: float = 
             raise AssertionError(f"{text!r} not notified {count} time(s): {dp.messages}\n{dp.log()}")
 
 
+def read_all(c) -> dict[int, list]:
+    """Every completion the client gets until none is left: request id -> [OK or
+    (status, reason), ...] (a request completed twice has two entries)."""
+    got: dict[int, list] = {}
+    while True:
+        try:
+            got.setdefault(c.read_result(), []).append(rings.OK)
+        except RequestFailed as e:
+            got.setdefault(e.req_id, []).append((e.status, e.reason))
+        except (NothingInFlight, DaemonGone):
+            return got
+
+
 # -- 7: the drain deadline ------------------------------------------------------------
 def test_drain_deadline_completes_every_request_once_as_cancelled(tmp_path, mlp, fresh_daemon):
     """Kernels of 0.25 s, four per request, a drain deadline of 0.2 s: at the deadline the
@@ -68,15 +81,7 @@ def test_drain_deadline_completes_every_request_once_as_cancelled(tmp_path, mlp,
     time.sleep(0.3)                  # taken from the ring and released to the GPU
     dp.proc.send_signal(signal.SIGTERM)
     assert dp.proc.wait(20) == 0
-    got: dict[int, list] = {}
-    while True:
-        try:
-            rid = c.read_result()
-            got.setdefault(rid, []).append(rings.OK)
-        except RequestFailed as e:
-            got.setdefault(e.req_id, []).append((e.status, e.reason))
-        except (NothingInFlight, DaemonGone):
-            break
+    got = read_all(c)
     assert sorted(got) == sorted(ids), (got, dp.log())
     assert all(len(v) == 1 for v in got.values()), got               # none twice
     cancelled = [v[0] for v in got.values() if v[0] != rings.OK]
@@ -86,6 +91,29 @@ def test_drain_deadline_completes_every_request_once_as_cancelled(tmp_path, mlp,
         assert "drain deadline of 0.2 s passed" in reason
     assert "drain deadline passed: completing" in dp.log()
     c.close()
+
+
+def test_a_lost_device_fails_every_request_once_also_those_on_it(tmp_path, mlp):
+    """The device is lost while requests have kernels on it (kernels of 0.25 s; the
+    profiling runs take launches 1-8, the first kernel of four requests 9-12, launch 13
+    fails): those requests are completed too, failed with the reason, before exit 3."""
+    from paella.dispatcher.daemon import EXIT_DEVICE_LOST
+    repo = repo_with(tmp_path, mlp, "slow_mlp")
+    make_slow_running(repo / "slow_mlp", kernel_seconds=0.25)
+    dp = start_daemon("--models", str(repo), "--no-noop",
+                      env={"PAELLA_SIM_LOSE_DEVICE_AFTER": "12"})
+    try:
+        c = connect(dp.socket)
+        n = c.models["tiny_mlp"].variants[0].io_bytes
+        ids = [c.predict("tiny_mlp", n, c.alloc(n)) for _ in range(8)]
+        assert dp.proc.wait(20) == EXIT_DEVICE_LOST
+        got = read_all(c)
+        assert sorted(got) == sorted(ids) and all(len(v) == 1 for v in got.values()), got
+        for (status, reason), in got.values():
+            assert status == rings.E_FAILED and "the GPU failed" in reason
+        c.close()
+    finally:
+        cleanup(dp)
 
 
 # -- 10: segments of a dead daemon, signals during loading ------------------------------
