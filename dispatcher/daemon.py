@@ -363,12 +363,10 @@ class HostExecutor:
         for cid, rid, _, _ in gone:
             self.front.complete(cid, rid, rings.E_CANCELLED, "client disconnected")
 
-    def cancel_all(self, reason: str) -> None:
+    def abandon_all(self, reason: str, status: int = rings.E_CANCELLED) -> None:
         while self.queue:
             cid, rid, _, _ = self.queue.popleft()
-            self.front.complete(cid, rid, rings.E_CANCELLED, reason)
-
-    abandon_all = cancel_all       # nothing of a host model runs outside the loop
+            self.front.complete(cid, rid, status, reason)
 
     def deadline(self) -> float | None:
         return 0.0 if self.queue else None
@@ -399,14 +397,12 @@ class Router:
         for p in self.paths:
             p.cancel_client(client_id)
 
-    def cancel_all(self, reason: str) -> None:
+    def abandon_all(self, reason: str, status: int = rings.E_CANCELLED) -> None:
+        """Complete everything in flight now with ``status`` and ``reason``, without
+        waiting for the device (the daemon is about to exit): every accepted request
+        gets its one completion."""
         for p in self.paths:
-            p.cancel_all(reason)
-
-    def abandon_all(self, reason: str) -> None:
-        """Complete everything in flight now, as cancelled (the daemon is exiting)."""
-        for p in self.paths:
-            p.abandon_all(reason)
+            p.abandon_all(reason, status)
 
     def deadline(self) -> float | None:
         ds = [d for d in (p.deadline() for p in self.paths) if d is not None]
@@ -555,8 +551,8 @@ class DispatcherExecutor:
         self.Request = Request
         self.status = {STATUS_OK: rings.OK, STATUS_ERROR: rings.E_FAILED,
                        STATUS_CANCELLED: rings.E_CANCELLED}
+        self._cancelled = STATUS_CANCELLED
         self.ids: dict[int, int] = {}     # client-visible model id -> dispatcher model id
-        self._failing: str | None = None  # the reason while cancel_all fails everything
         self._next_event = getattr(device, "next_event_time", None)
 
     def register(self, model_id: int, name: str, adaptor) -> None:
@@ -571,10 +567,8 @@ class DispatcherExecutor:
         self.front.almost_finished(req.client_id, req.req_id)
 
     def _done(self, req, status: int, error: str | None) -> None:
-        code = self.status.get(status, rings.E_INTERNAL)
-        if self._failing is not None and code == rings.E_CANCELLED:
-            code, error = rings.E_FAILED, self._failing      # cancel_all(reason): say why
-        self.front.complete(req.client_id, req.req_id, code, error)
+        self.front.complete(req.client_id, req.req_id, self.status.get(status, rings.E_INTERNAL),
+                            error)
 
     def step(self) -> bool:
         return self.disp.step()
@@ -582,16 +576,13 @@ class DispatcherExecutor:
     def cancel_client(self, client_id: int) -> None:
         self.disp.cancel_client(client_id)
 
-    def cancel_all(self, reason: str) -> None:
-        self._failing = reason
+    def abandon_all(self, reason: str, status: int = rings.E_CANCELLED) -> None:
+        key = self._cancelled
+        self.status[key] = status                    # a lost device fails them: E_FAILED
         try:
-            for cid in {j.client_id for j in self.disp.jobs}:
-                self.disp.cancel_client(cid)
+            self.disp.abandon_all(reason)
         finally:
-            self._failing = None
-
-    def abandon_all(self, reason: str) -> None:
-        self.disp.abandon_all(reason)
+            self.status[key] = rings.E_CANCELLED
 
     def deadline(self) -> float | None:
         """Seconds the loop may sleep: None when idle, 0 when work is runnable now."""
@@ -990,7 +981,7 @@ class Daemon:
                      "status %d so that the service manager restarts the daemon", exc, n,
                      EXIT_DEVICE_LOST)
         sd_notify(f"STATUS=device lost: {exc}")
-        self.router.cancel_all(f"the GPU failed ({exc}); the daemon is restarting")
+        self.router.abandon_all(f"the GPU failed ({exc}); the daemon is restarting", rings.E_FAILED)
         self.front.poll_io(0)                 # deliver the completions' wake-ups
         return EXIT_DEVICE_LOST
 
