@@ -954,7 +954,10 @@ class Daemon:
         if removed:
             log.warning("removed %d shared-memory segment(s) left by dead daemons: %s",
                         len(removed), ", ".join(removed))
-        self.load_models()
+        try:
+            self.load_models()
+        except DeviceLost as e:              # (profiling runs use the device)
+            return self._device_lost(e)
         if self.draining:
             raise StartupInterrupted()
         log.info("froze %d start-up objects out of the garbage collector's way", freeze_heap())
