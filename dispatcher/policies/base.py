@@ -19,13 +19,24 @@ rule; False means release whatever is ready, letting the GPU schedule), ``stream
 
 Policies register with ``@register_policy("name")``; other packages add theirs through
 the entry-point group ``paella.policies`` (``name = "module:Class"``). Names are
-case-insensitive and ``_`` equals ``-``. Unknown or duplicate names raise.
+case-insensitive and ``_`` equals ``-``. Unknown or duplicate names raise. An entry
+point that cannot be loaded (its module is missing, it raises on import, its name is
+taken) is skipped and logged, so one broken distribution does not break the others;
+asking for that name then raises with the reason.
+
+A policy's options are the keyword parameters of its ``__init__`` (up the class chain
+while each passes ``**options`` on); :func:`check_options` checks names and, where the
+parameter is annotated with plain types (``float``, ``int``, ``str``, ``bool``,
+``X | None``), types, before the policy is ever built.
 """
 from __future__ import annotations
 
 import heapq
+import inspect
 import itertools
 import logging
+import types
+import typing
 from importlib import metadata
 from typing import Any, Callable
 
@@ -33,6 +44,8 @@ log = logging.getLogger(__name__)
 
 ENTRY_POINT_GROUP = "paella.policies"
 _REGISTRY: dict[str, type["Policy"]] = {}
+#: Entry points that could not be loaded: normalized name -> why (logged once).
+_BROKEN: dict[str, str] = {}
 
 
 class PolicyError(ValueError):
@@ -58,11 +71,23 @@ def register_policy(name: str) -> Callable[[type["Policy"]], type["Policy"]]:
 
 
 def _load_entry_points() -> None:
+    """Register every plug-in not registered yet. Each entry point is isolated: one that
+    fails is recorded in ``_BROKEN`` and logged, and the others still load."""
     for ep in metadata.entry_points(group=ENTRY_POINT_GROUP):
-        if _norm(ep.name) in _REGISTRY:
+        key = _norm(ep.name)
+        if key in _REGISTRY or key in _BROKEN:
             continue
-        cls = ep.load()
-        register_policy(ep.name)(cls)
+        dist = getattr(ep, "dist", None)
+        where = f"entry point {ep.name} = {ep.value!r}" + (
+            f" of distribution {dist.name} {dist.version}" if dist is not None else "")
+        try:
+            cls = ep.load()
+            if not (isinstance(cls, type) and issubclass(cls, Policy)):
+                raise PolicyError(f"{ep.value} is not a Policy subclass")
+            register_policy(ep.name)(cls)
+        except Exception as e:  # noqa: BLE001 - a broken plug-in must not break the others
+            _BROKEN[key] = f"{where} failed to load: {type(e).__name__}: {e}"
+            log.warning("scheduling policy plug-in skipped: %s", _BROKEN[key])
 
 
 def get_policy(name: str) -> type["Policy"]:
@@ -71,6 +96,10 @@ def get_policy(name: str) -> type["Policy"]:
     key = _norm(name)
     if key not in _REGISTRY:
         _load_entry_points()
+    if key in _BROKEN and key not in _REGISTRY:
+        raise PolicyError(f"scheduling policy {name!r} is unavailable: {_BROKEN[key]}; "
+                          f"reinstall or remove that plug-in, or choose another policy "
+                          f"({', '.join(sorted(_REGISTRY))})")
     try:
         return _REGISTRY[key]
     except KeyError:
@@ -83,6 +112,77 @@ def policy_names() -> list[str]:
     from . import builtin  # noqa: F401
     _load_entry_points()
     return sorted(_REGISTRY)
+
+
+def options_of(cls: type["Policy"]) -> dict[str, Any]:
+    """The options ``cls`` accepts: parameter name -> type hint (None if unknown).
+
+    Walks the class chain from ``cls`` while each ``__init__`` passes ``**options`` on,
+    and stops at :class:`Policy`, whose ``__init__`` refuses any option."""
+    opts: dict[str, Any] = {}
+    for klass in cls.__mro__:
+        init = klass.__dict__.get("__init__")
+        if init is None:
+            continue
+        if klass is Policy or klass is object:
+            break
+        try:
+            hints = typing.get_type_hints(init)
+        except Exception:  # noqa: BLE001 - an unresolvable annotation: no type check
+            hints = {}
+        passes_on = False
+        for i, p in enumerate(inspect.signature(init).parameters.values()):
+            if p.kind is p.VAR_KEYWORD:
+                passes_on = True
+            elif p.kind is not p.VAR_POSITIONAL and i >= 2:   # after self, dispatcher
+                opts.setdefault(p.name, hints.get(p.name))
+        if not passes_on:
+            break
+    return opts
+
+
+def _accepts(hint: Any, value: Any) -> bool:
+    """Whether ``value`` (from TOML or the command line) fits a plain type hint; hints
+    this cannot judge (Literal, generics) are left to the policy's own checks."""
+    if hint is None or hint is Any:
+        return True
+    union = typing.get_origin(hint) in (typing.Union, types.UnionType)
+    for t in (typing.get_args(hint) if union else (hint,)):
+        if t is type(None):
+            continue
+        if not isinstance(t, type):
+            return True
+        if t is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+            return True
+        if t is int and isinstance(value, int) and not isinstance(value, bool):
+            return True
+        if t not in (int, float) and isinstance(value, t):
+            return True
+    return False
+
+
+def _type_name(hint: Any) -> str:
+    union = typing.get_origin(hint) in (typing.Union, types.UnionType)
+    names = [getattr(t, "__name__", str(t)) for t in (typing.get_args(hint) if union else (hint,))
+             if t is not type(None)]
+    return " or ".join("a number" if n == "float" else f"an {n}" if n == "int" else f"a {n}"
+                       for n in names)
+
+
+def check_options(name: str, options: dict[str, Any],
+                  extra: dict[str, Any] | None = None) -> None:
+    """Raise :class:`PolicyError` for an option policy ``name`` does not take (listing
+    the valid ones) or a value of the wrong type. ``extra``: options the caller
+    handles itself (the dispatcher's ``extra_blocks``), name -> type hint."""
+    cls = get_policy(name)
+    valid = {**(extra or {}), **options_of(cls)}
+    for key, value in options.items():
+        if key not in valid:
+            raise PolicyError(f"policy {cls.name!r} has no parameter {key!r}; valid parameters: "
+                              f"{', '.join(sorted(valid)) or 'none'}")
+        if not _accepts(valid[key], value):
+            raise PolicyError(f"policy parameter {key} must be {_type_name(valid[key])}, "
+                              f"got {value!r}")
 
 
 class Policy:
