@@ -34,6 +34,7 @@ lost or wrong answers, refused legitimate connections, breaches or leaks is non-
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import mmap
 import os
@@ -52,7 +53,8 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
-from paella.client import DaemonGone, DaemonUnavailable, PaellaError, RequestFailed, connect
+from paella.client import (NONBLOCK, DaemonGone, DaemonUnavailable, PaellaError, RequestFailed,
+                           connect)
 from paella.experiments import fuzz_attacks
 
 #: The daemon alone (not every ``paella`` sub-command), with a stack dump on fatal
@@ -454,9 +456,14 @@ def _legit_batch(board, idx, c, rng, refs, cfg, ev) -> None:
                 board.bump(idx, "ok")
             t[1] = time.time()
         signal.setitimer(signal.ITIMER_REAL, 0)
-        if c._completions.ready():                  # an answer nobody asked for
+        try:
+            extra = c.read_result(NONBLOCK)
+        except RequestFailed as e:
+            extra = e.req_id
+        if extra != -errno.EAGAIN:                  # an answer nobody asked for
             board.bump(idx, "wrong")
-            ev.write("wrong", client=idx, why="a completion beyond the batch (answered twice?)")
+            ev.write("wrong", client=idx, why=f"completion for request {extra} beyond the "
+                                              f"batch (answered twice?)")
         board.bump(idx, "batches")
     except (_Timeout, DaemonGone, PaellaError, OSError) as e:
         signal.setitimer(signal.ITIMER_REAL, 0)
@@ -833,6 +840,7 @@ def _report(cfg, uid, cross, board, crashes, events, leaks, final, base, wall, d
         "episodes": int(board.attack[:, board.nf + 1].sum()),
         "attacker_errors": int(board.attack[:, board.nf + 2].sum()),
         "crash_causes": causes,
+        "crashes_by_cause": _by_cause(crashes),
         "crashes": [asdict(c) | {"log_tail": c.log_tail[-1500:]} for c in crashes[:30]],
         "legit": {n: board.legit_total(n) for n in Board.LEGIT},
         "leaks": leaks, "fds_at_ready": base.fds,
@@ -845,6 +853,15 @@ def _report(cfg, uid, cross, board, crashes, events, leaks, final, base, wall, d
         "workers_killed_at_end": {"attackers": attackers_killed, "legit": legit_killed},
         "attackers_respawned": respawned,
     }
+
+
+def _by_cause(crashes: list[Crash]) -> dict[str, int]:
+    """Crashes per root cause: the known ones by name, each new one by its signature."""
+    out: dict[str, int] = {}
+    for c in crashes:
+        key = c.cause if c.cause != "new" else f"new: {c.signature}"
+        out[key] = out.get(key, 0) + 1
+    return dict(sorted(out.items(), key=lambda kv: -kv[1]))
 
 
 def _event_examples(events: list[dict], per_kind: int = 10) -> dict[str, list[dict]]:
@@ -886,10 +903,11 @@ def format_report(r: dict) -> str:
              f"inputs tried: {s['inputs']}  ("
              + ", ".join(f"{k} {v}" for k, v in r["inputs_by_family"].items()) + ")",
              f"daemon crashes: {s['crashes']}  (starts {r['daemon_starts']})"]
+    lines += [f"  {n:5d}  {cause}" for cause, n in r["crashes_by_cause"].items()]
+    if r["crash_causes"]:
+        lines.append("  by signature:")
     for sig, d in sorted(r["crash_causes"].items(), key=lambda kv: -kv[1]["count"]):
-        during = sorted(d["families"].items(), key=lambda kv: -kv[1])
-        lines.append(f"  {d['count']:5d}  {sig}\n         [{d['cause']}] during "
-                     + ", ".join(f"{f} {n}/{d['count']}" for f, n in during))
+        lines.append(f"  {d['count']:5d}  {sig}")    # (the JSON says what ran meanwhile)
     lines += [f"legitimate requests: {s['legit_requests']}, ok {s['legit_ok']}, "
               f"lost {s['lost']} (daemon alive: {r['legit']['lost_alive']}), "
               f"wrong {s['wrong']}, refused connections {s['refused']}",
