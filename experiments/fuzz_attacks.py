@@ -343,11 +343,11 @@ def _fds_to_pass(rng: random.Random) -> list[int]:
 
 
 def attack_hello(ctx: Context) -> int:
-    """HELLO variants, eight connections at a time; when the daemon welcomes one,
+    """HELLO variants, up to eight connections at a time; when the daemon welcomes one,
     the segment's descriptor is dropped at once or kept a moment."""
     rng = ctx.rng
     socks = []
-    for _ in range(8):
+    for _ in range(min(8, max(1, ctx.hog_limit // 2))):
         s = dial(ctx.socket)
         if s is None:
             time.sleep(0.02)

@@ -632,7 +632,8 @@ def _references(cfg: FuzzConfig, workdir: str) -> tuple[list[Reference], tuple[s
 
 
 def run_fuzz(cfg: FuzzConfig, progress=None) -> dict:
-    """Run the fuzzer; returns the report (see :func:`summary_keys`)."""
+    """Run the fuzzer; returns the report (its "summary" holds the counts; any of
+    :data:`FAILURES` non-zero fails the run)."""
     say = progress or (lambda msg: None)
     uid = cfg.attacker_uid
     if uid is None:
