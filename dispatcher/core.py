@@ -16,11 +16,18 @@ Contract with the daemon:
   ``on_complete(req, status, error)`` once, with ``STATUS_OK``, ``STATUS_ERROR`` (the
   job failed: ``error`` says why) or ``STATUS_CANCELLED``;
 * ``step() -> bool`` (True while anything is in flight), ``cancel_client(id)``,
-  ``in_flight`` (requests). Completion, wake-up and cancellation are per request.
+  ``in_flight`` (requests). Completion, wake-up and cancellation are per request;
+* ``abandon_all(reason, status)`` completes every request still in flight at once, without
+  waiting for the device: the daemon's last act before it exits.
 * ``instruments`` (:mod:`paella.dispatcher.instruments`): hooks on requests and ops.
 
 The dispatcher is the :class:`~paella.dispatcher.job.JobHost` of its jobs: they see it
 only through that interface.
+
+A policy is plug-in code and may be wrong. A hook that raises, a ``pick()`` that
+returns something other than a queued job of this dispatcher, or a ``pick()`` that
+keeps returning None while jobs are ready and the device has nothing to do (for
+``POLICY_STALL_SECONDS``) is logged, and the dispatcher goes on with ``fifo``.
 """
 from __future__ import annotations
 
@@ -40,7 +47,7 @@ from .adaptor import JobAdaptor
 from .instruments import Instrument, Instruments
 from .job import FINISHED, Job
 from .ops import KernelLaunch, Op
-from .policies.base import Policy, get_policy
+from .policies import Policy, PolicyError, get_policy
 from .profile import ESTIMATE_DIGITS, ModelProfile
 from .replay import ReplayPlan
 from .streams import StreamMap
@@ -51,6 +58,10 @@ log = logging.getLogger(__name__)
 
 STATUS_OK, STATUS_ERROR, STATUS_CANCELLED = 0, 1, 2
 FALLBACK_POLICY = "fifo"
+#: A policy whose pick() holds every ready job back this long while the device has
+#: nothing in flight is stalled (real time; a virtual clock cannot advance meanwhile,
+#: so there it counts as stalled at once). No useful policy idles the GPU for a second.
+POLICY_STALL_SECONDS = 1.0
 
 
 @dataclass(eq=False)
@@ -118,6 +129,8 @@ class Dispatcher:
         self._progress = 0
         self._queued = 0                     # jobs announced to the policy (job.in_policy)
         self._launches: dict[tuple, KernelLaunch] = {}   # checked launch records, by shape
+        self._held_since = 0.0               # when pick() began holding an idle device back
+        self._held_iter = -2                 # ... the iteration that last saw it do so
 
     # ======================================================================================
     # The loop. One iteration: poll the device, learn what the GPU did, run the jobs that
@@ -139,6 +152,8 @@ class Dispatcher:
             self._resume_jobs()                                          # synchronize() done
         if self._queued or self._copies:
             self._release()                                              # policy, +B
+            if self._queued and not self._copy_events and not self.tracker.in_flight():
+                self._held_back()            # rare: ready jobs, an idle device, pick() None
         self.idle = self._progress == before
         self.iterations += 1
         return self.in_flight > 0
@@ -175,6 +190,14 @@ class Dispatcher:
                 continue
             if job is None:
                 return
+            if job.__class__ is not Job or job.host is not self or not job.in_policy:
+                self._policy_failed("pick", PolicyError(
+                    f"pick() returned {job!r}, which is not a job of this dispatcher with a "
+                    f"ready kernel"))
+                policy = self.policy
+                admits = tracker.admits if policy.gated else tracker.flow_ok
+                pool = streams.mode == "pool"
+                continue
             ready = job.ready
             op = ready[0]
             k = op.launch
@@ -493,6 +516,26 @@ class Dispatcher:
         self._withdraw(job)
 
     # -- policy fallback -------------------------------------------------------------------------
+    def _held_back(self) -> None:
+        """After a release pass, jobs are ready and the device runs nothing (no kernel, no
+        copy): pick() held them all back. Past POLICY_STALL_SECONDS of that the policy is
+        stalled, and fifo takes over."""
+        if self._policy_stalled():
+            self._policy_failed("pick", PolicyError(
+                f"pick() returned None for {POLICY_STALL_SECONDS:g} s while {self._queued} "
+                f"job(s) had a ready kernel and the device had nothing to run"))
+
+    def _policy_stalled(self, now: float | None = None) -> bool:
+        """True once the policy has held every ready job back, with the device idle, in
+        every iteration for POLICY_STALL_SECONDS (``now``: judge at that time instead).
+        An iteration in which the device ran something breaks the chain (a release keeps
+        it busy for one iteration at least); new arrivals do not."""
+        t = time.monotonic()
+        if self._held_iter < self.iterations - 1:
+            self._held_since = t
+        self._held_iter = self.iterations
+        return (t if now is None else now) - self._held_since >= POLICY_STALL_SECONDS
+
     def _bind_policy(self) -> None:
         #: JobHost.eager: the policy's release mode, for new waitlists.
         self.eager = self.policy.eager
@@ -630,6 +673,32 @@ class Dispatcher:
                 self._finish(job)
         return n
 
+    def abandon_all(self, reason: str) -> int:
+        """Complete every request in flight now, as cancelled with ``reason``, without
+        waiting for the work already on the device; returns how many requests.
+
+        Only for a daemon about to close the device (the drain deadline passed): the
+        device may still finish the abandoned kernels and copies, so the dispatcher's
+        bookkeeping (occupancy, streams, device buffers) is not valid afterwards and it
+        must not be stepped again. The clients' io regions may still be written by a
+        copy in flight; a cancelled request's outputs are undefined."""
+        jobs = sorted(self.jobs, key=lambda j: j.seq)
+        n = 0
+        for job in jobs:
+            if job.glet is not None and not job.glet.dead:
+                job.glet.throw(greenlet.GreenletExit)
+            job.state = FINISHED
+            self.jobs.discard(job)
+            self.in_flight -= len(job.requests)
+            for req in job.requests:
+                n += 1
+                req.status, req.error, req.t_done = STATUS_CANCELLED, reason, self.now
+                if req.on_complete is not None:
+                    req.on_complete(req, STATUS_CANCELLED, reason)
+        self._arrivals.clear()
+        self._resume.clear()
+        return n
+
     def run_until_idle(self, timeout: float = 60.0) -> None:
         """Step until nothing is in flight. On a virtual-time device the clock jumps to
         the next device event whenever an iteration changes nothing."""
@@ -639,6 +708,11 @@ class Dispatcher:
             if self.idle:
                 if virtual:
                     t = self.device.next_event_time()
+                    if t == float("inf") and self._queued and self._policy_stalled(now=float("inf")):
+                        self._policy_failed("pick", PolicyError(
+                            f"pick() returned None while {self._queued} job(s) had a ready "
+                            f"kernel and the device had nothing to run"))
+                        continue
                     if t == float("inf"):
                         raise RuntimeError("dispatcher stalled: jobs are in flight but the device "
                                            "has no pending event (internal error, please report)")

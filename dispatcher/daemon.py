@@ -13,10 +13,19 @@ and look at the control sockets without blocking. Two idle modes:
 
 Configuration comes from a TOML file (``--config``, sections [daemon] [policy]
 [access] [limits]; see ``dist/paella.toml``), and every setting can be overridden on
-the command line. SIGTERM drains (stop accepting, finish in-flight jobs until
-``drain_seconds``, cancel the rest), unlinks every segment and exits 0. SIGHUP
-reloads the model repository. READY=1 goes to $NOTIFY_SOCKET once the models are
-loaded and the socket listens.
+the command line; a bad setting is refused before anything starts, naming the setting
+and what it accepts (``paella: error: ...``, exit 2).
+
+Lifecycle. The signal handlers are installed first, so a signal during model loading
+is handled: SIGTERM ends start-up cleanly (exit 0, nothing left behind), a SIGHUP is
+remembered and the repository read again once serving. At start-up the daemon removes
+the shared-memory segments that dead daemons left (:mod:`paella.segments`). A bad
+bundle is logged and skipped; the others are served. SIGTERM drains (stop accepting,
+finish in-flight jobs until ``drain_seconds``, then complete the rest as cancelled),
+unlinks every segment and exits 0. SIGHUP reloads the model repository in a background
+thread and swaps the new models in between two iterations of the loop
+(:mod:`paella.dispatcher.repository`). READY=1 goes to $NOTIFY_SOCKET once the models
+are loaded and the socket listens.
 """
 from __future__ import annotations
 
@@ -29,6 +38,7 @@ import os
 import signal
 import socket
 import sys
+import threading
 import time
 import tomllib
 from collections import OrderedDict, deque
@@ -37,9 +47,11 @@ from typing import Any, Callable
 
 import numpy as np
 
-from paella import rings, wire
+from paella import rings, segments, wire
+from paella.dispatcher import repository
 from paella.dispatcher.devices.base import DeviceLost
 from paella.dispatcher.frontend import Frontend, FrontendConfig, FrontendError, ModelTable
+from paella.dispatcher.policies import PolicyError, check_options
 
 log = logging.getLogger("paella.daemon")
 
@@ -90,6 +102,13 @@ class DaemonConfig:
             raise ConfigError(f"cpu must be auto, none or a core number, got {self.cpu!r}")
         if not 0 <= self.rt_priority <= 99:
             raise ConfigError(f"rt_priority must be 0..99, got {self.rt_priority}")
+        if not self.drain_seconds >= 0:                   # (also refuses nan)
+            raise ConfigError(f"drain_seconds must be >= 0 (seconds in-flight jobs get to "
+                              f"finish after SIGTERM), got {self.drain_seconds}")
+        if self.idle_spin_us < 0:
+            raise ConfigError(f"idle_spin_us must be >= 0 (microseconds), got {self.idle_spin_us}")
+        if not 0 <= self.socket_mode <= 0o777:
+            raise ConfigError(f"socket_mode must be a file mode 0000..0777, got {self.socket_mode:#o}")
         for name in ("max_clients", "max_inflight_per_client", "arena_bytes", "max_arena_bytes"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
@@ -100,6 +119,18 @@ class DaemonConfig:
             rings.Layout(self.ring_slots, self.ring_slots, self.arena_bytes)
         except ValueError as e:
             raise ConfigError(str(e)) from None
+        self.check_policy()
+
+    def check_policy(self) -> None:
+        """The policy exists and takes these parameters, of these types (the policy's
+        own checks of the values run when the dispatcher builds it)."""
+        try:
+            check_options(self.policy, self.policy_params, {"extra_blocks": int})
+        except PolicyError as e:
+            raise ConfigError(str(e)) from None
+        extra = self.policy_params.get("extra_blocks")
+        if extra is not None and extra < 0:
+            raise ConfigError(f"policy parameter extra_blocks must be >= 0, got {extra}")
 
 
 SECTIONS = {
@@ -129,7 +160,9 @@ def load_config(path: str | None) -> DaemonConfig:
         if section == "policy":
             table = dict(table)
             if "name" in table:
-                cfg.policy = str(table.pop("name"))
+                cfg.policy = table.pop("name")
+                if not isinstance(cfg.policy, str):
+                    raise ConfigError(f"{path}: [policy] name must be a string, got {cfg.policy!r}")
             cfg.policy_params.update(table)
             continue
         if section not in SECTIONS:
@@ -143,10 +176,24 @@ def load_config(path: str | None) -> DaemonConfig:
     return cfg
 
 
+def octal_mode(text: str) -> int:
+    """A file mode written in octal ("0660", "660")."""
+    try:
+        mode = int(text, 8)
+    except ValueError:
+        mode = -1
+    if not 0 <= mode <= 0o777:
+        raise ValueError(f"socket_mode must be an octal file mode such as \"0660\", got {text!r}")
+    return mode
+
+
 def _coerce(key: str, value: Any) -> Any:
     want = type(getattr(DaemonConfig(), key))
     if key == "socket_mode" and isinstance(value, str):
-        return int(value, 8)
+        try:
+            return octal_mode(value)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
     if key == "cpu":
         return str(value)
     if want is float and isinstance(value, int):
@@ -193,7 +240,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                    default=[], metavar="NAME=VALUE", help="policy parameter (repeatable)")
     p.add_argument("--allow-user", dest="allowed_users", action="append", metavar="USER")
     p.add_argument("--allow-group", dest="allowed_groups", action="append", metavar="GROUP")
-    p.add_argument("--socket-mode", dest="socket_mode", type=lambda s: int(s, 8))
+    p.add_argument("--socket-mode", dest="socket_mode",
+                   help="mode of the socket file, octal (default 0666)")
     for name in SECTIONS["limits"]:
         p.add_argument("--" + name.replace("_", "-"), dest=name, type=int)
     p.set_defaults(func=_serve)
@@ -204,7 +252,7 @@ def config_from_args(args: argparse.Namespace) -> DaemonConfig:
     for f in dataclasses.fields(DaemonConfig):
         v = getattr(args, f.name, None)
         if v is not None and f.name != "policy_params":
-            setattr(cfg, f.name, v)
+            setattr(cfg, f.name, _coerce(f.name, v) if f.name == "socket_mode" else v)
     cfg.policy_params.update(dict(args.policy_param))
     cfg.check()
     return cfg
@@ -216,12 +264,14 @@ def _serve(args: argparse.Namespace) -> int:
     # TVM's runtime on this one thread. Its worker pool, pinned with the loop to one
     # core under SCHED_FIFO, would spin-wait on each other and stall for seconds.
     os.environ["TVM_NUM_THREADS"] = "1"
+    # Logging first: checking the configuration loads the policy plug-ins, which may log.
+    logging.basicConfig(level=(args.log_level or "info").upper(), stream=sys.stderr,
+                        format="%(asctime)s paella[%(process)d] %(levelname)s %(message)s")
     try:
         cfg = config_from_args(args)
     except ConfigError as e:
         raise CLIError(str(e)) from None
-    logging.basicConfig(level=cfg.log_level.upper(), stream=sys.stderr,
-                        format="%(asctime)s paella[%(process)d] %(levelname)s %(message)s")
+    logging.getLogger().setLevel(cfg.log_level.upper())
     try:
         return Daemon(cfg, instruments=getattr(args, "instruments", ()),
                       open_device=getattr(args, "open_device", None)).serve()
@@ -333,10 +383,10 @@ class HostExecutor:
         for cid, rid, _, _ in gone:
             self.front.complete(cid, rid, rings.E_CANCELLED, "client disconnected")
 
-    def cancel_all(self, reason: str) -> None:
+    def abandon_all(self, reason: str, status: int = rings.E_CANCELLED) -> None:
         while self.queue:
             cid, rid, _, _ = self.queue.popleft()
-            self.front.complete(cid, rid, rings.E_CANCELLED, reason)
+            self.front.complete(cid, rid, status, reason)
 
     def deadline(self) -> float | None:
         return 0.0 if self.queue else None
@@ -367,9 +417,12 @@ class Router:
         for p in self.paths:
             p.cancel_client(client_id)
 
-    def cancel_all(self, reason: str) -> None:
+    def abandon_all(self, reason: str, status: int = rings.E_CANCELLED) -> None:
+        """Complete everything in flight now with ``status`` and ``reason``, without
+        waiting for the device (the daemon is about to exit): every accepted request
+        gets its one completion."""
         for p in self.paths:
-            p.cancel_all(reason)
+            p.abandon_all(reason, status)
 
     def deadline(self) -> float | None:
         ds = [d for d in (p.deadline() for p in self.paths) if d is not None]
@@ -406,30 +459,37 @@ class FunctionalCache:
         self._entries: OrderedDict[tuple[str, bytes], dict[str, np.ndarray]] = OrderedDict()
         self._bytes = 0
         self.hits = self.misses = 0
+        # The loop and a background model load (the profiling input's outputs) share the
+        # cache. The lock covers the dictionary only, never a CPU run, so the loop waits
+        # for no computation but its own.
+        self._lock = threading.Lock()
 
-    def outputs(self, name: str, bundle, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    def outputs(self, name: str, bundle, inputs: dict[str, np.ndarray],
+                where: str = "the dispatcher loop waited") -> dict[str, np.ndarray]:
         h = hashlib.blake2b(digest_size=16)
         for k in sorted(inputs):
             h.update(np.ascontiguousarray(inputs[k]).view(np.uint8).data)
         key = (name, h.digest())
-        hit = self._entries.get(key)
-        if hit is not None:
-            self.hits += 1
-            self._entries.move_to_end(key)
-            return hit
-        self.misses += 1
+        with self._lock:
+            hit = self._entries.get(key)
+            if hit is not None:
+                self.hits += 1
+                self._entries.move_to_end(key)
+                return hit
+            self.misses += 1
         t0 = time.perf_counter()
         outs = {k: np.array(v) for k, v in bundle.run_cpu(inputs).items()}
         log.info("model %s: computed reference outputs for a new input on the CPU in %.0f ms "
-                 "(the dispatcher loop waited; repeated inputs are answered from the cache)",
-                 name, (time.perf_counter() - t0) * 1e3)
+                 "(%s; repeated inputs are answered from the cache)",
+                 name, (time.perf_counter() - t0) * 1e3, where)
         size = sum(v.nbytes for v in outs.values())
-        if size <= self.max_bytes:
-            self._entries[key] = outs
-            self._bytes += size
-            while self._bytes > self.max_bytes:
-                _, old = self._entries.popitem(last=False)
-                self._bytes -= sum(v.nbytes for v in old.values())
+        with self._lock:
+            if size <= self.max_bytes and key not in self._entries:
+                self._entries[key] = outs
+                self._bytes += size
+                while self._bytes > self.max_bytes:
+                    _, old = self._entries.popitem(last=False)
+                    self._bytes -= sum(v.nbytes for v in old.values())
         return outs
 
 
@@ -453,7 +513,19 @@ def functional_adaptor(bundle, name: str, cache: FunctionalCache | None = None):
     effect = model_effect(v.inputs, v.outputs, lambda x: cache.outputs(name, bundle, x),
                           len(last.args))
     operands = [BufferArg(str(t.buffer), t.buffer_offset) for t in (*v.inputs, *v.outputs)]
-    return PlanAdaptor(plan.with_effect(effect, operands))
+
+    class FunctionalBundleAdaptor(PlanAdaptor):
+        """The plan with the CPU build as its last kernel's effect (replayed like any plan)."""
+
+        def warm(self) -> None:
+            """Off the loop, before registration: load the CPU build and answer the
+            profiling runs' input (zeros), so that registering costs the loop no CPU run."""
+            zeros = np.zeros(self.io_bytes, np.uint8)
+            cache.outputs(name, bundle, {t.name: zeros[t.offset:t.offset + t.nbytes].view(
+                t.dtype).reshape(t.shape) for t in v.inputs},
+                where="while loading, off the dispatcher loop")
+
+    return FunctionalBundleAdaptor(plan.with_effect(effect, operands))
 
 
 def bundle_adaptor(bundle, name: str, device, cache: FunctionalCache | None = None):
@@ -485,15 +557,23 @@ class DispatcherExecutor:
         fair = params.pop("fairness_threshold", None)
         self.front = front
         self.device = device
-        self.disp = Dispatcher(device, cfg.policy, extra_blocks=extra, fairness_threshold=fair,
-                               policy_options=params or None)
-        for instrument in instruments:
-            self.disp.instruments.add(instrument)
+        try:
+            self.disp = Dispatcher(device, cfg.policy, extra_blocks=extra,
+                                   fairness_threshold=fair, policy_options=params or None,
+                                   instruments=instruments)
+        except PolicyError as e:           # the policy refused its parameters
+            raise ConfigError(str(e)) from None
+        except Exception as e:  # noqa: BLE001 - a plug-in's __init__ may raise anything
+            # Start-up refuses (nothing is served yet, so nothing is lost, and the
+            # operator sees the cause at once); mid-service a failing policy falls back.
+            raise ConfigError(f"scheduling policy {cfg.policy!r} failed to start: "
+                              f"{type(e).__name__}: {e}; fix the plug-in or choose another "
+                              f"policy (--policy, [policy] name)") from None
         self.Request = Request
         self.status = {STATUS_OK: rings.OK, STATUS_ERROR: rings.E_FAILED,
                        STATUS_CANCELLED: rings.E_CANCELLED}
+        self._cancelled = STATUS_CANCELLED
         self.ids: dict[int, int] = {}     # client-visible model id -> dispatcher model id
-        self._failing: str | None = None  # the reason while cancel_all fails everything
         self._next_event = getattr(device, "next_event_time", None)
 
     def register(self, model_id: int, name: str, adaptor) -> None:
@@ -508,10 +588,8 @@ class DispatcherExecutor:
         self.front.almost_finished(req.client_id, req.req_id)
 
     def _done(self, req, status: int, error: str | None) -> None:
-        code = self.status.get(status, rings.E_INTERNAL)
-        if self._failing is not None and code == rings.E_CANCELLED:
-            code, error = rings.E_FAILED, self._failing      # cancel_all(reason): say why
-        self.front.complete(req.client_id, req.req_id, code, error)
+        self.front.complete(req.client_id, req.req_id, self.status.get(status, rings.E_INTERNAL),
+                            error)
 
     def step(self) -> bool:
         return self.disp.step()
@@ -519,13 +597,13 @@ class DispatcherExecutor:
     def cancel_client(self, client_id: int) -> None:
         self.disp.cancel_client(client_id)
 
-    def cancel_all(self, reason: str) -> None:
-        self._failing = reason
+    def abandon_all(self, reason: str, status: int = rings.E_CANCELLED) -> None:
+        key = self._cancelled
+        self.status[key] = status                    # a lost device fails them: E_FAILED
         try:
-            for cid in {j.client_id for j in self.disp.jobs}:
-                self.disp.cancel_client(cid)
+            self.disp.abandon_all(reason)
         finally:
-            self._failing = None
+            self.status[key] = rings.E_CANCELLED
 
     def deadline(self) -> float | None:
         """Seconds the loop may sleep: None when idle, 0 when work is runnable now."""
@@ -547,12 +625,25 @@ def freeze_heap() -> int:
     cyclic collector's reach, after collecting what is already garbage. A full collection
     over that heap takes ~50 ms here, a stall every request in flight would pay whenever
     the loop's own allocations trigger one; frozen, the collector only walks what the
-    loop allocated since. A reload unfreezes first, so the models it drops can still be
-    collected. Returns the objects frozen."""
+    loop allocated since. It unfreezes first, so that cycles frozen earlier and dropped
+    since can be collected. Returns the objects frozen."""
     gc.unfreeze()
     gc.collect()
     gc.freeze()
     return gc.get_freeze_count()
+
+
+def freeze_new_objects() -> int:
+    """After a reload: collect and freeze only what was allocated since the last freeze
+    (the new models, the loop's own objects). Unfreezing first, as :func:`freeze_heap`
+    does, would walk the whole ~100k-object heap (46-124 ms of stalled loop measured
+    after a reload) to free nothing: the dispatcher keeps every registered version of a
+    model (jobs may still run the old one), so a reload drops no model. Returns the
+    garbage objects collected. (Not ``gc.get_freeze_count()``: it walks the frozen
+    heap, 8-12 ms.)"""
+    n = gc.collect()
+    gc.freeze()
+    return n
 
 
 def sd_notify(message: str) -> bool:
@@ -632,6 +723,18 @@ def open_device_for(cfg: DaemonConfig):
 EXIT_DEVICE_LOST = 3
 
 
+class StartupInterrupted(Exception):
+    """SIGTERM arrived while the daemon was starting: stop before serving."""
+
+
+@dataclass
+class ServedBundle:
+    """A bundle model the table lists: where it was read from, which version."""
+    directory: str
+    key: tuple
+    info: wire.ModelInfo
+
+
 class Daemon:
     """The service. ``instruments`` (:mod:`paella.dispatcher.instruments`) see every request
     of every execution path and the dispatcher's ops; ``open_device(cfg)`` replaces
@@ -661,85 +764,109 @@ class Daemon:
         self._pinned: set[int] = set()               # clients whose arena is page-locked
         self.dispatcher: DispatcherExecutor | None = None
         self.device = None
-        self._bundle_keys: dict[str, tuple] = {}
-        self._generation = 0
+        self._builtins: list[wire.ModelInfo] = []    # echo, noop
+        self._served: dict[str, ServedBundle] = {}   # bundle models by name
+        #: Bundles not served at the last load, directory -> why (the log says it too).
+        self.unserved: dict[str, str] = {}
         self._functional = FunctionalCache()
+        self._loader: repository.BackgroundScan | None = None
         self.draining = False        # SIGTERM seen (set by the handler)
         self.admitting = True        # cleared by the loop once the final sweep is done
         self.drain_deadline = 0.0
-        self.reload_requested = False
+        self._hup = False            # SIGHUP seen, reload not started yet
+        self._refreeze = False       # a reload swapped models: freeze the heap when idle
+        #: Work for the loop between two iterations: a SIGHUP, a finished background
+        #: load, a deferred heap freeze. One flag, so the loop reads one attribute.
+        self.housekeeping = False
         self._sig_r, self._sig_w = os.pipe()
 
     # -- models ----------------------------------------------------------------------
     def load_models(self) -> None:
-        """(Re)load the repository; requests already running keep their model."""
-        host: dict[int, HostModel] = {}
+        """Start-up: the built-in models, then the repository, read in this thread.
+        Raises :class:`StartupInterrupted` when SIGTERM arrives meanwhile."""
+        if self.cfg.models and not os.path.isdir(self.cfg.models):
+            raise ConfigError(f"model repository {self.cfg.models} is not a directory; create "
+                              f"it or point --models / [daemon] models at one")
+        if self.cfg.models or self.cfg.noop:
+            self._dispatcher()       # opens the device and builds the policy: fail early
         if self.cfg.echo:
             m = echo_model(self.table.id_for("echo"))
-            host[m.info.model_id] = m
-        bundles = self._load_repository(self.cfg.models) if self.cfg.models else []
+            self.host.models[m.info.model_id] = m
+            self.router.by_model[m.info.model_id] = self.host
+            self._builtins.append(m.info)
         if self.cfg.noop:
             noop = self._load_noop()
             if noop is not None:
-                bundles.append(noop)
-        self.host.models = host
-        for mid in host:
-            self.router.by_model[mid] = self.host
-        self.table.replace([m.info for m in host.values()] + bundles)
+                self._builtins.append(noop)
+        if self.draining:
+            raise StartupInterrupted()
+        scan = None
+        if self.cfg.models:
+            log.info("loading the model repository %s", self.cfg.models)
+            if self.device.backend == "sim":
+                import tvm.relax  # noqa: F401 - now, not in a reload's thread: importing
+                #                   TVM holds the GIL for ~0.5 s, a stall of the loop
+            scan = repository.scan(self.cfg.models, {}, self._make_adaptor,
+                                   stop=lambda: self.draining)
+            if scan.interrupted or self.draining:
+                raise StartupInterrupted()
+        self._swap(scan)
+        if scan is not None and scan.found and not self._served:
+            raise ConfigError(f"no bundle of the model repository {self.cfg.models} can be "
+                              f"served: " + "; ".join(f"{d}: {why}" for d, why in
+                                                      sorted(self.unserved.items())))
+
+    def _make_adaptor(self, bundle, label: str):
+        return bundle_adaptor(bundle, label, self.device, self._functional)
+
+    def _swap(self, scan: repository.Scan | None) -> None:
+        """Register what ``scan`` prepared and replace the model table. The loop calls
+        it between two iterations, so a client sees the old models or the new ones;
+        requests already running keep the version they started with."""
+        if scan is not None:
+            failed = dict(scan.failed)
+            ex = self._dispatcher() if scan.prepared else None
+            for p in scan.prepared:
+                mid = self.table.id_for(p.model)
+                t0 = time.monotonic()
+                try:
+                    ex.register(mid, p.label, p.adaptor)        # init + profiling runs
+                except DeviceLost:
+                    raise
+                except Exception as e:  # noqa: BLE001 - this bundle only
+                    failed[p.directory] = f"cannot be served: {type(e).__name__}: {e}"
+                    continue
+                self.router.by_model[mid] = ex
+                self._served[p.model] = ServedBundle(p.directory, p.key,
+                                                     model_info_from_bundle(mid, p.bundle))
+                log.info("registered %s (%d variant(s), %d io bytes): read in %.2f s, "
+                         "registered in %.3f s", p.model, len(p.bundle.variants),
+                         p.bundle.io_bytes, p.seconds, time.monotonic() - t0)
+            for d, model in scan.kept.items():
+                self._served[model].directory = d
+            current = ({p.directory for p in scan.prepared} | set(scan.kept) | set(failed))
+            for model, sb in list(self._served.items()):
+                if sb.directory not in current:
+                    del self._served[model]          # its directory is gone
+            for d, why in sorted(failed.items()):
+                old = next((m for m, sb in self._served.items() if sb.directory == d), None)
+                log.error("bundle %s not served: %s%s", d, why,
+                          f" (still serving the previous version of {old})" if old else "")
+            self.unserved = failed
+        self.table.replace(self._builtins + [sb.info for sb in self._served.values()])
         log.info("serving %d model(s): %s", len(self.table.by_id),
                  ", ".join(m.name for m in self.table.by_id.values()) or "none")
 
-    def _load_repository(self, path: str) -> list[wire.ModelInfo]:
-        """Every bundle under ``path``; new or changed ones are registered with the
-        dispatcher (which profiles them), unchanged ones are kept as they are."""
-        from paella.bundle import BundleError, load_bundle
-        if not os.path.isdir(path):
-            raise ConfigError(f"model repository {path} is not a directory")
-        found = []
-        for d in sorted(os.listdir(path)):
-            bdir = os.path.join(path, d)
-            if not os.path.isfile(os.path.join(bdir, "manifest.json")):
-                continue
-            try:
-                bundle = load_bundle(bdir)
-            except BundleError as e:
-                raise ConfigError(f"cannot load bundle {bdir}: {e}") from None
-            found.append(bundle)
-        infos = []
-        for bundle in found:
-            key = (bundle.manifest.cache_key, os.path.getmtime(bundle.path / "manifest.json"))
-            mid = self.table.id_for(bundle.model)
-            if self._bundle_keys.get(bundle.model) != key:
-                self._register_bundle(mid, bundle)
-                self._bundle_keys[bundle.model] = key
-            infos.append(model_info_from_bundle(mid, bundle))
-        return infos
-
     def _load_noop(self) -> wire.ModelInfo | None:
         mid = self.table.id_for("noop")
-        if "noop" not in self._bundle_keys:
-            ex = self._dispatcher()
-            if self.device.backend != "sim":
-                log.info("built-in model noop not served: its kernel exists only on the "
-                         "simulated GPU (--backend sim)")
-                return None
-            ex.register(mid, "noop", noop_adaptor())
-            self.router.by_model[mid] = ex
-            self._bundle_keys["noop"] = ()
-        return noop_info(mid)
-
-    def _register_bundle(self, model_id: int, bundle) -> None:
         ex = self._dispatcher()
-        gen = self._generation = self._generation + 1
-        name = f"{bundle.model}#{gen}"     # a changed bundle registers anew
-        t0 = time.monotonic()
-        try:
-            ex.register(model_id, name, bundle_adaptor(bundle, name, self.device, self._functional))
-        except (ValueError, RuntimeError) as e:
-            raise ConfigError(f"bundle {bundle.path} cannot be served: {e}") from None
-        self.router.by_model[model_id] = ex
-        log.info("registered %s (%d variant(s), %d io bytes) in %.2f s", bundle.model,
-                 len(bundle.variants), bundle.io_bytes, time.monotonic() - t0)
+        if self.device.backend != "sim":
+            log.info("built-in model noop not served: its kernel exists only on the "
+                     "simulated GPU (--backend sim)")
+            return None
+        ex.register(mid, "noop", noop_adaptor())
+        self.router.by_model[mid] = ex
+        return noop_info(mid)
 
     def _dispatcher(self) -> DispatcherExecutor:
         """The dispatcher path, made on first need (no bundles: no device opened)."""
@@ -783,6 +910,8 @@ class Daemon:
 
     # -- signals ---------------------------------------------------------------------
     def _install_signals(self) -> None:
+        """First thing in :meth:`serve`: a signal during model loading must reach these
+        handlers, not the default action (which would leave the socket behind)."""
         os.set_blocking(self._sig_w, False)
         os.set_blocking(self._sig_r, False)
         signal.set_wakeup_fd(self._sig_w, warn_on_full_buffer=False)
@@ -790,6 +919,11 @@ class Daemon:
         signal.signal(signal.SIGINT, self._on_term)
         signal.signal(signal.SIGHUP, self._on_hup)
         self.front.watch(self._sig_r, self._drain_sigpipe)
+
+    def _restore_signals(self) -> None:
+        signal.set_wakeup_fd(-1)
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+            signal.signal(sig, signal.SIG_DFL)
 
     def _drain_sigpipe(self) -> None:
         try:
@@ -803,30 +937,72 @@ class Daemon:
             self.drain_deadline = time.monotonic() + self.cfg.drain_seconds
 
     def _on_hup(self, signum: int, frame) -> None:
-        self.reload_requested = True
+        self._hup = True
+        self.housekeeping = True
+
+    def _wake_loop(self) -> None:
+        """Called by the background load's thread when it is done."""
+        self.housekeeping = True
+        try:
+            os.write(self._sig_w, b"\0")     # wakes the loop out of epoll
+        except OSError:
+            pass  # the pipe is full: the loop is awake anyway
 
     # -- lifecycle -------------------------------------------------------------------
     def serve(self) -> int:
         """Start, run the loop until drained, clean up. Returns the exit status."""
-        self.front.listen()          # raises FrontendError if another daemon holds it
+        self._install_signals()
         try:
-            self.load_models()
-            log.info("froze %d start-up objects out of the garbage collector's way", freeze_heap())
-            pin_and_prioritize(self.cfg.cpu, self.cfg.rt_priority)
-            self._install_signals()
-            log.info("listening on %s (idle mode %s)", self.cfg.socket, self.cfg.idle)
-            sd_notify(f"READY=1\nSTATUS=serving {len(self.table.by_id)} models\n"
-                      f"MAINPID={os.getpid()}")
-            try:
-                self.run()
-            except DeviceLost as e:
-                return self._device_lost(e)
+            return self._serve()
+        except StartupInterrupted:
+            log.info("SIGTERM during start-up: stopped before serving")
+            return 0
         finally:
             self.front.close()
             if self.device is not None:
                 self.device.close()
-            os.close(self._sig_r)
-            os.close(self._sig_w)
+            self._restore_signals()
+            if self._loader is not None and not self._loader.done:
+                # Its thread writes to the pipe when done: leave the pipe open (the
+                # process is about to exit) rather than let the number be reused.
+                log.info("a model load was still running in the background: abandoned")
+            else:
+                os.close(self._sig_r)
+                os.close(self._sig_w)
+
+    def _serve(self) -> int:
+        sock_dir = os.path.dirname(os.path.abspath(self.cfg.socket))
+        if not os.path.isdir(sock_dir):
+            raise ConfigError(f"the directory of the socket {self.cfg.socket} does not exist; "
+                              f"create {sock_dir} (the systemd unit's RuntimeDirectory=paella "
+                              f"makes /run/paella) or choose another --socket")
+        try:
+            self.front.listen()      # raises FrontendError if another daemon holds it
+        except OSError as e:
+            raise ConfigError(f"cannot listen on {self.cfg.socket}: {e.strerror}") from None
+        removed = segments.sweep()
+        if removed:
+            log.warning("removed %d shared-memory segment(s) left by dead daemons: %s",
+                        len(removed), ", ".join(removed))
+        try:
+            self.load_models()
+        except DeviceLost as e:              # (profiling runs use the device)
+            return self._device_lost(e)
+        if self.draining:
+            raise StartupInterrupted()
+        log.info("froze %d start-up objects out of the garbage collector's way", freeze_heap())
+        pin_and_prioritize(self.cfg.cpu, self.cfg.rt_priority)
+        log.info("listening on %s (idle mode %s)", self.cfg.socket, self.cfg.idle)
+        status = f"serving {len(self.table.by_id)} models"
+        if self.unserved:
+            status += f"; {len(self.unserved)} bundle(s) not served (see the log)"
+        sd_notify(f"READY=1\nSTATUS={status}\nMAINPID={os.getpid()}")
+        if self._hup:
+            log.info("SIGHUP during start-up: reading the model repository again now")
+        try:
+            self.run()
+        except DeviceLost as e:
+            return self._device_lost(e)
         log.info("stopped cleanly; stats %s", self.front.stats)
         return 0
 
@@ -838,7 +1014,7 @@ class Daemon:
                      "status %d so that the service manager restarts the daemon", exc, n,
                      EXIT_DEVICE_LOST)
         sd_notify(f"STATUS=device lost: {exc}")
-        self.router.cancel_all(f"the GPU failed ({exc}); the daemon is restarting")
+        self.router.abandon_all(f"the GPU failed ({exc}); the daemon is restarting", rings.E_FAILED)
         self.front.poll_io(0)                 # deliver the completions' wake-ups
         return EXIT_DEVICE_LOST
 
@@ -859,8 +1035,8 @@ class Daemon:
             taken = front.poll_rings(admit=self.admitting)
             router.step()
             front.poll_io(0)
-            if self.reload_requested:
-                self._reload()
+            if self.housekeeping:
+                self._housekeeping()
             if self.draining and self._drain_step():
                 return
             if taken or not adaptive:
@@ -899,19 +1075,67 @@ class Daemon:
         if self.router.in_flight == 0 and not self.front.any_pending():
             return True     # (entries still in rings get "shutting down" next pass)
         if time.monotonic() > self.drain_deadline:
-            log.warning("drain deadline passed: cancelling %d request(s)", self.router.in_flight)
-            self.router.cancel_all("the daemon stopped before the job finished")
+            n = self.router.in_flight
+            log.warning("drain deadline passed: completing %d request(s) still in flight as "
+                        "cancelled", n)
+            # Every accepted request gets one completion before the daemon goes, also one
+            # whose kernels are still on the device: it is not waited for.
+            self.router.abandon_all(f"cancelled: the daemon stopped (its drain deadline of "
+                                    f"{self.cfg.drain_seconds:g} s passed) before the job "
+                                    f"finished")
+            for _ in range(self.cfg.ring_slots):      # what is still in the rings: refused
+                if not self.front.poll_rings(admit=False):
+                    break
+            self.front.poll_io(0)                     # send the wake-ups
             return True
         return False
 
-    def _reload(self) -> None:
-        self.reload_requested = False
+    # -- reloads -----------------------------------------------------------------------
+    def _housekeeping(self) -> None:
+        """Between two iterations: finish a background load, start one for a SIGHUP,
+        freeze the heap once nothing is in flight after a swap."""
+        self.housekeeping = False
+        loader = self._loader
+        if loader is not None and loader.done:
+            self._loader = None
+            self._finish_reload(loader)
+        if self._hup and self._loader is None and not self.draining:
+            self._hup = False
+            self._start_reload()
+        if self._refreeze:
+            if self.router.in_flight == 0 and not self.front.any_pending():
+                self._refreeze = False
+                t0 = time.perf_counter()
+                n = freeze_new_objects()
+                log.info("collected %d garbage objects and froze what the reload made, in "
+                         "%.1f ms", n, (time.perf_counter() - t0) * 1e3)
+            else:
+                self.housekeeping = True     # look again next iteration
+
+    def _start_reload(self) -> None:
         sd_notify("RELOADING=1")
-        try:
-            self.load_models()
-        except ConfigError as e:
-            log.error("SIGHUP reload failed, keeping the previous models: %s", e)
-        freeze_heap()                # (the dropped models' cycles are collected first)
+        if not self.cfg.models:
+            log.info("SIGHUP: no model repository configured, nothing to reload")
+            self._swap(None)
+            sd_notify("READY=1")
+            return
+        log.info("SIGHUP: reading the model repository %s in the background", self.cfg.models)
+        known = {model: sb.key for model, sb in self._served.items()}
+        self._loader = repository.BackgroundScan(self._wake_loop, self.cfg.models, known,
+                                                 self._make_adaptor)
+
+    def _finish_reload(self, loader: repository.BackgroundScan) -> None:
+        if loader.error is not None:
+            log.error("SIGHUP reload failed, keeping the previous models: %s: %s",
+                      type(loader.error).__name__, loader.error)
+        else:
+            scan = loader.result
+            log.info("SIGHUP: repository read in %.2f s off the loop (%d new or changed, "
+                     "%d unchanged, %d not served)", scan.seconds, len(scan.prepared),
+                     len(scan.kept), len(scan.failed))
+            self._swap(scan)
+            self._refreeze = True
+            self.housekeeping = True
         sd_notify("READY=1")
 
 

@@ -7,7 +7,11 @@
 4. checks every output against the model's CPU reference (computed here, in the demo
    process, independently of the daemon);
 5. prints p50 and p99 latency and throughput per model;
-6. stops the daemon with SIGTERM and checks it exits 0 and leaves no shared memory.
+6. stops the daemon with SIGTERM and checks it exits 0 and leaves nothing behind: no
+   shared-memory segment named after it (``paella.<its pid>.``, see
+   :mod:`paella.segments`; other daemons on the machine are none of its business), and
+   no process, so none of its file descriptors (client segments are memfds, which live
+   exactly as long as some process holds them).
 
 The simulated kernels compute nothing: the daemon answers with the bundle's CPU build,
 so the first request for each distinct input waits for the CPU (a second or so); the
@@ -38,9 +42,32 @@ def make_inputs(bundle, n: int, seed: int) -> list[dict[str, np.ndarray]]:
             for _ in range(n)]
 
 
-def paella_segments() -> set[str]:
-    """The daemon's shared-memory segments (multiprocessing's own semaphores aside)."""
-    return {n for n in os.listdir("/dev/shm") if n.startswith("paella")}
+def segments_of(pid: int) -> list[str]:
+    """Shared-memory segments named after process ``pid`` (paella.segments naming)."""
+    return sorted(n for n in os.listdir("/dev/shm") if n.startswith(f"paella.{pid}."))
+
+
+def children_of(pid: int) -> list[int]:
+    """The live child processes of ``pid`` (the simulator's, in --sim-mode process)."""
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as f:
+            return [int(c) for c in f.read().split()]
+    except OSError:
+        return []
+
+
+def still_running(pid: int, children: list[int]) -> list[int]:
+    """Which of a stopped daemon and its children still run (and so still hold their
+    descriptors, memfd segments included)."""
+    return [p for p in [pid, *children] if os.path.exists(f"/proc/{p}") and not _is_zombie(p)]
+
+
+def _is_zombie(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0] == b"Z"
+    except OSError:
+        return True          # gone meanwhile
 
 
 def check(outputs: dict[str, np.ndarray], ref: dict[str, np.ndarray]) -> bool:
@@ -89,7 +116,6 @@ def run(models: list[str], clients: int, seconds: float, rate: float, sigma: flo
 
     print(f"[3/6] starting the daemon: paella serve --backend sim --gpu {gpu} --policy {policy}",
           flush=True)
-    shm_before = paella_segments()
     proc, sock, tmp = start_daemon("--models", str(repo), "--backend", "sim", "--gpu", gpu,
                                    "--policy", policy, timeout=300)
     try:
@@ -135,10 +161,12 @@ def run(models: list[str], clients: int, seconds: float, rate: float, sigma: flo
         elapsed = time.monotonic() - t0
     finally:
         print("[6/6] stopping the daemon (SIGTERM)", flush=True)
+        children = children_of(proc.pid)
         code = stop_daemon(proc)
         shutil.rmtree(tmp, ignore_errors=True)
         shutil.rmtree(repo, ignore_errors=True)
-    leaked = sorted(paella_segments() - shm_before)
+    leaked = segments_of(proc.pid)
+    running = still_running(proc.pid, children)
     table = {}
     for name, v in lat.items():
         a = np.array(v) * 1e3
@@ -146,6 +174,7 @@ def run(models: list[str], clients: int, seconds: float, rate: float, sigma: flo
                        "p99_ms": float(np.percentile(a, 99)) if len(a) else float("nan"),
                        "throughput": len(v) / elapsed}
     return {"models": table, "mismatches": bad, "daemon_exit": code, "leaked_segments": leaked,
+            "left_running": running,
             "seconds": elapsed, "clients": clients, "rate_per_client": rate, "gpu": gpu, "policy": policy}
 
 
@@ -170,9 +199,11 @@ def main(args: argparse.Namespace) -> int:
     print(f"\n{'model':<15}{'requests':>9}{'p50 ms':>9}{'p99 ms':>9}{'req/s':>8}")
     for name, m in data["models"].items():
         print(f"{name:<15}{m['requests']:>9}{m['p50_ms']:>9.2f}{m['p99_ms']:>9.2f}{m['throughput']:>8.1f}")
-    ok = data["mismatches"] == 0 and data["daemon_exit"] == 0 and not data["leaked_segments"]
+    ok = (data["mismatches"] == 0 and data["daemon_exit"] == 0 and not data["leaked_segments"]
+          and not data["left_running"])
     print(f"outputs checked against the CPU reference: {data['mismatches']} mismatches; daemon exit "
-          f"code {data['daemon_exit']}; leaked shared-memory segments: {len(data['leaked_segments'])}")
+          f"code {data['daemon_exit']}; leaked shared-memory segments: "
+          f"{data['leaked_segments'] or 0}; processes left running: {data['left_running'] or 0}")
     print("demo: OK" if ok else "demo: FAILED")
     if args.json:
         with open(args.json, "w") as f:

@@ -30,6 +30,8 @@ MANIFEST = "manifest.json"
 IO_ALIGN = 64
 
 BUFFER_KINDS = ("input", "param", "intermediate", "workspace")
+#: numpy dtype kinds a tensor may have: bool, signed, unsigned, float, complex.
+NUMERIC_KINDS = "biufc"
 STREAM_DEFAULT = 0
 
 
@@ -234,7 +236,14 @@ def check_variant(v: Variant) -> None:
             raise bad(f"buffer {b.id} has kind {b.kind!r} / size {b.nbytes}")
     end = 0
     for t in v.inputs + v.outputs:
-        expect = int(np.prod(t.shape, dtype=np.int64)) * np.dtype(t.dtype).itemsize
+        try:
+            dtype = np.dtype(t.dtype)
+        except TypeError:
+            dtype = None
+        if dtype is None or dtype.kind not in NUMERIC_KINDS:
+            raise bad(f"tensor {t.name!r} has dtype {t.dtype!r}, which is not a numeric numpy "
+                      f"dtype (such as float32, int64, uint8)")
+        expect = int(np.prod(t.shape, dtype=np.int64)) * dtype.itemsize
         if t.nbytes != expect:
             raise bad(f"tensor {t.name!r} has {t.nbytes} bytes but shape {t.shape} {t.dtype} needs {expect}")
         if t.offset < end or not 0 <= t.buffer < len(ids):
@@ -392,10 +401,16 @@ def load_bundle(path: str | Path) -> Bundle:
         d = json.loads(mpath.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise BundleError(f"{mpath} is not valid JSON ({e}); the bundle is corrupt, recompile it") from None
-    m = manifest_from_dict(d)
-    for key, name in m.files.items():
-        if not (path / name).is_file():
-            raise BundleError(f"bundle {path}: file {name!r} ({key}) is missing; recompile the bundle")
-    for v in m.variants:
-        check_variant(v)
+    try:
+        m = manifest_from_dict(d)
+        for key, name in m.files.items():
+            if not (path / name).is_file():
+                raise BundleError(f"bundle {path}: file {name!r} ({key}) is missing; recompile the bundle")
+        for v in m.variants:
+            check_variant(v)
+    except (TypeError, ValueError, KeyError, AttributeError) as e:
+        # A field of the wrong JSON type (a string for a number, a list for a table):
+        # the manifest is corrupt or from another tool, not a bug to trace back.
+        raise BundleError(f"{mpath}: malformed manifest ({type(e).__name__}: {e}); the bundle "
+                          f"is corrupt or from another tool, recompile it") from None
     return Bundle(path, m)

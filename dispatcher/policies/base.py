@@ -1,4 +1,4 @@
-"""The scheduling-policy interface and its registry.
+"""The scheduling-policy interface (the registry is :mod:`.registry`).
 
 A policy orders *jobs that have a ready kernel*; the dispatcher does everything else
 (waitlists, occupancy, the +B rule, streams). Its hooks, all called by the dispatcher
@@ -15,74 +15,18 @@ loop only:
 
 Three class attributes tell the dispatcher how to release: ``gated`` (apply the +B
 rule; False means release whatever is ready, letting the GPU schedule), ``stream_mode``
-(see :mod:`paella.dispatcher.streams`) and ``eager`` (see :mod:`.waitlist`).
-
-Policies register with ``@register_policy("name")``; other packages add theirs through
-the entry-point group ``paella.policies`` (``name = "module:Class"``). Names are
-case-insensitive and ``_`` equals ``-``. Unknown or duplicate names raise.
+(see :mod:`paella.dispatcher.streams`) and ``eager`` (see :mod:`.waitlist`). A policy
+keeps its per-job state in ``job.policy_state``, a slot that is its alone.
 """
 from __future__ import annotations
 
-import logging
-from importlib import metadata
-from typing import Any, Callable
+from typing import Any
 
 from ..pqueue import IndexedHeap
-
-log = logging.getLogger(__name__)
-
-ENTRY_POINT_GROUP = "paella.policies"
-_REGISTRY: dict[str, type["Policy"]] = {}
 
 
 class PolicyError(ValueError):
     """An unknown policy name, a duplicate registration or a bad policy option."""
-
-
-def _norm(name: str) -> str:
-    return name.strip().lower().replace("_", "-")
-
-
-def register_policy(name: str) -> Callable[[type["Policy"]], type["Policy"]]:
-    def deco(cls: type[Policy]) -> type[Policy]:
-        key = _norm(name)
-        if key in _REGISTRY and _REGISTRY[key] is not cls:
-            raise PolicyError(f"policy name {key!r} is already registered by "
-                              f"{_REGISTRY[key].__module__}.{_REGISTRY[key].__qualname__}; "
-                              f"choose another name")
-        if "name" not in cls.__dict__:
-            cls.name = key
-        _REGISTRY[key] = cls
-        return cls
-    return deco
-
-
-def _load_entry_points() -> None:
-    for ep in metadata.entry_points(group=ENTRY_POINT_GROUP):
-        if _norm(ep.name) in _REGISTRY:
-            continue
-        cls = ep.load()
-        register_policy(ep.name)(cls)
-
-
-def get_policy(name: str) -> type["Policy"]:
-    """The policy class registered under ``name`` (built-ins, then plug-ins)."""
-    from . import builtin  # noqa: F401  (registers the built-in policies)
-    key = _norm(name)
-    if key not in _REGISTRY:
-        _load_entry_points()
-    try:
-        return _REGISTRY[key]
-    except KeyError:
-        raise PolicyError(f"unknown scheduling policy {name!r}; known policies: "
-                          f"{', '.join(sorted(_REGISTRY))} (plug-ins register under the "
-                          f"entry-point group {ENTRY_POINT_GROUP!r})") from None
-
-
-def policy_names() -> list[str]:
-    from . import builtin  # noqa: F401
-    _load_entry_points()
-    return sorted(_REGISTRY)
 
 
 class Policy:

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from .base import HeapPolicy, register_policy
+from .base import HeapPolicy
+from .registry import register_policy
 
 
 @register_policy("ms-kbk")

@@ -56,7 +56,8 @@ from heapq import heapify, heappop, heappush
 from typing import Any
 
 from ..pqueue import IndexedHeap
-from .base import Policy, PolicyError, register_policy
+from .base import Policy, PolicyError
+from .registry import register_policy
 
 #: Default fairness threshold, in kernels' worth of deficit. A unit starved while the
 #: others release K kernels reaches a deficit near K/n (n units with unfinished jobs),

@@ -257,7 +257,8 @@ def test_daemon_serves_bundles_functionally_on_sim_and_plainly_elsewhere(bundle)
     from paella.dispatcher import daemon
     dev = SimDevice("gtx1660s", n_streams=8)
     functional = daemon.bundle_adaptor(bundle, "tiny#1", dev)
-    assert type(functional) is PlanAdaptor and functional.plan.effects   # replayed, with effect
+    assert isinstance(functional, PlanAdaptor) and functional.plan.effects   # replayed, with effect
+    assert "run" not in type(functional).__dict__                      # no run() override
 
     class OtherDevice:
         backend = "cuda"

@@ -10,8 +10,8 @@ from importlib import metadata
 import pytest
 
 from paella.dispatcher.core import STATUS_OK
-from paella.dispatcher.policies import base
-from paella.dispatcher.policies.base import HeapPolicy, PolicyError, get_policy, register_policy
+from paella.dispatcher.policies import registry
+from paella.dispatcher.policies import HeapPolicy, PolicyError, get_policy, register_policy
 from paella.dispatcher.policies.paella import Paella
 
 from dispatch_helpers import Recorder, chain
@@ -252,29 +252,84 @@ def plugin(monkeypatch):
     mod = types.ModuleType("paella_test_plugin")
     mod.Exploding = Exploding
     monkeypatch.setitem(sys.modules, "paella_test_plugin", mod)
-    ep = metadata.EntryPoint("exploding", "paella_test_plugin:Exploding", base.ENTRY_POINT_GROUP)
+    ep = metadata.EntryPoint("exploding", "paella_test_plugin:Exploding", registry.ENTRY_POINT_GROUP)
     real = metadata.entry_points
-    monkeypatch.setattr(base.metadata, "entry_points",
-                        lambda group=None: [ep] if group == base.ENTRY_POINT_GROUP else real(group=group))
+    monkeypatch.setattr(registry.metadata, "entry_points",
+                        lambda group=None: [ep] if group == registry.ENTRY_POINT_GROUP else real(group=group))
     yield
-    base._REGISTRY.pop("exploding", None)
+    registry._REGISTRY.pop("exploding", None)
 
 
-def test_plugin_policy_loads_from_an_entry_point_and_falls_back_to_fifo(make, plugin, caplog):
-    Exploding.calls = 0
-    dev, d = make("exploding")
-    assert type(d.policy) is Exploding
-    mid = d.register_model("c", chain("c", 6), profile_runs=0)
+def serve_through_a_fallback(d, kernels: int, caplog) -> None:
+    """12 requests on ``d``, whose policy fails on the way: fifo takes over (logged), and
+    every request completes once, OK."""
+    mid = d.register_model("c", chain("c", kernels), profile_runs=0)
     rec = Recorder()
     for i in range(12):
         d.submit(rec.request(i, mid, 512))
     with caplog.at_level(logging.ERROR):
         d.run_until_idle()
     assert d.policy.name == "fifo"
-    assert "ZeroDivisionError" in d.policy_failure
     assert any("falling back" in r.getMessage() for r in caplog.records)
     assert sorted(rec.done) == list(range(12))
     assert all(v[0] == STATUS_OK for v in rec.done.values())
+
+
+def test_plugin_policy_loads_from_an_entry_point_and_falls_back_to_fifo(make, plugin, caplog):
+    Exploding.calls = 0
+    dev, d = make("exploding")
+    assert type(d.policy) is Exploding
+    serve_through_a_fallback(d, 6, caplog)
+    assert "ZeroDivisionError" in d.policy_failure
+
+
+class NotAJob(HeapPolicy):
+    def key(self, job):
+        return job.seq
+
+    def pick(self):
+        job = super().pick()
+        return object() if job is not None and job.client_id >= 0 else job
+
+
+class NeverPicks(HeapPolicy):
+    def key(self, job):
+        return job.seq
+
+    def pick(self):
+        return None
+
+
+@pytest.mark.parametrize("policy, reason", [
+    (NotAJob, "pick() returned <object object at"),
+    (NeverPicks, "pick() returned None while 12 job(s) had a ready kernel and the device had "
+                 "nothing to run"),
+])
+def test_a_wrong_pick_falls_back_to_fifo(make, policy, reason, caplog):
+    """A pick() that answers a non-job, or holds every ready job back while the GPU is
+    idle (in virtual time the clock cannot move meanwhile: a stall at once), is a policy
+    failure: fifo takes over and every request completes once."""
+    dev, d = make(policy)
+    serve_through_a_fallback(d, 4, caplog)
+    assert reason in d.policy_failure
+
+
+def test_abandon_all_completes_jobs_with_kernels_on_the_device(make):
+    """The drain deadline: every request is completed as cancelled at once, also those
+    whose kernels the device is still running, and none twice (Recorder checks)."""
+    from paella.dispatcher.core import STATUS_CANCELLED
+    dev, d = make("paella")
+    mid = d.register_model("c", chain("c", 6, seconds=1e-3), profile_runs=0)
+    rec = Recorder()
+    for i in range(8):
+        d.submit(rec.request(i, mid, 512))
+    for _ in range(50):                       # some kernels released, none finished
+        d.step()
+    assert any(d.streams.busy) and not rec.done
+    assert d.abandon_all("the daemon stopped") == 8
+    assert d.in_flight == 0 and not d.jobs
+    assert {i: v[:2] for i, v in rec.done.items()} == {
+        i: (STATUS_CANCELLED, "the daemon stopped") for i in range(8)}
 
 
 # -- the hold rule ------------------------------------------------------------------------
@@ -442,4 +497,4 @@ def test_the_documented_policy_example_runs(make):
         p.kernel_ready(new)
         assert p.pick() is new
     finally:
-        base._REGISTRY.pop("las", None)
+        registry._REGISTRY.pop("las", None)

@@ -1,10 +1,18 @@
-"""Hostile input against a real daemon: random and crafted request-ring entries, and
-malformed control-socket traffic. Every case must get an answer (an error completion
-or an ERROR frame / closed connection), and the daemon must keep serving others."""
+"""Hostile input against a real daemon.
+
+The first three tests are deterministic: random and crafted request-ring entries,
+corrupt ring indices, and malformed control-socket traffic; every case must get an
+answer (an error completion or an ERROR frame / closed connection), and the daemon
+must keep serving others. The last ones run the project's fuzzer
+(``paella.experiments.fuzz_daemon``) for a few seconds: attackers of every family
+(as uid 65534 when the tests run as root) against one real daemon while legitimate
+clients check every answer; it must count no crash, no lost or wrong answer, no
+refused legitimate connection, no breach and no leak."""
 from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import struct
 import time
@@ -13,6 +21,8 @@ import numpy as np
 
 from paella import rings, wire
 from paella.client import RequestFailed, connect
+from paella.experiments.fuzz_daemon import (DaemonUnderTest, FuzzConfig, classify, failures,
+                                            format_report, run_fuzz, segment_names)
 
 
 def echo_works(sock: str) -> None:
@@ -150,6 +160,15 @@ def test_fuzz_control_socket(daemon):
         _frame(wire.WELCOME, b"{}"),
         _frame(wire.MODELS, b"{}"),
         _frame(wire.WAKE, b"abc"),                                 # wrong id length
+        _frame(wire.HELLO, json.dumps({"version": 1, "arena_bytes": True}).encode()),
+        _frame(wire.HELLO, json.dumps({"version": True}).encode()),
+        _frame(wire.HELLO, json.dumps({"version": 1, "mode": ["hybrid"]}).encode()),
+        _frame(wire.HELLO, json.dumps({"version": 1, "arena_bytes": 4096.0}).encode()),
+        _frame(wire.HELLO, b'{"version": 1, "arena_bytes": NaN}'),
+        _frame(wire.HELLO, b"[" * 3000 + b"]" * 3000),              # deep nesting
+        _frame(wire.HELLO, b'{"a":' * 3000 + b"1" + b"}" * 3000),
+        _frame(wire.HELLO, b'{"version": ' + b"1" * 5000 + b"}"),   # int() digit limit
+        _frame(wire.LIST_MODELS, b'{"x": ' + b"9" * 4301 + b"}"),
     ]
     after_hello = [_frame(wire.HELLO, json.dumps({"version": 1}).encode()),   # HELLO twice
                    _frame(wire.DONE, struct.pack("<Q", 1))]
@@ -175,3 +194,44 @@ def test_fuzz_control_socket(daemon):
     while daemon.segments() and time.monotonic() < deadline:
         time.sleep(0.01)
     assert daemon.segments() == []
+
+
+def test_fuzzer_finds_no_fault():
+    """The short mode of the daemon fuzzer: ~10 s of every attack family, with two
+    legitimate clients checking every answer (the long mode is
+    ``python -m paella.experiments.fuzz_daemon --seconds 600``)."""
+    cfg = FuzzConfig(seconds=10, attackers=2, legit=2, deadline=8.0, seed=12)
+    report = run_fuzz(cfg)
+    print(format_report(report))
+    tails = "\n\n".join(f"{sig}:\n{d['log_tail']}" for sig, d in report["crash_causes"].items())
+    assert report["summary"]["crashes"] == 0, format_report(report) + "\n" + tails
+    assert failures(report) == {}, format_report(report) + "\n" + json.dumps(
+        {k: report[k] for k in ("events", "leaks", "breach_examples")}, indent=1, default=str)
+    assert report["final_check"] == "answers" and report["stop_status"] == 0
+    # the fuzzer really attacked, with every family, and the honest clients really worked
+    for family, n in report["inputs_by_family"].items():
+        assert n > 0, f"family {family} tried nothing: {format_report(report)}"
+    assert report["summary"]["legit_ok"] >= 50
+    assert report["attacker_errors"] == 0, report["events"].get("attacker_error")
+    if os.geteuid() == 0:
+        assert report["cross_uid"] and report["attacker_uid"] == 65534
+
+
+def test_fuzzer_names_the_cause_of_a_crash(tmp_path):
+    """The fuzzer's crash detection itself: a real daemon killed by SIGBUS (what
+    touching a truncated segment does) is classified from the stack faulthandler
+    printed, as issue 12 item 1."""
+    d = DaemonUnderTest(str(tmp_path), ("--cpu", "none", "--rt-priority", "0"))
+    d.start()
+    try:
+        os.kill(d.pid, signal.SIGBUS)
+        d.proc.wait(10)
+        signature, cause, tail = classify(d.log_text(), "died")
+    finally:
+        if d.alive():
+            d.proc.kill()
+            d.proc.wait()
+        for name in segment_names(d.pid):
+            os.unlink(os.path.join("/dev/shm", name))
+    assert signature.startswith("Bus error in "), (signature, tail)
+    assert "item 1" in cause

@@ -18,7 +18,6 @@ simulator behind.
 from __future__ import annotations
 
 import mmap
-import os
 import socket
 import subprocess
 import sys
@@ -35,6 +34,7 @@ from paella.dispatcher.devices.base import (Callback, Device, DeviceError, Dim3,
                                             KernelInfo, ModuleImage)
 from paella.gpus import GpuSpec, preset
 from paella.occupancy import Footprint
+from paella.segments import segment_name
 
 from .cost import CostModel
 from .hardware import D2H, H2D
@@ -58,7 +58,9 @@ class SimProcessDevice(Device):
                  notifq_slots: int = protocol.DEFAULT_NOTIFQ_SLOTS, seed: int = 0,
                  cost: CostModel | None = None, jitter: float = 0.0, speed: float = 1.0):
         spec = preset(props) if isinstance(props, str) else props
-        self._shm_name = f"/paella-sim-{os.getpid()}-{id(self):x}"
+        # Named after this process (paella.segments): a daemon restarted after a
+        # SIGKILL recognises and removes the notifQ its predecessor left behind.
+        self._shm_name = segment_name("notifq")
         self._shm = posix_ipc.SharedMemory(self._shm_name, posix_ipc.O_CREX, mode=0o600,
                                            size=8 * notifq_slots)
         self._map = mmap.mmap(self._shm.fd, self._shm.size)

@@ -1,0 +1,85 @@
+"""Bad configurations through the real ``paella serve`` command line: each one is a
+``paella: error: ...`` line naming the setting and what it accepts, exit status 2, no
+traceback, and nothing left behind (no socket, no lock file)."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from bundles_for_tests import set_dtype, tiny_mlp
+
+#: The real entry point of the ``paella`` command (what the console script runs).
+PAELLA_CLI = (sys.executable, "-c", "import sys; from paella.cli import main; sys.exit(main())")
+
+CASES = [
+    # (id, command-line arguments, config file text or None, expected text)
+    ("unknown-policy", ["--policy", "nope"], None,
+     "unknown scheduling policy 'nope'; known policies: fifo, ms-jbj, ms-kbk, paella, rr, sjf"),
+    ("unknown-policy-parameter", ["--policy-param", "bogus=1"], None,
+     "policy 'paella' has no parameter 'bogus'; valid parameters: extra_blocks, "
+     "fairness_threshold, fairness_unit, hold_factor"),
+    ("parameter-of-another-policy", ["--policy", "fifo", "--policy-param", "hold_factor=1"], None,
+     "policy 'fifo' has no parameter 'hold_factor'; valid parameters: extra_blocks"),
+    ("parameter-type", [], '[policy]\nfairness_threshold = "abc"\n',
+     "policy parameter fairness_threshold must be a number, got 'abc'"),
+    ("parameter-value", ["--policy-param", "fairness_threshold=-1"], None,
+     "fairness_threshold must be >= 0, got -1"),
+    ("extra-blocks", ["--policy-param", "extra_blocks=-3"], None,
+     "policy parameter extra_blocks must be >= 0, got -3"),
+    ("socket-mode-file", [], '[access]\nsocket_mode = "999"\n',
+     'socket_mode must be an octal file mode such as "0660", got \'999\''),
+    ("socket-mode-flag", ["--socket-mode", "999"], None,
+     'socket_mode must be an octal file mode such as "0660", got \'999\''),
+    ("drain-seconds-file", [], "[daemon]\ndrain_seconds = -1.0\n",
+     "drain_seconds must be >= 0"),
+    ("drain-seconds-flag", ["--drain-seconds", "-0.5"], None, "drain_seconds must be >= 0"),
+    ("idle-spin", ["--idle-spin-us", "-5"], None, "idle_spin_us must be >= 0 (microseconds), got -5"),
+    ("policy-name-type", [], "[policy]\nname = 3\n", "[policy] name must be a string, got 3"),
+]
+
+
+def serve(tmp_path, args: list[str], config: str | None = None,
+          socket: str | None = None) -> tuple[subprocess.CompletedProcess, str]:
+    sock = socket or str(tmp_path / "p.sock")
+    cmd = [*PAELLA_CLI, "serve", "--socket", sock, "--cpu", "none", "--rt-priority", "0", *args]
+    if config is not None:
+        (tmp_path / "paella.toml").write_text(config)
+        cmd += ["--config", str(tmp_path / "paella.toml")]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=120), sock
+
+
+def assert_clean_error(r: subprocess.CompletedProcess, sock: str, expected: str) -> None:
+    assert r.returncode == 2, r.stderr
+    assert "Traceback" not in r.stderr, r.stderr
+    last = r.stderr.strip().splitlines()[-1]
+    assert last.startswith("paella: error: ") and expected in last, r.stderr
+    assert not os.path.exists(sock) and not os.path.exists(sock + ".lock")
+
+
+@pytest.mark.parametrize("args, config, expected", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
+def test_a_bad_setting_is_a_clean_error(tmp_path, args, config, expected):
+    r, sock = serve(tmp_path, args, config)
+    assert_clean_error(r, sock, expected)
+
+
+def test_a_missing_socket_directory_is_a_clean_error(tmp_path):
+    missing = tmp_path / "no" / "such" / "dir"
+    r, sock = serve(tmp_path, [], socket=str(missing / "p.sock"))
+    assert_clean_error(r, sock, f"the directory of the socket {missing}/p.sock does not exist; "
+                                f"create {missing}")
+
+
+def test_a_repository_of_bad_bundles_is_a_clean_error(tmp_path):
+    """A repository whose every bundle is bad (here, an unknown dtype) serves nothing of
+    what it was pointed at: refused, with each bundle's reason. (One bad bundle among
+    good ones is served around: test_lifecycle.py.)"""
+    repo = tmp_path / "models"
+    repo.mkdir()
+    set_dtype(tiny_mlp(repo / "tiny_mlp"), "float33")
+    r, sock = serve(tmp_path, ["--models", str(repo)])
+    assert_clean_error(r, sock, f"no bundle of the model repository {repo} can be served: "
+                                f"{repo / 'tiny_mlp'}: variant 'default': tensor 'x' has dtype "
+                                f"'float33', which is not a numeric numpy dtype")

@@ -1,0 +1,156 @@
+"""Wrong policy plug-ins, installed for real, with a real daemon.
+
+The plug-ins are a module on PYTHONPATH and a distribution's ``.dist-info`` directory
+beside it declaring their entry points (group ``paella.policies``), which is what
+``pip install`` leaves; another distribution, in a second directory, names a module
+that does not exist. The
+daemon finds them through ``importlib.metadata`` as it would any installed plug-in.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from paella.client import connect
+from service_daemon import PAELLA
+
+PLUGINS = '''
+"""Policies that are wrong in the ways a plug-in can be."""
+from paella.dispatcher.policies import HeapPolicy
+from paella.dispatcher.policies.fifo import Fifo
+
+
+class NotAJob(Fifo):
+    """Right for the start-up profiling runs, then answers a string for clients' jobs."""
+    def pick(self):
+        job = super().pick()
+        return "not a job" if job is not None and job.client_id >= 0 else job
+
+
+class RaisingInit(Fifo):
+    def __init__(self, dispatcher=None, **options):
+        raise RuntimeError("plug-in bug in __init__")
+
+
+class NeverPicks(Fifo):
+    def pick(self):
+        return None
+
+
+class Arrival(HeapPolicy):
+    """A correct plug-in: arrival order, gated by the +B rule."""
+    def key(self, job):
+        return job.seq
+'''
+
+TEST_POLICIES = """
+    [paella.policies]
+    not-a-job = paella_test_policies:NotAJob
+    raising-init = paella_test_policies:RaisingInit
+    never-picks = paella_test_policies:NeverPicks
+    arrival = paella_test_policies:Arrival
+"""
+BROKEN = """
+    [paella.policies]
+    broken = paella_missing_module:Policy
+"""
+
+
+def install(root: Path, name: str, version: str, entry_points: str) -> None:
+    """What ``pip install`` leaves for a distribution: NAME-VERSION.dist-info."""
+    info = root / f"{name.replace('-', '_')}-{version}.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n")
+    (info / "entry_points.txt").write_text(textwrap.dedent(entry_points).lstrip())
+
+
+@pytest.fixture(scope="module")
+def plugin_path(tmp_path_factory) -> str:
+    root = tmp_path_factory.mktemp("plugins")
+    (root / "paella_test_policies.py").write_text(PLUGINS)
+    install(root, "paella-test-policies", "1.0", TEST_POLICIES)
+    return str(root)
+
+
+@pytest.fixture(scope="module")
+def broken_path(tmp_path_factory) -> str:
+    """A second site directory with a distribution whose module does not exist."""
+    root = tmp_path_factory.mktemp("broken")
+    install(root, "paella-broken-plugin", "0.1", BROKEN)
+    return str(root)
+
+
+def env_with(*paths: str) -> dict[str, str]:
+    return {"PYTHONPATH": os.pathsep.join([*paths, *filter(None, [os.environ.get("PYTHONPATH")])])}
+
+
+def noop_requests(sock: str, n: int) -> None:
+    """``n`` requests of the built-in noop model (one kernel through the policy), all OK."""
+    with connect(sock) as c:
+        off = c.alloc(64)
+        ids = [c.predict("noop", 64, off) for _ in range(n)]
+        assert sorted(c.read_result() for _ in ids) == ids
+
+
+def test_pick_returning_a_non_job_falls_back_to_fifo_mid_service(plugin_path, fresh_daemon):
+    dp = fresh_daemon("--policy", "not-a-job", env=env_with(plugin_path))
+    noop_requests(dp.socket, 20)
+    log = dp.log()
+    assert "scheduling policy 'not-a-job' raised in pick(); falling back to 'fifo'" in log
+    assert "pick() returned 'not a job', which is not a job of this dispatcher" in log
+    noop_requests(dp.socket, 20)                      # and it goes on serving
+    with connect(dp.socket) as c:
+        assert c.infer("echo", {"x": np.ones(256)})["y"][0] == 1
+    assert dp.proc.poll() is None
+
+
+def test_a_policy_raising_in_init_fails_start_up_cleanly(plugin_path, tmp_path):
+    """Decision: start-up refuses (nothing is served yet, so nothing is lost, and the
+    operator sees the cause at once), exit 2 with the plug-in's error; no traceback."""
+    sock = str(tmp_path / "p.sock")
+    r = subprocess.run([*PAELLA, "--socket", sock, "--cpu", "none", "--rt-priority", "0",
+                        "--policy", "raising-init"], capture_output=True, text=True, timeout=60,
+                       env=dict(os.environ, **env_with(plugin_path)))
+    assert r.returncode == 2, r.stderr
+    assert "Traceback" not in r.stderr, r.stderr
+    assert r.stderr.strip().splitlines()[-1] == (
+        "paella: error: scheduling policy 'raising-init' failed to start: RuntimeError: plug-in "
+        "bug in __init__; fix the plug-in or choose another policy (--policy, [policy] name)")
+    assert not os.path.exists(sock) and not os.path.exists(sock + ".lock")
+
+
+def test_a_policy_that_never_picks_does_not_hang_start_up(plugin_path, fresh_daemon):
+    """Start-up profiles the noop model through the policy: a pick() that always says
+    None while the GPU is idle is a stall, detected after POLICY_STALL_SECONDS (1 s),
+    and the daemon goes on with fifo (fresh_daemon waits 30 s at most for READY)."""
+    dp = fresh_daemon("--policy", "never-picks", env=env_with(plugin_path))
+    log = dp.log()
+    assert "scheduling policy 'never-picks' raised in pick(); falling back to 'fifo'" in log
+    assert "pick() returned None for 1 s while 1 job(s) had a ready kernel" in log
+    noop_requests(dp.socket, 20)
+
+
+def test_a_broken_distribution_does_not_break_the_other_plugins(plugin_path, broken_path,
+                                                                fresh_daemon, tmp_path):
+    dp = fresh_daemon("--policy", "arrival", env=env_with(plugin_path, broken_path))
+    noop_requests(dp.socket, 20)
+    log = dp.log()
+    assert "scheduling policy plug-in skipped: entry point broken = 'paella_missing_module:" \
+           "Policy' of distribution paella-broken-plugin 0.1 failed to load: " \
+           "ModuleNotFoundError: No module named 'paella_missing_module'" in log
+    assert "falling back" not in log
+    # Asked for by name, the broken one is a clean error that says why.
+    sock = str(tmp_path / "p.sock")
+    r = subprocess.run([*PAELLA, "--socket", sock, "--cpu", "none", "--rt-priority", "0",
+                        "--policy", "broken"], capture_output=True, text=True, timeout=60,
+                       env=dict(os.environ, **env_with(plugin_path, broken_path)))
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    assert r.stderr.strip().splitlines()[-1].startswith(
+        "paella: error: scheduling policy 'broken' is unavailable: entry point broken = "
+        "'paella_missing_module:Policy' of distribution paella-broken-plugin 0.1 failed to load: "
+        "ModuleNotFoundError: No module named 'paella_missing_module'"), r.stderr
