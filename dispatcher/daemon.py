@@ -78,6 +78,8 @@ class DaemonConfig:
     arena_bytes: int = 16 << 20
     max_arena_bytes: int = 256 << 20
     ring_slots: int = 1024
+    max_clients_per_uid: int = 64       # connections of one uid, handshaking or ready
+    handshake_seconds: float = 5.0      # a connection must send HELLO within this
 
     def check(self) -> None:
         choices = {"backend": ("auto", "sim", "cuda"), "idle": ("adaptive", "spin"),
@@ -90,7 +92,8 @@ class DaemonConfig:
             raise ConfigError(f"cpu must be auto, none or a core number, got {self.cpu!r}")
         if not 0 <= self.rt_priority <= 99:
             raise ConfigError(f"rt_priority must be 0..99, got {self.rt_priority}")
-        for name in ("max_clients", "max_inflight_per_client", "arena_bytes", "max_arena_bytes"):
+        for name in ("max_clients", "max_inflight_per_client", "arena_bytes", "max_arena_bytes",
+                     "max_clients_per_uid", "handshake_seconds"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
         if self.arena_bytes > self.max_arena_bytes:
@@ -107,7 +110,7 @@ SECTIONS = {
                "idle_spin_us", "drain_seconds", "echo", "noop", "log_level"),
     "access": ("allowed_users", "allowed_groups", "socket_mode"),
     "limits": ("max_clients", "max_inflight_per_client", "arena_bytes", "max_arena_bytes",
-               "ring_slots"),
+               "ring_slots", "max_clients_per_uid", "handshake_seconds"),
 }
 
 
@@ -195,7 +198,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--allow-group", dest="allowed_groups", action="append", metavar="GROUP")
     p.add_argument("--socket-mode", dest="socket_mode", type=lambda s: int(s, 8))
     for name in SECTIONS["limits"]:
-        p.add_argument("--" + name.replace("_", "-"), dest=name, type=int)
+        p.add_argument("--" + name.replace("_", "-"), dest=name,
+                       type=type(getattr(DaemonConfig, name)))
     p.set_defaults(func=_serve)
 
 
@@ -490,6 +494,7 @@ class DispatcherExecutor:
         self.front.almost_finished(req.client_id, req.req_id)
 
     def _done(self, req, status: int, error: str | None) -> None:
+        req.io = None     # a finished job may linger (a policy's lazy heap): not the client's memory
         code = self.status.get(status, rings.E_INTERNAL)
         if self._failing is not None and code == rings.E_CANCELLED:
             code, error = rings.E_FAILED, self._failing      # cancel_all(reason): say why
@@ -623,7 +628,8 @@ class Daemon:
             allowed_groups=tuple(cfg.allowed_groups), socket_mode=cfg.socket_mode,
             layout=rings.Layout(cfg.ring_slots, cfg.ring_slots, cfg.arena_bytes),
             max_arena_bytes=cfg.max_arena_bytes, max_clients=cfg.max_clients,
-            max_inflight_per_client=cfg.max_inflight_per_client)
+            max_inflight_per_client=cfg.max_inflight_per_client,
+            max_clients_per_uid=cfg.max_clients_per_uid, handshake_seconds=cfg.handshake_seconds)
         self.front = Frontend(fcfg, self.table)
         self.router = Router()
         self.host = HostExecutor(self.front, {})
