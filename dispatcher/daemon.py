@@ -392,6 +392,10 @@ class FunctionalCache:
         self.hits = self.misses = 0
 
     def outputs(self, name: str, bundle, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        # A private copy first: the inputs are views of a client's arena, which it may
+        # rewrite at any moment; hashing one content and computing another would cache
+        # wrong outputs under a digest that another client's request can match.
+        inputs = {k: np.array(v) for k, v in inputs.items()}
         h = hashlib.blake2b(digest_size=16)
         for k in sorted(inputs):
             h.update(np.ascontiguousarray(inputs[k]).view(np.uint8).data)
@@ -494,7 +498,7 @@ class DispatcherExecutor:
         self.front.almost_finished(req.client_id, req.req_id)
 
     def _done(self, req, status: int, error: str | None) -> None:
-        req.io = None     # a finished job may linger (a policy's lazy heap): not the client's memory
+        req.io = None   # its job may linger in a policy's lazy heap; the client's memory may not
         code = self.status.get(status, rings.E_INTERNAL)
         if self._failing is not None and code == rings.E_CANCELLED:
             code, error = rings.E_FAILED, self._failing      # cancel_all(reason): say why
