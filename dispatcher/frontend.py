@@ -488,7 +488,7 @@ class Frontend:
                                             f"supported (daemon speaks {wire.PROTOCOL_VERSION})")
         mode = msg.get("mode", "hybrid")
         if mode not in wire.MODES:
-            raise wire.WireError("bad_mode", f"mode {mode!r} is not one of {wire.MODES}")
+            raise wire.WireError("bad_mode", f"mode {mode[:40]!r} is not one of {wire.MODES}")
         arena = msg.get("arena_bytes", self.cfg.layout.arena_bytes)
         if not 0 < arena <= self.cfg.max_arena_bytes:
             raise wire.WireError("bad_arena", f"arena_bytes {arena} must be in "
@@ -520,6 +520,8 @@ class Frontend:
             os.close(fd)          # the client has its copy; our mapping needs none
         if sent < len(welcome):
             self.send(c, welcome[sent:])    # the rest follows like any queued frame
+            if not c.alive:
+                return
         self.ready.append(c)
         if self.on_arena_mapped is not None:
             self.on_arena_mapped(c.cid, c.seg.arena)

@@ -112,7 +112,7 @@ def check_fields(kind: int, obj: dict[str, Any]) -> dict[str, Any]:
     schema = SCHEMAS[kind]
     for name, value in obj.items():
         if name not in schema:
-            raise WireError("bad_field", f"{NAMES[kind]} has no field {name!r} (its fields: "
+            raise WireError("bad_field", f"{NAMES[kind]} has no field {name[:40]!r} (its fields: "
                                          f"{', '.join(schema) or 'none'})")
         want = schema[name][0]
         if type(value) is not want:            # exact: a bool is not an int, 1.0 is not 1

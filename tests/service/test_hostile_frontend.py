@@ -319,6 +319,14 @@ def test_hostile_control_frame_gets_an_error(daemon, name):
 
 
 # --- 8. a departed client leaves no mapping and no descriptor ---------------------------
+def quiet_fds(dp) -> list[str]:
+    """The daemon's descriptors once one client has come and gone (whatever first use
+    opens for good is open then) and the daemon has let go of it."""
+    echo_works(dp.socket)
+    assert wait_for(lambda: not held_segments(dp.pid))
+    return dp.fds()
+
+
 KILLED_MID_REQUEST = """
 from paella.client import connect
 c = connect(SOCK)
@@ -335,8 +343,7 @@ def test_departed_clients_leave_no_mapping_and_no_fd(fresh_daemon):
     SIGKILLed, dropped for a corrupt ring), /proc/<daemon>/maps and /proc/<daemon>/fd
     hold nothing of theirs, and the daemon holds as many descriptors as before."""
     dp = fresh_daemon()
-    echo_works(dp.socket)                 # whatever first use opens for good, opens now
-    before = dp.fds()
+    before = quiet_fds(dp)
     for k in range(4):                    # served: echo on the host, noop on the device
         with connect(dp.socket) as c:
             off = c.alloc(64)
@@ -384,8 +391,7 @@ def test_fd_exhaustion_during_hello(fresh_daemon, spare):
     creation (1) or at mapping (2), the client gets ERROR "resources" (a clear
     DaemonUnavailable), and the daemon leaks nothing and serves once fds are back."""
     dp = fresh_daemon()
-    echo_works(dp.socket)
-    before = dp.fds()
+    before = quiet_fds(dp)
     soft, hard = resource.prlimit(dp.pid, resource.RLIMIT_NOFILE)
     resource.prlimit(dp.pid, resource.RLIMIT_NOFILE, (_fd_limit_allowing(dp.pid, spare), hard))
     try:
