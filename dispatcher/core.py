@@ -420,6 +420,7 @@ class Dispatcher:
             req.error = job.error
         self._withdraw(job)
         req.t_done = self.now
+        job.wait_op = None                   # (a cancelled synchronize leaves its op, and io view)
         if req.on_complete is not None:
             req.on_complete(req, req.status, req.error)
 

@@ -255,6 +255,10 @@ class Waitlist:
                     was_ready.append(op)
                 op.state = DROPPED
                 self.pending -= 1
+                # It will never run: let go of its host view and its predecessor (which
+                # may be a finished copy, with its own), as a finished op does. A job's
+                # ops outlive it in a policy's lazy heap; a client's memory must not.
+                op.host = op.pred = None
         return was_ready
 
     def _unfinished(self) -> list[Op]:
