@@ -45,10 +45,10 @@ class DaemonProc:
             return f.read()
 
     def segments(self) -> list[str]:
-        """This daemon's client segments: still mapped or open in its process (memfd
-        segments have no name anywhere else), or named in /dev/shm (the old scheme)."""
-        named = {".".join(n.split(".")[:3]) for n in os.listdir("/dev/shm")
-                 if n.startswith(f"paella.{self.pid}.")}
+        """This daemon's segments: client memfds still mapped or open in its process (they
+        have no name anywhere else), and every name in /dev/shm it owns (its own segments,
+        such as the simulator process's notifQ, or client segments of the old scheme)."""
+        named = {n for n in os.listdir("/dev/shm") if n.startswith(f"paella.{self.pid}.")}
         return sorted(named | held_segments(self.pid))
 
     def fds(self) -> list[str]:
