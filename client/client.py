@@ -21,6 +21,11 @@ whichever request completed first, whoever submitted it; :meth:`Client.infer` an
 :meth:`Client.wait` wait for one request id and keep the others for later readers.
 Reception is serialized, so a thread waiting on a long job delays another thread's
 wait for a short one: for the lowest latency, give each thread its own client.
+
+The segment arrives as a descriptor with WELCOME: a memfd the daemon sealed against
+resizing, mapped here as it is. Ring indices are stored through ``paella.rings``'
+uint64 view, one aligned 8-byte store each, as the protocol requires (a torn store
+of ``cmp_head`` can look corrupt to the daemon, which then drops the client).
 """
 from __future__ import annotations
 
@@ -76,10 +81,21 @@ class Client:
             self._sock.close()
             raise
         self.client_id: int = welcome["client_id"]
+        #: The segment's name as /proc shows it (``memfd:paella.<daemon pid>.<id>``);
+        #: it is in no file system.
         self.segment_name: str = welcome["segment"]
-        layout = rings.Layout.from_dict(welcome["layout"])
         try:
+            layout = rings.Layout.from_dict(welcome["layout"])
+            if os.fstat(fd).st_size < layout.total_bytes:   # mapping past the end faults
+                raise DaemonUnavailable(f"the segment passed by the daemon is smaller than "
+                                        f"its announced layout ({layout.total_bytes} bytes)")
             self._mm = mmap.mmap(fd, layout.total_bytes)
+        except ValueError as e:
+            self._sock.close()
+            raise DaemonUnavailable(f"the daemon sent a bad segment layout: {e}") from None
+        except BaseException:
+            self._sock.close()
+            raise
         finally:
             os.close(fd)
         self._seg = rings.Segment(self._mm, layout)
@@ -129,6 +145,21 @@ class Client:
         except OSError:
             pass   # a refusing daemon may close before HELLO: its ERROR is still readable
         fds: list[int] = []
+        try:
+            msg = self._await_welcome(fds, timeout)
+        except BaseException:
+            for fd in fds:
+                os.close(fd)
+            raise
+        if len(fds) != 1:
+            for fd in fds:
+                os.close(fd)
+            raise DaemonUnavailable(f"WELCOME carried {len(fds)} descriptors, expected the "
+                                    f"segment's one")
+        return msg, fds[0]
+
+    def _await_welcome(self, fds: list[int], timeout: float) -> dict:
+        """Read until WELCOME, collecting the descriptors that come along in ``fds``."""
         deadline = time.monotonic() + timeout
         while True:
             try:
@@ -143,22 +174,21 @@ class Client:
             if not data:
                 raise DaemonUnavailable(f"the daemon at {self.path} closed the connection "
                                         f"during the handshake")
-            for kind, msg in self._reader.feed(data):
+            try:
+                frames = self._reader.feed(data)
+            except wire.WireError as e:
+                raise DaemonUnavailable(f"the daemon sent a malformed frame: {e}") from None
+            for kind, msg in frames:
                 if kind == wire.ERROR:
-                    for fd in fds:
-                        os.close(fd)
                     raise DaemonUnavailable(f"the daemon refused the connection: "
-                                            f"{msg.get('error')}: {msg.get('message')}")
+                                            f"{msg['error']}: {msg['message']}")
                 if kind == wire.WELCOME:
-                    if len(fds) != 1:
-                        raise DaemonUnavailable(f"WELCOME carried {len(fds)} descriptors, "
-                                                f"expected the segment's one")
-                    return msg, fds[0]
+                    return msg
             if time.monotonic() > deadline:
                 raise DaemonUnavailable(f"no WELCOME from {self.path} within {timeout} s")
 
     def close(self) -> None:
-        """Close the socket (the daemon unlinks the segment) and unmap the arena."""
+        """Close the socket (the daemon drops its mapping) and unmap the arena."""
         if self.closed:
             return
         self.closed = True

@@ -464,6 +464,8 @@ class Dispatcher:
             job.model.profile.record_job(job.kcount)
             self._almost_finished(job)       # at the latest now
         self._withdraw(job)
+        job.wait_op = None                   # (a cancelled synchronize leaves its op, and io view)
+        job.io = None                        # its work is done; a client's memory must not linger
         now = self.now
         instr = self.instruments
         for req in job.requests:
@@ -688,6 +690,7 @@ class Dispatcher:
             if job.glet is not None and not job.glet.dead:
                 job.glet.throw(greenlet.GreenletExit)
             job.state = FINISHED
+            job.io = None
             self.jobs.discard(job)
             self.in_flight -= len(job.requests)
             for req in job.requests:

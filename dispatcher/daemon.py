@@ -90,6 +90,8 @@ class DaemonConfig:
     arena_bytes: int = 16 << 20
     max_arena_bytes: int = 256 << 20
     ring_slots: int = 1024
+    max_clients_per_uid: int = 64       # connections of one uid, handshaking or ready
+    handshake_seconds: float = 5.0      # a connection must send HELLO within this
 
     def check(self) -> None:
         choices = {"backend": ("auto", "sim", "cuda"), "idle": ("adaptive", "spin"),
@@ -109,7 +111,8 @@ class DaemonConfig:
             raise ConfigError(f"idle_spin_us must be >= 0 (microseconds), got {self.idle_spin_us}")
         if not 0 <= self.socket_mode <= 0o777:
             raise ConfigError(f"socket_mode must be a file mode 0000..0777, got {self.socket_mode:#o}")
-        for name in ("max_clients", "max_inflight_per_client", "arena_bytes", "max_arena_bytes"):
+        for name in ("max_clients", "max_inflight_per_client", "arena_bytes", "max_arena_bytes",
+                     "max_clients_per_uid", "handshake_seconds"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
         if self.arena_bytes > self.max_arena_bytes:
@@ -138,7 +141,7 @@ SECTIONS = {
                "idle_spin_us", "drain_seconds", "echo", "noop", "log_level"),
     "access": ("allowed_users", "allowed_groups", "socket_mode"),
     "limits": ("max_clients", "max_inflight_per_client", "arena_bytes", "max_arena_bytes",
-               "ring_slots"),
+               "ring_slots", "max_clients_per_uid", "handshake_seconds"),
 }
 
 
@@ -243,7 +246,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--socket-mode", dest="socket_mode",
                    help="mode of the socket file, octal (default 0666)")
     for name in SECTIONS["limits"]:
-        p.add_argument("--" + name.replace("_", "-"), dest=name, type=int)
+        p.add_argument("--" + name.replace("_", "-"), dest=name,
+                       type=type(getattr(DaemonConfig, name)))
     p.set_defaults(func=_serve)
 
 
@@ -466,6 +470,10 @@ class FunctionalCache:
 
     def outputs(self, name: str, bundle, inputs: dict[str, np.ndarray],
                 where: str = "the dispatcher loop waited") -> dict[str, np.ndarray]:
+        # A private copy first: the inputs are views of a client's arena, which it may
+        # rewrite at any moment; hashing one content and computing another would cache
+        # wrong outputs under a digest that another client's request can match.
+        inputs = {k: np.array(v) for k, v in inputs.items()}
         h = hashlib.blake2b(digest_size=16)
         for k in sorted(inputs):
             h.update(np.ascontiguousarray(inputs[k]).view(np.uint8).data)
@@ -588,6 +596,7 @@ class DispatcherExecutor:
         self.front.almost_finished(req.client_id, req.req_id)
 
     def _done(self, req, status: int, error: str | None) -> None:
+        req.io = None   # its job may linger in a policy's lazy heap; the client's memory may not
         self.front.complete(req.client_id, req.req_id, self.status.get(status, rings.E_INTERNAL),
                             error)
 
@@ -752,7 +761,8 @@ class Daemon:
             allowed_groups=tuple(cfg.allowed_groups), socket_mode=cfg.socket_mode,
             layout=rings.Layout(cfg.ring_slots, cfg.ring_slots, cfg.arena_bytes),
             max_arena_bytes=cfg.max_arena_bytes, max_clients=cfg.max_clients,
-            max_inflight_per_client=cfg.max_inflight_per_client)
+            max_inflight_per_client=cfg.max_inflight_per_client,
+            max_clients_per_uid=cfg.max_clients_per_uid, handshake_seconds=cfg.handshake_seconds)
         self.front = Frontend(fcfg, self.table)
         self.router = Router()
         self.host = HostExecutor(self.front, {}, Instruments(self.instruments))

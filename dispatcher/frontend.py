@@ -2,18 +2,26 @@
 
 Everything a client can reach goes through here, and nothing a client writes is
 trusted. A connection is identified by SO_PEERCRED (the kernel's word, not the
-client's) and checked against the allowed users and groups. Its shared-memory segment
-(``paella.rings``) is created with mode 0600 by the daemon; the file descriptor is
-passed over the socket with SCM_RIGHTS, so a client of another uid maps it without
-the segment ever being opened to others.
+client's) and checked against the allowed users and groups, a per-uid connection limit
+and a handshake deadline. Its shared-memory segment (``paella.rings``) is a memfd the
+daemon creates, sizes and seals (``F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL``) before
+passing its descriptor over the socket with SCM_RIGHTS: the client maps it, of any uid,
+but no one can change its size, so the daemon's mapping can never fault (SIGBUS) on a
+page past a truncated end. The segment has no name anywhere; it goes with the last
+descriptor and mapping.
 
 The loop calls :meth:`Frontend.poll_rings` (round-robin over clients, each entry
 validated, bad ones completed with an error status) and :meth:`Frontend.poll_io`
-(accept, control messages, client loss). The execution path is an :class:`Executor`:
-it calls back :meth:`almost_finished` and :meth:`complete`.
+(accept, control messages, handshake deadlines, client loss). The execution path is an
+:class:`Executor`: it calls back :meth:`almost_finished` and :meth:`complete`.
+
+A client may be dropped by almost any call that touches it (a corrupt ring, a socket
+that stopped reading); every loop over clients or over one client's entries checks
+``alive`` after each step that could drop it.
 """
 from __future__ import annotations
 
+import errno
 import fcntl
 import grp
 import logging
@@ -23,17 +31,26 @@ import pwd
 import selectors
 import socket
 import struct
+import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable, Protocol
 
 import numpy as np
-import posix_ipc
 
 from paella import rings, wire
 
 log = logging.getLogger("paella.frontend")
 
 UCRED = struct.Struct("3i")   # struct ucred {pid_t pid; uid_t uid; gid_t gid;}
+
+#: Seals of every client segment: its size is fixed for good (and the seals too).
+SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
+
+#: errnos meaning "the daemon is out of descriptors or memory", answered with ERROR
+#: "resources" rather than a crash or a silent close.
+RESOURCE_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS,
+                             errno.ENOSPC})
 
 
 class FrontendError(RuntimeError):
@@ -66,6 +83,35 @@ class FrontendConfig:
     max_inflight_per_client: int = 256
     quantum: int = 8                   # entries taken from one ring per round-robin turn
     outbox_limit: int = 1 << 20        # bytes queued for a client that does not read
+    handshake_seconds: float = 5.0     # a connection must send HELLO within this
+    max_clients_per_uid: int = 64      # connections (handshaking or ready) of one uid
+    log_interval: float = 10.0         # one log line per client per interval for its
+                                       # rejected entries and bad messages (then a count)
+
+
+@dataclass
+class LogThrottle:
+    """At most one log line per ``interval`` for one kind of event; the events in
+    between are only counted, and the next line (or :meth:`flush`) says how many.
+    Why: one client writing bad entries in a loop wrote 65,815 INFO lines (8 MB)."""
+    interval: float
+    next_at: float = 0.0
+    held: int = 0
+
+    def admit(self) -> int | None:
+        """None: stay quiet (the event is counted). Else log now; the value is the
+        number of events held back since the last line."""
+        now = time.monotonic()
+        if now < self.next_at:
+            self.held += 1
+            return None
+        held, self.held, self.next_at = self.held, 0, now + self.interval
+        return held
+
+    def flush(self) -> int:
+        """Events held back and not yet reported (then forgotten)."""
+        held, self.held = self.held, 0
+        return held
 
 
 @dataclass(eq=False)
@@ -76,16 +122,20 @@ class ClientConn:
     pid: int
     uid: int
     gid: int
-    reader: wire.FrameReader = field(default_factory=wire.FrameReader)
+    reader: wire.FrameReader = field(
+        default_factory=lambda: wire.FrameReader(wire.MAX_CLIENT_PAYLOAD))
     outbox: bytearray = field(default_factory=bytearray)
     mode: str = ""
-    shm: posix_ipc.SharedMemory | None = None
+    segment: str = ""                   # the memfd's name, for logs (it is in no file system)
+    deadline: float = 0.0               # monotonic time by which HELLO must have come
     seg: rings.Segment | None = None
     reqs: rings.RequestConsumer | None = None
     cmps: rings.CompletionProducer | None = None
     #: req_id -> True once the wake-up was sent (hybrid mode)
     inflight: dict[int, bool] = field(default_factory=dict)
     alive: bool = True
+    reject_log: LogThrottle = field(default_factory=lambda: LogThrottle(10.0))
+    message_log: LogThrottle = field(default_factory=lambda: LogThrottle(10.0))
 
     @property
     def ready(self) -> bool:
@@ -136,6 +186,29 @@ def peer_groups(pid: int, gid: int) -> set[int]:
     return groups
 
 
+def make_segment(name: str, size: int) -> tuple[int, mmap.mmap]:
+    """A sealed memfd of ``size`` bytes and the daemon's mapping of it.
+
+    Sealed against shrinking and growing (and against removing the seals), so the
+    client that gets the descriptor can change the bytes but never the size: the
+    daemon's mapping can never fault. On failure nothing is left open."""
+    fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    try:
+        os.ftruncate(fd, size)
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, SEALS)
+        return fd, mmap.mmap(fd, size)      # (mmap keeps a duplicate fd until unmapped)
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def _out_of_resources(e: OSError) -> str:
+    if e.errno in (errno.EMFILE, errno.ENFILE):
+        return (f"the daemon is out of file descriptors ({e.strerror}); try again later, "
+                f"or raise its limit (LimitNOFILE= in the unit)")
+    return f"the daemon could not make a shared-memory segment ({e.strerror}); try again later"
+
+
 def _close_gently(sock: socket.socket) -> None:
     """Close after reading what the peer already sent: closing a Unix socket with
     unread input makes the peer's recv fail with ECONNRESET *before* it can read the
@@ -169,13 +242,24 @@ class Frontend:
         self.listener: socket.socket | None = None
         self.accepting = True
         self._lock_fd: int | None = None
+        #: Held open so that at EMFILE one descriptor can be freed to accept the waiting
+        #: connection and tell it why it is refused (else it would wait in the backlog).
+        self._spare_fd: int | None = None
         self._sleeping = False
+        #: Connections that have not sent HELLO yet, oldest (earliest deadline) first.
+        self._handshaking: deque[ClientConn] = deque()
+        #: Clients dropped whose jobs are still to be cancelled (see _cancel_dropped).
+        self._cancels: list[int] = []
+        self._per_uid: dict[int, int] = {}
+        self._refusal_log = LogThrottle(cfg.log_interval)
         self.allowed_uids = {_resolve_id(u, pwd.getpwnam, 'pw_uid', 'user')
                              for u in cfg.allowed_users} | {os.geteuid(), 0}
         self.allowed_gids = {_resolve_id(g, grp.getgrnam, 'gr_gid', 'group')
                              for g in cfg.allowed_groups}
+        #: Counters the daemon logs at exit ("stopped cleanly; stats {...}").
         self.stats = {"accepted": 0, "refused": 0, "lost": 0, "requests": 0, "rejected": 0,
-                      "bad_messages": 0}
+                      "bad_messages": 0, "handshake_timeouts": 0, "rejections_not_logged": 0,
+                      "messages_not_logged": 0, "refusals_not_logged": 0}
 
     # -- socket setup --------------------------------------------------------------
     def listen(self) -> None:
@@ -202,6 +286,7 @@ class Frontend:
         s.setblocking(False)
         self.listener = s
         self.sel.register(s, selectors.EVENT_READ, None)
+        self._spare_fd = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
 
     def watch(self, fd: int, callback) -> None:
         """Also wake :meth:`poll_io` when ``fd`` is readable, and call ``callback()``."""
@@ -221,7 +306,12 @@ class Frontend:
 
     # -- the socket side -----------------------------------------------------------
     def poll_io(self, timeout: float | None = 0) -> int:
-        """Handle ready sockets; block up to ``timeout`` seconds (None: forever)."""
+        """Handle ready sockets; block up to ``timeout`` seconds (None: forever), but
+        no later than the next handshake deadline."""
+        if self._cancels:
+            self._cancel_dropped()
+        if self._handshaking:
+            timeout = self._expire_handshakes(timeout)
         events = self.sel.select(timeout)
         for key, mask in events:
             c = key.data
@@ -244,6 +334,12 @@ class Frontend:
             sock, _ = self.listener.accept()   # type: ignore[union-attr]
         except (BlockingIOError, InterruptedError):
             return
+        except OSError as e:
+            if e.errno in RESOURCE_ERRNOS:
+                self._accept_with_spare_fd(e)
+            else:   # ECONNABORTED and kin: that one connection is gone, nothing else
+                log.warning("accept failed: %s", e)
+            return
         sock.setblocking(False)
         pid, uid, gid = UCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
                                                      UCRED.size))
@@ -251,25 +347,84 @@ class Frontend:
             self._refuse(sock, "forbidden", f"uid {uid} (pid {pid}) is not in the daemon's "
                                             f"allowed users or groups")
             return
+        if self._per_uid.get(uid, 0) >= self.cfg.max_clients_per_uid:
+            self._refuse(sock, "too_many_connections",
+                         f"uid {uid} already has {self.cfg.max_clients_per_uid} connections "
+                         f"(max_clients_per_uid)")
+            return
         if len(self.clients) >= self.cfg.max_clients:
             self._refuse(sock, "too_many_clients",
                          f"the daemon already serves {self.cfg.max_clients} clients (limit)")
             return
-        c = ClientConn(self._next_cid, sock, pid, uid, gid)
+        c = ClientConn(self._next_cid, sock, pid, uid, gid,
+                       deadline=time.monotonic() + self.cfg.handshake_seconds,
+                       reject_log=LogThrottle(self.cfg.log_interval),
+                       message_log=LogThrottle(self.cfg.log_interval))
         self._next_cid += 1
         self.clients[c.cid] = c
+        self._per_uid[uid] = self._per_uid.get(uid, 0) + 1
+        self._handshaking.append(c)
         self.sel.register(sock, selectors.EVENT_READ, c)
         self.stats["accepted"] += 1
         log.debug("client %d connected: pid %d uid %d", c.cid, pid, uid)
 
+    def _accept_with_spare_fd(self, exc: OSError) -> None:
+        """Out of descriptors: free the spare one, accept the waiting connection into
+        it, tell the peer why, close it, take the spare back. Without this the
+        connection would sit in the backlog (the listener stays readable: a busy loop)
+        and its client would wait for its timeout without a word."""
+        if self._spare_fd is None:
+            log.error("accept failed (%s) and no spare descriptor is left", exc)
+            return
+        os.close(self._spare_fd)
+        self._spare_fd = None
+        try:
+            sock, _ = self.listener.accept()   # type: ignore[union-attr]
+        except OSError:
+            sock = None      # someone else took the freed descriptor, or it is gone
+        if sock is not None:
+            self._refuse(sock, "resources", _out_of_resources(exc))
+        try:
+            self._spare_fd = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
+        except OSError:
+            pass  # retried at the next EMFILE
+
     def _refuse(self, sock: socket.socket, code: str, message: str) -> None:
-        log.warning("refused a connection: %s", message)
         self.stats["refused"] += 1
+        held = self._refusal_log.admit()
+        if held is None:
+            self.stats["refusals_not_logged"] += 1
+        else:
+            log.warning("refused a connection: %s%s", message,
+                        f" ({held} more refused since the last line)" if held else "")
         try:
             sock.send(wire.error(code, message))
         except OSError:
             pass  # the peer is gone already; nothing to tell
         _close_gently(sock)
+
+    def _expire_handshakes(self, timeout: float | None) -> float | None:
+        """Drop the connections whose HELLO is overdue; return ``timeout`` shortened
+        to the next deadline. Deadlines grow in accept order, so only the front of
+        the queue is ever looked at."""
+        q = self._handshaking
+        now = time.monotonic()
+        while q:
+            c = q[0]
+            if not c.alive or c.seg is not None:
+                q.popleft()                       # gone, or its HELLO came in time
+            elif c.deadline <= now:
+                q.popleft()
+                self.stats["handshake_timeouts"] += 1
+                self.send(c, wire.error("handshake_timeout",
+                                        f"no HELLO within {self.cfg.handshake_seconds} s of "
+                                        f"connecting"))
+                self._flush(c)
+                self.drop_client(c, "no HELLO before the handshake deadline")
+            else:
+                wait = c.deadline - now
+                return wait if timeout is None else min(timeout, wait)
+        return timeout
 
     def _read(self, c: ClientConn) -> None:
         try:
@@ -295,10 +450,19 @@ class Frontend:
                 self._handle(c, raw[0], wire.decode_payload(raw[0], raw[1]))
             except wire.WireError as e:
                 self._bad_message(c, e, fatal=False)
+            except Exception as e:  # noqa: BLE001 - a daemon bug costs this client only
+                log.exception("client %d: handling %s failed", c.cid, wire.NAMES[raw[0]])
+                self._fatal(c, "internal", f"the daemon failed on your {wire.NAMES[raw[0]]} "
+                                           f"({type(e).__name__}: {e}); this is a bug")
 
     def _bad_message(self, c: ClientConn, e: wire.WireError, fatal: bool) -> None:
         self.stats["bad_messages"] += 1
-        log.warning("client %d (pid %d) sent a bad message: %s", c.cid, c.pid, e)
+        held = c.message_log.admit()
+        if held is None:
+            self.stats["messages_not_logged"] += 1
+        else:
+            log.warning("client %d (pid %d) sent a bad message: %s%s", c.cid, c.pid, e,
+                        f" ({held} more since the last line)" if held else "")
         self.send(c, wire.error(e.code, str(e)))
         if fatal:
             self._flush(c)
@@ -316,43 +480,59 @@ class Frontend:
             raise wire.WireError("unexpected", f"a client may not send {wire.NAMES[kind]}")
 
     def _hello(self, c: ClientConn, msg: dict) -> None:
+        """``msg`` passed ``wire.check_fields``: each present field has its exact type."""
         if c.seg is not None:
             raise wire.WireError("unexpected", "HELLO sent twice on one connection")
-        if msg.get("version") != wire.PROTOCOL_VERSION:
-            raise wire.WireError("version", f"protocol version {msg.get('version')!r} is not "
+        if msg["version"] != wire.PROTOCOL_VERSION:
+            raise wire.WireError("version", f"protocol version {msg['version']} is not "
                                             f"supported (daemon speaks {wire.PROTOCOL_VERSION})")
         mode = msg.get("mode", "hybrid")
         if mode not in wire.MODES:
-            raise wire.WireError("bad_mode", f"mode {mode!r} is not one of {wire.MODES}")
+            raise wire.WireError("bad_mode", f"mode {mode[:40]!r} is not one of {wire.MODES}")
         arena = msg.get("arena_bytes", self.cfg.layout.arena_bytes)
-        if not isinstance(arena, int) or not 0 < arena <= self.cfg.max_arena_bytes:
-            raise wire.WireError("bad_arena", f"arena_bytes {arena!r} must be an integer in "
+        if not 0 < arena <= self.cfg.max_arena_bytes:
+            raise wire.WireError("bad_arena", f"arena_bytes {arena} must be in "
                                               f"1..{self.cfg.max_arena_bytes}")
         layout = rings.Layout(self.cfg.layout.req_slots, self.cfg.layout.cmp_slots, arena)
-        name = f"/paella.{os.getpid()}.{c.cid}.{os.urandom(4).hex()}"
-        shm = posix_ipc.SharedMemory(name, posix_ipc.O_CREX, mode=0o600, size=layout.total_bytes)
+        name = f"paella.{os.getpid()}.{c.cid}"
         try:
-            mm = mmap.mmap(shm.fd, layout.total_bytes)
-            c.shm, c.mode = shm, mode
+            fd, mm = make_segment(name, layout.total_bytes)
+        except OSError as e:
+            self._fatal(c, "resources", _out_of_resources(e))
+            return
+        try:
+            c.segment, c.mode = "memfd:" + name, mode
             c.seg = rings.Segment(mm, layout)
             c.seg.init_header()
             c.reqs = rings.RequestConsumer(c.seg)
             c.cmps = rings.CompletionProducer(c.seg)
             c.cmps.set_sleeping(self._sleeping)
-            welcome = wire.encode(wire.WELCOME, {"client_id": c.cid, "segment": name,
+            welcome = wire.encode(wire.WELCOME, {"client_id": c.cid, "segment": c.segment,
                                                  "layout": layout.to_dict(),
                                                  "models": self.models.describe()})
-            socket.send_fds(c.sock, [welcome], [shm.fd])
+            sent = socket.send_fds(c.sock, [welcome], [fd])
         except OSError as e:
+            # (BlockingIOError too: a client that filled its socket before HELLO. The
+            # descriptor can only travel with the first byte, so it cannot be queued.)
             self.drop_client(c, f"could not hand over the segment: {e}")
             return
         finally:
-            shm.close_fd()
+            os.close(fd)          # the client has its copy; our mapping needs none
+        if sent < len(welcome):
+            self.send(c, welcome[sent:])    # the rest follows like any queued frame
+            if not c.alive:
+                return
         self.ready.append(c)
         if self.on_arena_mapped is not None:
             self.on_arena_mapped(c.cid, c.seg.arena)
         log.info("client %d (pid %d uid %d) ready: mode %s, segment %s, arena %d bytes",
-                 c.cid, c.pid, c.uid, mode, name, arena)
+                 c.cid, c.pid, c.uid, mode, c.segment, arena)
+
+    def _fatal(self, c: ClientConn, code: str, message: str) -> None:
+        """Tell the client why, then drop it."""
+        self.send(c, wire.error(code, message))
+        self._flush(c)
+        self.drop_client(c, f"{code}: {message}")
 
     def send(self, c: ClientConn, frame: bytes) -> None:
         """Queue-or-send without blocking; a client that lets too much pile up is dropped."""
@@ -397,14 +577,16 @@ class Frontend:
         in its ring (back-pressure) while its completion ring could not take their
         completions or it has ``max_inflight_per_client`` requests running.
         """
+        if self._cancels:
+            self._cancel_dropped()
         ready = self.ready
         n = len(ready)
         if n == 0:
             return 0
         taken = 0
         start = self._rr = (self._rr + 1) % n
-        for i in range(n):
-            c = ready[(start + i) % n]
+        # A snapshot: a client dropped during the pass leaves ``ready`` at once.
+        for c in ready[start:] + ready[:start]:
             if c.alive:
                 taken += self._poll_client(c, admit)
         return taken
@@ -418,18 +600,21 @@ class Frontend:
             room = min(self.cfg.layout.cmp_slots - cmps.unread() - len(c.inflight),  # type: ignore[union-attr]
                        self.cfg.max_inflight_per_client - len(c.inflight))
         except rings.RingCorrupt as e:
-            self.send(c, wire.error("ring_corrupt", str(e)))
-            self._flush(c)
-            self.drop_client(c, f"corrupt ring: {e}")
+            self._ring_corrupt(c, e)
             return 0
         k = min(pending, room, self.cfg.quantum)
-        for _ in range(k):
+        for i in range(k):
+            if not c.alive:      # dropped by the previous entry (its outbox overflowed):
+                return i         # the rest of the batch stays in the ring, unread
             req_id, mo, off, ln = reqs.pop()   # type: ignore[union-attr]
             if admit:
                 self._admit(c, req_id, mo & rings.U32, mo >> 32, off, ln)
             else:
                 self._reject(c, req_id, rings.E_CANCELLED, "the daemon is shutting down")
         return k
+
+    def _ring_corrupt(self, c: ClientConn, e: rings.RingCorrupt) -> None:
+        self._fatal(c, "ring_corrupt", str(e))
 
     def _admit(self, c: ClientConn, req_id: int, model_id: int, options: int, off: int,
                ln: int) -> None:
@@ -462,7 +647,12 @@ class Frontend:
 
     def _reject(self, c: ClientConn, req_id: int, status: int, reason: str) -> None:
         self.stats["rejected"] += 1
-        log.info("client %d request %d rejected: %s", c.cid, req_id, reason)
+        held = c.reject_log.admit()
+        if held is None:
+            self.stats["rejections_not_logged"] += 1
+        else:
+            log.info("client %d request %d rejected: %s%s", c.cid, req_id, reason,
+                     f" ({held} more rejected since the last line)" if held else "")
         self._finish(c, req_id, False, status, reason)
 
     # -- executor callbacks -------------------------------------------------------------
@@ -496,7 +686,11 @@ class Frontend:
             self.send(c, wire.encode_id(wire.WAKE, req_id))
         if not c.alive:
             return
-        c.cmps.push(req_id, status, reason)   # type: ignore[union-attr]
+        try:
+            c.cmps.push(req_id, status, reason)   # type: ignore[union-attr]
+        except rings.RingCorrupt as e:
+            self._ring_corrupt(c, e)
+            return
         if c.mode == "socket":
             self.send(c, wire.encode_id(wire.DONE, req_id))
 
@@ -522,13 +716,23 @@ class Frontend:
 
     # -- client loss and shutdown -------------------------------------------------------
     def drop_client(self, c: ClientConn, why: str) -> None:
-        """Forget a client: cancel its jobs, unlink its segment, close its socket."""
+        """Forget a client: cancel its jobs, close its socket; its segment goes with
+        the mapping, once no job of it is left (:meth:`_release`)."""
         if not c.alive:
             return
         c.alive = False
         self.stats["lost"] += 1
         log.info("client %d (pid %d) dropped: %s (%d in flight)", c.cid, c.pid, why,
                  len(c.inflight))
+        for what, throttle in (("rejected entries", c.reject_log),
+                               ("bad messages", c.message_log)):
+            if held := throttle.flush():
+                log.info("client %d: %d more %s since the last line", c.cid, held, what)
+        n = self._per_uid.get(c.uid, 0) - 1
+        if n > 0:
+            self._per_uid[c.uid] = n
+        else:
+            self._per_uid.pop(c.uid, None)
         try:
             self.sel.unregister(c.sock)
         except (KeyError, ValueError):
@@ -536,15 +740,21 @@ class Frontend:
         _close_gently(c.sock)
         if c in self.ready:
             self.ready.remove(c)
-        if c.shm is not None:
-            try:
-                c.shm.unlink()   # the name goes now; the mapping lives while jobs do
-            except posix_ipc.ExistentialError:
-                pass  # already unlinked
         if c.inflight and self.executor is not None:
-            self.executor.cancel_client(c.cid)
+            self._cancels.append(c.cid)
         if not c.inflight:
             self._release(c)
+
+    def _cancel_dropped(self) -> None:
+        """Cancel the jobs of the clients dropped since the last call.
+
+        Deferred to the loop's own calls (poll_rings, poll_io): a client can be dropped
+        inside an executor callback (the WAKE that almost_finished sends fails while the
+        dispatcher launches a copy), and cancelling its jobs right there would re-enter
+        the executor in the middle of that operation."""
+        cids, self._cancels = self._cancels, []
+        for cid in cids:
+            self.executor.cancel_client(cid)   # type: ignore[union-attr]
 
     def _release(self, c: ClientConn) -> None:
         """Drop the mapping and the client record.
@@ -568,6 +778,11 @@ class Frontend:
             c.inflight.clear()
             self._release(c)
         self.stop_accepting()
+        self._handshaking.clear()
+        self._cancels.clear()
+        if self._spare_fd is not None:
+            os.close(self._spare_fd)
+            self._spare_fd = None
         if self._lock_fd is not None:
             try:
                 os.unlink(self.cfg.socket_path + ".lock")

@@ -76,6 +76,12 @@ class Op(Node):
         self.t_issue = t_issue
         self.t_release = 0.0
 
+    def forget(self) -> None:
+        """A dropped op: no predecessor, no operands (a copy's view of a client's memory)."""
+        self.pred = None
+        self.host = None
+        self.args = ()
+
     def __repr__(self) -> str:
         what = self.key if self.kind == KERNEL else KIND_NAMES[self.kind]
         return f"<Op {what} v{self.vstream.vid} {STATE_NAMES[self.state]}>"

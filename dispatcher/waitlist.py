@@ -55,6 +55,10 @@ class Node:
         self.dependents: list[Node] | None = None
         self.state = WAITING
 
+    def forget(self) -> None:
+        """Drop what a node that will never run still refers to (its predecessor)."""
+        self.pred = None
+
     def __repr__(self) -> str:
         return f"<{KIND_NAMES[self.kind]} v{self.vstream.vid} {STATE_NAMES[self.state]}>"
 
@@ -294,6 +298,10 @@ class Waitlist:
                     was_ready.append(op)
                 op.state = DROPPED
                 self.pending -= 1
+                # It will never run: let go of its operands (a copy's host view) and its
+                # predecessor (which may be a finished copy, with its own), as a finished
+                # op does. A job's ops may outlive it; a client's memory must not.
+                op.forget()
         return was_ready
 
     def _unfinished(self) -> list[Node]:

@@ -1,8 +1,11 @@
-"""The per-client shared-memory segment: request ring, completion ring, data arena.
+"""The per-client segment: request ring, completion ring, data arena.
 
-One POSIX shared-memory segment per client connection, created by the daemon (mode
-0600) and handed to the client over the control socket (see ``paella.wire``). Both
-sides map it and see it through numpy views; nothing is serialized.
+One segment per client connection, created by the daemon as a sealed memfd (see
+``paella.dispatcher.frontend``: ``F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL``, so no
+one can change its size) and handed to the client over the control socket (see
+``paella.wire``). It has no name in any file system and goes away with the last
+descriptor and mapping. Both sides map it and see it through numpy views; nothing is
+serialized.
 
 Layout (all integers little-endian, offsets in bytes)::
 
@@ -26,9 +29,19 @@ consumer reads the tail, the entry, then stores the new head. On x86 (total stor
 order) the two stores become visible in program order, which is all an SPSC ring
 needs; a weakly ordered CPU would need a release/acquire fence here.
 
-The daemon never trusts what a client may write: it keeps its own copy of the layout
-(:class:`Layout`), reads only ``req_tail``, ``cmp_head`` and the request entries, and
-checks the indices (:class:`RingCorrupt`) and every field of every entry.
+**Index stores are single aligned 8-byte stores**, on both sides: every index is
+written through the aligned native-endian uint64 view ``Segment.hdr`` (numpy's
+setitem then stores through a ``uint64*``: one ``mov``), never byte by byte
+(``struct.pack_into`` copies through ``memcpy``, which may split the word). A reader
+can therefore never see half of an old index and half of a new one; a client whose
+stores tear breaks this contract and is dropped like any other corrupt ring.
+
+The daemon never trusts what a client may write, at any moment, to any byte: it keeps
+its own copy of the layout (:class:`Layout`) and of the indices it owns, reads each
+client-written index (``req_tail``, ``cmp_head``) and each request entry exactly once
+into a private copy and validates that copy (:class:`RingCorrupt`), never reading the
+same word twice. The head of the completion ring may only move forward, and never
+past the tail.
 """
 from __future__ import annotations
 
@@ -82,6 +95,9 @@ class Layout:
     arena_bytes: int = 16 << 20
 
     def __post_init__(self) -> None:
+        for name in ("req_slots", "cmp_slots", "arena_bytes"):
+            if type(getattr(self, name)) is not int:      # (a bool is an int subclass)
+                raise ValueError(f"{name} must be an integer, got {getattr(self, name)!r}")
         for name in ("req_slots", "cmp_slots"):
             v = getattr(self, name)
             if v < 2 or v & (v - 1) or v > (1 << 20):
@@ -117,13 +133,16 @@ class Layout:
     @classmethod
     def from_dict(cls, d: dict) -> "Layout":
         try:
-            return cls(int(d["req_slots"]), int(d["cmp_slots"]), int(d["arena_bytes"]))
+            return cls(d["req_slots"], d["cmp_slots"], d["arena_bytes"])
         except (KeyError, TypeError) as e:
             raise ValueError(f"bad segment layout {d!r}: {e}") from None
 
 
 class Segment:
-    """numpy views over one mapped segment. ``buf`` is any writable buffer (an mmap)."""
+    """numpy views over one mapped segment. ``buf`` is any writable buffer (an mmap).
+
+    ``hdr`` is the aligned uint64 view through which both sides load and store the
+    indices (one 8-byte access each, see the module docstring)."""
 
     def __init__(self, buf, layout: Layout):
         if len(buf) < layout.total_bytes:
@@ -132,6 +151,8 @@ class Segment:
         self.layout = layout
         self.buf = buf
         self.hdr = np.ndarray((HEADER_BYTES // 8,), np.uint64, buf, 0)
+        if not self.hdr.flags.aligned:
+            raise ValueError("segment buffer is not 8-byte aligned: index stores could tear")
         self.req = np.ndarray((layout.req_slots, REQ_WORDS), np.uint64, buf, layout.req_offset)
         self.cmp = np.ndarray((layout.cmp_slots, CMP_WORDS), np.uint64, buf, layout.cmp_offset)
         self.msg = np.ndarray((layout.cmp_slots, MSG_BYTES), np.uint8, buf, layout.msg_offset)
@@ -243,23 +264,35 @@ class RequestConsumer(_RingEnd):
 
 
 class CompletionProducer(_RingEnd):
-    """Daemon end of the completion ring."""
+    """Daemon end of the completion ring.
+
+    ``head`` is the last client head that passed validation. The client may only move
+    it forward, up to the tail: a head that went backwards (or a torn store that looks
+    like it) would let the client claim it never read completions, and the daemon would
+    overwrite them; one past the tail claims completions never written."""
 
     def __init__(self, seg: Segment):
         super().__init__(seg, requests=False)
         self.tail = 0
+        self.head = 0
 
     def unread(self) -> int:
-        """Completions the client has not consumed yet; RingCorrupt if impossible."""
-        n = (self.tail - int(self.hdr[CMP_HEAD])) & U64
-        if n > self.slots:
-            raise RingCorrupt(f"completion ring head is {(-n) & U64} entries past the tail")
-        return n
+        """Completions the client has not consumed yet; RingCorrupt if its head is
+        impossible. The head is read once; only that copy is checked and kept."""
+        head = int(self.hdr[CMP_HEAD])
+        if (head - self.head) & U64 > (self.tail - self.head) & U64:
+            raise RingCorrupt(f"completion ring head {head} is outside [{self.head}, "
+                              f"{self.tail}]: moved backwards or past the tail")
+        self.head = head
+        return (self.tail - head) & U64
 
     def push(self, req_id: int, status: int, reason: str = "") -> None:
-        """Append one completion. The front end reserves a slot for every request it
-        admits, so the ring cannot be full here; asserting keeps that invariant honest."""
-        assert self.unread() < self.slots, "completion ring overrun: admission control bug"
+        """Append one completion. The front end reserves a slot for every entry it
+        takes, so the ring cannot be full here unless the client's head is corrupt:
+        RingCorrupt then, before anything is written."""
+        if self.unread() >= self.slots:
+            raise RingCorrupt(f"completion ring full ({self.slots} unread): the client's "
+                              f"head is inconsistent with what the daemon admitted")
         slot = self.tail & self.mask
         n = 0
         if status:

@@ -11,7 +11,7 @@ DONE) carry one little-endian uint64 request id and are packed with a precompile
 ``struct`` so sending one allocates almost nothing.
 
     type  name         direction  payload
-    1     HELLO        c -> d     {"version", "mode": hybrid|polling|socket}
+    1     HELLO        c -> d     {"version", "mode": hybrid|polling|socket, "arena_bytes"}
     2     WELCOME      d -> c     {"client_id", "segment", "layout", "models"} + fd
     3     LIST_MODELS  c -> d     {}
     4     MODELS       d -> c     {"models": [model descriptions]}
@@ -19,10 +19,20 @@ DONE) carry one little-endian uint64 request id and are packed with a precompile
     6     DONE         d -> c     req_id: the completion is on the ring (socket mode)
     7     ERROR        d -> c     {"error": code name, "message": text}
     8     KICK         c -> d     {} or empty: "I pushed onto a ring while you slept"
+
+Decoding is where a hostile peer's bytes are first interpreted, so it is strict and
+total: every failure, whatever Python would raise (a JSON syntax error, an integer of
+5000 digits, nesting deep enough to exhaust the recursion limit), becomes one
+:class:`WireError` with a code the peer receives in an ERROR frame. Nesting deeper
+than :data:`MAX_DEPTH` is refused before the parser runs, and every field of every
+message is checked against :data:`SCHEMAS` with exact types: a JSON ``true`` is not
+an integer (Python's ``bool`` is an ``int``), ``1.0`` is not ``1``, and a field the
+message does not define is an error rather than silently ignored.
 """
 from __future__ import annotations
 
 import json
+import re
 import struct
 from dataclasses import dataclass
 from typing import Any
@@ -43,6 +53,11 @@ MODES = ("hybrid", "polling", "socket")
 HEADER = struct.Struct("<HHI")
 ID_FRAME = struct.Struct("<HHIQ")
 MAX_PAYLOAD = 1 << 20
+#: What a client may send in one frame (HELLO is the largest, ~80 bytes): the daemon's
+#: readers use this bound, so one frame never costs the loop more than a small parse.
+MAX_CLIENT_PAYLOAD = 64 << 10
+#: Deepest nesting of arrays and objects a payload may have (a MODELS reply has 8).
+MAX_DEPTH = 16
 
 KICK_FRAME = HEADER.pack(KICK, 0, 0)
 
@@ -75,22 +90,82 @@ def error(code: str, message: str) -> bytes:
     return encode(ERROR, {"error": code, "message": message})
 
 
+#: The fields of every JSON-carrying message: name -> (exact type, required). ``int``
+#: is a JSON integer only; ``list``/``dict`` contents are checked by their readers
+#: (:meth:`ModelInfo.from_dict`, ``rings.Layout.from_dict``).
+SCHEMAS: dict[int, dict[str, tuple[type, bool]]] = {
+    HELLO: {"version": (int, True), "mode": (str, False), "arena_bytes": (int, False)},
+    WELCOME: {"client_id": (int, True), "segment": (str, True), "layout": (dict, True),
+              "models": (list, True)},
+    LIST_MODELS: {},
+    MODELS: {"models": (list, True)},
+    ERROR: {"error": (str, True), "message": (str, True)},
+    KICK: {},
+}
+
+_JSON_NAMES = {int: "an integer", str: "a string", dict: "an object", list: "an array"}
+
+
+def check_fields(kind: int, obj: dict[str, Any]) -> dict[str, Any]:
+    """``obj`` unchanged if it has exactly the fields ``SCHEMAS[kind]`` allows, each of
+    its exact type; else WireError("bad_field") naming the field and what it must be."""
+    schema = SCHEMAS[kind]
+    for name, value in obj.items():
+        if name not in schema:
+            raise WireError("bad_field", f"{NAMES[kind]} has no field {name[:40]!r} (its fields: "
+                                         f"{', '.join(schema) or 'none'})")
+        want = schema[name][0]
+        if type(value) is not want:            # exact: a bool is not an int, 1.0 is not 1
+            raise WireError("bad_field", f"{NAMES[kind]} field {name!r} must be "
+                                         f"{_JSON_NAMES[want]}, got {json.dumps(value)[:40]}")
+    for name, (_, required) in schema.items():
+        if required and name not in obj:
+            raise WireError("bad_field", f"{NAMES[kind]} needs the field {name!r}")
+    return obj
+
+
+_JSON_STRING = re.compile(rb'"(?:[^"\\]|\\.)*"')
+_NOT_BRACKETS = bytes(b for b in range(256) if b not in b"[]{}")
+
+
+def json_depth(body: bytes) -> int:
+    """How deeply ``body``'s arrays and objects nest (brackets inside strings do not
+    count). Vectorised, so a payload of a million brackets costs milliseconds."""
+    brackets = np.frombuffer(_JSON_STRING.sub(b"", body).translate(None, _NOT_BRACKETS),
+                             np.uint8)
+    if brackets.size == 0:
+        return 0
+    # '[' 0x5B and '{' 0x7B open; ']' 0x5D and '}' 0x7D close: bit 1 tells them apart.
+    steps = (brackets & 2).astype(np.int64) - 1
+    return int(np.cumsum(steps).max())
+
+
 def decode_payload(kind: int, body: bytes) -> Any:
-    """The payload of one frame: a dict for JSON frames, an int for WAKE/DONE."""
+    """The payload of one frame: a dict for JSON frames, an int for WAKE/DONE.
+
+    Total: any malformed payload raises WireError, never another exception."""
     if kind in ID_TYPES:
         if len(body) != 8:
             raise WireError("bad_length", f"{NAMES[kind]} payload must be 8 bytes, got {len(body)}")
         return int.from_bytes(body, "little")
+    name = NAMES.get(kind, kind)
     if not body:
-        return {}
-    try:
-        obj = json.loads(body.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise WireError("bad_json", f"{NAMES.get(kind, kind)} payload is not UTF-8 JSON: {e}") from None
+        obj: Any = {}
+    else:
+        if body.count(b"[") + body.count(b"{") > MAX_DEPTH and json_depth(body) > MAX_DEPTH:
+            raise WireError("too_deep", f"{name} payload nests arrays and objects more than "
+                                        f"{MAX_DEPTH} deep")
+        try:
+            obj = json.loads(body.decode("utf-8"))
+        except (ValueError, RecursionError, MemoryError) as e:
+            # ValueError covers UnicodeDecodeError, JSONDecodeError and an integer past
+            # int_max_str_digits; RecursionError cannot happen after the depth check.
+            raise WireError("bad_json", f"{name} payload is not valid UTF-8 JSON: "
+                                        f"{str(e)[:200]}") from None
     if not isinstance(obj, dict):
-        raise WireError("bad_json", f"{NAMES.get(kind, kind)} payload must be a JSON object, "
+        raise WireError("bad_json", f"{name} payload must be a JSON object, "
                                     f"got {type(obj).__name__}")
-    return obj
+    return check_fields(kind, obj) if kind in SCHEMAS else obj
 
 
 class FrameReader:

@@ -7,6 +7,7 @@ what systemd's Type=notify waits for.
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import signal
 import socket
@@ -44,8 +45,15 @@ class DaemonProc:
             return f.read()
 
     def segments(self) -> list[str]:
-        """This daemon's shared-memory segments still named in /dev/shm."""
-        return [n for n in os.listdir("/dev/shm") if n.startswith(f"paella.{self.pid}.")]
+        """This daemon's segments: client memfds still mapped or open in its process (they
+        have no name anywhere else), and every name in /dev/shm it owns (its own segments,
+        such as the simulator process's notifQ, or client segments of the old scheme)."""
+        named = {n for n in os.listdir("/dev/shm") if n.startswith(f"paella.{self.pid}.")}
+        return sorted(named | held_segments(self.pid))
+
+    def fds(self) -> list[str]:
+        """What the daemon's open descriptors point at (``readlink /proc/PID/fd/*``)."""
+        return sorted(_fd_targets(self.pid).values())
 
     def recv_notify(self, timeout: float) -> list[str]:
         self.notify.settimeout(timeout)
@@ -61,6 +69,36 @@ class DaemonProc:
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
         return self.proc.wait(timeout)
+
+
+#: A client segment as /proc names it: a memfd (``/memfd:paella.PID.CID (deleted)``)
+#: or a POSIX segment (``/dev/shm/paella.PID.CID.RANDOM``).
+SEGMENT = re.compile(r"(?:/memfd:|/dev/shm/)(paella\.\d+\.\d+)")
+
+
+def _fd_targets(pid: int) -> dict[int, str]:
+    out = {}
+    try:
+        names = os.listdir(f"/proc/{pid}/fd")
+    except FileNotFoundError:
+        return out            # the process is gone (or a zombie)
+    for n in names:
+        try:
+            out[int(n)] = os.readlink(f"/proc/{pid}/fd/{n}")
+        except FileNotFoundError:
+            pass              # closed while we looked
+    return out
+
+
+def held_segments(pid: int) -> set[str]:
+    """Names of the client segments process ``pid`` maps or holds a descriptor of."""
+    try:
+        with open(f"/proc/{pid}/maps") as f:
+            lines = f.read().splitlines()
+    except (FileNotFoundError, ProcessLookupError):
+        lines = []
+    lines += _fd_targets(pid).values()
+    return {m.group(1) for m in map(SEGMENT.search, lines) if m}
 
 
 def start_daemon(*args: str, ready: bool = True, polite: bool = True,
@@ -93,8 +131,9 @@ def cleanup(dp: DaemonProc) -> None:
     if dp.proc.poll() is None:
         dp.proc.kill()
         dp.proc.wait(10)
-    for name in dp.segments():      # a failed test must not leak into the next
-        os.unlink(os.path.join("/dev/shm", name))
+    for name in os.listdir("/dev/shm"):     # a failed test must not leak into the next
+        if name.startswith(f"paella.{dp.pid}."):
+            os.unlink(os.path.join("/dev/shm", name))
     dp.notify.close()
     shutil.rmtree(dp.dir, ignore_errors=True)
 

@@ -35,3 +35,25 @@ def test_the_cache_evicts_least_recently_used_within_its_bound():
     assert b.runs == 3
     cache.outputs("m", b, {"x": xs[0]})            # evicted: computed again
     assert b.runs == 4
+
+
+class RewritingClient:
+    """The CPU build, with a client that rewrites its input in its arena while the
+    daemon works on it: the store lands between the cache's hash and the run."""
+
+    def __init__(self, arena):
+        self.arena = arena
+
+    def run_cpu(self, inputs):
+        self.arena[:] = 99
+        return {"y": inputs["x"] * 2}
+
+
+def test_a_client_rewriting_its_input_cannot_poison_the_cache():
+    """Hash and run see the same bytes (a private copy), so the entry under the digest
+    of zeros holds the outputs of zeros, and another client asking zeros gets them."""
+    cache, arena = FunctionalCache(), np.zeros(8, dtype=np.float32)
+    cache.outputs("m", RewritingClient(arena), {"x": arena})
+    assert (arena == 99).all()                     # the rewrite happened
+    honest = cache.outputs("m", CountingBundle(), {"x": np.zeros(8, dtype=np.float32)})
+    np.testing.assert_array_equal(honest["y"], np.zeros(8))

@@ -4,7 +4,6 @@ from __future__ import annotations
 import errno
 import os
 import signal
-import stat
 import subprocess
 import sys
 import threading
@@ -112,16 +111,22 @@ def test_bad_requests_fail_with_the_daemons_reason(daemon):
         np.testing.assert_array_equal(c.infer("echo", {"x": np.ones(256)})["y"], 1)
 
 
-def test_segment_is_private_and_unlinked_on_close(daemon):
+def test_segment_is_nameless_and_goes_with_the_client(daemon):
+    """The segment is a memfd: in no file system (no /dev/shm entry anyone could
+    open), mapped by the client and the daemon only, and gone from the daemon once
+    the client leaves. (Its seals: test_hostile_frontend.py.)"""
     c = connect(daemon.socket)
-    path = "/dev/shm" + c.segment_name
-    st = os.stat(path)
-    assert stat.S_IMODE(st.st_mode) == 0o600
+    assert c.segment_name == f"memfd:paella.{daemon.pid}.{c.client_id}"
+    name = c.segment_name.removeprefix("memfd:")
+    assert not [n for n in os.listdir("/dev/shm") if n.startswith(f"paella.{daemon.pid}.")]
+    with open("/proc/self/maps") as f:
+        assert f"/memfd:{name} (deleted)" in f.read()
+    assert name in daemon.segments()
     c.close()
     deadline = time.monotonic() + 5
-    while os.path.exists(path) and time.monotonic() < deadline:
+    while name in daemon.segments() and time.monotonic() < deadline:
         time.sleep(0.01)
-    assert not os.path.exists(path)
+    assert name not in daemon.segments()
 
 
 CLIENT_LOOP = """
@@ -195,11 +200,12 @@ def test_sigkilled_clients_leak_nothing_and_others_keep_working(daemon):
         p.send_signal(signal.SIGKILL)
         p.wait()
         p.stdout.close()
-    assert all(n.startswith(f"/paella.{daemon.pid}.") for n in names)
+    assert all(n.startswith(f"memfd:paella.{daemon.pid}.") for n in names)
+    names = [n.removeprefix("memfd:") for n in names]
     deadline = time.monotonic() + 5
-    while any(os.path.exists("/dev/shm" + n) for n in names) and time.monotonic() < deadline:
+    while set(names) & set(daemon.segments()) and time.monotonic() < deadline:
         time.sleep(0.02)
-    assert [n for n in names if os.path.exists("/dev/shm" + n)] == []
+    assert set(names) & set(daemon.segments()) == set()
     with connect(daemon.socket) as c:
         np.testing.assert_array_equal(c.infer("echo", {"x": np.full(256, 3.0)})["y"], 3.0)
     assert "dropped: disconnected" in daemon.log()
