@@ -40,7 +40,7 @@ from typing import Any, Callable
 import greenlet
 import numpy as np
 
-from paella import protocol
+from paella import protocol, rings
 from paella.dispatcher.devices.base import H2D, KERNEL, Device, DeviceError, DeviceLost, Function, dim3
 
 from .adaptor import JobAdaptor
@@ -56,7 +56,9 @@ from .waitlist import DROPPED, RELEASED, Node
 
 log = logging.getLogger(__name__)
 
-STATUS_OK, STATUS_ERROR, STATUS_CANCELLED = 0, 1, 2
+#: Completion statuses: the wire's own codes (``paella.rings``), one vocabulary from the
+#: dispatcher to the client's completion ring.
+STATUS_OK, STATUS_ERROR, STATUS_CANCELLED = rings.OK, rings.E_FAILED, rings.E_CANCELLED
 FALLBACK_POLICY = "fifo"
 #: A policy whose pick() holds every ready job back this long while the device has
 #: nothing in flight is stalled (real time; a virtual clock cannot advance meanwhile,
@@ -115,7 +117,7 @@ class Dispatcher:
         self.policy: Policy = cls(self, **opts)
         self._bind_policy()
         self.streams = StreamMap(len(device.streams), self.policy.stream_mode)
-        self.models: list[Model] = []
+        self.models: dict[int, Model] = {}   # by model id
         self.jobs: set[Job] = set()
         self.in_flight = 0
         self.now = device.now()
@@ -571,19 +573,26 @@ class Dispatcher:
     # ======================================================================================
     # The public contract.
     # ======================================================================================
-    def register_model(self, name: str, adaptor: JobAdaptor, *, profile_runs: int | None = None) -> int:
+    def register_model(self, name: str, adaptor: JobAdaptor, *, profile_runs: int | None = None,
+                       model_id: int | None = None) -> int:
         """Initialize ``adaptor`` and run ``profile_runs`` jobs (default: the
         dispatcher's ``profile_runs``) to seed the model's kernel statistics. Profiling
-        drives the loop itself: call it before serving."""
+        drives the loop itself: call it before serving. ``model_id``: the id requests
+        name it by (default: the next free one); an id registered again serves new
+        requests with the new adaptor while running jobs finish on the old one."""
         if not isinstance(adaptor, JobAdaptor):
             raise TypeError(f"model {name!r}: adaptor must be a JobAdaptor, got {type(adaptor).__name__}")
-        if any(m.name == name for m in self.models):
+        if any(m.name == name for m in self.models.values()):
             raise ValueError(f"model {name!r} is already registered")
+        if model_id is None:
+            model_id = max(self.models, default=-1) + 1
+        elif type(model_id) is not int or model_id < 0:
+            raise ValueError(f"model {name!r}: model_id must be an int >= 0, got {model_id!r}")
         adaptor.init(self.device)
-        model = Model(len(self.models), name, adaptor, pool=adaptor.buffer_pool)
+        model = Model(model_id, name, adaptor, pool=adaptor.buffer_pool)
         if adaptor.plan is not None:         # a plan is replayed, never run() in a greenlet
             model.replay = ReplayPlan(adaptor.plan, adaptor.funcs, self.kernel_launch)
-        self.models.append(model)
+        self.models[model_id] = model
         runs = self.profile_runs if profile_runs is None else profile_runs
         for i in range(runs):
             failed = []
@@ -599,7 +608,8 @@ class Dispatcher:
         """Accept a request; its job (serving it alone) starts in the next :meth:`step`.
         (:meth:`submit_group` for one request, written out: once per request.)"""
         mid = req.model_id
-        if not 0 <= mid < len(self.models):
+        model = self.models.get(mid)
+        if model is None:
             raise ValueError(f"request {req.req_id}: unknown model id {mid}; register the "
                              f"model first ({len(self.models)} registered)")
         io = req.io
@@ -610,7 +620,7 @@ class Dispatcher:
         if "request_admitted" in self.instruments:
             self.instruments.call("request_admitted", req)
         self._seq += 1
-        job = Job(self, self.models[mid], [req], io, self._seq)
+        job = Job(self, model, [req], io, self._seq)
         self.jobs.add(job)
         self.in_flight += 1
         self._arrivals.append(job)
@@ -624,7 +634,7 @@ class Dispatcher:
             raise ValueError("submit_group needs at least one request")
         mid = requests[0].model_id
         for req in requests:
-            if not 0 <= req.model_id < len(self.models):
+            if req.model_id not in self.models:
                 raise ValueError(f"request {req.req_id}: unknown model id {req.model_id}; "
                                  f"register the model first ({len(self.models)} registered)")
             if req.model_id != mid:
@@ -675,9 +685,10 @@ class Dispatcher:
                 self._finish(job)
         return n
 
-    def abandon_all(self, reason: str) -> int:
-        """Complete every request in flight now, as cancelled with ``reason``, without
-        waiting for the work already on the device; returns how many requests.
+    def abandon_all(self, reason: str, status: int = STATUS_CANCELLED) -> int:
+        """Complete every request in flight now, with ``status`` (cancelled, or failed
+        when the device is lost) and ``reason``, without waiting for the work already
+        on the device; returns how many requests.
 
         Only for a daemon about to close the device (the drain deadline passed): the
         device may still finish the abandoned kernels and copies, so the dispatcher's
@@ -695,9 +706,9 @@ class Dispatcher:
             self.in_flight -= len(job.requests)
             for req in job.requests:
                 n += 1
-                req.status, req.error, req.t_done = STATUS_CANCELLED, reason, self.now
+                req.status, req.error, req.t_done = status, reason, self.now
                 if req.on_complete is not None:
-                    req.on_complete(req, STATUS_CANCELLED, reason)
+                    req.on_complete(req, status, reason)
         self._arrivals.clear()
         self._resume.clear()
         return n

@@ -6,9 +6,9 @@ import logging
 from collections import deque
 from typing import Any
 
-import numpy as np
 
 from paella import rings
+from paella.dispatcher.core import Request
 from paella.dispatcher.frontend import Frontend
 from paella.dispatcher.policies import PolicyError
 
@@ -25,22 +25,14 @@ class HostExecutor:
         from paella.dispatcher.instruments import Instruments
         self.front = front
         self.models = models
-        self.queue: deque = deque()
+        self.queue: deque[Request] = deque()
         # The dispatcher's hooks on requests, fired for host models too.
         self.instruments = Instruments() if instruments is None else instruments
 
-    def _hook(self, hook: str, cid: int, rid: int, mid: int, io: np.ndarray,
-              status: int = -1) -> None:
-        from paella.dispatcher.core import Request
-        req = Request(rid, cid, mid, io)
-        req.status = status
-        self.instruments.call(hook, req)
-
-    def submit(self, client_id: int, req_id: int, model_id: int, variant: int,
-               io: np.ndarray) -> None:
-        self.queue.append((client_id, req_id, model_id, io))
+    def submit(self, req: Request) -> None:
+        self.queue.append(req)
         if "request_admitted" in self.instruments:
-            self._hook("request_admitted", client_id, req_id, model_id, io)
+            self.instruments.call("request_admitted", req)
 
     def step(self) -> bool:
         q = self.queue
@@ -48,37 +40,39 @@ class HostExecutor:
         instr = self.instruments
         while n and q:                 # (cancel_client may shrink q under us)
             n -= 1
-            cid, rid, mid, io = q.popleft()
-            self.front.almost_finished(cid, rid)
+            req = q.popleft()
+            req.on_almost_finished(req)
             if "request_woken" in instr:
-                self._hook("request_woken", cid, rid, mid, io)
+                instr.call("request_woken", req)
             try:
-                self.models[mid].run(io)
+                self.models[req.model_id].run(req.io)
             except Exception as e:  # noqa: BLE001 - a model failure fails its request only
-                log.exception("host model %d failed on request %d of client %d", mid, rid, cid)
-                self.front.complete(cid, rid, rings.E_FAILED, f"{type(e).__name__}: {e}")
-                status = rings.E_FAILED
+                log.exception("host model %d failed on request %d of client %d", req.model_id,
+                              req.req_id, req.client_id)
+                self._complete(req, rings.E_FAILED, f"{type(e).__name__}: {e}")
             else:
-                self.front.complete(cid, rid, rings.OK, None)
-                status = rings.OK
-            if "request_finished" in instr:
-                self._hook("request_finished", cid, rid, mid, io, status)
+                self._complete(req, rings.OK, None)
         return bool(q)
 
+    def _complete(self, req: Request, status: int, error: str | None) -> None:
+        req.status, req.error = status, error
+        req.on_complete(req, status, error)
+        if "request_finished" in self.instruments:
+            self.instruments.call("request_finished", req)
+
     def cancel_client(self, client_id: int) -> None:
-        gone = [x for x in self.queue if x[0] == client_id]
+        gone = [r for r in self.queue if r.client_id == client_id]
         if not gone:
             return
-        keep = [x for x in self.queue if x[0] != client_id]
+        keep = [r for r in self.queue if r.client_id != client_id]
         self.queue.clear()             # in place: step() holds a reference
         self.queue.extend(keep)
-        for cid, rid, _, _ in gone:
-            self.front.complete(cid, rid, rings.E_CANCELLED, "client disconnected")
+        for req in gone:
+            self._complete(req, rings.E_CANCELLED, "client disconnected")
 
     def abandon_all(self, reason: str, status: int = rings.E_CANCELLED) -> None:
         while self.queue:
-            cid, rid, _, _ = self.queue.popleft()
-            self.front.complete(cid, rid, status, reason)
+            self._complete(self.queue.popleft(), status, reason)
 
     def deadline(self) -> float | None:
         return 0.0 if self.queue else None
@@ -95,9 +89,8 @@ class Router:
         self.paths: list = []
         self.by_model: dict[int, Any] = {}
 
-    def submit(self, client_id: int, req_id: int, model_id: int, variant: int,
-               io: np.ndarray) -> None:
-        self.by_model[model_id].submit(client_id, req_id, model_id, variant, io)
+    def submit(self, req: Request) -> None:
+        self.by_model[req.model_id].submit(req)
 
     def step(self) -> bool:
         busy = False
@@ -132,8 +125,7 @@ class DispatcherExecutor:
     SPIN_BELOW = 50e-6
 
     def __init__(self, front: Frontend, device, cfg: DaemonConfig, instruments: Any = ()):
-        from paella.dispatcher.core import (STATUS_CANCELLED, STATUS_ERROR, STATUS_OK,
-                                            Dispatcher, Request)
+        from paella.dispatcher.core import Dispatcher
         params = dict(cfg.policy_params)
         extra = params.pop("extra_blocks", None)
         fair = params.pop("fairness_threshold", None)
@@ -151,28 +143,16 @@ class DispatcherExecutor:
             raise ConfigError(f"scheduling policy {cfg.policy!r} failed to start: "
                               f"{type(e).__name__}: {e}; fix the plug-in or choose another "
                               f"policy (--policy, [policy] name)") from None
-        self.Request = Request
-        self.status = {STATUS_OK: rings.OK, STATUS_ERROR: rings.E_FAILED,
-                       STATUS_CANCELLED: rings.E_CANCELLED}
-        self._cancelled = STATUS_CANCELLED
-        self.ids: dict[int, int] = {}     # client-visible model id -> dispatcher model id
         self._next_event = getattr(device, "next_event_time", None)
 
     def register(self, model_id: int, name: str, adaptor) -> None:
-        self.ids[model_id] = self.disp.register_model(name, adaptor)
+        """Serve ``adaptor`` as ``model_id`` (the client-visible id: requests keep it all
+        the way into the dispatcher); a model registered again takes new requests, the
+        running ones finish on the old."""
+        self.disp.register_model(name, adaptor, model_id=model_id)
 
-    def submit(self, client_id: int, req_id: int, model_id: int, variant: int,
-               io: np.ndarray) -> None:
-        self.disp.submit(self.Request(req_id, client_id, self.ids[model_id], io, variant,
-                                      self._almost, self._done))
-
-    def _almost(self, req) -> None:
-        self.front.almost_finished(req.client_id, req.req_id)
-
-    def _done(self, req, status: int, error: str | None) -> None:
-        req.io = None   # its job may linger in a policy's lazy heap; the client's memory may not
-        self.front.complete(req.client_id, req.req_id, self.status.get(status, rings.E_INTERNAL),
-                            error)
+    def submit(self, req: Request) -> None:
+        self.disp.submit(req)
 
     def step(self) -> bool:
         return self.disp.step()
@@ -181,12 +161,7 @@ class DispatcherExecutor:
         self.disp.cancel_client(client_id)
 
     def abandon_all(self, reason: str, status: int = rings.E_CANCELLED) -> None:
-        key = self._cancelled
-        self.status[key] = status                    # a lost device fails them: E_FAILED
-        try:
-            self.disp.abandon_all(reason)
-        finally:
-            self.status[key] = rings.E_CANCELLED
+        self.disp.abandon_all(reason, status)        # a lost device fails them: E_FAILED
 
     def deadline(self) -> float | None:
         """Seconds the loop may sleep: None when idle, 0 when work is runnable now."""

@@ -87,10 +87,10 @@ def timeline(make, policy, adaptors, n=30):
 def test_replay_matches_the_same_calls_in_a_greenlet(make, policy):
     plans = [lambda: chain("a", 4).plan, lambda: chain("b", 9, grid=30).plan, fork_plan]
     fast, fast_almost, d = timeline(make, policy, [PlanAdaptor(p()) for p in plans])
-    assert all(m.replay is not None for m in d.models)
+    assert all(m.replay is not None for m in d.models.values())
     assert d.models[2].replay.streams == (1, 2) and d.models[0].replay.streams == ()
     slow, slow_almost, d2 = timeline(make, policy, [PlanByHand(p()) for p in plans])
-    assert all(m.replay is None for m in d2.models)
+    assert all(m.replay is None for m in d2.models.values())
     assert fast == slow and fast_almost == slow_almost
     assert all(st == STATUS_OK for st, _ in fast.values())
 

@@ -103,7 +103,7 @@ def test_identical_jobs_finish_in_arrival_order_whatever_the_unit_of_time(unit):
     models = [d.register_model(f"m{i}", PlanAdaptor(synthetic_plan(
         f"m{i}", [(f"m{i}_k{j}", 80, 256, 32, 100 * unit) for j in range(3)],
         in_bytes=0, out_bytes=0))) for i in range(4)]
-    assert len({m.profile.total for m in d.models}) == 1
+    assert len({m.profile.total for m in d.models.values()}) == 1
     order = []
     for i, m in enumerate(models):
         d.submit(Request(i, i, m, np.zeros(1, np.uint8),
