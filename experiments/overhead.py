@@ -137,10 +137,12 @@ class _Trace(Instrument):
 
 def traced_sim(trace: _Trace, gpu: str) -> Any:
     """The real-time simulated GPU stepped in the daemon's loop, traced through its public
-    methods: every call into it is timed (the simulator's CPU), every kernel's functional
-    effect too (the CPU build), and each kernel's and copy's device interval is recorded
-    from its launch (one request at a time: the device is idle then, so an op starts when
-    it is submitted) to its ``on_complete`` (at the device event's time)."""
+    methods: every call into it is timed (the simulator's CPU, which now includes the CPU
+    build: it is the functional effect the simulated device applies when the plan's last
+    kernel completes, so ``functional`` stays empty and the "CPU build" component 0), and
+    each kernel's and copy's device interval is recorded from its launch (one request at a
+    time: the device is idle then, so an op starts when it is submitted) to its
+    ``on_complete`` (at the device event's time)."""
     from paella.dispatcher.devices.base import D2H, H2D, KERNEL
     from paella.dispatcher.devices.sim import SimDevice
 
@@ -162,10 +164,6 @@ def traced_sim(trace: _Trace, gpu: str) -> Any:
                 if then is not None:
                     then()
             return cell, done
-
-        def load_module(self, image: Any) -> Any:
-            image.effects = {k: trace.timed(e, trace.functional) for k, e in image.effects.items()}
-            return super().load_module(image)
 
         # The device clock after a submission is the time it was submitted at (the
         # real-time loop catches up before taking work).
