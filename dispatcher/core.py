@@ -181,6 +181,7 @@ class Dispatcher:
         free, busy = streams.free, streams.busy
         launch, group, now = self.device.launch, self.group, self.now
         instr = self.instruments
+        hooked = "op_released" in instr      # Speed: one lookup per pass, not per kernel
         while self._queued:
             try:
                 job = policy.pick()
@@ -241,7 +242,7 @@ class Dispatcher:
                 op.state = RELEASED
                 if op.succ is not None and job.waitlist.eager:
                     job.waitlist.released(op)
-                if "op_released" in instr:
+                if hooked:
                     instr.call("op_released", op, now)
             if self._copies:                 # copies it activated keep their stream order
                 self._flush_copies()
