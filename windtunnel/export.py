@@ -93,14 +93,19 @@ def run_onnx(model: onnx.ModelProto, X: np.ndarray) -> np.ndarray:
 
 
 def compile_network(net: WindTunnelNet, out: str | Path, batch: int, name: str | None = None,
-                    cache_dir: str | Path | None = None,
+                    cache_dir: str | Path | None = None, onnx_path: str | Path | None = None,
                     progress: Callable[[str], None] = lambda _m: None) -> Path:
     """Export ``net`` for ``batch`` rows and compile it into the bundle directory ``out``
-    (what ``paella compile model.onnx -o out`` does; cached on the graph's content)."""
+    (what ``paella compile model.onnx -o out`` does; cached on the graph's content). The
+    ONNX file goes to ``onnx_path`` if given, else to a temporary directory, so that a
+    model repository holds bundles only."""
+    import tempfile
+
     from paella.compiler_pass.build import compile_bundle
     from paella.models.onnx_models import load_onnx
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    onnx_path = out.parent / f"{name or out.name}.onnx"
-    save_onnx(net, onnx_path, batch)
-    return compile_bundle(load_onnx(onnx_path, name or out.name), out, cache_dir=cache_dir, progress=progress)
+    model_name = name or out.name
+    with tempfile.TemporaryDirectory(prefix="windtunnel-onnx") as tmp:
+        path = save_onnx(net, Path(onnx_path) if onnx_path else Path(tmp) / f"{model_name}.onnx", batch)
+        return compile_bundle(load_onnx(path, model_name), out, cache_dir=cache_dir, progress=progress)

@@ -209,13 +209,17 @@ class WindTunnelNet(nn.Module):
         for b in self.blocks():
             b.dropout = p
 
-    def cold_start(self, seed: int = 0) -> "WindTunnelNet":
-        """The same architecture with every parameter drawn at random: Table 5.5's cold
-        start. Trainability (the GBDT parametrization level) is kept."""
+    def cold_start(self, seed: int = 0, scope: str = "all") -> "WindTunnelNet":
+        """The same architecture with parameters drawn at random: Table 5.5's cold start.
+        ``scope="model"`` redraws only the blocks translated from models and keeps the
+        translated featurizers. Trainability (the GBDT parametrization level) is kept."""
+        if scope not in ("all", "model"):
+            raise ValueError(f"cold-start scope {scope!r} is not 'all' or 'model'")
         net = copy.deepcopy(self)
         gen = torch.Generator().manual_seed(seed)
         for b in net.blocks():
-            b.cold_init(gen)
+            if scope == "all" or not b.featurizer:
+                b.cold_init(gen)
         return net
 
     def parameter_groups(self) -> dict[str, list[nn.Parameter]]:

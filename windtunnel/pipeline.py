@@ -32,9 +32,10 @@ from .linear import from_linear_model
 from .network import Block, Chain, Columns, WindTunnelNet
 from .trees import SoftTrees, from_lightgbm, from_sklearn_gb, from_xgboost
 
-#: Default temperature of the soft splits and steps. Small enough that the translated
-#: network takes the pipeline's decisions (docs/windtunnel.md, "tau").
-DEFAULT_TAU = 0.01
+#: Default temperature of the soft splits and steps: the paper's, which fine-tuning
+#: needs (steeper splits pass no gradient). Pass tau=1e-3 or less for a network that
+#: takes the pipeline's decisions (docs/windtunnel.md, "tau").
+DEFAULT_TAU = 1.0
 
 SUPPORTED = ("Pipeline, ColumnTransformer, StandardScaler, OneHotEncoder, KBinsDiscretizer, LinearRegression, "
              "Ridge, Lasso, ElasticNet, LogisticRegression, GradientBoostingClassifier/Regressor, "

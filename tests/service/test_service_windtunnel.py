@@ -36,7 +36,7 @@ def served_net(tmp_path_factory):
     finetune(net, tr.X, tr.y, config=FitConfig(epochs=2, lr=3e-3))
     repo = tmp_path_factory.mktemp("wtrepo")
     compile_network(net, repo / "windtunnel", batch=BATCH)
-    os.unlink(repo / "windtunnel.onnx")          # the repository holds bundles only
+    assert os.listdir(repo) == ["windtunnel"]    # the repository holds the bundle only
     dp = start_daemon("--models", str(repo))
     yield dp, net, te.X
     cleanup(dp)
