@@ -173,11 +173,14 @@ class SoftTrees(Block):
         h1 = g.op("Transpose", [g.op("Reshape", [h1, g.const(np.int64([-1, T, N]), "shape")])], perm=[1, 0, 2])
         z2 = g.op("Add", [g.op("MatMul", [h1, g.weight(self.w2 * self.m2, "leaf_w")]),
                           g.weight(self.b2.unsqueeze(1), "leaf_b")])
-        h2 = g.op("Transpose", [g.op("Tanh", [z2])], perm=[1, 0, 2])            # (B, T, L)
-        flat = g.op("Reshape", [h2, g.const(np.int64([-1, T * L]), "shape")])
+        h2 = g.op("Tanh", [z2])                                                  # (T, B, L)
+        # per tree (T, B, L) x (T, L, K), then the sum over trees: one (B, T*L) x (T*L, K)
+        # product instead is a GEMV whose DLight schedule needs more shared memory than
+        # sm_75 has at batch 256 and 100 trees (ptxas: "uses too much shared data")
         out_w = (self.v * self.mv).unsqueeze(2) * self.assign.unsqueeze(1)      # (T, L, K)
-        return g.op("Add", [g.op("MatMul", [flat, g.weight(out_w.reshape(T * L, -1), "leaf_values")]),
-                            g.weight(self.c, "base")])
+        per_tree = g.op("MatMul", [h2, g.weight(out_w, "leaf_values")])          # (T, B, K)
+        total = g.op("ReduceSum", [per_tree, g.const(np.int64([0]), "axis")], keepdims=0)
+        return g.op("Add", [total, g.weight(self.c, "base")])
 
     def cold_init(self, gen: torch.Generator) -> None:
         T, N, L = self.shape
