@@ -112,7 +112,8 @@ def make_pipeline(kind: str, data, trees: int, seed: int):
         model = xgb.XGBClassifier(n_estimators=trees, max_depth=3, learning_rate=0.1, random_state=seed, n_jobs=1)
     else:
         raise ValueError(f"unknown pipeline {kind!r}")
-    return Pipeline([("features", ColumnTransformer(parts)), ("model", model)])
+    # dense: XGBoost would read the zeros of a sparse matrix as missing values
+    return Pipeline([("features", ColumnTransformer(parts, sparse_threshold=0)), ("model", model)])
 
 
 def _auc(y: np.ndarray, p: np.ndarray) -> float:
@@ -303,11 +304,13 @@ def register(sub: argparse._SubParsersAction) -> None:
 def main(args: argparse.Namespace) -> int:
     from paella.experiments.harness import write_outputs
     from paella.windtunnel.errors import EXTRA_HINT
-    try:
-        import torch  # noqa: F401
-    except ImportError:
-        from paella.cli import CLIError
-        raise CLIError(f"the windtunnel experiment needs PyTorch: {EXTRA_HINT}") from None
+    import importlib
+    for module in ("torch", "sklearn", "lightgbm", "xgboost"):
+        try:
+            importlib.import_module(module)
+        except ImportError:
+            from paella.cli import CLIError
+            raise CLIError(f"the windtunnel experiment needs {module}: {EXTRA_HINT}") from None
     t0 = time.perf_counter()
     data = run(QUICK if args.quick else FULL, args.seed, lambda m: print(m, file=sys.stderr, flush=True))
     data["setting"]["quick"] = bool(args.quick)
@@ -413,7 +416,10 @@ def report_section(d: dict) -> list[str]:
         f"normalisation layer's identity) and learns from {train_rows:,} rows within {st['max_epochs']} epochs, "
         "where the paper's had 41M rows and ran to convergence; the smaller the data, the more the translated "
         f"prior is worth. With the translated featurizers kept and only the model random, warm start still wins "
-        f"by {_span(g_cold_m)}.")
+        f"by {_span(g_cold_m)}."
+        + (" Cold networks of the same shape coincide (same seed, nothing of the fitted trees left): "
+           + ", ".join(f"{r['pipeline']}" for r in trees if [q["auc_cold"] for q in trees].count(r["auc_cold"]) > 1)
+           + " share their cold AUC." if len({r["auc_cold"] for r in trees}) < len(trees) else ""))
     if any(r["dataset"] == "breast_cancer" for r in res):
         bc = [r for r in res if r["dataset"] == "breast_cancer"]
         notes.append(

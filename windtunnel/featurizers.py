@@ -8,8 +8,12 @@
   the encoder's until fine-tuning moves it. Each column keeps its own table (a block of
   the matrix), as an embedding lookup per feature does.
 * ``KBinsDiscretizer`` counts the bin edges at or below a value; each count becomes a
-  soft step ``(1 + tanh((x - edge) / tau)) / 2`` with a trainable slope and edge
-  (:class:`SoftBins`), summed for ordinal codes, differenced for one-hot bins.
+  soft step ``(1 + tanh((x - edge) / (tau * width))) / 2`` with a trainable slope and
+  edge (:class:`SoftBins`), summed for ordinal codes, differenced for one-hot bins.
+  ``width`` is the column's mean bin width: binned columns are raw ones whose scales
+  differ by orders of magnitude (areas in thousands, ratios in hundredths), and the
+  output counts bins, so the step's softness is measured in bins (tau = 1: a step
+  spread over about a bin; 1e-3: the encoder's own codes).
 
 The network reads every input column as float32: categorical columns hold numeric
 codes (the categories the encoder was fitted on must be numbers).
@@ -158,16 +162,19 @@ class SoftBins(Block):
 def from_kbins(est, tau: float, reference: np.ndarray | None) -> SoftBins:
     if est.encode not in ("ordinal", "onehot", "onehot-dense"):
         raise WindTunnelError(f"KBinsDiscretizer(encode={est.encode!r}) is not supported")
-    edge_col, edges, out_cols = [], [], []
+    edge_col, edges, widths, out_cols = [], [], [], []
     for j, e in enumerate(est.bin_edges_):
-        inner = np.asarray(e[1:-1], np.float64)
+        e = np.asarray(e, np.float64)
+        inner = e[1:-1]
         edge_col += [j] * len(inner)
         edges += list(inner)
+        widths += [(e[-1] - e[0]) / max(len(e) - 1, 1)] * len(inner)
         out_cols.append(len(inner))
     edge_col = np.asarray(edge_col, np.int64)
+    temp = tau * np.asarray(widths, np.float64)
     # sklearn: bin = number of inner edges <= x, so ties go to the upper bin.
     centre = place(edge_col, np.asarray(edges), np.ones(len(edges), bool), np.ones(len(edges), bool),
-                   tau, reference)
+                   temp, reference)
     m = len(edges)
     if est.encode == "ordinal":
         combine = np.zeros((m, len(out_cols)), np.float32)
@@ -185,4 +192,4 @@ def from_kbins(est, tau: float, reference: np.ndarray | None) -> SoftBins:
                 combine[k + b, o + b + 1] += 1.0  # ... and enters bin b+1
             k += n_inner
             o += n_inner + 1
-    return SoftBins(len(est.bin_edges_), edge_col, np.full(m, 1.0 / tau), -centre / tau, combine, offset)
+    return SoftBins(len(est.bin_edges_), edge_col, 1.0 / temp, -centre / temp, combine, offset)

@@ -61,6 +61,12 @@ def translate(model: Any, *, tau: float = DEFAULT_TAU, reference: np.ndarray | N
             blocks.append(block)
             ref = None if ref is None else _dense(est.transform(ref))
     path, last = steps[-1]
+    if _library(last) == "xgboost" and any(_gives_sparse(e) for _, e in steps[-2:-1]):
+        raise WindTunnelError(
+            f"{type(last).__name__} ({path}) reads the sparse matrix of {_describe(steps[-2][1])}, and XGBoost "
+            "takes the zeros of a sparse matrix for missing values, which a network cannot tell from zeros: "
+            "make that step's output dense (ColumnTransformer(sparse_threshold=0), "
+            "OneHotEncoder(sparse_output=False), KBinsDiscretizer(encode='onehot-dense')) and refit")
     head, link, classes = ctx.model(last, path, ref)
     body = Chain(blocks + [head]) if blocks else head
     return WindTunnelNet(body, link, classes, source=_describe(model))
@@ -82,6 +88,20 @@ def _is(est: Any, *names: str) -> bool:
 
 def _library(est: Any) -> str:
     return type(est).__module__.split(".")[0]
+
+
+def _gives_sparse(est: Any) -> bool:
+    """Whether a fitted transform's output is a scipy sparse matrix."""
+    if _is(est, "ColumnTransformer"):
+        return bool(getattr(est, "sparse_output_", False))
+    if _is(est, "OneHotEncoder"):
+        return bool(est.sparse_output)
+    if _is(est, "KBinsDiscretizer"):
+        return est.encode == "onehot"
+    if _is(est, "Pipeline"):
+        steps = [e for _, e in est.steps if e not in (None, "passthrough")]
+        return bool(steps) and _gives_sparse(steps[-1])
+    return False
 
 
 def _dense(a: Any) -> np.ndarray:

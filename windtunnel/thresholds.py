@@ -12,13 +12,14 @@ data values and its rule is ``x >= edge``.
 So each threshold is moved a little:
 
 * with reference data (the training rows, or any sample, seen at that operator's
-  input): towards the middle of the gap between the largest reference value that goes
-  left and the smallest that goes right, by at most ``MARGIN * tau``. The centre stays
-  inside that gap, so every reference row keeps its side, and a reference value on the
-  threshold reads ``tanh(min(MARGIN, gap / (2 tau)))``, as good as +-1 in float32
-  when the gap allows (sklearn's tree thresholds are gap midpoints already: they do
-  not move when the reference is the training data). Unseen inputs change side only
-  within ``MARGIN * tau`` of the threshold;
+  input): only as far as needed to keep the nearest reference values on either side
+  ``MARGIN * tau`` away (``tanh(8)`` is 1 in float32), or to the middle of their gap if
+  it is narrower than that. Every reference row keeps its side, a reference value on
+  the threshold reads as decided, and a threshold with no reference value near it does
+  not move (sklearn's tree thresholds, midpoints of the training values, stay put when
+  the reference is the training data). Unseen inputs change side only between the old
+  and the new position, within ``MARGIN * tau``, and only where reference data sat that
+  close;
 * without: by one ``tau`` towards the side the framework sends ties to, for the
   thresholds that can coincide with data values: a tie reads ``tanh(1) = 0.76`` on the
   correct side, which a tree's leaf layer saturates again, but a bin code does not
@@ -34,15 +35,17 @@ MARGIN = 8.0
 
 
 def place(features: np.ndarray, thresholds: np.ndarray, right_on_tie: np.ndarray,
-          may_tie: np.ndarray, tau: float, reference: np.ndarray | None) -> np.ndarray:
+          may_tie: np.ndarray, tau: float | np.ndarray, reference: np.ndarray | None) -> np.ndarray:
     """Centres of the soft steps for splits ``(features[k], thresholds[k])``.
 
     ``right_on_tie[k]``: the framework sends ``x == theta`` right (its rule is
     ``x < theta`` goes left) rather than left (``x <= theta`` goes left).
     ``may_tie[k]``: the threshold can equal a data value (used without reference).
-    ``reference``: rows at the operator's input, or None.
+    ``reference``: rows at the operator's input, or None. ``tau``: one temperature, or
+    one per threshold.
     """
     thresholds = np.asarray(thresholds, np.float64)
+    tau = np.broadcast_to(np.asarray(tau, np.float64), thresholds.shape)
     fallback = np.where(may_tie, thresholds + np.where(right_on_tie, -tau, tau), thresholds)
     if reference is None:
         return fallback
@@ -56,6 +59,6 @@ def place(features: np.ndarray, thresholds: np.ndarray, right_on_tie: np.ndarray
         # index of the first value that goes right
         i = np.searchsorted(vals, theta, side="left" if right_on_tie[k] else "right")
         if 0 < i < len(vals):
-            middle = 0.5 * (vals[i - 1] + vals[i])
-            out[k] = theta + np.clip(middle - theta, -MARGIN * tau, MARGIN * tau)
+            lo, hi = vals[i - 1] + MARGIN * tau[k], vals[i] - MARGIN * tau[k]
+            out[k] = np.clip(theta, lo, hi) if lo <= hi else 0.5 * (vals[i - 1] + vals[i])
     return out

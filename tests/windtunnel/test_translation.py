@@ -174,3 +174,27 @@ def test_pipeline_ending_in_a_transform_is_refused():
     X = np.random.default_rng(0).standard_normal((20, 2)).astype(np.float32)
     with pytest.raises(WindTunnelError, match="ends in StandardScaler"):
         translate(Pipeline([("s", StandardScaler())]).fit(X))
+
+
+def test_xgboost_behind_a_sparse_matrix_is_refused():
+    """XGBoost reads the zeros of a sparse matrix as missing values; dense input works."""
+    rng = np.random.default_rng(0)
+    X = np.column_stack([rng.integers(0, 30, 400), rng.integers(0, 30, 400)]).astype(np.float32)
+    y = (X[:, 0] % 3 == 0).astype(int)
+    sparse = Pipeline([("oh", OneHotEncoder()), ("m", xgb.XGBClassifier(n_estimators=5, n_jobs=1))]).fit(X, y)
+    with pytest.raises(WindTunnelError, match="sparse matrix of OneHotEncoder.*sparse_output=False"):
+        translate(sparse)
+    dense = Pipeline([("oh", OneHotEncoder(sparse_output=False)),
+                      ("m", xgb.XGBClassifier(n_estimators=5, n_jobs=1))]).fit(X, y)
+    np.testing.assert_allclose(translate(dense, tau=1e-3, reference=X).output(X), dense.predict_proba(X), atol=1e-5)
+
+
+def test_bin_softness_is_relative_to_the_bin_width():
+    """Columns of very different scales bin exactly at one small tau."""
+    rng = np.random.default_rng(1)
+    X = np.column_stack([rng.normal(0, 0.01, 500), rng.normal(0, 1000, 500)]).astype(np.float32)
+    y = (X[:, 0] * 100 + X[:, 1] / 1000 > 0).astype(int)
+    pipe = Pipeline([("b", KBinsDiscretizer(n_bins=6, encode="onehot")), ("m", LogisticRegression())]).fit(X, y)
+    fresh = np.column_stack([rng.normal(0, 0.01, 500), rng.normal(0, 1000, 500)]).astype(np.float32)
+    net = translate(pipe, tau=1e-4, reference=X)
+    assert np.mean(np.abs(net.output(fresh) - pipe.predict_proba(fresh)).max(1) < 1e-4) >= 0.99
