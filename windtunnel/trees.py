@@ -193,9 +193,10 @@ class SoftTrees(Block):
 # Converters: a fitted model -> TreeEnsemble
 # ======================================================================================
 def _walk(node, is_leaf, split, children, tree: Tree, path: list[tuple[int, int]]) -> None:
-    """Depth-first over one framework's node objects, numbering internal nodes."""
+    """Depth-first over one framework's node records (dicts; a leaf's value under
+    ``"value"``, which each converter sets), numbering internal nodes."""
     if is_leaf(node):
-        tree.leaf_value.append(float(node_value(node)))
+        tree.leaf_value.append(float(node["value"]))
         tree.leaf_path.append(list(path))
         return
     feature, threshold, may_tie = split(node)
@@ -206,11 +207,6 @@ def _walk(node, is_leaf, split, children, tree: Tree, path: list[tuple[int, int]
     left, right = children(node)
     _walk(left, is_leaf, split, children, tree, path + [(k, -1)])
     _walk(right, is_leaf, split, children, tree, path + [(k, +1)])
-
-
-def node_value(node) -> float:
-    """A leaf's value, from whichever framework's node record (see the converters)."""
-    return node["value"]
 
 
 def _sklearn_tree(t, scale: float, output: int) -> Tree:
