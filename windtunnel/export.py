@@ -9,7 +9,7 @@ of tracing it with ``torch.onnx.export``. Why:
   trace and, in 2.x, go through the dynamo exporter and onnxscript);
 * it needs nothing beyond ``onnx``, already a dependency, and runs in milliseconds;
 * the operators are chosen for the compiler: MatMul, Add, Mul, Tanh, Gather, Equal,
-  Cast, Reshape, Transpose, Concat, Sigmoid, Softmax, all imported by TVM's Relax ONNX
+  Cast, Reshape, Transpose, ReduceSum, Concat, Sigmoid, Softmax, all imported by TVM's Relax ONNX
   frontend; masks and the tree structure are folded into constant weights.
 
 The graph has one float32 input ``x`` of shape ``(batch, in_dim)`` and one output ``y``
