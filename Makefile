@@ -12,7 +12,7 @@ STAMP := $(VENV)/.installed-stamp
 $(STAMP): pyproject.toml setup.py $(wildcard dispatcher/*.c)
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
-	$(BIN)/pip install --quiet -e '.[dev]'
+	$(BIN)/pip install --quiet -e '.[dev,windtunnel]'
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -13,6 +13,7 @@ EXPERIMENTS = [
     "paella.experiments.calibrate",
     "paella.experiments.sched_delay",
     "paella.experiments.overhead",
+    "paella.experiments.windtunnel",
     "paella.experiments.report",
 ]
 

@@ -14,6 +14,7 @@ from typing import Callable
 
 from paella.experiments.harness import saturated
 from paella.experiments.sched_delay import PYTHON_DECISION_US
+from paella.experiments.windtunnel import report_section as _windtunnel
 
 FIGURES = Path("docs/figures")
 
@@ -383,6 +384,9 @@ SECTIONS: list[tuple[str, str, str, Callable[[dict], list[str]]]] = [
     ("fairness", "Fairness threshold (Figure 13)",
      "paella experiment fairness --quick --json docs/figures/fairness.json "
      "--plot docs/figures/fairness.png", _fairness),
+    ("windtunnel", "WindTunnel: pipelines translated, fine-tuned and served (Tables 5.3-5.5)",
+     "paella experiment windtunnel --json docs/figures/windtunnel.json --plot docs/figures/windtunnel.png",
+     _windtunnel),
 ]
 
 
