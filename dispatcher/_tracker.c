@@ -6,8 +6,13 @@
  * Why C: these run once per notification and once per release, and in Python they
  * cost ~1.5 us per kernel in attribute reads and integer boxing alone. Here the state
  * of a launch in flight lives in plain arrays indexed by its counter pair, so a
- * notification touches no Python object except the op's three progress attributes
- * (placed, ended, t_first), which the rest of the dispatcher and the tests read.
+ * notification touches no Python object at all.
+ *
+ * The contract with Python is explicit: a launch is described by a Demand (this module's
+ * small immutable record: blocks, per-block warps, registers and shared memory, notifQ
+ * entries), release() takes a Demand and an opaque token, and drain() hands the token back
+ * to on_done(token, t_first) when the launch's last block completes. No attribute of any
+ * Python object is read or written by name.
  *
  * Thread model: the dispatcher's one thread. The ring is written concurrently by the
  * device (the GPU, or the simulator's process): slots are read through a volatile
@@ -15,10 +20,76 @@
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <structmember.h>
 #include <stdint.h>
 #include <stdio.h>
 
 enum { B = 0, W = 1, R = 2, S = 3 };  /* blocks, warps, registers, shared memory */
+
+/* -- Demand: what one launch asks of the GPU ------------------------------------------ */
+typedef struct {
+    PyObject_HEAD
+    long long blocks, warps, regs, smem, entries;   /* warps/regs/smem: per block */
+} Demand;
+
+static PyTypeObject DemandType;
+
+static PyObject *Demand_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
+{
+    static char *kw[] = {"blocks", "warps", "regs", "smem", "entries", NULL};
+    long long b, w, r, s, e;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "LLLLL", kw, &b, &w, &r, &s, &e))
+        return NULL;
+    if (b < 1 || w < 0 || r < 0 || s < 0 || e < 2) {
+        PyErr_Format(PyExc_ValueError, "a Demand needs blocks >= 1, warps, regs and smem "
+                     ">= 0 and entries >= 2 (got %lld, %lld, %lld, %lld, %lld)", b, w, r, s, e);
+        return NULL;
+    }
+    Demand *self = (Demand *)type->tp_alloc(type, 0);
+    if (self == NULL)
+        return NULL;
+    self->blocks = b, self->warps = w, self->regs = r, self->smem = s, self->entries = e;
+    return (PyObject *)self;
+}
+
+static PyObject *Demand_repr(Demand *self)
+{
+    return PyUnicode_FromFormat("Demand(blocks=%lld, warps=%lld, regs=%lld, smem=%lld, "
+                                "entries=%lld)", self->blocks, self->warps, self->regs,
+                                self->smem, self->entries);
+}
+
+static PyMemberDef Demand_members[] = {
+    {"blocks", T_LONGLONG, offsetof(Demand, blocks), READONLY, "blocks of the launch"},
+    {"warps", T_LONGLONG, offsetof(Demand, warps), READONLY, "warps per block"},
+    {"regs", T_LONGLONG, offsetof(Demand, regs), READONLY, "registers per block (granules)"},
+    {"smem", T_LONGLONG, offsetof(Demand, smem), READONLY, "shared memory per block (bytes)"},
+    {"entries", T_LONGLONG, offsetof(Demand, entries), READONLY,
+     "notifQ entries the launch may post"},
+    {NULL}
+};
+
+static PyTypeObject DemandType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "paella.dispatcher._tracker.Demand",
+    .tp_basicsize = sizeof(Demand),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "Demand(blocks, warps, regs, smem, entries): what one kernel launch asks of "
+              "the GPU, per block, and the notifQ entries it may post (immutable).",
+    .tp_new = Demand_new,
+    .tp_repr = (reprfunc)Demand_repr,
+    .tp_members = Demand_members,
+};
+
+static Demand *as_demand(PyObject *o)
+{
+    if (!PyObject_TypeCheck(o, &DemandType)) {
+        PyErr_Format(PyExc_TypeError, "expected a Demand (Tracker.demand()), got %.100s",
+                     Py_TYPE(o)->tp_name);
+        return NULL;
+    }
+    return (Demand *)o;
+}
 
 typedef struct {
     PyObject_HEAD
@@ -36,60 +107,12 @@ typedef struct {
     /* launches in flight, by counter pair */
     int npairs, id_shift;
     int64_t gen_mask;
-    PyObject **op;
+    PyObject **tok;              /* the caller's token of each launch in flight */
     int64_t *lid, *gen, *blocks, *fw, *fr, *fs, *entries, *placed, *ended;
+    double *t_first;             /* when its first block was reported placed */
     int32_t *freeq;
     int free_head, free_count;
 } Tracker;
-
-static PyObject *s_launch_id, *s_placed, *s_ended, *s_t_first, *s_blocks, *s_fw, *s_fr,
-    *s_fs, *s_entries, *s_prepare;
-
-/* -- helpers -------------------------------------------------------------------------- */
-static int get_i64(PyObject *obj, PyObject *name, int64_t *out)
-{
-    PyObject *v = PyObject_GetAttr(obj, name);
-    if (v == NULL)
-        return -1;
-    *out = PyLong_AsLongLong(v);
-    Py_DECREF(v);
-    return (*out == -1 && PyErr_Occurred()) ? -1 : 0;
-}
-
-static int set_i64(PyObject *obj, PyObject *name, int64_t value)
-{
-    PyObject *v = PyLong_FromLongLong(value);
-    if (v == NULL)
-        return -1;
-    int rc = PyObject_SetAttr(obj, name, v);
-    Py_DECREF(v);
-    return rc;
-}
-
-/* op.entries, prepared on first sight (Tracker.prepare flattens the footprint). */
-static int op_entries(Tracker *self, PyObject *op, int64_t *entries)
-{
-    if (get_i64(op, s_entries, entries) < 0)
-        return -1;
-    if (*entries)
-        return 0;
-    PyObject *r = PyObject_CallMethodOneArg((PyObject *)self, s_prepare, op);
-    if (r == NULL)
-        return -1;
-    Py_DECREF(r);
-    return get_i64(op, s_entries, entries);
-}
-
-/* What the release side reads of an op: its notifQ entries, blocks and per-block warps,
-   registers and shared memory (the footprint Tracker.prepare flattened). */
-static int read_op(Tracker *self, PyObject *op, int64_t *e, int64_t *n, int64_t *w,
-                   int64_t *r, int64_t *s)
-{
-    if (op_entries(self, op, e) < 0 || get_i64(op, s_blocks, n) < 0 ||
-        get_i64(op, s_fw, w) < 0 || get_i64(op, s_fr, r) < 0 || get_i64(op, s_fs, s) < 0)
-        return -1;
-    return 0;
-}
 
 static inline int flow_ok(Tracker *self, int64_t entries)
 {
@@ -150,11 +173,12 @@ static int Tracker_init(Tracker *self, PyObject *args, PyObject *kwds)
         self->id_shift++;
     self->gen_mask = (int64_t)(lmask >> self->id_shift);
     self->sm = PyMem_Calloc((size_t)nsm * 4, sizeof(int64_t));
-    self->op = PyMem_Calloc(npairs, sizeof(PyObject *));
+    self->tok = PyMem_Calloc(npairs, sizeof(PyObject *));
+    self->t_first = PyMem_Calloc(npairs, sizeof(double));
     self->freeq = PyMem_Calloc(npairs, sizeof(int32_t));
     int64_t **arrays[] = {&self->lid, &self->gen, &self->blocks, &self->fw, &self->fr,
                           &self->fs, &self->entries, &self->placed, &self->ended};
-    int ok = self->sm && self->op && self->freeq;
+    int ok = self->sm && self->tok && self->t_first && self->freeq;
     for (size_t i = 0; i < sizeof arrays / sizeof arrays[0]; i++) {
         *arrays[i] = PyMem_Calloc(npairs, sizeof(int64_t));
         ok = ok && *arrays[i];
@@ -190,17 +214,17 @@ static int ready(Tracker *self)
 static int Tracker_traverse(Tracker *self, visitproc visit, void *arg)
 {
     Py_VISIT(self->ring_obj);
-    if (self->op)
+    if (self->tok)
         for (int i = 0; i < self->npairs; i++)
-            Py_VISIT(self->op[i]);
+            Py_VISIT(self->tok[i]);
     return 0;
 }
 
 static int Tracker_clear(Tracker *self)
 {
-    if (self->op)
+    if (self->tok)
         for (int i = 0; i < self->npairs; i++)
-            Py_CLEAR(self->op[i]);
+            Py_CLEAR(self->tok[i]);
     return 0;
 }
 
@@ -213,7 +237,8 @@ static void Tracker_dealloc(Tracker *self)
         Py_CLEAR(self->ring_obj);
     }
     PyMem_Free(self->sm);
-    PyMem_Free(self->op);
+    PyMem_Free(self->tok);
+    PyMem_Free(self->t_first);
     PyMem_Free(self->freeq);
     int64_t *arrays[] = {self->lid, self->gen, self->blocks, self->fw, self->fr, self->fs,
                          self->entries, self->placed, self->ended};
@@ -223,50 +248,73 @@ static void Tracker_dealloc(Tracker *self)
 }
 
 /* -- release side --------------------------------------------------------------------- */
-static PyObject *Tracker_flow_ok(Tracker *self, PyObject *op)
+static PyObject *Tracker_flow_ok(Tracker *self, PyObject *arg)
 {
-    int64_t e;
-    if (!ready(self) || op_entries(self, op, &e) < 0)
+    Demand *d = as_demand(arg);
+    if (!ready(self) || d == NULL)
         return NULL;
-    return PyBool_FromLong(flow_ok(self, e));
+    return PyBool_FromLong(flow_ok(self, d->entries));
 }
 
-static PyObject *Tracker_admits(Tracker *self, PyObject *op)
+/* The +B rule (paella.dispatcher.tracker explains it): the blocks of the unplaced work
+   plus this launch that the free resources cannot hold now, estimated on GPU-wide totals,
+   must stay within B. A launch past that goes only when nothing else waits: with B > 0
+   at once (a kernel larger than the GPU runs in waves), with B = 0 only on an idle GPU,
+   so that at B = 0 no kernel ever waits in a hardware queue behind resident work. */
+static PyObject *Tracker_admits(Tracker *self, PyObject *arg)
 {
-    if (!ready(self))
+    Demand *dm = as_demand(arg);
+    if (!ready(self) || dm == NULL)
         return NULL;
-    int64_t u = self->demand[B];
-    if (u) {
-        double excess = 0.0;
-        for (int r = 0; r < 4; r++) {
-            int64_t d = self->demand[r];
-            if (d) {
-                double frac = (double)(d - (self->cap[r] - self->used[r])) / (double)d;
-                if (frac > excess)
-                    excess = frac;
-            }
+    if (!flow_ok(self, dm->entries))
+        Py_RETURN_FALSE;
+    int64_t n = dm->blocks;
+    int64_t need[4] = {n, n * dm->warps, n * dm->regs, n * dm->smem};
+    double excess = 0.0;
+    for (int k = 0; k < 4; k++) {
+        int64_t d = self->demand[k] + need[k];
+        if (d) {
+            double frac = (double)(d - (self->cap[k] - self->used[k])) / (double)d;
+            if (frac > excess)
+                excess = frac;
         }
-        if ((double)u * excess >= (double)self->extra_blocks)
-            Py_RETURN_FALSE;
     }
-    return Tracker_flow_ok(self, op);
+    int64_t u = self->demand[B];
+    if ((double)(u + n) * excess <= (double)self->extra_blocks)
+        Py_RETURN_TRUE;
+    if (u == 0 && (self->extra_blocks > 0 || self->used[B] == 0))
+        Py_RETURN_TRUE;
+    Py_RETURN_FALSE;
 }
 
-static PyObject *Tracker_fits_now(Tracker *self, PyObject *op)
+/* Do `k` blocks of the launch fit in the resources that are neither resident nor claimed
+   by unplaced work? (GPU-wide totals, as the +B rule.) */
+static PyObject *fits(Tracker *self, PyObject *arg, int whole)
 {
-    int64_t e, n, w, r, s;
-    if (!ready(self) || read_op(self, op, &e, &n, &w, &r, &s) < 0)
+    Demand *dm = as_demand(arg);
+    if (!ready(self) || dm == NULL)
         return NULL;
-    int64_t need[4] = {n, n * w, n * r, n * s};
-    for (int k = 0; k < 4; k++)
-        if (need[k] > self->cap[k] - self->used[k] - self->demand[k])
+    int64_t k = whole ? dm->blocks : 1;
+    int64_t need[4] = {k, k * dm->warps, k * dm->regs, k * dm->smem};
+    for (int i = 0; i < 4; i++)
+        if (need[i] > self->cap[i] - self->used[i] - self->demand[i])
             Py_RETURN_FALSE;
     Py_RETURN_TRUE;
 }
 
+static PyObject *Tracker_fits_now(Tracker *self, PyObject *arg)
+{
+    return fits(self, arg, 1);
+}
+
+static PyObject *Tracker_starts_now(Tracker *self, PyObject *arg)
+{
+    return fits(self, arg, 0);
+}
+
 static void finish_slot(Tracker *self, int slot)
 {
-    self->op[slot] = NULL;       /* the caller owns the reference now */
+    self->tok[slot] = NULL;      /* the caller owns the reference now */
     self->lid[slot] = -1;
     self->freeq[(self->free_head + self->free_count) & (self->npairs - 1)] = slot;
     self->free_count++;
@@ -284,66 +332,73 @@ static void withdraw(Tracker *self, int slot)
     finish_slot(self, slot);
 }
 
-static PyObject *Tracker_release(Tracker *self, PyObject *op)
+/* release(demand, token) -> launch id. No Python code runs here. */
+static PyObject *Tracker_release(Tracker *self, PyObject *const *args, Py_ssize_t nargs)
 {
-    int64_t e, n, w, r, s;
-    if (!ready(self) || read_op(self, op, &e, &n, &w, &r, &s) < 0)
-        return NULL;
-    if (n < 1) {
-        PyErr_Format(PyExc_ValueError, "release(): a launch of %lld blocks", (long long)n);
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "release(demand, token) takes 2 arguments");
         return NULL;
     }
+    Demand *dm = as_demand(args[0]);
+    if (!ready(self) || dm == NULL)
+        return NULL;
     if (!self->free_count) {
         PyErr_SetString(PyExc_RuntimeError, "release() with every counter pair in flight: "
                         "check admits() or flow_ok() first (internal error, please report)");
         return NULL;
     }
-    /* Claim the pair before any Python code runs (setting op.launch_id may). */
+    int64_t n = dm->blocks, w = dm->warps, r = dm->regs, s = dm->smem;
     int slot = self->freeq[self->free_head];
     self->free_head = (self->free_head + 1) & (self->npairs - 1);
     self->free_count--;
     int64_t g = self->gen[slot] = (self->gen[slot] + 1) & self->gen_mask;
     int64_t lid = (g << self->id_shift) | slot;
-    Py_INCREF(op);
-    self->op[slot] = op;
+    self->tok[slot] = Py_NewRef(args[1]);
     self->lid[slot] = lid;
     self->blocks[slot] = n;
     self->fw[slot] = w;
     self->fr[slot] = r;
     self->fs[slot] = s;
-    self->entries[slot] = e;
+    self->entries[slot] = dm->entries;
     self->placed[slot] = self->ended[slot] = 0;
+    self->t_first[slot] = 0.0;
     self->demand[B] += n;
     self->demand[W] += n * w;
     self->demand[R] += n * r;
     self->demand[S] += n * s;
-    self->reserved += e;
-    if (set_i64(op, s_launch_id, lid) < 0) {
-        withdraw(self, slot);
-        Py_DECREF(op);
-        return NULL;
-    }
+    self->reserved += dm->entries;
     return PyLong_FromLongLong(lid);
 }
 
-
-static PyObject *Tracker_unrelease(Tracker *self, PyObject *op)
+/* The slot of launch `lid` if it is in flight, else -1 with ValueError. */
+static int slot_of(Tracker *self, PyObject *arg, const char *what)
 {
-    int64_t lid;
-    if (!ready(self) || get_i64(op, s_launch_id, &lid) < 0)
-        return NULL;
+    long long lid = PyLong_AsLongLong(arg);
+    if (lid == -1 && PyErr_Occurred())
+        return -1;
     int slot = (int)(lid & (self->npairs - 1));
-    if (lid < 0 || self->op[slot] != op || self->lid[slot] != lid) {
-        PyErr_Format(PyExc_ValueError, "unrelease(): launch %lld is not in flight", lid);
-        return NULL;
+    if (lid < 0 || self->tok[slot] == NULL || self->lid[slot] != lid) {
+        PyErr_Format(PyExc_ValueError, "%s(): launch %lld is not in flight", what, lid);
+        return -1;
     }
+    return slot;
+}
+
+static PyObject *Tracker_unrelease(Tracker *self, PyObject *arg)
+{
+    if (!ready(self))
+        return NULL;
+    int slot = slot_of(self, arg, "unrelease");
+    if (slot < 0)
+        return NULL;
     if (self->placed[slot] || self->ended[slot]) {
         PyErr_Format(PyExc_ValueError, "unrelease(): launch %lld has blocks on the GPU already; "
-                     "unrelease is for a launch the device refused", lid);
+                     "unrelease is for a launch the device refused", (long long)self->lid[slot]);
         return NULL;
     }
+    PyObject *tok = self->tok[slot];
     withdraw(self, slot);
-    Py_DECREF(op);
+    Py_DECREF(tok);
     Py_RETURN_NONE;
 }
 
@@ -357,38 +412,82 @@ static void keep_error(PyObject **t, PyObject **v, PyObject **tb)
         PyErr_WriteUnraisable(NULL);
 }
 
-/* Completions of one drain, in order: a small array, then a list if many. */
+/* Tokens to report after a drain's batch, in order: a small array, then a list if many. */
 typedef struct {
-    PyObject *first[64];
+    PyObject *tok[64];
+    double t[64];
     int n;
-    PyObject *more;
-} Finished;
+    PyObject *more;              /* list of (token, t) tuples */
+} Batch;
 
-static int finished_add(Finished *f, PyObject *op)   /* steals op */
+static int batch_add(Batch *f, PyObject *tok, double t)   /* steals tok */
 {
     if (f->n < 64) {
-        f->first[f->n++] = op;
+        f->tok[f->n] = tok;
+        f->t[f->n++] = t;
         return 0;
     }
     if (f->more == NULL && (f->more = PyList_New(0)) == NULL) {
-        Py_DECREF(op);
+        Py_DECREF(tok);
         return -1;
     }
-    int rc = PyList_Append(f->more, op);
-    Py_DECREF(op);
+    PyObject *pair = Py_BuildValue("(Nd)", tok, t);
+    if (pair == NULL)
+        return -1;
+    int rc = PyList_Append(f->more, pair);
+    Py_DECREF(pair);
     return rc;
 }
 
+/* Call fn(token) or fn(token, t) for each entry, releasing them; errors are kept. */
+static void batch_report(Batch *f, PyObject *fn, int with_time, PyObject **et, PyObject **ev,
+                         PyObject **etb)
+{
+    for (int i = 0; i < f->n; i++) {
+        PyObject *r;
+        if (fn == NULL) {
+            r = Py_NewRef(Py_None);
+        } else if (with_time) {
+            PyObject *t = PyFloat_FromDouble(f->t[i]);
+            PyObject *argv[2] = {f->tok[i], t};
+            r = t == NULL ? NULL : PyObject_Vectorcall(fn, argv, 2, NULL);
+            Py_XDECREF(t);
+        } else {
+            r = PyObject_CallOneArg(fn, f->tok[i]);
+        }
+        Py_DECREF(f->tok[i]);
+        if (r == NULL)
+            keep_error(et, ev, etb);
+        else
+            Py_DECREF(r);
+    }
+    if (f->more != NULL) {
+        for (Py_ssize_t j = 0; fn != NULL && j < PyList_GET_SIZE(f->more); j++) {
+            PyObject *pair = PyList_GET_ITEM(f->more, j);
+            PyObject *r = with_time ? PyObject_Call(fn, pair, NULL)
+                                    : PyObject_CallOneArg(fn, PyTuple_GET_ITEM(pair, 0));
+            if (r == NULL)
+                keep_error(et, ev, etb);
+            else
+                Py_DECREF(r);
+        }
+        Py_DECREF(f->more);
+    }
+}
+
 /*
- * Every entry is applied in C first (totals, per SM, the launch's counts, its counter
- * pair freed when its last block completes), then mirrored into the op's attributes.
- * A Python error there (or in on_done) does not stop the batch: what the GPU did is
- * recorded and every finished launch is reported; the first error is raised at the end.
+ * drain(now, on_done, on_start=None). Every entry is applied in C first (totals, per SM,
+ * the launch's counts, its counter pair freed when its last block completes); then, after
+ * the batch, on_start(token) for each launch whose first block was reported (only if
+ * on_start is given) and on_done(token, t_first) for each finished launch, in order. A
+ * Python error there does not stop the others: what the GPU did is recorded and every
+ * launch is reported; the first error is raised at the end.
  */
 static PyObject *Tracker_drain(Tracker *self, PyObject *const *args, Py_ssize_t nargs)
 {
-    if (nargs != 2) {
-        PyErr_SetString(PyExc_TypeError, "drain(now, on_done) takes 2 arguments");
+    if (nargs != 2 && nargs != 3) {
+        PyErr_SetString(PyExc_TypeError, "drain(now, on_done, on_start=None) takes 2 or 3 "
+                        "arguments");
         return NULL;
     }
     if (!ready(self))
@@ -398,14 +497,14 @@ static PyObject *Tracker_drain(Tracker *self, PyObject *const *args, Py_ssize_t 
     uint64_t w = ring[head & mask];
     if (!w)
         return PyLong_FromLong(0);
-    PyObject *now_obj = args[0];
-    double now = PyFloat_AsDouble(now_obj);
+    double now = PyFloat_AsDouble(args[0]);
     if (now == -1.0 && PyErr_Occurred())
         return NULL;
     PyObject *on_done = args[1];
+    PyObject *on_start = nargs == 3 && args[2] != Py_None ? args[2] : NULL;
     PyObject *et = NULL, *ev = NULL, *etb = NULL;
     int64_t start = head, pair_mask = self->npairs - 1;
-    Finished fin = {.n = 0, .more = NULL};
+    Batch fin = {.n = 0, .more = NULL}, started = {.n = 0, .more = NULL};
     uint64_t bad = 0;
     const char *why = NULL;
     while (w) {
@@ -416,8 +515,7 @@ static PyObject *Tracker_drain(Tracker *self, PyObject *const *args, Py_ssize_t 
         int kind = (int)(w >> self->kind_shift);
         int sm = (int)((w >> self->sm_shift) & 0xFF);
         int64_t n = (int64_t)((w >> self->count_shift) & 0xFF);
-        PyObject *op = self->op[slot];
-        if (op == NULL || self->lid[slot] != lid) {
+        if (self->tok[slot] == NULL || self->lid[slot] != lid) {
             bad = w, why = "names a launch that is not in flight";
             break;
         }
@@ -434,55 +532,37 @@ static PyObject *Tracker_drain(Tracker *self, PyObject *const *args, Py_ssize_t 
         }
         int64_t d[4] = {n, n * self->fw[slot], n * self->fr[slot], n * self->fs[slot]};
         int64_t *usm = self->sm + 4 * sm;
-        Py_INCREF(op);           /* held while its attributes are set (Python may run) */
         if (placing) {
-            int first = !self->placed[slot];
-            int64_t placed = self->placed[slot] += n;
+            if (!self->placed[slot]) {
+                self->t_first[slot] = now;
+                if (on_start != NULL && batch_add(&started, Py_NewRef(self->tok[slot]), now) < 0)
+                    keep_error(&et, &ev, &etb);
+            }
+            self->placed[slot] += n;
             for (int r = 0; r < 4; r++) {
                 self->used[r] += d[r];
                 usm[r] += d[r];
                 self->demand[r] -= d[r];
             }
-            if ((first && PyObject_SetAttr(op, s_t_first, now_obj) < 0) ||
-                set_i64(op, s_placed, placed) < 0)
-                keep_error(&et, &ev, &etb);
         } else {
             for (int r = 0; r < 4; r++) {
                 self->used[r] -= d[r];
                 usm[r] -= d[r];
             }
-            int64_t ended = self->ended[slot] += n;
-            if (ended == self->blocks[slot]) {
+            if ((self->ended[slot] += n) == self->blocks[slot]) {
+                double t0 = self->t_first[slot];
+                PyObject *tok = self->tok[slot];
                 finish_slot(self, slot);                 /* its reference is ours now */
-                if (finished_add(&fin, op) < 0)
+                if (batch_add(&fin, tok, t0) < 0)
                     keep_error(&et, &ev, &etb);
             }
-            if (set_i64(op, s_ended, ended) < 0)
-                keep_error(&et, &ev, &etb);
         }
-        Py_DECREF(op);
         w = ring[head & mask];
     }
     self->head = head;
-    /* Completions, in order, even after an error or a bad entry: they did happen. */
-    for (int i = 0; i < fin.n; i++) {
-        PyObject *r = PyObject_CallOneArg(on_done, fin.first[i]);
-        Py_DECREF(fin.first[i]);
-        if (r == NULL)
-            keep_error(&et, &ev, &etb);
-        else
-            Py_DECREF(r);
-    }
-    if (fin.more != NULL) {
-        for (Py_ssize_t j = 0; j < PyList_GET_SIZE(fin.more); j++) {
-            PyObject *r = PyObject_CallOneArg(on_done, PyList_GET_ITEM(fin.more, j));
-            if (r == NULL)
-                keep_error(&et, &ev, &etb);
-            else
-                Py_DECREF(r);
-        }
-        Py_DECREF(fin.more);
-    }
+    /* Starts, then completions, in order, even after a bad entry: they did happen. */
+    batch_report(&started, on_start, 0, &et, &ev, &etb);
+    batch_report(&fin, on_done, 1, &et, &ev, &etb);
     if (et != NULL) {
         PyErr_Restore(et, ev, etb);
         return NULL;
@@ -504,13 +584,31 @@ static PyObject *Tracker_in_flight(Tracker *self, PyObject *unused)
     return PyLong_FromLong(self->npairs - self->free_count);
 }
 
-static PyObject *Tracker_ops_in_flight(Tracker *self, PyObject *unused)
+static PyObject *Tracker_tokens_in_flight(Tracker *self, PyObject *unused)
 {
-    PyObject *out = PyList_New(0);
-    for (int i = 0; out != NULL && i < self->npairs; i++)
-        if (self->op[i] != NULL && PyList_Append(out, self->op[i]) < 0)
+    if (!ready(self))
+        return NULL;
+    PyObject *out = PyDict_New();
+    for (int i = 0; out != NULL && i < self->npairs; i++) {
+        if (self->tok[i] == NULL)
+            continue;
+        PyObject *k = PyLong_FromLongLong(self->lid[i]);
+        if (k == NULL || PyDict_SetItem(out, k, self->tok[i]) < 0)
             Py_CLEAR(out);
+        Py_XDECREF(k);
+    }
     return out;
+}
+
+static PyObject *Tracker_progress(Tracker *self, PyObject *arg)
+{
+    if (!ready(self))
+        return NULL;
+    int slot = slot_of(self, arg, "progress");
+    if (slot < 0)
+        return NULL;
+    return Py_BuildValue("(LLd)", (long long)self->placed[slot], (long long)self->ended[slot],
+                         self->t_first[slot]);
 }
 
 static PyObject *Tracker_sm_usage(Tracker *self, PyObject *arg)
@@ -600,15 +698,24 @@ static PyGetSetDef Tracker_getset[] = {
 
 static PyMethodDef Tracker_methods[] = {
     {"drain", (PyCFunction)(void (*)(void))Tracker_drain, METH_FASTCALL,
-     "drain(now, on_done) -> entries consumed; on_done(op) per finished launch, in order"},
-    {"admits", (PyCFunction)Tracker_admits, METH_O, "the +B rule, then flow control"},
-    {"flow_ok", (PyCFunction)Tracker_flow_ok, METH_O, "may op launch without a notifQ overrun?"},
+     "drain(now, on_done, on_start=None) -> entries consumed; on_start(token) per launch "
+     "whose first block was placed, then on_done(token, t_first) per finished launch"},
+    {"admits", (PyCFunction)Tracker_admits, METH_O, "admits(demand): +B rule, flow control"},
+    {"flow_ok", (PyCFunction)Tracker_flow_ok, METH_O,
+     "flow_ok(demand): may it launch without a notifQ overrun?"},
+    {"starts_now", (PyCFunction)Tracker_starts_now, METH_O,
+     "starts_now(demand): would one block be placed at once if released now?"},
     {"fits_now", (PyCFunction)Tracker_fits_now, METH_O,
-     "would all of op's blocks fit in what is free after the unplaced ones?"},
-    {"release", (PyCFunction)Tracker_release, METH_O, "account for launching op; its launch id"},
-    {"unrelease", (PyCFunction)Tracker_unrelease, METH_O, "undo release() (a refused launch)"},
+     "fits_now(demand): would all its blocks fit in what is free after the unplaced ones?"},
+    {"release", (PyCFunction)(void (*)(void))Tracker_release, METH_FASTCALL,
+     "release(demand, token) -> launch id: account for launching it"},
+    {"unrelease", (PyCFunction)Tracker_unrelease, METH_O,
+     "unrelease(launch_id): undo release() (a launch the device refused)"},
+    {"progress", (PyCFunction)Tracker_progress, METH_O,
+     "progress(launch_id) -> (placed, ended, t_first) of a launch in flight"},
     {"in_flight", (PyCFunction)Tracker_in_flight, METH_NOARGS, "launches in flight"},
-    {"_ops_in_flight", (PyCFunction)Tracker_ops_in_flight, METH_NOARGS, "their ops"},
+    {"tokens_in_flight", (PyCFunction)Tracker_tokens_in_flight, METH_NOARGS,
+     "{launch id: token} of the launches in flight (a snapshot)"},
     {"_sm_usage", (PyCFunction)Tracker_sm_usage, METH_O, "per-SM usage of one resource"},
     {NULL}
 };
@@ -618,7 +725,7 @@ static PyTypeObject TrackerType = {
     .tp_name = "paella.dispatcher._tracker.TrackerCore",
     .tp_basicsize = sizeof(Tracker),
     .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE | Py_TPFLAGS_HAVE_GC,
-    .tp_doc = "The occupancy tracker's per-kernel work (see paella.dispatcher.occupancy).",
+    .tp_doc = "The occupancy tracker's per-kernel work (see paella.dispatcher.tracker).",
     .tp_new = PyType_GenericNew,
     .tp_init = (initproc)Tracker_init,
     .tp_dealloc = (destructor)Tracker_dealloc,
@@ -630,24 +737,18 @@ static PyTypeObject TrackerType = {
 
 static struct PyModuleDef module = {
     PyModuleDef_HEAD_INIT, "paella.dispatcher._tracker",
-    "C half of the occupancy tracker (paella.dispatcher.occupancy).", -1, NULL,
+    "C half of the occupancy tracker (paella.dispatcher.tracker).", -1, NULL,
 };
 
 PyMODINIT_FUNC PyInit__tracker(void)
 {
-    PyObject **names[] = {&s_launch_id, &s_placed, &s_ended, &s_t_first, &s_blocks, &s_fw,
-                          &s_fr, &s_fs, &s_entries, &s_prepare};
-    const char *strs[] = {"launch_id", "placed", "ended", "t_first", "blocks", "fw", "fr",
-                          "fs", "entries", "prepare"};
-    for (size_t i = 0; i < sizeof names / sizeof names[0]; i++)
-        if ((*names[i] = PyUnicode_InternFromString(strs[i])) == NULL)
-            return NULL;
-    if (PyType_Ready(&TrackerType) < 0)
+    if (PyType_Ready(&DemandType) < 0 || PyType_Ready(&TrackerType) < 0)
         return NULL;
     PyObject *m = PyModule_Create(&module);
     if (m == NULL)
         return NULL;
-    if (PyModule_AddObjectRef(m, "TrackerCore", (PyObject *)&TrackerType) < 0) {
+    if (PyModule_AddObjectRef(m, "TrackerCore", (PyObject *)&TrackerType) < 0 ||
+        PyModule_AddObjectRef(m, "Demand", (PyObject *)&DemandType) < 0) {
         Py_DECREF(m);
         return NULL;
     }

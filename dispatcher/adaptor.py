@@ -1,10 +1,12 @@
-"""Job adaptors (Figure 8): ``init(device)`` once per model, ``run(io)`` per request.
+"""Job adaptors (Figure 8): ``init(device)`` once per model, then per request either
+``run(io)`` or the replay of a launch plan.
 
 ``run`` executes inside the request's greenlet and talks to the GPU only through
-:mod:`paella.dispatcher.cuda`. :class:`PlanAdaptor` is the built-in adaptor: it runs a
+:mod:`paella.dispatcher.cudart`. :class:`PlanAdaptor` is the built-in adaptor: it holds a
 launch plan (copy the inputs from the io buffer, launch the kernels, copy the outputs
-back) and is what a compiled bundle needs (:meth:`PlanAdaptor.from_bundle`). Users
-subclass :class:`JobAdaptor` for anything else.
+back), a record the dispatcher replays for every request with no greenlet
+(:mod:`paella.dispatcher.replay`); it is what a compiled bundle needs
+(:meth:`PlanAdaptor.from_bundle`). Users subclass :class:`JobAdaptor` for anything else.
 
 The plan format here (:class:`Plan`) is the dispatcher's own; :func:`plan_from_bundle`
 adapts a bundle variant to it.
@@ -37,9 +39,6 @@ import numpy as np
 
 from paella.dispatcher.devices.base import Device, Function, KernelInfo, ModuleImage, dim3
 
-from . import cuda
-from .job import current
-
 #: Default device memory one model may spend on per-request buffer sets (bytes).
 DEFAULT_BUFFER_BUDGET = 1 << 30
 
@@ -50,11 +49,16 @@ class JobAdaptor:
     ``buffer_pool``: when an adaptor sets it (in ``init``), the dispatcher acquires one
     :class:`BufferSet` per job before the job starts (``job.bindings``), returns it when
     the job finishes, and holds a job back while the pool is exhausted.
+
+    ``plan`` and ``funcs``: an adaptor with a :class:`Plan` (and its loaded kernels by
+    name, after ``init``) is replayed by the dispatcher; ``run`` is then never called.
     """
 
     name = "adaptor"
     io_bytes = 0
     buffer_pool: "BufferPool | None" = None
+    plan: "Plan | None" = None
+    funcs: "dict[str, Function]" = {}
 
     def init(self, device: Device) -> None:
         """Load modules and parameters; called once when the model is registered."""
@@ -116,6 +120,9 @@ class Plan:
     params: dict[str, bytes] = field(default_factory=dict)
     cubin: bytes | None = None
     ptx: bytes | None = None
+    #: Functional effects by kernel name, for a device that runs no code (the simulator:
+    #: :mod:`paella.dispatcher.devices.sim.functional`); see :meth:`with_effect`.
+    effects: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         names = {k.name for k in self.kernels}
@@ -167,6 +174,26 @@ class Plan:
                 raise ValueError(f"{where}: scalar {a.value!r} does not fit dtype {a.dtype!r}")
         else:
             raise ValueError(f"{where} is a {type(a).__name__}; use BufferArg or ScalarArg")
+
+    def with_effect(self, effect: Any, operands: Sequence[BufferArg]) -> "Plan":
+        """This plan with ``effect`` on its last kernel launch, whose arguments get
+        ``operands`` appended (the buffers the effect reads and writes, bound per
+        request like every argument). Every op must be on stream 0, so that the last
+        launch comes after every input copy and before every output copy."""
+        launches = [i for i, op in enumerate(self.ops) if op.kind == "launch"]
+        if not launches:
+            raise ValueError(f"plan {self.name!r} launches no kernel to carry an effect")
+        if any(op.stream for op in self.ops):
+            raise ValueError(f"plan {self.name!r} uses several streams; a functional effect "
+                             f"needs a single-stream plan")
+        last = launches[-1]
+        ops = list(self.ops)
+        op = ops[last]
+        ops[last] = PlanOp("launch", stream=op.stream, kernel=op.kernel, grid=op.grid,
+                           block=op.block, dyn_smem=op.dyn_smem,
+                           args=tuple(op.args) + tuple(operands))
+        return Plan(self.name, self.kernels, ops, dict(self.buffers), self.io_bytes,
+                    dict(self.params), self.cubin, self.ptx, {**self.effects, op.kernel: effect})
 
     @property
     def request_buffers(self) -> dict[str, int]:
@@ -243,8 +270,9 @@ class BufferPool:
 
 
 class PlanAdaptor(JobAdaptor):
-    """Runs a :class:`Plan`. The "almost finished" wake-up goes out before the last
-    D2H copy (or before the last kernel when the plan copies nothing back).
+    """Serves a :class:`Plan`, which the dispatcher replays (no ``run``). The "almost
+    finished" wake-up goes out before the last D2H copy (or before the last kernel when
+    the plan copies nothing back).
 
     ``max_buffer_sets`` caps the per-request buffer sets (concurrent requests of this
     model on the device); by default the cap is ``buffer_budget`` bytes divided by one
@@ -260,17 +288,10 @@ class PlanAdaptor(JobAdaptor):
         self.buffers: dict[str, int] = {}    # the model's own (param) buffers: name -> pointer
         self.buffer_pool = None
         self.device: Device | None = None
-        self._steps: list[tuple] = []
         self._set_bytes = sum(plan.request_buffers.values())
         if max_buffer_sets is None:
             max_buffer_sets = max(1, buffer_budget // self._set_bytes) if self._set_bytes else 1
         self.max_buffer_sets = max_buffer_sets
-        ops = plan.ops
-        last = max((i for i, op in enumerate(ops) if op.kind == "d2h"), default=-1)
-        if last < 0:
-            last = max((i for i, op in enumerate(ops) if op.kind == "launch"), default=-1)
-        self._almost_at = last
-        self._streams = sorted({op.stream for op in ops if op.stream})
 
     @classmethod
     def from_bundle(cls, bundle: Any, variant: int = 0, *, name: str | None = None,
@@ -282,18 +303,12 @@ class PlanAdaptor(JobAdaptor):
         plan = self.plan
         self.device = device
         self.funcs = device.load_module(ModuleImage(plan.name, list(plan.kernels),
-                                                    cubin=plan.cubin, ptx=plan.ptx))
-        steps = []
+                                                    cubin=plan.cubin, ptx=plan.ptx,
+                                                    effects=dict(plan.effects)))
         for op in plan.ops:
             if op.kind == "launch":
-                func = self.funcs[op.kernel]
                 # Refuse a kernel that can never run now, at registration, by name.
-                device.block_footprint(func, dim3(op.block, "block"), op.dyn_smem)
-                steps.append((0, func, op.grid, op.block, op.dyn_smem, op.stream))
-            else:
-                steps.append((1 if op.kind == "h2d" else 2, None, op.io_offset,
-                              op.io_offset + op.nbytes, 0, op.stream))
-        self._steps = steps
+                device.block_footprint(self.funcs[op.kernel], dim3(op.block, "block"), op.dyn_smem)
         try:
             for name in plan.params:
                 self.buffers[name] = device.alloc(plan.buffers[name])
@@ -352,30 +367,6 @@ class PlanAdaptor(JobAdaptor):
         for ptr in self.buffers.values():
             device.free(ptr)
         self.buffers = {}
-
-    def run(self, io: np.ndarray) -> None:
-        if io.size < self.io_bytes:
-            raise ValueError(f"io buffer of {io.size} bytes is smaller than model "
-                             f"{self.name!r} needs ({self.io_bytes})")
-        bindings = current().bindings
-        if bindings is None:
-            raise RuntimeError(f"model {self.name!r}: the job holds no buffer set; register the "
-                               f"adaptor with Dispatcher.register_model (which acquires one)")
-        bound = bindings.bound
-        streams: dict[int, Any] = {0: None}
-        for s in self._streams:
-            streams[s] = cuda.stream_create()
-        almost = self._almost_at
-        for i, (kind, a, b, c, d, s) in enumerate(self._steps):
-            if i == almost:
-                cuda.almost_finished()
-            if kind == 0:
-                cuda.launch(a, b, c, streams[s], dyn_smem=d, args=bound[i])
-            elif kind == 1:
-                cuda.memcpy_htod(bound[i], io[b:c], streams[s])
-            else:
-                cuda.memcpy_dtoh(io[b:c], bound[i], streams[s])
-        cuda.device_synchronize()
 
 
 def plan_from_bundle(bundle: Any, variant: int = 0, *, name: str | None = None) -> Plan:

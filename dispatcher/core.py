@@ -2,22 +2,27 @@
 
 :meth:`Dispatcher.step` is one iteration of the loop; the daemon calls it forever,
 the virtual-time harness between clock advances. Everything else here is bookkeeping
-called from that loop: jobs (greenlets running adaptors), their waitlists, the
-occupancy tracker, the policy, and the virtual-to-real stream map.
+called from that loop: jobs (replayed plans, or greenlets running adaptors), their
+waitlists, the occupancy tracker, the policy, and the virtual-to-real stream map.
 
 Contract with the daemon:
 
 * ``register_model(name, adaptor) -> model_id`` (runs ``adaptor.init`` and profiling
   jobs that seed the SRPT estimate);
-* ``submit(Request)``; the request's ``on_almost_finished(req)`` fires when the op
-  its adaptor marked (before the last D2H copy, for plans) is released, or at the
-  latest just before completion; ``on_complete(req, status, error)`` once, with
-  ``STATUS_OK``, ``STATUS_ERROR`` (the adaptor raised: ``error`` says why) or
-  ``STATUS_CANCELLED``;
+* ``submit(Request)`` (a job serving that one request) or ``submit_group(requests, io)``
+  (one job serving several requests of one model: the seam for batchers); each
+  request's ``on_almost_finished(req)`` fires when the op its job marked (before the
+  last D2H copy, for plans) is released, or at the latest just before completion;
+  ``on_complete(req, status, error)`` once, with ``STATUS_OK``, ``STATUS_ERROR`` (the
+  job failed: ``error`` says why) or ``STATUS_CANCELLED``;
 * ``step() -> bool`` (True while anything is in flight), ``cancel_client(id)``,
-  ``in_flight``. Completion is per request;
-* ``abandon_all(reason)`` completes every request still in flight as cancelled at
-  once, without waiting for the device: the daemon's last act before it exits.
+  ``in_flight`` (requests). Completion, wake-up and cancellation are per request;
+* ``abandon_all(reason, status)`` completes every request still in flight at once, without
+  waiting for the device: the daemon's last act before it exits.
+* ``instruments`` (:mod:`paella.dispatcher.instruments`): hooks on requests and ops.
+
+The dispatcher is the :class:`~paella.dispatcher.job.JobHost` of its jobs: they see it
+only through that interface.
 
 A policy is plug-in code and may be wrong. A hook that raises, a ``pick()`` that
 returns something other than a queued job of this dispatcher, or a ``pick()`` that
@@ -35,20 +40,25 @@ from typing import Any, Callable
 import greenlet
 import numpy as np
 
-from paella import protocol
-from paella.dispatcher.devices.base import Device, DeviceError, DeviceLost
+from paella import protocol, rings
+from paella.dispatcher.devices.base import H2D, KERNEL, Device, DeviceError, DeviceLost, Function, dim3
 
-from .adaptor import JobAdaptor, PlanAdaptor
-from .job import FINISHED, Job, PlanTemplate
-from .occupancy import Tracker
-from .policies.base import Policy, PolicyError, get_policy
-from .profile import ModelProfile
+from .adaptor import JobAdaptor
+from .instruments import Instrument, Instruments
+from .job import FINISHED, Job
+from .ops import KernelLaunch, Op
+from .policies import Policy, PolicyError, get_policy
+from .profile import ESTIMATE_DIGITS, ModelProfile
+from .replay import ReplayPlan
 from .streams import StreamMap
-from .waitlist import DONE, DROPPED, H2D, KERNEL, READY, RELEASED, Op
+from .tracker import Tracker
+from .waitlist import DROPPED, RELEASED, Node
 
 log = logging.getLogger(__name__)
 
-STATUS_OK, STATUS_ERROR, STATUS_CANCELLED = 0, 1, 2
+#: Completion statuses: the wire's own codes (``paella.rings``), one vocabulary from the
+#: dispatcher to the client's completion ring.
+STATUS_OK, STATUS_ERROR, STATUS_CANCELLED = rings.OK, rings.E_FAILED, rings.E_CANCELLED
 FALLBACK_POLICY = "fifo"
 #: A policy whose pick() holds every ready job back this long while the device has
 #: nothing in flight is stalled (real time; a virtual clock cannot advance meanwhile,
@@ -71,6 +81,7 @@ class Request:
     t_done: float = float("nan")
     status: int = -1
     error: str | None = None
+    cancelled: bool = False          # its client went away: completes as STATUS_CANCELLED
 
 
 @dataclass(eq=False)
@@ -79,8 +90,8 @@ class Model:
     name: str
     adaptor: JobAdaptor
     profile: ModelProfile = field(default_factory=ModelProfile)
-    # The built-in PlanAdaptor's plan, compiled once: its requests skip the greenlet.
-    template: PlanTemplate | None = None
+    # The adaptor's launch plan compiled for this dispatcher (None: run() in a greenlet).
+    replay: ReplayPlan | None = None
     # The adaptor's per-request buffer sets (adaptor.BufferPool), if it has any.
     pool: Any = None
 
@@ -90,8 +101,10 @@ class Dispatcher:
                  extra_blocks: int | None = None, fairness_threshold: float | None = None,
                  group: int = protocol.DEFAULT_GROUP,
                  counter_pairs: int = protocol.DEFAULT_COUNTER_PAIRS,
-                 policy_options: dict[str, Any] | None = None, profile_runs: int = 2):
+                 policy_options: dict[str, Any] | None = None, profile_runs: int = 2,
+                 instruments: "list[Instrument] | tuple[Instrument, ...]" = ()):
         self.device = device
+        self.instruments = Instruments(instruments)
         self.group = group
         self.profile_runs = profile_runs
         self.extra_blocks = device.props.sm_count if extra_blocks is None else extra_blocks
@@ -104,7 +117,7 @@ class Dispatcher:
         self.policy: Policy = cls(self, **opts)
         self._bind_policy()
         self.streams = StreamMap(len(device.streams), self.policy.stream_mode)
-        self.models: list[Model] = []
+        self.models: dict[int, Model] = {}   # by model id
         self.jobs: set[Job] = set()
         self.in_flight = 0
         self.now = device.now()
@@ -117,6 +130,7 @@ class Dispatcher:
         self._seq = 0
         self._progress = 0
         self._queued = 0                     # jobs announced to the policy (job.in_policy)
+        self._launches: dict[tuple, KernelLaunch] = {}   # checked launch records, by shape
         self._held_since = 0.0               # when pick() began holding an idle device back
         self._held_iter = -2                 # ... the iteration that last saw it do so
 
@@ -129,7 +143,9 @@ class Dispatcher:
         dev.poll()
         self.now = now = dev.now()
         before = self._progress
-        self._progress += self.tracker.drain(now, self._op_done)         # notifQ
+        instr = self.instruments                                         # notifQ
+        self._progress += self.tracker.drain(
+            now, self._op_done, self._kernel_started if "op_started" in instr else None)
         if self._copy_events:
             self._poll_copies()                                          # device events
         if self._arrivals:
@@ -164,6 +180,8 @@ class Dispatcher:
         pool = streams.mode == "pool"
         free, busy = streams.free, streams.busy
         launch, group, now = self.device.launch, self.group, self.now
+        instr = self.instruments
+        hooked = "op_released" in instr      # Speed: one lookup per pass, not per kernel
         while self._queued:
             try:
                 job = policy.pick()
@@ -175,7 +193,7 @@ class Dispatcher:
                 continue
             if job is None:
                 return
-            if job.__class__ is not Job or job.d is not self or not job.in_policy:
+            if job.__class__ is not Job or job.host is not self or not job.in_policy:
                 self._policy_failed("pick", PolicyError(
                     f"pick() returned {job!r}, which is not a job of this dispatcher with a "
                     f"ready kernel"))
@@ -185,7 +203,8 @@ class Dispatcher:
                 continue
             ready = job.ready
             op = ready[0]
-            if not admits(op) or (pool and not free):
+            k = op.launch
+            if not admits(k.demand) or (pool and not free):
                 return
             ready.popleft()
             job.in_policy = False
@@ -193,7 +212,7 @@ class Dispatcher:
             key = op.key
             kcount = job.kcount
             c = kcount.get(key, 0)
-            job.remaining -= job.model.profile.charge(key, c)
+            job.remaining = round(job.remaining - job.model.profile.charge(key, c), ESTIMATE_DIGITS)
             kcount[key] = c + 1
             try:
                 policy.released(job, op)
@@ -208,14 +227,14 @@ class Dispatcher:
                 busy[s] += 1
             else:
                 s = streams.assign(op)
-            lid = tracker.release(op)
+            op.launch_id = lid = tracker.release(k.demand, op)
             op.t_release = now
             self._progress += 1
             try:
-                launch(op.func, op.grid, op.block, s, lid, dyn_smem=op.dyn_smem, args=op.args,
+                launch(k.func, k.grid, k.block, s, lid, dyn_smem=k.dyn_smem, args=op.args,
                        instrumented=True, group=group)
             except DeviceError as e:
-                tracker.unrelease(op)
+                tracker.unrelease(lid)
                 self._device_refused(op, e)
             else:
                 if op.almost_finished:
@@ -223,6 +242,8 @@ class Dispatcher:
                 op.state = RELEASED
                 if op.succ is not None and job.waitlist.eager:
                     job.waitlist.released(op)
+                if hooked:
+                    instr.call("op_released", op, now)
             if self._copies:                 # copies it activated keep their stream order
                 self._flush_copies()
             if ready and not job.in_policy:
@@ -231,25 +252,35 @@ class Dispatcher:
     # -- releasing ---------------------------------------------------------------------------
     def _launch_copy(self, op: Op) -> None:
         s = self.streams.assign(op)
-        op.t_release = self.now
+        op.t_release = now = self.now
         self._progress += 1
         if op.almost_finished:
             self._almost_finished(op.job)
         dev = self.device
+        instr = self.instruments
+        # Copies post no notifications: an event behind each, polled oldest first (and one
+        # before it, only while someone listens to op_started).
+        q = self._copy_events.get(s)
+        if q is None:
+            q = self._copy_events[s] = deque()
         try:
+            if "op_started" in instr:
+                q.append((dev.record_event(s), op, True))
             if op.kind == H2D:
                 dev.memcpy_htod(op.dptr, op.host, s)
             else:
                 dev.memcpy_dtoh(op.host, op.dptr, s)
         except DeviceError as e:
+            if q and q[-1][1] is op:
+                q.pop()
+            if not q:
+                del self._copy_events[s]
             self._device_refused(op, e)
             return
-        # Copies post no notifications: an event behind each, polled oldest first.
-        q = self._copy_events.get(s)
-        if q is None:
-            q = self._copy_events[s] = deque()
-        q.append((dev.record_event(s), op))
+        q.append((dev.record_event(s), op, False))
         op.job.waitlist.released(op)
+        if "op_released" in instr:
+            instr.call("op_released", op, now)
 
     # -- completions -------------------------------------------------------------------------
     def _poll_copies(self) -> None:
@@ -257,43 +288,38 @@ class Dispatcher:
         for s in list(self._copy_events):
             q = self._copy_events[s]
             while q and query(q[0][0]):
-                self._op_done(q.popleft()[1])
+                _, op, start = q.popleft()
+                if start:
+                    self.instruments.call("op_started", op, self.now)
+                else:
+                    self._op_done(op)
                 self._progress += 1
             if not q:
                 del self._copy_events[s]
 
-    def _op_done(self, op: Op) -> None:
-        """``op`` completed: its last notification (kernels) or its event (copies)."""
+    def _kernel_started(self, op: Op) -> None:
+        """Tracker callback, only while someone listens to op_started."""
+        self.instruments.call("op_started", op, self.now)
+
+    def _op_done(self, op: Op, t_first: float = 0.0) -> None:
+        """``op`` completed: its last notification (kernels: the tracker's callback, with
+        the time its first block was seen placed) or its event (copies)."""
         job = op.job
         if op.kind == KERNEL:
-            job.model.profile.record_kernel(op.key, self.now - op.t_first)
+            job.model.profile.record_kernel(op.key, self.now - t_first)
             if self._kernel_completed is not None:
                 try:
                     self._kernel_completed(job, op)
                 except Exception as e:
                     self._policy_failed("kernel_completed", e)
+        if "op_ended" in self.instruments:
+            self.instruments.call("op_ended", op, self.now)
         streams = self.streams
         s = op.stream                        # inlined StreamMap.done
         busy = streams.busy
         busy[s] -= 1
         if not busy[s] and streams.mode == "pool":
             streams.free.append(s)
-        plan = job.plan
-        if plan is not None:                 # a lazily started straight line: make the next
-            op.state = DONE                  # step, now that it is the active one
-            i = job.cursor + 1
-            if i < plan.n:
-                job.cursor = i
-                vs = job.waitlist.default
-                nxt = vs.last = plan.make(job, i, vs, job.bindings.bound, job.req.io)
-                nxt.state = READY
-                self._on_active(nxt)
-            else:
-                job.plan = None
-                job.waitlist.pending = 0
-                job.waitlist.default.last = None     # (idle either way; no job -> op -> job cycle)
-                self._finish(job)
-            return
         wl = job.waitlist
         wl.finish(op)
         if job.blocked and job.wake_if_satisfied():
@@ -302,8 +328,8 @@ class Dispatcher:
         elif job.returned and wl.pending == 0:
             self._finish(job)
 
-    def _on_active(self, op: Op) -> None:
-        """Waitlist callback: ``op`` has no unmet dependency left."""
+    def op_active(self, op: Node) -> None:
+        """JobHost: the waitlist callback, ``op`` has no unmet dependency left."""
         if op.kind == KERNEL:
             job = op.job
             job.ready.append(op)
@@ -325,9 +351,44 @@ class Dispatcher:
         except Exception as e:
             self._policy_failed("kernel_ready", e)   # the fallback re-queues every job
 
+    # -- the rest of JobHost ------------------------------------------------------------------
+    def kernel_launch(self, func: Function, grid: Any, block: Any, dyn_smem: int) -> KernelLaunch:
+        """The checked launch record of a shape (cached: one per shape, shared by jobs)."""
+        key = (func, grid if type(grid) is int else tuple(grid),
+               block if type(block) is int else tuple(block), dyn_smem)
+        rec = self._launches.get(key)
+        if rec is None:
+            g, b = dim3(grid, "grid"), dim3(block, "block")
+            # An OccupancyError names the kernel and the limit exceeded.
+            fp = self.device.block_footprint(func, b, dyn_smem)
+            blocks = g[0] * g[1] * g[2]
+            need = self.tracker.entries_for(blocks)
+            if need > self.tracker.slots:
+                raise ValueError(f"kernel {func.name!r} with {blocks} blocks posts {need} notifQ "
+                                 f"entries at group {self.group}, more than the ring's "
+                                 f"{self.tracker.slots} slots; use a larger notifq_slots or group")
+            rec = self._launches[key] = KernelLaunch(func, g, b, dyn_smem, fp,
+                                                     self.tracker.demand(fp, blocks), func.name,
+                                                     blocks)
+        return rec
+
+    def alloc(self, nbytes: int) -> int:
+        return self.device.alloc(nbytes)
+
+    def free(self, ptr: int) -> None:
+        self.device.free(ptr)
+
+    def job_failed(self, job: Job) -> None:
+        """JobHost: the job's code raised (inside its greenlet, or its plan's checks): drop
+        what it has not released; its requests fail once its released ops have drained."""
+        log.info("job %d (model %s, requests %s) failed: %s", job.seq, job.model.name,
+                 [r.req_id for r in job.requests], job.error)
+        self._withdraw(job)
+
     # -- jobs -----------------------------------------------------------------------------------
     def _start_arrivals(self) -> None:
         arrivals = self._arrivals
+        instr = self.instruments
         while arrivals:
             job = arrivals.popleft()
             pool = job.model.pool
@@ -342,20 +403,18 @@ class Dispatcher:
             except Exception as e:
                 self._policy_failed("job_arrived", e)
             self._progress += 1
-            template = job.model.template
-            if template is None:
+            job.t_start = self.now
+            if "request_started" in instr:
+                for req in job.requests:
+                    instr.call("request_started", req)
+            replay = job.model.replay
+            if replay is None:
                 job.start()                  # the adaptor's run(io) in a greenlet
             else:
                 try:
-                    if template.straight and not self.policy.eager:
-                        first = template.start(job, job.req.io)
-                        if first is not None:
-                            self._on_active(first)
-                    else:
-                        template.instantiate(job, job.req.io)
-                except Exception as e:       # as Job._main: fail this request only
-                    job.error = f"{type(e).__name__}: {e}"
-                    self._job_failed(job)
+                    replay.issue(job)
+                except Exception as e:       # as a greenlet's run(): fail this job only
+                    job.fail(e)
                 job.returned = True
             self._after_run(job)
 
@@ -373,14 +432,7 @@ class Dispatcher:
         if job.returned and job.waitlist.pending == 0 and job.state != FINISHED:
             self._finish(job)
 
-    def _job_failed(self, job: Job) -> None:
-        """The adaptor raised (called inside the job's greenlet): drop what it has not
-        released; the request fails once its released ops have drained."""
-        log.info("request %s (model %s) failed: %s", job.req.req_id, job.model.name, job.error)
-        self._withdraw(job)
-
     def _withdraw(self, job: Job) -> None:
-        job.plan = None                      # a lazy plan makes no further step
         if job.waitlist.pending:             # (none issued and unfinished: none to drop)
             job.waitlist.drop_unreleased()
         job.ready.clear()
@@ -397,7 +449,7 @@ class Dispatcher:
     def _finish(self, job: Job) -> None:
         job.state = FINISHED
         self.jobs.discard(job)
-        self.in_flight -= 1
+        self.in_flight -= len(job.requests)
         for ptr in job.allocations:
             self.device.free(ptr)
         bindings = job.bindings
@@ -410,30 +462,45 @@ class Dispatcher:
                 self._arrivals.append(nxt)
             else:
                 pool.release(bindings)
-        req = job.req
-        if job.error is None:
+        ok = job.error is None
+        if ok:
             job.model.profile.record_job(job.kcount)
-            req.status = STATUS_OK
             self._almost_finished(job)       # at the latest now
-        else:
-            req.status = STATUS_CANCELLED if job.cancelled else STATUS_ERROR
-            req.error = job.error
         self._withdraw(job)
-        req.t_done = self.now
         job.wait_op = None                   # (a cancelled synchronize leaves its op, and io view)
-        if req.on_complete is not None:
-            req.on_complete(req, req.status, req.error)
+        job.io = None                        # its work is done; a client's memory must not linger
+        now = self.now
+        instr = self.instruments
+        for req in job.requests:
+            if req.cancelled:
+                req.status, req.error = STATUS_CANCELLED, req.error or "cancelled"
+            elif ok:
+                req.status = STATUS_OK
+            else:
+                req.status = STATUS_CANCELLED if job.cancelled else STATUS_ERROR
+                req.error = job.error
+            req.t_done = now
+            if req.on_complete is not None:
+                req.on_complete(req, req.status, req.error)
+            if "request_finished" in instr:
+                instr.call("request_finished", req)
 
     def _almost_finished(self, job: Job) -> None:
         if not job.almost_sent:
             job.almost_sent = True
-            cb = job.req.on_almost_finished
-            if cb is not None:
-                cb(job.req)
+            instr = self.instruments
+            for req in job.requests:
+                if req.cancelled:
+                    continue
+                cb = req.on_almost_finished
+                if cb is not None:
+                    cb(req)
+                if "request_woken" in instr:
+                    instr.call("request_woken", req)
 
     def _device_refused(self, op: Op, exc: DeviceError) -> None:
-        """The device rejected a released op (a bad pointer, say): fail its request.
-        A lost device is not one request's failure: it goes up to the daemon."""
+        """The device rejected a released op (a bad pointer, say): fail its job.
+        A lost device is not one job's failure: it goes up to the daemon."""
         if isinstance(exc, DeviceLost):
             raise exc
         self.streams.done(op)
@@ -452,13 +519,6 @@ class Dispatcher:
             job.glet.throw(greenlet.GreenletExit)
         job.returned = True
         self._withdraw(job)
-
-    def _check_launch_size(self, func: Any, blocks: int) -> None:
-        need = self.tracker.entries_for(blocks)
-        if need > self.tracker.slots:
-            raise ValueError(f"kernel {func.name!r} with {blocks} blocks posts {need} notifQ "
-                             f"entries at group {self.group}, more than the ring's "
-                             f"{self.tracker.slots} slots; use a larger notifq_slots or group")
 
     # -- policy fallback -------------------------------------------------------------------------
     def _held_back(self) -> None:
@@ -482,6 +542,8 @@ class Dispatcher:
         return (t if now is None else now) - self._held_since >= POLICY_STALL_SECONDS
 
     def _bind_policy(self) -> None:
+        #: JobHost.eager: the policy's release mode, for new waitlists.
+        self.eager = self.policy.eager
         # Speed: kernel_completed runs per kernel and most policies leave it empty.
         kc = self.policy.kernel_completed
         self._kernel_completed = None if type(self.policy).kernel_completed is Policy.kernel_completed else kc
@@ -501,37 +563,37 @@ class Dispatcher:
         self._queued = 0
         for job in sorted(self.jobs, key=lambda j: j.seq):
             job.waitlist.eager = policy.eager
-            job.queued = False
+            job.policy_state = None          # the failed policy's; the new one starts afresh
             job.in_policy = False
             if job.left_policy or job.state == FINISHED:
                 continue
             policy.job_arrived(job)
-            if job.plan is not None and policy.eager:
-                job.plan.materialize(job)    # eager release needs the successors issued
             if job.ready and not job.in_policy:
                 self._queue(job)
 
     # ======================================================================================
     # The public contract.
     # ======================================================================================
-    def register_model(self, name: str, adaptor: JobAdaptor, *, profile_runs: int | None = None) -> int:
+    def register_model(self, name: str, adaptor: JobAdaptor, *, profile_runs: int | None = None,
+                       model_id: int | None = None) -> int:
         """Initialize ``adaptor`` and run ``profile_runs`` jobs (default: the
         dispatcher's ``profile_runs``) to seed the model's kernel statistics. Profiling
-        drives the loop itself: call it before serving."""
+        drives the loop itself: call it before serving. ``model_id``: the id requests
+        name it by (default: the next free one); an id registered again serves new
+        requests with the new adaptor while running jobs finish on the old one."""
         if not isinstance(adaptor, JobAdaptor):
             raise TypeError(f"model {name!r}: adaptor must be a JobAdaptor, got {type(adaptor).__name__}")
-        if any(m.name == name for m in self.models):
+        if any(m.name == name for m in self.models.values()):
             raise ValueError(f"model {name!r} is already registered")
+        if model_id is None:
+            model_id = max(self.models, default=-1) + 1
+        elif type(model_id) is not int or model_id < 0:
+            raise ValueError(f"model {name!r}: model_id must be an int >= 0, got {model_id!r}")
         adaptor.init(self.device)
-        model = Model(len(self.models), name, adaptor, pool=adaptor.buffer_pool)
-        if type(adaptor).run is PlanAdaptor.run:
-            # Only the unmodified built-in run(): a subclass that overrides it keeps its
-            # greenlet. A kernel too large for the notifQ is refused by cuda.launch.
-            template = PlanTemplate(adaptor, self)
-            if all(self.tracker.entries_for(spec[9]) <= self.tracker.slots
-                   for spec in template.specs if spec[0] == KERNEL):
-                model.template = template
-        self.models.append(model)
+        model = Model(model_id, name, adaptor, pool=adaptor.buffer_pool)
+        if adaptor.plan is not None:         # a plan is replayed, never run() in a greenlet
+            model.replay = ReplayPlan(adaptor.plan, adaptor.funcs, self.kernel_launch)
+        self.models[model_id] = model
         runs = self.profile_runs if profile_runs is None else profile_runs
         for i in range(runs):
             failed = []
@@ -544,26 +606,74 @@ class Dispatcher:
         return model.model_id
 
     def submit(self, req: Request) -> None:
-        """Accept a request; its job starts in the next :meth:`step`."""
-        if not 0 <= req.model_id < len(self.models):
-            raise ValueError(f"request {req.req_id}: unknown model id {req.model_id}; "
-                             f"register the model first ({len(self.models)} registered)")
+        """Accept a request; its job (serving it alone) starts in the next :meth:`step`.
+        (:meth:`submit_group` for one request, written out: once per request.)"""
+        mid = req.model_id
+        model = self.models.get(mid)
+        if model is None:
+            raise ValueError(f"request {req.req_id}: unknown model id {mid}; register the "
+                             f"model first ({len(self.models)} registered)")
         io = req.io
         if not isinstance(io, np.ndarray) or io.dtype != np.uint8 or io.ndim != 1:
             raise ValueError(f"request {req.req_id}: io must be a 1-D numpy uint8 view of the "
                              f"client's io region")
         req.t_submit = self.device.now()
+        if "request_admitted" in self.instruments:
+            self.instruments.call("request_admitted", req)
         self._seq += 1
-        job = Job(self, req, self.models[req.model_id], self._seq)
+        job = Job(self, model, [req], io, self._seq)
         self.jobs.add(job)
         self.in_flight += 1
         self._arrivals.append(job)
 
+    def submit_group(self, requests: list[Request], io: np.ndarray) -> None:
+        """Accept requests of one model served by one job whose work reads and writes
+        ``io`` (the seam for batchers: how the requests' inputs get into ``io`` and their
+        outputs out of it is the batcher's). Each request completes, is woken and can be
+        cancelled on its own; the job starts in the next :meth:`step`."""
+        if not requests:
+            raise ValueError("submit_group needs at least one request")
+        mid = requests[0].model_id
+        for req in requests:
+            if req.model_id not in self.models:
+                raise ValueError(f"request {req.req_id}: unknown model id {req.model_id}; "
+                                 f"register the model first ({len(self.models)} registered)")
+            if req.model_id != mid:
+                raise ValueError(f"request {req.req_id}: one job serves one model; model "
+                                 f"{req.model_id} differs from {mid}")
+            if not isinstance(req.io, np.ndarray) or req.io.dtype != np.uint8 or req.io.ndim != 1:
+                raise ValueError(f"request {req.req_id}: io must be a 1-D numpy uint8 view of "
+                                 f"the client's io region")
+        if not isinstance(io, np.ndarray) or io.dtype != np.uint8 or io.ndim != 1:
+            raise ValueError("a job's io must be a 1-D numpy uint8 array")
+        t = self.device.now()
+        instr = self.instruments
+        for req in requests:
+            req.t_submit = t
+            if "request_admitted" in instr:
+                instr.call("request_admitted", req)
+        self._seq += 1
+        job = Job(self, self.models[mid], list(requests), io, self._seq)
+        self.jobs.add(job)
+        self.in_flight += len(requests)
+        self._arrivals.append(job)
+
     def cancel_client(self, client_id: int) -> int:
         """Cancel every request of ``client_id`` (it went away); returns how many.
-        Released work drains first; ``on_complete`` then reports STATUS_CANCELLED."""
-        victims = [j for j in self.jobs if j.client_id == client_id]
-        for job in victims:
+        A job whose requests are all cancelled stops: its released work drains first,
+        then ``on_complete`` reports STATUS_CANCELLED. A request sharing its job with
+        live requests of other clients is marked cancelled: the job goes on for the
+        others, and it completes as STATUS_CANCELLED (without its wake-up) with them."""
+        reason = f"cancelled: client {client_id} disconnected"
+        n = 0
+        for job in [j for j in self.jobs if any(r.client_id == client_id for r in j.requests)]:
+            for req in job.requests:
+                if req.client_id == client_id and not req.cancelled:
+                    req.cancelled = True
+                    req.error = reason
+                    n += 1
+            if not all(r.cancelled for r in job.requests):
+                continue
             parked = job.model.pool.waiting if job.model.pool is not None else ()
             if job in self._arrivals:
                 self._arrivals.remove(job)
@@ -571,14 +681,15 @@ class Dispatcher:
             elif job in parked:              # waiting for a buffer set
                 parked.remove(job)
                 job.left_policy = True
-            self._abort(job, f"cancelled: client {client_id} disconnected", cancelled=True)
+            self._abort(job, reason, cancelled=True)
             if job.waitlist.pending == 0:
                 self._finish(job)
-        return len(victims)
+        return n
 
-    def abandon_all(self, reason: str) -> int:
-        """Complete every request in flight now, as cancelled with ``reason``, without
-        waiting for the work already on the device; returns how many.
+    def abandon_all(self, reason: str, status: int = STATUS_CANCELLED) -> int:
+        """Complete every request in flight now, with ``status`` (cancelled, or failed
+        when the device is lost) and ``reason``, without waiting for the work already
+        on the device; returns how many requests.
 
         Only for a daemon about to close the device (the drain deadline passed): the
         device may still finish the abandoned kernels and copies, so the dispatcher's
@@ -586,19 +697,22 @@ class Dispatcher:
         must not be stepped again. The clients' io regions may still be written by a
         copy in flight; a cancelled request's outputs are undefined."""
         jobs = sorted(self.jobs, key=lambda j: j.seq)
+        n = 0
         for job in jobs:
             if job.glet is not None and not job.glet.dead:
                 job.glet.throw(greenlet.GreenletExit)
             job.state = FINISHED
+            job.io = None
             self.jobs.discard(job)
-            self.in_flight -= 1
-            req = job.req
-            req.status, req.error, req.t_done = STATUS_CANCELLED, reason, self.now
-            if req.on_complete is not None:
-                req.on_complete(req, STATUS_CANCELLED, reason)
+            self.in_flight -= len(job.requests)
+            for req in job.requests:
+                n += 1
+                req.status, req.error, req.t_done = status, reason, self.now
+                if req.on_complete is not None:
+                    req.on_complete(req, status, reason)
         self._arrivals.clear()
         self._resume.clear()
-        return len(jobs)
+        return n
 
     def run_until_idle(self, timeout: float = 60.0) -> None:
         """Step until nothing is in flight. On a virtual-time device the clock jumps to

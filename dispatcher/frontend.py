@@ -39,6 +39,7 @@ from typing import Callable, Protocol
 import numpy as np
 
 from paella import rings, wire
+from paella.dispatcher.core import Request
 
 log = logging.getLogger("paella.frontend")
 
@@ -58,10 +59,13 @@ class FrontendError(RuntimeError):
 
 
 class Executor(Protocol):
-    """The execution path behind the front end (built-in host models, Dispatcher)."""
+    """The execution path behind the front end (built-in host models, Dispatcher). A
+    request reaches it as the one record the front end makes of it when it accepts it
+    (:class:`paella.dispatcher.core.Request`: ids, model, io view, variant in
+    ``options``, and the front end's wake-up and completion callbacks), and goes on
+    unchanged to the dispatcher; statuses are the wire's (``paella.rings``) throughout."""
 
-    def submit(self, client_id: int, req_id: int, model_id: int, variant: int,
-               io: np.ndarray) -> None: ...
+    def submit(self, req: Request) -> None: ...
 
     def step(self) -> bool: ...
 
@@ -642,8 +646,9 @@ class Frontend:
             return self._reject(c, req_id, rings.E_DUPLICATE,
                                 f"request id {req_id} is already in flight")
         c.inflight[req_id] = False
-        self.executor.submit(c.cid, req_id, model_id, variant,   # type: ignore[union-attr]
-                             c.seg.arena[off:off + ln])          # type: ignore[union-attr]
+        self.executor.submit(Request(req_id, c.cid, model_id,      # type: ignore[union-attr]
+                                     c.seg.arena[off:off + ln],    # type: ignore[union-attr]
+                                     variant, self._woken, self._completed))
 
     def _reject(self, c: ClientConn, req_id: int, status: int, reason: str) -> None:
         self.stats["rejected"] += 1
@@ -656,6 +661,13 @@ class Frontend:
         self._finish(c, req_id, False, status, reason)
 
     # -- executor callbacks -------------------------------------------------------------
+    def _woken(self, req: Request) -> None:
+        self.almost_finished(req.client_id, req.req_id)
+
+    def _completed(self, req: Request, status: int, error: str | None) -> None:
+        req.io = None        # its job may outlive it in a policy's state; the client's memory may not
+        self.complete(req.client_id, req.req_id, status, error)
+
     def almost_finished(self, client_id: int, req_id: int) -> None:
         """The job's last operation is about to run: wake a hybrid client."""
         c = self.clients.get(client_id)

@@ -1,26 +1,40 @@
-"""Jobs: one greenlet per request, and the CUDA-like API that code inside it calls (§4.2).
+"""Jobs: the execution of a list of requests (one by default), and the CUDA-like API that
+code inside a job calls (§4.2).
 
-An adaptor's ``run(io)`` executes inside the job's greenlet. Its CUDA calls
-(:mod:`paella.dispatcher.cuda`, or the methods below) never reach the device: they
-append ops to the job's :class:`~paella.dispatcher.waitlist.Waitlist` and return.
-Synchronous calls (stream/event/device synchronize) switch back to the dispatcher
-loop, which switches into the job again once what it waits for has completed; a
-synchronize with nothing pending returns at once, without yielding.
+A job depends on its dispatcher only through :class:`JobHost`, the narrow interface the
+dispatcher implements: the clock, checked launch records, device memory, the waitlist
+callback, failure, and the instruments. Nothing here reaches into the dispatcher, the
+tracker or the device.
+
+A job runs one of two ways, decided by its model:
+
+* a **launch plan** (:class:`~paella.dispatcher.replay.ReplayPlan`) is replayed by the
+  dispatcher: every op goes into the job's waitlist at start, no greenlet;
+* any other adaptor's ``run(io)`` executes inside the job's greenlet. Its CUDA calls
+  (:mod:`paella.dispatcher.cudart`, or the methods below) never reach the device: they
+  append ops to the job's :class:`~paella.dispatcher.waitlist.Waitlist` and return.
+  Synchronous calls (stream/event/device synchronize) switch back to the dispatcher
+  loop, which switches into the job again once what it waits for has completed; a
+  synchronize with nothing pending returns at once, without yielding.
+
+**Requests.** ``job.requests`` are the requests the job serves; ``job.io`` is the io
+buffer its work reads and writes (the single request's own by default; a batcher that
+groups requests gives the job the buffer it laid out). Completion, the "almost
+finished" wake-up and cancellation are per request (see the dispatcher).
 """
 from __future__ import annotations
 
 from collections import deque
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import Any, Protocol, Sequence
 
 import greenlet
 import numpy as np
 
-from paella.dispatcher.devices.base import Function, dim3
+from paella.dispatcher.devices.base import D2H, H2D, KERNEL, Function, dim3
 
-from .waitlist import D2H, DONE, H2D, KERNEL, MARKER, READY, WAITING, Event, Op, VStream, Waitlist
-
-if TYPE_CHECKING:
-    from .core import Dispatcher, Request
+from .instruments import Instruments
+from .ops import KernelLaunch, Op
+from .waitlist import DONE, Event, Node, VStream, Waitlist
 
 RUNNING, FINISHED = 0, 1
 
@@ -34,38 +48,74 @@ class NotInJobError(RuntimeError):
 def current() -> "Job":
     """The job whose greenlet is running; the CUDA-like calls act on it."""
     if _current is None:
-        raise NotInJobError("paella.dispatcher.cuda calls are only valid inside a job adaptor's "
-                            "run(io), executed by the dispatcher")
+        raise NotInJobError("paella.dispatcher.cudart calls are only valid inside a job "
+                            "adaptor's run(io), executed by the dispatcher")
     return _current
 
 
-class Job:
-    """One request's execution: its greenlet, waitlist and scheduling state."""
+class JobHost(Protocol):
+    """What a job needs of the dispatcher that runs it, and all it may use."""
 
-    # Slots: a job is read on every kernel, and with more attributes than CPython
-    # shares keys for (30) every instance carried its own dict. ``__dict__`` stays for
-    # the attributes policies add (``paella``'s ``infifo``, a plug-in's own).
-    __slots__ = ("d", "req", "model", "client_id", "seq", "waitlist", "ready", "queued",
-                 "in_policy", "left_policy", "pver", "punit", "estimate", "remaining", "kcount",
+    #: The device clock as of the current loop iteration (seconds).
+    now: float
+    #: Whether new waitlists release eagerly (the policy's ``eager``).
+    eager: bool
+    #: The dispatcher's instruments (``op_issued`` is the job's to call).
+    instruments: Instruments
+
+    def kernel_launch(self, func: Function, grid: Any, block: Any,
+                      dyn_smem: int) -> KernelLaunch:
+        """The checked launch record: raises OccupancyError if a block can never fit on
+        an SM, ValueError if the launch would post more notifQ entries than the ring has."""
+
+    def alloc(self, nbytes: int) -> int:
+        """Device memory (freed with :meth:`free`)."""
+
+    def free(self, ptr: int) -> None:
+        """Free what :meth:`alloc` returned."""
+
+    def op_active(self, op: Node) -> None:
+        """The waitlist callback: ``op`` has no unmet dependency left."""
+
+    def job_failed(self, job: "Job") -> None:
+        """The job's code raised (``job.error`` says why): drop its unreleased work."""
+
+
+class Job:
+    """One job's execution: its greenlet or replayed plan, waitlist and scheduling state.
+
+    What a policy may read: ``seq`` (arrival order), ``client_id`` (its first request's
+    client), ``model`` (``name``, ``profile``), ``estimate`` and ``remaining`` (the SRPT
+    estimate, charged by the dispatcher before ``released``), ``ready[0]`` (the next
+    kernel: an :class:`~paella.dispatcher.ops.Op`, ``.launch`` its record). A policy keeps
+    its own per-job state in ``policy_state``, which nothing else reads or writes.
+    """
+
+    # Slots, no __dict__: a job is read on every kernel (policies keep their state in
+    # ``policy_state``).
+    __slots__ = ("host", "requests", "io", "model", "client_id", "seq", "waitlist", "ready",
+                 "in_policy", "left_policy", "policy_state", "estimate", "remaining", "kcount",
                  "glet", "state", "returned", "error", "wait_op", "wait_all", "blocked",
                  "almost_sent", "almost_next", "cancelled", "allocations", "bindings",
-                 "t_arrival", "t_start", "plan", "cursor", "__dict__", "__weakref__")
+                 "t_arrival", "t_start", "__weakref__")
 
-    def __init__(self, dispatcher: "Dispatcher", req: "Request", model: Any, seq: int):
-        self.d = dispatcher
-        self.req = req
+    def __init__(self, host: JobHost, model: Any, requests: list[Any], io: np.ndarray,
+                 seq: int):
+        # model: the dispatcher's Model (name, adaptor, profile, pool, replay); requests:
+        # its Request records (client_id, t_submit, ...). Duck-typed: a job knows nothing
+        # of the dispatcher's module.
+        self.host = host
+        self.requests = requests
+        self.io = io
         self.model = model
-        self.client_id = req.client_id
+        self.client_id = requests[0].client_id
         self.seq = seq                       # arrival order
-        self.waitlist = Waitlist(dispatcher._on_active)
-        self.waitlist.eager = dispatcher.policy.eager
+        self.waitlist = Waitlist(host.op_active)
+        self.waitlist.eager = host.eager
         self.ready: deque[Op] = deque()      # released-able kernels, issue order
-        # Policy state.
-        self.queued = False                  # owned by the policy
-        self.in_policy = False               # owned by the dispatcher: announced as ready
+        self.in_policy = False               # the dispatcher's: announced to the policy
         self.left_policy = False             # job_finished() was called
-        self.pver = 0
-        self.punit: Any = None
+        self.policy_state: Any = None        # the policy's own, opaque to everything else
         # SRPT estimate (see profile.py).
         self.estimate = model.profile.total
         self.remaining = self.estimate
@@ -73,9 +123,9 @@ class Job:
         # Greenlet and synchronization.
         self.glet: greenlet.greenlet | None = None
         self.state = RUNNING
-        self.returned = False                # run() has returned (or raised)
+        self.returned = False                # run() has returned (or raised), or the plan is issued
         self.error: str | None = None
-        self.wait_op: Op | None = None
+        self.wait_op: Node | None = None
         self.wait_all = False
         self.blocked = False
         self.almost_sent = False
@@ -85,15 +135,12 @@ class Job:
         # The adaptor's per-request device buffers (adaptor.BufferSet), acquired by the
         # dispatcher before the job starts and returned when it finishes.
         self.bindings: Any = None
-        self.t_arrival = req.t_submit
+        self.t_arrival = requests[0].t_submit
         self.t_start = 0.0
-        # A lazily started straight-line plan (PlanTemplate.start): its template while
-        # steps remain to be made, and the step of its current op.
-        self.plan: PlanTemplate | None = None
-        self.cursor = 0
 
     def __repr__(self) -> str:
-        return f"<Job {self.seq} req={self.req.req_id} model={self.model.name}>"
+        ids = ",".join(str(r.req_id) for r in self.requests)
+        return f"<Job {self.seq} req={ids} model={self.model.name}>"
 
     # -- lifecycle (dispatcher side) ----------------------------------------------------------
     def start(self) -> None:
@@ -112,11 +159,15 @@ class Job:
 
     def _main(self) -> None:
         try:
-            self.model.adaptor.run(self.req.io)
-        except Exception as e:   # the adaptor's failure fails this request only
-            self.error = f"{type(e).__name__}: {e}"
-            self.d._job_failed(self)
+            self.model.adaptor.run(self.io)
+        except Exception as e:   # the adaptor's failure fails this job only
+            self.fail(e)
         self.returned = True
+
+    def fail(self, exc: Exception) -> None:
+        """The job's code (or its plan's checks) raised: fail it, through the host."""
+        self.error = f"{type(exc).__name__}: {exc}"
+        self.host.job_failed(self)
 
     def wake_if_satisfied(self) -> bool:
         """Called when one of its ops finished: is the job's synchronize satisfied?"""
@@ -142,35 +193,25 @@ class Job:
                stream: VStream | None = None, *, dyn_smem: int = 0, args: Sequence[Any] = ()) -> Op:
         if not isinstance(func, Function):
             raise TypeError(f"launch needs a Function from device.load_module(), got {func!r}")
-        g = dim3(grid, "grid")
-        b = dim3(block, "block")
-        # Refuse what can never run, now, with the kernel's name: an OccupancyError says
-        # which limit is exceeded. (Footprints are cached on the Function.)
-        fp = self.d.device.block_footprint(func, b, dyn_smem)
-        blocks = g[0] * g[1] * g[2]
-        self.d._check_launch_size(func, blocks)
-        op = Op(KERNEL, self, self._stream(stream))
-        op.func, op.key, op.grid, op.block, op.dyn_smem, op.args = func, func.name, g, b, dyn_smem, tuple(args)
-        op.fp, op.blocks = fp, blocks
-        self.d.tracker.prepare(op)
-        return self._issue(op)
+        # Refuse what can never run, now, with the kernel's name.
+        launch = self.host.kernel_launch(func, grid, block, dyn_smem)
+        return self.issue(Op(KERNEL, self, self._stream(stream), launch, tuple(args)))
 
     def memcpy_htod(self, dst: int, src: np.ndarray, stream: VStream | None = None) -> Op:
-        op = Op(H2D, self, self._stream(stream))
-        op.dptr, op.host = dst, _contiguous(src, "source")
-        return self._issue(op)
+        return self.issue(Op(H2D, self, self._stream(stream), host=_contiguous(src, "source"),
+                             dptr=dst))
 
     def memcpy_dtoh(self, dst: np.ndarray, src: int, stream: VStream | None = None) -> Op:
-        op = Op(D2H, self, self._stream(stream))
-        op.dptr, op.host = src, _contiguous(dst, "destination")
-        return self._issue(op)
+        return self.issue(Op(D2H, self, self._stream(stream),
+                             host=_contiguous(dst, "destination"), dptr=src))
 
     def event_create(self) -> Event:
         return Event()
 
     def event_record(self, event: Event, stream: VStream | None = None) -> None:
         _check_event(event)
-        event.marker = self._issue(Op(MARKER, self, self._stream(stream)))
+        self._check_running()
+        event.marker = self.waitlist.record(self._stream(stream))
 
     def event_query(self, event: Event) -> bool:
         _check_event(event)
@@ -178,9 +219,8 @@ class Job:
 
     def stream_wait_event(self, stream: VStream | None, event: Event) -> None:
         _check_event(event)
-        m = event.marker
-        if m is not None and m.state < DONE:
-            self.waitlist.issue(Op(MARKER, self, self._stream(stream)), wait_on=m)
+        self._check_running()
+        self.waitlist.wait_event(self._stream(stream), event)
 
     def stream_query(self, stream: VStream | None = None) -> bool:
         return self._stream(stream).idle()
@@ -200,7 +240,7 @@ class Job:
 
     def malloc(self, nbytes: int) -> int:
         """Device memory for this job, freed when the job ends."""
-        ptr = self.d.device.alloc(nbytes)
+        ptr = self.host.alloc(nbytes)
         self.allocations.append(ptr)
         return ptr
 
@@ -209,17 +249,38 @@ class Job:
         sent when that op is released to the GPU (e.g. the last D2H copy)."""
         self.almost_next = True
 
-    # -- helpers ---------------------------------------------------------------------------
-    def _issue(self, op: Op) -> Op:
-        if self.state != RUNNING or self.error is not None:
-            raise RuntimeError(f"job of request {self.req.req_id} is no longer running")
-        op.t_issue = self.d.now
+    # -- issuing ---------------------------------------------------------------------------
+    def issue(self, op: Op) -> Op:
+        """Put ``op`` (of this job) into the waitlist, behind what it depends on."""
+        self._check_running()
+        host = self.host
+        op.t_issue = host.now
         if self.almost_next:
             self.almost_next = False
             op.almost_finished = True
-        return self.waitlist.issue(op)
+        self.waitlist.issue(op)
+        if "op_issued" in host.instruments:
+            host.instruments.call("op_issued", op)
+        return op
 
-    def _wait_for(self, op: Op | None) -> None:
+    def issue_all(self, ops: list[Op]) -> None:
+        """:meth:`issue` each of ``ops`` in order (a replayed plan's). Speed: the checks
+        and the clock read once, not per op."""
+        self._check_running()
+        host = self.host
+        now = host.now
+        for op in ops:
+            op.t_issue = now
+        self.waitlist.issue_all(ops)
+        if "op_issued" in host.instruments:
+            for op in ops:
+                host.instruments.call("op_issued", op)
+
+    def _check_running(self) -> None:
+        if self.state != RUNNING or self.error is not None:
+            raise RuntimeError(f"job {self.seq} (model {self.model.name}) is no longer running")
+
+    def _wait_for(self, op: Node | None) -> None:
         if op is None or op.state >= DONE:
             return                           # nothing pending: return at once
         self.wait_op = op
@@ -243,163 +304,3 @@ def _contiguous(arr: Any, what: str) -> np.ndarray:
         raise TypeError(f"copy {what} must be a C-contiguous numpy array (got {type(arr).__name__}); "
                         f"use np.ascontiguousarray()")
     return arr
-
-
-class PlanTemplate:
-    """A launch plan compiled once per model, instantiated per request (Nimble-style).
-
-    Everything a plan op needs is resolved at registration: the loaded function, dim3
-    grid and block, the footprint (flattened for the tracker), the notifQ entries, the
-    io range, the "almost finished" mark. What differs per request is bound ahead too:
-    the job's buffer set (``job.bindings``, see :class:`~paella.dispatcher.adaptor.BufferSet`)
-    carries each step's device pointer (copies) or argument tuple (launches), bound once
-    when the set was created. A request then costs one :class:`Op` per step and no
-    greenlet at all: :meth:`instantiate` issues the whole plan into the job's waitlist
-    at once, which is what ``PlanAdaptor.run`` does up to its final
-    ``device_synchronize`` (the job finishes when its last op completes, as that
-    synchronize would return then).
-
-    A straight-line plan (every op on stream 0) is linked directly: op i depends on op
-    i-1 only, which is what :meth:`Waitlist.issue` computes for it, without the
-    per-op dependency analysis. Other plans go through ``Waitlist.issue`` op by op.
-    """
-
-    __slots__ = ("name", "io_bytes", "specs", "protos", "streams", "straight", "n")
-
-    def __init__(self, adaptor: Any, dispatcher: "Dispatcher"):
-        device = dispatcher.device
-        tracker = dispatcher.tracker
-        self.name = adaptor.name
-        self.io_bytes = adaptor.io_bytes
-        self.streams = list(adaptor._streams)
-        self.straight = not self.streams
-        specs = []
-        almost = adaptor._almost_at
-        for i, (kind, a, b, c, d, s) in enumerate(adaptor._steps):
-            if kind == 0:
-                g, blk = dim3(b, "grid"), dim3(c, "block")
-                fp = device.block_footprint(a, blk, d)
-                blocks = g[0] * g[1] * g[2]
-                specs.append((KERNEL, s, i == almost, a, a.name, g, blk, d, fp, blocks,
-                              fp.warps, fp.regs, fp.smem, tracker.entries_for(blocks)))
-            else:
-                specs.append((H2D if kind == 1 else D2H, s, i == almost, b, c))
-        self.specs = specs
-        self.protos = [_proto(spec) for spec in specs]
-        self.n = len(specs)
-
-    def _check(self, job: Job, io: np.ndarray) -> list:
-        """What ``PlanAdaptor.run`` checks first; returns the job's bound arguments."""
-        if io.size < self.io_bytes:
-            raise ValueError(f"io buffer of {io.size} bytes is smaller than model "
-                             f"{self.name!r} needs ({self.io_bytes})")
-        if job.bindings is None:
-            raise RuntimeError(f"model {self.name!r}: the job holds no buffer set (the adaptor "
-                               f"has no buffer_pool after init; internal error, please report)")
-        return job.bindings.bound
-
-    def make(self, job: Job, i: int, vs: VStream, bound: list, io: np.ndarray) -> Op:
-        """Step ``i``'s op for ``job`` on virtual stream ``vs``, not yet issued."""
-        # (One Op class for every op: a class per step, holding what its ops share, made
-        # ops cheaper to build but every attribute read in the loop slower, since
-        # CPython's inline caches specialise on one type per site.) Speed: the op is
-        # made without Op.__init__, every other slot from the step's prototype in one
-        # unpack (see _proto), which stores each slot once (~35% cheaper).
-        proto = self.protos[i]
-        op = _new_op(Op)
-        (op.kind, op.almost_finished, op.func, op.key, op.grid, op.block, op.dyn_smem, op.fp,
-         op.blocks, op.fw, op.fr, op.fs, op.entries, op.deps, op.pred, op.pred_pending, op.succ,
-         op.dependents, op.state, op.host, op.dptr, op.args, op.stream, op.launch_id, op.placed,
-         op.ended, op.t_release, op.t_first) = proto
-        op.job = job
-        op.vstream = vs
-        op.t_issue = job.t_start
-        if proto[0] == KERNEL:
-            op.args = bound[i]
-        else:
-            spec = self.specs[i]
-            op.dptr = bound[i]
-            op.host = io[spec[3]:spec[4]]
-        return op
-
-    def start(self, job: Job, io: np.ndarray) -> Op | None:
-        """Start ``job`` on a straight-line plan, lazily: only step 0's op exists, as
-        the only op of the stream that can be active (``job.plan``, ``job.cursor``); the
-        dispatcher makes the next one when it completes (:meth:`make`). Same
-        dependencies, same order as :meth:`instantiate`, without building and linking
-        the ops that wait. Not for eager policies, whose stream successors go to the
-        GPU while their predecessor runs. Returns the first op (to activate), or None
-        for an empty plan. Raises as ``PlanAdaptor.run`` would."""
-        bound = self._check(job, io)
-        job.t_start = job.d.now
-        if not self.n:
-            return None
-        wl = job.waitlist
-        op = self.make(job, 0, wl.default, bound, io)
-        job.plan = self
-        job.cursor = 0
-        wl.default.last = op
-        wl.pending = 1                       # the steps not yet made are not issued
-        op.state = READY
-        return op
-
-    def materialize(self, job: Job) -> None:
-        """Issue the steps a lazily started job has not made yet (the policy changed to
-        an eager one, or the job is inspected as a whole): it becomes an ordinary
-        waitlisted job."""
-        if job.plan is not self:
-            return
-        job.plan = None
-        bound, io, wl = job.bindings.bound, job.req.io, job.waitlist
-        for i in range(job.cursor + 1, self.n):
-            wl.issue(self.make(job, i, wl.default, bound, io))
-
-    def instantiate(self, job: Job, io: np.ndarray) -> None:
-        """Issue the whole plan for ``job``; raises as ``PlanAdaptor.run`` would."""
-        bound = self._check(job, io)
-        job.t_start = job.d.now
-        wl = job.waitlist
-        if not self.straight:
-            streams = {0: wl.default}
-            for s in self.streams:
-                streams[s] = wl.create_stream()
-            for i, spec in enumerate(self.specs):
-                wl.issue(self.make(job, i, streams[spec[1]], bound, io))
-            return
-        # Inlined Waitlist.issue for a straight line (nothing is released yet).
-        vs = wl.default
-        prev = None
-        first = None
-        for i in range(self.n):
-            op = self.make(job, i, vs, bound, io)
-            if prev is None:
-                first = op
-            else:
-                op.pred = prev
-                op.pred_pending = True
-                op.deps = 1
-                prev.succ = op
-            prev = op
-        if first is not None:
-            vs.last = prev
-            wl.pending += self.n
-            wl._activate(first)
-
-
-_new_op = object.__new__
-
-
-def _proto(spec: tuple) -> tuple:
-    """The slots of a plan step's ops that are the same for every request, in the order
-    :meth:`PlanTemplate.make` unpacks them: the step's own (kernel launch or copy) and
-    :class:`Op`'s initial values for the rest (kept equal to ``Op.__init__``'s). A
-    kernel's ``args``, a copy's ``dptr`` and ``host`` are the job's, set by ``make``."""
-    if spec[0] == KERNEL:
-        (kind, _, almost, func, key, grid, block, dyn_smem, fp, blocks, fw, fr, fs,
-         entries) = spec
-    else:
-        kind, almost = spec[0], spec[2]
-        func = key = grid = block = fp = None
-        dyn_smem = blocks = fw = fr = fs = entries = 0
-    return (kind, almost, func, key, grid, block, dyn_smem, fp, blocks, fw, fr, fs, entries,
-            0, None, False, None, None, WAITING, None, 0, (), -1, -1, 0, 0, 0.0, 0.0)

@@ -12,10 +12,20 @@ refines them online. Averages are running means over the last ``window`` observa
 estimate starts at the model's total when it arrives and drops by
 ``min(1, C_i - c_i) * T_i`` at each release of ``i`` (O(1) per release); estimates of
 jobs already running are not revised when the averages move.
+
+Estimates live on a 1 ns grid (``ESTIMATE_DIGITS``). Means of measured times carry
+float noise (a 100 us kernel averages to 0.00030000000000000003 in one model and
+0.0002999999999999996 in an identical one), and an SRPT order on raw floats would let
+that noise, not arrival order, break ties between identical jobs, differently for
+every unit of time. Rounded to whole nanoseconds, equal work compares equal, and the
+policy's tie-break (arrival order) decides.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+#: Estimates are rounded to this many decimals of a second (1 ns): see the module docstring.
+ESTIMATE_DIGITS = 9
 
 
 @dataclass(slots=True)
@@ -39,7 +49,8 @@ class ModelProfile:
         """Estimated time of a whole job: sum of C_i * T_i (cached)."""
         total = self._total
         if total is None:            # (a list, not a generator: the same sum, faster)
-            total = self._total = sum([k.count * k.time for k in self.kernels.values()])
+            total = self._total = round(sum([k.count * k.time for k in self.kernels.values()]),
+                                        ESTIMATE_DIGITS)
         return total
 
     def charge(self, key: str, done_before: int) -> float:

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from collections import deque
 
-from .waitlist import Op
+from .ops import Op
 
 MODES = ("pool", "sticky", "single")
 

@@ -1,6 +1,9 @@
 """Per-job waitlists: CUDA stream semantics on the dispatcher's timeline (§4.2, Figure 7).
 
-A job's CUDA calls become :class:`Op` records. Each op counts its unmet dependencies;
+A job's CUDA calls become ops (:class:`paella.dispatcher.ops.Op`), each a :class:`Node`
+of its waitlist: what the waitlist needs of an op, and nothing else (what to launch and
+what the dispatcher records about the release live in the ``Op`` subclass). Each node
+counts its unmet dependencies;
 it is *active* (schedulable) when the count reaches zero. Dependencies are computed once,
 when the op is issued, following the CUDA programming guide's stream semantics:
 
@@ -26,50 +29,38 @@ enforces the rest. Cross-stream dependencies and MARKERs always wait for complet
 from __future__ import annotations
 
 from collections import deque
-from typing import Any, Callable
+from typing import Callable
 
-KERNEL, H2D, D2H, MARKER = 0, 1, 2, 3
-KIND_NAMES = ("kernel", "h2d", "d2h", "marker")
+from paella.dispatcher.devices.base import KIND_NAMES, MARKER
 
-# Op states.
+# Node states.
 WAITING, READY, RELEASED, DONE, DROPPED = range(5)
+STATE_NAMES = ("waiting", "ready", "released", "done", "dropped")
 
 
-class Op:
-    """One waitlisted operation. Slots only: an op is created per CUDA call."""
-    __slots__ = ("kind", "job", "vstream", "deps", "pred", "pred_pending", "succ", "dependents",
-                 "state", "func", "key", "grid", "block", "blocks", "dyn_smem", "args", "fp",
-                 "fw", "fr", "fs", "entries", "host", "dptr", "stream", "launch_id", "placed",
-                 "ended", "t_issue", "t_release", "t_first", "almost_finished")
+class Node:
+    """An operation as the waitlist sees it: its kind (MARKERs complete on the spot), its
+    stream, and its dependency links. Event records and waits are plain nodes; the ops a
+    job issues to the GPU are :class:`~paella.dispatcher.ops.Op` s."""
+    __slots__ = ("kind", "vstream", "deps", "pred", "pred_pending", "succ", "dependents",
+                 "state")
 
-    def __init__(self, kind: int, job: Any, vstream: "VStream"):
+    def __init__(self, kind: int, vstream: "VStream"):
         self.kind = kind
-        self.job = job
         self.vstream = vstream
         self.deps = 0
-        self.pred: Op | None = None
+        self.pred: Node | None = None
         self.pred_pending = False
-        self.succ: Op | None = None
-        self.dependents: list[Op] | None = None
+        self.succ: Node | None = None
+        self.dependents: list[Node] | None = None
         self.state = WAITING
-        self.func = self.key = self.fp = self.host = None
-        self.grid = self.block = None
-        self.blocks = 0
-        # Per-block warps, registers and shared memory (the footprint's, flattened for
-        # the tracker) and the notifQ entries the launch may post; set with ``fp``.
-        self.fw = self.fr = self.fs = self.entries = 0
-        self.dyn_smem = 0
-        self.args = ()
-        self.dptr = 0
-        self.stream = -1
-        self.launch_id = -1
-        self.placed = self.ended = 0
-        self.t_issue = self.t_release = self.t_first = 0.0
-        self.almost_finished = False
+
+    def forget(self) -> None:
+        """Drop what a node that will never run still refers to (its predecessor)."""
+        self.pred = None
 
     def __repr__(self) -> str:
-        what = self.key if self.kind == KERNEL else KIND_NAMES[self.kind]
-        return f"<Op {what} v{self.vstream.vid} {('waiting', 'ready', 'released', 'done', 'dropped')[self.state]}>"
+        return f"<{KIND_NAMES[self.kind]} v{self.vstream.vid} {STATE_NAMES[self.state]}>"
 
 
 class VStream:
@@ -79,7 +70,7 @@ class VStream:
     def __init__(self, vid: int, blocking: bool):
         self.vid = vid
         self.blocking = blocking
-        self.last: Op | None = None     # last op issued (None or finished: the stream is idle)
+        self.last: Node | None = None   # last op issued (None or finished: the stream is idle)
         self.real = -1                   # sticky real stream (policies that bind streams)
         self.destroyed = False
 
@@ -89,11 +80,11 @@ class VStream:
 
 
 class Event:
-    """A CUDA event: the MARKER op of its most recent record, or None if never recorded."""
+    """A CUDA event: the MARKER node of its most recent record, or None if never recorded."""
     __slots__ = ("marker",)
 
     def __init__(self) -> None:
-        self.marker: Op | None = None
+        self.marker: Node | None = None
 
     def done(self) -> bool:
         m = self.marker
@@ -107,7 +98,7 @@ class Waitlist:
     MARKERs, which complete on the spot.
     """
 
-    def __init__(self, on_active: Callable[[Op], None]):
+    def __init__(self, on_active: Callable[[Node], None]):
         self.on_active = on_active
         self.default = VStream(0, blocking=True)
         self.streams: list[VStream] = [self.default]
@@ -139,7 +130,7 @@ class Waitlist:
             raise ValueError(f"stream {vs.vid} was destroyed; create a new one with stream_create()")
 
     # -- issue ----------------------------------------------------------------------------
-    def issue(self, op: Op, wait_on: Op | None = None) -> Op:
+    def issue(self, op: Node, wait_on: Node | None = None) -> Node:
         """Add ``op`` behind its stream's work (and ``wait_on``, for stream-wait-event)."""
         vs = op.vstream
         last = vs.last
@@ -162,8 +153,54 @@ class Waitlist:
             self._activate(op)
         return op
 
+    def issue_all(self, ops: list[Node]) -> None:
+        """:meth:`issue` each of ``ops`` in order. Speed: a run of ops on one stream that
+        has no cross-stream rule to apply (the default stream with no blocking stream, or
+        a non-blocking stream) is linked op to op directly, which is what :meth:`issue`
+        computes for it (each op depends on the one before it only), without a call per
+        op; anything else goes through :meth:`issue`."""
+        i, n = 0, len(ops)
+        while i < n:
+            op = self.issue(ops[i])
+            vs = op.vstream
+            i += 1
+            if op.kind == MARKER or not (vs is self.default and not self.blocking
+                                         or not vs.blocking):
+                continue
+            prev = op
+            linked = 0
+            while i < n:
+                op = ops[i]
+                if op.vstream is not vs or op.kind == MARKER:
+                    break
+                op.pred = prev
+                op.pred_pending = True
+                op.deps = 1
+                prev.succ = op
+                prev = op
+                linked += 1
+                i += 1
+            vs.last = prev
+            self.pending += linked
+
+    def record(self, vs: VStream) -> Node:
+        """cudaEventRecord's operation: a MARKER on ``vs``, complete once everything before
+        it (on stream 0, in the blocking streams too) has completed."""
+        return self.issue(Node(MARKER, vs))
+
+    def wait_event(self, vs: VStream, event: Event) -> None:
+        """cudaStreamWaitEvent: later work on ``vs`` waits for ``event``'s most recent
+        record as of this call. Nothing to wait for (never recorded, or completed) adds no
+        dependency, but on the legacy default stream the call still issues its MARKER: it
+        is an operation of that stream, ordered after every blocking stream's work so far,
+        and work issued to blocking streams afterwards waits for it."""
+        m = event.marker
+        pending = m is not None and m.state < DONE
+        if pending or vs is self.default:
+            self.issue(Node(MARKER, vs), wait_on=m if pending else None)
+
     @staticmethod
-    def _depend(op: Op, on: Op | None) -> None:
+    def _depend(op: Node, on: Node | None) -> None:
         if on is None or on.state >= DONE or on is op.pred:
             return
         op.deps += 1
@@ -172,7 +209,7 @@ class Waitlist:
         else:
             on.dependents.append(op)
 
-    def _activate(self, op: Op) -> None:
+    def _activate(self, op: Node) -> None:
         if op.kind == MARKER:
             self.finish(op)
         else:
@@ -180,7 +217,7 @@ class Waitlist:
             self.on_active(op)
 
     # -- progress -------------------------------------------------------------------------
-    def released(self, op: Op) -> None:
+    def released(self, op: Node) -> None:
         """``op`` went to a real stream; in eager mode its stream successor may go too."""
         op.state = RELEASED
         succ = op.succ
@@ -190,7 +227,7 @@ class Waitlist:
             if succ.deps == 0 and succ.state == WAITING:
                 self._activate(succ)
 
-    def _done(self, op: Op) -> None:
+    def _done(self, op: Node) -> None:
         """Mark ``op`` done. A finished op keeps no link back (``pred``, its stream's
         ``last``, both read only while unfinished: None and a finished op mean the same),
         so finished ops and jobs form no reference cycle and are freed at once, not by the
@@ -202,15 +239,20 @@ class Waitlist:
         if vs.last is op:
             vs.last = None
 
-    def finish(self, op: Op) -> None:
+    def finish(self, op: Node) -> None:
         """``op`` completed: meet the dependencies of the ops behind it."""
-        self._done(op)
         vs = op.vstream
         succ = op.succ
         if op.dependents is None and not vs.destroyed and (
                 succ is None or succ.kind != MARKER):
             # Speed: the common case (a straight-line stream: at most a non-MARKER
-            # successor, no cross-stream dependents) without the sweep below.
+            # successor, no cross-stream dependents) without the sweep below, and
+            # _done inlined.
+            op.state = DONE
+            self.pending -= 1
+            op.pred = None
+            if vs.last is op:
+                vs.last = None
             if succ is not None and succ.pred_pending:
                 succ.pred_pending = False
                 succ.deps -= 1
@@ -218,6 +260,7 @@ class Waitlist:
                     succ.state = READY
                     self.on_active(succ)
             return
+        self._done(op)
         # An explicit stack, not recursion: chains of MARKERs finish in one sweep.
         stack = [op]
         while stack:
@@ -237,7 +280,7 @@ class Waitlist:
             if vs.destroyed and vs.blocking and vs.idle() and vs in self.blocking:
                 self.blocking.remove(vs)
 
-    def _activate_into(self, op: Op, stack: list[Op]) -> None:
+    def _activate_into(self, op: Node, stack: list[Node]) -> None:
         if op.kind == MARKER:
             self._done(op)
             stack.append(op)
@@ -245,7 +288,7 @@ class Waitlist:
             op.state = READY
             self.on_active(op)
 
-    def drop_unreleased(self) -> list[Op]:
+    def drop_unreleased(self) -> list[Node]:
         """Abort: every op not yet released is dropped (a failed or cancelled job).
         Returns the dropped ops that were READY, so the caller can unqueue them."""
         was_ready = []
@@ -255,15 +298,15 @@ class Waitlist:
                     was_ready.append(op)
                 op.state = DROPPED
                 self.pending -= 1
-                # It will never run: let go of its host view and its predecessor (which
-                # may be a finished copy, with its own), as a finished op does. A job's
-                # ops outlive it in a policy's lazy heap; a client's memory must not.
-                op.host = op.pred = None
+                # It will never run: let go of its operands (a copy's host view) and its
+                # predecessor (which may be a finished copy, with its own), as a finished
+                # op does. A job's ops may outlive it; a client's memory must not.
+                op.forget()
         return was_ready
 
-    def _unfinished(self) -> list[Op]:
+    def _unfinished(self) -> list[Node]:
         """Every op not finished, found by walking each stream back from its last op."""
-        seen: list[Op] = []
+        seen: list[Node] = []
         for vs in self.streams:
             op = vs.last
             while op is not None and op.state < DONE:

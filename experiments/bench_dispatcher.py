@@ -15,11 +15,14 @@ the clock. Reported:
   finishing the request),
   over windows of 256 kernels: median and p99 of the windows, and kernels per
   second of dispatcher CPU over the whole run;
-* **phases** (a second run with each phase of ``step()`` timed): per released kernel
-  in ``_release`` (pick, +B, launch bookkeeping, waitlist), per notifQ entry drained
-  (incl. completion bookkeeping), per job started (issuing its plan), medians and p99
-  over the calls that did something;
-* **alone** (``--alone``): the dispatcher without the simulator, see :func:`measure_alone`;
+* **phases** (a second run, timed through the dispatcher's instruments,
+  :mod:`paella.dispatcher.instruments`, with ``perf_counter``): per released kernel, the
+  gap between two kernel releases of one pass (pick, +B, launch bookkeeping, waitlist);
+  the reaction, from a kernel's completion seen to its job's next kernel released in
+  the same step (completion bookkeeping, activation, policy, release); per job, from
+  its start to its last op issued (the plan's replay). Medians and p99;
+* **alone** (``--alone``): the dispatcher without the simulator, see :func:`measure_alone`,
+  with no instrument and with one listening to every hook (what instrumentation costs);
 * **per-step perf_counter**: the whole run again, each step timed by ``time.perf_counter``
   instead of ``time.thread_time``. ``thread_time`` is a system call, and what it leaves
   behind (the kernel entry and exit, mitigations flushing the TLB) slows the dispatcher
@@ -47,8 +50,9 @@ import numpy as np
 
 from paella import protocol
 from paella.dispatcher.core import Dispatcher, Request
+from paella.dispatcher.devices.base import KERNEL
 from paella.dispatcher.devices.sim import SimDevice
-from paella.dispatcher.waitlist import KERNEL
+from paella.dispatcher.instruments import HOOKS, Instrument
 from paella.experiments.harness import adaptor_for
 from paella.experiments.workload import lognormal_arrivals
 from paella.models.synthetic import figure2_job
@@ -56,23 +60,27 @@ from paella.models.synthetic import figure2_job
 _clock = time.thread_time
 _inner = time.perf_counter
 _DEVICE_METHODS = ("launch", "memcpy_htod", "memcpy_dtoh", "record_event", "event_query")
+_DEVICE_METHODS = ("launch", "memcpy_htod", "memcpy_dtoh", "record_event", "event_query")
 
 
-class _SimMeter:
-    """Time spent inside the simulator's methods (subtracted), and launches counted.
+class MeteredSim(SimDevice):
+    """The simulated GPU with the time spent inside its methods metered (subtracted from
+    the dispatcher's), and launches counted: the public methods the dispatcher calls are
+    replaced, on this instance, by timed versions of themselves. The wrapper's own cost
+    outside its span (the call through it, the reads of the clock) is measured once on a
+    method that does nothing and subtracted per call too: it is the meter's, not the
+    dispatcher's. ``total`` accumulates every metered second (``take`` resets only
+    ``seconds``)."""
 
-    The wrapper's own cost outside its span (the call through it, the reads of the
-    clock) is measured once on a method that does nothing and subtracted per call too:
-    it is the meter's, not the dispatcher's."""
-
-    def __init__(self, dev: SimDevice):
-        self.seconds = 0.0
+    def __init__(self, *a: Any, **k: Any):
+        super().__init__(*a, **k)
+        self.seconds = self.total = 0.0
         self.launches = 0
         self.per_call = 0.0
         self.per_call = self._calibrate()
         for name in _DEVICE_METHODS:
-            setattr(dev, name, self._timed(getattr(dev, name), name == "launch"))
-        self.seconds = 0.0
+            setattr(self, name, self._timed(getattr(self, name), name == "launch"))
+        self.seconds = self.total = 0.0
 
     def _timed(self, fn: Callable, count: bool) -> Callable:
         clock = _inner
@@ -82,7 +90,9 @@ class _SimMeter:
             try:
                 return fn(*a, **k)
             finally:
-                self.seconds += clock() - c0 + self.per_call
+                spent = clock() - c0 + self.per_call
+                self.seconds += spent
+                self.total += spent
                 if count:
                     self.launches += 1
         return timed
@@ -111,6 +121,54 @@ class _SimMeter:
         return s
 
 
+class InstantDevice(SimDevice):
+    """A device that does everything at once (the alone measurement), once ``instant`` is
+    set (after the model's profiling runs, which take the simulator's times): a launch
+    posts its PLACEMENT and COMPLETION into the notifQ immediately, copies and events
+    complete immediately. Only the dispatcher's own work is left to time."""
+
+    def __init__(self, *a: Any, **k: Any):
+        super().__init__(*a, **k)
+        self.instant = False
+        self._ring = memoryview(self.notifq)
+        self._mask = self.notifq.size - 1
+        self._tail = 0
+        one = 1 << protocol.COUNT_SHIFT
+        self._placed = (protocol.PLACEMENT << protocol.KIND_SHIFT) | one
+        self._completed = (protocol.COMPLETION << protocol.KIND_SHIFT) | one
+
+    def launch(self, func: Any, grid: Any, block: Any, stream: int, launch_id: int,
+               **kw: Any) -> None:
+        if not self.instant:
+            return super().launch(func, grid, block, stream, launch_id, **kw)
+        t = self._tail
+        self._ring[t & self._mask] = self._placed | launch_id
+        self._ring[(t + 1) & self._mask] = self._completed | launch_id
+        self._tail = t + 2
+
+    def memcpy_htod(self, *a: Any, **k: Any) -> None:
+        if not self.instant:
+            super().memcpy_htod(*a, **k)
+
+    def memcpy_dtoh(self, *a: Any, **k: Any) -> None:
+        if not self.instant:
+            super().memcpy_dtoh(*a, **k)
+
+    def record_event(self, stream: int) -> Any:
+        return super().record_event(stream) if not self.instant else None
+
+    def event_query(self, event: Any) -> bool:
+        return super().event_query(event) if not self.instant else True
+
+
+class EveryHook(Instrument):
+    """An instrument that listens to every hook and does nothing: instrumentation's cost."""
+
+
+for _hook in HOOKS:
+    setattr(EveryHook, _hook, lambda self, *a: None)
+
+
 def _clock_overhead(clock: Callable[[], float] = _clock, n: int = 2000) -> float:
     """What a ``clock()`` pair adds to the window it brackets: back-to-back calls."""
     d = []
@@ -120,14 +178,16 @@ def _clock_overhead(clock: Callable[[], float] = _clock, n: int = 2000) -> float
     return float(np.median(d))
 
 
-def _setup(policy: str, seed: int) -> tuple[SimDevice, Dispatcher, int, _SimMeter]:
-    dev = SimDevice("gtx1660s", n_streams=1024, seed=seed)
+def _setup(policy: str, seed: int, device: type = MeteredSim) -> tuple[Any, Dispatcher, int]:
+    dev = device("gtx1660s", n_streams=1024, seed=seed)
     d = Dispatcher(dev, policy)
     mid = d.register_model("fig2", adaptor_for(figure2_job())())
-    return dev, d, mid, _SimMeter(dev)
+    if isinstance(dev, MeteredSim):
+        dev.take()
+    return dev, d, mid
 
 
-def _drive(dev: SimDevice, d: Dispatcher, mid: int, meter: _SimMeter, n_jobs: int, rate: float,
+def _drive(dev: MeteredSim, d: Dispatcher, mid: int, n_jobs: int, rate: float,
            seed: int, on_step: Callable[[float, int, bool], None],
            fixed: float | None = None, clock: Callable[[], float] = _clock) -> None:
     """The harness's loop (cpu_scale 1): ``on_step(cpu_seconds, kernels_launched, idle)``.
@@ -148,14 +208,14 @@ def _drive(dev: SimDevice, d: Dispatcher, mid: int, meter: _SimMeter, n_jobs: in
         while i < n_jobs and arrivals[i] <= now:
             reqs.append(Request(i, i % 4, mid, io))
             i += 1
-        meter.take()
-        k0 = meter.launches
+        dev.take()
+        k0 = dev.launches
         c0 = clock()
         for req in reqs:
             submit(req)
         d.step()
-        spent = max(clock() - c0 - overhead - meter.take(), 0.0)
-        k = meter.launches - k0
+        spent = max(clock() - c0 - overhead - dev.take(), 0.0)
+        k = dev.launches - k0
         on_step(spent, k, d.idle)
         t = now + (spent if fixed is None else fixed * k + 5e-6)
         if d.idle:
@@ -169,7 +229,7 @@ def _drive(dev: SimDevice, d: Dispatcher, mid: int, meter: _SimMeter, n_jobs: in
 def measure_whole(n_jobs: int, policy: str = "paella", rate: float = 3000.0, seed: int = 1,
                   window: int = 256, fixed: float | None = None,
                   clock: Callable[[], float] = _clock) -> dict:
-    dev, d, mid, meter = _setup(policy, seed)
+    dev, d, mid = _setup(policy, seed)
     windows: list[float] = []
     busy_windows: list[float] = []
     # window cpu, window kernels, total cpu, total kernels; the same over busy steps
@@ -192,7 +252,7 @@ def measure_whole(n_jobs: int, policy: str = "paella", rate: float = 3000.0, see
             idle_steps[0] += 1
         else:
             add(busy, busy_windows, cpu, k)
-    _drive(dev, d, mid, meter, n_jobs, rate, seed, on_step, fixed, clock)
+    _drive(dev, d, mid, n_jobs, rate, seed, on_step, fixed, clock)
     w = np.array(windows) * 1e6
     return {"kernels": acc[3], "cpu_s": acc[2], "kernels_per_cpu_s": acc[3] / acc[2],
             "whole_per_kernel_us": _stats(w), "iterations": d.iterations,
@@ -201,72 +261,85 @@ def measure_whole(n_jobs: int, policy: str = "paella", rate: float = 3000.0, see
             "kernels_per_busy_cpu_s": busy[3] / busy[2]}
 
 
+class _Phases(Instrument):
+    """Timestamps of releases, completions and job starts, through the instruments: see
+    the module docstring's "phases". Time inside the simulator's methods is left out
+    (``perf_counter`` minus the device's metered ``total``)."""
+
+    def __init__(self, dev: MeteredSim) -> None:
+        self.dev = dev
+        self.release: list[float] = []       # gaps between two kernel releases of a pass
+        self.react: list[float] = []         # kernel completion seen -> job's next release
+        self.start: list[float] = []         # job start -> its last op issued
+        self.step = 0
+        self._last_release = (-1, 0.0)
+        self._ended: dict[Any, tuple[int, float]] = {}
+        self._started: dict[Any, float] = {}
+        self._issued: dict[Any, float] = {}
+
+    def _now(self) -> float:
+        return _inner() - self.dev.total
+
+    def op_released(self, op: Any, t: float) -> None:
+        now = self._now()
+        if op.kind != KERNEL:
+            return
+        step, last = self._last_release
+        if step == self.step:
+            self.release.append(now - last)
+        self._last_release = (self.step, now)
+        seen = self._ended.pop(op.job, None)
+        if seen is not None and seen[0] == self.step:
+            self.react.append(now - seen[1])
+
+    def op_ended(self, op: Any, t: float) -> None:
+        if op.kind == KERNEL:
+            self._ended[op.job] = (self.step, self._now())
+
+    def request_started(self, req: Any) -> None:
+        self._started[req] = self._now()
+
+    def op_issued(self, op: Any) -> None:
+        self._issued[op.job] = self._now()
+
+    def request_finished(self, req: Any) -> None:
+        t0 = self._started.pop(req, None)
+        job_issued = [t for job, t in self._issued.items() if req in job.requests]
+        if t0 is not None and job_issued:
+            self.start.append(job_issued[0] - t0)
+        for job in [j for j in self._issued if req in j.requests]:
+            del self._issued[job]
+            self._ended.pop(job, None)
+
+
 def measure_phases(n_jobs: int, policy: str = "paella", rate: float = 3000.0, seed: int = 1) -> dict:
-    dev, d, mid, meter = _setup(policy, seed)
-    release, notif, starts = [], [], []
-    release_fn, start_fn, drain_fn = d._release, d._start_arrivals, d.tracker.drain
+    dev, d, mid = _setup(policy, seed)
+    ph = _Phases(dev)
+    d.instruments.add(ph)
 
-    clock = _inner                   # phases: short spans, read at every step
-
-    def timed_release() -> None:
-        meter.take()
-        k0 = meter.launches
-        c0 = clock()
-        release_fn()
-        spent = clock() - c0 - meter.take()
-        k = meter.launches - k0
-        if k:
-            release.append(spent / k)
-
-    def timed_start() -> None:
-        n = len(d._arrivals)
-        meter.take()
-        c0 = clock()
-        start_fn()
-        spent = clock() - c0 - meter.take()
-        if n:
-            starts.append(spent / n)
-
-    def timed_drain(*a: Any) -> int:
-        c0 = clock()
-        n = drain_fn(*a)
-        if n:
-            notif.append((clock() - c0) / n)
-        return n
-    d._release, d._start_arrivals, d.tracker.drain = timed_release, timed_start, timed_drain
-    _drive(dev, d, mid, meter, n_jobs, rate, seed, lambda cpu, k, idle: None)
+    def on_step(cpu: float, k: int, idle: bool) -> None:
+        ph.step += 1
+    _drive(dev, d, mid, n_jobs, rate, seed, on_step)
     us = lambda x: _stats(np.array(x) * 1e6)      # noqa: E731
-    return {"release_per_kernel_us": us(release), "per_notification_us": us(notif),
-            "start_per_job_us": us(starts), "release_calls": len(release),
-            "drain_calls": len(notif)}
+    return {"release_per_kernel_us": us(ph.release), "reaction_per_kernel_us": us(ph.react),
+            "start_per_job_us": us(ph.start), "release_gaps": len(ph.release),
+            "reactions": len(ph.react)}
 
 
 def measure_alone(n_jobs: int, policy: str = "paella", batch: int = 4, seed: int = 1,
-                  window: int = 1000) -> dict:
-    """The dispatcher alone, cache-warm: the device's methods are replaced by stubs that
-    post a launch's PLACEMENT and COMPLETION at once (copies and events complete at
-    once), ``batch`` requests are submitted per step, and the thread CPU of submit +
-    step is all the dispatcher's. Median over windows of ``window`` jobs, per kernel.
-    What the simulated runs add on top is mostly the simulator's work evicting the
-    dispatcher's data and code between steps."""
-    dev, d, mid, _ = _setup(policy, seed)
-    kernels_per_job = sum(1 for spec in d.models[mid].template.specs if spec[0] == KERNEL)
-    ring = memoryview(dev.notifq)
-    mask = dev.notifq.size - 1
-    tail = [d.tracker.head]
-    one = 1 << protocol.COUNT_SHIFT
-    placed = (protocol.PLACEMENT << protocol.KIND_SHIFT) | one
-    completed = (protocol.COMPLETION << protocol.KIND_SHIFT) | one
-
-    def launch(func: Any, grid: Any, block: Any, stream: int, lid: int, **kw: Any) -> None:
-        t = tail[0]
-        ring[t & mask] = placed | lid
-        ring[(t + 1) & mask] = completed | lid
-        tail[0] = t + 2
-    dev.launch = launch
-    dev.memcpy_htod = dev.memcpy_dtoh = lambda *a, **k: None
-    dev.record_event = lambda s: s
-    dev.event_query = lambda e: True
+                  window: int = 1000, instrumented: bool = False) -> dict:
+    """The dispatcher alone, cache-warm, on an :class:`InstantDevice` (launches post their
+    PLACEMENT and COMPLETION at once, copies and events complete at once): ``batch``
+    requests are submitted per step, and the thread CPU of submit + step is all the
+    dispatcher's. Median over windows of ``window`` jobs, per kernel. What the simulated
+    runs add on top is mostly the simulator's work evicting the dispatcher's data and
+    code between steps. ``instrumented``: with an instrument listening to every hook."""
+    dev, d, mid = _setup(policy, seed, InstantDevice)
+    if instrumented:
+        d.instruments.add(EveryHook())
+    kernels_per_job = sum(1 for step in d.models[mid].replay.steps if step.kind == KERNEL)
+    dev._tail = d.tracker.head
+    dev.instant = True
     io = np.zeros(max(d.models[mid].adaptor.io_bytes, 1), np.uint8)
     out = []
     i = i0 = 0
@@ -338,7 +411,7 @@ def main() -> None:
           f"p99 {w['busy_per_kernel_us']['p99']:7.2f} us   "
           f"-> {w['kernels_per_busy_cpu_s']:,.0f} kernels per CPU second")
     for k, label in (("release_per_kernel_us", "release, per kernel"),
-                     ("per_notification_us", "per notification"),
+                     ("reaction_per_kernel_us", "completion -> next release"),
                      ("start_per_job_us", "start + issue, per job")):
         print(f"  {label:29s} median {ph[k]['median']:7.2f}  p99 {ph[k]['p99']:7.2f} us")
     if a.alone:
@@ -346,6 +419,9 @@ def main() -> None:
         print(f"  alone (no simulator), /kernel median {al['per_kernel_us']['median']:7.2f}  "
               f"p99 {al['per_kernel_us']['p99']:7.2f} us   "
               f"-> {al['kernels_per_cpu_s']:,.0f} kernels per CPU second")
+        ai = measure_alone(max(a.jobs, 12000), a.policy, seed=a.seed, instrumented=True)
+        print(f"  alone, every hook listened to median {ai['per_kernel_us']['median']:7.2f}  "
+              f"p99 {ai['per_kernel_us']['p99']:7.2f} us   (instrumentation's cost when used)")
 
 
 if __name__ == "__main__":

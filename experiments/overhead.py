@@ -27,9 +27,15 @@ the daemon's timestamps, and on this 2-core machine a third busy process adds no
 Timestamps: the client, the daemon and the simulated device all read CLOCK_MONOTONIC
 (``time.perf_counter``; the real-time simulator's clock is ``perf_counter() - t0``),
 so intervals from the three can be compared. The daemon is the real one
-(``paella.dispatcher.daemon.main``) started through :func:`traced_daemon`, which wraps
-a few of its methods with timestamping before it runs and writes what it saw when it
-exits; nothing changes in the daemon's code. The components partition the client's
+(``paella.dispatcher.daemon.main``) started through :func:`traced_daemon`, which hands
+it an instrument (:mod:`paella.dispatcher.instruments`: each request's admission by the
+dispatcher, its wake-up sent, its completion delivered to the client's ring) and a traced
+simulator (:func:`traced_sim`, the simulated GPU timing its own public methods and
+recording each operation's device interval through the ``on_complete`` callbacks of the
+device interface); it writes what it saw when it exits. Nothing patches the daemon's or
+the dispatcher's code. Admission is when the dispatcher accepts the request, after the
+front end took it off the ring and checked it, so that check counts as communication.
+The components partition the client's
 interval, so they add up to its end-to-end latency; the JSON states the residual
 (float rounding). What tracing costs is measured: the same requests to an untraced
 daemon give the untraced end-to-end latency.
@@ -55,6 +61,8 @@ from typing import Any, Callable, Iterator
 
 import numpy as np
 
+from paella.dispatcher.instruments import Instrument
+
 MODEL = "mobilenetv2"
 #: The traced daemon: argv[1] is where it writes its trace; the rest is `paella serve`'s.
 TRACED_DAEMON = (sys.executable, "-c",
@@ -74,10 +82,11 @@ COUNTS = ("kernels", "traced_calls")
 # ======================================================================================
 # Daemon side: the trace and the wrappers that fill it (they run in the daemon process).
 # ======================================================================================
-class _Trace:
-    """What the traced daemon saw, in ``perf_counter`` seconds. Device operations and
-    simulator calls are recorded only while a request is in flight (the daemon's
-    start-up profiling and idle polling are left out)."""
+class _Trace(Instrument):
+    """What the traced daemon saw, in ``perf_counter`` seconds, through the dispatcher's
+    instruments (requests) and the traced device's public methods (device operations and
+    simulator calls). Device operations and simulator calls are recorded only while a
+    request is in flight (the daemon's start-up profiling and idle polling are left out)."""
 
     def __init__(self) -> None:
         self.open: dict[tuple[int, int], list[float]] = {}   # (client, req) -> [admit, wake]
@@ -88,6 +97,20 @@ class _Trace:
         self.sim = array("d")            # start, end of each simulator call
         self.functional = array("d")     # start, end of each run of the CPU build
         self.depth = 0
+
+    # -- the instruments: a request's admission, wake-up and delivered completion --------
+    def request_admitted(self, req: Any) -> None:
+        self.open[(req.client_id, req.req_id)] = [time.perf_counter(), math.nan]
+
+    def request_woken(self, req: Any) -> None:
+        rec = self.open.get((req.client_id, req.req_id))
+        if rec is not None and math.isnan(rec[1]):
+            rec[1] = time.perf_counter()
+
+    def request_finished(self, req: Any) -> None:
+        rec = self.open.pop((req.client_id, req.req_id), None)
+        if rec is not None:
+            self.requests.append((req.client_id, req.req_id, rec[0], rec[1], time.perf_counter()))
 
     def timed(self, fn: Callable, sink: array) -> Callable:
         """``fn``, with its outermost calls recorded in ``sink`` while a request is open."""
@@ -112,68 +135,54 @@ class _Trace:
                  functional=np.frombuffer(self.functional, dtype=float).reshape(-1, 2))
 
 
-def _instrument(trace: _Trace) -> None:
-    """Wrap the front end's admission, wake-up and completion, the functional cache, and
-    (once the daemon opens it) the simulated device."""
-    from paella.dispatcher import daemon, frontend
-    perf = time.perf_counter
-    F = frontend.Frontend
-    admit, almost, finish = F._admit, F.almost_finished, F._finish
-
-    def _admit(self, c, req_id, *rest):
-        trace.open[(c.cid, req_id)] = [perf(), math.nan]
-        return admit(self, c, req_id, *rest)
-
-    def almost_finished(self, client_id, req_id):
-        rec = trace.open.get((client_id, req_id))
-        if rec is not None and math.isnan(rec[1]):
-            rec[1] = perf()
-        return almost(self, client_id, req_id)
-
-    def _finish(self, c, req_id, woken, status, reason):
-        finish(self, c, req_id, woken, status, reason)
-        rec = trace.open.pop((c.cid, req_id), None)
-        if rec is not None:
-            trace.requests.append((c.cid, req_id, rec[0], rec[1], perf()))
-
-    F._admit, F.almost_finished, F._finish = _admit, almost_finished, _finish
-    daemon.FunctionalCache.outputs = trace.timed(daemon.FunctionalCache.outputs, trace.functional)
-    opened = daemon.Daemon._dispatcher
-
-    def _dispatcher(self):
-        fresh = self.dispatcher is None
-        ex = opened(self)
-        if fresh:
-            _instrument_device(trace, self.device)
-        return ex
-    daemon.Daemon._dispatcher = _dispatcher
-
-
-def _instrument_device(trace: _Trace, dev) -> None:
+def traced_sim(trace: _Trace, gpu: str) -> Any:
+    """The real-time simulated GPU stepped in the daemon's loop, traced through its public
+    methods: every call into it is timed (the simulator's CPU, which now includes the CPU
+    build: it is the functional effect the simulated device applies when the plan's last
+    kernel completes, so ``functional`` stays empty and the "CPU build" component 0), and
+    each kernel's and copy's device interval is recorded from its launch (one request at a
+    time: the device is idle then, so an op starts when it is submitted) to its
+    ``on_complete`` (at the device event's time)."""
+    from paella.dispatcher.devices.base import D2H, H2D, KERNEL
     from paella.dispatcher.devices.sim import SimDevice
-    from paella.dispatcher.devices.sim.hardware import KERNEL, MARKER
-    if not isinstance(dev, SimDevice) or not dev.realtime or dev.loop.speed != 1.0:
-        raise SystemExit("overhead: the traced daemon needs the simulator stepped in its loop "
-                         "at real speed (--backend sim --sim-mode stepped); got "
-                         f"{type(dev).__name__}")
-    loop, gpu = dev.loop, dev.gpu
-    t0 = loop._t0                    # device time + t0 = perf_counter time
-    starts: dict = {}
-    start_copy, complete = gpu._start_copy, gpu._complete
 
-    def _start_copy(op):
-        starts[op] = loop.now
-        start_copy(op)
+    class TracedSim(SimDevice):
+        def __init__(self) -> None:
+            super().__init__(gpu, realtime=True)
+            # Device time + offset = perf_counter time (the real-time clock at speed 1).
+            self.offset = time.perf_counter() - self.now()
+            for name in ("poll", "launch", "memcpy_htod", "memcpy_dtoh", "record_event"):
+                setattr(self, name, trace.timed(getattr(self, name), trace.sim))
 
-    def _complete(op):
-        if op.kind != MARKER:
-            begin = op.t_first if op.kind == KERNEL else starts.pop(op)
-            if trace.open:
-                trace.ops.extend((begin + t0, loop.now + t0, op.kind))
-        complete(op)
-    gpu._start_copy, gpu._complete = _start_copy, _complete
-    for name in ("poll", "_launch", "_memcpy_htod", "_memcpy_dtoh", "_record_event"):
-        setattr(dev, name, trace.timed(getattr(dev, name), trace.sim))
+        def _op(self, kind: int, then: Any) -> tuple[list, Any]:
+            """(a cell for the submission time, the completion callback recording both)."""
+            cell = [math.nan]
+
+            def done() -> None:
+                if trace.open:
+                    trace.ops.extend((cell[0] + self.offset, self.loop.now + self.offset, kind))
+                if then is not None:
+                    then()
+            return cell, done
+
+        # The device clock after a submission is the time it was submitted at (the
+        # real-time loop catches up before taking work).
+        def launch(self, *a: Any, on_complete: Any = None, **k: Any) -> None:
+            cell, done = self._op(KERNEL, on_complete)
+            super().launch(*a, on_complete=done, **k)
+            cell[0] = self.loop.now
+
+        def memcpy_htod(self, dst: int, src: np.ndarray, stream: int, on_complete: Any = None) -> None:
+            cell, done = self._op(H2D, on_complete)
+            super().memcpy_htod(dst, src, stream, done)
+            cell[0] = self.loop.now
+
+        def memcpy_dtoh(self, dst: np.ndarray, src: int, stream: int, on_complete: Any = None) -> None:
+            cell, done = self._op(D2H, on_complete)
+            super().memcpy_dtoh(dst, src, stream, done)
+            cell[0] = self.loop.now
+
+    return TracedSim()
 
 
 def wrapper_cost_us(n: int = 20000) -> float:
@@ -198,13 +207,19 @@ def wrapper_cost_us(n: int = 20000) -> float:
 
 def traced_daemon(argv: list[str] | None = None) -> int:
     """``paella serve`` with timestamps: argv[0] is the trace file (.npz), the rest the
-    daemon's options. The trace is written when the daemon exits."""
+    daemon's options. The trace is written when the daemon exits. The daemon is the real
+    one, given the trace as an instrument and the traced simulator as its device."""
     args = sys.argv[1:] if argv is None else argv
     trace = _Trace()
-    _instrument(trace)
     from paella.dispatcher.daemon import main
+
+    def open_device(cfg: Any) -> Any:
+        if cfg.backend != "sim" or cfg.sim_mode != "stepped":
+            raise SystemExit("overhead: the traced daemon needs the simulator stepped in its "
+                             "loop (--backend sim --sim-mode stepped)")
+        return traced_sim(trace, cfg.gpu)
     try:
-        return main(args[1:])
+        return main(args[1:], instruments=[trace], open_device=open_device)
     finally:
         trace.save(args[0])
 

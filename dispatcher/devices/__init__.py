@@ -20,7 +20,7 @@ BACKENDS = ("auto", "sim", "cuda")
 #: The driver library the CUDA driver API lives in (Linux; the soname is stable).
 DRIVER_LIBRARY = "libcuda.so.1"
 #: Options only the simulator understands (see SimDevice).
-SIM_ONLY = frozenset({"seed", "cost", "jitter", "realtime", "speed", "lose_after"})
+SIM_ONLY = frozenset({"seed", "cost", "jitter", "realtime", "speed", "lose_after", "process"})
 #: Options only the cuda backend understands (``driver`` substitutes the driver module: tests).
 CUDA_ONLY = frozenset({"counter_pairs", "driver"})
 
@@ -111,7 +111,8 @@ def open_device(backend: str = "auto", *, gpu: str = "t4", device: int = 0, **op
     ``backend``: ``auto``, ``sim`` or ``cuda``. ``gpu`` is the simulator's preset (a real
     GPU reports its own properties). ``device`` is the CUDA device ordinal.
     ``options``: ``n_streams`` and ``notifq_slots`` apply to both backends; ``seed``,
-    ``cost``, ``jitter``, ``realtime``, ``speed`` to the simulator only; ``counter_pairs``
+    ``cost``, ``jitter``, ``realtime``, ``speed``, ``lose_after`` and ``process`` (the
+    real-time simulator in a process of its own) to the simulator only; ``counter_pairs``
     to cuda only. An option for the other backend is an error when the backend was named
     explicitly, and is logged and dropped when ``auto`` chose.
 
@@ -124,9 +125,9 @@ def open_device(backend: str = "auto", *, gpu: str = "t4", device: int = 0, **op
     if backend == "auto":
         chosen, reason = pick_backend(options.get("driver"))
         if chosen == "sim":
-            log.warning("backend auto: using the simulated GPU (%s): %s", gpu, reason)
+            log.warning("backend auto: sim, using the simulated GPU (%s): %s", gpu, reason)
         else:
-            log.info("backend auto: using the GPU: %s", reason)
+            log.info("backend auto: cuda, using the GPU: %s", reason)
     foreign = (SIM_ONLY if chosen == "cuda" else CUDA_ONLY) & options.keys()
     if foreign:
         if backend != "auto":
@@ -135,6 +136,9 @@ def open_device(backend: str = "auto", *, gpu: str = "t4", device: int = 0, **op
         options = {k: v for k, v in options.items() if k not in foreign}
 
     if chosen == "sim":
+        if options.pop("process", False):    # real time, in a process of its own
+            from .sim import SimProcessDevice
+            return SimProcessDevice(gpu, **options)
         from .sim import SimDevice
         return SimDevice(gpu, **options)
 

@@ -24,6 +24,11 @@ from paella.occupancy import Footprint, OccupancyError, footprint, occupancy
 Dim3 = tuple[int, int, int]
 Callback = Callable[[], None] | None
 
+#: Kinds of device operations, defined once for the dispatcher and every backend: a
+#: kernel launch, a host-to-device or device-to-host copy, an event marker.
+KERNEL, H2D, D2H, MARKER = 0, 1, 2, 3
+KIND_NAMES = ("kernel", "h2d", "d2h", "marker")
+
 
 class DeviceError(RuntimeError):
     """A device operation failed; the message names the operation and the cause."""
@@ -57,13 +62,22 @@ class KernelInfo:
     duration: float | None = None   # seconds; synthetic kernels use it as given
 
 
+#: What a kernel computes, for a backend that runs no device code (the simulator):
+#: ``effect(view, args)`` with ``view(ptr, nbytes)`` a writable uint8 view of device
+#: memory and ``args`` the launch's arguments, applied when the kernel completes.
+KernelEffect = Callable[[Callable[[int, int], np.ndarray], tuple], None]
+
+
 @dataclass
 class ModuleImage:
-    """What :meth:`Device.load_module` loads: kernel descriptions plus device code."""
+    """What :meth:`Device.load_module` loads: kernel descriptions plus device code, and
+    (``effects``, by kernel name) the functional effects that stand in for device code
+    on the simulator. A real GPU runs the code and ignores ``effects``."""
     name: str
     kernels: Sequence[KernelInfo]
     cubin: bytes | None = None
     ptx: bytes | None = None
+    effects: dict[str, KernelEffect] = field(default_factory=dict)
 
 
 @dataclass(eq=False)

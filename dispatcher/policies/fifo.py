@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from .base import HeapPolicy, register_policy
+from .base import HeapPolicy
+from .registry import register_policy
 
 
 @register_policy("fifo")
@@ -18,5 +19,5 @@ class Fifo(HeapPolicy):
     stream_mode = "single"
     eager = True
 
-    def key(self, job: Any) -> Any:
-        return job.seq
+    def key(self, job: Any) -> tuple[float, int]:
+        return job.seq, 0

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from .base import HeapPolicy, register_policy
+from .base import HeapPolicy
+from .registry import register_policy
 
 
 @register_policy("ms-kbk")
@@ -17,5 +18,5 @@ class MultiStreamKernelByKernel(HeapPolicy):
     stream_mode = "pool"
     eager = False
 
-    def key(self, job: Any) -> Any:
-        return job.seq
+    def key(self, job: Any) -> tuple[float, int]:
+        return job.seq, 0

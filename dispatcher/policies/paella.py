@@ -28,6 +28,12 @@ deficit counters.
   ``s_u`` when it passes 1e9 (the paper's O(n) reset: the deficit heap's keys shift by
   the same amount), so floats never lose precision.
 
+* **The order rule** (Figure 1's ideal schedule). B's slack (the +B rule) lets a kernel
+  that cannot start now wait in a hardware queue, whose FIFO then places it ahead of
+  whatever is picked next. So when a live job that comes before the SRPT pick is
+  between two of its kernels and not one block of the pick's kernel can be placed now
+  (``Tracker.starts_now``), ``pick()`` returns None: the kernel goes once it can start,
+  or once its job is the most urgent live one. The fairness path is never held.
 * **The hold rule** (``hold_factor``, beyond the paper). Blocks cannot be preempted, so
   SRPT alone cannot protect a short job between two of its kernels: the GPU is
   backfilled meanwhile, and a long job's big kernel released then makes the short job's
@@ -50,7 +56,8 @@ from heapq import heapify, heappop, heappush
 from typing import Any
 
 from ..pqueue import IndexedHeap
-from .base import Policy, PolicyError, register_policy
+from .base import Policy, PolicyError
+from .registry import register_policy
 
 #: Default fairness threshold, in kernels' worth of deficit. A unit starved while the
 #: others release K kernels reaches a deficit near K/n (n units with unfinished jobs),
@@ -68,6 +75,17 @@ DEFAULT_FAIRNESS_UNIT = "job"
 #: estimated time waits while that job runs. Measured choice: docs/policies.md.
 DEFAULT_HOLD_FACTOR = 0.5
 _REBASE = 1e9
+
+
+class _JobState:
+    """The policy's own record of a live job (``job.policy_state``): its fairness unit,
+    whether it is queued (has a ready kernel announced), whether it has a fifo entry."""
+    __slots__ = ("unit", "queued", "infifo")
+
+    def __init__(self, unit: "_Unit"):
+        self.unit = unit
+        self.queued = False
+        self.infifo = False
 
 
 class _Unit:
@@ -93,7 +111,7 @@ class Paella(Policy):
       release removes or re-keys in place, so nothing stale is ever skipped or
       compacted.
     * ``fifo`` (client mode: the unit's ``ready``): arrival order is a constant key, so
-      a job keeps one ``(seq, job)`` heapq entry (``job.infifo``) from its first ready
+      a job keeps one ``(seq, job)`` heapq entry (its state's ``infifo``) from its first ready
       kernel until the entry reaches the top while the job is not queued; a queued job
       always has its entry. One push per job, not per kernel.
     * ``_share`` (1/#units, read at every release) is kept up to date where units come
@@ -134,18 +152,17 @@ class Paella(Policy):
             unit = units[key] = _Unit(key, -self.G, next(self._useq))
             self._units_changed()
         unit.jobs += 1
-        job.punit = unit
-        job.queued = False
-        job.infifo = False
+        job.policy_state = _JobState(unit)
         self.n_live_jobs += 1
         self.inflight.push(job, job.remaining, job.seq)
 
     def kernel_ready(self, job: Any) -> None:
-        job.queued = True
+        st = job.policy_state
+        st.queued = True
         self.srpt.push(job, job.remaining, job.seq)
-        unit = job.punit
-        if not job.infifo:           # its (seq, job) entry in its fairness fifo
-            job.infifo = True
+        unit = st.unit
+        if not st.infifo:            # its (seq, job) entry in its fairness fifo
+            st.infifo = True
             fifo = unit.ready if self.by_client else self.fifo
             heappush(fifo, (job.seq, job))
             if len(fifo) > 2 * self.n_live_jobs + 64:       # (once per job)
@@ -161,25 +178,36 @@ class Paella(Policy):
         if unit is not None and self.G - dheap.top_key() >= self.threshold:
             return self._oldest(unit.ready if self.by_client else self.fifo)
         job = self.srpt.top()
-        if job is None or self.hold is None:
+        if job is None:
+            return None
+        other = self.inflight.top()  # (never None: job is live)
+        if other is job:
             return job
-        # The hold rule: blocks cannot be preempted, so a kernel long next to the job
-        # with the least remaining work in flight would make that job's next kernel
-        # (ready soon) wait for it. Hold it back while that job runs.
-        inflight = self.inflight
-        other = inflight.top()       # (never None: job is live)
-        if other is job or not inflight.top_key() < job.remaining:
-            return job
+        # A live job comes before the pick in SRPT order and is between two of its
+        # kernels (it is not queued, or it would be the pick). The pick's kernel must not
+        # take the resources that job's next kernel will want:
         op = job.ready[0]
+        # (1) The order rule: a kernel that cannot start now would wait in a hardware
+        # queue, and the hardware's FIFO would place it ahead of that job's next kernel.
+        # Hold it; it goes once it can start, or once it is the most urgent live job.
+        if not self._starts_now(op):
+            return None
+        # (2) The hold rule: blocks cannot be preempted, so a kernel that is long next
+        # to that job and does not fit beside everything would make its next kernel
+        # wait for it. Hold it back while that job runs.
+        if self.hold is None or not self.inflight.top_key() < job.remaining:
+            return job
         stat = job.model.profile.kernels.get(op.key)
-        if stat is not None and stat.time > self.hold * other.estimate and self._fills_gpu(op):
+        if (stat is not None and stat.time > self.hold * other.estimate
+                and self._fills_gpu(op)):
             return None
         return job
 
     def released(self, job: Any, op: Any) -> None:
-        job.queued = False           # inlined _unqueue
+        st = job.policy_state
+        st.queued = False
         self.srpt.remove(job)
-        unit = job.punit
+        unit = st.unit
         n = unit.nready - 1
         unit.nready = n
         if n == 0:
@@ -194,15 +222,16 @@ class Paella(Policy):
             self._rebase()
 
     def job_finished(self, job: Any) -> None:
-        unit = job.punit
-        if job.queued:
-            job.queued = False
+        st = job.policy_state
+        unit = st.unit
+        if st.queued:
+            st.queued = False
             self.srpt.remove(job)
             unit.nready -= 1
             if unit.nready == 0:
                 self.dheap.remove(unit)
         self.inflight.remove(job)
-        job.punit = None             # (job mode: unit.key is the job; no cycle left for the gc)
+        st.unit = None               # (job mode: unit.key is the job; no cycle left for the gc)
         self.n_live_jobs -= 1
         unit.jobs -= 1
         if unit.jobs == 0:
@@ -220,20 +249,26 @@ class Paella(Policy):
         if n:
             self._share = 1.0 / n
 
+    def _starts_now(self, op: Any) -> bool:
+        """Would a block of ``op``'s launch be placed at once? (Without a dispatcher, in
+        unit tests of the order alone: assume it would.)"""
+        return self.dispatcher is None or self.dispatcher.tracker.starts_now(op.launch.demand)
+
     def _fills_gpu(self, op: Any) -> bool:
         """Only a kernel that does not fit beside everything else can hold a shorter
         job's next kernel back (without a dispatcher, in unit tests: assume it does)."""
-        return self.dispatcher is None or not self.dispatcher.tracker.fits_now(op)
+        return self.dispatcher is None or not self.dispatcher.tracker.fits_now(op.launch.demand)
 
     @staticmethod
     def _compact_fifo(fifo: list) -> None:
         """Drop the entries of jobs not queued (finished ones too), in place."""
         keep = []
         for e in fifo:
-            if e[1].queued:
+            st = e[1].policy_state
+            if st is not None and st.queued:
                 keep.append(e)
-            else:
-                e[1].infifo = False
+            elif st is not None:
+                st.infifo = False
         heapify(keep)
         fifo[:] = keep
 
@@ -243,10 +278,12 @@ class Paella(Policy):
         reach the top leave it (they re-enter at their next ready kernel)."""
         while fifo:
             job = fifo[0][1]
-            if job.queued:
+            st = job.policy_state
+            if st is not None and st.queued:
                 return job
             heappop(fifo)
-            job.infifo = False
+            if st is not None:
+                st.infifo = False
         raise AssertionError("a unit counted as ready has no ready job")
 
     def _rebase(self) -> None:

@@ -8,7 +8,8 @@ from __future__ import annotations
 import itertools
 from typing import Any
 
-from .base import HeapPolicy, register_policy
+from .base import HeapPolicy
+from .registry import register_policy
 
 
 @register_policy("rr")
@@ -17,5 +18,5 @@ class RoundRobin(HeapPolicy):
         super().__init__(dispatcher, **options)
         self._turn = itertools.count()
 
-    def key(self, job: Any) -> Any:
-        return next(self._turn)
+    def key(self, job: Any) -> tuple[float, int]:
+        return next(self._turn), 0

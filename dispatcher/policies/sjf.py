@@ -8,10 +8,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from .base import HeapPolicy, register_policy
+from .base import HeapPolicy
+from .registry import register_policy
 
 
 @register_policy("sjf")
 class ShortestJobFirst(HeapPolicy):
-    def key(self, job: Any) -> Any:
-        return (job.estimate, job.seq)
+    def key(self, job: Any) -> tuple[float, int]:
+        return job.estimate, job.seq

@@ -104,7 +104,7 @@ def test_every_launch_gets_the_plans_pointers_then_notifq_and_launch_id(bundle, 
     d = Dispatcher(dev, "paella", counter_pairs=PAIRS, profile_runs=0)
     adaptor = PlanAdaptor.from_bundle(bundle)
     mid = d.register_model("tiny", adaptor)
-    assert d.models[mid].template is not None            # the plan fast path, bindings and all
+    assert d.models[mid].replay is not None              # the replayed plan, bindings and all
     v = bundle.variants[0]
     done = {}
     ios = [submit(bundle, d, mid, i, done) for i in range(2)]

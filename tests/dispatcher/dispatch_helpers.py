@@ -6,7 +6,7 @@ import numpy as np
 from paella.dispatcher.adaptor import JobAdaptor, PlanAdaptor, synthetic_plan
 from paella.dispatcher.core import Request
 from paella.dispatcher.devices.base import KernelInfo, ModuleImage
-from paella.dispatcher import cuda
+from paella.dispatcher import cudart as cuda
 
 
 def chain(name: str, n: int, grid: int = 8, block: int = 128, regs: int = 32,

@@ -35,14 +35,6 @@ class RecordingSim(SimDevice):
         super()._launch(func, grid, block, fp, dyn_smem, args, *rest)
 
 
-class GreenletPlan(PlanAdaptor):
-    """The same adaptor forced through its greenlet (run() overridden, as the daemon's
-    functional adaptor does)."""
-
-    def run(self, io):
-        super().run(io)
-
-
 @pytest.fixture(scope="module")
 def bundle(tmp_path_factory):
     from paella.compiler_pass.build import compile_bundle
@@ -90,10 +82,9 @@ def test_params_are_uploaded_once_at_registration(bundle):
     assert adaptor.buffer_pool.created == 0 and not dev.launches    # nothing per request yet
 
 
-@pytest.mark.parametrize("cls", [PlanAdaptor, GreenletPlan])
-def test_launches_get_the_kernels_params_as_bound_pointers(bundle, cls):
-    dev, d, adaptor, mid = setup(bundle, cls)
-    assert (d.models[mid].template is not None) == (cls is PlanAdaptor)
+def test_launches_get_the_kernels_params_as_bound_pointers(bundle):
+    dev, d, adaptor, mid = setup(bundle)
+    assert d.models[mid].replay is not None
     v = bundle.variants[0]
     done = {}
     io = request(bundle, d, mid, 1, done)
@@ -123,9 +114,8 @@ def test_launches_get_the_kernels_params_as_bound_pointers(bundle, cls):
     assert np.array_equal(io2[y.offset:y.offset + y.nbytes], pattern)
 
 
-@pytest.mark.parametrize("cls", [PlanAdaptor, GreenletPlan])
-def test_concurrent_requests_use_disjoint_buffer_sets_returned_to_the_pool(bundle, cls):
-    dev, d, adaptor, mid = setup(bundle, cls)
+def test_concurrent_requests_use_disjoint_buffer_sets_returned_to_the_pool(bundle):
+    dev, d, adaptor, mid = setup(bundle)
     v = bundle.variants[0]
     pool = adaptor.buffer_pool
     done = {}
@@ -162,18 +152,12 @@ def test_an_exhausted_pool_makes_requests_wait_in_arrival_order(bundle):
     dev, d, adaptor, mid = setup(bundle, max_buffer_sets=1)
     pool = adaptor.buffer_pool
     done = {}
-    order = []
     for i in range(3):
         request(bundle, d, mid, i, done)
     d.step()
     assert pool.in_use == 1 and len(pool.waiting) == 2
-    orig = d._finish
-
-    def finish(job):
-        order.append(job.req.req_id)
-        orig(job)
-    d._finish = finish
     d.run_until_idle()
+    order = list(done)                          # completion order (on_complete's)
     assert order == [0, 1, 2] and all(st == STATUS_OK for st, _ in done.values())
     assert pool.created == 1 and pool.in_use == 0 and not pool.waiting
     names = [n for n, _, _ in dev.launches]
@@ -273,12 +257,13 @@ def test_daemon_serves_bundles_functionally_on_sim_and_plainly_elsewhere(bundle)
     from paella.dispatcher import daemon
     dev = SimDevice("gtx1660s", n_streams=8)
     functional = daemon.bundle_adaptor(bundle, "tiny#1", dev)
-    assert type(functional) is not PlanAdaptor and isinstance(functional, PlanAdaptor)
+    assert isinstance(functional, PlanAdaptor) and functional.plan.effects   # replayed, with effect
+    assert "run" not in type(functional).__dict__                      # no run() override
 
     class OtherDevice:
         backend = "cuda"
     plain = daemon.bundle_adaptor(bundle, "tiny#1", OtherDevice())
-    assert type(plain) is PlanAdaptor and plain.plan.params
+    assert type(plain) is PlanAdaptor and plain.plan.params and not plain.plan.effects
     # The sim's functional outputs still equal the CPU build's, through the Dispatcher.
     d = Dispatcher(dev, "paella", profile_runs=0)
     mid = d.register_model("tiny", functional)

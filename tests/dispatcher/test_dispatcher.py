@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from paella.dispatcher import cuda
+from paella.dispatcher import cudart as cuda
 from paella.dispatcher.adaptor import JobAdaptor, Plan, PlanOp
 from paella.dispatcher.core import STATUS_CANCELLED, STATUS_ERROR, STATUS_OK, Request
 from paella.dispatcher.devices.base import KernelInfo, ModuleImage

@@ -1,27 +1,59 @@
-"""The hot path's shortcuts behave exactly like the general path they replace: plan
-templates (no greenlet) against the PlanAdaptor's own run() in a greenlet, the
-pair-indexed notifQ drain, the tracker's lazily flattened footprints."""
+"""The hot path behaves exactly like the general path: a replayed plan (no greenlet)
+against the same calls made through the job API in a greenlet, and the pair-indexed
+notifQ drain."""
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from paella.dispatcher.adaptor import Plan, PlanAdaptor, PlanOp
+from paella.dispatcher import cudart
+from paella.dispatcher.adaptor import JobAdaptor, Plan, PlanAdaptor, PlanOp
 from paella.dispatcher.core import STATUS_CANCELLED, STATUS_ERROR, STATUS_OK
 from paella.dispatcher.devices.base import KernelInfo
-from paella.dispatcher.job import RUNNING
-from paella.dispatcher.occupancy import Tracker
+from paella.dispatcher.instruments import Instrument
+from paella.dispatcher.job import current
+from paella.dispatcher.tracker import Tracker
 from paella.gpus import preset
 from paella import protocol
 
 from dispatch_helpers import Recorder, TwoStreams, chain
 
 
-class GreenletPlan(PlanAdaptor):
-    """The same plan, forced through the greenlet (an override of run())."""
+class PlanByHand(JobAdaptor):
+    """The same plan's calls made by code through the job API, in a greenlet: the
+    reference that replay must equal."""
+
+    def __init__(self, plan: Plan):
+        self.inner = PlanAdaptor(plan)
+        self.name, self.io_bytes = plan.name, plan.io_bytes
+
+    def init(self, device):
+        self.inner.init(device)
+        self.buffer_pool = self.inner.buffer_pool
 
     def run(self, io):
-        super().run(io)
+        plan, funcs = self.inner.plan, self.inner.funcs
+        if io.size < self.io_bytes:
+            raise ValueError(f"io buffer of {io.size} bytes is smaller than model "
+                             f"{self.name!r} needs ({self.io_bytes})")
+        bound = current().bindings.bound
+        streams = {0: None}
+        for s in sorted({op.stream for op in plan.ops if op.stream}):
+            streams[s] = cudart.stream_create()
+        kinds = [op.kind for op in plan.ops]
+        almost = max((i for i, k in enumerate(kinds) if k == "d2h"), default=-1)
+        for i, op in enumerate(plan.ops):
+            if i == almost:
+                cudart.almost_finished()
+            s = streams[op.stream]
+            if op.kind == "launch":
+                cudart.launch(funcs[op.kernel], op.grid, op.block, s, dyn_smem=op.dyn_smem,
+                              args=bound[i])
+            elif op.kind == "h2d":
+                cudart.memcpy_htod(bound[i], io[op.io_offset:op.io_offset + op.nbytes], s)
+            else:
+                cudart.memcpy_dtoh(io[op.io_offset:op.io_offset + op.nbytes], bound[i], s)
+        cudart.device_synchronize()
 
 
 def fork_plan() -> Plan:
@@ -52,13 +84,13 @@ def timeline(make, policy, adaptors, n=30):
 
 
 @pytest.mark.parametrize("policy", ["paella", "fifo", "ms-jbj", "ms-kbk"])
-def test_plan_template_matches_the_greenlet_run(make, policy):
+def test_replay_matches_the_same_calls_in_a_greenlet(make, policy):
     plans = [lambda: chain("a", 4).plan, lambda: chain("b", 9, grid=30).plan, fork_plan]
     fast, fast_almost, d = timeline(make, policy, [PlanAdaptor(p()) for p in plans])
-    assert all(m.template is not None for m in d.models)
-    assert not d.models[2].template.straight and d.models[0].template.straight
-    slow, slow_almost, d2 = timeline(make, policy, [GreenletPlan(p()) for p in plans])
-    assert all(m.template is None for m in d2.models)
+    assert all(m.replay is not None for m in d.models.values())
+    assert d.models[2].replay.streams == (1, 2) and d.models[0].replay.streams == ()
+    slow, slow_almost, d2 = timeline(make, policy, [PlanByHand(p()) for p in plans])
+    assert all(m.replay is None for m in d2.models.values())
     assert fast == slow and fast_almost == slow_almost
     assert all(st == STATUS_OK for st, _ in fast.values())
 
@@ -66,7 +98,7 @@ def test_plan_template_matches_the_greenlet_run(make, policy):
 def test_user_adaptors_keep_their_greenlet(make):
     dev, d = make("paella")
     mid = d.register_model("fork", TwoStreams())
-    assert d.models[mid].template is None
+    assert d.models[mid].replay is None
     rec = Recorder()
     for i in range(5):
         d.submit(rec.request(i, mid, 64))
@@ -74,7 +106,7 @@ def test_user_adaptors_keep_their_greenlet(make):
     assert [rec.done[i][0] for i in range(5)] == [STATUS_OK] * 5
 
 
-def test_plan_template_fails_a_short_io_buffer_like_run_does(make):
+def test_replay_fails_a_short_io_buffer(make):
     dev, d = make("paella")
     mid = d.register_model("c", chain("c", 3))
     rec = Recorder()
@@ -93,65 +125,38 @@ def test_drain_refuses_an_entry_of_no_launch_in_flight_after_consuming_it():
     t = Tracker(spec, ring, extra_blocks=22, group=1, counter_pairs=8)
     ring[0] = protocol.encode(protocol.PLACEMENT, 0, 1, 5)
     with pytest.raises(RuntimeError, match="not in flight"):
-        t.drain(0.0, lambda op: None)
+        t.drain(0.0, lambda op, t0: None)
     assert ring[0] == 0 and t.head == 1
 
 
 def test_drain_applies_a_batch_and_reports_completions_in_order(make):
     """group 2, two kernels: every placement and completion is counted, and a stale
     launch id (same pair, older generation) is not mistaken for the live one."""
-    from paella.dispatcher.waitlist import KERNEL, Op, VStream
     from paella.occupancy import footprint
     spec = preset("gtx1660s")
     ring = np.zeros(64, np.uint64)
     t = Tracker(spec, ring, extra_blocks=22, group=2, counter_pairs=2)
-    ops = []
-    for blocks in (2, 1):
-        op = Op(KERNEL, None, VStream(0, True))
-        op.fp, op.blocks = footprint(spec, 128, 32), blocks
-        op.launch_id = -1
-        t.release(op)
-        ops.append(op)
-    a, b = ops
+    fp = footprint(spec, 128, 32)
+    lids = {}
+    for name, blocks in (("a", 2), ("b", 1)):
+        lids[name] = t.release(t.demand(fp, blocks), name)
+    a, b = lids["a"], lids["b"]
     words = [(protocol.PLACEMENT, 3, 2, a), (protocol.PLACEMENT, 4, 1, b),
              (protocol.COMPLETION, 4, 1, b), (protocol.COMPLETION, 3, 1, a)]
-    for i, (kind, sm, n, op) in enumerate(words):
-        ring[i] = protocol.encode(kind, sm, n, op.launch_id)
+    for i, (kind, sm, n, lid) in enumerate(words):
+        ring[i] = protocol.encode(kind, sm, n, lid)
     done = []
-    assert t.drain(1.5, done.append) == 4
-    assert done == [b] and a.placed == 2 and a.ended == 1 and a.t_first == 1.5
+    assert t.drain(1.5, lambda tok, t0: done.append(tok)) == 4
+    assert done == ["b"] and t.progress(a) == (2, 1, 1.5)
     assert t.blocks == 1 and t.sm_blocks[3] == 1 and t.sm_blocks[4] == 0
-    assert t.unplaced == 0 and t.in_flight() == 1 and list(t.launches) == [a.launch_id]
-    stale = (a.launch_id + (1 << 1)) & protocol.LAUNCH_MASK   # a's pair, another generation
+    assert t.unplaced == 0 and t.in_flight() == 1 and list(t.launches) == [a]
+    stale = (a + (1 << 1)) & protocol.LAUNCH_MASK   # a's pair, another generation
     ring[4] = protocol.encode(protocol.COMPLETION, 3, 1, stale)
     with pytest.raises(RuntimeError, match="not in flight"):
-        t.drain(2.0, done.append)
+        t.drain(2.0, lambda tok, t0: done.append(tok))
 
 
-def test_a_straight_plan_makes_one_op_at_a_time(make):
-    """Under a non-eager policy a straight-line plan is started lazily: each job holds
-    only its active op; an eager policy gets the whole plan issued at once."""
-    for policy, lazy in (("paella", True), ("ms-kbk", True), ("ms-jbj", False), ("fifo", False)):
-        dev, d = make(policy)
-        mid = d.register_model("c", chain("c", 6))
-        rec = Recorder()
-        for i in range(8):
-            d.submit(rec.request(i, mid, 320))
-        seen = 0
-        while d.step() or d._arrivals:
-            for job in d.jobs:
-                if job.state == RUNNING and job.returned:      # started, not finished
-                    seen += 1
-                    assert (job.plan is not None) == lazy, policy
-                    if lazy:
-                        assert job.waitlist.pending == 1
-            if d.idle:
-                dev.run_until(dev.next_event_time())
-        assert seen and sorted(rec.done) == list(range(8))
-        assert all(v[0] == STATUS_OK for v in rec.done.values())
-
-
-def test_cancelling_a_lazily_started_job_makes_no_further_step(make):
+def test_cancelling_a_replayed_job_drops_its_unreleased_steps(make):
     dev, d = make("paella")
     mid = d.register_model("c", chain("c", 8))
     rec = Recorder()
@@ -161,11 +166,17 @@ def test_cancelling_a_lazily_started_job_makes_no_further_step(make):
         d.step()
         dev.run_until(dev.next_event_time())
     victims = [j for j in d.jobs if j.client_id == 1]
-    assert victims and all(j.plan is not None for j in victims)
-    cursors = {j.req.req_id: j.cursor for j in victims}
+    assert victims and all(j.waitlist.pending > 1 for j in victims)   # steps left to go
+    released = []
+
+    class Releases(Instrument):
+        def op_released(self, op, t):
+            released.append(op.job)
+
+    d.instruments.add(Releases())
     assert d.cancel_client(1) == 3
     d.run_until_idle()
-    assert all(j.cursor == cursors[j.req.req_id] and j.plan is None for j in victims)
+    assert not any(job in victims for job in released)        # nothing more of theirs ran
     assert {i for i, v in rec.done.items() if v[0] == STATUS_CANCELLED} == {1, 3, 5}
     assert {i for i, v in rec.done.items() if v[0] == STATUS_OK} == {0, 2, 4}
     assert d.tracker.in_flight() == 0 and not d.jobs and d._queued == 0

@@ -23,8 +23,8 @@ for name, path in zip(sys.argv[1::2], sys.argv[2::2]):
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     sys.modules[f"paella.dispatcher.{name}"] = mod
-from paella.dispatcher import occupancy, pqueue
-assert occupancy.TrackerCore.__module__ == "paella.dispatcher._tracker"
+from paella.dispatcher import tracker, pqueue
+assert tracker.TrackerCore.__module__ == "paella.dispatcher._tracker"
 h = pqueue.IndexedHeap()
 rng = random.Random(3)
 items = [object() for _ in range(500)]

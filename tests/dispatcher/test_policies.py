@@ -10,8 +10,8 @@ from importlib import metadata
 import pytest
 
 from paella.dispatcher.core import STATUS_OK
-from paella.dispatcher.policies import base
-from paella.dispatcher.policies.base import HeapPolicy, PolicyError, get_policy, register_policy
+from paella.dispatcher.policies import registry
+from paella.dispatcher.policies import HeapPolicy, PolicyError, get_policy, register_policy
 from paella.dispatcher.policies.paella import Paella
 
 from dispatch_helpers import Recorder, chain
@@ -36,9 +36,7 @@ class FakeJob:
         self.seq = FakeJob._n
         self.remaining = self.estimate = remaining
         self.client_id = client
-        self.queued = False
-        self.pver = 0
-        self.punit = None
+        self.policy_state = None
         self.ready = [_Op("k")]
         self.model = types.SimpleNamespace(profile=types.SimpleNamespace(kernels={}))
 
@@ -254,12 +252,12 @@ def plugin(monkeypatch):
     mod = types.ModuleType("paella_test_plugin")
     mod.Exploding = Exploding
     monkeypatch.setitem(sys.modules, "paella_test_plugin", mod)
-    ep = metadata.EntryPoint("exploding", "paella_test_plugin:Exploding", base.ENTRY_POINT_GROUP)
+    ep = metadata.EntryPoint("exploding", "paella_test_plugin:Exploding", registry.ENTRY_POINT_GROUP)
     real = metadata.entry_points
-    monkeypatch.setattr(base.metadata, "entry_points",
-                        lambda group=None: [ep] if group == base.ENTRY_POINT_GROUP else real(group=group))
+    monkeypatch.setattr(registry.metadata, "entry_points",
+                        lambda group=None: [ep] if group == registry.ENTRY_POINT_GROUP else real(group=group))
     yield
-    base._REGISTRY.pop("exploding", None)
+    registry._REGISTRY.pop("exploding", None)
 
 
 def serve_through_a_fallback(d, kernels: int, caplog) -> None:
@@ -494,9 +492,9 @@ def test_the_documented_policy_example_runs(make):
         old.seq, new.seq = 1, 2
         for j in (old, new):
             p.job_arrived(j)
-        old.attained = 3e-3                    # it has run kernels already
+        old.policy_state = 3e-3                # it has attained 3 ms already
         p.kernel_ready(old)
         p.kernel_ready(new)
         assert p.pick() is new
     finally:
-        base._REGISTRY.pop("las", None)
+        registry._REGISTRY.pop("las", None)

@@ -6,8 +6,7 @@ import numpy as np
 import pytest
 
 from paella.dispatcher.core import STATUS_OK
-from paella.dispatcher.occupancy import Tracker
-from paella.dispatcher.waitlist import KERNEL, Op, VStream
+from paella.dispatcher.tracker import Demand, Tracker
 from paella import protocol
 from paella.gpus import preset
 from paella.occupancy import footprint
@@ -41,6 +40,10 @@ def truth(dev):
     return res.used(), per_sm
 
 
+def _no_completion(op, t_first):
+    raise AssertionError(f"{op} completed between a step and the device's next event")
+
+
 def drive(d, dev, rng, n_jobs, check):
     """Submit jobs at random times; after every device event, drain and compare."""
     rec = Recorder()
@@ -54,7 +57,9 @@ def drive(d, dev, rng, n_jobs, check):
             sent += 1
             t_next = dev.now() + float(rng.exponential(60e-6))
         d.step()
-        d.tracker.drain(dev.now(), d._op_done)   # what the next step would read first
+        # What the next step would read first: the placements of what this step released
+        # (completions only appear while the device runs, below).
+        d.tracker.drain(dev.now(), _no_completion)
         check()
         nxt = dev.next_event_time()
         if sent < n_jobs:
@@ -93,7 +98,7 @@ def test_tracker_is_within_one_group_per_kernel_with_aggregation(make):
         used, _ = truth(dev)
         mine = d.tracker.used()
         inflight = list(d.tracker.launches.values())
-        fps = [(1, op.fp.warps, op.fp.regs, op.fp.smem) for op in inflight]
+        fps = [(1, op.launch.fp.warps, op.launch.fp.regs, op.launch.fp.smem) for op in inflight]
         for i, k in enumerate(KEYS):
             bound = sum(16 * f[i] for f in fps)
             diff = abs(mine[k] - used[k])
@@ -125,19 +130,23 @@ def test_kernel_posting_more_entries_than_the_ring_is_refused(make):
     assert "notifQ" in rec.done[0][1] and "notifq_slots" in rec.done[0][1]
 
 
-def kernel_op(spec, blocks, threads=128, regs=32):
-    op = Op(KERNEL, None, VStream(0, True))
-    op.fp = footprint(spec, threads, regs)
-    op.blocks = blocks
-    return op
+def kernel_op(spec, blocks, threads=128, regs=32, group=16):
+    """A launch's tracker record (the tracker reads nothing else of a launch)."""
+    fp = footprint(spec, threads, regs)
+    return Demand(blocks, fp.warps, fp.regs, fp.smem, 2 * -(-blocks // group))
+
+
+def release(t, d):
+    """Release demand ``d`` with itself as the token."""
+    return t.release(d, d)
 
 
 def test_plus_b_rule_releases_until_full_plus_b():
     spec = preset("gtx1660s")               # 22 SMs x 8 blocks of 128 threads = 176
     t = Tracker(spec, np.zeros(1 << 12, np.uint64), extra_blocks=10, group=1)
     released = 0
-    while t.admits(kernel_op(spec, 1)):
-        t.release(kernel_op(spec, 1))
+    while t.admits(kernel_op(spec, 1, group=1)):
+        release(t, kernel_op(spec, 1, group=1))
         released += 1
     # Nothing placed yet: the free resources hold 176 such blocks, plus B = 10.
     assert released == 176 + 10
@@ -148,7 +157,7 @@ def test_plus_b_rule_always_admits_onto_an_empty_queue():
     t = Tracker(spec, np.zeros(1 << 14, np.uint64), extra_blocks=0, group=16)
     huge = kernel_op(spec, 5000)             # larger than the whole GPU: runs in waves
     assert t.admits(huge)
-    t.release(huge)
+    release(t, huge)
     assert not t.admits(kernel_op(spec, 1))  # held back while its waves are unplaced
 
 
@@ -157,7 +166,7 @@ def test_launch_ids_never_share_a_counter_pair_in_flight():
     t = Tracker(spec, np.zeros(1 << 12, np.uint64), extra_blocks=10 ** 6, group=16,
                 counter_pairs=8)
     ops = [kernel_op(spec, 1) for _ in range(8)]
-    ids = [t.release(op) for op in ops]
+    ids = [release(t, op) for op in ops]
     assert len({i & 7 for i in ids}) == 8
     assert not t.flow_ok(kernel_op(spec, 1))  # all eight pairs in use
 
@@ -167,7 +176,7 @@ def test_fits_now_counts_what_is_released_and_not_yet_placed():
     t = Tracker(spec, np.zeros(1 << 12, np.uint64), extra_blocks=10, group=1)
     assert t.fits_now(kernel_op(spec, 176))
     assert not t.fits_now(kernel_op(spec, 177))
-    t.release(kernel_op(spec, 100))          # unplaced, but it will take its room
+    release(t, kernel_op(spec, 100))         # unplaced, but it will take its room
     assert t.fits_now(kernel_op(spec, 76))
     assert not t.fits_now(kernel_op(spec, 77))
 
@@ -178,17 +187,17 @@ def test_malformed_notifq_entries_are_refused_with_the_reason():
     spec = preset("gtx1660s")
     ring = np.zeros(64, np.uint64)
     t = Tracker(spec, ring, extra_blocks=10, group=2)
-    op = kernel_op(spec, 2)
-    lid = t.release(op)
+    op = kernel_op(spec, 2, group=2)
+    lid = release(t, op)
     ring[0] = (3 << protocol.KIND_SHIFT) | (1 << protocol.COUNT_SHIFT) | lid     # kind 3
     with pytest.raises(RuntimeError, match="malformed"):
-        t.drain(0.0, lambda op: None)
+        t.drain(0.0, lambda op, t0: None)
     ring[1] = protocol.encode(protocol.PLACEMENT, spec.sm_count, 1, lid)        # SM 22 of 0..21
     with pytest.raises(RuntimeError, match="malformed"):
-        t.drain(0.0, lambda op: None)
+        t.drain(0.0, lambda op, t0: None)
     assert t.head == 2 and not ring[:2].any() and t.blocks == 0 and t.unplaced == 2
     ring[2] = protocol.encode(protocol.PLACEMENT, 0, 2, lid)                   # still served
-    assert t.drain(1.0, lambda op: None) == 1 and t.blocks == 2 and op.placed == 2
+    assert t.drain(1.0, lambda op, t0: None) == 1 and t.blocks == 2 and t.progress(lid)[0] == 2
 
 
 def test_a_raising_completion_callback_loses_no_state():
@@ -198,21 +207,22 @@ def test_a_raising_completion_callback_loses_no_state():
     spec = preset("gtx1660s")
     ring = np.zeros(64, np.uint64)
     t = Tracker(spec, ring, extra_blocks=10, group=1, counter_pairs=4)
-    ops = [kernel_op(spec, 1) for _ in range(3)]
+    ops = [kernel_op(spec, 1, group=1) for _ in range(3)]
     for i, op in enumerate(ops):
-        lid = t.release(op)
+        lid = release(t, op)
         ring[2 * i] = protocol.encode(protocol.PLACEMENT, 0, 1, lid)
         ring[2 * i + 1] = protocol.encode(protocol.COMPLETION, 0, 1, lid)
     seen = []
 
-    def boom(op):
+    def boom(op, t_first):
         seen.append(op)
+        assert t_first == 0.5
         if len(seen) == 1:
             raise KeyError("callback 1")
     with pytest.raises(KeyError, match="callback 1"):
         t.drain(0.5, boom)
     assert seen == ops
-    assert t.head == 6 and t.in_flight() == 0 and t.blocks == 0 and all(o.ended == 1 for o in ops)
+    assert t.head == 6 and t.in_flight() == 0 and t.blocks == 0 and t.launches == {}
     assert t.pending_entries == 0 and t.flow_ok(kernel_op(spec, 1))
 
 
@@ -222,18 +232,19 @@ def test_block_counts_outside_the_group_or_the_launch_are_malformed(kind, count)
     spec = preset("gtx1660s")
     ring = np.zeros(64, np.uint64)
     t = Tracker(spec, ring, extra_blocks=10, group=4)
-    lid = t.release(kernel_op(spec, 2))                  # 2 blocks: 3 placed or ended is wrong
+    lid = release(t, kernel_op(spec, 2, group=4))        # 2 blocks: 3 placed or ended is wrong
     ring[0] = (kind << protocol.KIND_SHIFT) | (count << protocol.COUNT_SHIFT) | lid
     with pytest.raises(RuntimeError, match="malformed|more blocks than its launch"):
-        t.drain(0.0, lambda op: None)
+        t.drain(0.0, lambda op, t0: None)
     assert t.head == 1 and t.blocks == 0 and t.unplaced == 2 and t.in_flight() == 1
 
 
 def test_a_tracker_without_init_or_a_bad_ring_is_refused():
-    from paella.dispatcher.occupancy import TrackerCore
+    from paella.dispatcher.tracker import TrackerCore
     bare = TrackerCore.__new__(TrackerCore)
-    for call in (lambda: bare.drain(0.0, print), lambda: bare.release(object()),
-                 lambda: bare.unrelease(object()), lambda: bare.admits(object()), lambda: bare.ring):
+    d = kernel_op(preset("gtx1660s"), 1)
+    for call in (lambda: bare.drain(0.0, print), lambda: bare.release(d, d),
+                 lambda: bare.unrelease(1), lambda: bare.admits(d), lambda: bare.ring):
         with pytest.raises(RuntimeError, match="__init__ was not called"):
             call()
     spec = preset("gtx1660s")
@@ -248,20 +259,20 @@ def test_a_tracker_without_init_or_a_bad_ring_is_refused():
 def test_unrelease_returns_the_launch_and_its_demand():
     spec = preset("gtx1660s")
     t = Tracker(spec, np.zeros(64, np.uint64), extra_blocks=10, group=1, counter_pairs=2)
-    op = kernel_op(spec, 5)
-    t.release(op)
+    op = kernel_op(spec, 5, group=1)
+    lid = release(t, op)
     assert t.unplaced == 5 and t.in_flight() == 1 and t.pending_entries == 10
-    t.unrelease(op)
+    t.unrelease(lid)
     assert t.unplaced == t.d_warps == t.d_regs == 0 and t.in_flight() == 0
     assert t.pending_entries == 0 and t.launches == {}
     with pytest.raises(ValueError, match="not in flight"):
-        t.unrelease(op)
+        t.unrelease(lid)
     ring = t.ring
-    lid = t.release(op)
+    lid = release(t, op)
     ring[0] = protocol.encode(protocol.PLACEMENT, 0, 1, lid)
-    t.drain(0.0, lambda op: None)
+    t.drain(0.0, lambda op, t0: None)
     with pytest.raises(ValueError, match="blocks on the GPU already"):
-        t.unrelease(op)
+        t.unrelease(lid)
 
 
 def test_a_finished_dispatcher_is_garbage_collected(make):
@@ -282,3 +293,22 @@ def test_a_finished_dispatcher_is_garbage_collected(make):
     del d, dev
     gc.collect()
     assert ref() is None
+
+
+def test_the_tracker_takes_only_a_demand_and_gives_the_token_back():
+    """The launch record is explicit: anything but a Demand is refused; the token is
+    opaque (any object), handed to on_start and on_done with no attribute touched."""
+    spec = preset("gtx1660s")
+    ring = np.zeros(64, np.uint64)
+    t = Tracker(spec, ring, extra_blocks=10, group=1)
+    with pytest.raises(TypeError, match="Demand"):
+        t.admits(object())
+    with pytest.raises(ValueError, match="blocks >= 1"):
+        Demand(0, 4, 1024, 0, 2)
+    token = ("any", "object")                # a tuple has no attributes to set
+    lid = t.release(kernel_op(spec, 1, group=1), token)
+    ring[0] = protocol.encode(protocol.PLACEMENT, 0, 1, lid)
+    ring[1] = protocol.encode(protocol.COMPLETION, 0, 1, lid)
+    started, done = [], []
+    assert t.drain(2.5, lambda tok, t0: done.append((tok, t0)), started.append) == 2
+    assert started == [token] and done == [(token, 2.5)]

@@ -5,8 +5,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from paella.dispatcher.devices.base import D2H, KERNEL
+from paella.dispatcher.instruments import Instrument
 from paella.dispatcher.job import Job
-from paella.dispatcher.waitlist import D2H, DONE, KERNEL, MARKER, Event, Op, Waitlist
+from paella.dispatcher.ops import Op
+from paella.dispatcher.waitlist import Event, Waitlist
 
 from dispatch_helpers import Recorder, chain
 
@@ -32,12 +35,10 @@ class Scenario:
         self.wl.finish(op)
 
     def record(self, event: Event, stream=None) -> None:
-        event.marker = self.wl.issue(Op(MARKER, None, stream or self.wl.default))
+        event.marker = self.wl.record(stream or self.wl.default)
 
     def wait(self, stream, event: Event) -> None:
-        m = event.marker
-        if m is not None and m.state < DONE:
-            self.wl.issue(Op(MARKER, None, stream), wait_on=m)
+        self.wl.wait_event(stream or self.wl.default, event)
 
 
 def test_one_stream_runs_in_order():
@@ -114,6 +115,36 @@ def test_wait_on_a_never_recorded_event_is_a_no_op():
     s.wait(b, e)
     s.op("B", b)
     assert s.active == ["B"]
+
+
+@pytest.mark.parametrize("recorded", [False, True])
+def test_wait_on_the_legacy_default_stream_is_a_barrier_even_with_nothing_to_wait_for(recorded):
+    """cudaStreamWaitEvent on stream 0 is an operation of the legacy default stream: work
+    issued to a blocking stream after it waits for every blocking stream's earlier work,
+    whether the event completed long ago or was never recorded."""
+    s = Scenario()
+    a, b = s.wl.create_stream(), s.wl.create_stream()
+    e = Event()
+    if recorded:
+        s.record(e, b)                    # recorded and completed at once (b is idle)
+        assert e.done()
+    s.op("A", a)
+    s.wait(None, e)                       # on the default stream
+    s.op("B", b)
+    assert s.active == ["A"]              # B waits for the barrier, which waits for A
+    s.finish("A")
+    assert s.active == ["A", "B"]
+
+
+def test_wait_on_a_non_blocking_stream_with_nothing_to_wait_for_adds_nothing():
+    s = Scenario()
+    a, nb = s.wl.create_stream(), s.wl.create_stream(non_blocking=True)
+    e = Event()
+    s.op("A", a)
+    s.wait(nb, e)
+    s.op("N", nb)
+    assert s.active == ["A", "N"]
+    assert s.wl.pending == 2              # no MARKER was issued
 
 
 def test_wait_captures_the_record_current_at_the_call():
@@ -212,34 +243,50 @@ def test_finished_ops_keep_no_link_back():
     assert s.active[-1] == "D" and s.ops["D"].pred is None
 
 
-def test_plan_ops_from_prototypes_equal_ops_from_op_init(make):
-    """PlanTemplate.make skips Op.__init__ for speed: each slot must hold what
-    Op.__init__ and the step's own fields would give it (a slot added to Op, or a
-    changed initial value, must be added to the prototype too)."""
+def test_replayed_plan_ops_equal_the_ops_of_the_same_calls(make):
+    """A replayed plan issues, step by step, the op the job API would make for the same
+    call (launch record, bound arguments, io views, the wake-up mark): checked through
+    the op_issued instrument."""
     dev, d = make("paella")
     mid = d.register_model("c", chain("c", 3))
     model = d.models[mid]
-    template = model.template
-    job = Job(d, Recorder().request(0, mid, model.adaptor.io_bytes), model, 1)
+
+    class Issued(Instrument):
+        def __init__(self):
+            self.ops = []
+
+        def op_issued(self, op):
+            self.ops.append(op)
+
+    seen = Issued()
+    d.instruments.add(seen)
+    rec = Recorder()
+    req = rec.request(0, mid, model.adaptor.io_bytes)
+    job = Job(d, model, [req], req.io, 1)
     job.bindings = model.pool.acquire()
-    bound, io, vs = job.bindings.bound, job.req.io, job.waitlist.default
-    for i, spec in enumerate(template.specs):
-        op = template.make(job, i, vs, bound, io)
-        ref = Op(spec[0], job, vs)
-        ref.almost_finished = spec[2]
-        if spec[0] == KERNEL:
-            (ref.func, ref.key, ref.grid, ref.block, ref.dyn_smem, ref.fp, ref.blocks, ref.fw,
-             ref.fr, ref.fs, ref.entries) = spec[3:]
-            ref.args = bound[i]
+    model.replay.issue(job)
+    d.instruments.remove(seen)
+    ref = Job(d, model, [req], req.io, 2)
+    bound, io = job.bindings.bound, req.io
+    plan = model.adaptor.plan
+    mine = []
+    for i, pop in enumerate(plan.ops):
+        if i == model.replay.steps.index(next(s for s in model.replay.steps if s.almost_finished)):
+            ref.almost_finished()
+        if pop.kind == "launch":
+            mine.append(ref.launch(model.adaptor.funcs[pop.kernel], pop.grid, pop.block,
+                                   dyn_smem=pop.dyn_smem, args=bound[i]))
+        elif pop.kind == "h2d":
+            mine.append(ref.memcpy_htod(bound[i], io[pop.io_offset:pop.io_offset + pop.nbytes]))
         else:
-            ref.dptr = bound[i]
-            ref.host = io[spec[3]:spec[4]]
-        ref.t_issue = job.t_start
-        for slot in Op.__slots__:
-            a, b = getattr(op, slot), getattr(ref, slot)
-            if isinstance(a, np.ndarray):
-                assert b is not None and np.shares_memory(a, b) and a.shape == b.shape, slot
-            else:
-                assert a is b or (type(a) is type(b) and a == b), (i, slot, a, b)
-    assert sum(spec[0] == KERNEL for spec in template.specs) == 3
-    assert sum(spec[0] == D2H for spec in template.specs) == 1
+            mine.append(ref.memcpy_dtoh(io[pop.io_offset:pop.io_offset + pop.nbytes], bound[i]))
+    assert len(seen.ops) == len(mine) == 5
+    for a, b in zip(seen.ops, mine):
+        for slot in ("kind", "launch", "key", "args", "dptr", "almost_finished", "state", "deps"):
+            assert getattr(a, slot) == getattr(b, slot), slot
+        assert (a.host is None) == (b.host is None)
+        if a.host is not None:
+            assert np.shares_memory(a.host, b.host) and a.host.shape == b.host.shape
+    assert sum(op.kind == KERNEL for op in seen.ops) == 3
+    assert sum(op.kind == D2H for op in seen.ops) == 1
+    assert [op.almost_finished for op in seen.ops] == [False, False, False, False, True]

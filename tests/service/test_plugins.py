@@ -21,7 +21,7 @@ from service_daemon import PAELLA
 
 PLUGINS = '''
 """Policies that are wrong in the ways a plug-in can be."""
-from paella.dispatcher.policies.base import HeapPolicy
+from paella.dispatcher.policies import HeapPolicy
 from paella.dispatcher.policies.fifo import Fifo
 
 

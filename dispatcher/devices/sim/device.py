@@ -8,7 +8,7 @@ daemon can run against it with no thread or process of its own.
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -79,7 +79,8 @@ class SimDevice(Device):
 
     # -- kernels --------------------------------------------------------------------
     def _load_module(self, image: ModuleImage) -> dict[str, Function]:
-        return {k.name: Function(k) for k in image.kernels}
+        # A kernel's functional effect (ModuleImage.effects) is its handle here.
+        return {k.name: Function(k, image.effects.get(k.name)) for k in image.kernels}
 
     def _launch(self, func: Function, grid: Dim3, block: Dim3, fp: Footprint, dyn_smem: int,
                 args: tuple, stream: int, launch_id: int, instrumented: bool, group: int,
@@ -90,6 +91,8 @@ class SimDevice(Device):
                              f"injection, PAELLA_SIM_LOSE_DEVICE_AFTER)")
         self.loop.sync()
         info = func.info
+        if func.handle is not None:          # its functional effect, when it completes
+            on_complete = _with_effect(func.handle, self.memory.view, args, on_complete)
         self.gpu.launch(info.name, fp, grid[0] * grid[1] * grid[2], info.flops, info.bytes,
                         info.duration, stream, launch_id, instrumented, group, on_complete)
 
@@ -143,3 +146,13 @@ class SimDevice(Device):
         g = self.gpu
         return {"now": self.loop.now, "resident_blocks": g.resident, "placements": g.placements,
                 "events": g.events, "notifications": g.tail, "mean_resident": g.mean_resident()}
+
+
+def _with_effect(effect, view, args: tuple, then: Callback) -> Callable[[], None]:
+    """The completion of a kernel with a functional effect: the effect on device memory,
+    then the caller's callback."""
+    def done() -> None:
+        effect(view, args)
+        if then is not None:
+            then()
+    return done

@@ -29,7 +29,7 @@ from typing import Callable
 import numpy as np
 
 from paella import protocol
-from paella.dispatcher.devices.base import NotifQOverrun
+from paella.dispatcher.devices.base import D2H, H2D, KERNEL, MARKER, NotifQOverrun
 from paella.gpus import GpuSpec
 from paella.occupancy import Footprint
 
@@ -37,7 +37,6 @@ from .clock import EventLoop
 from .cost import CostModel
 from .smstate import GIVE_SHIFT, TAKE_SHIFT, SMStates
 
-KERNEL, H2D, D2H, MARKER = 0, 1, 2, 3
 #: Placements of more blocks than this scan the candidate SMs as a wave (see ``_place``;
 #: it decides the candidate order when blocked and which generator draws the jitter).
 FEW_BLOCKS = 8

@@ -123,13 +123,17 @@ class SimProcessDevice(Device):
     # -- kernels --------------------------------------------------------------------
     def _load_module(self, image: ModuleImage) -> dict[str, Function]:
         self._conn.send((_LOAD, list(image.kernels)))
-        return {k.name: Function(k) for k in image.kernels}
+        # A kernel's functional effect (ModuleImage.effects) is its handle, applied here
+        # in the parent, where device memory lives.
+        return {k.name: Function(k, image.effects.get(k.name)) for k in image.kernels}
 
     def _launch(self, func: Function, grid: Dim3, block: Dim3, fp: Footprint, dyn_smem: int,
                 args: tuple, stream: int, launch_id: int, instrumented: bool, group: int,
                 on_complete: Callback) -> None:
+        effect = func.handle
+        action = None if effect is None else (lambda: effect(self.memory.view, args))
         self._send((_LAUNCH, func.name, grid, block, stream, launch_id, dyn_smem, instrumented, group),
-                   stream, None, on_complete)
+                   stream, action, on_complete)
 
     # -- memory (kept here: the child only keeps time) -------------------------------------
     def _alloc(self, nbytes: int) -> int:

@@ -1,16 +1,18 @@
-"""The CUDA-like calls a job adaptor makes inside ``run(io)`` (§4.2's wrapped CUDA API).
+"""The CUDA runtime-like calls a job adaptor makes inside ``run(io)`` (§4.2's wrapped CUDA
+API; named after CUDA's runtime library, ``cudart``, whose calls these mirror: the device
+backend that really talks to a GPU is :mod:`paella.dispatcher.devices.cuda`).
 
 Each function acts on the job whose greenlet is running (:func:`job.current`), like
 Paella's wrappers keyed by the calling coroutine. Asynchronous calls return at once;
 ``*_synchronize`` yield to the dispatcher until the awaited work has completed. Outside
 a job every call raises :class:`~paella.dispatcher.job.NotInJobError`.
 
-    from paella.dispatcher import cuda
-    s = cuda.stream_create()
-    cuda.memcpy_htod(buf, io[:n], s)
-    cuda.launch(fn, grid=64, block=256, stream=s)
-    cuda.memcpy_dtoh(io[n:], out, s)
-    cuda.stream_synchronize(s)
+    from paella.dispatcher import cudart
+    s = cudart.stream_create()
+    cudart.memcpy_htod(buf, io[:n], s)
+    cudart.launch(fn, grid=64, block=256, stream=s)
+    cudart.memcpy_dtoh(io[n:], out, s)
+    cudart.stream_synchronize(s)
 """
 from __future__ import annotations
 
@@ -21,7 +23,8 @@ import numpy as np
 from paella.dispatcher.devices.base import Function
 
 from .job import current
-from .waitlist import Event, Op, VStream
+from .ops import Op
+from .waitlist import Event, VStream
 
 
 def stream_create(non_blocking: bool = False) -> VStream:

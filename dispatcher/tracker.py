@@ -12,6 +12,12 @@ granules as :class:`paella.occupancy.SMResources` (whole warps, registers per wa
 rounded to 256, shared memory rounded to the allocation unit): a block of footprint
 ``fp`` counts 1 block, ``fp.warps`` warps, ``fp.regs`` registers, ``fp.smem`` bytes.
 
+**The launch record.** What the tracker knows of a kernel launch is a :class:`Demand`
+(``blocks``, per-block ``warps``/``regs``/``smem``, and the notifQ ``entries`` it may post),
+made once per launch shape by :meth:`Tracker.demand`. ``release(demand, token)`` returns
+the launch id and keeps ``token`` (the dispatcher's op) opaque; ``drain`` hands it back.
+The tracker reads and writes no attribute of any Python object.
+
 **Aggregation.** With groups of g blocks (the compiler's default 16), an entry names
 only the posting block's SM, so the whole group is attributed to that SM: per-SM
 figures are approximate (an SM may even show more than it can hold), while totals lag
@@ -19,16 +25,21 @@ the truth by fewer than g blocks per in-flight kernel (placements and completion
 yet reported). With g = 1 both are exact.
 
 **The +B rule** (§6 (3)). The tracker also keeps the blocks released but not yet
-placed (``unplaced``) and their resource demand. :meth:`admits` allows a release while
-the unplaced blocks exceed what the free resources can hold by fewer than B blocks::
+placed (``unplaced``) and their resource demand. :meth:`admits` asks whether the
+unplaced blocks *plus the candidate's* that the free resources cannot hold now stay
+within B::
 
-    excess = unplaced * max(0, max over resources r of (demand_r - free_r) / demand_r)
-    admit  iff  unplaced == 0  or  excess < B
+    demand_r = unplaced demand of r + the candidate's need of r
+    waiting  = (unplaced + n) * max(0, max over resources r of (demand_r - free_r) / demand_r)
+    admit  iff  waiting <= B  or  (unplaced == 0 and (B > 0 or nothing is resident))
 
-The check is on GPU-wide totals (O(1) per decision, no per-SM scan); it ignores
-fragmentation across SMs, which B covers. A kernel larger than the whole GPU is
-released when nothing else is unplaced and then runs in waves, holding further
-releases back until its own unplaced blocks fall below B.
+So at B = 0 a kernel goes only when all of it can be placed at once (or the GPU is
+idle): no kernel ever waits in a hardware queue behind resident work. The check is on
+GPU-wide totals (O(1) per decision, no per-SM scan); it ignores fragmentation across
+SMs, which B covers. A kernel larger than the free resources is released when nothing
+else is unplaced and then runs in waves, holding further releases back until its own
+unplaced blocks fall below B. :meth:`starts_now` (would one block be placed at once?)
+lets a policy keep B's slack from reordering its choices (``paella``'s order rule).
 
 **Flow control.** A launch of n blocks posts at most ``2*ceil(n/g)`` entries. The
 tracker admits a launch only while the entries not yet consumed, plus the new ones,
@@ -37,12 +48,12 @@ counter-pair slot in their low bits (``paella.protocol``'s region layout), taken
 free list, so no two launches in flight share a counter pair.
 
 **Where the work is done.** What runs per notification and per release (``drain``,
-``admits``, ``flow_ok``, ``fits_now``, ``release``, ``unrelease``) is the C type
+``admits``, ``flow_ok``, ``fits_now``, ``starts_now``, ``release``, ``unrelease``) is the C type
 :class:`paella.dispatcher._tracker.TrackerCore` (``dispatcher/_tracker.c``), which keeps
 each launch in flight in arrays indexed by its counter pair: in Python these cost
 about 1.5 us per kernel in attribute reads and integer boxing. :class:`Tracker`, its
-subclass here, checks the arguments, flattens footprints (:meth:`Tracker.prepare`) and
-answers the inspection queries; the rules above are the contract of both halves.
+subclass here, checks the arguments, makes :class:`Demand` records and answers the
+inspection queries; the rules above are the contract of both halves.
 """
 
 from __future__ import annotations
@@ -51,10 +62,14 @@ from paella import protocol
 from paella.gpus import GpuSpec
 from paella.occupancy import sub_partitions
 
-from .native import load
-from .waitlist import Op
+from paella.occupancy import Footprint
 
-TrackerCore = load("_tracker").TrackerCore
+from .native import load
+
+_native = load("_tracker")
+TrackerCore = _native.TrackerCore
+#: ``Demand(blocks, warps, regs, smem, entries)``: one launch's demand (C, immutable).
+Demand = _native.Demand
 
 #: The notification word's layout, as the C half decodes it.
 _LAYOUT = (protocol.KIND_SHIFT, protocol.SM_SHIFT, protocol.COUNT_SHIFT, protocol.LAUNCH_MASK,
@@ -64,18 +79,20 @@ _LAYOUT = (protocol.KIND_SHIFT, protocol.SM_SHIFT, protocol.COUNT_SHIFT, protoco
 class Tracker(TrackerCore):
     """Resident usage from the notifQ, the +B rule and flow control (module docstring).
 
-    Per kernel: ``admits(op)`` / ``flow_ok(op)`` / ``fits_now(op)`` -> bool,
-    ``release(op)`` -> launch id (sets ``op.launch_id``), ``unrelease(op)``, and
-    ``drain(now, on_done)`` -> entries consumed, which sets ``op.t_first`` (the first
-    placement's time), ``op.placed`` and ``op.ended`` and calls ``on_done(op)`` for each
-    launch whose last block completed, in completion order, after the whole batch is
-    applied. An entry naming no launch in flight, an unknown kind, a non-existent SM, a
-    block count outside 1..group or more blocks than its launch has is consumed and
-    raises RuntimeError, after the completions before it are reported. An ``on_done``
-    that raises does not stop the others: every finished launch is reported, and the
-    first error is raised at the end (later ones go to ``sys.unraisablehook``).
-    ``unrelease`` is only for a launch none of whose blocks have been placed (the
-    device refused it). Every method refuses a tracker whose ``__init__`` failed.
+    Per kernel, on a :class:`Demand`: ``admits(d)`` / ``flow_ok(d)`` / ``fits_now(d)`` /
+    ``starts_now(d)`` -> bool, ``release(d, token)`` -> launch id, ``unrelease(launch_id)``,
+    and ``drain(now, on_done, on_start=None)`` -> entries consumed, which calls, after the
+    whole batch is applied, ``on_start(token)`` for each launch whose first block was
+    reported placed (only when ``on_start`` is given: nothing is collected otherwise) and
+    ``on_done(token, t_first)`` for each launch whose last block completed, in completion
+    order (``t_first``: the drain time of its first placement). An entry naming no launch
+    in flight, an unknown kind, a non-existent SM, a block count outside 1..group or more
+    blocks than its launch has is consumed and raises RuntimeError, after the launches
+    before it are reported. A callback that raises does not stop the others: every
+    launch is reported, and the first error is raised at the end (later ones go to
+    ``sys.unraisablehook``). ``unrelease`` is only for a launch none of whose blocks have
+    been placed (the device refused it). ``progress(launch_id)`` -> ``(placed, ended,
+    t_first)``. Every method refuses a tracker whose ``__init__`` failed.
     Read-only figures: ``head``, ``slots``, ``blocks``/``warps``/``regs``/``smem``
     (resident), ``unplaced``/``d_warps``/``d_regs``/``d_smem`` (released, not placed),
     ``cap``, ``pending_entries``; ``extra_blocks`` (B) may be changed."""
@@ -104,13 +121,10 @@ class Tracker(TrackerCore):
         completions, one per group)."""
         return 2 * (-(-blocks // self.group))
 
-    def prepare(self, op: Op) -> None:
-        """Flatten ``op.fp`` (per-block warps, registers, smem) and count the notifQ
-        entries its ``op.blocks`` may post: what the hot paths read. Done once per op,
-        at issue; ops built by hand get it at their first admission check."""
-        fp = op.fp
-        op.fw, op.fr, op.fs = fp.warps, fp.regs, fp.smem
-        op.entries = self.entries_for(op.blocks)
+    def demand(self, fp: Footprint, blocks: int) -> "Demand":
+        """The launch record of ``blocks`` blocks of footprint ``fp`` (``fp.regs`` is a
+        computed property: flattened here once, not per decision)."""
+        return Demand(blocks, fp.warps, fp.regs, fp.smem, self.entries_for(blocks))
 
     # -- inspection -----------------------------------------------------------------------
     @property
@@ -119,9 +133,10 @@ class Tracker(TrackerCore):
         return self.head
 
     @property
-    def launches(self) -> dict[int, Op]:
-        """Launches in flight by launch id (a snapshot, for tests and inspection)."""
-        return {op.launch_id: op for op in self._ops_in_flight()}
+    def launches(self) -> dict:
+        """The tokens of the launches in flight by launch id (a snapshot, for tests and
+        inspection)."""
+        return self.tokens_in_flight()
 
     # Per-SM usage of each resource (lists, snapshots), in the C half's order.
     sm_blocks = property(lambda self: self._sm_usage(0))

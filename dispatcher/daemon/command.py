@@ -1,0 +1,95 @@
+"""``paella serve``: the command line of the daemon (its options, and ``main`` for running
+the daemon alone: ``python -m paella.dispatcher.daemon``)."""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import tomllib
+from typing import Any, Callable
+
+from paella.dispatcher.frontend import FrontendError
+
+from .config import SECTIONS, ConfigError, DaemonConfig, config_from_args
+from .server import Daemon
+
+
+def _parse_param(text: str) -> tuple[str, Any]:
+    if "=" not in text:
+        raise argparse.ArgumentTypeError(f"policy parameter must be NAME=VALUE, got {text!r}")
+    k, v = text.split("=", 1)
+    try:
+        return k, tomllib.loads(f"v = {v}")["v"]
+    except tomllib.TOMLDecodeError:
+        return k, v
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("serve", help="run the Paella daemon",
+                       description="Run the Paella daemon: control socket, per-client shared-"
+                                   "memory rings, the dispatcher loop on one core.")
+    p.add_argument("--config", help="TOML config file (see dist/paella.toml)")
+    p.add_argument("--socket", help="control socket path")
+    p.add_argument("--models", help="model repository directory (a directory of bundles)")
+    p.add_argument("--backend", choices=("auto", "sim", "cuda"))
+    p.add_argument("--gpu", help="GPU preset for the sim backend (e.g. t4)")
+    p.add_argument("--sim-mode", dest="sim_mode", choices=("stepped", "process"),
+                   help="real-time simulator stepped in the loop or in its own process")
+    p.add_argument("--cpu", help="core of the dispatcher loop: auto, none or a number")
+    p.add_argument("--rt-priority", type=int, dest="rt_priority",
+                   help="SCHED_FIFO priority (0: normal scheduling)")
+    p.add_argument("--idle", choices=("adaptive", "spin"), help="idle mode (default adaptive)")
+    p.add_argument("--idle-spin-us", type=int, dest="idle_spin_us")
+    p.add_argument("--drain-seconds", type=float, dest="drain_seconds")
+    p.add_argument("--echo", action=argparse.BooleanOptionalAction, default=None,
+                   help="serve the built-in echo model")
+    p.add_argument("--noop", action=argparse.BooleanOptionalAction, default=None,
+                   help="serve the built-in noop model (one trivial kernel, sim backend)")
+    p.add_argument("--log-level", dest="log_level", choices=("debug", "info", "warning", "error"))
+    p.add_argument("--policy", help="scheduling policy")
+    p.add_argument("--policy-param", dest="policy_param", action="append", type=_parse_param,
+                   default=[], metavar="NAME=VALUE", help="policy parameter (repeatable)")
+    p.add_argument("--allow-user", dest="allowed_users", action="append", metavar="USER")
+    p.add_argument("--allow-group", dest="allowed_groups", action="append", metavar="GROUP")
+    p.add_argument("--socket-mode", dest="socket_mode",
+                   help="mode of the socket file, octal (default 0666)")
+    for name in SECTIONS["limits"]:
+        p.add_argument("--" + name.replace("_", "-"), dest=name,
+                       type=type(getattr(DaemonConfig, name)))
+    p.set_defaults(func=_serve)
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from paella.cli import CLIError
+    # The CPU builds that answer for the simulator run inside the dispatcher loop: keep
+    # TVM's runtime on this one thread. Its worker pool, pinned with the loop to one
+    # core under SCHED_FIFO, would spin-wait on each other and stall for seconds.
+    os.environ["TVM_NUM_THREADS"] = "1"
+    # Logging first: checking the configuration loads the policy plug-ins, which may log.
+    logging.basicConfig(level=(args.log_level or "info").upper(), stream=sys.stderr,
+                        format="%(asctime)s paella[%(process)d] %(levelname)s %(message)s")
+    try:
+        cfg = config_from_args(args)
+    except ConfigError as e:
+        raise CLIError(str(e)) from None
+    logging.getLogger().setLevel(cfg.log_level.upper())
+    try:
+        return Daemon(cfg, instruments=getattr(args, "instruments", ()),
+                      open_device=getattr(args, "open_device", None)).serve()
+    except (FrontendError, ConfigError) as e:
+        raise CLIError(str(e)) from None
+
+
+def main(argv: list[str] | None = None, *, instruments: Any = (),
+         open_device: Callable[[DaemonConfig], Any] | None = None) -> int:
+    """``python -m paella.dispatcher.daemon [serve options]``: the daemon alone, without
+    loading the other sub-commands of ``paella`` (what the tests and the unit run).
+    ``instruments`` and ``open_device``: see :class:`Daemon` (experiments that trace it)."""
+    from paella.cli import run_command
+    parser = argparse.ArgumentParser(prog="paella-daemon")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    register(sub)
+    args = parser.parse_args(["serve", *(sys.argv[1:] if argv is None else argv)])
+    args.instruments, args.open_device = instruments, open_device
+    return run_command(args)

@@ -1,0 +1,178 @@
+"""The daemon's configuration: ``DaemonConfig``, the TOML file and the command line.
+
+A TOML file (``--config``, sections [daemon] [policy] [access] [limits]; see
+``dist/paella.toml``) gives the settings, and every setting can be overridden on the
+command line; a bad setting is refused before anything starts, naming the setting and
+what it accepts (``paella: error: ...``, exit 2).
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import tomllib
+from dataclasses import dataclass, field
+from typing import Any
+
+from paella import rings
+from paella.dispatcher.policies import PolicyError, check_options
+
+
+class ConfigError(ValueError):
+    """A bad setting: the message names the setting and what it accepts."""
+
+
+# --- configuration -------------------------------------------------------------------
+@dataclass
+class DaemonConfig:
+    # [daemon]
+    socket: str = "/run/paella/paella.sock"
+    models: str = ""                    # model repository: a directory of bundles
+    backend: str = "auto"               # auto | sim | cuda
+    gpu: str = "t4"                     # GPU preset of the sim backend
+    sim_mode: str = "stepped"           # stepped (in the loop) | process (own process)
+    cpu: str = "auto"                   # core of the loop: auto (last allowed) | none | N
+    rt_priority: int = 1                # SCHED_FIFO priority; 0 keeps normal scheduling
+    idle: str = "adaptive"              # adaptive | spin
+    idle_spin_us: int = 200             # adaptive: spin this long after the last work
+    drain_seconds: float = 10.0         # SIGTERM: how long in-flight jobs may finish
+    echo: bool = True                   # serve the built-in "echo" model (host)
+    noop: bool = True                   # serve the built-in "noop" model (sim backend)
+    log_level: str = "info"
+    # [policy]
+    policy: str = "paella"
+    policy_params: dict[str, Any] = field(default_factory=dict)
+    # [access]
+    allowed_users: list[str] = field(default_factory=list)
+    allowed_groups: list[str] = field(default_factory=list)
+    socket_mode: int = 0o666
+    # [limits]
+    max_clients: int = 256
+    max_inflight_per_client: int = 256
+    arena_bytes: int = 16 << 20
+    max_arena_bytes: int = 256 << 20
+    ring_slots: int = 1024
+    max_clients_per_uid: int = 64       # connections of one uid, handshaking or ready
+    handshake_seconds: float = 5.0      # a connection must send HELLO within this
+
+    def check(self) -> None:
+        choices = {"backend": ("auto", "sim", "cuda"), "idle": ("adaptive", "spin"),
+                   "sim_mode": ("stepped", "process"),
+                   "log_level": ("debug", "info", "warning", "error")}
+        for name, allowed in choices.items():
+            if getattr(self, name) not in allowed:
+                raise ConfigError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
+        if self.cpu not in ("auto", "none") and not str(self.cpu).isdigit():
+            raise ConfigError(f"cpu must be auto, none or a core number, got {self.cpu!r}")
+        if not 0 <= self.rt_priority <= 99:
+            raise ConfigError(f"rt_priority must be 0..99, got {self.rt_priority}")
+        if not self.drain_seconds >= 0:                   # (also refuses nan)
+            raise ConfigError(f"drain_seconds must be >= 0 (seconds in-flight jobs get to "
+                              f"finish after SIGTERM), got {self.drain_seconds}")
+        if self.idle_spin_us < 0:
+            raise ConfigError(f"idle_spin_us must be >= 0 (microseconds), got {self.idle_spin_us}")
+        if not 0 <= self.socket_mode <= 0o777:
+            raise ConfigError(f"socket_mode must be a file mode 0000..0777, got {self.socket_mode:#o}")
+        for name in ("max_clients", "max_inflight_per_client", "arena_bytes", "max_arena_bytes",
+                     "max_clients_per_uid", "handshake_seconds"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.arena_bytes > self.max_arena_bytes:
+            raise ConfigError(f"arena_bytes ({self.arena_bytes}) exceeds max_arena_bytes "
+                              f"({self.max_arena_bytes})")
+        try:
+            rings.Layout(self.ring_slots, self.ring_slots, self.arena_bytes)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+        self.check_policy()
+
+    def check_policy(self) -> None:
+        """The policy exists and takes these parameters, of these types (the policy's
+        own checks of the values run when the dispatcher builds it)."""
+        try:
+            check_options(self.policy, self.policy_params, {"extra_blocks": int})
+        except PolicyError as e:
+            raise ConfigError(str(e)) from None
+        extra = self.policy_params.get("extra_blocks")
+        if extra is not None and extra < 0:
+            raise ConfigError(f"policy parameter extra_blocks must be >= 0, got {extra}")
+
+
+SECTIONS = {
+    "daemon": ("socket", "models", "backend", "gpu", "sim_mode", "cpu", "rt_priority", "idle",
+               "idle_spin_us", "drain_seconds", "echo", "noop", "log_level"),
+    "access": ("allowed_users", "allowed_groups", "socket_mode"),
+    "limits": ("max_clients", "max_inflight_per_client", "arena_bytes", "max_arena_bytes",
+               "ring_slots", "max_clients_per_uid", "handshake_seconds"),
+}
+
+
+def load_config(path: str | None) -> DaemonConfig:
+    """Read a TOML config. Unknown sections or keys are errors, not silently ignored."""
+    cfg = DaemonConfig()
+    if path is None:
+        return cfg
+    try:
+        with open(path, "rb") as f:
+            data = tomllib.load(f)
+    except OSError as e:
+        raise ConfigError(f"cannot read config {path}: {e.strerror}") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"config {path} is not valid TOML: {e}") from None
+    for section, table in data.items():
+        if not isinstance(table, dict):
+            raise ConfigError(f"{path}: top-level key {section!r} must be a [section]")
+        if section == "policy":
+            table = dict(table)
+            if "name" in table:
+                cfg.policy = table.pop("name")
+                if not isinstance(cfg.policy, str):
+                    raise ConfigError(f"{path}: [policy] name must be a string, got {cfg.policy!r}")
+            cfg.policy_params.update(table)
+            continue
+        if section not in SECTIONS:
+            raise ConfigError(f"{path}: unknown section [{section}] (known: daemon, policy, "
+                              f"access, limits)")
+        for key, value in table.items():
+            if key not in SECTIONS[section]:
+                raise ConfigError(f"{path}: unknown setting {key!r} in [{section}] "
+                                  f"(known: {', '.join(SECTIONS[section])})")
+            setattr(cfg, key, _coerce(key, value))
+    return cfg
+
+
+def octal_mode(text: str) -> int:
+    """A file mode written in octal ("0660", "660")."""
+    try:
+        mode = int(text, 8)
+    except ValueError:
+        mode = -1
+    if not 0 <= mode <= 0o777:
+        raise ValueError(f"socket_mode must be an octal file mode such as \"0660\", got {text!r}")
+    return mode
+
+
+def _coerce(key: str, value: Any) -> Any:
+    want = type(getattr(DaemonConfig(), key))
+    if key == "socket_mode" and isinstance(value, str):
+        try:
+            return octal_mode(value)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+    if key == "cpu":
+        return str(value)
+    if want is float and isinstance(value, int):
+        return float(value)
+    if not isinstance(value, want) or (want is int and isinstance(value, bool)):
+        raise ConfigError(f"setting {key} must be {want.__name__}, got {value!r}")
+    return value
+
+
+def config_from_args(args: argparse.Namespace) -> DaemonConfig:
+    cfg = load_config(args.config)
+    for f in dataclasses.fields(DaemonConfig):
+        v = getattr(args, f.name, None)
+        if v is not None and f.name != "policy_params":
+            setattr(cfg, f.name, _coerce(f.name, v) if f.name == "socket_mode" else v)
+    cfg.policy_params.update(dict(args.policy_param))
+    cfg.check()
+    return cfg

@@ -1,0 +1,177 @@
+"""The execution paths behind the front end: host models in the loop, the Dispatcher on a
+device, and the router that sends each model's requests to the path serving it."""
+from __future__ import annotations
+
+import logging
+from collections import deque
+from typing import Any
+
+
+from paella import rings
+from paella.dispatcher.core import Request
+from paella.dispatcher.frontend import Frontend
+from paella.dispatcher.policies import PolicyError
+
+from .builtin_models import HostModel
+from .config import ConfigError, DaemonConfig
+
+log = logging.getLogger("paella.daemon")
+
+
+class HostExecutor:
+    """Runs host models in the loop: wake-up, compute, complete, one per request."""
+
+    def __init__(self, front: Frontend, models: dict[int, HostModel], instruments: Any = None):
+        from paella.dispatcher.instruments import Instruments
+        self.front = front
+        self.models = models
+        self.queue: deque[Request] = deque()
+        # The dispatcher's hooks on requests, fired for host models too.
+        self.instruments = Instruments() if instruments is None else instruments
+
+    def submit(self, req: Request) -> None:
+        self.queue.append(req)
+        if "request_admitted" in self.instruments:
+            self.instruments.call("request_admitted", req)
+
+    def step(self) -> bool:
+        q = self.queue
+        n = len(q)                     # a snapshot: work queued meanwhile waits a pass
+        instr = self.instruments
+        while n and q:                 # (cancel_client may shrink q under us)
+            n -= 1
+            req = q.popleft()
+            req.on_almost_finished(req)
+            if "request_woken" in instr:
+                instr.call("request_woken", req)
+            try:
+                self.models[req.model_id].run(req.io)
+            except Exception as e:  # noqa: BLE001 - a model failure fails its request only
+                log.exception("host model %d failed on request %d of client %d", req.model_id,
+                              req.req_id, req.client_id)
+                self._complete(req, rings.E_FAILED, f"{type(e).__name__}: {e}")
+            else:
+                self._complete(req, rings.OK, None)
+        return bool(q)
+
+    def _complete(self, req: Request, status: int, error: str | None) -> None:
+        req.status, req.error = status, error
+        req.on_complete(req, status, error)
+        if "request_finished" in self.instruments:
+            self.instruments.call("request_finished", req)
+
+    def cancel_client(self, client_id: int) -> None:
+        gone = [r for r in self.queue if r.client_id == client_id]
+        if not gone:
+            return
+        keep = [r for r in self.queue if r.client_id != client_id]
+        self.queue.clear()             # in place: step() holds a reference
+        self.queue.extend(keep)
+        for req in gone:
+            self._complete(req, rings.E_CANCELLED, "client disconnected")
+
+    def abandon_all(self, reason: str, status: int = rings.E_CANCELLED) -> None:
+        while self.queue:
+            self._complete(self.queue.popleft(), status, reason)
+
+    def deadline(self) -> float | None:
+        return 0.0 if self.queue else None
+
+    @property
+    def in_flight(self) -> int:
+        return len(self.queue)
+
+
+class Router:
+    """The front end's executor: sends each model's requests to the path serving it."""
+
+    def __init__(self) -> None:
+        self.paths: list = []
+        self.by_model: dict[int, Any] = {}
+
+    def submit(self, req: Request) -> None:
+        self.by_model[req.model_id].submit(req)
+
+    def step(self) -> bool:
+        busy = False
+        for p in self.paths:
+            busy |= p.step()
+        return busy
+
+    def cancel_client(self, client_id: int) -> None:
+        for p in self.paths:
+            p.cancel_client(client_id)
+
+    def abandon_all(self, reason: str, status: int = rings.E_CANCELLED) -> None:
+        """Complete everything in flight now with ``status`` and ``reason``, without
+        waiting for the device (the daemon is about to exit): every accepted request
+        gets its one completion."""
+        for p in self.paths:
+            p.abandon_all(reason, status)
+
+    def deadline(self) -> float | None:
+        ds = [d for d in (p.deadline() for p in self.paths) if d is not None]
+        return min(ds) if ds else None
+
+    @property
+    def in_flight(self) -> int:
+        return sum(p.in_flight for p in self.paths)
+
+
+class DispatcherExecutor:
+    """The Dispatcher (issue 4) on a device: the execution path of bundle models."""
+
+    #: Spin instead of sleeping when the next device event is this close (seconds).
+    SPIN_BELOW = 50e-6
+
+    def __init__(self, front: Frontend, device, cfg: DaemonConfig, instruments: Any = ()):
+        from paella.dispatcher.core import Dispatcher
+        params = dict(cfg.policy_params)
+        extra = params.pop("extra_blocks", None)
+        fair = params.pop("fairness_threshold", None)
+        self.front = front
+        self.device = device
+        try:
+            self.disp = Dispatcher(device, cfg.policy, extra_blocks=extra,
+                                   fairness_threshold=fair, policy_options=params or None,
+                                   instruments=instruments)
+        except PolicyError as e:           # the policy refused its parameters
+            raise ConfigError(str(e)) from None
+        except Exception as e:  # noqa: BLE001 - a plug-in's __init__ may raise anything
+            # Start-up refuses (nothing is served yet, so nothing is lost, and the
+            # operator sees the cause at once); mid-service a failing policy falls back.
+            raise ConfigError(f"scheduling policy {cfg.policy!r} failed to start: "
+                              f"{type(e).__name__}: {e}; fix the plug-in or choose another "
+                              f"policy (--policy, [policy] name)") from None
+        self._next_event = getattr(device, "next_event_time", None)
+
+    def register(self, model_id: int, name: str, adaptor) -> None:
+        """Serve ``adaptor`` as ``model_id`` (the client-visible id: requests keep it all
+        the way into the dispatcher); a model registered again takes new requests, the
+        running ones finish on the old."""
+        self.disp.register_model(name, adaptor, model_id=model_id)
+
+    def submit(self, req: Request) -> None:
+        self.disp.submit(req)
+
+    def step(self) -> bool:
+        return self.disp.step()
+
+    def cancel_client(self, client_id: int) -> None:
+        self.disp.cancel_client(client_id)
+
+    def abandon_all(self, reason: str, status: int = rings.E_CANCELLED) -> None:
+        self.disp.abandon_all(reason, status)        # a lost device fails them: E_FAILED
+
+    def deadline(self) -> float | None:
+        """Seconds the loop may sleep: None when idle, 0 when work is runnable now."""
+        if self.disp.in_flight == 0:
+            return None
+        if not self.disp.idle or self._next_event is None:
+            return 0.0
+        wait = (self._next_event() - self.device.now()) / getattr(self.device, "speed", 1.0)
+        return 0.0 if wait < self.SPIN_BELOW else min(wait, 0.1)
+
+    @property
+    def in_flight(self) -> int:
+        return self.disp.in_flight

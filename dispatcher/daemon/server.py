@@ -1,0 +1,498 @@
+"""The daemon: one thread, one loop, pinned to one core (:meth:`Daemon.run`).
+
+The loop is the paper's dispatcher loop: poll the client request rings in round-robin,
+step the execution path (device poll, notifQ, jobs), and look at the control sockets
+without blocking. Two idle modes:
+
+* ``spin``: never block. Right on a dedicated core under load.
+* ``adaptive`` (default): after ``idle_spin_us`` without work, raise the "sleeping"
+  flag in every client segment and block in epoll on the sockets until a client
+  speaks (a client that pushes onto a ring while the flag is up sends a KICK frame),
+  a signal arrives, or the execution path's next deadline (the simulated GPU's next
+  event) comes. Then clear the flag and spin again.
+
+Lifecycle. The signal handlers are installed first, so a signal during model loading
+is handled: SIGTERM ends start-up cleanly (exit 0, nothing left behind), a SIGHUP is
+remembered and the repository read again once serving. At start-up the daemon removes
+the shared-memory segments that dead daemons left (:mod:`paella.segments`). A bad
+bundle is logged and skipped; the others are served. SIGTERM drains (stop accepting,
+finish in-flight jobs until ``drain_seconds``, then complete the rest as cancelled),
+unlinks every segment and exits 0. SIGHUP reloads the model repository in a background
+thread and swaps the new models in between two iterations of the loop
+(:mod:`.repository`). READY=1 goes to $NOTIFY_SOCKET once the models are loaded and the
+socket listens.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import numpy as np
+
+from paella import rings, segments, wire
+from paella.dispatcher.devices.base import DeviceLost
+from paella.dispatcher.frontend import Frontend, FrontendConfig, ModelTable
+
+from . import repository
+from .builtin_models import echo_model, noop_adaptor, noop_info
+from .bundles import FunctionalCache, bundle_adaptor, model_info_from_bundle
+from .config import ConfigError, DaemonConfig
+from .executors import DispatcherExecutor, HostExecutor, Router
+from .system import freeze_heap, freeze_new_objects, pin_and_prioritize, sd_notify
+
+log = logging.getLogger("paella.daemon")
+
+
+def open_device_for(cfg: DaemonConfig):
+    """The device of the dispatcher path, through the one backend choice
+    (:func:`paella.dispatcher.devices.open_device`, which logs what ``auto`` chose and
+    why): the simulator runs in real time, stepped from the loop or in a process of its
+    own (``sim_mode``)."""
+    from paella.dispatcher.devices import NoDriverError, open_device
+    options: dict[str, Any] = {}
+    if cfg.backend != "cuda":                # (auto drops these if it chooses the GPU)
+        if cfg.sim_mode == "process":
+            options["process"] = True
+        else:
+            options["realtime"] = True
+            lose_after = os.environ.get("PAELLA_SIM_LOSE_DEVICE_AFTER")
+            if lose_after is not None:
+                log.warning("fault injection: the simulated GPU is lost after %s launches "
+                            "(PAELLA_SIM_LOSE_DEVICE_AFTER)", lose_after)
+                options["lose_after"] = int(lose_after)
+    try:
+        dev = open_device(cfg.backend, gpu=cfg.gpu, **options)
+    except (NoDriverError, ValueError) as e:
+        raise ConfigError(str(e)) from None
+    if dev.backend == "cuda":
+        log.info("cuda device %d: %s (%s), %d SMs", dev.ordinal, dev.props.name,
+                 dev.props.sm_name, dev.props.sm_count)
+    else:
+        log.info("simulated GPU %s %s (real time)", cfg.gpu, "in a process of its own"
+                 if cfg.sim_mode == "process" else "stepped from the dispatcher loop")
+    return dev
+
+
+#: Exit status after a lost device (sticky GPU error): the unit restarts the daemon.
+EXIT_DEVICE_LOST = 3
+
+
+class StartupInterrupted(Exception):
+    """SIGTERM arrived while the daemon was starting: stop before serving."""
+
+
+@dataclass
+class ServedBundle:
+    """A bundle model the table lists: where it was read from, which version."""
+    directory: str
+    key: tuple
+    info: wire.ModelInfo
+
+
+class Daemon:
+    """The service. ``instruments`` (:mod:`paella.dispatcher.instruments`) see every request
+    of every execution path and the dispatcher's ops; ``open_device(cfg)`` replaces
+    :func:`open_device_for` (experiments that trace the device)."""
+
+    def __init__(self, cfg: DaemonConfig, *, instruments: Any = (),
+                 open_device: Callable[[DaemonConfig], Any] | None = None):
+        from paella.dispatcher.instruments import Instruments
+        self.cfg = cfg
+        self.instruments = list(instruments)
+        self.open_device = open_device or open_device_for
+        self.table = ModelTable()
+        fcfg = FrontendConfig(
+            socket_path=cfg.socket, allowed_users=tuple(cfg.allowed_users),
+            allowed_groups=tuple(cfg.allowed_groups), socket_mode=cfg.socket_mode,
+            layout=rings.Layout(cfg.ring_slots, cfg.ring_slots, cfg.arena_bytes),
+            max_arena_bytes=cfg.max_arena_bytes, max_clients=cfg.max_clients,
+            max_inflight_per_client=cfg.max_inflight_per_client,
+            max_clients_per_uid=cfg.max_clients_per_uid, handshake_seconds=cfg.handshake_seconds)
+        self.front = Frontend(fcfg, self.table)
+        self.router = Router()
+        self.host = HostExecutor(self.front, {}, Instruments(self.instruments))
+        self.router.paths.append(self.host)
+        self.front.executor = self.router
+        self.front.on_arena_mapped = self._arena_mapped
+        self.front.on_arena_released = self._arena_released
+        self._arenas: dict[int, np.ndarray] = {}     # client id -> arena, while mapped
+        self._pinned: set[int] = set()               # clients whose arena is page-locked
+        self.dispatcher: DispatcherExecutor | None = None
+        self.device = None
+        self._builtins: list[wire.ModelInfo] = []    # echo, noop
+        self._served: dict[str, ServedBundle] = {}   # bundle models by name
+        #: Bundles not served at the last load, directory -> why (the log says it too).
+        self.unserved: dict[str, str] = {}
+        self._functional = FunctionalCache()
+        self._loader: repository.BackgroundScan | None = None
+        self.draining = False        # SIGTERM seen (set by the handler)
+        self.admitting = True        # cleared by the loop once the final sweep is done
+        self.drain_deadline = 0.0
+        self._hup = False            # SIGHUP seen, reload not started yet
+        self._refreeze = False       # a reload swapped models: freeze the heap when idle
+        #: Work for the loop between two iterations: a SIGHUP, a finished background
+        #: load, a deferred heap freeze. One flag, so the loop reads one attribute.
+        self.housekeeping = False
+        self._sig_r, self._sig_w = os.pipe()
+
+    # -- models ----------------------------------------------------------------------
+    def load_models(self) -> None:
+        """Start-up: the built-in models, then the repository, read in this thread.
+        Raises :class:`StartupInterrupted` when SIGTERM arrives meanwhile."""
+        if self.cfg.models and not os.path.isdir(self.cfg.models):
+            raise ConfigError(f"model repository {self.cfg.models} is not a directory; create "
+                              f"it or point --models / [daemon] models at one")
+        if self.cfg.models or self.cfg.noop:
+            self._dispatcher()       # opens the device and builds the policy: fail early
+        if self.cfg.echo:
+            m = echo_model(self.table.id_for("echo"))
+            self.host.models[m.info.model_id] = m
+            self.router.by_model[m.info.model_id] = self.host
+            self._builtins.append(m.info)
+        if self.cfg.noop:
+            noop = self._load_noop()
+            if noop is not None:
+                self._builtins.append(noop)
+        if self.draining:
+            raise StartupInterrupted()
+        scan = None
+        if self.cfg.models:
+            log.info("loading the model repository %s", self.cfg.models)
+            if self.device.backend == "sim":
+                import tvm.relax  # noqa: F401 - now, not in a reload's thread: importing
+                #                   TVM holds the GIL for ~0.5 s, a stall of the loop
+            scan = repository.scan(self.cfg.models, {}, self._make_adaptor,
+                                   stop=lambda: self.draining)
+            if scan.interrupted or self.draining:
+                raise StartupInterrupted()
+        self._swap(scan)
+        if scan is not None and scan.found and not self._served:
+            raise ConfigError(f"no bundle of the model repository {self.cfg.models} can be "
+                              f"served: " + "; ".join(f"{d}: {why}" for d, why in
+                                                      sorted(self.unserved.items())))
+
+    def _make_adaptor(self, bundle, label: str):
+        return bundle_adaptor(bundle, label, self.device, self._functional)
+
+    def _swap(self, scan: repository.Scan | None) -> None:
+        """Register what ``scan`` prepared and replace the model table. The loop calls
+        it between two iterations, so a client sees the old models or the new ones;
+        requests already running keep the version they started with."""
+        if scan is not None:
+            failed = dict(scan.failed)
+            ex = self._dispatcher() if scan.prepared else None
+            for p in scan.prepared:
+                mid = self.table.id_for(p.model)
+                t0 = time.monotonic()
+                try:
+                    ex.register(mid, p.label, p.adaptor)        # init + profiling runs
+                except DeviceLost:
+                    raise
+                except Exception as e:  # noqa: BLE001 - this bundle only
+                    failed[p.directory] = f"cannot be served: {type(e).__name__}: {e}"
+                    continue
+                self.router.by_model[mid] = ex
+                self._served[p.model] = ServedBundle(p.directory, p.key,
+                                                     model_info_from_bundle(mid, p.bundle))
+                log.info("registered %s (%d variant(s), %d io bytes): read in %.2f s, "
+                         "registered in %.3f s", p.model, len(p.bundle.variants),
+                         p.bundle.io_bytes, p.seconds, time.monotonic() - t0)
+            for d, model in scan.kept.items():
+                self._served[model].directory = d
+            current = ({p.directory for p in scan.prepared} | set(scan.kept) | set(failed))
+            for model, sb in list(self._served.items()):
+                if sb.directory not in current:
+                    del self._served[model]          # its directory is gone
+            for d, why in sorted(failed.items()):
+                old = next((m for m, sb in self._served.items() if sb.directory == d), None)
+                log.error("bundle %s not served: %s%s", d, why,
+                          f" (still serving the previous version of {old})" if old else "")
+            self.unserved = failed
+        self.table.replace(self._builtins + [sb.info for sb in self._served.values()])
+        log.info("serving %d model(s): %s", len(self.table.by_id),
+                 ", ".join(m.name for m in self.table.by_id.values()) or "none")
+
+    def _load_noop(self) -> wire.ModelInfo | None:
+        mid = self.table.id_for("noop")
+        ex = self._dispatcher()
+        if self.device.backend != "sim":
+            log.info("built-in model noop not served: its kernel exists only on the "
+                     "simulated GPU (--backend sim)")
+            return None
+        ex.register(mid, "noop", noop_adaptor())
+        self.router.by_model[mid] = ex
+        return noop_info(mid)
+
+    def _dispatcher(self) -> DispatcherExecutor:
+        """The dispatcher path, made on first need (no bundles: no device opened)."""
+        if self.dispatcher is None:
+            self.device = self.open_device(self.cfg)
+            self.dispatcher = DispatcherExecutor(self.front, self.device, self.cfg,
+                                                 self.instruments)
+            self.router.paths.append(self.dispatcher)
+            for cid, arena in self._arenas.items():     # clients that came first
+                self._pin_arena(cid, arena)
+        return self.dispatcher
+
+    # -- client arenas -----------------------------------------------------------------
+    def _arena_mapped(self, client_id: int, arena: np.ndarray) -> None:
+        self._arenas[client_id] = arena
+        if self.device is not None:
+            self._pin_arena(client_id, arena)
+
+    def _pin_arena(self, client_id: int, arena: np.ndarray) -> None:
+        """Page-lock a client's arena for DMA (a no-op on the simulator). A failure only
+        costs speed (the driver stages pageable copies), so it is logged, not fatal."""
+        from paella.dispatcher.devices.base import DeviceError
+        try:
+            self.device.register_host(arena)
+        except DeviceError as e:
+            log.warning("client %d: arena of %d bytes not page-locked (%s); its copies are "
+                        "staged by the driver", client_id, arena.nbytes, e)
+            return
+        self._pinned.add(client_id)
+
+    def _arena_released(self, client_id: int, arena: np.ndarray) -> None:
+        """The client's mapping is about to go (no job of it is left): unpin it first."""
+        from paella.dispatcher.devices.base import DeviceError
+        self._arenas.pop(client_id, None)
+        if client_id in self._pinned:
+            self._pinned.discard(client_id)
+            try:
+                self.device.unregister_host(arena)
+            except DeviceError as e:
+                log.warning("client %d: unpinning its arena failed: %s", client_id, e)
+
+    # -- signals ---------------------------------------------------------------------
+    def _install_signals(self) -> None:
+        """First thing in :meth:`serve`: a signal during model loading must reach these
+        handlers, not the default action (which would leave the socket behind)."""
+        os.set_blocking(self._sig_w, False)
+        os.set_blocking(self._sig_r, False)
+        signal.set_wakeup_fd(self._sig_w, warn_on_full_buffer=False)
+        signal.signal(signal.SIGTERM, self._on_term)
+        signal.signal(signal.SIGINT, self._on_term)
+        signal.signal(signal.SIGHUP, self._on_hup)
+        self.front.watch(self._sig_r, self._drain_sigpipe)
+
+    def _restore_signals(self) -> None:
+        signal.set_wakeup_fd(-1)
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+            signal.signal(sig, signal.SIG_DFL)
+
+    def _drain_sigpipe(self) -> None:
+        try:
+            os.read(self._sig_r, 4096)
+        except BlockingIOError:
+            pass  # already drained
+
+    def _on_term(self, signum: int, frame) -> None:
+        if not self.draining:
+            self.draining = True
+            self.drain_deadline = time.monotonic() + self.cfg.drain_seconds
+
+    def _on_hup(self, signum: int, frame) -> None:
+        self._hup = True
+        self.housekeeping = True
+
+    def _wake_loop(self) -> None:
+        """Called by the background load's thread when it is done."""
+        self.housekeeping = True
+        try:
+            os.write(self._sig_w, b"\0")     # wakes the loop out of epoll
+        except OSError:
+            pass  # the pipe is full: the loop is awake anyway
+
+    # -- lifecycle -------------------------------------------------------------------
+    def serve(self) -> int:
+        """Start, run the loop until drained, clean up. Returns the exit status."""
+        self._install_signals()
+        try:
+            return self._serve()
+        except StartupInterrupted:
+            log.info("SIGTERM during start-up: stopped before serving")
+            return 0
+        finally:
+            self.front.close()
+            if self.device is not None:
+                self.device.close()
+            self._restore_signals()
+            if self._loader is not None and not self._loader.done:
+                # Its thread writes to the pipe when done: leave the pipe open (the
+                # process is about to exit) rather than let the number be reused.
+                log.info("a model load was still running in the background: abandoned")
+            else:
+                os.close(self._sig_r)
+                os.close(self._sig_w)
+
+    def _serve(self) -> int:
+        sock_dir = os.path.dirname(os.path.abspath(self.cfg.socket))
+        if not os.path.isdir(sock_dir):
+            raise ConfigError(f"the directory of the socket {self.cfg.socket} does not exist; "
+                              f"create {sock_dir} (the systemd unit's RuntimeDirectory=paella "
+                              f"makes /run/paella) or choose another --socket")
+        try:
+            self.front.listen()      # raises FrontendError if another daemon holds it
+        except OSError as e:
+            raise ConfigError(f"cannot listen on {self.cfg.socket}: {e.strerror}") from None
+        removed = segments.sweep()
+        if removed:
+            log.warning("removed %d shared-memory segment(s) left by dead daemons: %s",
+                        len(removed), ", ".join(removed))
+        try:
+            self.load_models()
+        except DeviceLost as e:              # (profiling runs use the device)
+            return self._device_lost(e)
+        if self.draining:
+            raise StartupInterrupted()
+        log.info("froze %d start-up objects out of the garbage collector's way", freeze_heap())
+        pin_and_prioritize(self.cfg.cpu, self.cfg.rt_priority)
+        log.info("listening on %s (idle mode %s)", self.cfg.socket, self.cfg.idle)
+        status = f"serving {len(self.table.by_id)} models"
+        if self.unserved:
+            status += f"; {len(self.unserved)} bundle(s) not served (see the log)"
+        sd_notify(f"READY=1\nSTATUS={status}\nMAINPID={os.getpid()}")
+        if self._hup:
+            log.info("SIGHUP during start-up: reading the model repository again now")
+        try:
+            self.run()
+        except DeviceLost as e:
+            return self._device_lost(e)
+        log.info("stopped cleanly; stats %s", self.front.stats)
+        return 0
+
+    def _device_lost(self, exc: DeviceLost) -> int:
+        """The GPU can run nothing more: fail every in-flight request with the reason,
+        tell the clients, and exit non-zero so that the service manager restarts us."""
+        n = self.router.in_flight
+        log.critical("the device is lost (%s): failing %d in-flight request(s) and exiting with "
+                     "status %d so that the service manager restarts the daemon", exc, n,
+                     EXIT_DEVICE_LOST)
+        sd_notify(f"STATUS=device lost: {exc}")
+        self.router.abandon_all(f"the GPU failed ({exc}); the daemon is restarting", rings.E_FAILED)
+        self.front.poll_io(0)                 # deliver the completions' wake-ups
+        return EXIT_DEVICE_LOST
+
+    def run(self) -> None:
+        """The dispatcher loop. This while loop right here is the daemon.
+
+        Timeout rule (adaptive mode): spin while anything can run now; with work in
+        flight that only waits for the device, sleep until the device's next event;
+        with nothing in flight, spin ``idle_spin_us`` more, then sleep until a client
+        or a signal speaks. Every sleep is preceded by raising the clients' "sleeping"
+        flag and re-checking the rings, so a push that raced the flag is not missed.
+        """
+        front, router, cfg = self.front, self.router, self.cfg
+        idle_spin = cfg.idle_spin_us / 1e6
+        adaptive = cfg.idle == "adaptive"
+        last_work = time.monotonic()
+        while True:
+            taken = front.poll_rings(admit=self.admitting)
+            router.step()
+            front.poll_io(0)
+            if self.housekeeping:
+                self._housekeeping()
+            if self.draining and self._drain_step():
+                return
+            if taken or not adaptive:
+                last_work = time.monotonic() if taken else last_work
+                continue
+            deadline = router.deadline()
+            if deadline is not None:              # in flight: the idle spin starts after it
+                last_work = time.monotonic()
+                if deadline == 0.0:
+                    continue                      # runnable work: spin
+            else:                                 # nothing in flight
+                if time.monotonic() - last_work < idle_spin:
+                    continue
+                if self.draining:
+                    deadline = 0.05
+            front.set_sleeping(True)
+            if not front.any_pending():
+                front.poll_io(deadline)
+            front.set_sleeping(False)
+            last_work = time.monotonic()
+
+    def _drain_step(self) -> bool:
+        """SIGTERM: True once nothing is left in flight (or the deadline passed)."""
+        if self.front.accepting:
+            log.info("SIGTERM: draining %d in-flight request(s), deadline %.1f s",
+                     self.router.in_flight, self.cfg.drain_seconds)
+            sd_notify("STOPPING=1")
+            self.front.stop_accepting()
+            # Requests already on the rings were sent before we stopped: serve them.
+            # Anything pushed from now on is answered "shutting down".
+            for _ in range(self.cfg.ring_slots):      # bounded: a client may keep pushing
+                if not self.front.poll_rings(admit=True):
+                    break
+                self.router.step()
+            self.admitting = False
+        if self.router.in_flight == 0 and not self.front.any_pending():
+            return True     # (entries still in rings get "shutting down" next pass)
+        if time.monotonic() > self.drain_deadline:
+            n = self.router.in_flight
+            log.warning("drain deadline passed: completing %d request(s) still in flight as "
+                        "cancelled", n)
+            # Every accepted request gets one completion before the daemon goes, also one
+            # whose kernels are still on the device: it is not waited for.
+            self.router.abandon_all(f"cancelled: the daemon stopped (its drain deadline of "
+                                    f"{self.cfg.drain_seconds:g} s passed) before the job "
+                                    f"finished")
+            for _ in range(self.cfg.ring_slots):      # what is still in the rings: refused
+                if not self.front.poll_rings(admit=False):
+                    break
+            self.front.poll_io(0)                     # send the wake-ups
+            return True
+        return False
+
+    # -- reloads -----------------------------------------------------------------------
+    def _housekeeping(self) -> None:
+        """Between two iterations: finish a background load, start one for a SIGHUP,
+        freeze the heap once nothing is in flight after a swap."""
+        self.housekeeping = False
+        loader = self._loader
+        if loader is not None and loader.done:
+            self._loader = None
+            self._finish_reload(loader)
+        if self._hup and self._loader is None and not self.draining:
+            self._hup = False
+            self._start_reload()
+        if self._refreeze:
+            if self.router.in_flight == 0 and not self.front.any_pending():
+                self._refreeze = False
+                t0 = time.perf_counter()
+                n = freeze_new_objects()
+                log.info("collected %d garbage objects and froze what the reload made, in "
+                         "%.1f ms", n, (time.perf_counter() - t0) * 1e3)
+            else:
+                self.housekeeping = True     # look again next iteration
+
+    def _start_reload(self) -> None:
+        sd_notify("RELOADING=1")
+        if not self.cfg.models:
+            log.info("SIGHUP: no model repository configured, nothing to reload")
+            self._swap(None)
+            sd_notify("READY=1")
+            return
+        log.info("SIGHUP: reading the model repository %s in the background", self.cfg.models)
+        known = {model: sb.key for model, sb in self._served.items()}
+        self._loader = repository.BackgroundScan(self._wake_loop, self.cfg.models, known,
+                                                 self._make_adaptor)
+
+    def _finish_reload(self, loader: repository.BackgroundScan) -> None:
+        if loader.error is not None:
+            log.error("SIGHUP reload failed, keeping the previous models: %s: %s",
+                      type(loader.error).__name__, loader.error)
+        else:
+            scan = loader.result
+            log.info("SIGHUP: repository read in %.2f s off the loop (%d new or changed, "
+                     "%d unchanged, %d not served)", scan.seconds, len(scan.prepared),
+                     len(scan.kept), len(scan.failed))
+            self._swap(scan)
+            self._refreeze = True
+            self.housekeeping = True
+        sd_notify("READY=1")

@@ -1,0 +1,78 @@
+"""Process set-up for the daemon: the garbage collector kept off the start-up heap, the
+service manager's notifications, the loop's core and real-time priority."""
+from __future__ import annotations
+
+import gc
+import logging
+import os
+import socket
+
+from .config import ConfigError
+
+log = logging.getLogger("paella.daemon")
+
+
+def freeze_heap() -> int:
+    """Put what start-up loaded (TVM, the bundles, the models: ~100k objects) out of the
+    cyclic collector's reach, after collecting what is already garbage. A full collection
+    over that heap takes ~50 ms here, a stall every request in flight would pay whenever
+    the loop's own allocations trigger one; frozen, the collector only walks what the
+    loop allocated since. It unfreezes first, so that cycles frozen earlier and dropped
+    since can be collected. Returns the objects frozen."""
+    gc.unfreeze()
+    gc.collect()
+    gc.freeze()
+    return gc.get_freeze_count()
+
+
+def freeze_new_objects() -> int:
+    """After a reload: collect and freeze only what was allocated since the last freeze
+    (the new models, the loop's own objects). Unfreezing first, as :func:`freeze_heap`
+    does, would walk the whole ~100k-object heap (46-124 ms of stalled loop measured
+    after a reload) to free nothing: the dispatcher keeps every registered version of a
+    model (jobs may still run the old one), so a reload drops no model. Returns the
+    garbage objects collected. (Not ``gc.get_freeze_count()``: it walks the frozen
+    heap, 8-12 ms.)"""
+    n = gc.collect()
+    gc.freeze()
+    return n
+
+
+def sd_notify(message: str) -> bool:
+    """Send one sd_notify datagram to $NOTIFY_SOCKET; False when not under systemd."""
+    addr = os.environ.get("NOTIFY_SOCKET")
+    if not addr:
+        return False
+    if addr[0] == "@":
+        addr = "\0" + addr[1:]      # abstract namespace
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC) as s:
+            s.connect(addr)
+            s.sendall(message.encode())
+    except OSError as e:
+        # The service manager went away; serving clients matters more than telling it.
+        log.warning("sd_notify %r to %s failed: %s", message.split("\n")[0], addr, e)
+        return False
+    return True
+
+
+def pin_and_prioritize(cpu: str, rt_priority: int) -> None:
+    """Pin the loop to its core and ask for SCHED_FIFO; say what was granted."""
+    if cpu != "none":
+        allowed = sorted(os.sched_getaffinity(0))
+        core = allowed[-1] if cpu == "auto" else int(cpu)
+        if core not in allowed:
+            raise ConfigError(f"cpu {core} is not among this process's cores {allowed}")
+        os.sched_setaffinity(0, {core})
+        log.info("dispatcher loop pinned to core %d (of %s)", core, allowed)
+    else:
+        log.info("dispatcher loop not pinned (cpu = none)")
+    if rt_priority <= 0:
+        log.info("real-time priority off (rt_priority = 0): normal scheduling")
+        return
+    try:
+        os.sched_setscheduler(0, os.SCHED_FIFO, os.sched_param(rt_priority))
+        log.info("running SCHED_FIFO priority %d", rt_priority)
+    except PermissionError:
+        log.warning("SCHED_FIFO priority %d not permitted (needs CAP_SYS_NICE or "
+                    "LimitRTPRIO); running with normal scheduling", rt_priority)

@@ -1,0 +1,105 @@
+"""Instrumentation: hooks on what the dispatcher does, free when nobody listens.
+
+Subclass :class:`Instrument`, override the hooks you want, and add it to a dispatcher
+(``Dispatcher(..., instruments=[mine])`` or ``dispatcher.instruments.add(mine)``).
+Every hook is called synchronously from the dispatcher loop, with the device clock in
+``dispatcher.now``:
+
+* ``request_admitted(req)``     the dispatcher accepted the request (``submit``);
+* ``request_started(req)``      its job started (after any wait for a buffer set);
+* ``request_woken(req)``        its "almost finished" wake-up was sent
+  (``on_almost_finished`` returned);
+* ``request_finished(req)``     its completion was delivered (``on_complete`` returned);
+  ``req.status`` and ``req.error`` say how it ended;
+* ``op_issued(op)``             a job issued an op (kernel launch or copy) into its waitlist;
+* ``op_released(op, t)``        the op went to a real stream at device time ``t``;
+* ``op_started(op, t)``         the dispatcher learned that the op started on the device:
+  a kernel's first PLACEMENT notification was read at ``t``; a copy's start is an event
+  recorded before it on its stream, seen complete at ``t`` (such events are recorded
+  only while someone listens to this hook);
+* ``op_ended(op, t)``           the op completed on the device, as seen at ``t``
+  (a kernel's last COMPLETION notification, a copy's event).
+
+Cost when unused (Trio's rule): the dispatcher tests ``"hook" in instruments``, one dict
+lookup, before it builds any argument; an :class:`Instruments` maps a hook name only
+while some instrument overrides it. An instrument that raises is logged and removed, so
+a broken probe never takes the dispatcher down.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any, Iterable
+
+log = logging.getLogger(__name__)
+
+HOOKS = ("request_admitted", "request_started", "request_woken", "request_finished",
+         "op_issued", "op_released", "op_started", "op_ended")
+
+
+class Instrument:
+    """Base class of instruments: every hook does nothing; override the ones you need."""
+
+    def request_admitted(self, req: Any) -> None:
+        """The dispatcher accepted ``req``."""
+
+    def request_started(self, req: Any) -> None:
+        """``req``'s job started."""
+
+    def request_woken(self, req: Any) -> None:
+        """``req``'s "almost finished" wake-up was sent."""
+
+    def request_finished(self, req: Any) -> None:
+        """``req``'s completion was delivered."""
+
+    def op_issued(self, op: Any) -> None:
+        """A job issued ``op`` into its waitlist."""
+
+    def op_released(self, op: Any, t: float) -> None:
+        """``op`` went to a real stream at device time ``t``."""
+
+    def op_started(self, op: Any, t: float) -> None:
+        """``op`` was seen started on the device at ``t``."""
+
+    def op_ended(self, op: Any, t: float) -> None:
+        """``op`` was seen completed on the device at ``t``."""
+
+
+class Instruments(dict):
+    """hook name -> {instrument: None} (insertion-ordered), holding only the hooks that some
+    added instrument overrides: ``"op_released" in instruments`` is the whole cost of a
+    hook nobody listens to."""
+
+    def __init__(self, instruments: Iterable[Instrument] = ()):
+        super().__init__()
+        for instrument in instruments:
+            self.add(instrument)
+
+    def add(self, instrument: Instrument) -> None:
+        """Start calling ``instrument``'s overridden hooks."""
+        if not isinstance(instrument, Instrument):
+            raise TypeError(f"an instrument must subclass paella.dispatcher.instruments."
+                            f"Instrument, got {type(instrument).__name__}")
+        for hook in HOOKS:
+            if getattr(type(instrument), hook) is not getattr(Instrument, hook):
+                self.setdefault(hook, {})[instrument] = None
+
+    def remove(self, instrument: Instrument) -> None:
+        """Stop calling ``instrument`` (KeyError if it was never added)."""
+        found = False
+        for hook in list(self):
+            if self[hook].pop(instrument, 0) is None:
+                found = True
+            if not self[hook]:
+                del self[hook]
+        if not found:
+            raise KeyError(f"instrument {instrument!r} is not installed")
+
+    def call(self, hook: str, *args: Any) -> None:
+        """Call ``hook`` on every instrument that listens to it (check ``hook in self``
+        first on hot paths). One that raises is logged and removed."""
+        for instrument in list(self.get(hook, ())):
+            try:
+                getattr(instrument, hook)(*args)
+            except Exception:
+                log.exception("instrument %r raised in %s(); removing it", instrument, hook)
+                self.remove(instrument)
