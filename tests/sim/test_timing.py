@@ -36,6 +36,8 @@ def test_warps_to_hide_arithmetic_follow_the_programming_guide():
     assert warps_to_hide_arithmetic(preset("a100")) == 16
     assert warps_to_hide_arithmetic(preset("titanxp")) == 24  # Pascal: 6 cycles x 4
     assert warps_to_hide_arithmetic(preset("p100")) == 12     # sm_60: 6 cycles x 2
+    # ... and 4-way ILP needs a quarter of them ("as few as 4 warps per SM", Volta Tuning Guide)
+    assert CostModel().ilp == 4 and CostModel().warps_to_hide_arithmetic(preset("v100")) == 4
 
 
 def test_a_compute_bound_kernel_that_fills_the_gpu_runs_at_peak():
@@ -56,9 +58,15 @@ def test_a_memory_bound_kernel_at_full_occupancy_runs_at_the_bandwidth():
 
 def test_too_few_warps_cannot_reach_peak():
     spec = preset("t4")
-    # One 4-warp block per SM: a quarter of the 16 warps that hide arithmetic latency.
-    done, dev = run_alone([(KernelInfo("thin", 32, flops=GFLOP), 40, 128, 0)])
+    # One 1-warp block per SM: a quarter of the 4 warps that hide arithmetic latency.
+    done, dev = run_alone([(KernelInfo("thin", 32, flops=GFLOP), 40, 32, 0)])
     assert done["thin"] - overhead(dev) == pytest.approx(4 * GFLOP / spec.peak_flops, rel=1e-9)
+    # with no instruction-level parallelism it would take 16 warps: 16x
+    dev = SimDevice("t4", cost=CostModel(ilp=1))
+    (f,) = dev.load_module(ModuleImage("t", [KernelInfo("thin", 32, flops=GFLOP)])).values()
+    dev.launch(f, 40, 32, 0, 1, instrumented=False)
+    dev.run()
+    assert dev.now() - overhead(dev) == pytest.approx(16 * GFLOP / spec.peak_flops, rel=1e-9)
 
 
 def test_a_small_grid_runs_at_the_speed_of_the_sms_it_occupies():
@@ -93,12 +101,15 @@ def test_kernels_sharing_the_sms_share_their_issue_rate():
 def test_memory_bandwidth_is_shared_by_every_running_block():
     spec = preset("t4")
     nbytes = 32e6
-    # Two memory-bound kernels on disjoint halves of the GPU: each alone would stream at
-    # the latency-bound rate of its 20 SMs; together they exceed the bandwidth and share it.
+    # Two memory-bound kernels on disjoint halves of the GPU: each alone streams at the
+    # latency-bound rate of its 20 SMs (8 warps x 4 lines x 128 B per 500 ns each, about
+    # half the bandwidth); together they exceed the bandwidth and share it.
     a, b = KernelInfo("a", 32, bytes=nbytes), KernelInfo("b", 32, bytes=nbytes)
-    alone, dev = run_alone([(a, 80, 256, 0)])
-    both, _ = run_alone([(a, 80, 256, 0), (b, 80, 256, 1)])
-    assert alone["a"] - overhead(dev) > nbytes / spec.mem_bw               # half the SMs: latency-bound
+    alone, dev = run_alone([(a, 20, 256, 0)])
+    both, _ = run_alone([(a, 20, 256, 0), (b, 20, 256, 1)])
+    latency_bound = 20 * 8 * 4 * 128 / dev.cost.mem_latency
+    assert latency_bound < spec.mem_bw
+    assert alone["a"] - overhead(dev) == pytest.approx(nbytes / latency_bound, rel=1e-9)
     assert both["a"] - overhead(dev) == pytest.approx(2 * nbytes / spec.mem_bw, rel=1e-9)
     assert both["a"] > alone["a"]
 
@@ -106,12 +117,12 @@ def test_memory_bandwidth_is_shared_by_every_running_block():
 def test_waves_emerge_from_placement():
     spec = preset("t4")
     # 161 blocks of the same work, 4 per SM: a full wave, then one more block alone on its
-    # SM. With 8 warps there (half the 16 that hide arithmetic latency) it runs at half the
-    # SM's rate: a second wave, shorter than the first, that a flat roofline would not see.
+    # SM, where it has the whole SM: a second wave, a quarter as long as the first, that a
+    # flat roofline (161/160 of the first) would not see.
     one, dev = run_alone([(KernelInfo("k", 32, flops=GFLOP), 160, 256, 0)])
     more, _ = run_alone([(KernelInfo("k", 32, flops=GFLOP * 161 / 160), 161, 256, 0)])
     per_block = GFLOP / 160
-    tail = per_block * 16 / (8 * spec.peak_flops / spec.sm_count)
+    tail = per_block / (spec.peak_flops / spec.sm_count)
     assert more["k"] == pytest.approx(one["k"] + dev.cost.mem_latency + tail, rel=1e-9)
 
 
@@ -131,7 +142,7 @@ def test_the_profile_record_splits_time_by_bound():
     dev.gpu.record = []
     dev.launch(f["gemm"], 160, 256, 0, 1, instrumented=False)
     dev.launch(f["copy"], 160, 256, 0, 2, instrumented=False)
-    dev.launch(f["thin"], 40, 128, 0, 3, instrumented=False)
+    dev.launch(f["thin"], 40, 32, 0, 3, instrumented=False)
     dev.run()
     recs = {r[0]: r for r in dev.gpu.record}
     bound = {lid: max(range(3), key=lambda i: r[8 + i]) for lid, r in recs.items()}

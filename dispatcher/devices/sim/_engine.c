@@ -1408,7 +1408,7 @@ static int Gpu_init(Gpu *g, PyObject *args, PyObject *kw)
     static char *names[] = {"n_sm", "parts", "max_blocks", "max_warps", "smem_per_sm", "part_regs",
                             "n_queues", "n_streams", "notifq", "place_bits", "done_bits",
                             "count_shift", "sm_shift", "overrun", "sm_flops", "warps_to_hide",
-                            "mem_bw", "mem_latency", "line_bytes", "launch_latency",
+                            "mem_bw", "mem_latency", "warp_bytes_in_flight", "launch_latency",
                             "pcie_latency", "pcie_bw", "seed", "jitter", NULL};
     int n_sm, parts, max_blocks, max_warps, nq, n_streams, count_shift, sm_shift;
     long long smem_per_sm, part_regs;

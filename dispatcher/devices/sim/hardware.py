@@ -36,7 +36,7 @@ from paella.dispatcher.native import load
 from paella.gpus import GpuSpec
 from paella.occupancy import Footprint, SMResources, sub_partitions
 
-from .cost import CostModel, warps_to_hide_arithmetic
+from .cost import CostModel
 
 KERNEL, H2D, D2H, MARKER = 0, 1, 2, 3
 
@@ -59,8 +59,8 @@ def build_engine(spec: GpuSpec, cost: CostModel, n_streams: int, notifq: np.ndar
         notifq=notifq, place_bits=protocol.PLACEMENT << protocol.KIND_SHIFT,
         done_bits=protocol.COMPLETION << protocol.KIND_SHIFT, count_shift=protocol.COUNT_SHIFT,
         sm_shift=protocol.SM_SHIFT, overrun=NotifQOverrun,
-        sm_flops=spec.peak_flops / spec.sm_count, warps_to_hide=warps_to_hide_arithmetic(spec),
-        mem_bw=spec.mem_bw, mem_latency=cost.mem_latency, line_bytes=cost.line_bytes,
+        sm_flops=spec.peak_flops / spec.sm_count, warps_to_hide=cost.warps_to_hide_arithmetic(spec),
+        mem_bw=spec.mem_bw, mem_latency=cost.mem_latency, warp_bytes_in_flight=cost.bytes_in_flight_per_warp(),
         launch_latency=cost.launch_latency, pcie_latency=spec.pcie_latency,
         pcie_bw=spec.pcie_bw, seed=seed, jitter=jitter)
 
