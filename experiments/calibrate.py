@@ -37,7 +37,6 @@ import time
 import numpy as np
 
 from paella.dispatcher.devices.sim import CostModel, SimDevice
-from paella.dispatcher.devices.sim.cost import warps_to_hide_arithmetic
 from paella.experiments.cli import finish, save_figure
 from paella.experiments.zoo import DEFAULT_ZOO_DIR, TABLE2_MS, ensure_bundles, module_image
 from paella.gpus import GpuSpec, preset
@@ -187,7 +186,8 @@ def run(names: list[str], zoo_dir, progress: bool = True) -> dict:
     return {"setting": {"gpu": GPU, "model": "the timing model of docs/simulator.md; no fitted parameter"},
             "timing_model": {"launch_latency_us": cost.launch_latency * 1e6,
                              "mem_latency_ns": cost.mem_latency * 1e9,
-                             "warps_to_hide_arithmetic": warps_to_hide_arithmetic(spec),
+                             "ilp": cost.ilp,
+                             "warps_to_hide_arithmetic": cost.warps_to_hide_arithmetic(spec),
                              "peak_tflops": spec.peak_flops / 1e12, "mem_bw_gbs": spec.mem_bw / 1e9},
             "models": models,
             "summary": {"worst_relative_error": worst, "within_goal": worst <= GOAL, "goal": GOAL,
@@ -235,7 +235,8 @@ def main(args: argparse.Namespace) -> int:
     data = run(list(TABLE2_MS), Path(args.zoo_dir))
     tm = data["timing_model"]
     print(f"timing model (no fitted parameter): launch {tm['launch_latency_us']:.1f} us, DRAM latency "
-          f"{tm['mem_latency_ns']:.0f} ns, {tm['warps_to_hide_arithmetic']} warps hide arithmetic latency, "
+          f"{tm['mem_latency_ns']:.0f} ns, {tm['warps_to_hide_arithmetic']:g} warps hide arithmetic latency "
+          f"({tm['ilp']}-way ILP), "
           f"{tm['peak_tflops']:.1f} TFLOPS, {tm['mem_bw_gbs']:.0f} GB/s")
     print(f"{'model':<15}{'kernels':>8}{'GFLOP':>8}{'simulated ms':>14}{'paper ms':>10}{'ratio':>8}"
           f"   bound: compute/memory/latency")

@@ -148,3 +148,17 @@ def test_the_profile_record_splits_time_by_bound():
     bound = {lid: max(range(3), key=lambda i: r[8 + i]) for lid, r in recs.items()}
     assert bound == {1: 0, 2: 1, 3: 2}               # compute, memory, latency
     assert recs[1][5] == 40 and recs[3][5] == 40     # SMs used
+
+
+def test_a_block_speeds_up_when_its_co_runner_ends():
+    spec = preset("t4")
+    # Both kernels share every SM (32 warps) at half rate until the shorter one ends at
+    # F/P; the longer one then has the SM to itself: 1.5 F/P in all, the work the SMs did
+    # at their full rate (a rate fixed when a block starts would give 2 F/P). The block's
+    # one memory latency is part of its progress, hence the tolerance.
+    a, b = KernelInfo("a", 32, flops=GFLOP), KernelInfo("b", 32, flops=GFLOP / 2)
+    both, dev = run_alone([(a, 40, 512, 0), (b, 40, 512, 1)])
+    assert both["b"] - overhead(dev) == pytest.approx(GFLOP / spec.peak_flops, rel=1e-9)
+    assert both["a"] - overhead(dev) == pytest.approx(1.5 * GFLOP / spec.peak_flops,
+                                                      abs=dev.cost.mem_latency)
+    assert both["a"] - overhead(dev) < 1.6 * GFLOP / spec.peak_flops

@@ -36,7 +36,7 @@
 #include <string.h>
 
 enum { K_KERNEL = 0, K_H2D = 1, K_D2H = 2, K_MARKER = 3, K_FREE = -1 };
-enum { EV_GROUPS = 0, EV_COPY = 1, EV_READY = 2, EV_ARRIVAL = 3 };
+enum { EV_GROUPS = 0, EV_COPY = 1, EV_READY = 2, EV_ARRIVAL = 3, EV_GROUP = 4 };
 enum { B_COMPUTE = 0, B_MEMORY = 1, B_LATENCY = 2 };
 #define MAX_PARTS 4
 #define MAX_SMS 256
@@ -46,6 +46,7 @@ typedef struct {
     double t;
     uint64_t seq;
     int32_t type, a, b;
+    uint64_t ver;                  /* EV_GROUP: the group's version when scheduled */
 } Event;
 
 typedef struct {
@@ -71,8 +72,14 @@ typedef struct {
 typedef struct {
     int32_t op, sm, n, next;
     uint8_t split[MAX_PARTS];
-    double demand;                 /* DRAM bytes/s of one block while it runs */
+    double demand;                 /* DRAM bytes/s of one block at its current rate */
     double tc, tm0, dur;
+    /* modelled groups: fluid progress, re-timed when their SM's residency changes */
+    int32_t sm_prev, sm_next;      /* the SM's list of modelled groups */
+    uint64_t ver;
+    int32_t bound;
+    double tc_unit;                /* compute seconds per resident warp (max(W, W_c) of them) */
+    double p, t_last, T, jit;      /* progress done, when, the group's time at the current rate */
 } Group;
 
 typedef struct {
@@ -101,9 +108,12 @@ typedef struct {
     /* event heap */
     Event *heap;
     int nheap, capheap;
-    uint64_t evseq, opseq;
+    uint64_t evseq, opseq, vseq;
     /* this pass's placements, waiting for their durations */
     int *pend, npend, cappend;
+    /* SMs whose modelled residency changed this instant; each SM's modelled groups */
+    int *touched, ntouched, *sm_head;
+    uint8_t *is_touched;
     /* ops whose callbacks are due */
     int *defer, dhead, dtail, capdefer, flushing;
     /* timing model */
@@ -187,11 +197,11 @@ static inline int ev_less(const Event *a, const Event *b)
     return a->t < b->t || (a->t == b->t && a->seq < b->seq);
 }
 
-static int push_event(Gpu *g, double t, int type, int a, int b)
+static int push_event_v(Gpu *g, double t, int type, int a, int b, uint64_t ver)
 {
     if (grow((void **)&g->heap, &g->capheap, g->nheap + 1, sizeof(Event)) < 0)
         return -1;
-    Event e = {t, g->evseq++, type, a, b};
+    Event e = {t, g->evseq++, type, a, b, ver};
     int i = g->nheap++;
     while (i > 0) {
         int p = (i - 1) >> 1;
@@ -202,6 +212,11 @@ static int push_event(Gpu *g, double t, int type, int a, int b)
     }
     g->heap[i] = e;
     return 0;
+}
+
+static inline int push_event(Gpu *g, double t, int type, int a, int b)
+{
+    return push_event_v(g, t, type, a, b, 0);
 }
 
 static Event pop_event(Gpu *g)
@@ -222,6 +237,13 @@ static Event pop_event(Gpu *g)
     if (n)
         g->heap[i] = last;
     return top;
+}
+
+/* Drop stale group events (the group was re-timed since) from the top of the heap. */
+static inline void clean_top(Gpu *g)
+{
+    while (g->nheap && g->heap[0].type == EV_GROUP && g->grps[g->heap[0].b].ver != g->heap[0].ver)
+        pop_event(g);
 }
 
 /* -- pools ------------------------------------------------------------------------------ */
@@ -336,6 +358,14 @@ static inline void mark_dirty(Gpu *g, int s)
     if (!g->is_dirty[s]) {
         g->is_dirty[s] = 1;
         g->dirty[g->ndirty++] = s;
+    }
+}
+
+static inline void touch(Gpu *g, int s)
+{
+    if (!g->is_touched[s]) {
+        g->is_touched[s] = 1;
+        g->touched[g->ntouched++] = s;
     }
 }
 
@@ -599,8 +629,10 @@ static int place(Gpu *g, int ki)
         gr->n = n;
         gr->next = NIL;
         sm_take(g, s, sh, n, gr->split);
-        if (modelled)
+        if (modelled) {
             g->mwarps[s] += n * w;
+            touch(g, s);
+        }
         if (g->record)
             k->smset[s >> 6] |= 1ULL << (s & 63);
         if (prev == NIL)
@@ -646,61 +678,64 @@ static int place(Gpu *g, int ki)
     return 0;
 }
 
-/* The durations of this pass's groups (the timing model; cost.py states it), then one
-   event per run of groups of one kernel that end at the same instant. */
+/* Account a modelled group's progress up to now at its current rate. */
+static void advance_group(Gpu *g, Group *gr, Op *k)
+{
+    if (gr->T > 0) {
+        double seg = g->now - gr->t_last;
+        gr->p += seg / gr->T;
+        if (g->record) {
+            k->bound_time[gr->bound] += seg * gr->n;
+            k->warp_area += seg * gr->n * g->sh_warps[k->shape];
+        }
+    }
+    gr->t_last = g->now;
+}
+
+/* Settle the instant that ends (cost.py states the model):
+   - new synthetic groups get their fixed duration; a kernel's groups placed together that
+     end at the same instant share one event;
+   - new modelled groups join their SM's list;
+   - every modelled group on an SM whose residency changed this instant (a placement or a
+     group's end) is re-timed: its progress so far is kept, its rate becomes the one its
+     SM's warps and the device's memory demand give now, and its end event moves. */
 static int finalize(Gpu *g)
 {
     int np = g->npend;
-    if (!np)
-        return 0;
-    /* Pass 1: compute and latency-bound memory times at the SM's warps after the pass,
-       and the memory demand they add to the device's. */
     for (int j = 0; j < np; j++) {
-        Group *gr = &g->grps[g->pend[j]];
+        int gi = g->pend[j];
+        Group *gr = &g->grps[gi];
         Op *k = &g->ops[gr->op];
         if (k->duration >= 0) {
-            gr->demand = 0.0;
+            gr->dur = k->block_time;
+            if (g->jitter > 0)
+                gr->dur *= lognormal(g);
             continue;
         }
         double w = g->sh_warps[k->shape];
-        double W = g->mwarps[gr->sm];
-        if (W < g->wc)
-            W = g->wc;
-        gr->tc = k->fb * W / (w * g->psm);
+        gr->tc_unit = k->fb / (w * g->psm);
         gr->tm0 = k->mb * g->lmem / (w * g->line);
-        double t0 = gr->tc > gr->tm0 ? gr->tc : gr->tm0;
-        gr->demand = t0 > 0 ? k->mb / t0 : 0.0;
-        g->demand += gr->demand * gr->n;
+        gr->p = 0.0;
+        gr->t_last = g->now;
+        gr->T = 0.0;
+        gr->demand = 0.0;
+        gr->bound = B_LATENCY;
+        gr->jit = g->jitter > 0 ? lognormal(g) : 1.0;
+        int sm = gr->sm;
+        gr->sm_prev = NIL;
+        gr->sm_next = g->sm_head[sm];
+        if (g->sm_head[sm] != NIL)
+            g->grps[g->sm_head[sm]].sm_prev = gi;
+        g->sm_head[sm] = gi;
     }
-    /* Pass 2: durations, with the device's bandwidth shared by every running block. */
-    double scale = g->demand > g->bw ? g->demand / g->bw : 1.0;
-    for (int j = 0; j < np; j++) {
-        Group *gr = &g->grps[g->pend[j]];
-        Op *k = &g->ops[gr->op];
-        if (k->duration >= 0)
-            gr->dur = k->block_time;
-        else {
-            double tm = gr->tm0 * scale, core = gr->tc > tm ? gr->tc : tm;
-            gr->dur = g->lmem + core;
-            if (g->record) {
-                int bound;
-                if (g->lmem >= core)
-                    bound = B_LATENCY;
-                else if (gr->tc >= tm)
-                    bound = g->mwarps[gr->sm] >= g->wc ? B_COMPUTE : B_LATENCY;
-                else
-                    bound = scale > 1.0 ? B_MEMORY : B_LATENCY;
-                k->bound_time[bound] += gr->dur * gr->n;
-                k->warp_area += gr->dur * gr->n * g->sh_warps[k->shape];
-            }
-        }
-        if (g->jitter > 0)
-            gr->dur *= lognormal(g);
-    }
-    /* Pass 3: one event per run of consecutive groups of one kernel ending together. */
     int j = 0;
     while (j < np) {
-        int gi = g->pend[j], ki = g->grps[gi].op, last = gi, m = j + 1;
+        int gi = g->pend[j], ki = g->grps[gi].op;
+        if (g->ops[ki].duration < 0) {
+            j++;
+            continue;
+        }
+        int last = gi, m = j + 1;
         double end = g->now + g->grps[gi].dur;
         while (m < np) {
             Group *h = &g->grps[g->pend[m]];
@@ -716,6 +751,50 @@ static int finalize(Gpu *g)
         j = m;
     }
     g->npend = 0;
+    /* Pass 1: progress at the old rates; compute times at the SMs' warps now, and each
+       group's memory demand at that rate. */
+    int nt = g->ntouched;
+    for (int t = 0; t < nt; t++) {
+        int sm = g->touched[t];
+        double W = g->mwarps[sm] < g->wc ? g->wc : g->mwarps[sm];
+        for (int gi = g->sm_head[sm]; gi != NIL; gi = g->grps[gi].sm_next) {
+            Group *gr = &g->grps[gi];
+            Op *k = &g->ops[gr->op];
+            advance_group(g, gr, k);
+            gr->tc = gr->tc_unit * W;
+            double t0 = gr->tc > gr->tm0 ? gr->tc : gr->tm0;
+            double d = t0 > 0 ? k->mb / t0 : 0.0;
+            g->demand += (d - gr->demand) * gr->n;
+            gr->demand = d;
+        }
+    }
+    /* Pass 2: the device's bandwidth shared by every running block; new ends. */
+    double scale = g->demand > g->bw ? g->demand / g->bw : 1.0;
+    for (int t = 0; t < nt; t++) {
+        int sm = g->touched[t];
+        for (int gi = g->sm_head[sm]; gi != NIL; gi = g->grps[gi].sm_next) {
+            Group *gr = &g->grps[gi];
+            double tm = gr->tm0 * scale, core = gr->tc > tm ? gr->tc : tm;
+            double T = (g->lmem + core) * gr->jit;
+            if (g->lmem >= core)
+                gr->bound = B_LATENCY;
+            else if (gr->tc >= tm)
+                gr->bound = g->mwarps[sm] >= g->wc ? B_COMPUTE : B_LATENCY;
+            else
+                gr->bound = scale > 1.0 ? B_MEMORY : B_LATENCY;
+            if (T == gr->T)
+                continue;                        /* same rate: its event stands */
+            gr->T = T;
+            double rest = 1.0 - gr->p;
+            if (rest < 0)
+                rest = 0;
+            gr->ver = ++g->vseq;
+            if (push_event_v(g, g->now + rest * T, EV_GROUP, gr->op, gi, gr->ver) < 0)
+                return -1;
+        }
+        g->is_touched[sm] = 0;
+    }
+    g->ntouched = 0;
     return 0;
 }
 
@@ -762,25 +841,26 @@ static int dispatch(Gpu *g)
    virtual instant, by any event or submission, sees the others when its duration is set. */
 static inline int settle(Gpu *g)
 {
-    if (g->npend && (!g->nheap || g->heap[0].t > g->now))
-        return finalize(g);
+    clean_top(g);
+    if ((g->npend || g->ntouched) && (!g->nheap || g->heap[0].t > g->now)) {
+        if (finalize(g) < 0)
+            return -1;
+        clean_top(g);
+    }
     return 0;
 }
 
 /* -- events ------------------------------------------------------------------------------ */
+/* Synthetic groups placed together end together (one event). */
 static int groups_done(Gpu *g, int ki, int first)
 {
     Op *k = &g->ops[ki];
-    int sh = k->shape, modelled = k->duration < 0, w = g->sh_warps[sh];
+    int sh = k->shape;
     int64_t ended = 0;
     for (int i = first; i != NIL; i = g->grps[i].next) {
         Group *gr = &g->grps[i];
         sm_give(g, gr->sm, sh, gr->n, gr->split);
         mark_dirty(g, gr->sm);
-        if (modelled) {
-            g->mwarps[gr->sm] -= gr->n * w;
-            g->demand -= gr->demand * gr->n;
-        }
         ended += gr->n;
     }
     int64_t c0 = k->ended, end = c0 + ended;
@@ -800,11 +880,47 @@ static int groups_done(Gpu *g, int ki, int first)
     g->area += (double)g->resident * (g->now - g->last_t);
     g->last_t = g->now;
     g->resident -= ended;
-    if (modelled) {
-        g->mresident -= ended;
-        if (!g->mresident)
-            g->demand = 0.0;             /* no drift: an empty device demands nothing */
-    }
+    if (k->ended == k->total && complete(g, ki) < 0)
+        return -1;
+    return dispatch(g);
+}
+
+/* A modelled group's end: its SM's other groups are re-timed when the instant settles. */
+static int group_done(Gpu *g, int ki, int gi)
+{
+    Op *k = &g->ops[ki];
+    Group *gr = &g->grps[gi];
+    advance_group(g, gr, k);
+    int sm = gr->sm, n = gr->n, sh = k->shape;
+    if (gr->sm_prev != NIL)
+        g->grps[gr->sm_prev].sm_next = gr->sm_next;
+    else
+        g->sm_head[sm] = gr->sm_next;
+    if (gr->sm_next != NIL)
+        g->grps[gr->sm_next].sm_prev = gr->sm_prev;
+    sm_give(g, sm, sh, n, gr->split);
+    mark_dirty(g, sm);
+    g->mwarps[sm] -= n * g->sh_warps[sh];
+    g->demand -= gr->demand * n;
+    touch(g, sm);
+    gr->next = NIL;
+    int64_t c0 = k->ended, end = c0 + n;
+    k->ended = end;
+    int err = 0;
+    if (k->instrumented && (end - end % k->group > c0 || end == k->total))
+        err = post(g, g->done_bits, k, gi, c0);
+    gr->ver = ++g->vseq;                     /* any event still naming it is stale */
+    gr->next = g->free_grp;
+    g->free_grp = gi;
+    if (err < 0)
+        return -1;
+    g->events++;
+    g->area += (double)g->resident * (g->now - g->last_t);
+    g->last_t = g->now;
+    g->resident -= n;
+    g->mresident -= n;
+    if (!g->mresident)
+        g->demand = 0.0;                     /* no drift: an empty device demands nothing */
     if (k->ended == k->total && complete(g, ki) < 0)
         return -1;
     return dispatch(g);
@@ -885,9 +1001,14 @@ static int flush(Gpu *g)
 static int fire(Gpu *g)
 {
     Event e = pop_event(g);
+    if (e.type == EV_GROUP && g->grps[e.b].ver != e.ver)
+        return 0;                            /* re-timed since: a later event stands */
     g->now = e.t;
     int r;
     switch (e.type) {
+    case EV_GROUP:
+        r = group_done(g, e.a, e.b);
+        break;
     case EV_GROUPS:
         r = groups_done(g, e.a, e.b);
         break;
@@ -1249,8 +1370,9 @@ static PyObject *Gpu_state(Gpu *g, PyObject *Py_UNUSED(x))
 
 static PyObject *Gpu_peek(Gpu *g, PyObject *Py_UNUSED(x))
 {
-    if (g->npend && finalize(g) < 0)      /* the pending groups' ends may come first */
+    if ((g->npend || g->ntouched) && finalize(g) < 0)   /* new ends may come first */
         return NULL;
+    clean_top(g);
     return PyFloat_FromDouble(g->nheap ? g->heap[0].t : INFINITY);
 }
 
@@ -1481,13 +1603,17 @@ static int Gpu_init(Gpu *g, PyObject *args, PyObject *kw)
     g->shead = PyMem_Malloc(n_streams * sizeof(int));
     g->stail = PyMem_Malloc(n_streams * sizeof(int));
     g->scount = PyMem_Calloc(n_streams, sizeof(int));
+    g->touched = PyMem_Calloc(n_sm, sizeof(int));
+    g->is_touched = PyMem_Calloc(n_sm, 1);
+    g->sm_head = PyMem_Malloc(n_sm * sizeof(int));
     if (!g->fblocks || !g->fwarps || !g->mwarps || !g->fsmem || !g->fregs || !g->is_dirty
         || !g->dirty || !g->qhead || !g->qtail || !g->active || !g->shead || !g->stail
-        || !g->scount) {
+        || !g->scount || !g->touched || !g->is_touched || !g->sm_head) {
         PyErr_NoMemory();
         return -1;
     }
     for (int s = 0; s < n_sm; s++) {
+        g->sm_head[s] = NIL;
         g->fblocks[s] = max_blocks;
         g->fwarps[s] = max_warps;
         g->fsmem[s] = smem_per_sm;
@@ -1540,7 +1666,8 @@ static void Gpu_dealloc(Gpu *g)
     void *arrays[] = {g->fblocks, g->fwarps, g->mwarps, g->fsmem, g->fregs, g->is_dirty, g->dirty,
                       g->sh_warps, g->sh_rpw, g->sh_per_sm, g->sh_smem, g->ops, g->grps, g->qhead,
                       g->qtail, g->shead, g->stail, g->scount, g->active, g->heap, g->pend,
-                      g->defer, g->b_t, g->b_stream, g->b_lid};
+                      g->defer, g->b_t, g->b_stream, g->b_lid, g->touched, g->is_touched,
+                      g->sm_head};
     for (size_t i = 0; i < sizeof(arrays) / sizeof(arrays[0]); i++)
         PyMem_Free(arrays[i]);
     Py_TYPE(g)->tp_free((PyObject *)g);
