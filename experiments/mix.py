@@ -74,7 +74,7 @@ SYSTEMS = DIRECT + DISPATCHER_POLICIES
 LABELS = {"cuda-ss": "CUDA-SS", "cuda-ms": "CUDA-MS", "fifo": "Paella-SS (fifo)",
           "ms-jbj": "Paella-MS-jbj", "ms-kbk": "Paella-MS-kbk", "paella": "Paella",
           "sjf": "Paella-SJF", "rr": "Paella-RR"}
-FULL_RATES = [200, 300, 400, 500, 600, 700, 800, 900, 1000]
+FULL_RATES = [300, 400, 500, 600, 700, 800, 1000, 1400, 1800]
 QUICK_RATES = [300, 600, 900]
 #: --quick runs the headline comparison only (paella, ms-jbj, and CUDA-MS for reference).
 QUICK_SYSTEMS = ["cuda-ms", "ms-jbj", "paella"]

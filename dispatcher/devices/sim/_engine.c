@@ -132,6 +132,7 @@ typedef struct {
     PyObject *overrun_exc;
     /* statistics */
     long long resident, placements, events;
+    uint64_t observed;             /* notifQ writes and completed ops: what a host can see */
     double area, last_t;
     PyObject *record;              /* list, or NULL: per-kernel records for profiling */
     /* bulk arrivals (benchmarks, naive drivers) */
@@ -385,6 +386,7 @@ static int overrun(Gpu *g, uint64_t slot)
    the group's count, the kernel's last block posts what remains (protocol.group_posts). */
 static int post(Gpu *g, uint64_t kind_bits, Op *k, int first, int64_t c0)
 {
+    g->observed++;
     int64_t G = k->group, total = k->total;
     uint64_t full = kind_bits | k->launch_id | ((uint64_t)G << g->count_shift);
     int64_t nxt = (c0 / G + 1) * G;
@@ -451,6 +453,7 @@ static int record_kernel(Gpu *g, Op *k)
 static int complete(Gpu *g, int i)
 {
     Op *o = &g->ops[i];
+    g->observed++;
     o->done = 1;
     o->t_done = g->now;
     int st = o->stream;
@@ -1412,6 +1415,44 @@ static PyObject *Gpu_run_until(Gpu *g, PyObject *arg)
     Py_RETURN_NONE;
 }
 
+static PyObject *Gpu_run_until_observed(Gpu *g, PyObject *arg)
+{
+    /* Fire events up to time t, but stop after the first instant in which a host could
+       observe something (a notifQ entry written, an op completed), once every event of
+       that instant has fired. Returns True if it stopped there; False, with the clock at
+       t, if nothing observable happened by t. */
+    double t = PyFloat_AsDouble(arg);
+    if (t == -1.0 && PyErr_Occurred())
+        return NULL;
+    if (t < g->now) {
+        PyErr_SetString(PyExc_ValueError, "time cannot go backwards");
+        return NULL;
+    }
+    uint64_t before = g->observed;
+    for (;;) {
+        if (settle(g) < 0)
+            return NULL;
+        if (!g->nheap || g->heap[0].t > t)
+            break;
+        if (fire(g) < 0)
+            return NULL;
+        if (g->observed != before) {
+            /* finish the instant, as run_until(now) would */
+            for (;;) {
+                clean_top(g);
+                if (!g->nheap || g->heap[0].t > g->now)
+                    break;
+                if (fire(g) < 0)
+                    return NULL;
+            }
+            Py_RETURN_TRUE;
+        }
+    }
+    if (t != INFINITY)
+        g->now = t;
+    Py_RETURN_FALSE;
+}
+
 static PyObject *Gpu_run(Gpu *g, PyObject *Py_UNUSED(x))
 {
     for (;;) {
@@ -1519,6 +1560,8 @@ static PyMethodDef Gpu_methods[] = {
     {"step", (PyCFunction)Gpu_step, METH_NOARGS, "fire one event"},
     {"run_until", (PyCFunction)Gpu_run_until, METH_O, "fire events due by t, then set now to t"},
     {"run", (PyCFunction)Gpu_run, METH_NOARGS, "fire events until none is left"},
+    {"run_until_observed", (PyCFunction)Gpu_run_until_observed, METH_O,
+     "fire events up to t, stopping after the first one a host could observe"},
     {"busy", (PyCFunction)Gpu_busy, METH_NOARGS, "any stream has work"},
     {"stream_idle", (PyCFunction)Gpu_stream_idle, METH_O, "the stream has no work"},
     {"mean_resident", (PyCFunction)Gpu_mean_resident, METH_VARARGS, "time-averaged resident blocks"},

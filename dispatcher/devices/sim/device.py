@@ -79,6 +79,13 @@ class SimDevice(Device):
     def step(self) -> None:
         self.loop.step()
 
+    def run_until_observed(self, t: float) -> bool:
+        """Virtual time: fire events up to ``t`` but stop after the first one a host could
+        observe (a notifQ entry, an op's completion); False, with the clock at ``t``
+        (unless ``t`` is inf), if none happened by then. A driver that can only react to
+        such things skips the events it could not see in one call."""
+        return self.gpu.run_until_observed(t)
+
     def run(self) -> None:
         """Run until the device is idle (virtual time jumps; real time sleeps)."""
         if self.realtime:
