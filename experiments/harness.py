@@ -198,7 +198,7 @@ def _drive(d: Dispatcher, dev: SimDevice, arrivals: np.ndarray, submit: Callable
             # bit-for-bit the points of stepping the dispatcher at every device event);
             # at cpu_scale > 0 the idle polls in between are no longer charged.
             limit = arrivals[i] if i < n else inf
-            if not dev.run_until_observed(limit) and limit == inf:
+            if limit > dev.now() and not dev.run_until_observed(limit) and limit == inf:
                 if d.in_flight:
                     raise RuntimeError("harness stalled: requests in flight, no device event")
                 break

@@ -360,6 +360,66 @@ def _mix(d: dict) -> list[str]:
     ]
 
 
+#: Figures before and after the timing model of issue 21: (figure, measure, key path into
+#: its JSON, why it moved). The "before" values are recorded in
+#: ``docs/figures/before_timing_model.json`` (commit aac29be's JSON, same paths); the
+#: "after" values are read from the current JSON, so they cannot drift.
+MOVES: list[tuple[str, str, list, str]] = [
+    ("calibrate", "Table 2, resnet18 (ms)", ["models", "resnet18", "simulated_ms"],
+     "no fitted 48.75 us per kernel and 0.47 efficiency: the SMs' peak where enough warps are resident"),
+    ("calibrate", "Table 2, inceptionv3 (ms)", ["models", "inceptionv3", "simulated_ms"], "the same"),
+    ("calibrate", "Table 2, worst relative error", ["summary", "worst_relative_error"],
+     "nothing is fitted to Table 2 any more (the fit reached 140%)"),
+    ("hol", "Figure 2: goodput ratio, aware over naive", ["goodput_ratio"],
+     "synthetic 300 us kernels keep their time; each kernel now also waits 0.5 us of launch latency"),
+    ("hol_dispatcher", "Figure 2 through the dispatcher: paella over ms-jbj", ["goodput_ratio"], "the same"),
+    ("hol_dispatcher_cpu1", "... with its CPU charged", ["goodput_ratio"],
+     "the same, within the run-to-run noise of measured CPU time"),
+    ("short_long", "Figure 12: ResNet-18 p99, ms-jbj over paella", ["summary", "short_p99_speedup"],
+     "synthetic kernels keep their Table 2 times; 0.5 us launch latency per kernel"),
+    ("short_long_cpu1", "... with the dispatcher's CPU charged", ["summary", "short_p99_speedup"], "the same"),
+    ("sched_delay", "Figure 9: headroom per decision (us)", ["summary", "headroom_us"], "the same"),
+    ("fairness", "Figure 13: short mean at threshold 0 (ms)", ["summary", "short_mean_ms", 0], "the same"),
+    ("overhead", "Figure 10: MobileNetV2 simulated GPU busy (us)", ["summary", "gpu_busy_us"],
+     "its isolated time under the timing model (was the fitted model's)"),
+    ("overhead", "Figure 10: end to end p50 (us)", ["summary", "e2e_p50_us"],
+     "a shorter GPU time and a simulator that costs less CPU than it simulates"),
+    ("overhead", "Figure 10: simulator CPU while the GPU idles (us)", ["summary", "simulator_cpu_us"],
+     "the engine in C"),
+    ("mix", "Figure 11: sustained load, paella over ms-jbj (per-model SLO)", ["summary", "load_ratio_vs_ms_jbj"],
+     "2,000 requests per point (was 300), one seed for every load, only contiguous passing loads, "
+     "models 3x faster alone"),
+    ("mix", "Figure 11: the same under the overall p99 bound", ["summary", "overall_slo", "load_ratio_vs_ms_jbj"],
+     "the same"),
+]
+
+
+def _dig(d: dict | None, path: list):
+    for k in path:
+        if d is None:
+            return None
+        try:
+            d = d[k]
+        except (KeyError, IndexError, TypeError):
+            return None
+    return d
+
+
+def _moves(figures: Path) -> list[str]:
+    before = _load("before_timing_model", figures)
+    if before is None:
+        return []
+    rows = ["| figure | measure | before | after | why |", "|---|---|---:|---:|---|"]
+    fmt = lambda v: "n/a" if v is None else (f"{v:.3g}" if isinstance(v, float) else str(v))  # noqa: E731
+    for name, label, path, why in MOVES:
+        rows.append(f"| {name} | {label} | {fmt(_dig(before.get(name), path))} | "
+                    f"{fmt(_dig(_load(name, figures), path))} | {why} |")
+    return ["## Before and after the timing model (issue 21)", "",
+            f"Every figure was re-run when the simulator's cost model (a fitted roofline) was replaced by "
+            f"the timing model of docs/simulator.md. Before: commit {before.get('commit', '?')}.", "",
+            *rows, ""]
+
+
 SECTIONS: list[tuple[str, str, str, Callable[[dict], list[str]]]] = [
     ("calibrate", "Table 2 under the timing model (calibrate)",
      "paella experiment calibrate --json docs/figures/calibrate.json --plot docs/figures/calibrate.png",
@@ -411,6 +471,7 @@ def render(figures: Path = FIGURES) -> str:
         out += section(data) + [""]
         if "wall_seconds" in data:
             out += [f"Running time: {data['wall_seconds']:.0f} s.", ""]
+    out += _moves(figures)
     out += ["## Not reproduced yet", "",
             "- Figure 14 (client CPU per wait mode) is measured by `python -m paella.experiments.client_cpu`; "
             "its figures are in docs/service.md.", ""]
