@@ -151,27 +151,19 @@ def _instrument(trace: _Trace) -> None:
 
 def _instrument_device(trace: _Trace, dev) -> None:
     from paella.dispatcher.devices.sim import SimDevice
-    from paella.dispatcher.devices.sim.hardware import KERNEL, MARKER
     if not isinstance(dev, SimDevice) or not dev.realtime or dev.loop.speed != 1.0:
         raise SystemExit("overhead: the traced daemon needs the simulator stepped in its loop "
                          "at real speed (--backend sim --sim-mode stepped); got "
                          f"{type(dev).__name__}")
     loop, gpu = dev.loop, dev.gpu
     t0 = loop._t0                    # device time + t0 = perf_counter time
-    starts: dict = {}
-    start_copy, complete = gpu._start_copy, gpu._complete
 
-    def _start_copy(op):
-        starts[op] = loop.now
-        start_copy(op)
-
-    def _complete(op):
-        if op.kind != MARKER:
-            begin = op.t_first if op.kind == KERNEL else starts.pop(op)
-            if trace.open:
-                trace.ops.extend((begin + t0, loop.now + t0, op.kind))
-        complete(op)
-    gpu._start_copy, gpu._complete = _start_copy, _complete
+    def _op_done(kind: int, begin: float, end: float) -> None:
+        # the engine calls this for every kernel (begin: its first block) and copy as it
+        # completes, at the completion instant
+        if trace.open:
+            trace.ops.extend((begin + t0, end + t0, kind))
+    gpu.trace = _op_done
     for name in ("poll", "_launch", "_memcpy_htod", "_memcpy_dtoh", "_record_event"):
         setattr(dev, name, trace.timed(getattr(dev, name), trace.sim))
 

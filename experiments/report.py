@@ -243,7 +243,7 @@ def _overhead(d: dict) -> list[str]:
         "comparable to Triton's, lower than Clockwork's |",
         f"| device: simulated GPU busy | {s['gpu_busy_us'] / 1e3:.2f} ms | excluded from Figure 10; "
         "MobileNetV2 takes 1.67 ms on a T4 (Table 2) |",
-        f"| device: simulator CPU | {s['simulator_cpu_us'] / 1e3:.1f} ms | none (a real GPU) |",
+        f"| device: simulator CPU | {s['simulator_cpu_us'] / 1e3:.2f} ms | none (a real GPU) |",
         "",
         "The paper's bars are in a figure whose values the text does not give, so only its ordering can be "
         f"compared. Communication, {med['communication']:.0f} us, is the shared-memory rings plus a "
@@ -261,12 +261,14 @@ def _overhead(d: dict) -> list[str]:
         "MobileNet's 1.67 ms (it allows about 30x more jobs per second before throughput suffers), "
         f"while this Python one's overheads are {1 / s['gpu_over_overhead']:.1f}x the simulated GPU "
         "time. The simulated GPU "
-        f"is busy {s['gpu_busy_us']:.0f} us, exactly the request's isolated time in virtual time "
-        f"({s['isolated_device_us']:.0f} us, the calibration's number; the paper's T4 takes 1.67 ms). "
-        f"The simulator itself costs {s['simulator_cpu_us'] / 1e3:.0f} ms of the daemon loop's CPU per "
-        f"request while the GPU idles, {s['simulator_cpu_us'] / s['gpu_busy_us']:.0f}x the GPU time it "
-        "simulates; it is counted as device time (the "
-        "hardware's work), not as scheduling; on a real GPU it would not exist.",
+        f"is busy {s['gpu_busy_us']:.0f} us of the request's isolated time in virtual time "
+        f"({s['isolated_device_us']:.0f} us, `paella profile`'s number, copies and the launch latency "
+        "between kernels included; the paper's T4 takes 1.67 ms). "
+        f"The simulator itself costs {s['simulator_cpu_us'] / 1e3:.1f} ms of the daemon loop's CPU per "
+        f"request, {s['simulator_cpu_us'] / s['gpu_busy_us']:.1f}x the GPU time it simulates, most of it "
+        "the Python calls into it (a poll per loop iteration, a launch per kernel); the part spent while "
+        "the GPU idles is counted as device time (the hardware's work), not as scheduling; on a real GPU "
+        "it would not exist.",
         "",
         f"Checks: the mean components add up to the mean end-to-end latency ({s['sum_of_means_us']:.1f} "
         f"against {s['e2e_mean_us']:.1f} us; largest residual {s['max_abs_residual_us']:.3f} us)."

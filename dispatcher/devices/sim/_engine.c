@@ -34,9 +34,10 @@
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
+#include <time.h>
 
 enum { K_KERNEL = 0, K_H2D = 1, K_D2H = 2, K_MARKER = 3, K_FREE = -1 };
-enum { EV_GROUPS = 0, EV_COPY = 1, EV_READY = 2, EV_ARRIVAL = 3, EV_GROUP = 4 };
+enum { EV_GROUPS = 0, EV_COPY = 1, EV_READY = 2, EV_ARRIVAL = 3, EV_SM = 4 };
 enum { B_COMPUTE = 0, B_MEMORY = 1, B_LATENCY = 2 };
 #define MAX_PARTS 4
 #define MAX_SMS 256
@@ -46,7 +47,7 @@ typedef struct {
     double t;
     uint64_t seq;
     int32_t type, a, b;
-    uint64_t ver;                  /* EV_GROUP: the group's version when scheduled */
+    uint64_t ver;                  /* EV_SM: the SM's version when scheduled */
 } Event;
 
 typedef struct {
@@ -76,10 +77,10 @@ typedef struct {
     double tc, tm0, dur;
     /* modelled groups: fluid progress, re-timed when their SM's residency changes */
     int32_t sm_prev, sm_next;      /* the SM's list of modelled groups */
-    uint64_t ver;
     int32_t bound;
     double tc_unit;                /* compute seconds per resident warp (max(W, W_c) of them) */
     double p, t_last, T, jit;      /* progress done, when, the group's time at the current rate */
+    double end;                    /* when it ends at the current rate */
 } Group;
 
 typedef struct {
@@ -114,6 +115,8 @@ typedef struct {
     /* SMs whose modelled residency changed this instant; each SM's modelled groups */
     int *touched, ntouched, *sm_head;
     uint8_t *is_touched;
+    uint64_t *sm_ver;              /* each SM's one pending end event: its earliest group's end */
+    double *sm_end;
     /* ops whose callbacks are due */
     int *defer, dhead, dtail, capdefer, flushing;
     /* timing model */
@@ -135,6 +138,7 @@ typedef struct {
     uint64_t observed;             /* notifQ writes and completed ops: what a host can see */
     double area, last_t;
     PyObject *record;              /* list, or NULL: per-kernel records for profiling */
+    PyObject *trace;               /* callable, or NULL: trace(kind, begin, end) per kernel/copy */
     /* bulk arrivals (benchmarks, naive drivers) */
     double *b_t;
     int32_t *b_stream;
@@ -240,10 +244,10 @@ static Event pop_event(Gpu *g)
     return top;
 }
 
-/* Drop stale group events (the group was re-timed since) from the top of the heap. */
+/* Drop stale SM events (the SM was re-timed since) from the top of the heap. */
 static inline void clean_top(Gpu *g)
 {
-    while (g->nheap && g->heap[0].type == EV_GROUP && g->grps[g->heap[0].b].ver != g->heap[0].ver)
+    while (g->nheap && g->heap[0].type == EV_SM && g->sm_ver[g->heap[0].a] != g->heap[0].ver)
         pop_event(g);
 }
 
@@ -496,6 +500,7 @@ static void remove_active(Gpu *g, int i)
 static int start_copy(Gpu *g, int i)
 {
     Op *o = &g->ops[i];
+    o->t_first = g->now;
     return push_event(g, g->now + g->pcie_lat + (double)o->nbytes / g->pcie_bw, EV_COPY, i, 0);
 }
 
@@ -771,10 +776,12 @@ static int finalize(Gpu *g)
             gr->demand = d;
         }
     }
-    /* Pass 2: the device's bandwidth shared by every running block; new ends. */
+    /* Pass 2: the device's bandwidth shared by every running block; new ends, and each
+       touched SM's one event at its earliest group's end. */
     double scale = g->demand > g->bw ? g->demand / g->bw : 1.0;
     for (int t = 0; t < nt; t++) {
         int sm = g->touched[t];
+        double first = INFINITY;
         for (int gi = g->sm_head[sm]; gi != NIL; gi = g->grps[gi].sm_next) {
             Group *gr = &g->grps[gi];
             double tm = gr->tm0 * scale, core = gr->tc > tm ? gr->tc : tm;
@@ -785,14 +792,18 @@ static int finalize(Gpu *g)
                 gr->bound = g->mwarps[sm] >= g->wc ? B_COMPUTE : B_LATENCY;
             else
                 gr->bound = scale > 1.0 ? B_MEMORY : B_LATENCY;
-            if (T == gr->T)
-                continue;                        /* same rate: its event stands */
-            gr->T = T;
-            double rest = 1.0 - gr->p;
-            if (rest < 0)
-                rest = 0;
-            gr->ver = ++g->vseq;
-            if (push_event_v(g, g->now + rest * T, EV_GROUP, gr->op, gi, gr->ver) < 0)
+            if (T != gr->T) {                    /* a new rate: a new end */
+                gr->T = T;
+                double rest = 1.0 - gr->p;
+                gr->end = g->now + (rest > 0 ? rest : 0.0) * T;
+            }
+            if (gr->end < first)
+                first = gr->end;
+        }
+        if (first != g->sm_end[sm]) {
+            g->sm_end[sm] = first;
+            g->sm_ver[sm] = ++g->vseq;
+            if (first != INFINITY && push_event_v(g, first, EV_SM, sm, 0, g->sm_ver[sm]) < 0)
                 return -1;
         }
         g->is_touched[sm] = 0;
@@ -888,7 +899,8 @@ static int groups_done(Gpu *g, int ki, int first)
     return dispatch(g);
 }
 
-/* A modelled group's end: its SM's other groups are re-timed when the instant settles. */
+/* A modelled group's end: its SM's other groups are re-timed when the instant settles
+   (its SM's event moves then). */
 static int group_done(Gpu *g, int ki, int gi)
 {
     Op *k = &g->ops[ki];
@@ -912,7 +924,6 @@ static int group_done(Gpu *g, int ki, int gi)
     int err = 0;
     if (k->instrumented && (end - end % k->group > c0 || end == k->total))
         err = post(g, g->done_bits, k, gi, c0);
-    gr->ver = ++g->vseq;                     /* any event still naming it is stale */
     gr->next = g->free_grp;
     g->free_grp = gi;
     if (err < 0)
@@ -973,13 +984,23 @@ static int flush(Gpu *g)
         int i = g->defer[g->dhead++];
         Op *o = &g->ops[i];
         PyObject *action = o->action, *cb = o->cb;
+        int kind = o->kind;
+        double begin = o->t_first, end = o->t_done;
         op_free(g, i);
         int bad = 0;
-        if (action) {
-            PyObject *r = PyObject_CallNoArgs(action);
+        if (g->trace && kind != K_MARKER) {
+            PyObject *r = PyObject_CallFunction(g->trace, "idd", kind, begin, end);
             if (r == NULL)
                 bad = 1;
             Py_XDECREF(r);
+        }
+        if (action) {
+            if (!bad) {
+                PyObject *r = PyObject_CallNoArgs(action);
+                if (r == NULL)
+                    bad = 1;
+                Py_XDECREF(r);
+            }
             Py_DECREF(action);
         }
         if (cb) {
@@ -1001,16 +1022,31 @@ static int flush(Gpu *g)
     return 0;
 }
 
+/* The SM's earliest groups end: every modelled group on it whose end is now. */
+static int sm_done(Gpu *g, int sm)
+{
+    g->sm_end[sm] = INFINITY;                /* settle() gives the SM its next event */
+    touch(g, sm);
+    int gi = g->sm_head[sm];
+    while (gi != NIL) {
+        int nx = g->grps[gi].sm_next;
+        if (g->grps[gi].end == g->now && group_done(g, g->grps[gi].op, gi) < 0)
+            return -1;
+        gi = nx;
+    }
+    return 0;
+}
+
 static int fire(Gpu *g)
 {
     Event e = pop_event(g);
-    if (e.type == EV_GROUP && g->grps[e.b].ver != e.ver)
+    if (e.type == EV_SM && g->sm_ver[e.a] != e.ver)
         return 0;                            /* re-timed since: a later event stands */
     g->now = e.t;
     int r;
     switch (e.type) {
-    case EV_GROUP:
-        r = group_done(g, e.a, e.b);
+    case EV_SM:
+        r = sm_done(g, e.a);
         break;
     case EV_GROUPS:
         r = groups_done(g, e.a, e.b);
@@ -1453,6 +1489,36 @@ static PyObject *Gpu_run_until_observed(Gpu *g, PyObject *arg)
     Py_RETURN_FALSE;
 }
 
+static PyObject *Gpu_poll_wall(Gpu *g, PyObject *const *args, Py_ssize_t nargs)
+{
+    /* poll_wall(t0, speed): real time: fire every event due by the wall clock
+       ((CLOCK_MONOTONIC - t0) * speed, the clock time.perf_counter reads on Linux). One C
+       call per poll of the dispatcher loop: the loop polls far more often than anything
+       is due, so the call's own cost is most of what the simulator costs in real time. */
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "poll_wall(t0, speed)");
+        return NULL;
+    }
+    double t0 = PyFloat_AsDouble(args[0]), speed = PyFloat_AsDouble(args[1]);
+    if (PyErr_Occurred())
+        return NULL;
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    double t = ((double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec - t0) * speed;
+    if (t < g->now)
+        t = g->now;
+    for (;;) {
+        if (settle(g) < 0)
+            return NULL;
+        if (!g->nheap || g->heap[0].t > t)
+            break;
+        if (fire(g) < 0)
+            return NULL;
+    }
+    g->now = t;
+    Py_RETURN_NONE;
+}
+
 static PyObject *Gpu_run(Gpu *g, PyObject *Py_UNUSED(x))
 {
     for (;;) {
@@ -1510,6 +1576,27 @@ static PyObject *Gpu_get_record(Gpu *g, void *c)
     return r;
 }
 
+static PyObject *Gpu_get_trace(Gpu *g, void *c)
+{
+    PyObject *r = g->trace ? g->trace : Py_None;
+    Py_INCREF(r);
+    return r;
+}
+
+static int Gpu_set_trace(Gpu *g, PyObject *v, void *c)
+{
+    if (v != NULL && v != Py_None && !PyCallable_Check(v)) {
+        PyErr_SetString(PyExc_TypeError, "trace must be callable or None");
+        return -1;
+    }
+    Py_CLEAR(g->trace);
+    if (v != NULL && v != Py_None) {
+        Py_INCREF(v);
+        g->trace = v;
+    }
+    return 0;
+}
+
 static int Gpu_set_record(Gpu *g, PyObject *v, void *c)
 {
     if (v != NULL && v != Py_None && !PyList_Check(v)) {
@@ -1544,6 +1631,9 @@ static PyGetSetDef Gpu_getset[] = {
     {"pending_events", (getter)Gpu_get_nheap, NULL, "events scheduled", NULL},
     {"record", (getter)Gpu_get_record, (setter)Gpu_set_record,
      "None, or a list that receives one tuple per completed kernel (profiling)", NULL},
+    {"trace", (getter)Gpu_get_trace, (setter)Gpu_set_trace,
+     "None, or trace(kind, begin, end), called for every kernel and copy as it completes, "
+     "before its own callbacks (device times)", NULL},
     {NULL}};
 
 static PyMethodDef Gpu_methods[] = {
@@ -1560,6 +1650,8 @@ static PyMethodDef Gpu_methods[] = {
     {"step", (PyCFunction)Gpu_step, METH_NOARGS, "fire one event"},
     {"run_until", (PyCFunction)Gpu_run_until, METH_O, "fire events due by t, then set now to t"},
     {"run", (PyCFunction)Gpu_run, METH_NOARGS, "fire events until none is left"},
+    {"poll_wall", (PyCFunction)(void (*)(void))Gpu_poll_wall, METH_FASTCALL,
+     "real time: fire the events due by (monotonic clock - t0) * speed"},
     {"run_until_observed", (PyCFunction)Gpu_run_until_observed, METH_O,
      "fire events up to t, stopping after the first one a host could observe"},
     {"busy", (PyCFunction)Gpu_busy, METH_NOARGS, "any stream has work"},
@@ -1649,14 +1741,17 @@ static int Gpu_init(Gpu *g, PyObject *args, PyObject *kw)
     g->touched = PyMem_Calloc(n_sm, sizeof(int));
     g->is_touched = PyMem_Calloc(n_sm, 1);
     g->sm_head = PyMem_Malloc(n_sm * sizeof(int));
+    g->sm_ver = PyMem_Calloc(n_sm, sizeof(uint64_t));
+    g->sm_end = PyMem_Malloc(n_sm * sizeof(double));
     if (!g->fblocks || !g->fwarps || !g->mwarps || !g->fsmem || !g->fregs || !g->is_dirty
         || !g->dirty || !g->qhead || !g->qtail || !g->active || !g->shead || !g->stail
-        || !g->scount || !g->touched || !g->is_touched || !g->sm_head) {
+        || !g->scount || !g->touched || !g->is_touched || !g->sm_head || !g->sm_ver || !g->sm_end) {
         PyErr_NoMemory();
         return -1;
     }
     for (int s = 0; s < n_sm; s++) {
         g->sm_head[s] = NIL;
+        g->sm_end[s] = INFINITY;
         g->fblocks[s] = max_blocks;
         g->fwarps[s] = max_warps;
         g->fsmem[s] = smem_per_sm;
@@ -1682,6 +1777,7 @@ static int Gpu_traverse(Gpu *g, visitproc visit, void *arg)
         }
     }
     Py_VISIT(g->record);
+    Py_VISIT(g->trace);
     Py_VISIT(g->overrun_exc);
     return 0;
 }
@@ -1696,6 +1792,7 @@ static int Gpu_clear(Gpu *g)
     }
     /* Deferred ops not yet flushed hold their callbacks too (op_free has not run). */
     Py_CLEAR(g->record);
+    Py_CLEAR(g->trace);
     Py_CLEAR(g->overrun_exc);
     return 0;
 }
@@ -1710,7 +1807,7 @@ static void Gpu_dealloc(Gpu *g)
                       g->sh_warps, g->sh_rpw, g->sh_per_sm, g->sh_smem, g->ops, g->grps, g->qhead,
                       g->qtail, g->shead, g->stail, g->scount, g->active, g->heap, g->pend,
                       g->defer, g->b_t, g->b_stream, g->b_lid, g->touched, g->is_touched,
-                      g->sm_head};
+                      g->sm_head, g->sm_ver, g->sm_end};
     for (size_t i = 0; i < sizeof(arrays) / sizeof(arrays[0]); i++)
         PyMem_Free(arrays[i]);
     Py_TYPE(g)->tp_free((PyObject *)g);

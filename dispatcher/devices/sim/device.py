@@ -68,7 +68,7 @@ class SimDevice(Device):
 
     def poll(self) -> None:
         if self.realtime:
-            self.loop.poll()
+            self.gpu.poll_wall(self.loop._t0, self.loop.speed)
 
     def next_event_time(self) -> float:
         return self.loop.peek()
