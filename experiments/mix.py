@@ -139,7 +139,7 @@ def _kinds(n_models: int, n: int, seed: int) -> np.ndarray:
 
 
 def isolated_ms(bundles: dict) -> dict[str, float]:
-    """Each model alone, its plan on one stream, on the default cost model (ms)."""
+    """Each model alone, its plan on one stream, under the timing model (ms)."""
     from paella.experiments.calibrate import simulate
     return {name: simulate(b, CostModel(), GPU) * 1e3 for name, b in bundles.items()}
 
