@@ -385,9 +385,9 @@ MOVES: list[tuple[str, str, list, str]] = [
     ("overhead", "Figure 10: MobileNetV2 simulated GPU busy (us)", ["summary", "gpu_busy_us"],
      "its isolated time under the timing model (was the fitted model's)"),
     ("overhead", "Figure 10: end to end p50 (us)", ["summary", "e2e_p50_us"],
-     "a shorter GPU time and a simulator that costs less CPU than it simulates"),
-    ("overhead", "Figure 10: simulator CPU while the GPU idles (us)", ["summary", "simulator_cpu_us"],
-     "the engine in C"),
+     "a shorter GPU time and a cheaper simulator (real time: it varies with the host's load)"),
+    ("overhead", "Figure 10: simulator CPU per request (us)", ["summary", "simulator_cpu_us"],
+     "the engine in C; still about twice the GPU time it simulates, mostly the Python calls into it"),
     ("mix", "Figure 11: sustained load, paella over ms-jbj (per-model SLO)", ["summary", "load_ratio_vs_ms_jbj"],
      "2,000 requests per point (was 300), one seed for every load, only contiguous passing loads, "
      "models 3x faster alone"),
