@@ -121,7 +121,7 @@ def _resolve(path: str) -> Path:
     p = Path(path)
     if (p / "manifest.json").exists():
         return p
-    from paella.experiments.zoo import DEFAULT_ZOO_DIR
+    from paella.bundle import DEFAULT_ZOO_DIR
     if not p.exists() and (DEFAULT_ZOO_DIR / path / "manifest.json").exists():
         return DEFAULT_ZOO_DIR / path        # a zoo model's name, compiled in the cache
     return p
