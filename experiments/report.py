@@ -363,37 +363,52 @@ def _mix(d: dict) -> list[str]:
     ]
 
 
-#: Figures before and after the timing model of issue 21: (figure, measure, key path into
-#: its JSON, why it moved). The "before" values are recorded in
-#: ``docs/figures/before_timing_model.json`` (commit aac29be's JSON, same paths); the
-#: "after" values are read from the current JSON, so they cannot drift.
-MOVES: list[tuple[str, str, list, str]] = [
+#: Figures before and after the two changes that moved them: the timing model of issue 21
+#: and the release rule of issue 13 (Figure 1's ideal schedule: the +B rule counts the
+#: candidate, the order rule keeps B's slack for the most urgent job, ties on a 1 ns
+#: grid). Rows: (figure, measure, key path into its JSON, why the timing model moved it,
+#: why the release rule moved it). The "before" values are commit aac29be's JSON
+#: (``docs/figures/before_timing_model.json``), the middle ones the timing model's alone
+#: (``docs/figures/timing_model_only.json``, the JSON of the branch that introduced it);
+#: the "after" values are read from the current JSON, so they cannot drift.
+MOVES: list[tuple[str, str, list, str, str]] = [
     ("calibrate", "Table 2, resnet18 (ms)", ["models", "resnet18", "simulated_ms"],
-     "no fitted 48.75 us per kernel and 0.47 efficiency: the SMs' peak where enough warps are resident"),
-    ("calibrate", "Table 2, inceptionv3 (ms)", ["models", "inceptionv3", "simulated_ms"], "the same"),
+     "no fitted 48.75 us per kernel and 0.47 efficiency: the SMs' peak where enough warps are resident", "-"),
+    ("calibrate", "Table 2, inceptionv3 (ms)", ["models", "inceptionv3", "simulated_ms"], "the same", "-"),
     ("calibrate", "Table 2, worst relative error", ["summary", "worst_relative_error"],
-     "nothing is fitted to Table 2 any more (the fit reached 140%)"),
+     "nothing is fitted to Table 2 any more (the fit reached 140%)", "-"),
     ("hol", "Figure 2: goodput ratio, aware over naive", ["goodput_ratio"],
-     "synthetic 300 us kernels keep their time; each kernel now also waits 0.5 us of launch latency"),
-    ("hol_dispatcher", "Figure 2 through the dispatcher: paella over ms-jbj", ["goodput_ratio"], "the same"),
+     "synthetic 300 us kernels keep their time; each kernel now also waits 0.5 us of launch latency",
+     "- (the aware driver is not the dispatcher)"),
+    ("hol_dispatcher", "Figure 2 through the dispatcher: paella over ms-jbj", ["goodput_ratio"], "the same",
+     "one-block kernels that fit never wait; the +B slack counts the candidate, a little less lookahead at the highest loads"),
     ("hol_dispatcher_cpu1", "... with its CPU charged", ["goodput_ratio"],
-     "the same, within the run-to-run noise of measured CPU time"),
+     "the same, within the run-to-run noise of measured CPU time",
+     "measured CPU time: varies with the host's load from run to run"),
     ("short_long", "Figure 12: ResNet-18 p99, ms-jbj over paella", ["summary", "short_p99_speedup"],
-     "synthetic kernels keep their Table 2 times; 0.5 us launch latency per kernel"),
-    ("short_long_cpu1", "... with the dispatcher's CPU charged", ["summary", "short_p99_speedup"], "the same"),
-    ("sched_delay", "Figure 9: headroom per decision (us)", ["summary", "headroom_us"], "the same"),
-    ("fairness", "Figure 13: short mean at threshold 0 (ms)", ["summary", "short_mean_ms", 0], "the same"),
+     "synthetic kernels keep their Table 2 times; 0.5 us launch latency per kernel",
+     "an InceptionV3 kernel that cannot start no longer waits in a hardware queue ahead of ResNet-18's next kernel"),
+    ("short_long_cpu1", "... with the dispatcher's CPU charged", ["summary", "short_p99_speedup"], "the same",
+     "the same, and measured CPU time"),
+    ("sched_delay", "Figure 9: headroom per decision (us)", ["summary", "headroom_us"], "the same", "-"),
+    ("fairness", "Figure 13: short mean at threshold 0 (ms)", ["summary", "short_mean_ms", 0], "the same", "-"),
+    ("fairness", "Figure 13: short mean at threshold 256, the default (ms)", ["summary", "short_mean_ms", 5], "-",
+     "SRPT's order kept by the hardware too: short jobs' kernels no longer queue behind long ones' (mean 1.75 -> 1.09 ms)"),
+    ("fairness", "Figure 13: long mean at threshold 256 (ms)", ["summary", "long_mean_ms", 5], "-",
+     "the price: long jobs wait for every short one (SRPT's trade-off, now exact)"),
     ("overhead", "Figure 10: MobileNetV2 simulated GPU busy (us)", ["summary", "gpu_busy_us"],
-     "its isolated time under the timing model (was the fitted model's)"),
+     "its isolated time under the timing model (was the fitted model's)", "-"),
     ("overhead", "Figure 10: end to end p50 (us)", ["summary", "e2e_p50_us"],
-     "a shorter GPU time and a cheaper simulator (real time: it varies with the host's load)"),
+     "a shorter GPU time and a cheaper simulator (real time: it varies with the host's load)",
+     "the redesign (issue 13): the CPU build runs as the simulated device's effect, plans are issued whole"),
     ("overhead", "Figure 10: simulator CPU per request (us)", ["summary", "simulator_cpu_us"],
-     "the engine in C; still about twice the GPU time it simulates, mostly the Python calls into it"),
+     "the engine in C; still about twice the GPU time it simulates, mostly the Python calls into it",
+     "now includes the CPU build (the device's functional effect)"),
     ("mix", "Figure 11: sustained load, paella over ms-jbj (per-model SLO)", ["summary", "load_ratio_vs_ms_jbj"],
      "2,000 requests per point (was 300), one seed for every load, only contiguous passing loads, "
-     "models 3x faster alone"),
+     "models 3x faster alone", "see the mix section"),
     ("mix", "Figure 11: the same under the overall p99 bound", ["summary", "overall_slo", "load_ratio_vs_ms_jbj"],
-     "the same"),
+     "the same", "see the mix section"),
 ]
 
 
@@ -412,14 +427,20 @@ def _moves(figures: Path) -> list[str]:
     before = _load("before_timing_model", figures)
     if before is None:
         return []
-    rows = ["| figure | measure | before | after | why |", "|---|---|---:|---:|---|"]
+    middle = _load("timing_model_only", figures) or {}
+    rows = ["| figure | measure | before | timing model | after | why: timing model (issue 21) | "
+            "why: release rule (issue 13) |", "|---|---|---:|---:|---:|---|---|"]
     fmt = lambda v: "n/a" if v is None else (f"{v:.3g}" if isinstance(v, float) else str(v))  # noqa: E731
-    for name, label, path, why in MOVES:
+    for name, label, path, why_model, why_rule in MOVES:
         rows.append(f"| {name} | {label} | {fmt(_dig(before.get(name), path))} | "
-                    f"{fmt(_dig(_load(name, figures), path))} | {why} |")
-    return ["## Before and after the timing model (issue 21)", "",
+                    f"{fmt(_dig(middle.get(name), path))} | "
+                    f"{fmt(_dig(_load(name, figures), path))} | {why_model} | {why_rule} |")
+    return ["## Before and after: the timing model (issue 21) and the release rule (issue 13)", "",
             f"Every figure was re-run when the simulator's cost model (a fitted roofline) was replaced by "
-            f"the timing model of docs/simulator.md. Before: commit {before.get('commit', '?')}.", "",
+            f"the timing model of docs/simulator.md, and again when the dispatcher's release rule changed "
+            f"(docs/dispatcher.md: B = 0 means no kernel waits in a hardware queue; the order rule; ties "
+            f"to the earlier arrival). Before: commit {before.get('commit', '?')}; timing model: "
+            f"commit {middle.get('commit', '?')}, before the release rule; after: both.", "",
             *rows, ""]
 
 
