@@ -191,8 +191,8 @@ def _drive(d: Dispatcher, dev: SimDevice, arrivals: np.ndarray, submit: Callable
             spent = max(clock() - c0 - meter.take(), 0.0)
             total_cpu += spent
             t = now + spent * cpu_scale + meter.take_launches() * decision_delay
-        dev.run_until(t)
-        if d.idle:
+        observed = dev.run_until(t)
+        if d.idle and not observed:
             # Nothing to do until the device shows something (a notification, a completed
             # op) or a request arrives: skip the events in between in one call. Exact for
             # a policy that acts on what it observes (every built-in one at cpu_scale 0:

@@ -1439,6 +1439,7 @@ static PyObject *Gpu_run_until(Gpu *g, PyObject *arg)
         PyErr_SetString(PyExc_ValueError, msg);
         return NULL;
     }
+    uint64_t before = g->observed;
     for (;;) {
         if (settle(g) < 0)
             return NULL;
@@ -1448,7 +1449,7 @@ static PyObject *Gpu_run_until(Gpu *g, PyObject *arg)
             return NULL;
     }
     g->now = t;
-    Py_RETURN_NONE;
+    return PyBool_FromLong(g->observed != before);
 }
 
 static PyObject *Gpu_run_until_observed(Gpu *g, PyObject *arg)
@@ -1648,7 +1649,8 @@ static PyMethodDef Gpu_methods[] = {
     {"state", (PyCFunction)Gpu_state, METH_NOARGS, "free resources of every SM"},
     {"peek", (PyCFunction)Gpu_peek, METH_NOARGS, "time of the next event, or inf"},
     {"step", (PyCFunction)Gpu_step, METH_NOARGS, "fire one event"},
-    {"run_until", (PyCFunction)Gpu_run_until, METH_O, "fire events due by t, then set now to t"},
+    {"run_until", (PyCFunction)Gpu_run_until, METH_O,
+     "fire events due by t, then set now to t; True if a host could observe any of them"},
     {"run", (PyCFunction)Gpu_run, METH_NOARGS, "fire events until none is left"},
     {"poll_wall", (PyCFunction)(void (*)(void))Gpu_poll_wall, METH_FASTCALL,
      "real time: fire the events due by (monotonic clock - t0) * speed"},

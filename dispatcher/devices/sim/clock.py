@@ -32,9 +32,10 @@ class EventLoop:
     def step(self) -> None:
         self.engine.step()
 
-    def run_until(self, t: float) -> None:
-        """Fire every event due at or before ``t``, then set the clock to ``t``."""
-        self.engine.run_until(t)
+    def run_until(self, t: float) -> bool:
+        """Fire every event due at or before ``t``, then set the clock to ``t``; True if
+        any of them wrote a notification or completed an op."""
+        return self.engine.run_until(t)
 
     def run(self) -> None:
         """Run until no event is left."""

@@ -73,8 +73,10 @@ class SimDevice(Device):
     def next_event_time(self) -> float:
         return self.loop.peek()
 
-    def run_until(self, t: float) -> None:
-        self.loop.run_until(t)
+    def run_until(self, t: float) -> bool:
+        """Virtual time: fire the events due by ``t``; True if a host could observe any
+        (a notification written, an op completed)."""
+        return self.loop.run_until(t)
 
     def step(self) -> None:
         self.loop.step()
