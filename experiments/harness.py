@@ -174,7 +174,6 @@ def _drive(d: Dispatcher, dev: SimDevice, arrivals: np.ndarray, submit: Callable
     total_cpu = 0.0
     clock = time.thread_time
     inf = math.inf
-    stalled = False
     while i < n or d.in_flight:
         now = dev.now()
         while i < n and arrivals[i] <= now:
@@ -200,16 +199,9 @@ def _drive(d: Dispatcher, dev: SimDevice, arrivals: np.ndarray, submit: Callable
             # at cpu_scale > 0 the idle polls in between are no longer charged.
             limit = arrivals[i] if i < n else inf
             if limit > dev.now() and not dev.run_until_observed(limit) and limit == inf:
-                if not d.in_flight:
-                    break
-                # At cpu_scale > 0 the device ran on while the last step was charged, so
-                # what it did then is still unseen: only a step that has seen it and still
-                # does nothing, with the device silent, is a stall.
-                if stalled:
+                if d.in_flight:
                     raise RuntimeError("harness stalled: requests in flight, no device event")
-                stalled = True
-                continue
-        stalled = False
+                break
     return total_cpu
 
 
