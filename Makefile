@@ -9,7 +9,7 @@ STAMP := $(VENV)/.installed-stamp
 
 # setup.py builds the C modules (dispatcher/*.c): a C compiler and the Python
 # headers are needed, as on the stock machine (gcc, python3-dev).
-$(STAMP): pyproject.toml setup.py $(wildcard dispatcher/*.c)
+$(STAMP): pyproject.toml setup.py $(wildcard dispatcher/*.c dispatcher/devices/sim/*.c)
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet -e '.[dev,windtunnel]'

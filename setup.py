@@ -1,6 +1,7 @@
 """The compiled modules: the dispatcher's per-kernel data structures, in C, one per
-``dispatcher/<name>.c`` (the occupancy tracker's hot half, the policies' indexed heap;
-``paella.dispatcher.native.MODULES`` names them for ``paella doctor``). Everything else
+``dispatcher/<name>.c`` (the occupancy tracker's hot half, the policies' indexed heap),
+and the simulated GPU's engine (``dispatcher/devices/sim/_engine.c``);
+``paella.dispatcher.native.MODULES`` names them for ``paella doctor``. Everything else
 is configured in pyproject.toml."""
 from pathlib import Path
 
@@ -10,4 +11,6 @@ _FLAGS = ["-O2", "-Wall", "-Werror"]
 
 setup(ext_modules=[Extension(f"paella.dispatcher.{c.stem}", [f"dispatcher/{c.name}"],
                              extra_compile_args=_FLAGS)
-                   for c in sorted(Path(__file__).parent.joinpath("dispatcher").glob("*.c"))])
+                   for c in sorted(Path(__file__).parent.joinpath("dispatcher").glob("*.c"))]
+      + [Extension("paella.dispatcher.devices.sim._engine", ["dispatcher/devices/sim/_engine.c"],
+                   extra_compile_args=_FLAGS)])

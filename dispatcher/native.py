@@ -11,8 +11,9 @@ from __future__ import annotations
 import importlib
 from types import ModuleType
 
-#: The compiled modules (setup.py builds one per ``dispatcher/<name>.c``).
-MODULES = ("_tracker", "_pqueue")
+#: The compiled modules (setup.py builds one per ``dispatcher/<name>.c``, and the
+#: simulator's engine, ``dispatcher/devices/sim/_engine.c``).
+MODULES = ("_tracker", "_pqueue", "devices.sim._engine")
 
 
 def load(name: str) -> ModuleType:
@@ -21,7 +22,8 @@ def load(name: str) -> ModuleType:
         return importlib.import_module(f"paella.dispatcher.{name}")
     except ImportError as e:
         raise ImportError(
-            f"the dispatcher's compiled module paella.dispatcher.{name} (dispatcher/{name}.c) "
+            f"the dispatcher's compiled module paella.dispatcher.{name} "
+            f"(dispatcher/{name.replace('.', '/')}.c) "
             f"is not built or does not load ({e}); build it with `make install` or "
             f"`pip install -e .` in the project directory (needs gcc and the Python headers, "
             f"python3-dev)") from e

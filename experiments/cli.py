@@ -11,6 +11,7 @@ EXPERIMENTS = [
     "paella.experiments.mix",
     "paella.experiments.fairness",
     "paella.experiments.calibrate",
+    "paella.experiments.fidelity",
     "paella.experiments.sched_delay",
     "paella.experiments.overhead",
     "paella.experiments.windtunnel",

@@ -190,14 +190,32 @@ def _drive(d: Dispatcher, dev: SimDevice, arrivals: np.ndarray, submit: Callable
             spent = max(clock() - c0 - meter.take(), 0.0)
             total_cpu += spent
             t = now + spent * cpu_scale + meter.take_launches() * decision_delay
-        if d.idle:
-            nxt = min(dev.next_event_time(), arrivals[i] if i < n else inf)
-            if nxt == inf:
+        if meter is not None:
+            # The dispatcher's CPU is charged: it is stepped at every device event, as a
+            # busy-polling loop would be, and each idle poll costs what it costs.
+            if d.idle:
+                nxt = min(dev.next_event_time(), arrivals[i] if i < n else inf)
+                if nxt == inf:
+                    if d.in_flight:
+                        raise RuntimeError("harness stalled: requests in flight, no device event")
+                    break
+                t = max(t, nxt)
+            dev.run_until(t)
+            continue
+        observed = dev.run_until(t)
+        if d.idle and not observed:
+            # A free dispatcher (cpu_scale 0) has nothing to do until the device shows
+            # something (a notification, a completed op) or a request arrives: skip the
+            # events in between in one call. Exact for a policy that acts on what it
+            # observes (every built-in one: bit-for-bit the points of stepping it at every
+            # device event). Not used when the CPU is charged: there the idle polls and the
+            # instants they fall on are part of what is measured (skipping them moved
+            # short-long at --cpu-scale 1 from 4.9x to 1.6x).
+            limit = arrivals[i] if i < n else inf
+            if limit > dev.now() and not dev.run_until_observed(limit) and limit == inf:
                 if d.in_flight:
                     raise RuntimeError("harness stalled: requests in flight, no device event")
                 break
-            t = max(t, nxt)
-        dev.run_until(t)
     return total_cpu
 
 

@@ -6,14 +6,10 @@ into what :class:`~paella.dispatcher.devices.sim.SimDevice` runs.
 """
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
-from paella.bundle import Bundle, load_bundle
+from paella.bundle import DEFAULT_ZOO_DIR, Bundle, load_bundle  # noqa: F401 (re-exported)
 from paella.dispatcher.devices.base import KernelInfo, ModuleImage
-
-#: Where the experiments keep their bundles (override with $PAELLA_ZOO_DIR).
-DEFAULT_ZOO_DIR = Path(os.environ.get("PAELLA_ZOO_DIR", Path.home() / ".cache" / "paella" / "zoo"))
 
 #: The paper's Table 2: TVM execution time on a T4, in ms.
 TABLE2_MS = {"resnet18": 1.58, "mobilenetv2": 1.67, "resnet34": 2.55, "squeezenet1_1": 4.79,

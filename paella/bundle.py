@@ -17,11 +17,16 @@ refuses anything else with a :class:`BundleError` that names the cause and the f
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+#: Where the compiled model zoo lives (override with $PAELLA_ZOO_DIR): `make zoo` fills it,
+#: the experiments read it, `paella profile NAME` finds a model there by name.
+DEFAULT_ZOO_DIR = Path(os.environ.get("PAELLA_ZOO_DIR", Path.home() / ".cache" / "paella" / "zoo"))
 
 FORMAT = "paella-bundle"
 FORMAT_VERSION = 1

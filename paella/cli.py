@@ -19,6 +19,7 @@ COMMANDS = [
     "paella.compiler_pass.cli",        # compile
     "paella.experiments.cli",          # experiment ...
     "paella.cli",                      # occupancy
+    "paella.dispatcher.devices.sim.bundle_profile",   # profile
     "paella.doctor",                   # doctor
 ]
 

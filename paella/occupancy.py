@@ -94,6 +94,13 @@ def footprint(spec: GpuSpec, threads: int, regs_per_thread: int, smem: int = 0) 
         raise OccupancyError(f"a block of {threads} threads at {regs_per_thread} registers needs "
                              f"{rpw * _round_up(warps, parts)} registers, over the per-block limit "
                              f"of {spec.regs_per_block}; use fewer registers or threads")
+    if spec.arch == 60 and rpw and ((spec.regs_per_sm // 4 // rpw) * 4 // warps == 0
+                                     or rpw * _round_up(warps, 4) > spec.regs_per_block):
+        # cuda_occupancy.h: GP100 (sm_60, 2 sub-partitions) refuses what GP10x (4) could not
+        # run, "for forward compatibility within Pascal family".
+        raise OccupancyError(f"a block of {threads} threads at {regs_per_thread} registers cannot "
+                             f"run on sm_61 (4 register sub-partitions), so sm_60 refuses it too; "
+                             f"use fewer registers or threads")
     smem_alloc = _round_up(smem + spec.reserved_smem_per_block, smem_granularity(spec)) if (
         smem or spec.reserved_smem_per_block) else 0
     limit = (spec.smem_per_block if smem <= spec.smem_per_block else spec.smem_per_block_optin)

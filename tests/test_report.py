@@ -5,14 +5,19 @@ from paella.experiments import report
 
 
 def test_report_renders_from_json_and_names_what_is_missing(tmp_path):
-    cal = {"setting": {"gpu": "t4", "fit": "grid"},
-           "cost_model": {"efficiency": 0.5, "launch_overhead_us": 10.0},
-           "models": {"m": {"kernels": 3, "gflops": 1.0, "simulated_ms": 2.0, "paper_ms": 4.0, "ratio": 0.5}},
+    cal = {"setting": {"gpu": "t4", "model": "timing model"},
+           "timing_model": {"launch_latency_us": 0.5, "mem_latency_ns": 500.0, "ilp": 4,
+                            "warps_to_hide_arithmetic": 4.0, "peak_tflops": 8.1, "mem_bw_gbs": 320.0},
+           "models": {"m": {"kernels": 3, "gflops": 1.0, "simulated_ms": 2.0, "paper_ms": 4.0, "ratio": 0.5,
+                            "bound": {"compute": 0.5, "memory": 0.25, "latency": 0.25}}},
            "summary": {"worst_relative_error": 0.5, "goal": 0.25, "within_goal": False,
-                       "same_ordering": True, "paper_order": ["m"], "simulated_order": ["m"]}}
+                       "same_ordering": True, "paper_order": ["m"], "simulated_order": ["m"],
+                       "geomean_ratio": 0.5, "ratio_spread": 1.0, "scaled": {"factor": 2.0, "worst_relative_error": 0.0},
+                       "feature_bound": {"bound": 0.0, "slower": "m", "faster": "m", "paper_ratio": 1.0,
+                                         "max_feature_ratio": 1.0}}}
     (tmp_path / "calibrate.json").write_text(json.dumps(cal))
     text = report.render(tmp_path)
-    assert "| m | 3 | 1.00 | 2.00 | 4.00 | 0.50 |" in text
+    assert "| m | 3 | 1.00 | 2.00 | 4.00 | 0.50 | 50% / 25% / 25% |" in text
     assert "**not met**" in text
     assert "hol.json` is missing" in text
 

@@ -40,17 +40,21 @@ def make_slow_loading(bdir: Path, seconds: float) -> None:
 
 
 def make_slow_running(bdir: Path, kernel_seconds: float) -> None:
-    """Raise every kernel's FLOP estimate so that it lasts ``kernel_seconds`` on the
-    simulated T4 (roofline with the fitted efficiency: paella.dispatcher.devices.sim.cost)."""
-    from paella.dispatcher.devices.sim.cost import CostModel
-    from paella.gpus import preset
-    cost = CostModel()
-    flops = (kernel_seconds - cost.launch_overhead) * cost.efficiency * preset("t4").peak_flops
+    """Raise every kernel's FLOP estimate so that it lasts about ``kernel_seconds`` alone on
+    the simulated T4. The timing model has no knob for a kernel's time: it follows from the
+    work, so the work is scaled by what ``paella profile`` measures (a compute-bound kernel's
+    time is linear in its FLOPs; two rounds absorb the fixed latencies)."""
+    from paella.bundle import load_bundle
+    from paella.dispatcher.devices.sim.bundle_profile import profile
 
-    def edit(m: dict) -> None:
-        for k in m["variants"][0]["kernels"]:
-            k["flops"] = flops
-    _edit_manifest(bdir, edit)
+    for _ in range(2):
+        launches = profile(load_bundle(bdir), "t4")["variants"][0]["launches"]
+        seconds = {r["kernel"]: r["isolated_us"] * 1e-6 for r in launches}
+
+        def edit(m: dict) -> None:
+            for k in m["variants"][0]["kernels"]:
+                k["flops"] = k["flops"] * kernel_seconds / seconds[k["name"]]
+        _edit_manifest(bdir, edit)
 
 
 def set_dtype(bdir: Path, dtype: str) -> None:

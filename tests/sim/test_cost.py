@@ -1,4 +1,5 @@
-"""The cost model's parameters and the calibration arithmetic that fits and bounds them."""
+"""The timing model's parameters, and calibrate's arithmetic (plan times, bound split, the
+feature bound on any cost model built from per-kernel work)."""
 from __future__ import annotations
 
 import math
@@ -8,13 +9,12 @@ import pytest
 
 from paella.dispatcher.devices.sim import CostModel
 from paella.experiments import calibrate
-from paella.experiments.zoo import TABLE2_MS
 from paella.gpus import preset
 
 US = 1e-6
 
 
-@pytest.mark.parametrize("kw", [{"efficiency": 0.0}, {"efficiency": 1.5}, {"launch_overhead": -1e-6}])
+@pytest.mark.parametrize("kw", [{"launch_latency": -1e-6}, {"mem_latency": -1e-9}, {"line_bytes": 0}])
 def test_cost_model_rejects_unphysical_parameters(kw):
     with pytest.raises(ValueError, match="must be"):
         CostModel(**kw)
@@ -33,47 +33,22 @@ def _bundle(launches, copies=(4096, 4000)):
     return SimpleNamespace(model="tiny", variants=[variant])
 
 
-def _parts(eff: float, over: float, scale: dict[str, float]) -> dict[str, tuple[float, float, float]]:
-    """(copies, kernels, roofline) per Table 2 model, built so that (eff, over) fit exactly."""
-    out = {}
-    for i, (n, ms) in enumerate(TABLE2_MS.items()):
-        copies, kernels = 50 * US, 20 + 10 * i
-        roof = (ms * 1e-3 * scale.get(n, 1.0) - copies - kernels * over) * eff
-        out[n] = (copies, kernels, roof)
-    return out
-
-
-def test_decompose_reads_copies_kernels_and_roofline_off_the_simulator():
+def test_a_plan_on_one_stream_takes_its_copies_plus_its_kernels_in_sequence():
     spec = preset(calibrate.GPU)
-    b = _bundle([("compute", (80,), (256,), 32, spec.peak_flops * 1e-4, 1.0),
-                 ("memory", (40,), (1024,), 16, 1.0, spec.mem_bw * 2e-4)])
-    copies, kernels, roof = calibrate.decompose(b)
-    assert kernels == 2
-    assert roof == pytest.approx(1e-4 + 2e-4)
-    assert copies == pytest.approx(2 * spec.pcie_latency + (4096 + 4000) / spec.pcie_bw)
-    cost = CostModel(efficiency=0.25, launch_overhead=30 * US)
-    assert calibrate.simulate(b, cost) == pytest.approx(
-        calibrate.predict((copies, kernels, roof), 0.25, 30 * US))
-
-
-@pytest.mark.parametrize("objective", ["log-squares", "worst"])
-def test_fit_recovers_parameters_that_explain_every_model(objective):
-    eff, over = calibrate.fit(_parts(0.3, 25 * US, {}), objective)
-    assert eff == pytest.approx(0.3, rel=0.02)
-    assert over == pytest.approx(25 * US, abs=0.5 * US)
-
-
-def test_fit_rejects_an_unknown_objective():
-    with pytest.raises(ValueError, match="log-squares"):
-        calibrate.fit(_parts(0.3, 25 * US, {}), "median")
-
-
-def test_leave_one_out_exposes_the_model_the_others_do_not_explain():
-    parts = _parts(0.3, 25 * US, {"inceptionv3": 0.4})       # inceptionv3 2.5x too fast
-    loo = calibrate.leave_one_out(parts)
-    assert loo["inceptionv3"] == pytest.approx(0.4, rel=0.05)   # fitted on the seven that agree
-    others = [abs(r - 1) for n, r in loo.items() if n != "inceptionv3"]
-    assert max(others) < abs(loo["inceptionv3"] - 1)
+    cost = CostModel()
+    # 160 blocks of 8 warps: one full wave at 32 warps per SM, compute-bound at the peak;
+    # the second kernel is memory-bound at full occupancy: its time is its bytes at the
+    # bandwidth. Each pays one launch latency and one memory latency.
+    b = _bundle([("compute", (160,), (256,), 32, spec.peak_flops * 1e-4, 1.0),
+                 ("memory", (160,), (256,), 32, 1.0, spec.mem_bw * 2e-4)])
+    seconds, records = calibrate.run_plan(b, record=True)
+    per_kernel = cost.launch_latency + cost.mem_latency
+    copies = cost.copy_time(spec, 4096) + cost.copy_time(spec, 4000)
+    assert seconds == pytest.approx(copies + 2 * per_kernel + 1e-4 + 2e-4, rel=1e-6)
+    split = calibrate.bound_split(records)
+    assert split["compute"] == pytest.approx(1e-4 / 3e-4, rel=0.02)
+    assert split["memory"] == pytest.approx(2e-4 / 3e-4, rel=0.02)
+    assert calibrate.copies_time(b) == pytest.approx(copies)
 
 
 def test_features_count_waves_and_the_busiest_sm():

@@ -1,4 +1,4 @@
-"""Block placement against the occupancy rules, waves, and the cost model."""
+"""Block placement against the occupancy rules, and synthetic kernels' waves."""
 from __future__ import annotations
 
 import random
@@ -6,7 +6,7 @@ import random
 import pytest
 
 from paella.dispatcher.devices.base import KernelInfo
-from paella.dispatcher.devices.sim import CostModel, SimDevice
+from paella.dispatcher.devices.sim import SimDevice
 from paella.occupancy import OccupancyError, occupancy
 
 US = 1e-6
@@ -19,6 +19,7 @@ def test_first_wave_fills_exactly_the_occupancy(gpu, threads, regs, smem, kernel
     (k,) = kernels(dev, KernelInfo("k", regs, static_smem=smem, duration=100 * US))
     per_sm = occupancy(dev.props, threads, regs, smem).blocks_per_sm
     dev.launch(k, 3 * per_sm * dev.props.sm_count + 5, threads, 0, 1, instrumented=False)
+    dev.run_until(dev.cost.launch_latency)                 # the front end has issued it
     assert dev.gpu.resident == per_sm * dev.props.sm_count
     assert all(dev.resources.fit(s, dev.block_footprint(k, (threads, 1, 1), 0)) == 0
                for s in range(dev.props.sm_count))
@@ -32,21 +33,7 @@ def test_kernel_time_is_divided_over_waves(kernels):
     per_wave = occupancy(dev.props, 1024, 32).blocks_per_sm * dev.props.sm_count
     dev.launch(k, 3 * per_wave, 1024, 0, 1, instrumented=False)
     dev.run()
-    assert dev.now() == pytest.approx(300 * US)
-
-
-def test_roofline_cost_model(kernels):
-    cost = CostModel(efficiency=0.5, launch_overhead=5 * US)
-    dev = SimDevice("t4", cost=cost)
-    spec = dev.props
-    compute = KernelInfo("compute", 32, flops=spec.peak_flops * 1e-3, bytes=1.0)
-    memory = KernelInfo("memory", 32, flops=1.0, bytes=spec.mem_bw * 2e-3)
-    assert cost.kernel_time(spec, compute.flops, compute.bytes, None) == pytest.approx(5 * US + 2e-3)
-    assert cost.kernel_time(spec, memory.flops, memory.bytes, None) == pytest.approx(5 * US + 4e-3)
-    c, _ = kernels(dev, compute, memory)
-    dev.launch(c, 40, 256, 0, 1, instrumented=False)
-    dev.run()
-    assert dev.now() == pytest.approx(5 * US + 2e-3)
+    assert dev.now() == pytest.approx(dev.cost.launch_latency + 300 * US)
 
 
 @pytest.mark.parametrize("info,block,msg", [

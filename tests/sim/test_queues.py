@@ -26,48 +26,56 @@ def timeline(dev, launches):
 
 
 def test_stream_order_serializes_dependent_kernels(kernels):
+    # Each kernel starts one launch latency (the front end's cost) after the previous
+    # one of its stream completed.
     dev = tiny_gpu()
+    L = dev.cost.launch_latency
+    assert L > 0
     (k,) = kernels(dev, KernelInfo("k", 16, duration=100 * US))
     done = timeline(dev, [(k, 1, 128, 0)] * 3)
-    assert done == pytest.approx([100 * US, 200 * US, 300 * US])
+    assert done == pytest.approx([L + 100 * US, 2 * L + 200 * US, 3 * L + 300 * US])
 
 
 def test_independent_streams_on_different_queues_overlap(kernels):
     dev = tiny_gpu(queues=2)
+    L = dev.cost.launch_latency
     (k,) = kernels(dev, KernelInfo("k", 16, duration=100 * US))
     done = timeline(dev, [(k, 1, 128, 0), (k, 1, 128, 1)])   # streams 0, 1 -> queues 0, 1
-    assert done == pytest.approx([100 * US, 100 * US])
+    assert done == pytest.approx([L + 100 * US, L + 100 * US])
 
 
 def test_head_of_line_blocking_between_streams_sharing_a_queue(kernels):
     # Streams 0 and 2 share queue 0. Stream 0's second kernel is the queue head while
     # it waits for stream 0's first kernel; stream 2's kernel sits behind it although
-    # the GPU is almost empty. It starts only when the head has been placed (t=100us).
+    # the GPU is almost empty. It is issued only when the head has been placed
+    # (t = 2L + 100us), and starts one launch latency L later.
     dev = tiny_gpu(queues=2)
+    L = dev.cost.launch_latency
     (k,) = kernels(dev, KernelInfo("k", 16, duration=100 * US))
     done = timeline(dev, [(k, 1, 128, 0), (k, 1, 128, 0), (k, 1, 128, 2)])
-    assert done == pytest.approx([100 * US, 200 * US, 200 * US])
+    assert done == pytest.approx([L + 100 * US, 2 * L + 200 * US, 3 * L + 200 * US])
     # The same three kernels with stream 2 moved to its own queue: no blocking.
     dev = tiny_gpu(queues=4)
     (k,) = kernels(dev, KernelInfo("k", 16, duration=100 * US))
     done = timeline(dev, [(k, 1, 128, 0), (k, 1, 128, 0), (k, 1, 128, 2)])
-    assert done == pytest.approx([100 * US, 200 * US, 100 * US])
+    assert done == pytest.approx([L + 100 * US, 2 * L + 200 * US, L + 100 * US])
 
 
 def test_queue_head_blocks_until_all_its_blocks_are_placed(kernels):
     # A kernel of two waves holds the head of queue 0 until its second wave is placed.
     # Its shared memory allows one block per SM, leaving threads free beside it: a small
     # kernel on queue 1 runs at once, while the same kernel behind it on queue 0 (another
-    # stream, no dependency) waits for the second wave's placement at t=100us.
+    # stream, no dependency) waits for the second wave's placement at t = L + 100us.
     spec = preset("gtx1660s").with_(hw_queues=2)
     dev = SimDevice(spec, n_streams=8)
+    L = dev.cost.launch_latency
     big, small = kernels(dev, KernelInfo("big", 32, static_smem=40 * 1024, duration=200 * US),
                          KernelInfo("small", 16, duration=50 * US))
     assert dev.resources.fit(0, dev.block_footprint(big, (512, 1, 1), 0)) == 1
     done = timeline(dev, [(big, 2 * 22, 512, 0), (small, 1, 32, 2), (small, 1, 32, 1)])
-    assert done[0] == pytest.approx(200 * US)              # 2 waves of 100 us
-    assert done[2] == pytest.approx(50 * US)               # other queue: runs beside wave 1
-    assert done[1] == pytest.approx(100 * US + 50 * US)    # behind the head until wave 2 placed
+    assert done[0] == pytest.approx(L + 200 * US)          # 2 waves of 100 us
+    assert done[2] == pytest.approx(L + 50 * US)           # other queue: runs beside wave 1
+    assert done[1] == pytest.approx(2 * L + 100 * US + 50 * US)   # behind the head until wave 2
 
 
 def test_block_scheduler_serves_heads_in_launch_order(kernels):
@@ -75,9 +83,10 @@ def test_block_scheduler_serves_heads_in_launch_order(kernels):
     # wave of the big kernel (launched first) is placed before the kernel on queue 1.
     spec = preset("gtx1660s").with_(hw_queues=2)
     dev = SimDevice(spec, n_streams=8)
+    L = dev.cost.launch_latency
     big, small = kernels(dev, KernelInfo("big", 32, duration=200 * US), KernelInfo("small", 16, duration=50 * US))
     done = timeline(dev, [(big, 2 * 22, 1024, 0), (small, 1, 32, 1)])
-    assert done == pytest.approx([200 * US, 250 * US])
+    assert done == pytest.approx([L + 200 * US, L + 250 * US])
 
 
 def test_copies_use_fifo_engines_and_keep_stream_order(kernels):
@@ -91,9 +100,9 @@ def test_copies_use_fifo_engines_and_keep_stream_order(kernels):
     dev.launch(k, 1, 32, 0, 1, instrumented=False, on_complete=lambda: log.append(("k", dev.now())))
     dev.memcpy_dtoh(out, ptr, 0, on_complete=lambda: log.append(("d2h", dev.now())))
     dev.run()
-    ct = dev.cost.copy_time(dev.props, src.nbytes)
+    ct, L = dev.cost.copy_time(dev.props, src.nbytes), dev.cost.launch_latency
     assert [n for n, _ in log] == ["h2d", "k", "d2h"]
-    assert [t for _, t in log] == pytest.approx([ct, ct + 100 * US, 2 * ct + 100 * US])
+    assert [t for _, t in log] == pytest.approx([ct, ct + L + 100 * US, 2 * ct + L + 100 * US])
     np.testing.assert_array_equal(out, src)               # the bytes made the round trip
 
 
@@ -117,7 +126,7 @@ def test_events_and_stream_query(kernels):
     assert not dev.event_query(ev) and not dev.stream_query(0) and dev.stream_query(1)
     dev.run_until(99 * US)
     assert not dev.event_query(ev)
-    dev.run_until(100 * US)
+    dev.run_until(100 * US + dev.cost.launch_latency)
     assert dev.event_query(ev) and dev.stream_query(0)
     assert dev.event_query(dev.record_event(1))           # an event on an idle stream is done at once
 

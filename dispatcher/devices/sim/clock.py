@@ -1,17 +1,14 @@
-"""The simulator's discrete-event loop (after SimPy's core).
+"""The simulator's clocks over the engine's event heap (``_engine.c``).
 
-A heap of ``(time, seq, callback, arg)``: the ``seq`` tiebreak orders equal times by
-scheduling order, so a run is a pure function of its inputs and seed. ``step()`` fires
-one event; the virtual loop is stepped by its caller, and the real-time loop differs
-only in where "now" comes from: :meth:`RealTimeLoop.poll` runs every event that is due
-by the wall clock.
+The engine keeps a heap of ``(time, sequence)``-ordered events: the sequence number
+orders equal times by scheduling order, so a run is a pure function of its inputs and
+seed. The virtual clock is stepped by its caller; the real-time clock differs only in
+where "now" comes from: :meth:`RealTimeLoop.poll` fires every event that is due by the
+wall clock.
 """
 from __future__ import annotations
 
-import heapq
-import itertools
 import time
-from typing import Any, Callable
 
 INF = float("inf")
 
@@ -19,46 +16,30 @@ INF = float("inf")
 class EventLoop:
     """Virtual time: ``now`` moves only when the caller steps or runs the loop."""
 
-    __slots__ = ("now", "_heap", "_seq")
+    __slots__ = ("engine",)
 
-    def __init__(self) -> None:
-        self.now = 0.0
-        self._heap: list = []
-        self._seq = itertools.count()
+    def __init__(self, engine) -> None:
+        self.engine = engine
 
-    def at(self, t: float, fn: Callable[[Any], None], arg: Any = None) -> None:
-        if t < self.now:
-            raise ValueError(f"cannot schedule an event in the past ({t} < now {self.now})")
-        heapq.heappush(self._heap, (t, next(self._seq), fn, arg))
+    @property
+    def now(self) -> float:
+        return self.engine.now
 
     def peek(self) -> float:
         """Time of the next event, or inf when nothing is scheduled."""
-        return self._heap[0][0] if self._heap else INF
+        return self.engine.peek()
 
     def step(self) -> None:
-        t, _, fn, arg = heapq.heappop(self._heap)
-        self.now = t
-        fn(arg)
+        self.engine.step()
 
-    def run_until(self, t: float) -> None:
-        """Fire every event due at or before ``t``, then set the clock to ``t``."""
-        if t < self.now:
-            raise ValueError(f"time cannot go backwards ({t} < now {self.now})")
-        heap = self._heap
-        pop = heapq.heappop
-        while heap and heap[0][0] <= t:
-            # self.step(), inlined (the loop's hot path)
-            self.now, _, fn, arg = pop(heap)
-            fn(arg)
-        self.now = t
+    def run_until(self, t: float) -> bool:
+        """Fire every event due at or before ``t``, then set the clock to ``t``; True if
+        any of them wrote a notification or completed an op."""
+        return self.engine.run_until(t)
 
     def run(self) -> None:
         """Run until no event is left."""
-        heap = self._heap
-        pop = heapq.heappop
-        while heap:
-            self.now, _, fn, arg = pop(heap)
-            fn(arg)
+        self.engine.run()
 
     def sync(self) -> None:
         """Bring the clock up to date before the caller submits work (no-op here)."""
@@ -73,8 +54,8 @@ class RealTimeLoop(EventLoop):
 
     __slots__ = ("_t0", "speed")
 
-    def __init__(self, speed: float = 1.0) -> None:
-        super().__init__()
+    def __init__(self, engine, speed: float = 1.0) -> None:
+        super().__init__(engine)
         if speed <= 0:
             raise ValueError(f"speed must be positive, got {speed}")
         self.speed = speed
@@ -84,13 +65,15 @@ class RealTimeLoop(EventLoop):
         return (time.perf_counter() - self._t0) * self.speed
 
     def poll(self) -> None:
-        self.run_until(max(self.wall(), self.now))
+        """Fire every event due by the wall clock (one C call: ``perf_counter`` is
+        ``CLOCK_MONOTONIC`` on Linux, which the engine reads itself)."""
+        self.engine.poll_wall(self._t0, self.speed)
 
     sync = poll
 
     def seconds_until_next(self) -> float:
         """Wall seconds until the next event is due (0 if overdue, inf if none)."""
-        nxt = self.peek()
+        nxt = self.engine.peek()
         if nxt == INF:
             return INF
         return max(0.0, (nxt - self.wall()) / self.speed)

@@ -20,8 +20,19 @@ from paella.occupancy import Footprint
 
 from .clock import EventLoop, RealTimeLoop
 from .cost import CostModel
-from .hardware import D2H, H2D, GpuModel, Op
+from .hardware import D2H, H2D, Shapes, SMView, build_engine
 from .memory import SimMemory
+
+
+class Marker:
+    """An event recorded on a stream: ``done`` once every earlier op of the stream has."""
+    __slots__ = ("done",)
+
+    def __init__(self) -> None:
+        self.done = False
+
+    def complete(self) -> None:
+        self.done = True
 
 
 class SimDevice(Device):
@@ -33,12 +44,12 @@ class SimDevice(Device):
                  speed: float = 1.0, lose_after: int | None = None):
         spec = preset(props) if isinstance(props, str) else props
         super().__init__(spec, n_streams or spec.hw_queues, notifq_slots)
-        if jitter < 0:
-            raise ValueError(f"jitter must be >= 0, got {jitter}")
         self.realtime = realtime
-        self.loop: EventLoop = RealTimeLoop(speed) if realtime else EventLoop()
         self.cost = cost or CostModel()
-        self.gpu = GpuModel(spec, self.loop, self.cost, len(self.streams), self.notifq, seed, jitter)
+        #: The C engine (``_engine.Gpu``): queues, SMs, timing, notifQ, statistics.
+        self.gpu = build_engine(spec, self.cost, len(self.streams), self.notifq, seed, jitter)
+        self._shapes = Shapes(self.gpu)
+        self.loop: EventLoop = RealTimeLoop(self.gpu, speed) if realtime else EventLoop(self.gpu)
         self.memory = SimMemory()
         # Fault injection: after this many launches the device is "lost", as a GPU is after
         # a sticky error, so the daemon's handling of that case can be tested.
@@ -46,9 +57,10 @@ class SimDevice(Device):
         self._launches = 0
 
     @property
-    def resources(self):
-        """Ground truth: the free resources of every SM (``paella.occupancy.SMResources``)."""
-        return self.gpu.res
+    def resources(self) -> SMView:
+        """Ground truth: the free resources of every SM (``paella.occupancy.SMResources``'s
+        interface over the engine)."""
+        return SMView(self.props, self.gpu, self._shapes)
 
     # -- clock ----------------------------------------------------------------------
     def now(self) -> float:
@@ -56,16 +68,25 @@ class SimDevice(Device):
 
     def poll(self) -> None:
         if self.realtime:
-            self.loop.poll()
+            self.gpu.poll_wall(self.loop._t0, self.loop.speed)
 
     def next_event_time(self) -> float:
         return self.loop.peek()
 
-    def run_until(self, t: float) -> None:
-        self.loop.run_until(t)
+    def run_until(self, t: float) -> bool:
+        """Virtual time: fire the events due by ``t``; True if a host could observe any
+        (a notification written, an op completed)."""
+        return self.loop.run_until(t)
 
     def step(self) -> None:
         self.loop.step()
+
+    def run_until_observed(self, t: float) -> bool:
+        """Virtual time: fire events up to ``t`` but stop after the first one a host could
+        observe (a notifQ entry, an op's completion); False, with the clock at ``t``
+        (unless ``t`` is inf), if none happened by then. A driver that can only react to
+        such things skips the events it could not see in one call."""
+        return self.gpu.run_until_observed(t)
 
     def run(self) -> None:
         """Run until the device is idle (virtual time jumps; real time sleeps)."""
@@ -93,7 +114,7 @@ class SimDevice(Device):
         info = func.info
         if func.handle is not None:          # its functional effect, when it completes
             on_complete = _with_effect(func.handle, self.memory.view, args, on_complete)
-        self.gpu.launch(info.name, fp, grid[0] * grid[1] * grid[2], info.flops, info.bytes,
+        self.gpu.launch(self._shapes[fp], grid[0] * grid[1] * grid[2], info.flops, info.bytes,
                         info.duration, stream, launch_id, instrumented, group, on_complete)
 
     # -- memory ---------------------------------------------------------------------
@@ -114,17 +135,19 @@ class SimDevice(Device):
         self.gpu.copy(D2H, stream, dst.size, lambda: dst.__setitem__(slice(None), source), on_complete)
 
     # -- ordering -------------------------------------------------------------------
-    def _record_event(self, stream: int) -> Op:
+    def _record_event(self, stream: int) -> Marker:
         self.loop.sync()
-        return self.gpu.marker(stream)
+        m = Marker()
+        self.gpu.marker(stream, m.complete)
+        return m
 
     def _event_query(self, event: Any) -> bool:
-        if not isinstance(event, Op):
+        if not isinstance(event, Marker):
             raise TypeError(f"not an event of this device: {event!r}")
         return event.done
 
     def _stream_query(self, stream: int) -> bool:
-        return not self.gpu.streams[stream]
+        return self.gpu.stream_idle(stream)
 
     def _synchronize(self) -> None:
         """Wait for all submitted work: virtual time runs the loop until the streams
@@ -144,7 +167,7 @@ class SimDevice(Device):
     # -- statistics -----------------------------------------------------------------
     def stats(self) -> dict[str, float]:
         g = self.gpu
-        return {"now": self.loop.now, "resident_blocks": g.resident, "placements": g.placements,
+        return {"now": g.now, "resident_blocks": g.resident, "placements": g.placements,
                 "events": g.events, "notifications": g.tail, "mean_resident": g.mean_resident()}
 
 

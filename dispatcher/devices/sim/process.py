@@ -235,11 +235,7 @@ def child_main(fd: int) -> None:
                     dev.gpu.copy(kind, stream, nbytes, None, cb)
                 elif op == _MARK:
                     loop.sync()
-                    marker = dev.gpu.marker(msg[1])
-                    if marker.done:
-                        done.append(token)
-                    else:
-                        marker.on_complete = cb
+                    dev.gpu.marker(msg[1], cb)
             loop.poll()
             if done:
                 conn.send(list(done))

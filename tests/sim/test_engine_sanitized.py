@@ -1,0 +1,141 @@
+"""The simulator's engine (_engine.c) under AddressSanitizer and UndefinedBehaviorSanitizer:
+rebuilt with both, loaded in a subprocess in place of the installed build, and driven
+through mixed kernels with jitter, copies, markers, bulk arrivals, callbacks that submit
+more work or raise, a notifQ overrun and a whole dispatcher run. A memory error or
+undefined behaviour aborts the subprocess, which fails the test (checked by hand: an
+overflow planted in the dirty-SM list aborts it)."""
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import sysconfig
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+DRIVER = r'''
+import importlib.util, random, sys
+import numpy as np
+name, path = "paella.dispatcher.devices.sim._engine", sys.argv[1]
+spec = importlib.util.spec_from_file_location(name, path)
+mod = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(mod)
+sys.modules[name] = mod
+from paella.dispatcher.devices.base import KernelInfo, ModuleImage, NotifQOverrun
+from paella.dispatcher.devices.sim import SimDevice
+from paella import protocol
+assert type(SimDevice("t4").gpu).__module__ == name
+
+rng = random.Random(5)
+for gpu, jitter in (("a100", 0.2), ("p100", 0.0), ("gtx1660s", 0.0)):
+    dev = SimDevice(gpu, n_streams=48, seed=3, jitter=jitter)
+    infos = [KernelInfo(f"k{i}", rng.choice([16, 32, 64, 128]), static_smem=rng.choice([0, 8192, 40000]),
+                        flops=rng.uniform(1e5, 1e9), bytes=rng.uniform(0, 1e8),
+                        duration=(rng.uniform(1e-6, 1e-4) if i % 3 == 0 else None)) for i in range(12)]
+    funcs = dev.load_module(ModuleImage("m", infos))
+    ptr = dev.alloc(1 << 16)
+    host = np.zeros(1 << 16, np.uint8)
+    head, mask, ring = 0, dev.notifq.size - 1, dev.notifq
+    done = []
+    for i in range(1500):
+        f = funcs[rng.choice(infos).name]
+        s = rng.randrange(48)
+        r = rng.random()
+        if r < 0.8:
+            cb = (lambda: done.append(1)) if rng.random() < 0.5 else (
+                lambda s=s: dev.launch(f, 3, 64, s, 7, instrumented=False))
+            try:
+                dev.launch(f, rng.randint(1, 700), rng.choice([32, 96, 128, 256, 512]), s, i,
+                           group=rng.choice([1, 7, 16]), on_complete=cb)
+            except Exception as e:       # a shape that can never run is refused cleanly
+                assert "can never run" in str(e) or "not even one block" in str(e), e
+        elif r < 0.9:
+            dev.memcpy_htod(ptr, host[:rng.randint(1, 1 << 16)], s)
+        else:
+            ev = dev.record_event(s)
+        if i % 7 == 0:
+            dev.run_until(dev.now() + rng.uniform(0, 2e-4))
+            while ring[head & mask]:
+                ring[head & mask] = protocol.INVALID
+                head += 1
+    while dev.next_event_time() != float("inf"):
+        dev.step()
+        while ring[head & mask]:
+            ring[head & mask] = protocol.INVALID
+            head += 1
+    assert dev.gpu.resident == 0 and not dev.gpu.busy()
+    blocks, warps, smem, regs = dev.gpu.state()
+    assert set(blocks) == {dev.props.max_blocks_per_sm}
+
+# bulk arrivals, profiling records
+dev = SimDevice("gtx1660s", n_streams=1024)
+f = dev.load_module(ModuleImage("f", [KernelInfo("k", 9, duration=3e-4)]))["k"]
+shape = dev._shapes[dev.block_footprint(f, (128, 1, 1), 0)]
+t = np.repeat(np.sort(np.random.default_rng(1).uniform(0, 0.01, 3000)), 8)
+dev.gpu.record = []
+dev.gpu.bulk(t.tobytes(), (np.arange(t.size, dtype=np.int32) // 8 % 1024).tobytes(),
+             np.arange(t.size, dtype=np.uint32).tobytes(), shape, 1, 0.0, 0.0, 3e-4, False, 16)
+dev.run()
+assert len(dev.gpu.record) == t.size and dev.gpu.placements == t.size
+
+# a callback that raises surfaces, and the engine stays usable
+dev = SimDevice("t4")
+f = dev.load_module(ModuleImage("f", [KernelInfo("k", 32, flops=1e8)]))["k"]
+def boom():
+    raise KeyError("boom")
+dev.launch(f, 10, 256, 0, 1, on_complete=boom)
+try:
+    dev.run()
+    raise SystemExit("no error")
+except KeyError:
+    pass
+dev.launch(f, 10, 256, 1, 2)
+dev.run()
+
+# overrun
+dev = SimDevice("t4", notifq_slots=64)
+f = dev.load_module(ModuleImage("f", [KernelInfo("k", 32, flops=1e8)]))["k"]
+dev.launch(f, 40, 256, 0, 1, group=1)
+try:
+    dev.run()
+    raise SystemExit("no overrun")
+except NotifQOverrun:
+    pass
+del dev
+
+from paella.experiments import bench_dispatcher as b
+b.measure_alone(200, "paella", window=100)
+print("sanitized run ok")
+'''
+
+
+def _libs() -> list[str]:
+    out = []
+    for lib in ("libasan.so", "libubsan.so"):
+        path = subprocess.run(["gcc", f"-print-file-name={lib}"], capture_output=True,
+                              text=True).stdout.strip()
+        if not os.path.isabs(path) or not os.path.exists(path):
+            pytest.skip(f"gcc has no {lib} here (install libasan/libubsan) to run the sanitized build")
+        out.append(path)
+    return out
+
+
+@pytest.mark.skipif(shutil.which("gcc") is None, reason="needs gcc to build the sanitized engine")
+def test_engine_is_clean_under_asan_and_ubsan(tmp_path):
+    libs = _libs()
+    inc = sysconfig.get_paths()["include"]
+    out = tmp_path / f"_engine{sysconfig.get_config_var('EXT_SUFFIX')}"
+    subprocess.run(["gcc", "-O1", "-g", "-fsanitize=address,undefined", "-fno-sanitize-recover=all",
+                    "-fno-omit-frame-pointer", "-shared", "-fPIC", f"-I{inc}", "-o", str(out),
+                    str(ROOT / "dispatcher" / "devices" / "sim" / "_engine.c")], check=True)
+    # PYTHONMALLOC=malloc: the engine's arrays come from PyMem_*, which would otherwise be
+    # pymalloc pools where ASan cannot see an overflow (a planted one then goes unnoticed).
+    env = dict(os.environ, LD_PRELOAD=":".join(libs), ASAN_OPTIONS="detect_leaks=0",
+               UBSAN_OPTIONS="print_stacktrace=1", PYTHONMALLOC="malloc")
+    r = subprocess.run([sys.executable, "-c", DRIVER, str(out)], env=env, capture_output=True,
+                       text=True, timeout=600)
+    assert r.returncode == 0 and "sanitized run ok" in r.stdout, (r.stdout[-2000:], r.stderr[-4000:])
