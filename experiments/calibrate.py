@@ -38,6 +38,7 @@ import numpy as np
 
 from paella.dispatcher.devices.sim import CostModel, SimDevice
 from paella.experiments.cli import finish, save_figure
+from paella.dispatcher.devices.sim import bundle_profile
 from paella.experiments.zoo import DEFAULT_ZOO_DIR, TABLE2_MS, ensure_bundles, module_image
 from paella.gpus import GpuSpec, preset
 from paella.occupancy import footprint, limits_per_resource
@@ -49,26 +50,8 @@ BOUNDS = ("compute", "memory", "latency")
 
 def run_plan(bundle, gpu: str = GPU, cost: CostModel | None = None, variant: int = 0,
              record: bool = False) -> tuple[float, list[tuple]]:
-    """One request of ``bundle`` alone, its plan on one stream: (seconds, the engine's
-    per-kernel records in plan order if ``record``)."""
-    dev = SimDevice(gpu, cost=cost)
-    funcs = dev.load_module(module_image(bundle, variant))
-    plan = bundle.variants[variant].plan
-    largest = max((op.nbytes or 0) for op in plan) or 1
-    scratch = dev.alloc(largest)
-    host = np.zeros(largest, dtype=np.uint8)
-    if record:
-        dev.gpu.record = []
-    for lid, op in enumerate(plan):
-        if op.op == "launch":
-            dev.launch(funcs[op.kernel], tuple(op.grid), tuple(op.block), 0, lid,
-                       dyn_smem=op.dyn_smem, instrumented=False)
-        elif op.op == "h2d":
-            dev.memcpy_htod(scratch, host[:op.nbytes], 0)
-        else:
-            dev.memcpy_dtoh(host[:op.nbytes], scratch, 0)
-    dev.run()
-    return dev.now(), list(dev.gpu.record or [])
+    """One request of ``bundle`` alone (``paella profile``'s replay, on the T4 by default)."""
+    return bundle_profile.run_plan(bundle, gpu, cost, variant, record)
 
 
 def simulate(bundle, cost: CostModel | None = None, gpu: str = GPU) -> float:

@@ -38,13 +38,17 @@ def _image(bundle: Bundle, variant: int) -> ModuleImage:
                                                  float(k.bytes)) for k in v.kernels])
 
 
-def plan_time(bundle: Bundle, gpu: str, variant: int = 0, cost: CostModel | None = None) -> float:
-    """Seconds for one request alone: the variant's plan (copies and launches) on one stream."""
+def run_plan(bundle: Bundle, gpu: str, cost: CostModel | None = None, variant: int = 0,
+             record: bool = False) -> tuple[float, list[tuple]]:
+    """One request of ``bundle`` alone, its plan on one stream: (seconds, the engine's
+    per-kernel records in plan order if ``record``)."""
     dev = SimDevice(gpu, cost=cost)
     funcs = dev.load_module(_image(bundle, variant))
     plan = bundle.variants[variant].plan
     largest = max((op.nbytes or 0) for op in plan) or 1
     scratch, host = dev.alloc(largest), np.zeros(largest, dtype=np.uint8)
+    if record:
+        dev.gpu.record = []
     for lid, op in enumerate(plan):
         if op.op == "launch":
             dev.launch(funcs[op.kernel], tuple(op.grid), tuple(op.block), 0, lid,
@@ -54,7 +58,12 @@ def plan_time(bundle: Bundle, gpu: str, variant: int = 0, cost: CostModel | None
         else:
             dev.memcpy_dtoh(host[:op.nbytes], scratch, 0)
     dev.run()
-    return dev.now()
+    return dev.now(), list(dev.gpu.record or [])
+
+
+def plan_time(bundle: Bundle, gpu: str, variant: int = 0, cost: CostModel | None = None) -> float:
+    """Seconds for one request alone: the variant's plan (copies and launches) on one stream."""
+    return run_plan(bundle, gpu, cost, variant)[0]
 
 
 def launch_profile(bundle: Bundle, gpu: str, variant: int, index: int, op,
