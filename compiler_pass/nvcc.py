@@ -46,9 +46,19 @@ def check_arch(arch: str) -> str:
 def _run(cmd: list[str], what: str) -> str:
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
-        tail = "\n".join((proc.stderr or proc.stdout).strip().splitlines()[-25:])
-        raise NvccError(f"{what} failed (exit {proc.returncode}): {' '.join(cmd)}\n{tail}")
+        raise NvccError(f"{what} failed (exit {proc.returncode}): {' '.join(cmd)}\n"
+                        + diagnostics(proc.stderr or proc.stdout))
     return proc.stderr + proc.stdout
+
+
+def diagnostics(output: str, tail: int = 25) -> str:
+    """The lines a reader needs from a failed nvcc/ptxas run: every error line (ptxas
+    reports e.g. "Entry function ... uses too much shared data" before pages of info
+    lines, which a plain tail would hide), then the last ``tail`` lines."""
+    lines = output.strip().splitlines()
+    errors = [ln for ln in lines[:-tail] if "error" in ln.lower()]
+    shown = errors + (["..."] if errors else []) + lines[-tail:]
+    return "\n".join(shown)
 
 
 def parse_ptxas(report: str) -> dict[str, KernelResources]:
