@@ -122,6 +122,8 @@ class Dispatcher:
         self.in_flight = 0
         self.now = device.now()
         self.iterations = 0
+        #: Times a failing policy was replaced by fifo (``policy_failure`` says the last why).
+        self.policy_fallbacks = 0
         self.idle = True                     # the last step() changed nothing
         self._arrivals: deque[Job] = deque()
         self._resume: list[Job] = []
@@ -559,6 +561,7 @@ class Dispatcher:
         self.policy = policy = get_policy(FALLBACK_POLICY)(self)
         self._bind_policy()
         self.policy_failure = f"{failed.name}.{hook}: {type(exc).__name__}: {exc}"
+        self.policy_fallbacks += 1
         self.streams.set_mode(policy.stream_mode)
         self._queued = 0
         for job in sorted(self.jobs, key=lambda j: j.seq):

@@ -16,6 +16,7 @@ import sys
 COMMANDS = [
     "paella.experiments.demo",         # demo
     "paella.dispatcher.daemon",        # serve
+    "paella.dispatcher.daemon.unit",   # unit
     "paella.compiler_pass.cli",        # compile
     "paella.experiments.cli",          # experiment ...
     "paella.cli",                      # occupancy
@@ -66,8 +67,19 @@ def _occupancy(args: argparse.Namespace) -> int:
     return 0
 
 
+def version() -> str:
+    """The installed distribution's version (``paella.__version__`` is kept equal to it)."""
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as dist_version
+    try:
+        return dist_version("paella-py")
+    except PackageNotFoundError:        # (run from a source tree, not installed)
+        return "unknown (not installed)"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="paella", description=__doc__.splitlines()[0])
+    parser.add_argument("--version", action="version", version=f"paella {version()}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for mod in COMMANDS:
         importlib.import_module(mod).register(sub)
