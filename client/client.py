@@ -227,15 +227,25 @@ class Client:
                                f"{sorted(self.models) or 'none'}")
         return m
 
-    def list_models(self) -> dict[str, wire.ModelInfo]:
+    def list_models(self, timeout: float | None = None) -> dict[str, wire.ModelInfo]:
         """Ask the daemon again (it reloads its repository on SIGHUP)."""
         self._send(wire.encode(wire.LIST_MODELS))
         with self._recv_lock:
-            kind, msg = self._await_reply()
+            kind, msg = self._await_reply(timeout)
         if kind == wire.ERROR:
             raise DaemonError(msg.get("error", "?"), msg.get("message", ""))   # type: ignore[union-attr]
         self._set_models(msg["models"])   # type: ignore[index]
         return self.models
+
+    def status(self, timeout: float = 5.0) -> dict:
+        """The daemon's STATUS reply (``paella status``): models, clients, in flight,
+        occupancy."""
+        self._send(wire.encode(wire.STATUS))
+        with self._recv_lock:
+            kind, msg = self._await_reply(timeout)
+        if kind == wire.ERROR:
+            raise DaemonError(msg.get("error", "?"), msg.get("message", ""))   # type: ignore[union-attr]
+        return msg["status"]   # type: ignore[index]
 
     # -- §5.1: predict ---------------------------------------------------------------------
     def predict(self, model: str | int, length: int, io_offset: int, options: int = 0) -> int:
@@ -382,7 +392,7 @@ class Client:
                 self._notified += 1
             elif kind == wire.ERROR:
                 self._replies.append((kind, msg))
-            elif kind == wire.MODELS:
+            elif kind in (wire.MODELS, wire.STATUS_REPLY):
                 self._replies.append((kind, msg))
             else:
                 raise DaemonGone(f"the daemon sent an unexpected {wire.NAMES[kind]}")

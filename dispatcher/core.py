@@ -473,6 +473,8 @@ class Dispatcher:
         job.io = None                        # its work is done; a client's memory must not linger
         now = self.now
         instr = self.instruments
+        if "job_finished" in instr:
+            instr.call("job_finished", job)
         for req in job.requests:
             if req.cancelled:
                 req.status, req.error = STATUS_CANCELLED, req.error or "cancelled"

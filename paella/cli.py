@@ -17,6 +17,8 @@ COMMANDS = [
     "paella.experiments.demo",         # demo
     "paella.dispatcher.daemon",        # serve
     "paella.dispatcher.daemon.unit",   # unit
+    "paella.client.status",            # status
+    "paella.kserve.command",           # kserve
     "paella.compiler_pass.cli",        # compile
     "paella.experiments.cli",          # experiment ...
     "paella.cli",                      # occupancy

@@ -103,6 +103,16 @@ class Daemon:
         from paella.dispatcher.instruments import Instruments
         self.cfg = cfg
         self.instruments = list(instruments)
+        #: Counters of the Prometheus metrics (``--metrics-port``), None when off.
+        self.metrics = None
+        self._metrics_server = None
+        host_instruments = list(self.instruments)
+        if cfg.metrics_port:
+            from .metrics import MetricsCounts
+            self.metrics = MetricsCounts()
+            job_metrics, host_metrics = self.metrics.instruments()
+            self.instruments.append(job_metrics)          # the dispatcher path's
+            host_instruments.append(host_metrics)
         self.open_device = open_device or open_device_for
         self.table = ModelTable()
         fcfg = FrontendConfig(
@@ -114,20 +124,13 @@ class Daemon:
             max_clients_per_uid=cfg.max_clients_per_uid, handshake_seconds=cfg.handshake_seconds)
         self.front = Frontend(fcfg, self.table)
         self.router = Router()
-        self.host = HostExecutor(self.front, {}, Instruments(self.instruments))
+        self.host = HostExecutor(self.front, {}, Instruments(host_instruments))
         self.router.paths.append(self.host)
         self.front.executor = self.router
         self.front.on_arena_mapped = self._arena_mapped
         self.front.on_arena_released = self._arena_released
         self.front.on_status = self.status
         self.started = time.monotonic()
-        #: Counters of the Prometheus metrics (``--metrics-port``), None when off.
-        self.metrics = None
-        self._metrics_server = None
-        if cfg.metrics_port:
-            from .metrics import MetricsInstrument
-            self.metrics = MetricsInstrument()
-            self.instruments.append(self.metrics)
         self._arenas: dict[int, np.ndarray] = {}     # client id -> arena, while mapped
         self._pinned: set[int] = set()               # clients whose arena is page-locked
         self.dispatcher: DispatcherExecutor | None = None
