@@ -18,6 +18,7 @@ COMMANDS = [
     "paella.dispatcher.daemon",        # serve
     "paella.dispatcher.daemon.unit",   # unit
     "paella.client.status",            # status
+    "paella.client.perf",              # perf
     "paella.kserve.command",           # kserve
     "paella.compiler_pass.cli",        # compile
     "paella.experiments.cli",          # experiment ...

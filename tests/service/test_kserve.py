@@ -6,10 +6,6 @@ import http.client
 import json
 import os
 import socket
-import subprocess
-import sys
-import time
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -18,28 +14,7 @@ tritonhttp = pytest.importorskip("tritonclient.http")
 tritongrpc = pytest.importorskip("tritonclient.grpc")
 from tritonclient.utils import InferenceServerException  # noqa: E402
 
-PAELLA = str(Path(sys.executable).with_name("paella"))
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def start_kserve(sock: str) -> tuple[subprocess.Popen, int, int, Path]:
-    hp, gp = free_port(), free_port()
-    log = Path(sock).with_name(f"kserve.{hp}.log")
-    with open(log, "w") as f:
-        proc = subprocess.Popen([PAELLA, "kserve", "--socket", sock, "--http-port", str(hp),
-                                 "--grpc-port", str(gp), "--timeout", "10"],
-                                stdout=f, stderr=subprocess.STDOUT)
-    deadline = time.monotonic() + 30
-    while "HTTP on" not in log.read_text():
-        assert proc.poll() is None, log.read_text()
-        assert time.monotonic() < deadline, log.read_text()
-        time.sleep(0.1)
-    return proc, hp, gp, log
+from service_daemon import start_kserve  # noqa: E402
 
 
 @pytest.fixture(scope="module")

@@ -22,15 +22,9 @@ from paella.client.status import daemon_status
 PAELLA = str(Path(sys.executable).with_name("paella"))
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def metrics_daemon():
-    from service_daemon import cleanup, start_daemon
+    from service_daemon import cleanup, free_port, start_daemon
     port = free_port()
     dp = start_daemon("--metrics-port", str(port))
     dp.metrics_port = port
