@@ -61,9 +61,21 @@ class Point:
 
 @dataclass
 class Sender:
-    """Makes one worker's ``send()``: runs one request, raises on failure."""
+    """Makes one worker's ``send()``: runs one request, raises on failure. ``close()``
+    closes the connections made so far (after each point)."""
     make: Callable[[], Callable[[], None]]
     closers: list[Callable[[], None]] = field(default_factory=list)
+
+    def workers(self, n: int) -> list[Callable[[], None]]:
+        try:
+            return [self.make() for _ in range(n)]
+        except (PaellaError, OSError) as e:
+            self.close()
+            raise PerfError(f"cannot open {n} connections: {e}") from None
+
+    def close(self) -> None:
+        while self.closers:
+            self.closers.pop()()
 
 
 # --- targets --------------------------------------------------------------------------
@@ -173,7 +185,7 @@ class Recorder:
 def run_concurrency(sender: Sender, n: int, seconds: float, warmup: float,
                     progress: Callable[[Recorder, float], None]) -> tuple[Recorder, float]:
     rec = Recorder()
-    sends = [sender.make() for _ in range(n)]
+    sends = sender.workers(n)
     t_start = time.perf_counter() + warmup
     t_end = t_start + seconds
 
@@ -203,7 +215,7 @@ def run_rate(sender: Sender, rate: float, arrivals: str, sigma: float, seconds: 
              warmup: float, workers: int, progress: Callable[[Recorder, float], None]
              ) -> tuple[Recorder, float]:
     rec = Recorder()
-    sends = [sender.make() for _ in range(workers)]
+    sends = sender.workers(workers)
     todo: queue.Queue[float | None] = queue.Queue()
     t_start = time.perf_counter() + warmup
     t_end = t_start + seconds
@@ -343,8 +355,7 @@ def _perf(args: argparse.Namespace) -> int:
         raise CLIError(str(e)) from None
     finally:
         if "sender" in locals():
-            for close in sender.closers:
-                close()
+            sender.close()
     print(f"{'concurrency' if args.rate is None else 'rate/s':>11} {'req/s':>9} {'p50 ms':>8} "
           f"{'p90 ms':>8} {'p99 ms':>8} {'errors':>6}")
     for p in points:
@@ -392,4 +403,5 @@ def _sweep(args: argparse.Namespace, sender: Sender) -> list[Point]:
         else:
             rec, secs = run_concurrency(sender, load, args.seconds, args.warmup, progress)
             points.append(summarize(rec, secs, load, None))
+        sender.close()
     return points

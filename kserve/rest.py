@@ -55,6 +55,9 @@ class KServeHTTPServer(ThreadingHTTPServer):
 
 class _Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"          # keep-alive, as tritonclient expects
+    # Headers and body leave in two writes: with Nagle's algorithm on, the body waits
+    # for the client's delayed ACK of the headers, 40 ms per response.
+    disable_nagle_algorithm = True
     server: KServeHTTPServer
 
     def log_message(self, fmt: str, *args: Any) -> None:   # the access log: debug only
