@@ -79,8 +79,11 @@ class Sender:
 
 
 # --- targets --------------------------------------------------------------------------
-def local_target(socket: str, model: str, timeout: float) -> Sender:
-    """Requests over the rings, one connection per worker."""
+def local_target(socket: str, model: str, timeout: float, mode: str = "socket") -> Sender:
+    """Requests over the rings, one connection per worker, in wait ``mode``. The default
+    is ``socket``: the workers are threads of one process, and a hybrid or polling waiter
+    spins on its ring holding the GIL, so the other workers wait for the interpreter's
+    switch interval (5 ms) and the generator, not the daemon, sets the latency."""
     try:
         probe = connect(socket)
     except PaellaError as e:
@@ -95,7 +98,7 @@ def local_target(socket: str, model: str, timeout: float) -> Sender:
     sender = Sender(lambda: None)
 
     def make() -> Callable[[], None]:
-        c = connect(socket)
+        c = connect(socket, mode=mode)
         sender.closers.append(c.close)
         return lambda: c.infer(model, inputs, timeout=timeout) and None
     sender.make = make
@@ -331,6 +334,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--workers", type=int, default=16,
                    help="open loop: requests in flight at most (default 16)")
     p.add_argument("--timeout", type=float, default=30.0, help="per request, seconds")
+    p.add_argument("--wait-mode", choices=("socket", "hybrid", "polling"), default="socket",
+                   help="local rings: how workers wait (default socket: they are threads of "
+                        "one process, and a spinning waiter holds the GIL)")
     p.add_argument("--csv", help="write the points as CSV (perf_analyzer's columns)")
     p.add_argument("--json", help="write the points as JSON")
     p.add_argument("--plot", help="write latency against throughput as an image")
@@ -349,7 +355,8 @@ def _perf(args: argparse.Namespace) -> int:
             sender, transport = kserve_target(args.kserve, args.model, args.timeout), "kserve-http"
         else:
             sock = args.socket or default_socket()
-            sender, transport = local_target(sock, args.model, args.timeout), "local-rings"
+            sender = local_target(sock, args.model, args.timeout, args.wait_mode)
+            transport = "local-rings"
         points = _sweep(args, sender)
     except PerfError as e:
         raise CLIError(str(e)) from None
