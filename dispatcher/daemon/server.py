@@ -180,8 +180,13 @@ class Daemon:
         if self.cfg.models:
             log.info("loading the model repository %s", self.cfg.models)
             if self.device.backend == "sim":
-                import tvm.relax  # noqa: F401 - now, not in a reload's thread: importing
-                #                   TVM holds the GIL for ~0.5 s, a stall of the loop
+                try:
+                    import tvm.relax  # noqa: F401 - now, not in a reload's thread: importing
+                    #                   TVM holds the GIL for ~0.5 s, a stall of the loop
+                except ImportError:
+                    raise ConfigError("serving bundles on the simulated GPU needs TVM (their "
+                                      "answers come from each bundle's CPU build): pip "
+                                      "install 'paella-py[compile]'") from None
             scan = repository.scan(self.cfg.models, {}, self._make_adaptor,
                                    stop=lambda: self.draining)
             if scan.interrupted or self.draining:
