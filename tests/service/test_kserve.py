@@ -166,3 +166,32 @@ def test_without_a_daemon_it_is_live_but_not_ready(tmp_path):
         assert proc.wait(15) == 0, log.read_text()
     assert "Traceback" not in log.read_text()
     os.unlink(log)
+
+
+def test_our_proto_is_the_protocols_field_for_field():
+    # Our grpc_predict_v2.proto against tritonclient's copy of the protocol: same message
+    # names, field numbers, types and cardinality (a wrong number would garble the wire).
+    import tritonclient.grpc.service_pb2 as theirs
+
+    from paella.kserve import grpc_predict_v2_pb2 as ours
+
+    def repeated(f) -> bool:          # (protobuf 7 dropped .label for .is_repeated)
+        r = getattr(f, "is_repeated", None)
+        return f.label == f.LABEL_REPEATED if r is None else r
+
+    def same(a, b):
+        for f in a.fields:
+            g = b.fields_by_name[f.name]
+            assert (f.number, f.type, repeated(f)) == (g.number, g.type, repeated(g)), \
+                (a.full_name, f.name)
+        for n in a.nested_types:
+            same(n, b.nested_types_by_name[n.name])
+    assert ours.DESCRIPTOR.package == theirs.DESCRIPTOR.package == "inference"
+    for name, d in ours.DESCRIPTOR.message_types_by_name.items():
+        same(d, theirs.DESCRIPTOR.message_types_by_name[name])
+    [svc] = ours.DESCRIPTOR.services_by_name.values()
+    assert svc.full_name == "inference.GRPCInferenceService"
+    theirs_svc = theirs.DESCRIPTOR.services_by_name["GRPCInferenceService"]
+    for m in svc.methods:
+        t = theirs_svc.methods_by_name[m.name]
+        assert (m.input_type.name, m.output_type.name) == (t.input_type.name, t.output_type.name)
