@@ -83,8 +83,12 @@ class InferenceService:
         self._models_at = -1e9
 
     # -- connections -----------------------------------------------------------------
-    def _take(self) -> Client:
-        if not self._slots.acquire(timeout=self.timeout):
+    def _take(self, wait: bool = True) -> Client | None:
+        """A connection (made if none is idle); None if ``wait`` is false and all are busy."""
+        if not wait:
+            if not self._slots.acquire(blocking=False):
+                return None
+        elif not self._slots.acquire(timeout=self.timeout):
             raise InferError(503, f"all {self._slots._initial_value} connections to the daemon "
                                   f"stayed busy for {self.timeout} s")
         try:
@@ -130,7 +134,12 @@ class InferenceService:
         with self._lock:
             if time.monotonic() - self._models_at < self.MODELS_TTL:
                 return self._models
-        c = self._take()
+            known = self._models_at > 0
+        # With a list already known, a refresh never waits for a busy connection: health
+        # checks and metadata stay instant under load (the list is then a little older).
+        c = self._take(wait=not known)
+        if c is None:
+            return self._models
         broken = False
         try:
             infos = c.list_models(timeout=self.timeout)
