@@ -9,7 +9,8 @@ import threading
 
 from paella.client.client import DEFAULT_SOCKET, NONBLOCK, Client, connect, default_socket
 from paella.client.errors import (ArenaFull, DaemonError, DaemonGone, DaemonUnavailable,
-                                  NothingInFlight, PaellaError, RequestFailed, RingFull,
+                                  NothingInFlight, PaellaError, RequestFailed, ResultTimeout,
+                                  RingFull,
                                   UnknownModel)
 
 _default: Client | None = None
@@ -30,11 +31,12 @@ def predict(model: str | int, length: int, io_offset: int, options: int = 0) -> 
     return default_client().predict(model, length, io_offset, options)
 
 
-def read_result(options: int = 0) -> int:
+def read_result(options: int = 0, timeout: float | None = None) -> int:
     """§5.3 ``paella.readResult`` on the default connection."""
-    return default_client().read_result(options)
+    return default_client().read_result(options, timeout)
 
 
 __all__ = ["Client", "connect", "default_socket", "DEFAULT_SOCKET", "default_client", "predict", "read_result",
            "NONBLOCK", "PaellaError", "DaemonUnavailable", "DaemonGone", "DaemonError",
-           "UnknownModel", "NothingInFlight", "RingFull", "ArenaFull", "RequestFailed"]
+           "UnknownModel", "NothingInFlight", "RingFull", "ArenaFull", "RequestFailed",
+           "ResultTimeout"]

@@ -32,6 +32,7 @@ from __future__ import annotations
 import errno
 import mmap
 import os
+import select
 import socket
 import threading
 import time
@@ -42,7 +43,8 @@ import numpy as np
 from paella import rings, wire
 from paella.client.arena import ArenaAllocator
 from paella.client.errors import (DaemonError, DaemonGone, DaemonUnavailable, NothingInFlight,
-                                  PaellaError, RequestFailed, RingFull, UnknownModel)
+                                  PaellaError, RequestFailed, ResultTimeout, RingFull,
+                                  UnknownModel)
 
 #: read_result option: return -errno.EAGAIN instead of waiting.
 NONBLOCK = 1
@@ -116,6 +118,9 @@ class Client:
         self._completed = 0       # under _recv_lock
         self._notified = 0        # WAKE/DONE frames received, under _recv_lock
         self._stash: dict[int, tuple[int, str]] = {}   # read by wait(), not yet returned
+        #: Requests whose ``infer`` timed out: req id -> io offset, freed (and the result
+        #: dropped) when the completion arrives; the daemon may write the region till then.
+        self._orphans: dict[int, int] = {}
         self._replies: list[tuple[int, object]] = []
         self._sock.settimeout(None)
         self.closed = False
@@ -222,15 +227,25 @@ class Client:
                                f"{sorted(self.models) or 'none'}")
         return m
 
-    def list_models(self) -> dict[str, wire.ModelInfo]:
+    def list_models(self, timeout: float | None = None) -> dict[str, wire.ModelInfo]:
         """Ask the daemon again (it reloads its repository on SIGHUP)."""
         self._send(wire.encode(wire.LIST_MODELS))
         with self._recv_lock:
-            kind, msg = self._await_reply()
+            kind, msg = self._await_reply(timeout)
         if kind == wire.ERROR:
             raise DaemonError(msg.get("error", "?"), msg.get("message", ""))   # type: ignore[union-attr]
         self._set_models(msg["models"])   # type: ignore[index]
         return self.models
+
+    def status(self, timeout: float = 5.0) -> dict:
+        """The daemon's STATUS reply (``paella status``): models, clients, in flight,
+        occupancy."""
+        self._send(wire.encode(wire.STATUS))
+        with self._recv_lock:
+            kind, msg = self._await_reply(timeout)
+        if kind == wire.ERROR:
+            raise DaemonError(msg.get("error", "?"), msg.get("message", ""))   # type: ignore[union-attr]
+        return msg["status"]   # type: ignore[index]
 
     # -- §5.1: predict ---------------------------------------------------------------------
     def predict(self, model: str | int, length: int, io_offset: int, options: int = 0) -> int:
@@ -277,27 +292,32 @@ class Client:
             time.sleep(0.0001)
 
     # -- §5.3: read_result -----------------------------------------------------------------
-    def read_result(self, options: int = 0) -> int:
+    def read_result(self, options: int = 0, timeout: float | None = None) -> int:
         """Id of the first completed request.
 
         Raises :class:`RequestFailed` (with the daemon's reason) when that request
         failed, and :class:`NothingInFlight` when no request is outstanding. With
-        ``NONBLOCK`` returns ``-errno.EAGAIN`` when nothing is ready yet.
+        ``NONBLOCK`` returns ``-errno.EAGAIN`` when nothing is ready yet. With a
+        ``timeout`` (seconds) raises :class:`ResultTimeout` when nothing completed by
+        then (the default, None, waits as long as the daemon lives).
         """
+        deadline = _deadline(timeout)
         with self._recv_lock:
             if self._stash:
                 req_id = next(iter(self._stash))
                 return self._result(req_id, *self._stash.pop(req_id))
-            got = self._next_completion(bool(options & NONBLOCK))
+            got = self._next_completion(bool(options & NONBLOCK), deadline)
             if got is None:
                 return -errno.EAGAIN
             return self._result(*got)
 
-    def wait(self, req_id: int) -> None:
-        """Wait for one request; raises RequestFailed if it failed."""
+    def wait(self, req_id: int, timeout: float | None = None) -> None:
+        """Wait for one request; raises RequestFailed if it failed, ResultTimeout if it
+        did not complete within ``timeout`` seconds (it stays in flight)."""
+        deadline = _deadline(timeout)
         with self._recv_lock:
             while req_id not in self._stash:
-                got = self._next_completion(False)
+                got = self._next_completion(False, deadline)
                 self._stash[got[0]] = got[1:]   # type: ignore[index]
             self._result(req_id, *self._stash.pop(req_id))
 
@@ -307,8 +327,20 @@ class Client:
             raise RequestFailed(req_id, status, reason)
         return req_id
 
-    def _next_completion(self, nonblock: bool) -> tuple[int, int, str] | None:
-        """Pop one completion, waiting according to the mode. Caller holds _recv_lock."""
+    def _next_completion(self, nonblock: bool, deadline: float | None = None
+                         ) -> tuple[int, int, str] | None:
+        """Pop one completion, waiting according to the mode, until ``deadline``
+        (time.monotonic(); None: no limit). Caller holds _recv_lock. Completions of
+        orphaned requests (an ``infer`` that timed out) free their region and are
+        skipped."""
+        while True:
+            got = self._pop_completion(nonblock, deadline)
+            if got is None or not self._orphans or got[0] not in self._orphans:
+                return got
+            self._alloc.free(self._orphans.pop(got[0]))
+
+    def _pop_completion(self, nonblock: bool, deadline: float | None
+                        ) -> tuple[int, int, str] | None:
         pop = self._completions.pop
         spins = 0
         while True:
@@ -329,11 +361,19 @@ class Client:
                 spins += 1           # the completion is on its way: poll shared memory
                 if spins % _SPINS_PER_CHECK == 0:
                     self._pump(block=False)
+                    _check(deadline, self)
             else:
-                self._pump(block=True)   # hybrid/socket: sleep until the daemon speaks
+                # hybrid/socket: sleep until the daemon speaks (or the deadline)
+                self._pump(block=True, timeout=_remaining(deadline, self))
 
-    def _pump(self, block: bool) -> None:
-        """Read what the socket holds (waiting for at least one frame if ``block``)."""
+    def _pump(self, block: bool, timeout: float | None = None) -> None:
+        """Read what the socket holds (waiting for at least one frame if ``block``, at
+        most ``timeout`` seconds if given: then it returns having read nothing)."""
+        if block and timeout is not None:
+            # poll, not settimeout: the socket's mode is shared with the sending threads.
+            if not select.select([self._sock], [], [], timeout)[0]:
+                return
+
         try:
             data = self._sock.recv(65536) if block else self._sock.recv(65536, socket.MSG_DONTWAIT)
         except (BlockingIOError, InterruptedError):
@@ -352,7 +392,7 @@ class Client:
                 self._notified += 1
             elif kind == wire.ERROR:
                 self._replies.append((kind, msg))
-            elif kind == wire.MODELS:
+            elif kind in (wire.MODELS, wire.STATUS_REPLY):
                 self._replies.append((kind, msg))
             else:
                 raise DaemonGone(f"the daemon sent an unexpected {wire.NAMES[kind]}")
@@ -362,11 +402,12 @@ class Client:
 
     _awaiting = False
 
-    def _await_reply(self) -> tuple[int, object]:
+    def _await_reply(self, timeout: float | None = None) -> tuple[int, object]:
+        deadline = _deadline(timeout)
         self._awaiting = True
         try:
             while not self._replies:
-                self._pump(block=True)
+                self._pump(block=True, timeout=_remaining(deadline, self))
             return self._replies.pop(0)
         finally:
             self._awaiting = False
@@ -396,13 +437,15 @@ class Client:
         return {t.name: view(t) for t in v.inputs}, {t.name: view(t) for t in v.outputs}
 
     def infer(self, model: str | int, inputs: Mapping[str, np.ndarray],
-              variant: int = 0) -> dict[str, np.ndarray]:
+              variant: int = 0, timeout: float | None = None) -> dict[str, np.ndarray]:
         """Run one request: place inputs, predict, wait, return copies of the outputs.
 
         Inputs must match the variant's names and shapes exactly (values are cast to
         the tensor's dtype as numpy assignment does). For zero-copy use, take a region
         with :meth:`alloc`, fill the views from :meth:`io_views`, and call
-        :meth:`predict` and :meth:`wait` yourself.
+        :meth:`predict` and :meth:`wait` yourself. ``timeout`` (seconds, default no
+        limit) raises :class:`ResultTimeout` when the answer has not come by then; the
+        request's arena region stays reserved until its completion arrives.
         """
         m = self.model(model)
         if not 0 <= variant < len(m.variants):
@@ -412,6 +455,7 @@ class Client:
         if set(inputs) != names:
             raise ValueError(f"{m.name} takes inputs {sorted(names)}, got {sorted(inputs)}")
         off = self._alloc.alloc(v.io_bytes)
+        orphaned = False
         try:
             ins, outs = self.io_views(m.model_id, off, variant)
             for t in v.inputs:
@@ -421,15 +465,44 @@ class Client:
                                      f"({t.dtype}), got {a.shape}")
                 ins[t.name][...] = a
             req_id = self.predict(m.model_id, v.io_bytes, off, variant)
-            self.wait(req_id)
+            try:
+                self.wait(req_id, timeout)
+            except ResultTimeout:
+                self._orphans[req_id] = off     # the daemon may still write the region
+                orphaned = True
+                raise
             return {k: a.copy() for k, a in outs.items()}
         finally:
-            self._alloc.free(off)
+            if not orphaned:
+                self._alloc.free(off)
 
     @property
     def in_flight(self) -> int:
         """Requests submitted and not yet read back."""
         return self._submitted - self._completed
+
+
+def _deadline(timeout: float | None) -> float | None:
+    if timeout is None:
+        return None
+    if not timeout >= 0:
+        raise ValueError(f"timeout must be >= 0 seconds or None, got {timeout}")
+    return time.monotonic() + timeout
+
+
+def _remaining(deadline: float | None, client: Client) -> float | None:
+    """Seconds left before ``deadline``; ResultTimeout once it has passed."""
+    if deadline is None:
+        return None
+    _check(deadline, client)
+    return deadline - time.monotonic()
+
+
+def _check(deadline: float | None, client: Client) -> None:
+    if deadline is not None and time.monotonic() >= deadline:
+        raise ResultTimeout(f"no answer from the daemon at {client.path} in time "
+                            f"({client.in_flight} request(s) in flight); it is busy, hung "
+                            f"or stopped")
 
 
 __all__ = ["Client", "connect", "NONBLOCK", "default_socket", "PaellaError"]

@@ -34,6 +34,12 @@ class NothingInFlight(PaellaError):
     """A blocking read_result with no request outstanding would wait forever."""
 
 
+class ResultTimeout(PaellaError, TimeoutError):
+    """No completion arrived within the caller's ``timeout``: the daemon is busy, hung or
+    stopped. The request stays in flight; its io region is freed when its completion
+    finally arrives (or when the client closes), never while the daemon may still write it."""
+
+
 class RingFull(PaellaError):
     """The request ring stayed full: the daemon is not taking requests (read results?)."""
 

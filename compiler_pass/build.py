@@ -310,11 +310,16 @@ def default_cache_dir() -> Path:
 
 
 def _check_writable(out: Path) -> None:
+    """Refuse an unusable ``out`` before compiling; make its missing parents (``-o
+    bundles/resnet18`` on a fresh checkout)."""
     parent = out.resolve().parent
     if out.exists() and not out.is_dir():
         raise CompileError(f"output {out} exists and is not a directory; choose another -o path")
-    if not parent.is_dir():
-        raise CompileError(f"output's parent directory {parent} does not exist; create it first")
+    try:
+        parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise CompileError(f"cannot create the output's parent directory {parent} "
+                           f"({e.strerror}); choose another -o path") from None
     if not os.access(parent, os.W_OK):
         raise CompileError(f"cannot write into {parent} (permission denied); choose a writable -o path")
 
@@ -346,6 +351,7 @@ def compile_bundle(model: ModelDef, out: str | Path, arch: str = "sm_75",
         try:
             if json.loads(existing.read_text()).get("cache_key") == key:
                 progress(f"{out} is up to date (cache key {key})")
+                _name_bundle(out, model.name)
                 return out
         except (json.JSONDecodeError, OSError):
             pass  # unreadable old bundle: rebuild over it
@@ -353,6 +359,7 @@ def compile_bundle(model: ModelDef, out: str | Path, arch: str = "sm_75",
     if not force and (cache / MANIFEST).is_file():
         progress(f"cached bundle {key} found in {cache.parent}")
         _install(cache, out, copy=True)
+        _name_bundle(out, model.name)
         return out
     try:
         tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.build.", dir=out.resolve().parent))
@@ -374,6 +381,17 @@ def compile_bundle(model: ModelDef, out: str | Path, arch: str = "sm_75",
     progress(f"wrote {out} in {manifest.compile_seconds:.1f}s: {len(manifest.variants[0].kernels)} kernels, "
              f"{len(manifest.variants[0].launches())} launches")
     return out
+
+
+def _name_bundle(out: Path, name: str) -> None:
+    """The cache key hashes the model's content, not its name: the same ONNX file
+    compiled under a new name hits the entry of the old one, whose manifest names the
+    old model. Rename it in the installed copy (the cache entry stays as it is)."""
+    path = out / MANIFEST
+    data = json.loads(path.read_text())
+    if data.get("model") != name:
+        data["model"] = name
+        path.write_text(json.dumps(data, indent=1))
 
 
 def _store_in_cache(src: Path, cache: Path, progress: Progress) -> None:

@@ -17,7 +17,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("compile", help="compile a model into a bundle (instrumented CUDA kernels + launch plan)",
                        description=__doc__.splitlines()[0])
     p.add_argument("model", nargs="?", help="zoo name (e.g. resnet18, tiny_cnn, onnx_resnet50) or path to .onnx")
-    p.add_argument("-o", "--out", required=True, help="output bundle directory (with --zoo: parent directory)")
+    p.add_argument("-o", "--out", help="output bundle directory, made with its parents if missing "
+                                         "(with --zoo: their parent directory); not needed with --list")
     p.add_argument("--arch", default="sm_75", help="CUDA arch for nvcc (default sm_75, the T4)")
     p.add_argument("--no-instrument", action="store_true", help="compile the plain kernels (no notifQ posts)")
     p.add_argument("--group", type=int, default=16, help="blocks per notification (16 default, 1 = per block)")
@@ -54,6 +55,9 @@ def _compile(args: argparse.Namespace) -> int:
     progress = (lambda _m: None) if args.quiet else (lambda m: print(m, file=sys.stderr, flush=True))
     if args.zoo == bool(args.model):
         raise CLIError("give either MODEL or --zoo")
+    if not args.out:
+        raise CLIError("give the output directory with -o DIR (e.g. -o bundles/"
+                       f"{args.model or 'zoo'})")
     names = zoo.TABLE2 if args.zoo else [args.model]
     rows = []
     for name in names:

@@ -122,6 +122,8 @@ class Dispatcher:
         self.in_flight = 0
         self.now = device.now()
         self.iterations = 0
+        #: Times a failing policy was replaced by fifo (``policy_failure`` says the last why).
+        self.policy_fallbacks = 0
         self.idle = True                     # the last step() changed nothing
         self._arrivals: deque[Job] = deque()
         self._resume: list[Job] = []
@@ -471,6 +473,8 @@ class Dispatcher:
         job.io = None                        # its work is done; a client's memory must not linger
         now = self.now
         instr = self.instruments
+        if "job_finished" in instr:
+            instr.call("job_finished", job)
         for req in job.requests:
             if req.cancelled:
                 req.status, req.error = STATUS_CANCELLED, req.error or "cancelled"
@@ -559,6 +563,7 @@ class Dispatcher:
         self.policy = policy = get_policy(FALLBACK_POLICY)(self)
         self._bind_policy()
         self.policy_failure = f"{failed.name}.{hook}: {type(exc).__name__}: {exc}"
+        self.policy_fallbacks += 1
         self.streams.set_mode(policy.stream_mode)
         self._queued = 0
         for job in sorted(self.jobs, key=lambda j: j.seq):

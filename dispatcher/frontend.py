@@ -238,6 +238,8 @@ class Frontend:
         #: the client is left). The daemon page-locks arenas with them (register_host).
         self.on_arena_mapped: Callable[[int, np.ndarray], None] | None = None
         self.on_arena_released: Callable[[int, np.ndarray], None] | None = None
+        #: Builds a STATUS reply (the daemon adds the device's side); default :meth:`status`.
+        self.on_status: Callable[[], dict] | None = None
         self.clients: dict[int, ClientConn] = {}
         self.ready: list[ClientConn] = []      # round-robin order
         self._rr = 0
@@ -480,8 +482,38 @@ class Frontend:
             self._hello(c, msg)
         elif kind == wire.LIST_MODELS:
             self.send(c, wire.encode(wire.MODELS, {"models": self.models.describe()}))
+        elif kind == wire.STATUS:
+            self.send(c, self._status_frame())
         else:
             raise wire.WireError("unexpected", f"a client may not send {wire.NAMES[kind]}")
+
+    #: Seconds a built STATUS reply is reused: a client sending STATUS in a loop costs
+    #: the dispatcher loop one build per interval, not one per frame.
+    STATUS_REUSE = 0.05
+
+    def _status_frame(self) -> bytes:
+        now = time.monotonic()
+        cached = getattr(self, "_status_cache", None)
+        if cached is not None and now - cached[0] < self.STATUS_REUSE:
+            return cached[1]
+        st = self.on_status() if self.on_status is not None else self.status()
+        frame = wire.encode(wire.STATUS_REPLY, {"status": st})
+        self._status_cache = (now, frame)
+        return frame
+
+    def status(self) -> dict:
+        """What the front end knows: served models, connected clients and their requests
+        in flight, its counters. Safe from another thread (snapshots are taken with one
+        C-level copy each, which the GIL keeps whole)."""
+        clients = [{"id": c.cid, "pid": c.pid, "uid": c.uid, "mode": c.mode,
+                    "in_flight": len(c.inflight)} for c in list(self.ready)]
+        return {"pid": os.getpid(), "socket": self.cfg.socket_path,
+                "models": [{"id": m.model_id, "name": m.name, "variants": len(m.variants)}
+                           for m in sorted(list(self.models.by_id.values()),
+                                           key=lambda m: m.model_id)],
+                "clients": clients,
+                "in_flight": sum(c["in_flight"] for c in clients),
+                "stats": dict(self.stats)}
 
     def _hello(self, c: ClientConn, msg: dict) -> None:
         """``msg`` passed ``wire.check_fields``: each present field has its exact type."""

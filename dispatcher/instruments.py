@@ -11,6 +11,9 @@ Every hook is called synchronously from the dispatcher loop, with the device clo
   (``on_almost_finished`` returned);
 * ``request_finished(req)``     its completion was delivered (``on_complete`` returned);
   ``req.status`` and ``req.error`` say how it ended;
+* ``job_finished(job)``         a job ended, just before its requests' completions;
+  ``job.model`` is the model, ``job.kcount`` how often it released each kernel (one
+  call per job where ``op_released`` is one per op: per-model kernel counts for free);
 * ``op_issued(op)``             a job issued an op (kernel launch or copy) into its waitlist;
 * ``op_released(op, t)``        the op went to a real stream at device time ``t``;
 * ``op_started(op, t)``         the dispatcher learned that the op started on the device:
@@ -33,7 +36,7 @@ from typing import Any, Iterable
 log = logging.getLogger(__name__)
 
 HOOKS = ("request_admitted", "request_started", "request_woken", "request_finished",
-         "op_issued", "op_released", "op_started", "op_ended")
+         "job_finished", "op_issued", "op_released", "op_started", "op_ended")
 
 
 class Instrument:
@@ -50,6 +53,9 @@ class Instrument:
 
     def request_finished(self, req: Any) -> None:
         """``req``'s completion was delivered."""
+
+    def job_finished(self, job: Any) -> None:
+        """``job`` ended (completed, failed or cancelled)."""
 
     def op_issued(self, op: Any) -> None:
         """A job issued ``op`` into its waitlist."""

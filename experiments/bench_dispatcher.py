@@ -327,16 +327,20 @@ def measure_phases(n_jobs: int, policy: str = "paella", rate: float = 3000.0, se
 
 
 def measure_alone(n_jobs: int, policy: str = "paella", batch: int = 4, seed: int = 1,
-                  window: int = 1000, instrumented: bool = False) -> dict:
+                  window: int = 1000, instrumented: bool = False,
+                  instrument: Instrument | None = None) -> dict:
     """The dispatcher alone, cache-warm, on an :class:`InstantDevice` (launches post their
     PLACEMENT and COMPLETION at once, copies and events complete at once): ``batch``
     requests are submitted per step, and the thread CPU of submit + step is all the
     dispatcher's. Median over windows of ``window`` jobs, per kernel. What the simulated
     runs add on top is mostly the simulator's work evicting the dispatcher's data and
-    code between steps. ``instrumented``: with an instrument listening to every hook."""
+    code between steps. ``instrumented``: with an instrument listening to every hook;
+    ``instrument``: with this one (the daemon's metrics, ``bench_metrics``)."""
     dev, d, mid = _setup(policy, seed, InstantDevice)
     if instrumented:
         d.instruments.add(EveryHook())
+    if instrument is not None:
+        d.instruments.add(instrument)
     kernels_per_job = sum(1 for step in d.models[mid].replay.steps if step.kind == KERNEL)
     dev._tail = d.tracker.head
     dev.instant = True

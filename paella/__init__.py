@@ -15,7 +15,7 @@ __version__ = "0.1.0"
 
 _CLIENT_API = {"connect", "predict", "read_result", "NONBLOCK", "Client", "default_client",
                "PaellaError", "DaemonUnavailable", "DaemonGone", "DaemonError", "UnknownModel",
-               "NothingInFlight", "RingFull", "ArenaFull", "RequestFailed"}
+               "NothingInFlight", "RingFull", "ArenaFull", "RequestFailed", "ResultTimeout"}
 
 
 def __getattr__(name: str):

@@ -11,17 +11,32 @@ import argparse
 import importlib
 import json
 import sys
+from importlib.util import find_spec
 
-#: Modules that add sub-commands, in the order ``--help`` lists them.
+#: Modules that add sub-commands, in the order ``--help`` lists them: (module, the
+#: commands it adds, the install extra its imports need). In an install without that
+#: extra (the base install is only the client), the commands are still listed and say
+#: which extra to install.
 COMMANDS = [
-    "paella.experiments.demo",         # demo
-    "paella.dispatcher.daemon",        # serve
-    "paella.compiler_pass.cli",        # compile
-    "paella.experiments.cli",          # experiment ...
-    "paella.cli",                      # occupancy
-    "paella.dispatcher.devices.sim.bundle_profile",   # profile
-    "paella.doctor",                   # doctor
+    ("paella.experiments.demo", ("demo",), "all"),
+    ("paella.dispatcher.daemon", ("serve",), "serve"),
+    ("paella.dispatcher.daemon.unit", ("unit",), "serve"),
+    ("paella.client.status", ("status",), ""),
+    ("paella.client.perf", ("perf",), ""),
+    ("paella.kserve.command", ("kserve",), "kserve"),
+    ("paella.compiler_pass.cli", ("compile",), "compile"),
+    ("paella.experiments.cli", ("experiment",), "all"),
+    ("paella.cli", ("occupancy",), ""),
+    ("paella.dispatcher.devices.sim.bundle_profile", ("profile",), "serve"),
+    ("paella.doctor", ("doctor",), ""),
 ]
+
+
+#: What each extra brings that the commands import (looked up, not imported, so that
+#: ``paella --help`` stays fast).
+EXTRA_MODULES = {"serve": ("greenlet", "posix_ipc"), "compile": ("tvm", "onnx"),
+                 "kserve": ("grpc", "google.protobuf"),
+                 "all": ("greenlet", "posix_ipc", "tvm", "onnx", "matplotlib")}
 
 
 class CLIError(Exception):
@@ -66,12 +81,40 @@ def _occupancy(args: argparse.Namespace) -> int:
     return 0
 
 
+def version() -> str:
+    """The installed distribution's version (``paella.__version__`` is kept equal to it)."""
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as dist_version
+    try:
+        return dist_version("paella-py")
+    except PackageNotFoundError:        # (run from a source tree, not installed)
+        return "unknown (not installed)"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="paella", description=__doc__.splitlines()[0])
+    parser.add_argument("--version", action="version", version=f"paella {version()}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    for mod in COMMANDS:
+    for mod, names, extra in COMMANDS:
+        missing = next((m for m in EXTRA_MODULES.get(extra, ()) if find_spec(m) is None), None)
+        if missing is not None:
+            for name in names:
+                _missing_extra(sub, name, extra, missing)
+            continue
         importlib.import_module(mod).register(sub)
     return parser
+
+
+def _missing_extra(sub: argparse._SubParsersAction, name: str, extra: str, missing: str) -> None:
+    """A stand-in for a command whose dependencies are not installed."""
+    def refuse(_args: argparse.Namespace) -> int:
+        raise CLIError(f"paella {name} needs the '{extra}' extra ({missing} is not installed): "
+                       f"pip install 'paella-py[{extra}]'")
+    # (no option prefix: every argument lands in "rest", so any command line gets here)
+    p = sub.add_parser(name, help=f"(needs: pip install 'paella-py[{extra}]')", add_help=False,
+                       prefix_chars="\0")
+    p.add_argument("rest", nargs="*")
+    p.set_defaults(func=refuse)
 
 
 def run_command(args: argparse.Namespace) -> int:

@@ -19,6 +19,9 @@ DONE) carry one little-endian uint64 request id and are packed with a precompile
     6     DONE         d -> c     req_id: the completion is on the ring (socket mode)
     7     ERROR        d -> c     {"error": code name, "message": text}
     8     KICK         c -> d     {} or empty: "I pushed onto a ring while you slept"
+    9     STATUS       c -> d     {} or empty: what is the daemon doing? (``paella status``;
+                                  allowed before HELLO: it needs no segment)
+    10    STATUS_REPLY d -> c     {"status": {...}}: models, clients, in flight, occupancy
 
 Decoding is where a hostile peer's bytes are first interpreted, so it is strict and
 total: every failure, whatever Python would raise (a JSON syntax error, an integer of
@@ -41,10 +44,11 @@ import numpy as np
 
 PROTOCOL_VERSION = 1
 
-HELLO, WELCOME, LIST_MODELS, MODELS, WAKE, DONE, ERROR, KICK = range(1, 9)
+HELLO, WELCOME, LIST_MODELS, MODELS, WAKE, DONE, ERROR, KICK, STATUS, STATUS_REPLY = range(1, 11)
 NAMES = {HELLO: "HELLO", WELCOME: "WELCOME", LIST_MODELS: "LIST_MODELS", MODELS: "MODELS",
-         WAKE: "WAKE", DONE: "DONE", ERROR: "ERROR", KICK: "KICK"}
-JSON_TYPES = frozenset({HELLO, WELCOME, LIST_MODELS, MODELS, ERROR})
+         WAKE: "WAKE", DONE: "DONE", ERROR: "ERROR", KICK: "KICK", STATUS: "STATUS",
+         STATUS_REPLY: "STATUS_REPLY"}
+JSON_TYPES = frozenset({HELLO, WELCOME, LIST_MODELS, MODELS, ERROR, STATUS, STATUS_REPLY})
 ID_TYPES = frozenset({WAKE, DONE})
 
 #: Client wait modes (HELLO "mode"): which notification the daemon sends per request.
@@ -101,6 +105,8 @@ SCHEMAS: dict[int, dict[str, tuple[type, bool]]] = {
     MODELS: {"models": (list, True)},
     ERROR: {"error": (str, True), "message": (str, True)},
     KICK: {},
+    STATUS: {},
+    STATUS_REPLY: {"status": (dict, True)},
 }
 
 _JSON_NAMES = {int: "an integer", str: "a string", dict: "an object", list: "an array"}

@@ -9,6 +9,7 @@
 | ``bundles.py`` | bundles on the dispatcher, the simulator's functional outputs and their cache |
 | ``builtin_models.py`` | ``echo`` and ``noop`` |
 | ``repository.py`` | reading bundles off the loop (start-up, SIGHUP reloads) |
+| ``unit.py`` | ``paella unit``: the systemd unit, ExecStart naming this installation's command |
 | ``system.py`` | process set-up: gc freeze, sd_notify, core pinning, priority |
 """
 from .bundles import FunctionalCache, bundle_adaptor, functional_adaptor, model_info_from_bundle

@@ -46,6 +46,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="serve the built-in echo model")
     p.add_argument("--noop", action=argparse.BooleanOptionalAction, default=None,
                    help="serve the built-in noop model (one trivial kernel, sim backend)")
+    p.add_argument("--metrics-port", dest="metrics_port", type=int,
+                   help="serve Prometheus metrics on this TCP port (GET /metrics; default off)")
+    p.add_argument("--metrics-addr", dest="metrics_addr",
+                   help="address of the metrics endpoint (default 127.0.0.1)")
     p.add_argument("--log-level", dest="log_level", choices=("debug", "info", "warning", "error"))
     p.add_argument("--policy", help="scheduling policy")
     p.add_argument("--policy-param", dest="policy_param", action="append", type=_parse_param,

@@ -38,6 +38,8 @@ class DaemonConfig:
     echo: bool = True                   # serve the built-in "echo" model (host)
     noop: bool = True                   # serve the built-in "noop" model (sim backend)
     log_level: str = "info"
+    metrics_port: int = 0               # Prometheus /metrics on this TCP port; 0: off
+    metrics_addr: str = "127.0.0.1"     # address the metrics endpoint binds
     # [policy]
     policy: str = "paella"
     policy_params: dict[str, Any] = field(default_factory=dict)
@@ -70,6 +72,9 @@ class DaemonConfig:
                               f"finish after SIGTERM), got {self.drain_seconds}")
         if self.idle_spin_us < 0:
             raise ConfigError(f"idle_spin_us must be >= 0 (microseconds), got {self.idle_spin_us}")
+        if not 0 <= self.metrics_port <= 65535:
+            raise ConfigError(f"metrics_port must be a TCP port 1..65535 (0: no metrics), "
+                              f"got {self.metrics_port}")
         if not 0 <= self.socket_mode <= 0o777:
             raise ConfigError(f"socket_mode must be a file mode 0000..0777, got {self.socket_mode:#o}")
         for name in ("max_clients", "max_inflight_per_client", "arena_bytes", "max_arena_bytes",
@@ -99,7 +104,8 @@ class DaemonConfig:
 
 SECTIONS = {
     "daemon": ("socket", "models", "backend", "gpu", "sim_mode", "cpu", "rt_priority", "idle",
-               "idle_spin_us", "drain_seconds", "echo", "noop", "log_level"),
+               "idle_spin_us", "drain_seconds", "echo", "noop", "log_level", "metrics_port",
+               "metrics_addr"),
     "access": ("allowed_users", "allowed_groups", "socket_mode"),
     "limits": ("max_clients", "max_inflight_per_client", "arena_bytes", "max_arena_bytes",
                "ring_slots", "max_clients_per_uid", "handshake_seconds"),

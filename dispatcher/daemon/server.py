@@ -103,6 +103,16 @@ class Daemon:
         from paella.dispatcher.instruments import Instruments
         self.cfg = cfg
         self.instruments = list(instruments)
+        #: Counters of the Prometheus metrics (``--metrics-port``), None when off.
+        self.metrics = None
+        self._metrics_server = None
+        host_instruments = list(self.instruments)
+        if cfg.metrics_port:
+            from .metrics import MetricsCounts
+            self.metrics = MetricsCounts()
+            job_metrics, host_metrics = self.metrics.instruments()
+            self.instruments.append(job_metrics)          # the dispatcher path's
+            host_instruments.append(host_metrics)
         self.open_device = open_device or open_device_for
         self.table = ModelTable()
         fcfg = FrontendConfig(
@@ -114,11 +124,13 @@ class Daemon:
             max_clients_per_uid=cfg.max_clients_per_uid, handshake_seconds=cfg.handshake_seconds)
         self.front = Frontend(fcfg, self.table)
         self.router = Router()
-        self.host = HostExecutor(self.front, {}, Instruments(self.instruments))
+        self.host = HostExecutor(self.front, {}, Instruments(host_instruments))
         self.router.paths.append(self.host)
         self.front.executor = self.router
         self.front.on_arena_mapped = self._arena_mapped
         self.front.on_arena_released = self._arena_released
+        self.front.on_status = self.status
+        self.started = time.monotonic()
         self._arenas: dict[int, np.ndarray] = {}     # client id -> arena, while mapped
         self._pinned: set[int] = set()               # clients whose arena is page-locked
         self.dispatcher: DispatcherExecutor | None = None
@@ -146,6 +158,11 @@ class Daemon:
         if self.cfg.models and not os.path.isdir(self.cfg.models):
             raise ConfigError(f"model repository {self.cfg.models} is not a directory; create "
                               f"it or point --models / [daemon] models at one")
+        if self.cfg.models and os.path.isfile(os.path.join(self.cfg.models, "manifest.json")):
+            parent = os.path.dirname(os.path.abspath(self.cfg.models))
+            raise ConfigError(f"--models {self.cfg.models} is a bundle, not a model repository "
+                              f"(a directory of bundles); point --models at the directory that "
+                              f"holds it ({parent}) or move it into one")
         if self.cfg.models or self.cfg.noop:
             self._dispatcher()       # opens the device and builds the policy: fail early
         if self.cfg.echo:
@@ -163,8 +180,13 @@ class Daemon:
         if self.cfg.models:
             log.info("loading the model repository %s", self.cfg.models)
             if self.device.backend == "sim":
-                import tvm.relax  # noqa: F401 - now, not in a reload's thread: importing
-                #                   TVM holds the GIL for ~0.5 s, a stall of the loop
+                try:
+                    import tvm.relax  # noqa: F401 - now, not in a reload's thread: importing
+                    #                   TVM holds the GIL for ~0.5 s, a stall of the loop
+                except ImportError:
+                    raise ConfigError("serving bundles on the simulated GPU needs TVM (their "
+                                      "answers come from each bundle's CPU build): pip "
+                                      "install 'paella-py[compile]'") from None
             scan = repository.scan(self.cfg.models, {}, self._make_adaptor,
                                    stop=lambda: self.draining)
             if scan.interrupted or self.draining:
@@ -237,6 +259,39 @@ class Daemon:
             for cid, arena in self._arenas.items():     # clients that came first
                 self._pin_arena(cid, arena)
         return self.dispatcher
+
+    # -- status ------------------------------------------------------------------------
+    def status(self) -> dict:
+        """``paella status`` and the metrics: the front end's view plus the device's
+        (per-SM occupancy from the notifQ, notifQ depth, policy). Called on the loop for
+        STATUS, and from the metrics thread at scrape time: it only reads, and copies
+        each container in one C-level call first."""
+        st = self.front.status()
+        st.update(uptime_s=round(time.monotonic() - self.started, 3), in_flight=self.router.in_flight,
+                  backend=self.device.backend if self.device is not None else "none",
+                  draining=self.draining)
+        per_model: dict[int, int] = {}
+        ex = self.dispatcher
+        if ex is not None:
+            for job in list(ex.disp.jobs):
+                mid = job.model.model_id
+                per_model[mid] = per_model.get(mid, 0) + len(job.requests)
+        for m in st["models"]:
+            m["in_flight"] = per_model.get(m["id"], 0)
+        st["dispatcher"] = None if ex is None else self._device_status(ex)
+        return st
+
+    @staticmethod
+    def _device_status(ex: DispatcherExecutor) -> dict:
+        disp, tracker = ex.disp, ex.disp.tracker
+        spec = tracker.spec
+        warps = tracker.sm_warps
+        return {"policy": disp.policy.name, "gpu": spec.name, "sm_count": spec.sm_count,
+                "sm_occupancy": [round(w / spec.max_warps_per_sm, 4) for w in warps],
+                "resident_blocks": tracker.blocks, "resident_warps": tracker.warps,
+                "notifq_depth": tracker.pending_entries, "notifications": tracker.notifications,
+                "policy_fallbacks": disp.policy_fallbacks,
+                "policy_failure": getattr(disp, "policy_failure", None)}
 
     # -- client arenas -----------------------------------------------------------------
     def _arena_mapped(self, client_id: int, arena: np.ndarray) -> None:
@@ -317,6 +372,9 @@ class Daemon:
             log.info("SIGTERM during start-up: stopped before serving")
             return 0
         finally:
+            if self._metrics_server is not None:
+                self._metrics_server.shutdown()
+                self._metrics_server.server_close()
             self.front.close()
             if self.device is not None:
                 self.device.close()
@@ -339,6 +397,10 @@ class Daemon:
             self.front.listen()      # raises FrontendError if another daemon holds it
         except OSError as e:
             raise ConfigError(f"cannot listen on {self.cfg.socket}: {e.strerror}") from None
+        if self.metrics is not None:
+            from .metrics import start_metrics_server
+            self._metrics_server = start_metrics_server(
+                self.cfg.metrics_port, self.cfg.metrics_addr, self.metrics, self.status)
         removed = segments.sweep()
         if removed:
             log.warning("removed %d shared-memory segment(s) left by dead daemons: %s",

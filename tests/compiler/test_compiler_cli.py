@@ -115,7 +115,7 @@ def test_unwritable_output(tmp_path, capsys):
     f = tmp_path / "file"
     f.write_text("x")
     assert cli.main(["tiny_mlp", "-o", str(f / "bundle"), "-q"]) == 2
-    assert "does not exist" in capsys.readouterr().err
+    assert "cannot create the output's parent directory" in capsys.readouterr().err
     assert cli.main(["tiny_mlp", "-o", str(f), "-q"]) == 2
     assert "not a directory" in capsys.readouterr().err
     with pytest.raises(CompileError, match="cannot write"):
@@ -127,3 +127,39 @@ def test_bad_group_and_arch(tmp_path, capsys):
     assert "group must be in 1..16" in capsys.readouterr().err
     assert cli.main(["tiny_mlp", "-o", str(tmp_path / "x"), "--arch", "sm_61", "-q"]) == 2
     assert "unsupported arch" in capsys.readouterr().err
+
+
+def test_compile_makes_the_missing_parents_of_out(tmp_path, cache_dir):
+    # README: `paella compile resnet18 -o bundles/resnet18` on a fresh checkout.
+    out = tmp_path / "bundles" / "nested" / "tiny_mlp"
+    assert cli.main(["tiny_mlp", "-o", str(out), "--cache-dir", str(cache_dir), "-q"]) == 0
+    assert load_bundle(out).manifest.model == "tiny_mlp"
+
+
+def test_list_needs_no_out(capsys):
+    assert cli.main(["--list"]) == 0
+    names = capsys.readouterr().out.split()
+    assert "resnet18" in names and "mobilenetv2" in names
+
+
+def test_model_without_out_is_a_clear_error(capsys):
+    assert cli.main(["tiny_mlp", "-q"]) == 2
+    assert "give the output directory with -o DIR" in capsys.readouterr().err
+
+
+def test_same_onnx_under_a_new_name_is_not_served_under_the_old_one(tmp_path, cache_dir):
+    # The cache key hashes the content; the installed manifest must name the new model.
+    _small_onnx(tmp_path / "first.onnx")
+    (tmp_path / "second.onnx").write_bytes((tmp_path / "first.onnx").read_bytes())
+    assert cli.main([str(tmp_path / "first.onnx"), "-o", str(tmp_path / "a"),
+                     "--cache-dir", str(cache_dir), "-q"]) == 0
+    msgs: list[str] = []
+    compile_bundle(load_onnx(tmp_path / "second.onnx"), tmp_path / "b", cache_dir=cache_dir,
+                   progress=msgs.append)
+    assert any("cached bundle" in m for m in msgs)        # the same content: a cache hit
+    assert load_bundle(tmp_path / "a").manifest.model == "first"
+    assert load_bundle(tmp_path / "b").manifest.model == "second"
+    # compiling it again into the same directory under a third name renames it too
+    (tmp_path / "third.onnx").write_bytes((tmp_path / "first.onnx").read_bytes())
+    compile_bundle(load_onnx(tmp_path / "third.onnx"), tmp_path / "b", cache_dir=cache_dir)
+    assert load_bundle(tmp_path / "b").manifest.model == "third"

@@ -144,3 +144,30 @@ def run_client(code: str, sock: str, timeout: float = 60) -> subprocess.Complete
     prog = f"SOCK = {sock!r}\n" + code
     return subprocess.run([sys.executable, "-c", prog], capture_output=True, text=True,
                           timeout=timeout)
+
+
+def free_port() -> int:
+    """A TCP port free now (bound and released: another process may take it meanwhile,
+    which only fails the test)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_kserve(sock: str) -> tuple[subprocess.Popen, int, int, "Path"]:
+    """``paella kserve`` for the daemon at ``sock``: (process, HTTP port, gRPC port, log)."""
+    from pathlib import Path
+    hp, gp = free_port(), free_port()
+    log = Path(sock).with_name(f"kserve.{hp}.log")
+    paella = str(Path(sys.executable).with_name("paella"))
+    with open(log, "w") as f:
+        proc = subprocess.Popen([paella, "kserve", "--socket", sock, "--http-port", str(hp),
+                                 "--grpc-port", str(gp), "--timeout", "10"],
+                                stdout=f, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 30
+    while "HTTP on" not in log.read_text():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            raise RuntimeError(f"paella kserve did not start:\n{log.read_text()}")
+        time.sleep(0.1)
+    return proc, hp, gp, log

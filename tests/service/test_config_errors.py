@@ -38,6 +38,8 @@ CASES = [
     ("drain-seconds-flag", ["--drain-seconds", "-0.5"], None, "drain_seconds must be >= 0"),
     ("idle-spin", ["--idle-spin-us", "-5"], None, "idle_spin_us must be >= 0 (microseconds), got -5"),
     ("policy-name-type", [], "[policy]\nname = 3\n", "[policy] name must be a string, got 3"),
+    ("metrics-port", ["--metrics-port", "70000"], None,
+     "metrics_port must be a TCP port 1..65535 (0: no metrics), got 70000"),
 ]
 
 
@@ -83,3 +85,12 @@ def test_a_repository_of_bad_bundles_is_a_clean_error(tmp_path):
     assert_clean_error(r, sock, f"no bundle of the model repository {repo} can be served: "
                                 f"{repo / 'tiny_mlp'}: variant 'default': tensor 'x' has dtype "
                                 f"'float33', which is not a numeric numpy dtype")
+
+
+def test_models_pointed_at_a_bundle_names_the_repository_to_use(tmp_path):
+    # A new user's mistake: --models bundles/resnet18 instead of --models bundles. It
+    # used to serve only the built-in models, silently.
+    bundle = tiny_mlp(tmp_path / "repo" / "tiny_mlp")
+    r, sock = serve(tmp_path, ["--models", str(bundle)])
+    assert_clean_error(r, sock, f"--models {bundle} is a bundle, not a model repository")
+    assert f"point --models at the directory that holds it ({tmp_path / 'repo'})" in r.stderr

@@ -28,15 +28,32 @@ def test_unit_is_type_notify_with_a_sandbox():
     assert svc["ProtectSystem"] == "strict" and svc["NoNewPrivileges"] == "yes"
 
 
+def test_shipped_unit_is_the_generated_one_for_usr_local_bin():
+    from paella.dispatcher.daemon.unit import render
+    assert (DIST / "paella.service").read_text() == render("/usr/local/bin/paella")
+
+
+def test_paella_unit_names_this_installations_command():
+    r = subprocess.run([str(Path(sys.executable).with_name("paella")), "unit"],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    exec_start = next(ln for ln in r.stdout.splitlines() if ln.startswith("ExecStart="))
+    path = exec_start.split("=", 1)[1].split()[0]
+    assert os.path.isabs(path) and os.access(path, os.X_OK), path
+    r = subprocess.run([str(Path(sys.executable).with_name("paella")), "unit", "--exec", "paella"],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "absolute path" in r.stderr
+
+
 @pytest.mark.skipif(shutil.which("systemd-analyze") is None,
                     reason="systemd-analyze is not installed (apt-get install systemd)")
-def test_unit_passes_systemd_analyze_verify(tmp_path):
-    # The unit names /usr/local/bin/paella (where `pip install` puts it system-wide);
-    # verify checks that ExecStart exists, so point it at this environment's command.
-    paella = Path(sys.executable).with_name("paella")
-    text = (DIST / "paella.service").read_text().replace("/usr/local/bin/paella", str(paella))
+def test_generated_unit_passes_systemd_analyze_verify_unchanged(tmp_path):
+    # verify checks that ExecStart exists: `paella unit` names this installation's
+    # command, so its output verifies as it is (the README's operator steps use it).
+    r = subprocess.run([str(Path(sys.executable).with_name("paella")), "unit"],
+                       capture_output=True, text=True, timeout=60)
     unit = tmp_path / "paella.service"
-    unit.write_text(text)
+    unit.write_text(r.stdout)
     r = subprocess.run(["systemd-analyze", "verify", str(unit)], capture_output=True, text=True,
                        cwd=tmp_path, env=dict(os.environ, SYSTEMD_LOG_LEVEL="warning"))
     assert r.returncode == 0, r.stderr

@@ -1,0 +1,99 @@
+"""``paella status``: what a running daemon is doing (models, clients, requests in flight,
+per-SM occupancy), asked over its control socket with one STATUS message.
+
+It needs no shared-memory segment (STATUS is allowed before HELLO), so it works against
+a daemon whose client limit is reached, and it costs the daemon one small reply.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import socket
+import time
+
+from paella import wire
+from paella.client.client import default_socket
+from paella.client.errors import DaemonError, DaemonUnavailable
+
+
+def daemon_status(path: str | None = None, timeout: float = 5.0) -> dict:
+    """The daemon's STATUS reply (see docs/service.md, "Status"), as a dict."""
+    path = path or default_socket()
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.settimeout(timeout)
+    deadline = time.monotonic() + timeout
+    try:
+        try:
+            s.connect(path)
+            s.sendall(wire.encode(wire.STATUS))
+        except OSError as e:
+            raise DaemonUnavailable(f"no paella daemon answers on {path} ({e}); start one "
+                                    f"with `paella serve` or pass --socket") from None
+        reader = wire.FrameReader()
+        while True:
+            try:
+                data = s.recv(1 << 16)
+            except socket.timeout:
+                raise DaemonUnavailable(f"the daemon at {path} did not answer STATUS within "
+                                        f"{timeout} s (hung or stopped?)") from None
+            if not data:
+                raise DaemonUnavailable(f"the daemon at {path} closed the connection")
+            try:
+                frames = reader.feed(data)
+            except wire.WireError as e:
+                raise DaemonUnavailable(f"the daemon sent a malformed frame: {e}") from None
+            for kind, msg in frames:
+                if kind == wire.STATUS_REPLY:
+                    return msg["status"]
+                if kind == wire.ERROR:
+                    raise DaemonError(msg["error"], msg["message"])
+            s.settimeout(max(0.0, deadline - time.monotonic()))
+    finally:
+        s.close()
+
+
+def format_status(st: dict) -> str:
+    """The human-readable report of ``paella status``."""
+    lines = [f"daemon pid {st['pid']} on {st['socket']}, up {st['uptime_s']:.0f} s, backend "
+             f"{st['backend']}{' (draining)' if st.get('draining') else ''}",
+             f"in flight: {st['in_flight']} request(s); {st['stats'].get('requests', 0)} "
+             f"accepted since start, {st['stats'].get('rejected', 0)} rejected",
+             f"models ({len(st['models'])}):"]
+    for m in st["models"]:
+        lines.append(f"  {m['id']:>3} {m['name']:<24} {m['variants']} variant(s), "
+                     f"{m.get('in_flight', 0)} in flight")
+    lines.append(f"clients ({len(st['clients'])}):")
+    for c in st["clients"]:
+        lines.append(f"  {c['id']:>3} pid {c['pid']:<8} uid {c['uid']:<6} {c['mode']:<8} "
+                     f"{c['in_flight']} in flight")
+    d = st.get("dispatcher")
+    if d:
+        occ = d["sm_occupancy"]
+        mean = sum(occ) / len(occ) if occ else 0.0
+        lines.append(f"GPU {d['gpu']} ({d['sm_count']} SMs), policy {d['policy']}: "
+                     f"{d['resident_blocks']} blocks resident, mean SM occupancy {mean:.0%}, "
+                     f"notifQ depth {d['notifq_depth']}, {d['policy_fallbacks']} policy "
+                     f"fallback(s)")
+        lines.append("  per-SM occupancy: " + " ".join(f"{x:.0%}" for x in occ))
+    return "\n".join(lines)
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("status", help="what a running daemon is doing",
+                       description="Models, clients, requests in flight and per-SM occupancy "
+                                   "of a running daemon.")
+    p.add_argument("--socket", help="control socket (default $PAELLA_SOCKET or "
+                                    "/run/paella/paella.sock)")
+    p.add_argument("--timeout", type=float, default=5.0, help="seconds to wait (default 5)")
+    p.add_argument("--json", action="store_true", help="print the reply as JSON")
+    p.set_defaults(func=_status)
+
+
+def _status(args: argparse.Namespace) -> int:
+    from paella.cli import CLIError
+    try:
+        st = daemon_status(args.socket, args.timeout)
+    except (DaemonUnavailable, DaemonError) as e:
+        raise CLIError(str(e)) from None
+    print(json.dumps(st, indent=1) if args.json else format_status(st))
+    return 0

@@ -1,0 +1,219 @@
+"""Prometheus metrics of the daemon (``paella serve --metrics-port N``).
+
+Two halves, so the loop pays next to nothing and nothing at all for a scrape:
+
+* :class:`JobMetrics` and :class:`HostMetrics`, :mod:`~paella.dispatcher.instruments`
+  instruments, count into :class:`MetricsCounts` in plain Python ints and floats: one
+  hook call per job (no lock, no prometheus-client object on the hot path). Trick,
+  labelled: the loop thread is the only writer, and a scrape reads numbers the GIL
+  keeps whole, so no lock is needed.
+* :class:`DaemonCollector` turns those numbers, and what the loop's objects already hold
+  (the tracker's per-SM usage, the notifQ, the policy), into metric families when
+  Prometheus scrapes, in prometheus-client's HTTP thread.
+
+Names follow Triton's where they mean the same thing (``nv_inference_request_success``,
+``_failure``, ``_count``, ``_exec_count``, ``nv_inference_request_duration_us``,
+``_queue_duration_us``, ``_compute_infer_duration_us``, labelled ``model`` and
+``version``; exact names, so untyped: prometheus-client would add ``_total``); what
+only this daemon knows is ``paella_*`` (counters end in ``_total``). The cost on the loop is
+measured in docs/service.md ("Metrics").
+"""
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, Callable
+
+from paella.dispatcher.instruments import Instrument
+
+log = logging.getLogger("paella.daemon")
+
+
+
+
+class ModelCounts:
+    """What one model's requests did, in plain numbers (microseconds for durations)."""
+    __slots__ = ("success", "failure", "count", "exec_count", "request_us", "queue_us",
+                 "compute_us", "kernels")
+
+    def __init__(self) -> None:
+        self.success = self.failure = self.count = self.exec_count = 0
+        self.request_us = self.queue_us = self.compute_us = 0.0
+        self.kernels = 0
+
+
+class MetricsCounts:
+    """Counts per model id, written by the loop's instruments, read by the collector."""
+
+    def __init__(self) -> None:
+        self.models: dict[int, ModelCounts] = {}
+
+    def model(self, model_id: int) -> ModelCounts:
+        m = self.models.get(model_id)
+        if m is None:
+            m = self.models[model_id] = ModelCounts()
+        return m
+
+    def instruments(self) -> tuple["JobMetrics", "HostMetrics"]:
+        """The instrument of the dispatcher path, and the one of host models."""
+        return JobMetrics(self), HostMetrics(self)
+
+
+class JobMetrics(Instrument):
+    """The dispatcher path, from one hook per job (``job_finished``). Trick, labelled:
+    the job already holds every figure (its requests' submission times, its start, its
+    per-kernel release counts), so the loop pays one call per job, not one per request
+    event or per kernel (per-request and per-kernel hooks cost the loop 10-20% in
+    ``bench_metrics``). Durations on the device clock: request = submitted -> done,
+    queue = submitted -> job started, compute = job started -> done."""
+
+    def __init__(self, counts: MetricsCounts):
+        self.counts = counts
+
+    def job_finished(self, job: Any) -> None:
+        m = self.counts.model(job.model.model_id)
+        now = job.host.now
+        m.exec_count += 1
+        m.kernels += sum(job.kcount.values())
+        ok = job.error is None
+        t_start = job.t_start
+        for req in job.requests:
+            m.count += 1
+            if ok and not req.cancelled:
+                m.success += 1
+            else:
+                m.failure += 1
+            m.request_us += (now - req.t_submit) * 1e6
+            m.queue_us += (t_start - req.t_submit) * 1e6
+            m.compute_us += (now - t_start) * 1e6
+
+
+class HostMetrics(Instrument):
+    """Host models (``echo``): computed in the loop at once, so no queue; wall clock."""
+
+    def __init__(self, counts: MetricsCounts):
+        self.counts = counts
+        self._admitted: dict[Any, float] = {}
+
+    def request_admitted(self, req: Any) -> None:
+        self._admitted[req] = time.monotonic()
+
+    def request_finished(self, req: Any) -> None:
+        m = self.counts.model(req.model_id)
+        m.count += 1
+        m.exec_count += 1
+        if req.status == 0:
+            m.success += 1
+        else:
+            m.failure += 1
+        t0 = self._admitted.pop(req, None)
+        if t0 is not None:
+            us = (time.monotonic() - t0) * 1e6
+            m.request_us += us
+            m.compute_us += us
+
+
+class DaemonCollector:
+    """A prometheus-client collector reading a running daemon at scrape time.
+    ``snapshot()`` is :meth:`Daemon.status`'s dict; ``counts`` the instruments'."""
+
+    def __init__(self, counts: MetricsCounts, snapshot: Callable[[], dict]):
+        self.counts = counts
+        self.snapshot = snapshot
+
+    def collect(self):
+        from prometheus_client.core import (CounterMetricFamily, GaugeMetricFamily,
+                                             UnknownMetricFamily)
+        st = self.snapshot()
+        names = {m["id"]: m["name"] for m in st["models"]}
+        # Triton's counters carry no _total suffix, which prometheus-client appends to
+        # every counter: exposed untyped under Triton's exact names, so queries and
+        # dashboards written for Triton work unchanged.
+        TRITON = UnknownMetricFamily
+        labels = ["model", "version"]
+
+        def family(cls, name: str, doc: str, attr: str, scale: float = 1.0):
+            f = cls(name, doc, labels=labels)
+            for mid, c in list(self.counts.models.items()):
+                if mid in names:
+                    f.add_metric([names[mid], "1"], getattr(c, attr) * scale)
+            return f
+
+        yield family(TRITON, "nv_inference_request_success",
+                     "Number of successful inference requests", "success")
+        yield family(TRITON, "nv_inference_request_failure",
+                     "Number of failed inference requests", "failure")
+        yield family(TRITON, "nv_inference_count",
+                     "Number of inferences performed (one per request: batch size 1)", "count")
+        yield family(TRITON, "nv_inference_exec_count",
+                     "Number of model executions (jobs) performed", "exec_count")
+        yield family(TRITON, "nv_inference_request_duration_us",
+                     "Cumulative request duration, admission to completion, in microseconds",
+                     "request_us")
+        yield family(TRITON, "nv_inference_queue_duration_us",
+                     "Cumulative time requests waited before their job started, in "
+                     "microseconds", "queue_us")
+        yield family(TRITON, "nv_inference_compute_infer_duration_us",
+                     "Cumulative time from job start to completion, in microseconds",
+                     "compute_us")
+        yield family(CounterMetricFamily, "paella_kernel_releases",
+                     "Kernels the dispatcher released to the GPU, per model", "kernels")
+        inflight = GaugeMetricFamily("paella_requests_in_flight",
+                                     "Requests accepted and not yet completed")
+        inflight.add_metric([], st["in_flight"])
+        yield inflight
+        clients = GaugeMetricFamily("paella_clients", "Connected clients (handshake done)")
+        clients.add_metric([], len(st["clients"]))
+        yield clients
+        disp = st.get("dispatcher")
+        if disp is None:
+            return
+        disp["decisions"] = sum(c.kernels for c in list(self.counts.models.values()))
+        occ = GaugeMetricFamily("paella_sm_occupancy",
+                                "Resident warps over the SM's maximum, per SM (from the "
+                                "notifQ)", labels=["sm"])
+        for sm, frac in enumerate(disp["sm_occupancy"]):
+            occ.add_metric([str(sm)], frac)
+        yield occ
+        for name, doc, key in (
+                ("paella_notifq_depth", "notifQ entries reserved and not yet consumed",
+                 "notifq_depth"),
+                ("paella_resident_blocks", "Blocks resident on the GPU", "resident_blocks")):
+            g = GaugeMetricFamily(name, doc)
+            g.add_metric([], disp[key])
+            yield g
+        for name, doc, key in (
+                ("paella_notifications", "notifQ entries consumed", "notifications"),
+                ("paella_policy_decisions", "Kernels the policy picked and the dispatcher "
+                                            "released", "decisions"),
+                ("paella_policy_fallbacks", "Times a failing policy was replaced by fifo",
+                 "policy_fallbacks")):
+            c = CounterMetricFamily(name, doc)
+            c.add_metric([], disp[key])
+            yield c
+        policy = GaugeMetricFamily("paella_policy", "The scheduling policy in use (1)",
+                                   labels=["policy"])
+        policy.add_metric([disp["policy"]], 1)
+        yield policy
+
+
+def start_metrics_server(port: int, addr: str, counts: MetricsCounts,
+                         snapshot: Callable[[], dict]) -> Any:
+    """Serve /metrics on ``addr:port`` from a thread of prometheus-client's; returns the
+    server (``shutdown()`` stops it)."""
+    try:
+        from prometheus_client import CollectorRegistry, start_http_server
+    except ImportError:
+        from .config import ConfigError
+        raise ConfigError("--metrics-port needs prometheus-client: pip install "
+                          "'paella-py[serve]'") from None
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(DaemonCollector(counts, snapshot))
+    try:
+        server, _thread = start_http_server(port, addr=addr, registry=registry)
+    except OSError as e:
+        from .config import ConfigError
+        raise ConfigError(f"cannot serve metrics on {addr}:{port}: {e.strerror}; choose "
+                          f"another --metrics-port") from None
+    log.info("metrics on http://%s:%d/metrics", addr, server.server_port)
+    return server

@@ -1,0 +1,142 @@
+"""``paella status`` and the Prometheus endpoint against a real daemon; STATUS from
+hostile clients."""
+from __future__ import annotations
+
+import json
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+import paella
+from paella import wire
+from paella.client.status import daemon_status
+
+PAELLA = str(Path(sys.executable).with_name("paella"))
+
+
+@pytest.fixture(scope="module")
+def metrics_daemon():
+    from service_daemon import cleanup, free_port, start_daemon
+    port = free_port()
+    dp = start_daemon("--metrics-port", str(port))
+    dp.metrics_port = port
+    yield dp
+    cleanup(dp)
+
+
+def scrape(port: int) -> dict[tuple[str, tuple], float]:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    out = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return out
+
+
+def test_status_lists_models_clients_and_occupancy(metrics_daemon):
+    dp = metrics_daemon
+    with paella.connect(dp.socket) as c:
+        c.infer("echo", {"x": np.ones(256, np.float32)}, timeout=10)
+        st = c.status()
+        r = subprocess.run([PAELLA, "status", "--socket", dp.socket, "--json"],
+                           capture_output=True, text=True, timeout=60)
+        assert r.returncode == 0, r.stderr
+        cli = json.loads(r.stdout)
+        text = subprocess.run([PAELLA, "status", "--socket", dp.socket], capture_output=True,
+                              text=True, timeout=60).stdout
+    for s in (st, cli):
+        assert [m["name"] for m in s["models"]] == ["echo", "noop"]
+        assert s["pid"] == dp.pid and s["backend"] == "sim"
+        assert s["dispatcher"]["gpu"] == "t4" and len(s["dispatcher"]["sm_occupancy"]) == 40
+        assert all(0 <= x <= 1 for x in s["dispatcher"]["sm_occupancy"])
+    assert c.client_id in [x["id"] for x in st["clients"]]
+    assert st["stats"]["requests"] >= 1
+    assert "echo" in text and "per-SM occupancy" in text and "policy paella" in text
+
+
+def test_status_of_no_daemon_is_a_clear_error(tmp_path):
+    r = subprocess.run([PAELLA, "status", "--socket", str(tmp_path / "none.sock")],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "paella: error: no paella daemon answers" in r.stderr
+    assert "Traceback" not in r.stderr
+
+
+def test_hostile_status_frames_get_errors_and_the_daemon_serves_on(metrics_daemon):
+    dp = metrics_daemon
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.settimeout(10)
+    s.connect(dp.socket)
+    try:
+        s.sendall(wire.encode(wire.STATUS, {"x": 1}))            # a field STATUS lacks
+        reader = wire.FrameReader()
+        frames = []
+        while not frames:
+            frames = reader.feed(s.recv(65536))
+        assert frames[0][0] == wire.ERROR and frames[0][1]["error"] == "bad_field"
+        # A client may not send a reply. A flood of STATUS is answered from a cache
+        # (one build per 50 ms); the replies pile up faster than this reader takes them,
+        # so the daemon may drop it as a client that does not read (1 MiB queued).
+        s.sendall(wire.encode(wire.STATUS_REPLY, {"status": {}}))
+        s.sendall(wire.encode(wire.STATUS) * 2000)
+        got, eof, t_end = [], False, time.monotonic() + 10
+        while len(got) < 2001 and not eof and time.monotonic() < t_end:
+            data = s.recv(1 << 20)
+            eof = not data
+            got += reader.feed(data)
+        assert got[0][0] == wire.ERROR and got[0][1]["error"] == "unexpected"
+        replies = sum(k == wire.STATUS_REPLY for k, _ in got)
+        assert replies == 2000 or (eof and replies > 0), (replies, eof)
+    finally:
+        s.close()
+    assert daemon_status(dp.socket)["pid"] == dp.pid
+    with paella.connect(dp.socket) as c:
+        x = np.arange(256, dtype=np.float32)
+        assert np.array_equal(c.infer("echo", {"x": x}, timeout=10)["y"], x)
+
+
+def test_metrics_count_requests_kernels_and_occupancy(metrics_daemon):
+    dp = metrics_daemon
+    before = scrape(dp.metrics_port)
+    m = lambda d, name, model: d.get((name, (("model", model), ("version", "1"))), 0.0)  # noqa: E731
+    with paella.connect(dp.socket) as c:
+        for i in range(5):
+            c.infer("echo", {"x": np.full(256, i, np.float32)}, timeout=10)
+        for _ in range(3):
+            c.infer("noop", {"x": np.zeros(64, np.uint8)}, timeout=10)
+        bad = c.predict("echo", 7, c.alloc(8))                 # wrong length: fails
+        with pytest.raises(paella.RequestFailed):
+            c.wait(bad, timeout=10)
+    after = scrape(dp.metrics_port)
+    assert m(after, "nv_inference_request_success", "echo") - \
+        m(before, "nv_inference_request_success", "echo") == 5
+    assert m(after, "nv_inference_request_success", "noop") - \
+        m(before, "nv_inference_request_success", "noop") == 3
+    # noop: one kernel per request (the profiling runs at start-up count too)
+    assert m(after, "paella_kernel_releases_total", "noop") - \
+        m(before, "paella_kernel_releases_total", "noop") == 3
+    assert m(after, "nv_inference_exec_count", "noop") >= 3
+    assert m(after, "nv_inference_request_duration_us", "noop") > \
+        m(after, "nv_inference_compute_infer_duration_us", "noop") > 0
+    assert m(after, "nv_inference_queue_duration_us", "noop") >= 0
+    occupancy = [k for k in after if k[0] == "paella_sm_occupancy"]
+    assert len(occupancy) == 40
+    assert ("paella_notifq_depth", ()) in after and ("paella_policy_fallbacks_total", ()) in after
+    assert after[("paella_policy", (("policy", "paella"),))] == 1
+
+
+@pytest.mark.skipif(shutil.which("curl") is None, reason="curl is not installed")
+def test_curl_shows_the_metrics(metrics_daemon):
+    r = subprocess.run(["curl", "-sf", f"http://127.0.0.1:{metrics_daemon.metrics_port}/metrics"],
+                       capture_output=True, text=True, timeout=30)
+    assert r.returncode == 0
+    assert "\nnv_inference_request_success{model=\"echo\",version=\"1\"} " in r.stdout
+    assert "paella_sm_occupancy{sm=\"0\"}" in r.stdout
