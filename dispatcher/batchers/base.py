@@ -51,7 +51,7 @@ class VariantSpec:
     index: int          # the variant's position in the bundle's manifest
     rows: int           # its batch size
     seq_len: int = 0    # its length bucket (0: the model has no length axis)
-    label: str = ""     # the dispatcher's model name of this variant (its SRPT profile)
+    label: str = field(default="", compare=False)   # its name (for logs and profiles)
 
     def takes(self, rows: int, seq_len: int) -> bool:
         return rows <= self.rows and seq_len <= self.seq_len if self.seq_len else rows <= self.rows
