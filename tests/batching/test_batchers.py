@@ -150,3 +150,22 @@ def test_a_request_larger_than_every_variant_is_refused_alone():
     stage.run_until_idle()
     assert c.done[0][0] == rings.E_OPTIONS and "largest: 8 rows" in c.done[0][1]
     assert c.done[1] == (rings.OK, None)
+
+
+def test_the_plug_in_of_docs_batching_md_works():
+    """The example batcher of docs/batching.md, taken from the page, batches in pairs."""
+    import re
+    from pathlib import Path
+    text = (Path(__file__).resolve().parents[2] / "docs" / "batching.md").read_text()
+    code = re.search(r"```python\n(from paella.dispatcher.batchers import.*?)```", text, re.S).group(1)
+    ns: dict = {}
+    exec(compile(code, "docs/batching.md", "exec"), ns)
+    disp, stage = serve(batcher="pairs", options={"wait_us": 300})
+    c = Client()
+    for i in range(5):
+        stage.submit(c.request(i, 1, client=i))
+    stage.run_until_idle()
+    assert all(c.done[i] == (rings.OK, None) for i in range(5))
+    for i in range(5):
+        np.testing.assert_array_equal(c.outputs[i], c.expect[i])
+    assert stage.stats.batches == 3 and stage.stats.padded_rows == 0   # 2 + 2 + 1
