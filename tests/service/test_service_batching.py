@@ -227,3 +227,44 @@ def test_a_folder_named_like_a_built_in_model_is_refused(tmp_path, repo, fresh_d
     with connect(dp.socket) as c:
         assert set(c.models) == {"echo", "mlp"}
     assert "model name 'Echo' is already taken by the daemon's built-in models" in dp.log()
+
+
+def test_length_buckets_batch_requests_of_different_lengths(tmp_path, fresh_daemon):
+    """The tiny encoder at batch 1,2 x length 4,8: requests of 1..2 rows and lengths 2..8
+    from several clients, batched across lengths (padded to the bucket, masked), each
+    get their own rows and length back, equal to the CPU build at their bucket."""
+    from paella.bundle import load_bundle
+    from paella.compiler_pass.build import compile_bundle
+    from paella.models import zoo
+    repo = tmp_path / "models"
+    repo.mkdir()
+    compile_bundle([zoo.get("tiny_encoder", batch=b, seq_len=s) for s in (4, 8) for b in (1, 2)],
+                   repo / "enc")
+    (repo / "enc" / "config.toml").write_text(CONFIG.replace("[4]", "[2]"))
+    b = load_bundle(repo / "enc")
+    dp = fresh_daemon("--models", str(repo), "--no-noop")
+    rng = np.random.default_rng(9)
+    shapes_ = [(1, 3), (2, 4), (1, 8), (1, 2), (2, 6), (1, 5)]
+    with connect(dp.socket) as c:
+        assert [(v.batch, v.seq_len) for v in c.models["enc"].variants] == \
+            [(1, 4), (2, 4), (1, 8), (2, 8)]
+        pending = []
+        for rows, ln in shapes_:
+            x = rng.standard_normal((rows, ln, 16)).astype(np.float32)
+            ins, outs, _ = c.shaped_views("enc", off := c.alloc(8192), rows, ln)
+            ins["x"][...] = x
+            ins["mask"][...] = 1.0
+            pending.append((c.predict_shaped("enc", off, rows, ln), x, outs))
+        for req_id, x, outs in pending:
+            c.wait(req_id)
+            rows, ln = x.shape[:2]
+            k = next(i for i, v in enumerate(b.variants) if v.batch >= rows and v.seq_len >= ln)
+            v = b.variants[k]
+            xp = np.zeros((v.batch, v.seq_len, 16), np.float32)
+            mp = np.zeros((v.batch, v.seq_len), np.float32)
+            xp[:rows, :ln], mp[:rows, :ln] = x, 1.0
+            ref = b.run_cpu({"x": xp, "mask": mp}, k)["output0"][:rows, :ln]
+            assert outs["output0"].shape == (rows, ln, 16)
+            np.testing.assert_allclose(outs["output0"], ref, rtol=1e-4, atol=1e-4)
+        with pytest.raises(ValueError, match="sequence length 9: the model takes 1..8"):
+            c.shaped_views("enc", 0, 1, 9)
