@@ -42,8 +42,8 @@ POLICIES = ("paella", "fifo")
 SYSTEMS = ("unbatched", "dynamic")
 DYNAMIC = {"max_batch_size": 16, "max_queue_delay_us": 100, "max_inflight_batches": 2}
 CLIENTS = 8
-FACTORS = (0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, 8.0)
-QUICK_FACTORS = (0.5, 1.0, 2.0, 4.0, 8.0)
+FACTORS = (0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, 8.0, 12.0, 16.0, 24.0)
+QUICK_FACTORS = (0.5, 1.0, 2.0, 4.0, 8.0, 16.0)
 
 
 def register(sub: argparse._SubParsersAction) -> None:

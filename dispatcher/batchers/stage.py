@@ -111,7 +111,11 @@ class BatchingStage:
         m = self.models.get(req.model_id)
         if m is None:
             raise ValueError(f"request {req.req_id}: model id {req.model_id} is not batched here")
-        if m.variants.fit(req.rows, req.seq_len) is None:
+        own = m.variants.fit(req.rows, req.seq_len)
+        if own is not None and req.layout is None:
+            # A whole-variant request: its io region is laid out as that variant's.
+            req.layout = m.served[own.index].layout.slots
+        if own is None:
             # The front end checks shapes against the model table; this guards the rest.
             return self._complete(req, rings.E_OPTIONS,
                                   f"no variant of {m.name} takes {req.rows} rows of length "
@@ -195,12 +199,15 @@ class BatchingStage:
         reqs = batch.requests
         v = batch.variant
         sv = m.served.get(v.index) if v is not None else None
+        if len(reqs) == 1:                   # Speed: the identity path, once per request
+            rows, seq = reqs[0].rows, reqs[0].seq_len
+        else:
+            rows, seq = batch.rows, batch.seq_len
         bad = None
         if sv is None or sv.spec != v:
             bad = f"batcher {m.batcher.name!r} chose variant {v!r}, which {m.name} does not have"
-        elif batch.rows > v.rows or (v.seq_len and batch.seq_len > v.seq_len) or \
-                (not v.seq_len and batch.seq_len):
-            bad = (f"batcher {m.batcher.name!r} put {batch.rows} rows of length {batch.seq_len} "
+        elif rows > v.rows or (v.seq_len and seq > v.seq_len) or (not v.seq_len and seq):
+            bad = (f"batcher {m.batcher.name!r} put {rows} rows of length {seq} "
                    f"on variant {v.index} ({v.rows} rows, length {v.seq_len})")
         if bad is not None:
             log.error("%s", bad)
@@ -210,8 +217,8 @@ class BatchingStage:
         st = self.stats
         st.batches += 1
         st.requests += len(reqs)
-        st.rows += batch.rows
-        st.padded_rows += batch.padding
+        st.rows += rows
+        st.padded_rows += v.rows - rows
         if in_place(reqs, sv.layout):
             st.zero_copy += 1
             staging, io = None, reqs[0].io
