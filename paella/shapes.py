@@ -111,8 +111,8 @@ def request_layout(variants, rows: int, seq_len: int) -> tuple[list[Slot], int]:
     max_rows = max(v.batch for v in variants)
     max_seq = max(v.seq_len for v in variants)
     if not 1 <= rows <= max_rows:
-        raise ShapeError(f"{rows} rows: the largest compiled variant takes {max_rows} "
-                         f"(compiled batch sizes: "
+        raise ShapeError(f"{rows} rows: a request has 1..{max_rows} rows, the largest compiled "
+                         f"variant taking {max_rows} (compiled batch sizes: "
                          f"{', '.join(str(b) for b in sorted({v.batch for v in variants}))})")
     if max_seq and not 1 <= seq_len <= max_seq:
         raise ShapeError(f"sequence length {seq_len}: the model takes 1..{max_seq} "

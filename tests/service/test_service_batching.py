@@ -123,12 +123,12 @@ def test_bad_shapes_get_clear_errors_and_lose_nothing(served, repo):
                 reasons[e.req_id] = str(e)
         assert reasons[good] is None
         np.testing.assert_allclose(outs["output0"], reference(repo, x), rtol=1e-5, atol=1e-5)
-        assert "mlp: 5 rows: the largest compiled variant takes 4 (compiled batch sizes: " \
-               "1, 2, 4)" in reasons[too_many]
+        assert "mlp: 5 rows: a request has 1..4 rows, the largest compiled variant taking 4 " \
+               "(compiled batch sizes: 1, 2, 4)" in reasons[too_many]
         assert "sequence length 7: the model has no length axis" in reasons[with_length]
         assert "mlp needs 192 io bytes for 2 row(s), request has 100" in reasons[wrong_size]
         assert c.in_flight == 0
-        with pytest.raises(ValueError, match="largest compiled variant takes 4"):
+        with pytest.raises(ValueError, match="a request has 1..4 rows"):
             c.infer("mlp", {"x": np.ones((5, 16), np.float32)}, rows=5)
 
 
