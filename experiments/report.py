@@ -469,7 +469,7 @@ def _batching(d: dict) -> list[str]:
         f"`summary.max_throughput_ratio` (batched over unbatched at saturation, paella, the smaller "
         f"model): **{s['max_throughput_ratio']:.2f}x**.", "", *rows, "",
         "Beside the published claims, one sentence per difference:", "",
-        "- *Triton's optimization guide* presents the dynamic batcher as the first feature to turn on "
+        "- *Triton's optimization guide* presents the dynamic batcher as a main lever "
         "for throughput (its Inception example serves 62.6-73.2 infer/s without it at concurrency "
         "1-2); we quote no batched figure from it that we could check. Here the encoder gains what "
         "batching promises, but ResNet-18 gains nothing: on the simulated T4 its batch-1 jobs, run "
