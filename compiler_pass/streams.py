@@ -1,0 +1,206 @@
+"""Nimble's stream assignment (Kwon et al., NeurIPS'20, Algorithm 1): a launch plan's
+kernels on several streams, ordered by events where the streams meet.
+
+A single-stream plan serializes every launch, even those of independent branches
+(Inception's towers, NASNet's cells), whose small kernels could share the GPU. This
+pass turns the plan into a multi-stream one with the fewest synchronizations that
+keep every logically concurrent pair of launches on different streams:
+
+1. **dependency DAG** (:func:`dependency_dag`): a node per plan step (copies included),
+   an edge u -> v when v conflicts with an earlier u on a device buffer (v reads what u
+   wrote, writes what u read or wrote). The read and write sets come from each
+   kernel's parameter access (``KernelSpec.params[i]["access"]``, "r"/"w"/"rw", which
+   the TIR lowering reports) and each copy's direction. Buffers are whole: two views at
+   different offsets of one statically planned storage conflict (safe, conservative).
+2. **minimum equivalent graph** G' (the transitive reduction, unique for a DAG);
+3. a **maximum matching** M of the bipartite graph {(x_u, y_v) | (u, v) in E'}
+   (Hopcroft-Karp, networkx);
+4. the matched edges link nodes into **chains**; each chain is a stream;
+5. every **unmatched** edge of G' crosses two streams and gets an event: a ``record``
+   after its source, a ``wait`` before its target. That is |E'| - |M| waits, the
+   minimum for any assignment with maximum logical concurrency (the paper's Theorem 4).
+
+The plan keeps its order (a topological order), so every wait follows its record.
+Streams are numbered from 1: no step runs on the legacy default stream 0, whose
+implicit synchronization with every other stream would serialize the branches.
+
+Logical concurrency: the paper's "Deg." (Table 3.1) is the largest set of pairwise
+independent launches, the DAG's width, computed here by Dilworth's theorem (a maximum
+matching on the transitive closure, :func:`width`). Nimble's chains are paths of G',
+not chains of the closure, so a DAG can need more streams than its width (a, b -> c
+-> d, e: width 2, three streams); :class:`Assignment` reports both.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import networkx as nx
+
+from paella.bundle import Op, Variant
+
+#: ``paella compile --streams`` choices.
+MODES = ("single", "nimble")
+
+
+@dataclass(frozen=True)
+class Access:
+    """What one plan step reads and writes (device buffer ids)."""
+    reads: frozenset[int]
+    writes: frozenset[int]
+
+
+@dataclass(frozen=True)
+class Assignment:
+    """The result of Algorithm 1 on a DAG with nodes 0..n-1.
+
+    ``stream[v]``: v's stream, 0..n_streams-1, numbered by each chain's first node.
+    ``meg``: the edges of G'. ``matched``: the edges of M (chain links).
+    ``syncs``: the unmatched edges of G', each a cross-stream event."""
+    stream: tuple[int, ...]
+    meg: tuple[tuple[int, int], ...]
+    matched: tuple[tuple[int, int], ...]
+    syncs: tuple[tuple[int, int], ...]
+
+    @property
+    def n_streams(self) -> int:
+        return max(self.stream, default=-1) + 1
+
+
+def step_access(op: Op, variant: Variant) -> Access:
+    """The buffers a plan step reads and writes. The io buffer is not a device buffer
+    and each copy has its own io range, so copies conflict only on device buffers."""
+    if op.op == "h2d":
+        return Access(frozenset(), frozenset({op.buffer}))
+    if op.op == "d2h":
+        return Access(frozenset({op.buffer}), frozenset())
+    if op.op != "launch":
+        raise ValueError(f"plan step {op.op!r} has no buffer access; assign streams to a plan "
+                         f"without record/wait steps (a single-stream plan)")
+    params = variant.kernel(op.kernel).params
+    reads, writes = set(), set()
+    for a, p in zip(op.args, params):
+        if p["kind"] != "buffer" or a.buffer is None:
+            continue
+        access = p.get("access") or "rw"          # unknown: assume both (safe)
+        if "r" in access:
+            reads.add(a.buffer)
+        if "w" in access:
+            writes.add(a.buffer)
+    return Access(frozenset(reads), frozenset(writes))
+
+
+def dependency_dag(accesses: Sequence[Access]) -> nx.DiGraph:
+    """Nodes 0..n-1 in plan order; an edge to each step from the steps it must follow:
+    the last writer of what it reads or writes (read-after-write, write-after-write),
+    and the readers since that write of what it writes (write-after-read). Every
+    conflicting pair is then ordered by a path (an earlier reader comes before the
+    writer it preceded, which comes before the next)."""
+    g = nx.DiGraph()
+    g.add_nodes_from(range(len(accesses)))
+    last_writer: dict[int, int] = {}
+    readers: dict[int, list[int]] = {}
+    for v, acc in enumerate(accesses):
+        for b in acc.reads | acc.writes:
+            w = last_writer.get(b)
+            if w is not None:
+                g.add_edge(w, v)
+        for b in acc.writes:
+            for r in readers.get(b, ()):
+                if r != v:
+                    g.add_edge(r, v)
+        for b in acc.reads:
+            readers.setdefault(b, []).append(v)
+        for b in acc.writes:
+            last_writer[b] = v
+            readers[b] = [v] if b in acc.reads else []
+    return g
+
+
+def minimum_equivalent_graph(g: nx.DiGraph) -> nx.DiGraph:
+    """G': the fewest edges with G's reachability (for a DAG, its transitive reduction)."""
+    return nx.transitive_reduction(g)
+
+
+def _max_matching(nodes: Sequence[int], edges) -> dict[int, int]:
+    """A maximum matching of the bipartite graph {(x_u, y_v) | (u, v) in edges}, as
+    u -> v for its edges (Hopcroft-Karp)."""
+    b = nx.Graph()
+    tops = [("x", u) for u in nodes]
+    b.add_nodes_from(tops)
+    b.add_nodes_from(("y", v) for v in nodes)
+    b.add_edges_from((("x", u), ("y", v)) for u, v in edges)
+    m = nx.bipartite.hopcroft_karp_matching(b, top_nodes=tops)
+    return {u: m[("x", u)][1] for u in nodes if ("x", u) in m}
+
+
+def assign_streams(g: nx.DiGraph) -> Assignment:
+    """Algorithm 1 on ``g`` (a DAG on nodes 0..n-1)."""
+    if not nx.is_directed_acyclic_graph(g):
+        raise ValueError("the dependency graph has a cycle; streams need a DAG")
+    nodes = sorted(g.nodes)
+    meg = minimum_equivalent_graph(g)
+    edges = sorted(meg.edges)
+    nxt = _max_matching(nodes, edges)
+    has_pred = set(nxt.values())
+    stream = {}
+    for head in nodes:                   # chains, numbered by their first node
+        if head in has_pred:
+            continue
+        s, v = len(set(stream.values())), head
+        while v is not None:
+            stream[v] = s
+            v = nxt.get(v)
+    matched = tuple(sorted(nxt.items()))
+    syncs = tuple(e for e in edges if nxt.get(e[0]) != e[1])
+    return Assignment(tuple(stream[v] for v in nodes), tuple(edges), matched, syncs)
+
+
+def width(g: nx.DiGraph) -> int:
+    """The maximum number of pairwise independent nodes (Dilworth: n minus a maximum
+    matching on the transitive closure), the paper's degree of logical concurrency."""
+    closure = nx.transitive_closure_dag(g)
+    return g.number_of_nodes() - len(_max_matching(sorted(g.nodes), closure.edges))
+
+
+def plan_with_streams(variant: Variant) -> tuple[list[Op], Assignment]:
+    """``variant``'s plan on Nimble's streams (numbered from 1) with record / wait steps
+    for the unmatched edges; plan order unchanged. One event per source step, recorded
+    once right after it, waited on before each of its cross-stream successors."""
+    plan = variant.plan
+    if any(op.stream or op.op in ("record", "wait") for op in plan):
+        raise ValueError(f"variant {variant.name!r} is already a multi-stream plan; assign "
+                         f"streams to its single-stream form")
+    a = assign_streams(dependency_dag([step_access(op, variant) for op in plan]))
+    event_of: dict[int, int] = {}
+    waits: dict[int, list[int]] = {}
+    for u, v in a.syncs:
+        event_of.setdefault(u, len(event_of))
+        waits.setdefault(v, []).append(u)
+    out: list[Op] = []
+    for i, op in enumerate(plan):
+        s = a.stream[i] + 1
+        for u in waits.get(i, ()):
+            out.append(Op("wait", stream=s, event=event_of[u]))
+        out.append(_on_stream(op, s))
+        if i in event_of:
+            out.append(Op("record", stream=s, event=event_of[i]))
+    return out, a
+
+
+def _on_stream(op: Op, stream: int) -> Op:
+    return Op(op.op, stream=stream, buffer=op.buffer, buffer_offset=op.buffer_offset,
+              io_offset=op.io_offset, nbytes=op.nbytes, kernel=op.kernel, grid=op.grid,
+              block=op.block, dyn_smem=op.dyn_smem, args=op.args, event=op.event)
+
+
+def with_streams(variant: Variant, mode: str) -> Variant:
+    """``variant`` with its plan assigned to streams by ``mode`` (see :data:`MODES`):
+    ``single`` leaves it as compiled, ``nimble`` applies Algorithm 1."""
+    if mode not in MODES:
+        raise ValueError(f"unknown stream mode {mode!r}; use one of {', '.join(MODES)}")
+    if mode == "single":
+        return variant
+    plan, _ = plan_with_streams(variant)
+    return Variant(variant.name, variant.inputs, variant.outputs, variant.buffers,
+                   variant.kernels, plan, variant.io_bytes)
