@@ -24,6 +24,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--zoo", action="store_true", help="compile all Table 2 models into OUT/<name>")
     p.add_argument("--force", action="store_true", help="rebuild even if a cached bundle matches")
     p.add_argument("--cache-dir", help="bundle cache (default $PAELLA_CACHE_DIR or ~/.cache/paella/bundles)")
+    p.add_argument("--streams", choices=("single", "nimble"), default="single",
+                   help="the launch plan's streams: single (default: one stream, plan order) or "
+                        "nimble (independent branches on their own streams, ordered by events; "
+                        "docs/nimble.md)")
     p.add_argument("--list", action="store_true", help="list the zoo's model names and exit")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress lines")
     p.set_defaults(func=_compile)
@@ -65,7 +69,7 @@ def _compile(args: argparse.Namespace) -> int:
         try:
             model = _load_model(name)
             compile_bundle(model, out, arch=args.arch, options=options, progress=progress,
-                           cache_dir=args.cache_dir, force=args.force)
+                           cache_dir=args.cache_dir, force=args.force, streams=args.streams)
         except (CompileError, ModelSourceError, zoo.UnknownModel, ValueError) as e:
             raise CLIError(str(e)) from None
         manifest = json.loads((out / "manifest.json").read_text())

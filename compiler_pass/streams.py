@@ -20,6 +20,10 @@ keep every logically concurrent pair of launches on different streams:
    after its source, a ``wait`` before its target. That is |E'| - |M| waits, the
    minimum for any assignment with maximum logical concurrency (the paper's Theorem 4).
 
+Before all this, :func:`rename_buffers` gives each new value of a reused storage its own
+buffer (a trick: memory for concurrency, see there), so that only the dataflow and
+true in-place updates order the launches.
+
 The plan keeps its order (a topological order), so every wait follows its record.
 Streams are numbered from 1: no step runs on the legacy default stream 0, whose
 implicit synchronization with every other stream would serialize the branches.
@@ -32,12 +36,12 @@ not chains of the closure, so a DAG can need more streams than its width (a, b -
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Sequence
 
 import networkx as nx
 
-from paella.bundle import Op, Variant
+from paella.bundle import BufferSpec, Op, Variant
 
 #: ``paella compile --streams`` choices.
 MODES = ("single", "nimble")
@@ -88,6 +92,63 @@ def step_access(op: Op, variant: Variant) -> Access:
         if "w" in access:
             writes.add(a.buffer)
     return Access(frozenset(reads), frozenset(writes))
+
+
+def rename_buffers(variant: Variant) -> Variant:
+    """``variant`` with each new value of a reused device buffer in a buffer of its own.
+
+    TVM's static memory plan reuses a few storages for every intermediate tensor (nine
+    in our DARTS-like net), and each reuse is a write-after-read dependency that has
+    nothing to do with the dataflow: kept, it caps the graph's concurrency at the number
+    of storages (DARTS-like: width 3 instead of 7). A trick, labelled as one: like a
+    register renamer, give every write that starts a new value its own buffer of the
+    storage's size, and point the reads that follow at it. Memory per request grows
+    (``paella experiment nimble`` reports by how much); Nimble pays the same, its
+    pre-run reserving every tensor of the multi-stream run.
+
+    A write starts a new value when the buffer was read since its last write (or never
+    written) and the step does not also read it; a second write with no read between
+    (one tensor written by several kernels) joins the value, keeping its order. Only
+    buffers every step uses at offset 0 (one tensor at a time, as TVM plans them) and
+    not params are renamed; the others keep every dependency."""
+    kinds = {b.id: b for b in variant.buffers}
+    offsets = set()
+    for op in variant.plan:
+        if op.op == "launch":
+            offsets.update(a.buffer for a in op.args if a.buffer is not None and a.offset)
+        elif op.op in ("h2d", "d2h") and op.buffer_offset:
+            offsets.add(op.buffer)
+    renamable = {b for b, spec in kinds.items() if spec.kind != "param" and b not in offsets}
+    buffers = list(variant.buffers)
+    current = {b: b for b in kinds}          # original id -> id of its current value
+    read_since_write: dict[int, bool] = {}
+    plan: list[Op] = []
+    for op in variant.plan:
+        acc = step_access(op, variant)
+        for b in acc.writes - acc.reads:
+            if b in renamable and read_since_write.get(b, False):
+                spec = kinds[b]
+                current[b] = len(buffers)
+                buffers.append(BufferSpec(len(buffers), f"{spec.name}.v{len(buffers)}",
+                                          spec.nbytes, spec.kind))
+        plan.append(_renamed(op, current))
+        for b in acc.reads:
+            read_since_write[b] = True
+        for b in acc.writes - acc.reads:
+            read_since_write[b] = False
+    # An output lives where its D2H copy reads it.
+    read_at = {(op.io_offset, op.nbytes): op.buffer for op in plan if op.op == "d2h"}
+    outputs = [replace(t, buffer=read_at.get((t.offset, t.nbytes), t.buffer)) for t in variant.outputs]
+    return replace(variant, buffers=buffers, plan=plan, outputs=outputs)
+
+
+def _renamed(op: Op, current: dict[int, int]) -> Op:
+    if op.op == "launch":
+        return replace(op, args=[replace(a, buffer=current[a.buffer]) if a.buffer is not None else a
+                                 for a in op.args])
+    if op.op in ("h2d", "d2h"):
+        return replace(op, buffer=current[op.buffer])
+    return op
 
 
 def dependency_dag(accesses: Sequence[Access]) -> nx.DiGraph:
@@ -194,13 +255,17 @@ def _on_stream(op: Op, stream: int) -> Op:
               block=op.block, dyn_smem=op.dyn_smem, args=op.args, event=op.event)
 
 
+def nimble(variant: Variant) -> tuple[Variant, Assignment]:
+    """``variant`` renamed (:func:`rename_buffers`) and on Nimble's streams
+    (:func:`plan_with_streams`), with the assignment."""
+    renamed = rename_buffers(variant)
+    plan, a = plan_with_streams(renamed)
+    return replace(renamed, plan=plan), a
+
+
 def with_streams(variant: Variant, mode: str) -> Variant:
     """``variant`` with its plan assigned to streams by ``mode`` (see :data:`MODES`):
-    ``single`` leaves it as compiled, ``nimble`` applies Algorithm 1."""
+    ``single`` leaves it as compiled, ``nimble`` applies :func:`nimble`."""
     if mode not in MODES:
         raise ValueError(f"unknown stream mode {mode!r}; use one of {', '.join(MODES)}")
-    if mode == "single":
-        return variant
-    plan, _ = plan_with_streams(variant)
-    return Variant(variant.name, variant.inputs, variant.outputs, variant.buffers,
-                   variant.kernels, plan, variant.io_bytes)
+    return variant if mode == "single" else nimble(variant)[0]

@@ -5,12 +5,15 @@ from __future__ import annotations
 
 import itertools
 
+import numpy as np
+
 import networkx as nx
 from hypothesis import given, settings, strategies as st
 
 from paella.bundle import BufferSpec, KernelArg, KernelSpec, Op, Variant, check_variant
-from paella.compiler_pass.streams import (Access, assign_streams, dependency_dag,
-                                          plan_with_streams, step_access, width, with_streams)
+from paella.compiler_pass.streams import (Access, assign_streams, dependency_dag, nimble,
+                                          plan_with_streams, rename_buffers, step_access, width,
+                                          with_streams)
 
 SETTINGS = settings(max_examples=150, deadline=None, derandomize=True)
 
@@ -100,12 +103,13 @@ def test_fewest_synchronizations_against_brute_force(g):
 # -------------------------------------------------------------- plans and data races
 
 @st.composite
-def plans(draw) -> Variant:
+def plans(draw, kinds=("param",)) -> Variant:
     """A random single-stream plan over a few buffers: h2d copies, kernels reading and
-    writing random buffers (each kernel its own parameter accesses), d2h copies."""
+    writing random buffers (each kernel its own parameter accesses), d2h copies.
+    Buffers of kind "param" count as written at load, so such a plan passes
+    check_variant's dataflow check."""
     n_buf = draw(st.integers(1, 5))
-    # "param": written at load, so a random plan passes check_variant's dataflow check.
-    buffers = [BufferSpec(i, f"b{i}", 64, "param") for i in range(n_buf)]
+    buffers = [BufferSpec(i, f"b{i}", 64, draw(st.sampled_from(kinds))) for i in range(n_buf)]
     plan, kernels = [], []
     for i in range(draw(st.integers(1, 14))):
         kind = draw(st.sampled_from(["launch", "launch", "launch", "h2d", "d2h"]))
@@ -191,3 +195,120 @@ def test_independent_branches_get_their_own_streams():
     assert a.stream[1] != a.stream[2]
     assert [o.op for o in out].count("record") == 2 and [o.op for o in out].count("wait") == 2
     check_variant(Variant("v", [], [], buf, [k1, k2], out, 8))
+
+
+@SETTINGS
+@given(plans(kinds=("param", "intermediate", "intermediate")))
+def test_renaming_keeps_every_value_and_the_plan_stays_race_free(variant):
+    """Each step reads the values it read before renaming (the same writers), reused
+    buffers lose their write-after-read edges, and the streamed plan has no race."""
+    renamed = rename_buffers(variant)
+    assert _values_read(renamed) == _values_read(variant)
+    assert [b.nbytes for b in renamed.buffers[:len(variant.buffers)]] == \
+        [b.nbytes for b in variant.buffers]
+    before = dependency_dag([step_access(op, variant) for op in variant.plan])
+    after = dependency_dag([step_access(op, renamed) for op in renamed.plan])
+    assert set(after.edges) <= set(nx.transitive_closure_dag(before).edges)
+    out = nimble(variant)[0].plan
+    hb, real = happens_before(out)
+    reach = nx.transitive_closure_dag(hb)
+    acc = [step_access(op, renamed) for op in renamed.plan]
+    for i, j in itertools.combinations(range(len(acc)), 2):
+        if conflicts(acc[i], acc[j]):
+            assert reach.has_edge(real[i], real[j]), (i, j)
+
+
+def test_renaming_frees_a_reused_storage():
+    """TVM's plan: storage 1 holds a, then (after a is read) c. Renamed, c gets its own
+    buffer and the second branch no longer waits for the first one's reader."""
+    r, w = ({"name": "i", "kind": "buffer", "dtype": "float32", "access": "r"},
+            {"name": "o", "kind": "buffer", "dtype": "float32", "access": "w"})
+    k = KernelSpec("k", [1], [32], 0, 0, 32, 0.0, 0, [r, w], False)
+    buf = [BufferSpec(0, "x", 64, "input"), BufferSpec(1, "s1", 64, "intermediate"),
+           BufferSpec(2, "s2", 64, "intermediate")]
+    plan = [Op("h2d", buffer=0, io_offset=0, nbytes=8),
+            Op("launch", kernel="k", args=[KernelArg(0), KernelArg(1)]),    # a = f(x)  in s1
+            Op("launch", kernel="k", args=[KernelArg(1), KernelArg(2)]),    # b = f(a)  in s2
+            Op("launch", kernel="k", args=[KernelArg(0), KernelArg(1)]),    # c = f(x)  in s1 again
+            Op("d2h", buffer=1, io_offset=0, nbytes=8)]
+    from paella.bundle import TensorSpec
+    v = Variant("v", [], [TensorSpec("out", [2], "float32", 0, 8, 1)], buf, [k], plan, 8)
+    g = dependency_dag([step_access(op, v) for op in plan])
+    assert width(g) == 1                       # the reuse orders c after b
+    renamed = rename_buffers(v)
+    assert [b.id for b in renamed.buffers] == [0, 1, 2, 3]
+    assert renamed.plan[3].args[1].buffer == 3 and renamed.plan[4].buffer == 3
+    assert renamed.outputs[0].buffer == 3
+    g2 = dependency_dag([step_access(op, renamed) for op in renamed.plan])
+    assert width(g2) == 2 and not g2.has_edge(2, 3)
+    check_variant(nimble(v)[0])
+
+
+def _values_read(variant: Variant) -> list[list[int]]:
+    """Per step, which earlier steps wrote the values it reads (-1: the buffer's
+    initial contents): renaming must not change what any step sees."""
+    writer: dict[int, int] = {}
+    out = []
+    for i, op in enumerate(variant.plan):
+        acc = step_access(op, variant)
+        out.append(sorted(writer.get(b, -1) for b in acc.reads))
+        for b in acc.writes:
+            writer[b] = i
+    return out
+
+
+# -------------------------------------------------------------- paella compile --streams
+
+def _fork_join():
+    """x -> two convolution branches -> their sum: the smallest branchy model (branch a
+    has two convolutions, so that TVM cannot fuse the sum into a lone convolution of
+    each branch)."""
+    from tvm.relax.frontend import nn
+
+    from paella.models.base import export
+    from paella.models.layers import ConvBN
+
+    class ForkJoin(nn.Module):
+        def __init__(self):
+            self.a1, self.a2 = ConvBN(3, 4, 3, padding=1), ConvBN(4, 4, 1)
+            self.b = ConvBN(3, 4, 1)
+
+        def forward(self, x):
+            return self.a2(self.a1(x)) + self.b(x)
+
+    return export("fork_join", ForkJoin(), {"x": ((1, 3, 8, 8), "float32")})
+
+
+def test_compile_streams_nimble_writes_events_the_dispatcher_replays(tmp_path, cache_dir, monkeypatch):
+    import json
+
+    from paella.bundle import load_bundle
+    from paella.compiler_pass import cli
+    from paella.dispatcher.adaptor import PlanAdaptor
+    from paella.dispatcher.core import STATUS_OK, Dispatcher, Request
+    from paella.dispatcher.devices.sim import SimDevice
+    from paella.models import zoo
+    monkeypatch.setattr(zoo, "get", lambda name: _fork_join())
+    args = ["fork_join", "--cache-dir", str(cache_dir), "-q", "--no-instrument"]
+    single, multi = tmp_path / "single", tmp_path / "nimble"
+    assert cli.main([*args, "-o", str(single)]) == 0
+    assert cli.main([*args, "-o", str(multi), "--streams", "nimble"]) == 0
+    s, m = load_bundle(single).variants[0], load_bundle(multi).variants[0]
+    assert {op.stream for op in s.plan} == {0}
+    assert len({op.stream for op in m.plan}) >= 2 and 0 not in {op.stream for op in m.plan}
+    assert {"record", "wait"} <= {op.op for op in m.plan}
+    assert [op.kernel for op in m.plan if op.op == "launch"] == \
+        [op.kernel for op in s.plan if op.op == "launch"]
+    key = json.loads((multi / "manifest.json").read_text())["cache_key"]
+    assert key.startswith(json.loads((single / "manifest.json").read_text())["cache_key"] + "-nimble-")
+    assert cli.main([*args, "-o", str(multi), "--streams", "nimble"]) == 0     # up to date
+    assert json.loads((multi / "manifest.json").read_text())["cache_key"] == key
+    dev = SimDevice("v100", n_streams=64)
+    d = Dispatcher(dev, "paella", profile_runs=1)
+    mid = d.register_model("fj", PlanAdaptor.from_bundle(load_bundle(multi)))
+    done = []
+    for i in range(3):
+        d.submit(Request(i, 0, mid, np.zeros(m.io_bytes, np.uint8),
+                         on_complete=lambda r, st, err: done.append(st)))
+    d.run_until_idle()
+    assert done == [STATUS_OK] * 3 and d.models[mid].replay.n_events >= 1
