@@ -1,0 +1,204 @@
+"""``paella experiment nimble``: multi-stream launch plans (Nimble, dissertation §3.3.2
+and Table 3.1) against single-stream ones, on the simulated V100.
+
+For each branchy model of the zoo (Inception-v3 and the NASNet-A / AmoebaNet-A /
+DARTS-like cell networks of :mod:`paella.models.nas_cells`), the compiled bundle's
+plan is served two ways by the real dispatcher (``paella`` policy) on the simulated
+V100 (``v100`` preset, the paper's GPU):
+
+* ``single``: the plan as compiled, every step on one stream;
+* ``nimble``: the same plan after ``paella compile --streams nimble``
+  (:mod:`paella.compiler_pass.streams`: buffer renaming, dependency DAG, minimum
+  equivalent graph, maximum matching, chains as streams, events on the unmatched edges).
+
+Isolated latency: one request at a time, median of a few, the dispatcher free (virtual
+time, no CPU charged: Nimble's own baseline is its single-stream replay, with no
+framework overhead either). ``summary.speedup[model]`` = single / nimble. Beside it,
+Table 3.1's speedup and "Deg." (the maximum degree of logical concurrency), which we
+compute as the width of the renamed launch DAG (kernels that read only weights left
+out: TVM's weight layout changes, which a framework does at load time).
+
+Serving: every model's client sends lognormal arrivals at once (one client per model)
+at a fraction of the single-stream capacity; mean and p99 latency with single-stream
+and with Nimble plans, same arrivals, same policy (``paella``), dispatcher free
+(``cpu_scale`` 0).
+
+``--quick``: fewer isolated repetitions, one load, fewer requests.
+"""
+from __future__ import annotations
+
+import argparse
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+
+from paella.bundle import Bundle, Variant
+from paella.compiler_pass.streams import dependency_dag, nimble, rename_buffers, step_access, width
+from paella.dispatcher.adaptor import PlanAdaptor, plan_from_bundle
+from paella.dispatcher.core import STATUS_OK, Dispatcher, Request
+from paella.dispatcher.devices.sim import SimDevice
+from paella.experiments.cli import add_common, save_figure
+from paella.experiments.harness import PointConfig, Workload, run_point, write_outputs
+from paella.experiments.zoo import DEFAULT_ZOO_DIR, ensure_bundles
+
+GPU = "v100"
+MODELS = ["inceptionv3", "darts", "amoebanet", "nasnet_mobile"]
+#: Table 3.1 (V100, batch 1): multi-stream speedup over single-stream, Deg., #MACs.
+PAPER = {"inceptionv3": {"speedup": 1.09, "degree": 6, "gmacs": 5.7, "label": "Inception-v3"},
+         "darts": {"speedup": 1.37, "degree": 7, "gmacs": 0.5, "label": "DARTS"},
+         "amoebanet": {"speedup": 1.45, "degree": 11, "gmacs": 0.5, "label": "AmoebaNet"},
+         "nasnet_mobile": {"speedup": 1.88, "degree": 12, "gmacs": 0.6, "label": "NASNet-A (M)"}}
+FULL_LOADS = [0.3, 0.6, 0.9]
+QUICK_LOADS = [0.6]
+
+
+def with_variant(bundle: Bundle, v: Variant) -> Bundle:
+    """``bundle`` with ``v`` as its only variant (same files, weights)."""
+    return Bundle(bundle.path, replace(bundle.manifest, variants=[v]))
+
+
+def degree(v: Variant) -> int:
+    """The width of the renamed launch DAG, weight-only kernels left out."""
+    v = rename_buffers(v)
+    kinds = {b.id: b.kind for b in v.buffers}
+    acc = [step_access(op, v) for op in v.plan]
+    keep = [i for i, (op, a) in enumerate(zip(v.plan, acc)) if op.op == "launch"
+            and any(kinds[b] != "param" for b in a.reads)]
+    g = dependency_dag(acc)
+    return width(g.subgraph(keep).copy()) if keep else 0
+
+
+def plan_stats(single: Variant, multi: Variant, assignment) -> dict:
+    def request_bytes(v: Variant) -> int:
+        return sum(b.nbytes for b in v.buffers if b.kind != "param")
+    return {"launches": len(single.launches()), "streams": assignment.n_streams,
+            "meg_edges": len(assignment.meg), "matching": len(assignment.matched),
+            "synchronizations": len(assignment.syncs),
+            "events_recorded": sum(op.op == "record" for op in multi.plan),
+            "request_mb_single": request_bytes(single) / 1e6,
+            "request_mb_nimble": request_bytes(multi) / 1e6,
+            "gmacs": sum(single.kernel(op.kernel).flops for op in single.launches()) / 2e9}
+
+
+def isolated_us(bundle: Bundle, reps: int, seed: int) -> float:
+    """Median latency (us) of ``reps`` requests, one at a time, on an idle V100."""
+    dev = SimDevice(GPU, n_streams=1024, seed=seed)
+    d = Dispatcher(dev, "paella", profile_runs=1)
+    mid = d.register_model(bundle.model, PlanAdaptor(plan_from_bundle(bundle)))
+    io = np.zeros(bundle.variants[0].io_bytes, np.uint8)
+    lat = []
+    for i in range(reps):
+        done = {}
+        d.submit(Request(i, 0, mid, io, on_complete=lambda r, st, err: done.update(r=r, st=st, err=err)))
+        d.run_until_idle()
+        if done.get("st") != STATUS_OK:
+            raise RuntimeError(f"{bundle.model}: request failed: {done.get('err')}")
+        lat.append(done["r"].t_done - done["r"].t_submit)
+    return float(np.median(lat)) * 1e6
+
+
+def run(quick: bool, seed: int = 1, zoo_dir: Path = DEFAULT_ZOO_DIR, models=MODELS,
+        progress: bool = True) -> dict:
+    bundles = ensure_bundles(list(models), zoo_dir, progress=progress)
+    reps = 3 if quick else 7
+    rows, plans = {}, {}
+    for name, b in bundles.items():
+        single = b.variants[0]
+        multi, a = nimble(single)
+        plans[name] = {"single": with_variant(b, single), "nimble": with_variant(b, multi)}
+        row = {**plan_stats(single, multi, a), "degree": degree(single)}
+        for mode, bundle in plans[name].items():
+            row[f"{mode}_us"] = isolated_us(bundle, reps, seed)
+        row["speedup"] = row["single_us"] / row["nimble_us"]
+        row["paper"] = PAPER.get(name)
+        rows[name] = row
+        if progress:
+            paper = PAPER.get(name, {"speedup": float("nan"), "degree": "-"})
+            print(f"{name}: single {row['single_us']:.0f} us, nimble {row['nimble_us']:.0f} us "
+                  f"({row['speedup']:.2f}x, paper {paper['speedup']:.2f}x), "
+                  f"{row['streams']} streams, degree {row['degree']} (paper {paper['degree']})",
+                  flush=True)
+    serving = serve(plans, rows, QUICK_LOADS if quick else FULL_LOADS, 300 if quick else 1500, seed,
+                    progress)
+    summary = {"speedup": {n: r["speedup"] for n, r in rows.items()},
+               "paper_speedup": {n: PAPER[n]["speedup"] for n in rows if n in PAPER},
+               "degree": {n: r["degree"] for n, r in rows.items()},
+               "paper_degree": {n: PAPER[n]["degree"] for n in rows if n in PAPER},
+               "streams": {n: r["streams"] for n, r in rows.items()},
+               "serving_mean_ratio": {str(p["load"]): p["single"]["mean_ms"] / p["nimble"]["mean_ms"]
+                                      for p in serving}}
+    return {"gpu": GPU, "quick": quick, "seed": seed, "models": rows, "serving": serving,
+            "summary": summary}
+
+
+def serve(plans: dict, rows: dict, loads: list[float], n: int, seed: int, progress: bool) -> list[dict]:
+    """Every model's client at once, single-stream plans then Nimble plans."""
+    mean_s = np.mean([r["single_us"] for r in rows.values()]) * 1e-6
+    out = []
+    for load in loads:
+        point = {"load": load, "rate": load / mean_s}
+        for mode in ("single", "nimble"):
+            work = [Workload(name, (lambda b=p[mode]: PlanAdaptor(plan_from_bundle(b))))
+                    for name, p in plans.items()]
+            cfg = PointConfig("paella", point["rate"], n_requests=n, seed=seed, gpu=GPU, cpu_scale=0.0,
+                              profile_runs=1)
+            r = run_point(cfg, work)
+            point[mode] = {k: r[k] for k in ("throughput", "mean_ms", "p50_ms", "p99_ms")}
+            point[mode]["per_model"] = r["per_model"]
+        if progress:
+            print(f"serving at {load:.0%} of single-stream capacity ({point['rate']:.0f} req/s): mean "
+                  f"{point['single']['mean_ms']:.2f} -> {point['nimble']['mean_ms']:.2f} ms, p99 "
+                  f"{point['single']['p99_ms']:.2f} -> {point['nimble']['p99_ms']:.2f} ms", flush=True)
+        out.append(point)
+    return out
+
+
+def plot(data: dict, path: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    names = list(data["models"])
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 3.6))
+    x = np.arange(len(names))
+    ax1.bar(x - 0.2, [data["models"][n]["speedup"] for n in names], 0.4, label="ours (sim V100)")
+    ax1.bar(x + 0.2, [PAPER.get(n, {}).get("speedup", 0) for n in names], 0.4,
+            label="Nimble, Table 3.1")
+    ax1.axhline(1.0, color="grey", lw=0.8)
+    ax1.set_xticks(x, [PAPER.get(n, {}).get("label", n) for n in names], rotation=15)
+    ax1.set_ylabel("multi-stream speedup (x)")
+    ax1.set_title("isolated latency, batch 1")
+    ax1.legend(fontsize=8)
+    loads = [p["load"] for p in data["serving"]]
+    for mode, style, color in (("single", "o", "C0"), ("nimble", "s", "C1")):
+        ax2.plot(loads, [p[mode]["mean_ms"] for p in data["serving"]], style + "-", color=color,
+                 label=f"{mode} mean")
+        ax2.plot(loads, [p[mode]["p99_ms"] for p in data["serving"]], style + "--", color=color,
+                 label=f"{mode} p99")
+    ax2.set_xlabel("offered load (fraction of single-stream capacity)")
+    ax2.set_ylabel("latency (ms)")
+    ax2.set_title(f"{len(names)} models served at once (paella)")
+    ax2.legend(fontsize=8)
+    save_figure(fig, path)
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("nimble", help="multi-stream (Nimble) plans against single-stream ones "
+                                      "on the simulated V100 (Table 3.1)")
+    add_common(p)
+    p.add_argument("--zoo-dir", default=str(DEFAULT_ZOO_DIR),
+                   help=f"where compiled bundles are cached (default {DEFAULT_ZOO_DIR})")
+    p.set_defaults(func=main)
+
+
+def main(args: argparse.Namespace) -> int:
+    from paella.cli import CLIError
+    from paella.compiler_pass.build import CompileError
+    t0 = time.perf_counter()
+    try:
+        data = run(args.quick, args.seed, Path(args.zoo_dir))
+    except CompileError as e:
+        raise CLIError(f"compiling the zoo models failed: {e}") from None
+    write_outputs(data, args, plot, t0)
+    return 0
