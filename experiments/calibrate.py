@@ -205,11 +205,10 @@ def plot(data: dict, path: str) -> None:
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    from paella.experiments.cli import add_common
+    from paella.experiments.cli import add_common, add_zoo_dir
     p = sub.add_parser("calibrate", help="the paper's Table 2 beside the simulator's timing model")
     add_common(p)
-    p.add_argument("--zoo-dir", default=str(DEFAULT_ZOO_DIR),
-                   help=f"where the compiled zoo lives (default {DEFAULT_ZOO_DIR})")
+    add_zoo_dir(p)
     p.set_defaults(func=main)
 
 

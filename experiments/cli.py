@@ -35,6 +35,13 @@ def add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=1, help="random seed (default 1)")
 
 
+def add_zoo_dir(p: argparse.ArgumentParser) -> None:
+    """``--zoo-dir``, for experiments on the compiled zoo (missing bundles are compiled)."""
+    from paella.bundle import DEFAULT_ZOO_DIR
+    p.add_argument("--zoo-dir", default=str(DEFAULT_ZOO_DIR),
+                   help=f"where the compiled zoo lives (default {DEFAULT_ZOO_DIR})")
+
+
 def finish(data: dict, args: argparse.Namespace, plot, t0: float) -> int:
     """End an experiment: record its running time since ``t0`` (``time.perf_counter``),
     write ``--json``/``--plot``, say how long it took. Returns the exit status."""

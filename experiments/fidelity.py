@@ -48,7 +48,7 @@ import numpy as np
 
 from paella.dispatcher.devices.base import KernelInfo, ModuleImage
 from paella.dispatcher.devices.sim import CostModel, SimDevice
-from paella.experiments.cli import add_common, finish, save_figure
+from paella.experiments.cli import add_common, add_zoo_dir, finish, save_figure
 from paella.experiments.zoo import DEFAULT_ZOO_DIR, ensure_bundles, module_image
 from paella.gpus import preset
 
@@ -418,8 +418,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("fidelity", help="our compiled kernels on the simulated GPUs beside the papers' "
                                         "published measurements")
     add_common(p)
-    p.add_argument("--zoo-dir", default=str(DEFAULT_ZOO_DIR),
-                   help=f"where compiled bundles are cached (default {DEFAULT_ZOO_DIR})")
+    add_zoo_dir(p)
     p.set_defaults(func=main)
 
 

@@ -39,7 +39,7 @@ from paella.compiler_pass.streams import dependency_dag, nimble, rename_buffers,
 from paella.dispatcher.adaptor import PlanAdaptor, plan_from_bundle
 from paella.dispatcher.core import STATUS_OK, Dispatcher, Request
 from paella.dispatcher.devices.sim import SimDevice
-from paella.experiments.cli import add_common, save_figure
+from paella.experiments.cli import add_common, add_zoo_dir, save_figure
 from paella.experiments.harness import PointConfig, Workload, run_point, write_outputs
 from paella.experiments.zoo import DEFAULT_ZOO_DIR, ensure_bundles
 
@@ -187,8 +187,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("nimble", help="multi-stream (Nimble) plans against single-stream ones "
                                       "on the simulated V100 (Table 3.1)")
     add_common(p)
-    p.add_argument("--zoo-dir", default=str(DEFAULT_ZOO_DIR),
-                   help=f"where compiled bundles are cached (default {DEFAULT_ZOO_DIR})")
+    add_zoo_dir(p)
     p.set_defaults(func=main)
 
 
