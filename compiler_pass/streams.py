@@ -142,6 +142,75 @@ def rename_buffers(variant: Variant) -> Variant:
     return replace(variant, buffers=buffers, plan=plan, outputs=outputs)
 
 
+def pack_buffers(variant: Variant) -> Variant:
+    """``variant`` (renamed) with its per-request buffers shared again where no
+    concurrency is lost: a buffer takes over another's memory when every step that used
+    the other one is an ancestor, in the dependency DAG, of the step that first writes
+    it. Such a reuse adds no ordering the DAG does not already have, so the streams and
+    events come out the same (the DAG's reachability is unchanged), and the memory that
+    renaming added shrinks to what concurrent branches really hold at once.
+
+    Only intermediate and workspace buffers that are written before they are read move,
+    each to the smallest free slot at least as large, first come first served in plan
+    order."""
+    acc = [step_access(op, variant) for op in variant.plan]
+    anc = _ancestors(dependency_dag(acc))
+    users: dict[int, list[int]] = {}
+    for i, a in enumerate(acc):
+        for b in a.reads | a.writes:
+            users.setdefault(b, []).append(i)
+    offsets = {a.buffer for op in variant.plan if op.op == "launch" for a in op.args
+               if a.buffer is not None and a.offset}
+    # A buffer read before anything writes it keeps its own memory (its initial
+    # contents matter; check_variant refuses that in a bundle, a hand-made plan may not).
+    movable = [b for b in variant.buffers if b.kind in ("intermediate", "workspace")
+               and b.id in users and b.id not in offsets
+               and b.id in acc[users[b.id][0]].writes - acc[users[b.id][0]].reads]
+    slot_of: dict[int, int] = {}
+    slots: list[tuple[int, int]] = []               # (bytes, its occupants' steps as a bitset)
+    for b in sorted(movable, key=lambda b: users[b.id][0]):
+        first, mine = users[b.id][0], _bits(users[b.id])
+        free = [k for k, (size, used) in enumerate(slots) if size >= b.nbytes and used & ~anc[first] == 0]
+        k = min(free, key=lambda k: slots[k][0]) if free else None
+        if k is None:
+            slots.append((b.nbytes, mine))
+            slot_of[b.id] = len(slots) - 1
+        else:
+            slots[k] = (slots[k][0], slots[k][1] | mine)
+            slot_of[b.id] = k
+    # Buffer ids: the unmoved ones first (keeping their order), then one per slot.
+    kept = [b for b in variant.buffers if b.id not in slot_of]
+    new_id = {b.id: i for i, b in enumerate(kept)}
+    first_of = {}
+    for b in sorted(movable, key=lambda b: users[b.id][0]):
+        first_of.setdefault(slot_of[b.id], b)
+    slot_ids = {k: len(kept) + j for j, k in enumerate(sorted(first_of))}
+    new_id.update({b: slot_ids[k] for b, k in slot_of.items()})
+    buffers = [replace(b, id=i) for i, b in enumerate(kept)]
+    buffers += [BufferSpec(slot_ids[k], first_of[k].name, slots[k][0], first_of[k].kind)
+                for k in sorted(first_of)]
+    plan = [_renamed(op, new_id) for op in variant.plan]
+    return replace(variant, buffers=buffers, plan=plan,
+                   inputs=[replace(t, buffer=new_id[t.buffer]) for t in variant.inputs],
+                   outputs=[replace(t, buffer=new_id[t.buffer]) for t in variant.outputs])
+
+
+def _bits(steps: Sequence[int]) -> int:
+    out = 0
+    for i in steps:
+        out |= 1 << i
+    return out
+
+
+def _ancestors(g: nx.DiGraph) -> list[int]:
+    """Per node (0..n-1, numbered in a topological order), the bitset of its ancestors."""
+    anc = [0] * g.number_of_nodes()
+    for v in range(len(anc)):
+        for u in g.predecessors(v):
+            anc[v] |= anc[u] | (1 << u)
+    return anc
+
+
 def _renamed(op: Op, current: dict[int, int]) -> Op:
     if op.op == "launch":
         return replace(op, args=[replace(a, buffer=current[a.buffer]) if a.buffer is not None else a
@@ -256,9 +325,10 @@ def _on_stream(op: Op, stream: int) -> Op:
 
 
 def nimble(variant: Variant) -> tuple[Variant, Assignment]:
-    """``variant`` renamed (:func:`rename_buffers`) and on Nimble's streams
-    (:func:`plan_with_streams`), with the assignment."""
-    renamed = rename_buffers(variant)
+    """``variant`` renamed (:func:`rename_buffers`), its buffers packed again
+    (:func:`pack_buffers`), and on Nimble's streams (:func:`plan_with_streams`), with
+    the assignment."""
+    renamed = pack_buffers(rename_buffers(variant))
     plan, a = plan_with_streams(renamed)
     return replace(renamed, plan=plan), a
 
