@@ -215,15 +215,19 @@ class Plan:
     def with_effect(self, effect: Any, operands: Sequence[BufferArg]) -> "Plan":
         """This plan with ``effect`` on its last kernel launch, whose arguments get
         ``operands`` appended (the buffers the effect reads and writes, bound per
-        request like every argument). Every op must be on stream 0, so that the last
-        launch comes after every input copy and before every output copy."""
+        request like every argument). That launch must come after every input copy and
+        before every output copy in the plan's order of execution (:meth:`ancestors`:
+        stream order and events), which a single-stream plan always satisfies."""
         launches = [i for i, op in enumerate(self.ops) if op.kind == "launch"]
         if not launches:
             raise ValueError(f"plan {self.name!r} launches no kernel to carry an effect")
-        if any(op.stream for op in self.ops):
-            raise ValueError(f"plan {self.name!r} uses several streams; a functional effect "
-                             f"needs a single-stream plan")
         last = launches[-1]
+        anc = self.ancestors()
+        if any(op.kind == "h2d" and not anc[last] >> i & 1 or op.kind == "d2h" and not anc[i] >> last & 1
+               for i, op in enumerate(self.ops)):
+            raise ValueError(f"plan {self.name!r}: its last kernel ({self.ops[last].kernel}) is not "
+                             f"ordered after every input copy and before every output copy, so it "
+                             f"cannot carry the model's functional effect; order it with events")
         ops = list(self.ops)
         op = ops[last]
         ops[last] = PlanOp("launch", stream=op.stream, kernel=op.kernel, grid=op.grid,
@@ -231,6 +235,30 @@ class Plan:
                            args=tuple(op.args) + tuple(operands))
         return Plan(self.name, self.kernels, ops, dict(self.buffers), self.io_bytes,
                     dict(self.params), self.cubin, self.ptx, {**self.effects, op.kernel: effect})
+
+    def ancestors(self) -> list[int]:
+        """Per op, the bitset of the ops that complete before it starts, as replay issues
+        them: stream order, the legacy default stream's ordering with the other (blocking)
+        streams, and each wait's record."""
+        anc: list[int] = []
+        last: dict[int, int] = {}
+        recorded: dict[int, int] = {}
+        for i, op in enumerate(self.ops):
+            preds = [last[op.stream]] if op.stream in last else []
+            if op.stream == 0:
+                preds += [j for st, j in last.items() if st]
+            elif 0 in last:
+                preds.append(last[0])
+            if op.kind == "wait":
+                preds.append(recorded[op.event])
+            a = 0
+            for j in preds:
+                a |= anc[j] | 1 << j
+            anc.append(a)
+            last[op.stream] = i
+            if op.kind == "record":
+                recorded[op.event] = i
+        return anc
 
     @property
     def request_buffers(self) -> dict[str, int]:

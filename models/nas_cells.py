@@ -2,9 +2,11 @@
 (``paella experiment nimble``): NASNet-A (mobile), AmoebaNet-A and DARTS (V2) *like*
 models built from their published cells, with seeded weights.
 
-"Like": the cells are the published genotypes (which op on which earlier state, what
-is concatenated), but the network is cut down so TVM compiles it in a minute or two:
-two normal cells per stage (the paper's mobile models have four to six), one
+"Like": the cells follow the published ones (which op on which earlier state, what is
+concatenated) as we read them from the papers' figures and DARTS's ``genotypes.py``,
+written here without checking against the reference code; and the network is cut
+down so that TVM compiles it in well under a minute (16-26 s here): two normal cells
+per stage (the paper's mobile models have four to six), one
 application of each separable convolution (NASNet applies it twice), channels 24 / 48
 / 96 at 56 / 28 / 14 pixels, and no auxiliary head, drop-path or factorized-reduction
 subtleties. What matters here is the shape of the graph: every cell is five (NASNet,

@@ -294,7 +294,6 @@ def test_compile_streams_nimble_writes_events_the_dispatcher_replays(tmp_path, c
 
     from paella.bundle import load_bundle
     from paella.compiler_pass import cli
-    from paella.dispatcher.adaptor import PlanAdaptor
     from paella.dispatcher.core import STATUS_OK, Dispatcher, Request
     from paella.dispatcher.devices.sim import SimDevice
     from paella.models import zoo
@@ -313,12 +312,22 @@ def test_compile_streams_nimble_writes_events_the_dispatcher_replays(tmp_path, c
     assert key.startswith(json.loads((single / "manifest.json").read_text())["cache_key"] + "-nimble-")
     assert cli.main([*args, "-o", str(multi), "--streams", "nimble"]) == 0     # up to date
     assert json.loads((multi / "manifest.json").read_text())["cache_key"] == key
-    dev = SimDevice("v100", n_streams=64)
-    d = Dispatcher(dev, "paella", profile_runs=1)
-    mid = d.register_model("fj", PlanAdaptor.from_bundle(load_bundle(multi)))
-    done = []
-    for i in range(3):
-        d.submit(Request(i, 0, mid, np.zeros(m.io_bytes, np.uint8),
-                         on_complete=lambda r, st, err: done.append(st)))
-    d.run_until_idle()
-    assert done == [STATUS_OK] * 3 and d.models[mid].replay.n_events >= 1
+    # Served as `paella serve` serves a bundle on the simulator (the CPU build as the
+    # last kernel's effect): both plans answer what the CPU build answers.
+    from paella.dispatcher.daemon.bundles import functional_adaptor
+    x = np.random.default_rng(5).standard_normal((1, 3, 8, 8)).astype(np.float32)
+    answers = {}
+    for path in (single, multi):
+        bundle = load_bundle(path)
+        dev = SimDevice("v100", n_streams=64)
+        d = Dispatcher(dev, "paella", profile_runs=1)
+        mid = d.register_model("fj", functional_adaptor(bundle, "fj"))
+        done, io = [], bundle.pack_inputs({bundle.inputs[0].name: x})
+        d.submit(Request(0, 0, mid, io, on_complete=lambda r, st, err: done.append((st, err))))
+        d.run_until_idle()
+        assert done == [(STATUS_OK, None)]
+        answers[path] = bundle.unpack_outputs(io)["output0"]
+    assert d.models[mid].replay.n_events >= 1
+    np.testing.assert_array_equal(answers[multi], answers[single])
+    np.testing.assert_allclose(answers[multi], load_bundle(single).run_cpu({"x": x})["output0"],
+                               rtol=1e-5)

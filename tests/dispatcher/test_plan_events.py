@@ -141,3 +141,29 @@ def test_bundle_plans_carry_events_through_the_manifest():
         [("h2d", 1, 0), ("record", 1, 5), ("wait", 2, 5), ("d2h", 2, 0)]
     with pytest.raises(BundleError, match="waits for event 5 before any record of it"):
         check_variant(_variant([plan[2], plan[1]]))
+
+
+def test_a_multi_stream_plan_carries_a_functional_effect_when_its_last_kernel_is_ordered(make):
+    """The simulator's model effect (what `paella serve` puts on a bundle's last kernel)
+    needs that kernel after the input copy and before the output copy: the diamond's
+    join is, by its events; without the join's wait it is not, and the plan says so."""
+    plan = event_plan(streams=True)
+    anc = plan.ancestors()
+    names = [op.kind if op.kind != "launch" else op.kernel for op in plan.ops]
+    c, b, h2d, d2h = (names.index(k) for k in ("ev_c", "ev_b", "h2d", "d2h"))
+    assert anc[c] >> b & 1 and anc[c] >> h2d & 1 and anc[d2h] >> c & 1
+    calls = []
+    plan.with_effect(lambda view, args: calls.append(args), [BufferArg("x"), BufferArg("c")])
+    racy = event_plan(streams=True, join=False)
+    names = [op.kind if op.kind != "launch" else op.kernel for op in racy.ops]
+    assert not racy.ancestors()[names.index("ev_c")] >> names.index("ev_b") & 1
+    # ev_c still follows the input copy (same stream) and precedes the output copy:
+    racy.with_effect(lambda view, args: None, [BufferArg("x"), BufferArg("c")])
+    # A last kernel on another stream than the copies, with no event: refused.
+    ops = list(racy.ops)
+    ops[names.index("ev_c")] = PlanOp("launch", stream=2, kernel="ev_c", grid=(40,), block=(128,),
+                                      args=ops[names.index("ev_c")].args)
+    detached = Plan("detached", racy.kernels, ops, racy.buffers, racy.io_bytes)
+    with pytest.raises(ValueError, match="not ordered after every input copy and before every "
+                                         "output copy"):
+        detached.with_effect(lambda view, args: None, [BufferArg("x"), BufferArg("c")])
