@@ -24,6 +24,13 @@ def test_nimble_experiment_on_a_fork_join(tmp_path, cache_dir):
     for mode in ("single", "nimble"):
         assert point[mode]["per_model"]["fork_join"]["count"] > 200
         assert point[mode]["mean_ms"] <= point[mode]["p99_ms"]
+    # --cpu-scale 1: the same plans with this dispatcher's CPU charged to the clock.
+    from paella.bundle import load_bundle
+    b = load_bundle(tmp_path / "zoo" / "fork_join")
+    plans = {"single": b, "nimble": nimble.with_variant(b, nimble.nimble(b.variants[0])[0])}
+    c = nimble.charged(plans, row["single_us"], 20, 1, 1.0)
+    assert c["single_p50_ms"] * 1e3 > row["single_us"] and c["nimble_p50_ms"] * 1e3 > row["nimble_us"]
+    assert c["speedup"] == c["single_p50_ms"] / c["nimble_p50_ms"]
     nimble.plot(data, str(tmp_path / "n.png"))
     assert (tmp_path / "n.png").stat().st_size > 0
     json.dumps(data)
