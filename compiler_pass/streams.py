@@ -112,12 +112,7 @@ def rename_buffers(variant: Variant) -> Variant:
     buffers every step uses at offset 0 (one tensor at a time, as TVM plans them) and
     not params are renamed; the others keep every dependency."""
     kinds = {b.id: b for b in variant.buffers}
-    offsets = set()
-    for op in variant.plan:
-        if op.op == "launch":
-            offsets.update(a.buffer for a in op.args if a.buffer is not None and a.offset)
-        elif op.op in ("h2d", "d2h") and op.buffer_offset:
-            offsets.add(op.buffer)
+    offsets = _used_at_offsets(variant)
     renamable = {b for b, spec in kinds.items() if spec.kind != "param" and b not in offsets}
     buffers = list(variant.buffers)
     current = {b: b for b in kinds}          # original id -> id of its current value
@@ -159,8 +154,7 @@ def pack_buffers(variant: Variant) -> Variant:
     for i, a in enumerate(acc):
         for b in a.reads | a.writes:
             users.setdefault(b, []).append(i)
-    offsets = {a.buffer for op in variant.plan if op.op == "launch" for a in op.args
-               if a.buffer is not None and a.offset}
+    offsets = _used_at_offsets(variant)
     # A buffer read before anything writes it keeps its own memory (its initial
     # contents matter; check_variant refuses that in a bundle, a hand-made plan may not).
     movable = [b for b in variant.buffers if b.kind in ("intermediate", "workspace")
@@ -193,6 +187,17 @@ def pack_buffers(variant: Variant) -> Variant:
     return replace(variant, buffers=buffers, plan=plan,
                    inputs=[replace(t, buffer=new_id[t.buffer]) for t in variant.inputs],
                    outputs=[replace(t, buffer=new_id[t.buffer]) for t in variant.outputs])
+
+
+def _used_at_offsets(variant: Variant) -> set[int]:
+    """Buffers some step uses at a non-zero offset (they may hold several tensors)."""
+    out = set()
+    for op in variant.plan:
+        if op.op == "launch":
+            out.update(a.buffer for a in op.args if a.buffer is not None and a.offset)
+        elif op.op in ("h2d", "d2h") and op.buffer_offset:
+            out.add(op.buffer)
+    return out
 
 
 def _bits(steps: Sequence[int]) -> int:

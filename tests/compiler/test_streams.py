@@ -105,7 +105,8 @@ def test_fewest_synchronizations_against_brute_force(g):
 @st.composite
 def plans(draw, kinds=("param",)) -> Variant:
     """A random single-stream plan over a few buffers: h2d copies, kernels reading and
-    writing random buffers (each kernel its own parameter accesses), d2h copies.
+    writing random buffers (each kernel its own parameter accesses), d2h copies; now and
+    then at an offset into the buffer (which renaming and packing must leave alone).
     Buffers of kind "param" count as written at load, so such a plan passes
     check_variant's dataflow check."""
     n_buf = draw(st.integers(1, 5))
@@ -115,14 +116,16 @@ def plans(draw, kinds=("param",)) -> Variant:
         kind = draw(st.sampled_from(["launch", "launch", "launch", "h2d", "d2h"]))
         b = draw(st.integers(0, n_buf - 1))
         if kind != "launch":
-            plan.append(Op(kind, buffer=b, io_offset=0, nbytes=8))
+            plan.append(Op(kind, buffer=b, io_offset=0, nbytes=8,
+                           buffer_offset=draw(st.sampled_from([0, 0, 0, 8]))))
             continue
         n_args = draw(st.integers(1, 3))
         params, args = [], []
         for j in range(n_args):
             params.append({"name": f"p{j}", "kind": "buffer", "dtype": "float32",
                            "access": draw(st.sampled_from(["r", "w", "rw"]))})
-            args.append(KernelArg(buffer=draw(st.integers(0, n_buf - 1))))
+            args.append(KernelArg(buffer=draw(st.integers(0, n_buf - 1)),
+                                  offset=draw(st.sampled_from([0, 0, 0, 8]))))
         kernels.append(KernelSpec(f"k{i}", [1], [32], 0, 0, 32, 0.0, 0, params, False))
         plan.append(Op("launch", kernel=f"k{i}", grid=[1], block=[32], args=args))
     return Variant("v", [], [], buffers, kernels, plan, 8)
