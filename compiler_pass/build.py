@@ -32,7 +32,8 @@ import numpy as np
 import tvm
 from tvm import relax, tirx
 
-from paella.bundle import FORMAT_VERSION, MANIFEST, KernelSpec, Manifest, Variant, check_variant
+from paella.bundle import (FORMAT_VERSION, MANIFEST, KernelSpec, Manifest, Variant, check_variant,
+                           manifest_from_dict)
 from paella.models.base import ModelDef
 
 from . import nvcc
@@ -232,7 +233,9 @@ def cache_key(model: ModelDef, arch: str, options: InstrumentOptions) -> str:
                          "group": options.group, "tvm": tvm.__version__}).encode())
     h.update(model.fingerprint().encode())
     pkg = resources.files("paella.compiler_pass")
-    for name in sorted(p.name for p in pkg.iterdir() if p.name.endswith(".py")):
+    # streams.py is applied after the cache (the cache holds single-stream bundles):
+    # a bundle on other streams has its own key, see _streams_key.
+    for name in sorted(p.name for p in pkg.iterdir() if p.name.endswith(".py") and p.name != "streams.py"):
         h.update(pkg.joinpath(name).read_bytes())
     h.update(pkg.joinpath("include", "paella_notif.cuh").read_bytes())
     h.update(resources.files("paella").joinpath("bundle.py").read_bytes())
@@ -378,12 +381,18 @@ def _install(src: Path, out: Path, copy: bool) -> None:
 
 def compile_bundle(model: ModelDef | list[ModelDef], out: str | Path, arch: str = "sm_75",
                    options: InstrumentOptions = InstrumentOptions(), progress: Progress = lambda _m: None,
-                   cache_dir: str | Path | None = None, force: bool = False) -> Path:
+                   cache_dir: str | Path | None = None, force: bool = False,
+                   streams: str = "single") -> Path:
     """Build (or fetch from cache) the bundle of ``model`` into directory ``out``. A
     list of models (one model at several batch sizes / length buckets, each with its
-    ``batch`` and ``seq_len``) makes one bundle with one variant each, in that order."""
+    ``batch`` and ``seq_len``) makes one bundle with one variant each, in that order.
+    ``streams``: the launch plan's streams (:data:`.streams.MODES`; ``nimble`` assigns
+    them by Nimble's algorithm, :mod:`.streams`, to every variant)."""
+    from .streams import MODES
     out = Path(out)
     nvcc.check_arch(arch)
+    if streams not in MODES:
+        raise CompileError(f"unknown stream mode {streams!r}; use one of {', '.join(MODES)}")
     _check_writable(out)
     models = model if isinstance(model, list) else None
     if models is not None:
@@ -394,11 +403,12 @@ def compile_bundle(model: ModelDef | list[ModelDef], out: str | Path, arch: str 
                                      for m in models).encode()).hexdigest()[:24]
     else:
         key = cache_key(model, arch, options)
+    out_key = _streams_key(key, streams)
     existing = out / MANIFEST
     if not force and existing.is_file():
         try:
-            if json.loads(existing.read_text()).get("cache_key") == key:
-                progress(f"{out} is up to date (cache key {key})")
+            if json.loads(existing.read_text()).get("cache_key") == out_key:
+                progress(f"{out} is up to date (cache key {out_key})")
                 _name_bundle(out, model.name)
                 return out
         except (json.JSONDecodeError, OSError):
@@ -408,6 +418,7 @@ def compile_bundle(model: ModelDef | list[ModelDef], out: str | Path, arch: str 
         progress(f"cached bundle {key} found in {cache.parent}")
         _install(cache, out, copy=True)
         _name_bundle(out, model.name)
+        _apply_streams(out, streams, out_key, progress)
         return out
     try:
         tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.build.", dir=out.resolve().parent))
@@ -430,6 +441,7 @@ def compile_bundle(model: ModelDef | list[ModelDef], out: str | Path, arch: str 
         shutil.rmtree(tmp, ignore_errors=True)
     progress(f"wrote {out} in {manifest.compile_seconds:.1f}s: {len(manifest.variants[0].kernels)} kernels, "
              f"{len(manifest.variants[0].launches())} launches")
+    _apply_streams(out, streams, out_key, progress)
     return out
 
 
@@ -442,6 +454,31 @@ def _name_bundle(out: Path, name: str) -> None:
     if data.get("model") != name:
         data["model"] = name
         path.write_text(json.dumps(data, indent=1))
+
+
+def _streams_key(key: str, streams: str) -> str:
+    """The cache key of a bundle on ``streams``: the single-stream key, plus the mode and
+    a hash of the pass that assigned them."""
+    if streams == "single":
+        return key
+    src = resources.files("paella.compiler_pass").joinpath("streams.py").read_bytes()
+    return f"{key}-{streams}-{hashlib.sha256(src).hexdigest()[:8]}"
+
+
+def _apply_streams(out: Path, streams: str, out_key: str, progress: Progress) -> None:
+    """Rewrite the single-stream bundle at ``out`` onto ``streams`` (every variant)."""
+    if streams == "single":
+        return
+    from .streams import nimble
+    mpath = out / MANIFEST
+    manifest = manifest_from_dict(json.loads(mpath.read_text()))
+    for i, v in enumerate(manifest.variants):
+        manifest.variants[i], a = nimble(v)
+        check_variant(manifest.variants[i])
+        progress(f"{streams} streams ({v.name}): {a.n_streams} streams, {len(a.syncs)} "
+                 f"synchronizations (|E'| = {len(a.meg)}, |M| = {len(a.matched)})")
+    manifest.cache_key = out_key
+    mpath.write_text(json.dumps(manifest.to_dict(), indent=1))
 
 
 def _store_in_cache(src: Path, cache: Path, progress: Progress) -> None:

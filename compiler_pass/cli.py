@@ -31,6 +31,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seq-lens", type=_sizes, default=None, metavar="32,64,128",
                    help="length buckets: one variant per length (and batch size) for models "
                         "with a length axis (bert_encoder, ONNX with a dynamic axis 1)")
+    p.add_argument("--streams", choices=("single", "nimble"), default="single",
+                   help="the launch plan's streams: single (default: one stream, plan order) or "
+                        "nimble (independent branches on their own streams, ordered by events; "
+                        "docs/nimble.md)")
     p.add_argument("--list", action="store_true", help="list the zoo's model names and exit")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress lines")
     p.set_defaults(func=_compile)
@@ -96,7 +100,7 @@ def _compile(args: argparse.Namespace) -> int:
         try:
             model = _load_model(name, args.batch_sizes, args.seq_lens)
             compile_bundle(model, out, arch=args.arch, options=options, progress=progress,
-                           cache_dir=args.cache_dir, force=args.force)
+                           cache_dir=args.cache_dir, force=args.force, streams=args.streams)
         except (CompileError, ModelSourceError, zoo.UnknownModel, ValueError) as e:
             raise CLIError(str(e)) from None
         manifest = json.loads((out / "manifest.json").read_text())

@@ -142,7 +142,8 @@ def feature_bound(feats: dict[str, dict[str, float]], paper: dict[str, float],
 def copies_time(bundle, gpu: str = GPU) -> float:
     """Seconds the plan's copies take (the part of a model's time no kernel feature sees)."""
     spec, cost = preset(gpu), CostModel()
-    return sum(cost.copy_time(spec, op.nbytes) for op in bundle.variants[0].plan if op.op != "launch")
+    return sum(cost.copy_time(spec, op.nbytes) for op in bundle.variants[0].plan
+               if op.op in ("h2d", "d2h"))
 
 
 def run(names: list[str], zoo_dir, progress: bool = True) -> dict:
@@ -204,11 +205,10 @@ def plot(data: dict, path: str) -> None:
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    from paella.experiments.cli import add_common
+    from paella.experiments.cli import add_common, add_zoo_dir
     p = sub.add_parser("calibrate", help="the paper's Table 2 beside the simulator's timing model")
     add_common(p)
-    p.add_argument("--zoo-dir", default=str(DEFAULT_ZOO_DIR),
-                   help=f"where the compiled zoo lives (default {DEFAULT_ZOO_DIR})")
+    add_zoo_dir(p)
     p.set_defaults(func=main)
 
 

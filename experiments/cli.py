@@ -15,6 +15,7 @@ EXPERIMENTS = [
     "paella.experiments.sched_delay",
     "paella.experiments.overhead",
     "paella.experiments.windtunnel",
+    "paella.experiments.nimble",
     "paella.experiments.report",
     "paella.experiments.batching",
 ]
@@ -33,6 +34,13 @@ def add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--plot", metavar="FILE.png", help="write a plot")
     p.add_argument("--quick", action="store_true", help="a reduced sweep that finishes in minutes")
     p.add_argument("--seed", type=int, default=1, help="random seed (default 1)")
+
+
+def add_zoo_dir(p: argparse.ArgumentParser) -> None:
+    """``--zoo-dir``, for experiments on the compiled zoo (missing bundles are compiled)."""
+    from paella.bundle import DEFAULT_ZOO_DIR
+    p.add_argument("--zoo-dir", default=str(DEFAULT_ZOO_DIR),
+                   help=f"where the compiled zoo lives (default {DEFAULT_ZOO_DIR})")
 
 
 def finish(data: dict, args: argparse.Namespace, plot, t0: float) -> int:

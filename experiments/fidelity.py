@@ -40,15 +40,14 @@ sm_75's register counts.
 from __future__ import annotations
 
 import argparse
-import math
 import time
 from pathlib import Path
 
 import numpy as np
 
-from paella.dispatcher.devices.base import KernelInfo, ModuleImage
 from paella.dispatcher.devices.sim import CostModel, SimDevice
-from paella.experiments.cli import add_common, finish, save_figure
+from paella.experiments import nimble as multi_stream
+from paella.experiments.cli import add_common, add_zoo_dir, finish, save_figure
 from paella.experiments.zoo import DEFAULT_ZOO_DIR, ensure_bundles, module_image
 from paella.gpus import preset
 
@@ -161,78 +160,8 @@ def knee(batches: list[int], times: list[float], tol: float = KNEE_TOLERANCE) ->
 
 
 # -- multi-stream execution (Nimble) ------------------------------------------------------
-def dependencies(bundle, launches: list) -> list[set[int]]:
-    """For each of ``launches``, the earlier ones it reads from: read-after-write on the
-    tensor (buffer, offset) it names. Storage reuse is ignored, as Nimble's per-stream
-    memory plan does: only true data dependencies order the kernels."""
-    v = bundle.variants[0]
-    last_writer: dict[tuple[int, int], int] = {}
-    deps: list[set[int]] = []
-    for i, op in enumerate(launches):
-        k = v.kernel(op.kernel)
-        mine: set[int] = set()
-        writes = []
-        bufs = [p for p in k.params if p.get("kind") == "buffer"]
-        for arg, p in zip([a for a in op.args if a.buffer is not None], bufs):
-            key = (arg.buffer, arg.offset)
-            if "r" in p.get("access", "r") and key in last_writer:
-                mine.add(last_writer[key])
-            if "w" in p.get("access", ""):
-                writes.append(key)
-        for key in writes:
-            last_writer[key] = i
-        deps.append(mine)
-    return deps
-
-
-def stream_assignment(deps: list[set[int]]) -> tuple[list[int], int]:
-    """A minimum chain cover of the dependency DAG (Dilworth, through a maximum bipartite
-    matching on its transitive closure, as Nimble's stream assignment does): each chain is
-    one stream, and their number is the maximum degree of logical concurrency."""
-    n = len(deps)
-    reach = [0] * n                          # bitset of each launch's ancestors
-    for i in range(n):
-        a = 0
-        for j in deps[i]:
-            a |= (1 << j) | reach[j]
-        reach[i] = a
-    succ = [[j for j in range(n) if reach[j] >> i & 1] for i in range(n)]
-    match_to = [-1] * n                       # right node j -> left node i
-
-    def augment(i: int, seen: list[bool]) -> bool:
-        for j in succ[i]:
-            if not seen[j]:
-                seen[j] = True
-                if match_to[j] < 0 or augment(match_to[j], seen):
-                    match_to[j] = i
-                    return True
-        return False
-
-    import sys
-    old = sys.getrecursionlimit()
-    sys.setrecursionlimit(max(old, 4 * n + 100))
-    try:
-        for i in range(n):
-            augment(i, [False] * n)
-    finally:
-        sys.setrecursionlimit(old)
-    nxt = [-1] * n
-    for j, i in enumerate(match_to):
-        if i >= 0:
-            nxt[i] = j
-    stream = [-1] * n
-    s = 0
-    for i in range(n):
-        if match_to[i] >= 0:
-            continue                          # i follows another kernel in its chain
-        j = i
-        while j >= 0:
-            stream[j] = s
-            j = nxt[j]
-        s += 1
-    return stream, s
-
-
+# The plans on Nimble's streams are the compiler's (paella compile --streams nimble,
+# compiler_pass/streams.py), timed as paella experiment nimble times them.
 def sms_busy(bundle, gpu: str) -> float:
     """Time-weighted mean number of SMs the kernels occupy, single-stream: what room the
     GPU leaves for another stream's kernels."""
@@ -240,48 +169,6 @@ def sms_busy(bundle, gpu: str) -> float:
     _, recs = run_plan(bundle, gpu, record=True)
     busy = sum(r[4] - r[3] for r in recs)
     return sum((r[4] - r[3]) * r[5] for r in recs) / busy if busy else 0.0
-
-
-def multi_stream_time(bundle, gpu: str, cost: CostModel | None = None) -> tuple[float, float, int]:
-    """(single-stream seconds, multi-stream seconds, streams) for the kernels of ``bundle``:
-    each chain of the cover on its own stream, a kernel submitted once its predecessors
-    on other streams have completed (what a GPU-side event wait does)."""
-    single = kernels_time(bundle, gpu, cost)
-    launches = operator_launches(bundle)
-    deps = dependencies(bundle, launches)
-    stream, n_streams = stream_assignment(deps)
-    dev = SimDevice(gpu, cost=cost, n_streams=max(n_streams, 1))
-    funcs = dev.load_module(module_image(bundle))
-    done = [False] * len(launches)
-    waiting = [{j for j in deps[i] if stream[j] != stream[i]} for i in range(len(launches))]
-    queues: dict[int, list[int]] = {}
-    for i in range(len(launches)):
-        queues.setdefault(stream[i], []).append(i)
-    heads = {s: 0 for s in queues}
-
-    def pump(s: int) -> None:
-        q = queues[s]
-        while heads[s] < len(q) and not waiting[q[heads[s]]]:
-            i = q[heads[s]]
-            heads[s] += 1
-            op = launches[i]
-            dev.launch(funcs[op.kernel], tuple(op.grid), tuple(op.block), s, i, dyn_smem=op.dyn_smem,
-                       instrumented=False, on_complete=lambda i=i: finished(i))
-
-    def finished(i: int) -> None:
-        done[i] = True
-        for j in range(i + 1, len(launches)):
-            if i in waiting[j]:
-                waiting[j].discard(i)
-                if not waiting[j]:
-                    pump(stream[j])
-
-    for s in queues:
-        pump(s)
-    dev.run()
-    if not all(done):
-        raise RuntimeError("multi-stream run stalled: a dependency was never satisfied")
-    return single, dev.now(), n_streams
 
 
 # -- the experiment -----------------------------------------------------------------------
@@ -328,16 +215,17 @@ def run(quick: bool, root: Path = DEFAULT_ZOO_DIR, progress: bool = True) -> dic
     nimble = {}
     zoo = ensure_bundles(["inceptionv3", "googlenet"], root, progress=progress)
     for name, b in zoo.items():
-        single, multi, streams = multi_stream_time(b, "v100")
-        nimble[name] = {"single_us": single * 1e6, "multi_us": multi * 1e6, "speedup": single / multi,
-                        "streams": streams, "gflops": sum(b.variants[0].kernel(o.kernel).flops
-                                                          for o in b.variants[0].launches()) / 1e9,
+        r = multi_stream.speedup(b)
+        nimble[name] = {"single_us": r["single_us"], "multi_us": r["nimble_us"], "speedup": r["speedup"],
+                        "streams": r["streams"], "gflops": sum(b.variants[0].kernel(o.kernel).flops
+                                                               for o in b.variants[0].launches()) / 1e9,
                         "single_stream_sms_busy": sms_busy(b, "v100"),
-                        "ilp=1 speedup": (lambda s, m, _: s / m)(*multi_stream_time(b, "v100", costs["ilp=1"]))}
+                        "ilp=1 speedup": multi_stream.speedup(b, costs["ilp=1"])["speedup"]}
     ni = nimble["inceptionv3"]
     checks.append(_check("Nimble", "v100", "Inception-v3 multi-stream speedup", f"{NIMBLE_SPEEDUP['inceptionv3']:.2f}x",
                          f"{ni['speedup']:.2f}x", 1.0 < ni["speedup"] <= 1.3,
-                         f"{ni['streams']} streams (Nimble's degree of logical concurrency: "
+                         f"whole requests through the dispatcher, paella compile --streams nimble (paella "
+                         f"experiment nimble): {ni['streams']} streams (Nimble's degree of logical concurrency: "
                          f"{NIMBLE_DEGREE['inceptionv3']}); ilp=1: {ni['ilp=1 speedup']:.2f}x. On one stream "
                          f"our kernels keep {ni['single_stream_sms_busy']:.0f} of the V100's 80 SMs busy on "
                          "average (DLight's batch-1 grids are small), which leaves the other streams far more "
@@ -418,8 +306,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("fidelity", help="our compiled kernels on the simulated GPUs beside the papers' "
                                         "published measurements")
     add_common(p)
-    p.add_argument("--zoo-dir", default=str(DEFAULT_ZOO_DIR),
-                   help=f"where compiled bundles are cached (default {DEFAULT_ZOO_DIR})")
+    add_zoo_dir(p)
     p.set_defaults(func=main)
 
 

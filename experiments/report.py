@@ -14,6 +14,7 @@ from typing import Callable
 
 from paella.experiments.harness import saturated
 from paella.experiments.sched_delay import PYTHON_DECISION_US
+from paella.experiments.nimble import report_section as _nimble
 from paella.experiments.windtunnel import report_section as _windtunnel
 
 FIGURES = Path("docs/figures")
@@ -532,6 +533,9 @@ SECTIONS: list[tuple[str, str, str, Callable[[dict], list[str]]]] = [
     ("windtunnel", "WindTunnel: pipelines translated, fine-tuned and served (Tables 5.3-5.5)",
      "paella experiment windtunnel --json docs/figures/windtunnel.json --plot docs/figures/windtunnel.png",
      _windtunnel),
+    ("nimble", "Nimble: multi-stream launch plans (Table 3.1)",
+     "paella experiment nimble --json docs/figures/nimble.json --plot docs/figures/nimble.png",
+     _nimble),
 ]
 
 

@@ -1,8 +1,9 @@
 """The model zoo: names -> model constructors (``paella compile NAME``).
 
 Table 2 of the paper (ResNet-18/34/50, MobileNetV2, SqueezeNet 1.1, DenseNet-121,
-GoogLeNet, Inception v3) at their real shapes with seeded random weights; tiny models
-for tests; and the onnx package's light models as ``onnx_<name>``.
+GoogLeNet, Inception v3) at their real shapes with seeded random weights; NASNet-A,
+AmoebaNet-A and DARTS-like cell networks (:mod:`.nas_cells`); tiny models for tests;
+and the onnx package's light models as ``onnx_<name>``.
 """
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ class UnknownModel(KeyError):
 
 
 def _registry() -> dict[str, Callable[[], ModelDef]]:
-    from . import densenet, googlenet, inception, mobilenet, resnet, squeezenet, tiny, transformer
+    from . import densenet, googlenet, inception, mobilenet, nas_cells, resnet, squeezenet, tiny, transformer
     from .onnx_models import light, light_models
     reg: dict[str, Callable[[], ModelDef]] = {
         "tiny_mlp": tiny.tiny_mlp, "tiny_cnn": tiny.tiny_cnn,
@@ -32,6 +33,9 @@ def _registry() -> dict[str, Callable[[], ModelDef]]:
         "densenet121": densenet.densenet121, "googlenet": googlenet.googlenet,
         "inceptionv3": inception.inceptionv3,
         "bert_encoder": transformer.bert_encoder, "tiny_encoder": transformer.tiny_encoder,
+        # Branchy cells for Nimble's streams (docs/nimble.md).
+        "nasnet_mobile": nas_cells.nasnet_mobile, "amoebanet": nas_cells.amoebanet,
+        "darts": nas_cells.darts,
     }
     for n in light_models():
         reg[f"onnx_{n}"] = (lambda n=n: light(n))
