@@ -139,7 +139,7 @@ class DispatcherExecutor:
         try:
             self.disp = Dispatcher(device, cfg.policy, extra_blocks=extra,
                                    fairness_threshold=fair, policy_options=params or None,
-                                   instruments=instruments)
+                                   instruments=instruments, lookahead=cfg.lookahead)
         except PolicyError as e:           # the policy refused its parameters
             raise ConfigError(str(e)) from None
         except Exception as e:  # noqa: BLE001 - a plug-in's __init__ may raise anything
