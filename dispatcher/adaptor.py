@@ -41,6 +41,13 @@ from paella.dispatcher.devices.base import Device, Function, KernelInfo, ModuleI
 
 #: Default device memory one model may spend on per-request buffer sets (bytes).
 DEFAULT_BUFFER_BUDGET = 1 << 30
+#: Bounds on a plan's stream and event numbers: each plan stream becomes a stream of
+#: every request's job and each event an event of it, so a plan naming stream 10**9 is
+#: a mistake to refuse at registration, not a loop to run per request.
+MAX_PLAN_STREAMS = 1024
+MAX_PLAN_EVENTS = 1 << 16
+#: The step kinds of a plan.
+PLAN_KINDS = ("h2d", "launch", "d2h", "record", "wait")
 
 
 class JobAdaptor:
@@ -92,7 +99,14 @@ class PlanOp:
     """One step of a launch plan: ``h2d`` / ``d2h`` between the io buffer and a device
     buffer (``buffer_offset`` bytes into it), or ``launch`` of a kernel with ``args``
     (:class:`BufferArg` / :class:`ScalarArg`, the kernel's own parameters in order).
-    ``stream`` is a plan-level stream number (0 is the default stream)."""
+    ``stream`` is a plan-level stream number (0 is the default stream).
+
+    ``record`` marks plan-level event ``event`` on ``stream`` (complete once everything
+    issued to that stream before it has completed); ``wait`` makes later work on
+    ``stream`` wait for the most recent ``record`` of ``event`` before it in the plan
+    (cudaEventRecord / cudaStreamWaitEvent). Every request gets its own events. This is
+    how a multi-stream plan (``paella compile --streams nimble``) orders its
+    cross-stream dependencies."""
     kind: str
     stream: int = 0
     kernel: str = ""
@@ -104,6 +118,7 @@ class PlanOp:
     nbytes: int = 0
     buffer_offset: int = 0
     args: tuple[BufferArg | ScalarArg, ...] = ()
+    event: int = 0
 
 
 @dataclass
@@ -132,8 +147,10 @@ class Plan:
             if len(data) > self.buffers[name]:
                 raise ValueError(f"plan {self.name!r}: param {name!r} has {len(data)} bytes, more "
                                  f"than its buffer's {self.buffers[name]}")
+        recorded: set[int] = set()
         for i, op in enumerate(self.ops):
             where = f"plan {self.name!r} op {i}"
+            self._check_stream_event(where, op, recorded)
             if op.kind == "launch":
                 if op.kernel not in names:
                     raise ValueError(f"{where} launches unknown kernel {op.kernel!r}; "
@@ -153,8 +170,28 @@ class Plan:
                 if op.kind == "h2d" and op.buffer in self.params:
                     raise ValueError(f"{where} writes param buffer {op.buffer!r}, which is shared "
                                      f"by every request; copy into a per-request buffer")
-            else:
-                raise ValueError(f"{where} has unknown kind {op.kind!r}; use h2d, launch or d2h")
+            elif op.kind not in ("record", "wait"):
+                raise ValueError(f"{where} has unknown kind {op.kind!r}; use one of "
+                                 f"{', '.join(PLAN_KINDS)}")
+
+    @staticmethod
+    def _check_stream_event(where: str, op: PlanOp, recorded: set[int]) -> None:
+        """Stream and event numbers in range; a wait only after a record of its event."""
+        if not isinstance(op.stream, int) or not 0 <= op.stream < MAX_PLAN_STREAMS:
+            raise ValueError(f"{where}: stream {op.stream!r} is not a plan stream number; use "
+                             f"0..{MAX_PLAN_STREAMS - 1} (0 is the default stream)")
+        if not isinstance(op.event, int) or not 0 <= op.event < MAX_PLAN_EVENTS:
+            raise ValueError(f"{where}: event {op.event!r} is not a plan event number; use "
+                             f"0..{MAX_PLAN_EVENTS - 1}")
+        if op.kind == "record":
+            recorded.add(op.event)
+        elif op.kind == "wait":
+            if op.event not in recorded:
+                raise ValueError(f"{where} waits for event {op.event}, which no earlier op "
+                                 f"records; put a record of event {op.event} before the wait")
+        elif op.event:
+            raise ValueError(f"{where}: a {op.kind} op carries event {op.event}; only record "
+                             f"and wait ops name an event")
 
     def _check_arg(self, where: str, a: Any) -> None:
         if isinstance(a, BufferArg):
@@ -355,8 +392,10 @@ class PlanAdaptor(JobAdaptor):
             if op.kind == "launch":
                 bound.append(tuple(ptrs[a.buffer] + a.offset if isinstance(a, BufferArg) else a.typed()
                                    for a in op.args))
-            else:
+            elif op.kind in ("h2d", "d2h"):
                 bound.append(ptrs[op.buffer] + op.buffer_offset)
+            else:                          # record / wait: nothing to bind
+                bound.append(None)
         return bound
 
     def close(self, device: Device) -> None:
@@ -391,6 +430,8 @@ def plan_from_bundle(bundle: Any, variant: int = 0, *, name: str | None = None) 
                          else ScalarArg(a.scalar, a.dtype) for a in op.args)
             ops.append(PlanOp("launch", stream=op.stream, kernel=op.kernel, grid=tuple(op.grid),
                               block=tuple(op.block), dyn_smem=op.dyn_smem, args=args))
+        elif op.op in ("record", "wait"):
+            ops.append(PlanOp(op.op, stream=op.stream, event=op.event))
         else:
             ops.append(PlanOp(op.op, stream=op.stream, buffer=str(op.buffer),
                               buffer_offset=op.buffer_offset, io_offset=op.io_offset,

@@ -12,6 +12,11 @@ step's device pointer (copies) or argument tuple (launches). A request then cost
 its waitlist, exactly as the same calls made through :mod:`~paella.dispatcher.cudart`
 would be (``tests/dispatcher/test_hot_path.py`` compares the two). The job finishes when
 its last op completes.
+
+A multi-stream plan orders its streams with ``record`` / ``wait`` steps on plan-level
+event numbers: each request gets fresh :class:`~paella.dispatcher.waitlist.Event` s, and
+the steps become the waitlist's own event record and stream-wait-event, the same MARKER
+nodes ``cudart.event_record`` / ``cudart.stream_wait_event`` make.
 """
 from __future__ import annotations
 
@@ -20,7 +25,11 @@ from typing import TYPE_CHECKING, Callable
 
 from paella.dispatcher.devices.base import D2H, H2D, KERNEL, Function
 
+#: Step kinds of a plan's event steps (no device op: waitlist MARKERs).
+RECORD, WAIT = -1, -2
+
 from .ops import KernelLaunch, Op
+from .waitlist import Event
 
 if TYPE_CHECKING:
     from .adaptor import Plan
@@ -36,13 +45,14 @@ class ReplayStep:
     launch: KernelLaunch | None     # kernels: the checked launch record
     io_start: int = 0               # copies: the io buffer's bytes [io_start, io_end)
     io_end: int = 0
+    event: int = 0                  # record / wait: index into the request's events
 
 
 class ReplayPlan:
     """A plan compiled for one dispatcher. ``refusal`` is set (and every request fails with
     it) when a kernel can never be launched here, e.g. more notifQ entries than the ring."""
 
-    __slots__ = ("name", "io_bytes", "steps", "streams", "refusal")
+    __slots__ = ("name", "io_bytes", "steps", "streams", "refusal", "n_events")
 
     def __init__(self, plan: "Plan", funcs: dict[str, Function],
                  kernel_launch: Callable[..., KernelLaunch]):
@@ -56,8 +66,12 @@ class ReplayPlan:
         if almost < 0:
             almost = max((i for i, k in enumerate(kinds) if k == "launch"), default=-1)
         steps = []
+        events: dict[int, int] = {}          # plan event number -> dense index
         for i, op in enumerate(plan.ops):
-            if op.kind == "launch":
+            if op.kind in ("record", "wait"):
+                steps.append(ReplayStep(RECORD if op.kind == "record" else WAIT, op.stream,
+                                        False, None, event=events.setdefault(op.event, len(events))))
+            elif op.kind == "launch":
                 try:
                     launch = kernel_launch(funcs[op.kernel], op.grid, op.block, op.dyn_smem)
                 except ValueError as e:          # too large for this dispatcher's notifQ
@@ -68,6 +82,7 @@ class ReplayPlan:
                 steps.append(ReplayStep(H2D if op.kind == "h2d" else D2H, op.stream, i == almost,
                                         None, op.io_offset, op.io_offset + op.nbytes))
         self.steps = tuple(steps)
+        self.n_events = len(events)
 
     def issue(self, job: "Job") -> None:
         """Issue the whole plan for ``job``; raises (failing the job) when the io buffer is
@@ -86,6 +101,9 @@ class ReplayPlan:
         streams = {0: wl.default}
         for s in self.streams:
             streams[s] = wl.create_stream()
+        if self.n_events:
+            self._issue_with_events(job, streams, bound, io)
+            return
         ops = []
         for i, step in enumerate(self.steps):
             vs = streams[step.stream]
@@ -96,3 +114,30 @@ class ReplayPlan:
                 ops.append(Op(step.kind, job, vs, None, (), io[step.io_start:step.io_end],
                               bound[i], step.almost_finished))
         job.issue_all(ops)
+
+    def _issue_with_events(self, job: "Job", streams: dict, bound: list, io) -> None:
+        """:meth:`issue` for a plan with record / wait steps: the runs of device ops
+        between them go through ``issue_all`` as usual, each event step through the
+        waitlist, in plan order (a wait captures the most recent record as of the call)."""
+        wl = job.waitlist
+        events = [Event() for _ in range(self.n_events)]
+        ops: list = []
+        for i, step in enumerate(self.steps):
+            vs = streams[step.stream]
+            kind = step.kind
+            if kind == KERNEL:
+                ops.append(Op(KERNEL, job, vs, step.launch, bound[i], None, 0,
+                              step.almost_finished))
+            elif kind >= 0:
+                ops.append(Op(kind, job, vs, None, (), io[step.io_start:step.io_end],
+                              bound[i], step.almost_finished))
+            else:
+                if ops:
+                    job.issue_all(ops)
+                    ops = []
+                if kind == RECORD:
+                    events[step.event].marker = wl.record(vs)
+                else:
+                    wl.wait_event(vs, events[step.event])
+        if ops:
+            job.issue_all(ops)

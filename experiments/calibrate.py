@@ -142,7 +142,8 @@ def feature_bound(feats: dict[str, dict[str, float]], paper: dict[str, float],
 def copies_time(bundle, gpu: str = GPU) -> float:
     """Seconds the plan's copies take (the part of a model's time no kernel feature sees)."""
     spec, cost = preset(gpu), CostModel()
-    return sum(cost.copy_time(spec, op.nbytes) for op in bundle.variants[0].plan if op.op != "launch")
+    return sum(cost.copy_time(spec, op.nbytes) for op in bundle.variants[0].plan
+               if op.op in ("h2d", "d2h"))
 
 
 def run(names: list[str], zoo_dir, progress: bool = True) -> dict:

@@ -116,7 +116,7 @@ def direct_point(mode: str, rate: float, sigma: float, n: int, seed: int,
                            dyn_smem=op.dyn_smem, instrumented=False, on_complete=cb)
             elif op.kind == "h2d":
                 dev.memcpy_htod(scratch, host[:op.nbytes], stream, on_complete=cb)
-            else:
+            elif op.kind == "d2h":      # (record / wait: one stream per job here)
                 dev.memcpy_dtoh(host[:op.nbytes], scratch, stream, on_complete=cb)
     dev.run()
     if np.isnan(done).any():

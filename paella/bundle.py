@@ -104,7 +104,9 @@ class KernelSpec:
 
 @dataclass
 class Op:
-    """One step of the launch plan. ``op`` is "h2d", "launch" or "d2h"."""
+    """One step of the launch plan. ``op`` is "h2d", "launch" or "d2h", or, in a
+    multi-stream plan, "record" / "wait" of plan-level event ``event`` on ``stream``
+    (see :class:`paella.dispatcher.adaptor.PlanOp`)."""
 
     op: str
     stream: int = STREAM_DEFAULT
@@ -119,8 +121,12 @@ class Op:
     block: list[int] | None = None
     dyn_smem: int = 0
     args: list[KernelArg] = field(default_factory=list)
+    # events
+    event: int = 0
 
     def to_dict(self) -> dict:
+        if self.op in ("record", "wait"):
+            return {"op": self.op, "stream": self.stream, "event": self.event}
         if self.op == "launch":
             return {"op": "launch", "stream": self.stream, "kernel": self.kernel, "grid": self.grid,
                     "block": self.block, "dyn_smem": self.dyn_smem,
@@ -260,9 +266,19 @@ def check_variant(v: Variant) -> None:
         raise bad(f"io_bytes {v.io_bytes} is smaller than the tensors need ({end})")
     kernels = {k.name: k for k in v.kernels}
     written = {b.id for b in v.buffers if b.kind == "param"}
+    recorded: set[int] = set()
     for i, op in enumerate(v.plan):
         where = f"plan op {i} ({op.op})"
-        if op.op in ("h2d", "d2h"):
+        if not isinstance(op.stream, int) or op.stream < 0:
+            raise bad(f"{where}: stream {op.stream!r} is not a non-negative integer")
+        if op.op in ("record", "wait"):
+            if not isinstance(op.event, int) or op.event < 0:
+                raise bad(f"{where}: event {op.event!r} is not a non-negative integer")
+            if op.op == "record":
+                recorded.add(op.event)
+            elif op.event not in recorded:
+                raise bad(f"{where} waits for event {op.event} before any record of it")
+        elif op.op in ("h2d", "d2h"):
             if op.buffer is None or not 0 <= op.buffer < len(ids):
                 raise bad(f"{where} names no valid buffer")
             if op.buffer_offset + op.nbytes > v.buffers[op.buffer].nbytes or op.io_offset + op.nbytes > v.io_bytes:
@@ -287,7 +303,7 @@ def check_variant(v: Variant) -> None:
                 if p["kind"] == "buffer" and "w" in p["access"]:
                     written.add(a.buffer)
         else:
-            raise bad(f"{where}: unknown op kind {op.op!r} (expected h2d, launch or d2h)")
+            raise bad(f"{where}: unknown op kind {op.op!r} (expected h2d, launch, d2h, record or wait)")
 
 
 # ---------------------------------------------------------------- the loaded bundle

@@ -55,8 +55,9 @@ def run_plan(bundle: Bundle, gpu: str, cost: CostModel | None = None, variant: i
                        dyn_smem=op.dyn_smem, instrumented=False)
         elif op.op == "h2d":
             dev.memcpy_htod(scratch, host[:op.nbytes], 0)
-        else:
+        elif op.op == "d2h":
             dev.memcpy_dtoh(host[:op.nbytes], scratch, 0)
+        # record / wait: one stream here, where plan order already orders everything
     dev.run()
     return dev.now(), list(dev.gpu.record or [])
 
