@@ -103,7 +103,7 @@ class Dispatcher:
                  counter_pairs: int = protocol.DEFAULT_COUNTER_PAIRS,
                  policy_options: dict[str, Any] | None = None, profile_runs: int = 2,
                  instruments: "list[Instrument] | tuple[Instrument, ...]" = (),
-                 lookahead: int = 1):
+                 lookahead: int = 1, compiled_replay: bool = True):
         if type(lookahead) is not int or lookahead < 1:
             raise ValueError(f"lookahead must be an int >= 1 (kernels of one stream released "
                              f"and not completed), got {lookahead!r}")
@@ -111,6 +111,9 @@ class Dispatcher:
         #: Kernels of one job's stream that may be released and not yet completed (1: a
         #: kernel goes when its predecessor has completed; see "Lookahead" in the docs).
         self.lookahead = lookahead
+        #: Plans replay through the compiled waitlist (paella.dispatcher.replay); False: the
+        #: reference path, for comparison.
+        self.compiled_replay = compiled_replay
         self.instruments = Instruments(instruments)
         self.group = group
         self.profile_runs = profile_runs
@@ -251,7 +254,7 @@ class Dispatcher:
                 if op.almost_finished:
                     self._almost_finished(job)
                 op.state = RELEASED
-                if op.succ is not None and job.waitlist.eager:
+                if job.waitlist.eager:
                     job.waitlist.released(op)
                 elif ahead > 1:
                     vs = op.vstream
@@ -343,7 +346,9 @@ class Dispatcher:
             vs = op.vstream                  # room in the stream's window: its tail's
             vs.ahead -= 1                    # successor may go
             tail = vs.tail
-            if tail is not None and tail.state == RELEASED:
+            if tail is op:
+                vs.tail = None               # (op and its stream would form a cycle)
+            elif tail is not None and tail.state == RELEASED:
                 wl.release_ahead(tail)
         if job.blocked and job.wake_if_satisfied():
             job.blocked = False
@@ -615,7 +620,8 @@ class Dispatcher:
         adaptor.init(self.device)
         model = Model(model_id, name, adaptor, pool=adaptor.buffer_pool)
         if adaptor.plan is not None:         # a plan is replayed, never run() in a greenlet
-            model.replay = ReplayPlan(adaptor.plan, adaptor.funcs, self.kernel_launch)
+            model.replay = ReplayPlan(adaptor.plan, adaptor.funcs, self.kernel_launch,
+                                      compiled=self.compiled_replay)
         self.models[model_id] = model
         runs = self.profile_runs if profile_runs is None else profile_runs
         for i in range(runs):
