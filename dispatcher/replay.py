@@ -170,8 +170,9 @@ class ReplayPlan:
                         io[step.io_start:step.io_end], bound[i], step.almost_finished, now)
             op.step = node
             ops[node] = op
-        for node, pred in self._preds:
-            ops[node].pred = ops[pred]
+        if host.lookahead > 1:                   # only the lookahead reads op.pred
+            for node, pred in self._preds:
+                ops[node].pred = ops[pred]
         run = _replay.PlanRun(self.graph, tuple(ops), host.op_active, job.waitlist.eager)
         job.waitlist = run
         run.start()
