@@ -38,9 +38,9 @@ import time
 import numpy as np
 
 from paella.dispatcher.adaptor import Plan, PlanAdaptor, PlanOp
-from paella.dispatcher.core import Dispatcher, Request
+from paella.dispatcher.core import Dispatcher
 from paella.dispatcher.devices.base import KERNEL, KernelInfo
-from paella.experiments.bench_dispatcher import InstantDevice
+from paella.experiments.bench_dispatcher import InstantDevice, drive_alone
 from paella.experiments.harness import adaptor_for
 from paella.models.synthetic import figure2_job
 
@@ -75,23 +75,6 @@ def setup(plan: str, compiled: bool) -> tuple[InstantDevice, Dispatcher, int, in
     return dev, d, mid, kernels
 
 
-def drive(d: Dispatcher, mid: int, n_jobs: int, batch: int = 4,
-          on_window=None, window: int = 500) -> None:
-    """Submit ``n_jobs`` requests, ``batch`` per step, and step until all are done;
-    ``on_window(jobs)`` after every ``window`` jobs submitted."""
-    io = np.zeros(max(d.models[mid].adaptor.io_bytes, 1), np.uint8)
-    i = i0 = 0
-    while i < n_jobs or d.in_flight:
-        for _ in range(batch):
-            if i < n_jobs:
-                d.submit(Request(i, i % 4, mid, io))
-                i += 1
-        d.step()
-        if on_window is not None and i - i0 >= window:
-            on_window(i - i0)
-            i0 = i
-
-
 def us_per_kernel(plan: str, compiled: bool, n_jobs: int) -> float:
     """Median over windows of thread CPU per kernel (us)."""
     dev, d, mid, kernels = setup(plan, compiled)
@@ -102,7 +85,7 @@ def us_per_kernel(plan: str, compiled: bool, n_jobs: int) -> float:
         c1 = time.thread_time()
         out.append((c1 - c0[0]) / (jobs * kernels))
         c0[0] = c1
-    drive(d, mid, n_jobs, on_window=window)
+    drive_alone(d, mid, n_jobs, on_window=window, window=500)
     return float(np.median(out) * 1e6)
 
 
@@ -139,7 +122,7 @@ def main() -> None:
         _, d, mid, _ = setup(a.plan, a.mode == "compiled")
         subprocess.run(["callgrind_control", "-i", "on", str(os.getpid())], check=True,
                        capture_output=True)
-        drive(d, mid, a.count)
+        drive_alone(d, mid, a.count)
         return
     print(f"dispatcher alone, policy paella, {a.jobs} jobs per run, {a.repeat} alternated runs")
     for plan in PLANS:
