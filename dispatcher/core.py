@@ -109,8 +109,18 @@ class Dispatcher:
                  group: int = protocol.DEFAULT_GROUP,
                  counter_pairs: int = protocol.DEFAULT_COUNTER_PAIRS,
                  policy_options: dict[str, Any] | None = None, profile_runs: int = 2,
-                 instruments: "list[Instrument] | tuple[Instrument, ...]" = ()):
+                 instruments: "list[Instrument] | tuple[Instrument, ...]" = (),
+                 lookahead: int = 1, compiled_replay: bool = True):
+        if type(lookahead) is not int or lookahead < 1:
+            raise ValueError(f"lookahead must be an int >= 1 (kernels of one stream released "
+                             f"and not completed), got {lookahead!r}")
         self.device = device
+        #: Kernels of one job's stream that may be released and not yet completed (1: a
+        #: kernel goes when its predecessor has completed; see "Lookahead" in the docs).
+        self.lookahead = lookahead
+        #: Plans replay through the compiled waitlist (paella.dispatcher.replay); False: the
+        #: reference path, for comparison.
+        self.compiled_replay = compiled_replay
         self.instruments = Instruments(instruments)
         self.group = group
         self.profile_runs = profile_runs
@@ -191,6 +201,7 @@ class Dispatcher:
         launch, group, now = self.device.launch, self.group, self.now
         instr = self.instruments
         hooked = "op_released" in instr      # Speed: one lookup per pass, not per kernel
+        ahead = self.lookahead
         while self._queued:
             try:
                 job = policy.pick()
@@ -213,7 +224,10 @@ class Dispatcher:
             ready = job.ready
             op = ready[0]
             k = op.launch
-            if not admits(k.demand) or (pool and not free):
+            # Lookahead: a kernel released while its stream predecessor is still in flight
+            # goes behind it, on its real stream (it needs no free one).
+            behind = ahead > 1 and op.pred is not None and op.pred.state == RELEASED
+            if not admits(k.demand) or (pool and not free and not behind):
                 return
             ready.popleft()
             job.in_policy = False
@@ -232,7 +246,7 @@ class Dispatcher:
                 pool = streams.mode == "pool"
             # Launch it (inlined: once per kernel).
             if pool:                         # inlined StreamMap.assign, the common case
-                s = op.stream = free.popleft()
+                s = op.stream = op.pred.stream if behind else free.popleft()
                 busy[s] += 1
             else:
                 s = streams.assign(op)
@@ -249,8 +263,14 @@ class Dispatcher:
                 if op.almost_finished:
                     self._almost_finished(job)
                 op.state = RELEASED
-                if op.succ is not None and job.waitlist.eager:
+                if job.waitlist.eager:
                     job.waitlist.released(op)
+                elif ahead > 1:
+                    vs = op.vstream
+                    vs.ahead += 1
+                    vs.tail = op
+                    if vs.ahead < ahead:
+                        job.waitlist.release_ahead(op)
                 if hooked:
                     instr.call("op_released", op, now)
             if self._copies:                 # copies it activated keep their stream order
@@ -331,6 +351,14 @@ class Dispatcher:
             streams.free.append(s)
         wl = job.waitlist
         wl.finish(op)
+        if self.lookahead > 1 and op.kind == KERNEL and not wl.eager:
+            vs = op.vstream                  # room in the stream's window: its tail's
+            vs.ahead -= 1                    # successor may go
+            tail = vs.tail
+            if tail is op:
+                vs.tail = None               # (op and its stream would form a cycle)
+            elif tail is not None and tail.state == RELEASED:
+                wl.release_ahead(tail)
         if job.blocked and job.wake_if_satisfied():
             job.blocked = False
             self._resume.append(job)
@@ -604,7 +632,8 @@ class Dispatcher:
         adaptor.init(self.device)
         model = Model(model_id, name, adaptor, pool=adaptor.buffer_pool)
         if adaptor.plan is not None:         # a plan is replayed, never run() in a greenlet
-            model.replay = ReplayPlan(adaptor.plan, adaptor.funcs, self.kernel_launch)
+            model.replay = ReplayPlan(adaptor.plan, adaptor.funcs, self.kernel_launch,
+                                      compiled=self.compiled_replay)
         self.models[model_id] = model
         runs = self.profile_runs if profile_runs is None else profile_runs
         for i in range(runs):

@@ -60,6 +60,8 @@ class JobHost(Protocol):
     now: float
     #: Whether new waitlists release eagerly (the policy's ``eager``).
     eager: bool
+    #: Kernels of one stream that may be released and not completed (1: none ahead).
+    lookahead: int
     #: The dispatcher's instruments (``op_issued`` is the job's to call).
     instruments: Instruments
 

@@ -13,7 +13,7 @@ from types import ModuleType
 
 #: The compiled modules (setup.py builds one per ``dispatcher/<name>.c``, and the
 #: simulator's engine, ``dispatcher/devices/sim/_engine.c``).
-MODULES = ("_tracker", "_pqueue", "devices.sim._engine")
+MODULES = ("_tracker", "_pqueue", "_replay", "devices.sim._engine")
 
 
 def load(name: str) -> ModuleType:

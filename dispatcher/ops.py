@@ -48,7 +48,7 @@ class KernelLaunch:
 class Op(Node):
     """An operation a job issued for the GPU: a kernel launch or a copy."""
     __slots__ = ("job", "launch", "key", "args", "host", "dptr", "almost_finished", "stream",
-                 "launch_id", "t_issue", "t_release")
+                 "launch_id", "t_issue", "t_release", "step")
 
     def __init__(self, kind: int, job: Any, vstream: VStream, launch: KernelLaunch | None = None,
                  args: tuple = (), host: np.ndarray | None = None, dptr: int = 0,
@@ -75,6 +75,7 @@ class Op(Node):
         self.launch_id = -1
         self.t_issue = t_issue
         self.t_release = 0.0
+        # ``step``: its node in a compiled replay (paella.dispatcher.replay), set there only.
 
     def forget(self) -> None:
         """A dropped op: no predecessor, no operands (a copy's view of a client's memory)."""

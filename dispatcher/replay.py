@@ -17,6 +17,20 @@ A multi-stream plan orders its streams with ``record`` / ``wait`` steps on plan-
 event numbers: each request gets fresh :class:`~paella.dispatcher.waitlist.Event` s, and
 the steps become the waitlist's own event record and stream-wait-event, the same MARKER
 nodes ``cudart.event_record`` / ``cudart.stream_wait_event`` make.
+
+**Compiled replay** (the default; ``compiled=False`` keeps the reference path above).
+The dependencies of a plan are the same for every request: every step is issued at job
+start, before anything can complete. So at registration the plan is issued once through
+the reference :class:`~paella.dispatcher.waitlist.Waitlist` on placeholder nodes, and what
+it leaves (per node: stream successor, dependents, unmet dependencies, MARKERs already
+done, the ops active, in order) becomes a :class:`~paella.dispatcher._replay.PlanGraph`
+(``dispatcher/_replay.c``). A request then gets a :class:`~paella.dispatcher._replay.PlanRun`
+as its job's waitlist: a copy of the counters, walked in C at every completion (the
+reference's sweep, same order, MARKERs and events included), with no waitlist node made
+or linked in Python and no Python call per dependency met. The ops are still one
+:class:`~paella.dispatcher.ops.Op` per device step (the policy, the tracker and the
+instruments see the same records); ``tests/dispatcher/test_compiled_replay.py`` compares
+the two paths op by op on single- and multi-stream plans.
 """
 from __future__ import annotations
 
@@ -28,8 +42,11 @@ from paella.dispatcher.devices.base import D2H, H2D, KERNEL, Function
 #: Step kinds of a plan's event steps (no device op: waitlist MARKERs).
 RECORD, WAIT = -1, -2
 
+from .native import load
 from .ops import KernelLaunch, Op
-from .waitlist import Event
+from .waitlist import Event, Node, VStream, Waitlist
+
+_replay = load("_replay")
 
 if TYPE_CHECKING:
     from .adaptor import Plan
@@ -52,10 +69,11 @@ class ReplayPlan:
     """A plan compiled for one dispatcher. ``refusal`` is set (and every request fails with
     it) when a kernel can never be launched here, e.g. more notifQ entries than the ring."""
 
-    __slots__ = ("name", "io_bytes", "steps", "streams", "refusal", "n_events")
+    __slots__ = ("name", "io_bytes", "steps", "streams", "refusal", "n_events", "compiled",
+                 "graph", "_nodes", "_preds")
 
     def __init__(self, plan: "Plan", funcs: dict[str, Function],
-                 kernel_launch: Callable[..., KernelLaunch]):
+                 kernel_launch: Callable[..., KernelLaunch], *, compiled: bool = True):
         self.name = plan.name
         self.io_bytes = plan.io_bytes
         self.streams = tuple(sorted({op.stream for op in plan.ops if op.stream}))
@@ -83,6 +101,85 @@ class ReplayPlan:
                                         None, op.io_offset, op.io_offset + op.nbytes))
         self.steps = tuple(steps)
         self.n_events = len(events)
+        self.compiled = compiled
+        if compiled:
+            self._compile()
+
+    # -- the compiled path -------------------------------------------------------------------
+    def _compile(self) -> None:
+        """Issue the plan once through the reference waitlist, on placeholder nodes, and
+        keep what it leaves as a PlanGraph (module docstring). ``_nodes``: per step, its
+        node (-1 for a record / wait step, whose MARKER, if any, lives in the graph only);
+        ``_preds``: (node, its stream predecessor's node) for ops whose predecessor is an
+        op (the lookahead reads ``op.pred``)."""
+        issued: list[Node] = []
+
+        class Recording(Waitlist):
+            def issue(self, op: Node, wait_on: Node | None = None) -> Node:
+                issued.append(op)
+                return super().issue(op, wait_on)
+
+        active: list[Node] = []
+        wl = Recording(active.append)
+        streams = {0: wl.default}
+        for s in self.streams:
+            streams[s] = wl.create_stream()
+        events = [Event() for _ in range(self.n_events)]
+        nodes = []
+        for step in self.steps:
+            vs = streams[step.stream]
+            if step.kind >= 0:
+                nodes.append(len(issued))
+                wl.issue(Node(step.kind, vs))
+            else:
+                nodes.append(-1)
+                if step.kind == RECORD:
+                    events[step.event].marker = wl.record(vs)
+                else:
+                    wl.wait_event(vs, events[step.event])
+        index = {id(n): i for i, n in enumerate(issued)}
+        succ = [index[id(n.succ)] if n.succ is not None else -1 for n in issued]
+        self.graph = _replay.PlanGraph(
+            kinds=[n.kind for n in issued], succ=succ,
+            dependents=[[index[id(d)] for d in n.dependents or ()] for n in issued],
+            deps=[n.deps for n in issued], pred_pending=[int(n.pred_pending) for n in issued],
+            states=[n.state for n in issued], ready=[index[id(n)] for n in active])
+        self._nodes = tuple(nodes)
+        device = {i for i in nodes if i >= 0}
+        self._preds = tuple((s, i) for i, s in enumerate(succ) if i in device and s in device)
+
+    def _issue_compiled(self, job: "Job", bound: list, io) -> None:
+        """One Op per device step, a PlanRun as the job's waitlist, its active ops
+        reported; no waitlist node made or linked in Python."""
+        job._check_running()
+        host = job.host
+        now = host.now
+        vstreams = {0: VStream(0, True)}
+        for s in self.streams:
+            vstreams[s] = VStream(len(vstreams), True)
+        ops: list = [None] * self.graph.nodes()
+        for i, step in enumerate(self.steps):
+            node = self._nodes[i]
+            if node < 0:
+                continue
+            if step.kind == KERNEL:
+                op = Op(KERNEL, job, vstreams[step.stream], step.launch, bound[i], None, 0,
+                        step.almost_finished, now)
+            else:
+                op = Op(step.kind, job, vstreams[step.stream], None, (),
+                        io[step.io_start:step.io_end], bound[i], step.almost_finished, now)
+            op.step = node
+            ops[node] = op
+        if host.lookahead > 1:                   # only the lookahead reads op.pred
+            for node, pred in self._preds:
+                ops[node].pred = ops[pred]
+        run = _replay.PlanRun(self.graph, tuple(ops), host.op_active, job.waitlist.eager)
+        job.waitlist = run
+        run.start()
+        if "op_issued" in host.instruments:     # as the reference: after the whole issue
+            for op in ops:
+                if op is not None:
+                    host.instruments.call("op_issued", op)
 
     def issue(self, job: "Job") -> None:
         """Issue the whole plan for ``job``; raises (failing the job) when the io buffer is
@@ -97,6 +194,9 @@ class ReplayPlan:
             raise RuntimeError(f"model {self.name!r}: the job holds no buffer set (the adaptor "
                                f"has no buffer_pool after init; internal error, please report)")
         bound = job.bindings.bound
+        if self.compiled:
+            self._issue_compiled(job, bound, io)
+            return
         wl = job.waitlist
         streams = {0: wl.default}
         for s in self.streams:

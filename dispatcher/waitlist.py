@@ -31,7 +31,7 @@ from __future__ import annotations
 from collections import deque
 from typing import Callable
 
-from paella.dispatcher.devices.base import KIND_NAMES, MARKER
+from paella.dispatcher.devices.base import KERNEL, KIND_NAMES, MARKER
 
 # Node states.
 WAITING, READY, RELEASED, DONE, DROPPED = range(5)
@@ -65,7 +65,7 @@ class Node:
 
 class VStream:
     """A virtual stream of one job; mapped to a real stream only at release time."""
-    __slots__ = ("vid", "blocking", "last", "real", "destroyed")
+    __slots__ = ("vid", "blocking", "last", "real", "destroyed", "ahead", "tail")
 
     def __init__(self, vid: int, blocking: bool):
         self.vid = vid
@@ -73,6 +73,9 @@ class VStream:
         self.last: Node | None = None   # last op issued (None or finished: the stream is idle)
         self.real = -1                   # sticky real stream (policies that bind streams)
         self.destroyed = False
+        # Lookahead (the dispatcher's): kernels released and not completed, the last one.
+        self.ahead = 0
+        self.tail: Node | None = None
 
     def idle(self) -> bool:
         last = self.last
@@ -222,6 +225,19 @@ class Waitlist:
         op.state = RELEASED
         succ = op.succ
         if self.eager and succ is not None and succ.pred_pending and succ.kind != MARKER:
+            succ.pred_pending = False
+            succ.deps -= 1
+            if succ.deps == 0 and succ.state == WAITING:
+                self._activate(succ)
+
+    def release_ahead(self, op: Node) -> None:
+        """Lookahead (the dispatcher's ``lookahead``): ``op``, a released kernel, lets its
+        stream successor go now if that is a kernel too: the dispatcher puts it on
+        ``op``'s real stream, behind ``op`` in the hardware FIFO, which keeps the stream's
+        order; its other dependencies still wait for completion. Copies and MARKERs wait
+        for ``op`` to complete, as always."""
+        succ = op.succ
+        if succ is not None and succ.pred_pending and succ.kind == KERNEL:
             succ.pred_pending = False
             succ.deps -= 1
             if succ.deps == 0 and succ.state == WAITING:

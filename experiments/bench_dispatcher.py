@@ -344,21 +344,32 @@ def measure_alone(n_jobs: int, policy: str = "paella", batch: int = 4, seed: int
     kernels_per_job = sum(1 for step in d.models[mid].replay.steps if step.kind == KERNEL)
     dev._tail = d.tracker.head
     dev.instant = True
-    io = np.zeros(max(d.models[mid].adaptor.io_bytes, 1), np.uint8)
     out = []
+    c0 = [_clock()]
+
+    def window_done(jobs: int) -> None:
+        c1 = _clock()
+        out.append((c1 - c0[0]) / (jobs * kernels_per_job))
+        c0[0] = c1
+    drive_alone(d, mid, n_jobs, batch, window_done, window)
+    return {"per_kernel_us": _stats(np.array(out) * 1e6), "kernels_per_cpu_s": float(1 / np.median(out))}
+
+
+def drive_alone(d: Dispatcher, mid: int, n_jobs: int, batch: int = 4,
+                on_window: Callable[[int], None] | None = None, window: int = 1000) -> None:
+    """Submit ``n_jobs`` requests of model ``mid``, ``batch`` per step, and step until
+    all are done; ``on_window(jobs)`` after every ``window`` jobs submitted."""
+    io = np.zeros(max(d.models[mid].adaptor.io_bytes, 1), np.uint8)
     i = i0 = 0
-    c0 = _clock()
     while i < n_jobs or d.in_flight:
         for _ in range(batch):
             if i < n_jobs:
                 d.submit(Request(i, i % 4, mid, io))
                 i += 1
         d.step()
-        if i - i0 >= window:
-            c1 = _clock()
-            out.append((c1 - c0) / ((i - i0) * kernels_per_job))
-            c0, i0 = c1, i
-    return {"per_kernel_us": _stats(np.array(out) * 1e6), "kernels_per_cpu_s": float(1 / np.median(out))}
+        if on_window is not None and i - i0 >= window:
+            on_window(i - i0)
+            i0 = i
 
 
 def _stats(x: np.ndarray) -> dict:

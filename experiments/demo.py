@@ -34,6 +34,10 @@ import numpy as np
 
 DEFAULT_MODELS = ["resnet18", "squeezenet1_1", "googlenet"]
 INPUTS_PER_MODEL = 3
+#: The daemon's ``--lookahead`` here: each job's next kernels wait on the simulated GPU,
+#: behind the one running, so the host's reaction to a completion (tens of us in this
+#: Python loop) is not GPU time lost between dependent kernels (docs/dispatcher.md).
+DEFAULT_LOOKAHEAD = 3
 
 
 def make_inputs(bundle, n: int, seed: int) -> list[dict[str, np.ndarray]]:
@@ -98,7 +102,7 @@ def client_main(idx: int, sock: str, work: dict, seconds: float, rate: float, si
 
 
 def run(models: list[str], clients: int, seconds: float, rate: float, sigma: float, seed: int,
-        gpu: str, policy: str) -> dict:
+        gpu: str, policy: str, lookahead: int = 1) -> dict:
     from paella.experiments.bench_roundtrip import start_daemon, stop_daemon
     from paella.experiments.zoo import DEFAULT_ZOO_DIR, ensure_bundles
 
@@ -114,10 +118,10 @@ def run(models: list[str], clients: int, seconds: float, rate: float, sigma: flo
         ins = make_inputs(b, INPUTS_PER_MODEL, seed + 100 * i)
         work[name] = [(x, b.run_cpu(x)) for x in ins]
 
-    print(f"[3/6] starting the daemon: paella serve --backend sim --gpu {gpu} --policy {policy}",
-          flush=True)
+    print(f"[3/6] starting the daemon: paella serve --backend sim --gpu {gpu} --policy {policy} "
+          f"--lookahead {lookahead}", flush=True)
     proc, sock, tmp = start_daemon("--models", str(repo), "--backend", "sim", "--gpu", gpu,
-                                   "--policy", policy, timeout=300)
+                                   "--policy", policy, "--lookahead", str(lookahead), timeout=300)
     try:
         from paella.client import connect
         with connect(sock) as c:
@@ -175,7 +179,8 @@ def run(models: list[str], clients: int, seconds: float, rate: float, sigma: flo
                        "throughput": len(v) / elapsed}
     return {"models": table, "mismatches": bad, "daemon_exit": code, "leaked_segments": leaked,
             "left_running": running,
-            "seconds": elapsed, "clients": clients, "rate_per_client": rate, "gpu": gpu, "policy": policy}
+            "seconds": elapsed, "clients": clients, "rate_per_client": rate, "gpu": gpu, "policy": policy,
+            "lookahead": lookahead}
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -187,6 +192,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--sigma", type=float, default=1.5, help="lognormal sigma of the gaps")
     p.add_argument("--gpu", default="t4")
     p.add_argument("--policy", default="paella")
+    p.add_argument("--lookahead", type=int, default=DEFAULT_LOOKAHEAD,
+                   help="the daemon's --lookahead: kernels of a job's stream released ahead")
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--json", metavar="FILE")
     p.set_defaults(func=main)
@@ -195,7 +202,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 def main(args: argparse.Namespace) -> int:
     import json
     data = run([m for m in args.models.split(",") if m], args.clients, args.seconds, args.rate,
-               args.sigma, args.seed, args.gpu, args.policy)
+               args.sigma, args.seed, args.gpu, args.policy, args.lookahead)
     print(f"\n{'model':<15}{'requests':>9}{'p50 ms':>9}{'p99 ms':>9}{'req/s':>8}")
     for name, m in data["models"].items():
         print(f"{name:<15}{m['requests']:>9}{m['p50_ms']:>9.2f}{m['p99_ms']:>9.2f}{m['throughput']:>8.1f}")

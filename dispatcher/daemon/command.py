@@ -42,6 +42,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--idle", choices=("adaptive", "spin"), help="idle mode (default adaptive)")
     p.add_argument("--idle-spin-us", type=int, dest="idle_spin_us")
     p.add_argument("--drain-seconds", type=float, dest="drain_seconds")
+    p.add_argument("--lookahead", type=int, help="kernels of a job's stream released before "
+                   "their predecessor completes, queued behind it (default 1: none)")
     p.add_argument("--echo", action=argparse.BooleanOptionalAction, default=None,
                    help="serve the built-in echo model")
     p.add_argument("--noop", action=argparse.BooleanOptionalAction, default=None,

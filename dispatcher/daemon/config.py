@@ -35,6 +35,7 @@ class DaemonConfig:
     idle: str = "adaptive"              # adaptive | spin
     idle_spin_us: int = 200             # adaptive: spin this long after the last work
     drain_seconds: float = 10.0         # SIGTERM: how long in-flight jobs may finish
+    lookahead: int = 1                  # kernels of a job's stream released ahead (1: none)
     echo: bool = True                   # serve the built-in "echo" model (host)
     noop: bool = True                   # serve the built-in "noop" model (sim backend)
     log_level: str = "info"
@@ -70,6 +71,10 @@ class DaemonConfig:
         if not self.drain_seconds >= 0:                   # (also refuses nan)
             raise ConfigError(f"drain_seconds must be >= 0 (seconds in-flight jobs get to "
                               f"finish after SIGTERM), got {self.drain_seconds}")
+        if type(self.lookahead) is not int or self.lookahead < 1:
+            raise ConfigError(f"lookahead must be an int >= 1 (kernels of one stream released "
+                              f"and not completed; 1 releases a kernel when its predecessor "
+                              f"has completed), got {self.lookahead!r}")
         if self.idle_spin_us < 0:
             raise ConfigError(f"idle_spin_us must be >= 0 (microseconds), got {self.idle_spin_us}")
         if not 0 <= self.metrics_port <= 65535:
@@ -104,7 +109,7 @@ class DaemonConfig:
 
 SECTIONS = {
     "daemon": ("socket", "models", "backend", "gpu", "sim_mode", "cpu", "rt_priority", "idle",
-               "idle_spin_us", "drain_seconds", "echo", "noop", "log_level", "metrics_port",
+               "idle_spin_us", "drain_seconds", "lookahead", "echo", "noop", "log_level", "metrics_port",
                "metrics_addr"),
     "access": ("allowed_users", "allowed_groups", "socket_mode"),
     "limits": ("max_clients", "max_inflight_per_client", "arena_bytes", "max_arena_bytes",

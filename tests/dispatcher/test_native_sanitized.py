@@ -1,7 +1,11 @@
 """The C modules under AddressSanitizer and UndefinedBehaviorSanitizer: rebuilt with
 both, loaded in a subprocess in place of the installed builds, and driven through the
-tracker's and the heap's edge cases and a whole dispatcher run. A memory error or
-undefined behaviour aborts the subprocess, which fails the test."""
+tracker's, the heap's and the compiled replay's edge cases and whole dispatcher runs
+(single- and multi-stream plans, compiled and reference replay). A memory error or
+undefined behaviour aborts the subprocess, which fails the test. The subprocess runs
+with ``PYTHONMALLOC=malloc``: Python's own small-object allocator would otherwise serve
+most objects from its arenas, where ASan sees neither a use after free nor an
+overflow into a neighbour."""
 from __future__ import annotations
 
 import os
@@ -14,17 +18,19 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-MODULES = ("_tracker", "_pqueue")
+MODULES = ("_tracker", "_pqueue", "_replay")
 
 DRIVER = r'''
 import importlib.util, random, sys
+TESTS = sys.argv.pop(1)
 for name, path in zip(sys.argv[1::2], sys.argv[2::2]):
     spec = importlib.util.spec_from_file_location(f"paella.dispatcher.{name}", path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     sys.modules[f"paella.dispatcher.{name}"] = mod
-from paella.dispatcher import tracker, pqueue
+from paella.dispatcher import tracker, pqueue, replay
 assert tracker.TrackerCore.__module__ == "paella.dispatcher._tracker"
+assert replay._replay.PlanRun.__module__ == "paella.dispatcher._replay"
 h = pqueue.IndexedHeap()
 rng = random.Random(3)
 items = [object() for _ in range(500)]
@@ -43,6 +49,13 @@ h.clear()
 from paella.experiments import bench_dispatcher as b
 b.measure_alone(300, "paella", window=100)
 b.measure_whole(200, "paella")
+sys.path.insert(0, TESTS)
+import test_compiled_replay as t
+for plans in ([t.random_plan(1), t.event_plan(streams=True)], [t.random_plan(7)]):
+    for policy, ahead in (("paella", 1), ("paella", 3), ("fifo", 1)):
+        assert t.run(plans, policy, True, ahead, 2) == t.run(plans, policy, False, ahead, 2)
+t.test_the_graph_and_the_run_refuse_what_does_not_fit()
+t.test_a_compiled_job_drops_its_ops_when_done()
 print("sanitized run ok")
 '''
 
@@ -72,7 +85,7 @@ def test_c_modules_are_clean_under_asan_and_ubsan(tmp_path):
                        check=True)
         args += [name, str(out)]
     env = dict(os.environ, LD_PRELOAD=":".join(libs), ASAN_OPTIONS="detect_leaks=0",
-               UBSAN_OPTIONS="print_stacktrace=1")
-    r = subprocess.run([sys.executable, "-c", DRIVER, *args], env=env, capture_output=True,
-                       text=True, timeout=600)
+               UBSAN_OPTIONS="print_stacktrace=1", PYTHONMALLOC="malloc")
+    r = subprocess.run([sys.executable, "-c", DRIVER, str(Path(__file__).parent), *args],
+                       env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0 and "sanitized run ok" in r.stdout, r.stderr[-4000:]

@@ -9,6 +9,7 @@ from paella.dispatcher.devices.base import D2H, KERNEL
 from paella.dispatcher.instruments import Instrument
 from paella.dispatcher.job import Job
 from paella.dispatcher.ops import Op
+from paella.dispatcher.replay import ReplayPlan
 from paella.dispatcher.waitlist import Event, Waitlist
 
 from dispatch_helpers import Recorder, chain
@@ -243,13 +244,17 @@ def test_finished_ops_keep_no_link_back():
     assert s.active[-1] == "D" and s.ops["D"].pred is None
 
 
-def test_replayed_plan_ops_equal_the_ops_of_the_same_calls(make):
+@pytest.mark.parametrize("compiled", [False, True])
+def test_replayed_plan_ops_equal_the_ops_of_the_same_calls(make, compiled):
     """A replayed plan issues, step by step, the op the job API would make for the same
-    call (launch record, bound arguments, io views, the wake-up mark): checked through
-    the op_issued instrument."""
+    call (launch record, bound arguments, io views, the wake-up mark, its state after
+    the issue): checked through the op_issued instrument. The compiled replay keeps the
+    dependency counts in C (``deps`` is the reference waitlist's own)."""
     dev, d = make("paella")
     mid = d.register_model("c", chain("c", 3))
     model = d.models[mid]
+    model.replay = ReplayPlan(model.adaptor.plan, model.adaptor.funcs, d.kernel_launch,
+                              compiled=compiled)
 
     class Issued(Instrument):
         def __init__(self):
@@ -282,7 +287,8 @@ def test_replayed_plan_ops_equal_the_ops_of_the_same_calls(make):
             mine.append(ref.memcpy_dtoh(io[pop.io_offset:pop.io_offset + pop.nbytes], bound[i]))
     assert len(seen.ops) == len(mine) == 5
     for a, b in zip(seen.ops, mine):
-        for slot in ("kind", "launch", "key", "args", "dptr", "almost_finished", "state", "deps"):
+        for slot in ("kind", "launch", "key", "args", "dptr", "almost_finished", "state",
+                     *(() if compiled else ("deps",))):
             assert getattr(a, slot) == getattr(b, slot), slot
         assert (a.host is None) == (b.host is None)
         if a.host is not None:

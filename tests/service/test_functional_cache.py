@@ -27,8 +27,8 @@ def test_repeated_inputs_are_answered_from_the_cache():
 
 
 def test_the_cache_evicts_least_recently_used_within_its_bound():
-    cache, b = FunctionalCache(max_bytes=2 * 32), CountingBundle()
-    xs = [np.full(8, i, dtype=np.float32) for i in range(3)]     # 32-byte outputs
+    cache, b = FunctionalCache(max_bytes=2 * 64), CountingBundle()
+    xs = [np.full(8, i, dtype=np.float32) for i in range(3)]     # 32-byte inputs and outputs
     for x in xs:
         cache.outputs("m", b, {"x": x})
     cache.outputs("m", b, {"x": xs[2]})            # still cached
@@ -57,3 +57,18 @@ def test_a_client_rewriting_its_input_cannot_poison_the_cache():
     assert (arena == 99).all()                     # the rewrite happened
     honest = cache.outputs("m", CountingBundle(), {"x": np.zeros(8, dtype=np.float32)})
     np.testing.assert_array_equal(honest["y"], np.zeros(8))
+
+
+def test_inputs_sharing_the_sampled_key_are_told_apart():
+    """The key samples the input; a hit is the whole input compared. Two inputs that
+    differ only between the sampled bytes share the key and get their own answers."""
+    cache, b = FunctionalCache(), CountingBundle()
+    x1 = np.zeros(1 << 16, dtype=np.float32)        # 256 KB: the sample skips bytes
+    x2 = x1.copy()
+    x2[1] = 5.0                                      # bytes 4..7: between two samples
+    assert cache._key("m", {"x": x1}) == cache._key("m", {"x": x2})
+    np.testing.assert_array_equal(cache.outputs("m", b, {"x": x1})["y"], x1 * 2)
+    np.testing.assert_array_equal(cache.outputs("m", b, {"x": x2})["y"], x2 * 2)
+    np.testing.assert_array_equal(cache.outputs("m", b, {"x": x1.copy()})["y"], x1 * 2)
+    np.testing.assert_array_equal(cache.outputs("m", b, {"x": x2.copy()})["y"], x2 * 2)
+    assert b.runs == 2 and cache.hits == 2

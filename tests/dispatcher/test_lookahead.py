@@ -1,0 +1,73 @@
+"""Lookahead: up to L kernels of a job's stream released and not completed, each queued
+behind its predecessor on the predecessor's real stream; copies still wait for
+completion; L = 1 is the release rule unchanged."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from paella.dispatcher.core import STATUS_OK, Request
+from paella.dispatcher.devices.base import D2H, KERNEL
+from paella.dispatcher.instruments import Instrument
+
+from dispatch_helpers import chain
+
+
+class Flight(Instrument):
+    """Kernels released and not ended, per job and real stream, over time."""
+
+    def __init__(self):
+        self.live: dict = {}
+        self.most = 0
+        self.log: list[tuple] = []
+
+    def op_released(self, op, t):
+        self.log.append(("rel", op.kind, op.key, op.stream, t))
+        if op.kind == KERNEL:
+            k = (op.job.seq, op.vstream.vid)
+            self.live[k] = self.live.get(k, 0) + 1
+            self.most = max(self.most, self.live[k])
+
+    def op_ended(self, op, t):
+        self.log.append(("end", op.kind, op.key, op.stream, t))
+        if op.kind == KERNEL:
+            self.live[(op.job.seq, op.vstream.vid)] -= 1
+
+
+def serve(make, lookahead: int, jobs: int = 1):
+    dev, d = make("paella", lookahead=lookahead, instruments=[fl := Flight()])
+    mid = d.register_model("c", chain("c", 6))
+    fl.log.clear()
+    fl.most = 0
+    reqs = [Request(i, i, mid, np.zeros(d.models[mid].adaptor.io_bytes, np.uint8))
+            for i in range(jobs)]
+    for r in reqs:
+        d.submit(r)
+    d.run_until_idle()
+    assert all(r.status == STATUS_OK for r in reqs)
+    return fl, reqs
+
+
+@pytest.mark.parametrize("lookahead", [1, 2, 3])
+def test_a_chain_runs_at_most_lookahead_kernels_ahead_on_one_real_stream(make, lookahead):
+    fl, (req,) = serve(make, lookahead)
+    assert fl.most == lookahead
+    kernels = [row for row in fl.log if row[0] == "rel" and row[1] == KERNEL]
+    assert len(kernels) == 6
+    if lookahead > 1:                      # each queued behind its predecessor
+        assert len({row[3] for row in kernels}) == 1
+        assert kernels[1][4] < next(r[4] for r in fl.log if r[0] == "end" and r[2] == "c_k0")
+    # the D2H copy goes only once the last kernel has ended
+    d2h = next(row for row in fl.log if row[0] == "rel" and row[1] == D2H)
+    assert d2h[4] >= next(r[4] for r in fl.log if r[0] == "end" and r[2] == "c_k5")
+
+
+def test_lookahead_keeps_every_job_correct_under_load(make):
+    for lookahead in (1, 3):
+        fl, reqs = serve(make, lookahead, jobs=12)
+        assert fl.most <= lookahead
+
+
+def test_lookahead_must_be_at_least_one(make):
+    with pytest.raises(ValueError, match="lookahead must be an int >= 1"):
+        make("paella", lookahead=0)
