@@ -15,6 +15,8 @@ EXPERIMENTS = [
     "paella.experiments.sched_delay",
     "paella.experiments.overhead",
     "paella.experiments.windtunnel",
+    "paella.experiments.cellular",
+    "paella.experiments.orca",
     "paella.experiments.report",
 ]
 

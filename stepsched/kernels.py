@@ -106,3 +106,16 @@ def transformer_iteration(cfg: Any, new_tokens: list[int], contexts: list[int]) 
     kernels = [k for k, _ in rows] + [head[0]]
     launches = [ln for _, ln in rows] * cfg.n_layer + [head[1]]
     return StepKernels(f"iter_{tag}", kernels, launches)
+
+
+def request_level_generation(cfg: Any, prompts: list[int], outputs: list[int]) -> StepKernels:
+    """A request-level batch run to completion: one prefill of every prompt padded to the
+    longest, then ``max(outputs)`` decode iterations of the whole batch (finished rows
+    keep computing padding, as FasterTransformer's batch does)."""
+    b, p = len(prompts), max(prompts)
+    parts = [transformer_iteration(cfg, [p] * b, [p] * b)]
+    for i in range(1, max(outputs)):
+        parts.append(transformer_iteration(cfg, [1] * b, [p + i] * b))
+    kernels = {k.name: k for sk in parts for k in sk.kernels}
+    return StepKernels(f"gen_b{b}_p{p}_o{max(outputs)}", list(kernels.values()),
+                       [ln for sk in parts for ln in sk.launches])

@@ -85,3 +85,43 @@ class PaddingBatcher:
 
     def task_done(self, task: GraphTask, now: float = 0.0) -> list[object]:
         return task.requests
+
+
+class RequestBatcher:
+    """Request-level batching of generations, the baseline Orca measures against
+    (FasterTransformer behind a Triton-like server, §4.5.2): when the engine is idle,
+    take up to ``max_bs`` of the oldest requests and run them to completion as one task,
+    prompts padded to the longest, as many iterations as the longest output needs; all
+    return together. ``add`` takes :class:`~.iteration.GenRequest` records."""
+
+    def __init__(self, max_bs: int):
+        if max_bs < 1:
+            raise ValueError(f"max_bs must be >= 1, got {max_bs}")
+        self.max_bs = max_bs
+        self.waiting: list = []
+        self._ids = itertools.count()
+
+    def add(self, req, now: float = 0.0) -> None:
+        self.waiting.append(req)
+
+    def remove(self, req) -> None:
+        if req in self.waiting:
+            self.waiting.remove(req)
+
+    @property
+    def pending(self) -> bool:
+        return bool(self.waiting)
+
+    def schedule(self, worker: int, now: float = 0.0) -> list[GraphTask]:
+        if not self.waiting:
+            return []
+        chosen, self.waiting = self.waiting[:self.max_bs], self.waiting[self.max_bs:]
+        steps = max(r.limit for r in chosen)
+        task = GraphTask(next(self._ids), [(r, r.limit) for r in chosen], steps, len(chosen), worker,
+                         kind="generation")
+        return [task]
+
+    def task_done(self, task: GraphTask, now: float = 0.0) -> list[object]:
+        for r, n in task.members:
+            r.generated = n
+        return task.requests

@@ -218,9 +218,13 @@ class StepRuntime:
         self.kick()
 
     # ---- virtual time --------------------------------------------------------------------
-    def drive(self, arrivals: list[tuple[float, Any]], until: Callable[[], bool] | None = None) -> None:
+    def drive(self, arrivals: list[tuple[float, Any]], until: Callable[[], bool] | None = None,
+              on_arrival: Callable[[Any], None] | None = None) -> None:
         """Virtual time: add each item at its time and run until everything has left
-        (or ``until()`` says stop). The clock jumps to the next thing that can happen."""
+        (or ``until()`` says stop). The clock jumps to the next thing that can happen.
+        ``on_arrival(item)``: what an arrival does instead of ``add(item, kick=False)``
+        (an engine's own submit)."""
+        arrive = on_arrival or (lambda item: self.add(item, kick=False))
         d, dev = self.disp, self.dev
         arrivals = sorted(arrivals, key=lambda a: a[0])
         i, n = 0, len(arrivals)
@@ -231,7 +235,7 @@ class StepRuntime:
             now = dev.now()
             if i < n and arrivals[i][0] <= now:
                 while i < n and arrivals[i][0] <= now:
-                    self.add(arrivals[i][1], kick=False)
+                    arrive(arrivals[i][1])
                     i += 1
                 self.kick()
             self.release_delayed()
