@@ -175,3 +175,39 @@ def main(args: argparse.Namespace) -> int:
     data = run(args)
     write_outputs(data, args, plot, t0)
     return 0
+
+
+def report_section(d: dict) -> list[str]:
+    """The cellular-batching section of docs/EXPERIMENTS.md, every figure read from ``d``."""
+    s, st, p = d["summary"], d["setting"], d["paper"]
+    lo, hi = p["p90_reduction_at_moderate_load"]
+    red = s["p90_ms"]["reduction"]
+    fixed = s["fixed_length"]["peak_throughput_ratio"]
+    return [
+        f"LSTM hidden {st['hidden']} compiled by TVM for batch sizes {st['bsizes'][0]}-{st['bsizes'][-1]}, "
+        f"on a simulated {st['gpu']}; {st['requests_per_point']} requests per point, lengths {st['lengths']}; "
+        f"MaxTasksToSubmit {st['max_tasks_to_submit']}; graph batching with buckets of width {st['bucket_width']}; "
+        f"the step scheduler's own CPU time charged (x{st['cpu_scale']}): "
+        f"{s['host_us_per_task']} us per task at the moderate load.", "",
+        "| | this project | paper (BatchMaker, V100) |", "|---|---:|---:|",
+        f"| peak throughput, cellular over graph batching (`summary.peak_throughput_ratio`) | "
+        f"**{s['peak_throughput_ratio']:.2f}x** ({s['peak_throughput']['cellular']:.0f} vs "
+        f"{s['peak_throughput']['graph']:.0f} req/s) | {p['peak_throughput_ratio']:.2f}x |",
+        f"| p90 at moderate load ({s['p90_ms']['load']:.0f} req/s), cellular / graph (`summary.p90_ms`) | "
+        f"{s['p90_ms']['cellular']:.2f} / {s['p90_ms']['graph']:.2f} ms ({red:.0%} lower) | "
+        f"{lo:.1%}-{hi:.1%} lower |",
+        f"| fixed length 24: peak throughput, cellular over graph (`summary.fixed_length`) | "
+        f"{fixed:.2f}x | {p['fixed_length_throughput_ratio']:.2f}x |", "",
+        f"- Peak throughput: {s['peak_throughput_ratio']:.2f}x against the paper's 1.25x: "
+        + ("the same direction; " if s["peak_throughput_ratio"] > 1 else "the opposite direction; ")
+        + "our lengths are a lognormal with the WMT set's mean and maximum, not the set itself, and TVM's "
+          "untuned LSTM kernels take about as long at batch 2-32 as at 64 (docs/step-scheduler.md), "
+          "which rewards the larger batches cellular batching keeps.",
+        f"- p90 at moderate load: {red:.0%} lower, "
+        + ("inside" if lo <= red <= hi else "outside")
+        + " the paper's 37.5%-90.5% range; as in the paper, the gain is queueing: a request joins the "
+          "running cells at the next step instead of waiting for a bucket's padded graph to end.",
+        f"- Fixed length: {fixed:.2f}x against the paper's 0.87x: padding wins in both, by more here, "
+        "because this scheduler is Python: forming a task costs several microseconds per cell, charged "
+        "to the GPU's clock, where BatchMaker's C++ spends about 250 us per step of 512.",
+    ]

@@ -198,3 +198,36 @@ def main(args: argparse.Namespace) -> int:
     data = run(args)
     write_outputs(data, args, plot, t0)
     return 0
+
+
+def report_section(d: dict) -> list[str]:
+    """The Orca section of docs/EXPERIMENTS.md, every figure read from ``d``."""
+    s, st, p = d["summary"], d["setting"], d["paper"]
+    r = s["throughput_ratio_at_equal_latency"]
+    ratio = f"**{r:.1f}x**" if r is not None else "n/a (request-level batching never reaches the level)"
+    t, it = s["ttft_ms"], s["inter_token_ms"]["orca"]
+    return [
+        f"{st['model']} on a simulated {st['gpu']}; prompts {st['prompts']}, outputs {st['outputs']}; "
+        f"max batch {st['max_bs']} for both systems; {st['n_slots']} KV slots; "
+        f"{st['requests_per_point']} requests per point.", "",
+        "| | this project | paper (Orca) |", "|---|---:|---:|",
+        f"| throughput at equal median normalized latency, Orca over request-level "
+        f"(`summary.throughput_ratio_at_equal_latency`) | {ratio} at {s['latency_level_ms']:.2f} ms/token "
+        f"({s['throughput_at_level']['orca']:.1f} vs {s['throughput_at_level']['request']:.1f} req/s) | "
+        f"{p['throughput_ratio_at_equal_latency']}x at {p['latency_level_ms']} ms/token ({p['model']}) |",
+        f"| peak throughput, Orca / request-level | {s['peak_throughput']['orca']:.1f} / "
+        f"{s['peak_throughput']['request']:.1f} req/s | - |",
+        f"| time to first token p50 / p99 at {s['moderate_load']:.1f} req/s, Orca | "
+        f"{t['orca']['p50']:.1f} / {t['orca']['p99']:.1f} ms | - |",
+        f"| time to first token p50 / p99, request-level (= its latency: nothing streams) | "
+        f"{t['request']['p50']:.1f} / {t['request']['p99']:.1f} ms | - |",
+        f"| inter-token latency p50 / p99, Orca | {it['p50']:.2f} / {it['p99']:.2f} ms | - |", "",
+        "- The ratio is smaller than the chapter's 36.9x: its 175B model on two pipeline stages let "
+        "FasterTransformer's batches idle a whole stage, and its baseline peaked at 0.185 req/s; here one "
+        "GPU runs a 124M-parameter model, where request-level batching loses only to padding (prompts to "
+        "the longest, outputs to the longest) and to requests waiting for the running batch to end.",
+        "- The latency level is twice Orca's median normalized latency at the lowest load swept; the "
+        "chapter took twice Orca's normalized execution time in its microbenchmark, the same idea "
+        "measured on the same curve.",
+        "- The chapter reports no TTFT or inter-token figures; the rows are ours alone.",
+    ]

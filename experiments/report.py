@@ -14,6 +14,8 @@ from typing import Callable
 
 from paella.experiments.harness import saturated
 from paella.experiments.sched_delay import PYTHON_DECISION_US
+from paella.experiments.cellular import report_section as _cellular
+from paella.experiments.orca import report_section as _orca
 from paella.experiments.windtunnel import report_section as _windtunnel
 
 FIGURES = Path("docs/figures")
@@ -479,6 +481,11 @@ SECTIONS: list[tuple[str, str, str, Callable[[dict], list[str]]]] = [
     ("windtunnel", "WindTunnel: pipelines translated, fine-tuned and served (Tables 5.3-5.5)",
      "paella experiment windtunnel --json docs/figures/windtunnel.json --plot docs/figures/windtunnel.png",
      _windtunnel),
+    ("cellular", "Cellular batching: BatchMaker's LSTM (Figures 8 and 11)",
+     "paella experiment cellular --quick --json docs/figures/cellular.json --plot docs/figures/cellular.png",
+     _cellular),
+    ("orca", "Iteration-level scheduling: Orca (Figure 4.8)",
+     "paella experiment orca --quick --json docs/figures/orca.json --plot docs/figures/orca.png", _orca),
 ]
 
 

@@ -19,10 +19,11 @@ What a task launches comes from ``kernels_for(task)`` (:mod:`.kernels`); what it
 computes, on a device that runs no code, from ``effect(task, view)``, applied in device
 memory when the task's last kernel completes (the simulator's functional effects).
 
-Host cost: with ``cpu_scale`` > 0 the CPU time the step scheduler spends forming a task
-(``time.thread_time`` around the policy and the submission) delays that task's
-submission by that much virtual time, times ``cpu_scale``: BatchMaker's "scheduling and
-gathering overhead" (§7.3), measured on this implementation rather than assumed.
+Host cost: with ``cpu_scale`` > 0 the CPU time the step scheduler spends forming a round
+of tasks (``time.thread_time`` around the policy) delays their submission by that much
+virtual time, times ``cpu_scale``, split evenly over the round's tasks (the GPU runs the
+first while the others are formed): BatchMaker's "scheduling and gathering overhead"
+(§7.3), measured on this implementation rather than assumed.
 """
 from __future__ import annotations
 
@@ -155,16 +156,19 @@ class StepRuntime:
             tasks = self.policy.schedule(w, now)
             if not tasks:
                 continue
-            self.queues[w].extend(tasks)
             spent = (time.thread_time() - c0) * self.cpu_scale if self.cpu_scale else 0.0
-            self._next(w, spent)
+            self.stats.host_seconds += spent
+            # The round's host time is split evenly over its tasks: task i is formed (and
+            # can go to the GPU) after (i + 1) / n of it, while the GPU runs the ones before.
+            k = len(tasks)
+            self.queues[w].extend((now + spent * (i + 1) / k, t) for i, t in enumerate(tasks))
+            self._next(w)
 
-    def _next(self, w: int, host: float = 0.0) -> None:
-        task = self.queues[w].popleft()
+    def _next(self, w: int) -> None:
+        ready_at, task = self.queues[w].popleft()
         self.busy[w] = True
-        if host > 0:
-            self.stats.host_seconds += host
-            heapq.heappush(self._delayed, (self.dev.now() + host, next(self._seq), w, task))
+        if ready_at > self.dev.now():
+            heapq.heappush(self._delayed, (ready_at, next(self._seq), w, task))
         else:
             self._submit(task)
 
