@@ -39,18 +39,37 @@ class GraphTask:
         return sum(self.steps - n for _, n in self.members)
 
 
-class PaddingBatcher:
+class _RunToCompletion:
+    """What both baselines share: a FIFO of (request, length) run whole, one task per
+    batch, every member leaving when the task ends."""
+
+    def __init__(self, max_bs: int):
+        if max_bs < 1:
+            raise ValueError(f"max_bs must be >= 1, got {max_bs}")
+        self.max_bs = max_bs
+        self.waiting: list[tuple[object, int]] = []      # arrival order
+        self._ids = itertools.count()
+
+    def remove(self, req: object) -> None:
+        self.waiting = [w for w in self.waiting if w[0] is not req]
+
+    @property
+    def pending(self) -> bool:
+        return bool(self.waiting)
+
+    def task_done(self, task: GraphTask, now: float = 0.0) -> list[object]:
+        return task.requests
+
+
+class PaddingBatcher(_RunToCompletion):
     """``add((request, length))``; the same worker protocol as the cellular scheduler."""
 
     def __init__(self, max_bs: int, width: int | None = 10, bsizes: tuple[int, ...] | None = None):
-        if max_bs < 1:
-            raise ValueError(f"max_bs must be >= 1, got {max_bs}")
+        super().__init__(max_bs)
         if width is not None and width < 1:
             raise ValueError(f"bucket width must be >= 1 or None, got {width}")
-        self.max_bs, self.width = max_bs, width
+        self.width = width
         self.bsizes = tuple(sorted(bsizes)) if bsizes else None
-        self.waiting: list[tuple[object, int, float]] = []    # arrival order
-        self._ids = itertools.count()
 
     def bucket(self, length: int) -> int:
         if self.width is None:
@@ -61,14 +80,7 @@ class PaddingBatcher:
         req, length = item
         if length < 1:
             raise ValueError(f"request {req!r}: length must be >= 1, got {length}")
-        self.waiting.append((req, length, now))
-
-    def remove(self, req: object) -> None:
-        self.waiting = [w for w in self.waiting if w[0] is not req]
-
-    @property
-    def pending(self) -> bool:
-        return bool(self.waiting)
+        self.waiting.append((req, length))
 
     def schedule(self, worker: int, now: float = 0.0) -> list[GraphTask]:
         if not self.waiting:
@@ -77,49 +89,29 @@ class PaddingBatcher:
         chosen = [w for w in self.waiting if self.bucket(w[1]) == b][:self.max_bs]
         for w in chosen:
             self.waiting.remove(w)
-        steps = b if self.width is not None else max(n for _, n, _ in chosen)
+        steps = b if self.width is not None else max(n for _, n in chosen)
         size = len(chosen)
         if self.bsizes:
             size = next((s for s in self.bsizes if s >= size), self.bsizes[-1])
-        return [GraphTask(next(self._ids), [(r, n) for r, n, _ in chosen], steps, size, worker)]
-
-    def task_done(self, task: GraphTask, now: float = 0.0) -> list[object]:
-        return task.requests
+        return [GraphTask(next(self._ids), list(chosen), steps, size, worker)]
 
 
-class RequestBatcher:
+class RequestBatcher(_RunToCompletion):
     """Request-level batching of generations, the baseline Orca measures against
     (FasterTransformer behind a Triton-like server, §4.5.2): when the engine is idle,
     take up to ``max_bs`` of the oldest requests and run them to completion as one task,
     prompts padded to the longest, as many iterations as the longest output needs; all
     return together. ``add`` takes :class:`~.iteration.GenRequest` records."""
 
-    def __init__(self, max_bs: int):
-        if max_bs < 1:
-            raise ValueError(f"max_bs must be >= 1, got {max_bs}")
-        self.max_bs = max_bs
-        self.waiting: list = []
-        self._ids = itertools.count()
-
     def add(self, req, now: float = 0.0) -> None:
-        self.waiting.append(req)
-
-    def remove(self, req) -> None:
-        if req in self.waiting:
-            self.waiting.remove(req)
-
-    @property
-    def pending(self) -> bool:
-        return bool(self.waiting)
+        self.waiting.append((req, req.limit))
 
     def schedule(self, worker: int, now: float = 0.0) -> list[GraphTask]:
         if not self.waiting:
             return []
         chosen, self.waiting = self.waiting[:self.max_bs], self.waiting[self.max_bs:]
-        steps = max(r.limit for r in chosen)
-        task = GraphTask(next(self._ids), [(r, r.limit) for r in chosen], steps, len(chosen), worker,
-                         kind="generation")
-        return [task]
+        steps = max(n for _, n in chosen)
+        return [GraphTask(next(self._ids), chosen, steps, len(chosen), worker, kind="generation")]
 
     def task_done(self, task: GraphTask, now: float = 0.0) -> list[object]:
         for r, n in task.members:
