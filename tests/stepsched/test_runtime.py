@@ -167,3 +167,27 @@ def test_steps_of_two_models_share_the_gpu_through_the_kernel_scheduler(lstm_ker
     assert rnn.stats.rows == 60 and set(rnn.finished) == {"a", "b", "c"}
     # the two models' steps interleaved on the GPU: LSTM steps ended between GPT tokens
     assert any(g.times[0] < t < g.times[-1] for t in ends)
+
+
+def test_seq2seq_encoder_and_decoder_cells_batch_separately_decoders_first(tmp_path):
+    from paella.models.rnn import decoder_cell, encoder_cell
+    from paella.stepsched.graph import unfold_seq2seq
+    cfg = RNNConfig.tiny()
+    k = {"encoder": from_bundle(compile_step(lambda n: encoder_cell(n, cfg), 2, tmp_path)),
+         "decoder": from_bundle(compile_step(lambda n: decoder_cell(n, cfg), 2, tmp_path))}
+    d = dispatcher()
+    log = []
+    sch = CellularScheduler([CellType("encoder", (2,), priority=0), CellType("decoder", (2,), priority=1)], 1)
+    rt = StepRuntime(d, sch, lambda t: k[t.kind], name="s2s",
+                     on_task_done=lambda t, done: log.append((t.kind, sorted(t.requests))))
+    rt.drive([(0.0, unfold_seq2seq("a", 2, 3)), (0.0, unfold_seq2seq("b", 2, 2)),
+              (0.0, unfold_seq2seq("c", 4, 1))])
+    # encoders of a and b fill a batch of 2 (tier 1); their decoders, once ready, go before
+    # c's remaining encoders (later cell type first); every request leaves when its own
+    # decoding ends
+    assert log[0] == ("encoder", ["a", "b"])
+    first_dec = next(i for i, (kind, _) in enumerate(log) if kind == "decoder")
+    assert log[first_dec] == ("decoder", ["a", "b"])
+    assert sum(len(r) for kind, r in log if kind == "encoder") == 8
+    assert sum(len(r) for kind, r in log if kind == "decoder") == 6
+    assert rt.finished["b"] < rt.finished["a"] and set(rt.finished) == {"a", "b", "c"}
