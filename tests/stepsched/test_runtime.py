@@ -191,3 +191,24 @@ def test_seq2seq_encoder_and_decoder_cells_batch_separately_decoders_first(tmp_p
     assert sum(len(r) for kind, r in log if kind == "encoder") == 8
     assert sum(len(r) for kind, r in log if kind == "decoder") == 6
     assert rt.finished["b"] < rt.finished["a"] and set(rt.finished) == {"a", "b", "c"}
+
+
+def test_lstm_chains_computed_cell_by_cell_equal_each_chain_alone(lstm_kernels):
+    from paella.models.rnn import lstm_reference
+    from paella.stepsched.rnn_engine import LSTMEngine
+    w, b = lstm_cell(1, RNNConfig.tiny()).params
+    eng = LSTMEngine(dispatcher(), lstm_kernels, w, b, max_requests=8)
+    rng = np.random.default_rng(5)
+    xs = {k: rng.standard_normal((n, 16)).astype(np.float32) for k, n in
+          {"a": 7, "b": 2, "c": 11, "d": 4, "e": 1}.items()}
+    eng.runtime.drive([(0.0 if k in "abc" else 40e-6, k) for k in xs],
+                      on_arrival=lambda k: eng.submit(k, xs[k], kick=False))
+    for k, x in xs.items():                 # the chain alone, step by step
+        h = c = np.zeros((1, 16), np.float32)
+        for t in range(len(x)):
+            h, c = lstm_reference(x[t:t + 1], h, c, w, b)
+        np.testing.assert_allclose(eng.results[k], h[0], rtol=1e-5, atol=1e-6)
+    assert eng.runtime.stats.rows == 25 and eng.runtime.stats.tasks < 25   # cells were batched
+    assert len(eng.free_rows) == 8
+    with pytest.raises(ValueError, match=r"inputs must be \[length >= 1, 16\]"):
+        eng.submit("bad", np.zeros((3, 15)))
