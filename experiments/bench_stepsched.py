@@ -17,9 +17,9 @@ import argparse
 import statistics
 import time
 
-from paella.stepsched.cellular import CellType, CellularScheduler
+from paella.stepsched.cell_scheduler import CellType, CellularScheduler
 from paella.stepsched.graph import unfold_chain
-from paella.stepsched.iteration import GenRequest, IterationScheduler
+from paella.stepsched.iteration_scheduler import GenRequest, IterationScheduler
 from paella.stepsched.timeline import simulate
 
 

@@ -60,7 +60,7 @@ def lstm_kernels(gpu_arch: str = "sm_75") -> dict:
     """The LSTM cell's kernels per batch size (compiled once, then cached)."""
     from paella.bundle import DEFAULT_ZOO_DIR
     from paella.models.rnn import lstm_cell
-    from paella.stepsched.kernels import compile_step, from_bundle
+    from paella.stepsched.step_kernels import compile_step, from_bundle
     return {b: from_bundle(compile_step(lstm_cell, b, DEFAULT_ZOO_DIR / "steps")) for b in BSIZES}
 
 
@@ -68,7 +68,7 @@ def run_point(system: str, rate: float, lengths: np.ndarray, kernels: dict, *, s
               gpu: str = "v100", cpu_scale: float = 1.0, warmup: float = 0.1) -> dict:
     from paella.dispatcher.core import Dispatcher
     from paella.dispatcher.devices.sim import SimDevice
-    from paella.stepsched.cellular import CellType, CellularScheduler
+    from paella.stepsched.cell_scheduler import CellType, CellularScheduler
     from paella.stepsched.graph import unfold_chain
     from paella.stepsched.padding import PaddingBatcher
     from paella.stepsched.runtime import StepRuntime

@@ -3,7 +3,7 @@
 
 Setting. A GPT-2-small-shaped decoder (d 768, 12 layers, 12 heads, vocabulary 50257)
 on the simulated GPU (``--gpu``, default V100), every iteration one job of the kernel
-scheduler with the selectively batched kernels of :func:`paella.stepsched.kernels.
+scheduler with the selectively batched kernels of :func:`paella.stepsched.step_kernels.
 transformer_iteration` (dense kernels over the batch's flattened tokens, one ragged
 attention launch). The trace is the chapter's: prompts uniform in 32-512 tokens, output
 lengths uniform in 1-128, Poisson arrivals swept. Timing only: no weights, the outputs'
@@ -52,8 +52,8 @@ def run_point(system: str, rate: float, prompts: np.ndarray, outs: np.ndarray, *
     from paella.experiments.cellular import poisson_arrivals
     from paella.models.gpt import GPTConfig
     from paella.stepsched.generation import GenerationEngine
-    from paella.stepsched.iteration import GenRequest
-    from paella.stepsched.kernels import request_level_generation
+    from paella.stepsched.iteration_scheduler import GenRequest
+    from paella.stepsched.step_kernels import request_level_generation
     from paella.stepsched.padding import RequestBatcher
     from paella.stepsched.runtime import StepRuntime
 

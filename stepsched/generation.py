@@ -9,7 +9,7 @@ free), and takes them back when the request finishes, is preempted or its client
 away.
 
 Each iteration is one job (:class:`~.runtime.StepRuntime`) whose kernels are the
-selectively batched transformer iteration (:func:`~.kernels.transformer_iteration`); with
+selectively batched transformer iteration (:func:`~.step_kernels.transformer_iteration`); with
 weights given, its last kernel's functional effect runs the iteration
 (:func:`paella.models.gpt.selective_iteration`) on the KV cache in simulated device
 memory and the next tokens come out of it.
@@ -34,8 +34,8 @@ import numpy as np
 from paella.dispatcher.core import Dispatcher
 from paella.models.gpt import GPTConfig, selective_iteration
 
-from .iteration import GenRequest, Iteration, IterationScheduler
-from .kernels import StepKernels, transformer_iteration
+from .iteration_scheduler import GenRequest, Iteration, IterationScheduler
+from .step_kernels import StepKernels, transformer_iteration
 from .runtime import StepRuntime
 
 

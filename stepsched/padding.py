@@ -101,7 +101,7 @@ class RequestBatcher(_RunToCompletion):
     (FasterTransformer behind a Triton-like server, §4.5.2): when the engine is idle,
     take up to ``max_bs`` of the oldest requests and run them to completion as one task,
     prompts padded to the longest, as many iterations as the longest output needs; all
-    return together. ``add`` takes :class:`~.iteration.GenRequest` records."""
+    return together. ``add`` takes :class:`~.iteration_scheduler.GenRequest` records."""
 
     def add(self, req, now: float = 0.0) -> None:
         self.waiting.append((req, req.limit))

@@ -19,7 +19,7 @@ import numpy as np
 from paella.dispatcher.core import Dispatcher
 from paella.models.rnn import lstm_reference
 
-from .cellular import CellType, CellularScheduler
+from .cell_scheduler import CellType, CellularScheduler
 from .graph import unfold_chain
 from .runtime import StepRuntime
 

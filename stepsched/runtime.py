@@ -1,7 +1,7 @@
 """The step scheduler on the kernel scheduler: every batched step is a job.
 
-:class:`StepRuntime` drives a step policy (:class:`~.cellular.CellularScheduler`,
-:class:`~.iteration.IterationScheduler` or the graph-batching baseline
+:class:`StepRuntime` drives a step policy (:class:`~.cell_scheduler.CellularScheduler`,
+:class:`~.iteration_scheduler.IterationScheduler` or the graph-batching baseline
 :class:`~.padding.PaddingBatcher`) against a :class:`~paella.dispatcher.core.Dispatcher`.
 Whenever a worker is idle it asks the policy for tasks and submits each as one job
 (``submit_group``) of the model's step adaptor, with one internal request per request in
@@ -15,7 +15,7 @@ A *worker* is BatchMaker's: a FIFO of tasks of which one is on the GPU at a time
 independent jobs). ``n_workers`` > 1 keeps that many steps in flight; Algorithm 1's
 pinning keeps dependent steps on one worker.
 
-What a task launches comes from ``kernels_for(task)`` (:mod:`.kernels`); what it
+What a task launches comes from ``kernels_for(task)`` (:mod:`.step_kernels`); what it
 computes, on a device that runs no code, from ``effect(task, view)``, applied in device
 memory when the task's last kernel completes (the simulator's functional effects).
 
@@ -42,7 +42,7 @@ from paella.dispatcher.adaptor import JobAdaptor
 from paella.dispatcher.core import Dispatcher, Request
 from paella.dispatcher.devices.base import Device, ModuleImage
 
-from .kernels import StepKernels
+from .step_kernels import StepKernels
 from .timeline import StepPolicy
 
 

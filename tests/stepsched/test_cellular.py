@@ -1,7 +1,7 @@
 """BatchMaker's Algorithm 1 and Figure 5, as timelines in unit time."""
 import pytest
 
-from paella.stepsched.cellular import CellType, CellularScheduler
+from paella.stepsched.cell_scheduler import CellType, CellularScheduler
 from paella.stepsched.graph import DONE, unfold_chain, unfold_seq2seq, unfold_tree
 from paella.stepsched.padding import PaddingBatcher
 from paella.stepsched.timeline import simulate

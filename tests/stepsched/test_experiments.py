@@ -5,7 +5,7 @@ import pytest
 
 from paella.experiments import cellular, orca
 from paella.models.rnn import RNNConfig, lstm_cell
-from paella.stepsched.kernels import compile_step, from_bundle
+from paella.stepsched.step_kernels import compile_step, from_bundle
 
 
 def test_wmt_like_lengths_have_the_papers_mean_and_maximum():

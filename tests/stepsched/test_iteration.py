@@ -1,7 +1,7 @@
 """Orca's Algorithm 2 (iteration-level FCFS, KV-slot reservation) and what goes beyond it."""
 import pytest
 
-from paella.stepsched.iteration import (INCREMENT, PREEMPTED, GenRequest, IterationScheduler)
+from paella.stepsched.iteration_scheduler import (INCREMENT, PREEMPTED, GenRequest, IterationScheduler)
 from paella.stepsched.timeline import simulate
 
 

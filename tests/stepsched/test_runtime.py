@@ -9,10 +9,10 @@ from paella.dispatcher.devices.sim import SimDevice
 from paella.dispatcher.instruments import Instrument
 from paella.models.gpt import GPTConfig, generate_reference, gpt_weights
 from paella.models.rnn import RNNConfig, lstm_cell
-from paella.stepsched.cellular import CellType, CellularScheduler
+from paella.stepsched.cell_scheduler import CellType, CellularScheduler
 from paella.stepsched.generation import GenerationEngine, GenerationError
 from paella.stepsched.graph import unfold_chain
-from paella.stepsched.kernels import compile_step, from_bundle
+from paella.stepsched.step_kernels import compile_step, from_bundle
 from paella.stepsched.padding import PaddingBatcher
 from paella.stepsched.runtime import StepRuntime
 
@@ -127,7 +127,7 @@ def test_preempted_request_resumes_in_place_with_the_same_tokens(how):
 def test_preemption_cost_picks_swap_for_long_contexts_on_a_big_model():
     d = dispatcher()
     eng = GenerationEngine(d, GPTConfig.gpt2_small(), max_bs=8, n_slots=4096)
-    from paella.stepsched.iteration import GenRequest
+    from paella.stepsched.iteration_scheduler import GenRequest
     r = GenRequest("x", 500, 600)
     r.generated = 20
     # GPT-2 small on a T4: recomputing 520 tokens (~130 GFLOP) costs more than moving
