@@ -26,7 +26,6 @@ where padding wins).
 from __future__ import annotations
 
 import argparse
-import time
 
 import numpy as np
 
@@ -170,11 +169,8 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    from paella.experiments.harness import write_outputs
-    t0 = time.perf_counter()
-    data = run(args)
-    write_outputs(data, args, plot, t0)
-    return 0
+    from paella.experiments.harness import run_experiment
+    return run_experiment(run, plot, args)
 
 
 def report_section(d: dict) -> list[str]:

@@ -28,7 +28,6 @@ token arrives with the last.
 from __future__ import annotations
 
 import argparse
-import time
 
 import numpy as np
 
@@ -193,11 +192,8 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    from paella.experiments.harness import write_outputs
-    t0 = time.perf_counter()
-    data = run(args)
-    write_outputs(data, args, plot, t0)
-    return 0
+    from paella.experiments.harness import run_experiment
+    return run_experiment(run, plot, args)
 
 
 def report_section(d: dict) -> list[str]:
