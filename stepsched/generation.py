@@ -132,6 +132,7 @@ class GenerationEngine:
         s.cancelled = True
         running = s.req.state == "running"
         self.sched.cancel(s.req)
+        self.swapped.pop(s.req, None)        # a swapped-out cache goes with it
         if not running:
             self._free(s.req)
         self.runtime.kick()

@@ -212,3 +212,23 @@ def test_lstm_chains_computed_cell_by_cell_equal_each_chain_alone(lstm_kernels):
     assert len(eng.free_rows) == 8
     with pytest.raises(ValueError, match=r"inputs must be \[length >= 1, 16\]"):
         eng.submit("bad", np.zeros((3, 15)))
+
+
+def test_cancelling_a_swapped_out_request_drops_its_host_copy():
+    d = dispatcher()
+    eng = GenerationEngine(d, CFG, max_bs=4, n_slots=20, weights=W, priorities=True, preempt=True)
+    eng.preempt_cost = eng.sched.preempt_cost = lambda r: "swap"
+    a = eng.submit([3, 7, 1, 9], 6, kick=False)
+    b = eng.submit([5, 2, 8], 7)
+    eng.runtime.drive([], until=lambda: len(b.tokens) >= 2)
+    urgent = eng.submit([9, 9], 8, priority=1)              # b swapped out for it
+    eng.runtime.drive([], until=lambda: len(urgent.tokens) >= 1)
+    assert b.req in eng.swapped
+    n = len(b.tokens)
+    eng.cancel(b)
+    eng.runtime.drive([])
+    assert not eng.swapped and b.cancelled and len(b.tokens) == n
+    assert b.tokens == generate_reference(CFG, W, [5, 2, 8], n)
+    assert a.tokens == generate_reference(CFG, W, [3, 7, 1, 9], 6)
+    assert urgent.tokens == generate_reference(CFG, W, [9, 9], 8)
+    assert len(eng.free_slots) == 20 and eng.sched.n_rsrv == 0
