@@ -17,8 +17,10 @@ memory and the next tokens come out of it.
 Preemption (when enabled) picks, per victim, the cheaper way to give its slots up:
 *swap* (copy its cached keys and values to host memory and back: ``2 x bytes / pcie_bw``)
 or *recompute* (drop them; one prefill over its prompt and its tokens so far:
-``2 x parameters x tokens / peak_flops``). The copy itself is done at the iteration's
-submission and not yet charged as device time (docs/step-scheduler.md).
+``2 x parameters x tokens / peak_flops``). A swap's copies are the iteration job's first
+operations (device to host for the victims, host to device for a request swapping back
+in), timed by the simulated copy engines; the bytes themselves move at the iteration's
+submission (the functional state).
 
 ``max_tokens`` in :meth:`submit` and :meth:`generate` counts *generated* tokens (as in
 vLLM's and OpenAI's APIs); the scheduler's Orca-style reservation is the prompt plus that.
@@ -26,7 +28,7 @@ vLLM's and OpenAI's APIs); the scheduler's Orca-style reservation is the prompt 
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable, Iterator
 
 import numpy as np
@@ -163,9 +165,12 @@ class GenerationEngine:
     def _kernels(self, it: Iteration) -> StepKernels:
         """Called as the iteration is submitted: victims give their slots up first, then
         requests starting (or resuming) take theirs."""
+        slot = self.cfg.kv_bytes_per_slot()
+        copies = []
         for v in it.preempted:
             if v.evicted == "swap":
                 self.swaps += 1
+                copies.append(("d2h", (v.context - 1) * slot))
                 if self.kv_ptr is not None:
                     self.swapped[v] = self._kv()[:, self.slots[v][:v.context - 1]].copy()
             else:
@@ -174,11 +179,13 @@ class GenerationEngine:
         for r, phase in zip(it.requests, it.phases):
             if phase in ("prefill", "swap-in", "recompute"):
                 self.slots[r] = [self.free_slots.popleft() for _ in range(r.max_tokens)]
-                if phase == "swap-in" and r in self.swapped:
+            if phase == "swap-in":
+                copies.append(("h2d", (r.context - 1) * slot))
+                if r in self.swapped:
                     saved = self.swapped.pop(r)
                     self._kv()[:, self.slots[r][:saved.shape[1]]] = saved
         contexts = [self._first(r, ph) + n for r, ph, n in zip(it.requests, it.phases, it.n_tokens)]
-        return transformer_iteration(self.cfg, it.n_tokens, contexts)
+        return replace(transformer_iteration(self.cfg, it.n_tokens, contexts), copies=tuple(copies))
 
     def _first(self, r: GenRequest, phase: str) -> int:
         """Position of the first token this iteration processes for ``r``."""

@@ -40,10 +40,13 @@ class Launch:
 
 @dataclass
 class StepKernels:
-    """The kernels of one step variant and the launches it makes, in order."""
+    """The kernels of one step variant and the launches it makes, in order; ``copies``
+    (``("d2h" | "h2d", bytes)``) go first on the same stream, so the kernels wait for
+    them (a KV cache swapped out for this step's newcomers, or back in)."""
     name: str
     kernels: list[KernelInfo]
     launches: list[Launch]
+    copies: tuple[tuple[str, int], ...] = ()
 
     def repeated(self, n: int, name: str | None = None) -> "StepKernels":
         """The same launches ``n`` times (a padded graph of ``n`` cells)."""

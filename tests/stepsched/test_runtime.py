@@ -108,6 +108,11 @@ def test_a_vanishing_client_frees_its_slots_and_the_others_go_on():
 @pytest.mark.parametrize("how", ["swap", "recompute"])
 def test_preempted_request_resumes_in_place_with_the_same_tokens(how):
     d = dispatcher()
+    copied = []
+    for name in ("memcpy_dtoh", "memcpy_htod"):
+        real = getattr(d.device, name)
+        setattr(d.device, name, lambda dst, src, *a, real=real, name=name, **kw: (
+            copied.append((name, (dst if name == "memcpy_dtoh" else src).nbytes)), real(dst, src, *a, **kw))[1])
     eng = GenerationEngine(d, CFG, max_bs=4, n_slots=20, weights=W, priorities=True, preempt=True)
     eng.preempt_cost = lambda r: how
     eng.sched.preempt_cost = eng.preempt_cost
@@ -117,6 +122,14 @@ def test_preempted_request_resumes_in_place_with_the_same_tokens(how):
     urgent = eng.submit([9, 9], 3, priority=1)              # 5 slots: b (last in line) yields
     eng.runtime.drive([])
     assert (eng.swaps, eng.recomputes) == ((1, 0) if how == "swap" else (0, 1))
+    # a swap moves b's cached tokens (prompt 3 + its tokens so far - 1) out and back in
+    kv_copies = [c for c in copied if c[1] % CFG.kv_bytes_per_slot() == 0 and c[1] > 8]
+    if how == "swap":
+        n = kv_copies[0][1] // CFG.kv_bytes_per_slot()
+        assert kv_copies == [("memcpy_dtoh", n * CFG.kv_bytes_per_slot()),
+                             ("memcpy_htod", n * CFG.kv_bytes_per_slot())] and n >= 3 + 3 - 1
+    else:
+        assert kv_copies == []
     assert urgent.times[-1] < b.times[-1]
     assert b.tokens == generate_reference(CFG, W, [5, 2, 8], 7)
     assert a.tokens == generate_reference(CFG, W, [3, 7, 1, 9], 6)
