@@ -245,3 +245,16 @@ def test_cancelling_a_swapped_out_request_drops_its_host_copy():
     assert a.tokens == generate_reference(CFG, W, [3, 7, 1, 9], 6)
     assert urgent.tokens == generate_reference(CFG, W, [9, 9], 8)
     assert len(eng.free_slots) == 20 and eng.sched.n_rsrv == 0
+
+
+def test_two_batches_in_flight_orca_pipeline_keeps_tokens_exact():
+    d = dispatcher()
+    eng = GenerationEngine(d, CFG, max_bs=2, n_slots=64, weights=W, n_workers=2)
+    prompts = [[1, 2], [3, 4, 5], [6], [7, 8, 9, 10]]
+    streams = [eng.submit(p, 5, kick=False) for p in prompts]
+    eng.runtime.kick()
+    assert eng.sched.n_scheduled == 2            # AB and CD in flight together
+    eng.runtime.drive([])
+    for p, s in zip(prompts, streams):
+        assert s.tokens == generate_reference(CFG, W, p, 5)
+    assert eng.runtime.stats.tasks == 10 and eng.sched.n_scheduled == 0
