@@ -18,6 +18,7 @@ EXPERIMENTS = [
     "paella.experiments.cellular",
     "paella.experiments.orca",
     "paella.experiments.report",
+    "paella.experiments.batching",
 ]
 
 
