@@ -59,8 +59,8 @@ def lstm_kernels(gpu_arch: str = "sm_75") -> dict:
     """The LSTM cell's kernels per batch size (compiled once, then cached)."""
     from paella.bundle import DEFAULT_ZOO_DIR
     from paella.models.rnn import lstm_cell
-    from paella.stepsched.step_kernels import compile_step, from_bundle
-    return {b: from_bundle(compile_step(lstm_cell, b, DEFAULT_ZOO_DIR / "steps")) for b in BSIZES}
+    from paella.stepsched.step_kernels import compile_steps
+    return compile_steps(lstm_cell, BSIZES, DEFAULT_ZOO_DIR / "steps")
 
 
 def run_point(system: str, rate: float, lengths: np.ndarray, kernels: dict, *, seed: int = 1,

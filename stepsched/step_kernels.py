@@ -2,8 +2,8 @@
 
 Two sources, one shape (:class:`StepKernels`: kernel records plus the launch order):
 
-* :func:`from_bundle` -- a compiled step (an RNN cell at one batch size, built by
-  ``paella compile`` with :func:`compile_step`): TVM's own kernels, their grids, FLOPs and
+* :func:`from_bundle` -- a compiled step (an RNN cell at one batch size: one variant of
+  the bundle :func:`compile_steps` builds): TVM's own kernels, their grids, FLOPs and
   bytes, in the order the Relax VM launches them. The simulated GPU times them with its
   cost model like any bundle's.
 * :func:`transformer_iteration` -- a transformer iteration under selective batching,
@@ -13,15 +13,15 @@ Two sources, one shape (:class:`StepKernels`: kernel records plus the launch ord
   kernel does). FLOPs and bytes are counted from the shapes; the GEMM tiling (64 x 64
   tiles, 256 threads, 64 registers) is a typical cuBLAS-like choice, labelled as such.
 
-The per-batch-size compile sits behind :func:`compile_step` alone, so moving it to the
-batching layer's bundle variants (``paella compile --batch-sizes``) is a one-line change.
+Steps are compiled per batch size as the variants of one bundle (the batching layer's
+``paella compile --batch-sizes``), by :func:`compile_steps` alone.
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 from paella.dispatcher.devices.base import KernelInfo
 
@@ -53,14 +53,20 @@ class StepKernels:
         return StepKernels(name or f"{self.name}x{n}", self.kernels, self.launches * n)
 
 
-def compile_step(make: Callable[[int], Any], batch: int, out_dir: str | Path) -> Any:
-    """Compile the step ``make(batch)`` (a ModelDef) and load its bundle. The one place
-    a step is compiled per batch size (the compile cache makes repeats free)."""
+def compile_steps(make: Callable[[int], Any], batches: Sequence[int], out_dir: str | Path) -> dict[int, StepKernels]:
+    """Compile the step ``make(batch)`` (a ModelDef) at every batch size as one bundle of
+    variants (the batching layer's ``paella compile --batch-sizes``; the compile cache
+    makes repeats free) and return each variant's kernels by batch size."""
     from paella.bundle import load_bundle
     from paella.compiler_pass.build import compile_bundle
-    m = make(batch)
+    models = []
+    for b in batches:
+        m = make(b)
+        m.batch = b
+        models.append(m)
     Path(out_dir).mkdir(parents=True, exist_ok=True)
-    return load_bundle(compile_bundle(m, Path(out_dir) / m.name))
+    bundle = load_bundle(compile_bundle(models, Path(out_dir) / models[0].name))
+    return {b: from_bundle(bundle, i) for i, b in enumerate(batches)}
 
 
 def from_bundle(bundle: Any, variant: int = 0) -> StepKernels:
@@ -69,7 +75,7 @@ def from_bundle(bundle: Any, variant: int = 0) -> StepKernels:
                for k in v.kernels]
     launches = [Launch(op.kernel, tuple(op.grid), tuple(op.block), op.dyn_smem)
                 for op in v.plan if op.op == "launch"]
-    return StepKernels(bundle.model, kernels, launches)
+    return StepKernels(f"{bundle.model}/{v.name}", kernels, launches)
 
 
 def _gemm(name: str, m: int, k: int, n: int) -> tuple[KernelInfo, Launch]:

@@ -5,7 +5,7 @@ import pytest
 
 from paella.experiments import cellular, orca
 from paella.models.rnn import RNNConfig, lstm_cell
-from paella.stepsched.step_kernels import compile_step, from_bundle
+from paella.stepsched.step_kernels import compile_steps
 
 
 def test_wmt_like_lengths_have_the_papers_mean_and_maximum():
@@ -33,8 +33,7 @@ def test_throughput_at_equal_latency_interpolates_along_the_sweep():
 @pytest.fixture(scope="module")
 def tiny_lstm(tmp_path_factory):
     root = tmp_path_factory.mktemp("cells")
-    return {b: from_bundle(compile_step(lambda n: lstm_cell(n, RNNConfig.tiny()), b, root))
-            for b in (1, 2, 4, 8)}
+    return compile_steps(lambda n: lstm_cell(n, RNNConfig.tiny()), (1, 2, 4, 8), root)
 
 
 def test_cellular_beats_graph_batching_on_variable_lengths(tiny_lstm, monkeypatch):

@@ -12,7 +12,7 @@ from paella.models.rnn import RNNConfig, lstm_cell
 from paella.stepsched.cell_scheduler import CellType, CellularScheduler
 from paella.stepsched.generation import GenerationEngine, GenerationError
 from paella.stepsched.graph import unfold_chain
-from paella.stepsched.step_kernels import compile_step, from_bundle
+from paella.stepsched.step_kernels import compile_steps
 from paella.stepsched.padding import PaddingBatcher
 from paella.stepsched.runtime import StepRuntime
 
@@ -28,7 +28,7 @@ def dispatcher(policy="paella"):
 @pytest.fixture(scope="module")
 def lstm_kernels(tmp_path_factory):
     root = tmp_path_factory.mktemp("lstm")
-    return {b: from_bundle(compile_step(lambda n: lstm_cell(n, RNNConfig.tiny()), b, root)) for b in (1, 2, 4)}
+    return compile_steps(lambda n: lstm_cell(n, RNNConfig.tiny()), (1, 2, 4), root)
 
 
 class Kernels(Instrument):
@@ -186,8 +186,8 @@ def test_seq2seq_encoder_and_decoder_cells_batch_separately_decoders_first(tmp_p
     from paella.models.rnn import decoder_cell, encoder_cell
     from paella.stepsched.graph import unfold_seq2seq
     cfg = RNNConfig.tiny()
-    k = {"encoder": from_bundle(compile_step(lambda n: encoder_cell(n, cfg), 2, tmp_path)),
-         "decoder": from_bundle(compile_step(lambda n: decoder_cell(n, cfg), 2, tmp_path))}
+    k = {"encoder": compile_steps(lambda n: encoder_cell(n, cfg), (2,), tmp_path)[2],
+         "decoder": compile_steps(lambda n: decoder_cell(n, cfg), (2,), tmp_path)[2]}
     d = dispatcher()
     log = []
     sch = CellularScheduler([CellType("encoder", (2,), priority=0), CellType("decoder", (2,), priority=1)], 1)
