@@ -16,6 +16,8 @@ EXPERIMENTS = [
     "paella.experiments.overhead",
     "paella.experiments.windtunnel",
     "paella.experiments.nimble",
+    "paella.experiments.cellular",
+    "paella.experiments.orca",
     "paella.experiments.report",
     "paella.experiments.batching",
 ]

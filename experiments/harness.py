@@ -234,6 +234,13 @@ def saturated(point: dict, tolerance: float = 0.9) -> bool:
     return point["throughput"] < tolerance * point["offered"]
 
 
+def run_experiment(run: Callable[[Any], dict], plot: Callable[[dict, str], None], args: Any) -> int:
+    """An experiment's ``main``: ``run(args)``, then :func:`write_outputs`; exit status 0."""
+    t0 = time.perf_counter()
+    write_outputs(run(args), args, plot, t0)
+    return 0
+
+
 def write_outputs(data: dict, args: Any, plot: Callable[[dict, str], None], t0: float) -> None:
     """Print the summary, then end as every experiment does (:func:`cli.finish`: the
     running time since ``t0``, ``time.perf_counter()`` at the start, into

@@ -15,6 +15,8 @@ from typing import Callable
 from paella.experiments.harness import saturated
 from paella.experiments.sched_delay import PYTHON_DECISION_US
 from paella.experiments.nimble import report_section as _nimble
+from paella.experiments.cellular import report_section as _cellular
+from paella.experiments.orca import report_section as _orca
 from paella.experiments.windtunnel import report_section as _windtunnel
 
 FIGURES = Path("docs/figures")
@@ -536,6 +538,11 @@ SECTIONS: list[tuple[str, str, str, Callable[[dict], list[str]]]] = [
     ("nimble", "Nimble: multi-stream launch plans (Table 3.1)",
      "paella experiment nimble --json docs/figures/nimble.json --plot docs/figures/nimble.png",
      _nimble),
+    ("cellular", "Cellular batching: BatchMaker's LSTM (Figures 8 and 11)",
+     "paella experiment cellular --quick --json docs/figures/cellular.json --plot docs/figures/cellular.png",
+     _cellular),
+    ("orca", "Iteration-level scheduling: Orca (Figure 4.8)",
+     "paella experiment orca --quick --json docs/figures/orca.json --plot docs/figures/orca.png", _orca),
 ]
 
 

@@ -1,0 +1,229 @@
+"""``paella experiment orca``: iteration-level scheduling against request-level batching
+(the Orca chapter's Figure 4.8), on the step runtime.
+
+Setting. A GPT-2-small-shaped decoder (d 768, 12 layers, 12 heads, vocabulary 50257)
+on the simulated GPU (``--gpu``, default V100), every iteration one job of the kernel
+scheduler with the selectively batched kernels of :func:`paella.stepsched.step_kernels.
+transformer_iteration` (dense kernels over the batch's flattened tokens, one ragged
+attention launch). The trace is the chapter's: prompts uniform in 32-512 tokens, output
+lengths uniform in 1-128, Poisson arrivals swept. Timing only: no weights, the outputs'
+lengths are the trace's (the functional path is tested in tests/stepsched).
+
+* ``orca``: Algorithm 2 with ``--max-bs`` (default 32) and the KV cache's slots
+  (``--slots``, default 32768: 2.4 GB of fp32 keys and values);
+* ``request``: request-level batching, FasterTransformer behind a server that takes at
+  most ``--max-bs`` requests from its queue when idle and runs them to completion
+  (prompts padded to the longest, as many iterations as the longest output).
+
+Metrics, per the chapter: median end-to-end latency normalized by each request's number
+of generated tokens, against throughput. ``summary.throughput_ratio_at_equal_latency``:
+the chapter matches a median normalized latency of twice Orca's normalized execution
+time (190 ms for its 175B model); here the level is twice Orca's median normalized
+latency at the lowest load swept, and each system's throughput at that level is
+interpolated along its sweep. ``summary.ttft_ms`` and ``summary.inter_token_ms`` give
+time to first token and the gaps between tokens at p50 and p99 at a moderate load (half
+of request-level batching's peak). Request-level batching streams nothing: its first
+token arrives with the last.
+"""
+from __future__ import annotations
+
+import argparse
+
+import numpy as np
+
+#: The chapter's headline: 36.9x throughput at a median normalized latency of 190 ms
+#: (GPT-3 175B on 16 A100s, against FasterTransformer).
+PAPER = {"throughput_ratio_at_equal_latency": 36.9, "latency_level_ms": 190,
+         "model": "GPT-3 175B, 16 A100 GPUs"}
+FULL_RATES = [5, 10, 20, 30, 40, 60, 80, 100, 130, 160, 200]
+QUICK_RATES = [5, 15, 30, 60, 100, 160]
+
+
+def trace(n: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return rng.integers(32, 513, n), rng.integers(1, 129, n)
+
+
+def run_point(system: str, rate: float, prompts: np.ndarray, outs: np.ndarray, *, max_bs: int,
+              n_slots: int, seed: int = 1, gpu: str = "v100", warmup: float = 0.1) -> dict:
+    from paella.dispatcher.core import Dispatcher
+    from paella.dispatcher.devices.sim import SimDevice
+    from paella.experiments.cellular import poisson_arrivals
+    from paella.models.gpt import GPTConfig
+    from paella.stepsched.generation import GenerationEngine
+    from paella.stepsched.iteration_scheduler import GenRequest
+    from paella.stepsched.step_kernels import request_level_generation
+    from paella.stepsched.padding import RequestBatcher
+    from paella.stepsched.runtime import StepRuntime
+
+    cfg = GPTConfig.gpt2_small()
+    dev = SimDevice(gpu, n_streams=64, seed=seed)
+    d = Dispatcher(dev, "paella", profile_runs=0)
+    n = len(prompts)
+    arrivals = poisson_arrivals(rate, n, seed)
+    first = np.full(n, np.nan)
+    done = np.full(n, np.nan)
+    gaps: list[float] = []
+    if system == "orca":
+        eng = GenerationEngine(d, cfg, max_bs=max_bs, n_slots=n_slots)
+        streams = {}
+
+        def arrive(i: int) -> None:
+            streams[i] = eng.submit([0] * int(prompts[i]), int(outs[i]), out_len=int(outs[i]), kick=False)
+
+        eng.runtime.drive([(float(a), i) for i, a in enumerate(arrivals)], on_arrival=arrive)
+        for i, s in streams.items():
+            first[i], done[i] = s.times[0], s.times[-1]
+            gaps.extend(np.diff(s.times))
+        stats = eng.runtime.stats.to_dict()
+    elif system == "request":
+        reqs = [GenRequest(i, int(p), int(p) + int(o), int(o), float(a))
+                for i, (p, o, a) in enumerate(zip(prompts, outs, arrivals))]
+        rt = StepRuntime(d, RequestBatcher(max_bs),
+                         lambda t: request_level_generation(cfg, [r.prompt_len for r in t.requests],
+                                                            [r.limit for r in t.requests]), name="ft")
+        rt.drive([(r.arrival, r) for r in reqs])
+        for r in reqs:
+            first[r.req_id] = done[r.req_id] = rt.finished[r]
+        stats = rt.stats.to_dict()
+    else:
+        raise ValueError(f"unknown system {system!r}; use orca or request")
+    keep = slice(int(n * warmup), n)
+    lat = done[keep] - arrivals[keep]
+    norm = lat / outs[keep]
+    span = np.nanmax(done[keep]) - arrivals[keep][0]
+    ttft = (first[keep] - arrivals[keep]) * 1e3
+    out = {"system": system, "offered": rate, "throughput": float((n - keep.start) / span),
+           "median_norm_latency_ms": float(np.median(norm) * 1e3),
+           "p50_ms": float(np.median(lat) * 1e3), "p99_ms": float(np.percentile(lat, 99) * 1e3),
+           "ttft_p50_ms": float(np.percentile(ttft, 50)), "ttft_p99_ms": float(np.percentile(ttft, 99)),
+           **stats}
+    if gaps:
+        g = np.array(gaps) * 1e3
+        out.update(inter_token_p50_ms=float(np.percentile(g, 50)), inter_token_p99_ms=float(np.percentile(g, 99)))
+    return out
+
+
+def throughput_at(points: list[dict], level_ms: float) -> float:
+    """The throughput a system sustains with its median normalized latency at
+    ``level_ms``: interpolated between the last point under it and the next (by load)."""
+    pts = sorted(points, key=lambda p: p["offered"])
+    best = 0.0
+    for a, b in zip([None] + pts, pts):
+        if b["median_norm_latency_ms"] <= level_ms:
+            best = max(best, b["throughput"])
+        elif a is not None and a["median_norm_latency_ms"] <= level_ms:
+            f = (level_ms - a["median_norm_latency_ms"]) / (b["median_norm_latency_ms"] - a["median_norm_latency_ms"])
+            best = max(best, a["throughput"] + f * (b["throughput"] - a["throughput"]))
+            break
+        else:
+            break
+    return best
+
+
+def sweep(system: str, rates: list[float], prompts, outs, **kw) -> list[dict]:
+    pts = []
+    for r in rates:
+        p = run_point(system, r, prompts, outs, **kw)
+        print(f"  {system:8s} {r:6.0f} req/s offered: {p['throughput']:6.1f} served, median normalized "
+              f"latency {p['median_norm_latency_ms']:7.2f} ms, mean batch {p['mean_batch']:.1f}", flush=True)
+        pts.append(p)
+    return pts
+
+
+def run(args: argparse.Namespace) -> dict:
+    rates = QUICK_RATES if args.quick else FULL_RATES
+    n = args.requests or (150 if args.quick else 400)
+    prompts, outs = trace(n, args.seed)
+    kw = dict(max_bs=args.max_bs, n_slots=args.slots, seed=args.seed, gpu=args.gpu)
+    data: dict = {"setting": {"gpu": args.gpu, "model": "GPT-2 small shapes (d 768, 12 layers)",
+                              "max_bs": args.max_bs, "n_slots": args.slots, "requests_per_point": n,
+                              "rates": rates, "prompts": "U(32, 512)", "outputs": "U(1, 128)"},
+                  "paper": PAPER}
+    data["sweeps"] = {s: sweep(s, rates, prompts, outs, **kw) for s in ("orca", "request")}
+    level = 2 * min(data["sweeps"]["orca"], key=lambda p: p["offered"])["median_norm_latency_ms"]
+    at = {s: throughput_at(pts, level) for s, pts in data["sweeps"].items()}
+    moderate = 0.5 * max(p["throughput"] for p in data["sweeps"]["request"])
+    print(f"moderate load (half of request-level batching's peak): {moderate:.1f} req/s", flush=True)
+    mod = {s: run_point(s, moderate, prompts, outs, **kw) for s in ("orca", "request")}
+    data["moderate"] = mod
+    ratio = at["orca"] / at["request"] if at["request"] > 0 else None
+    data["summary"] = {
+        "throughput_ratio_at_equal_latency": round(ratio, 3) if ratio is not None else None,
+        "latency_level_ms": round(level, 3),
+        "throughput_at_level": {s: round(v, 2) for s, v in at.items()},
+        "peak_throughput": {s: round(max(p["throughput"] for p in pts), 2) for s, pts in data["sweeps"].items()},
+        "moderate_load": round(moderate, 2),
+        "ttft_ms": {s: {"p50": round(m["ttft_p50_ms"], 2), "p99": round(m["ttft_p99_ms"], 2)} for s, m in mod.items()},
+        "inter_token_ms": {"orca": {"p50": round(mod["orca"]["inter_token_p50_ms"], 3),
+                                    "p99": round(mod["orca"]["inter_token_p99_ms"], 3)},
+                           "request": None},
+    }
+    return data
+
+
+def plot(data: dict, path: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from paella.experiments.cli import save_figure
+    fig, ax = plt.subplots(figsize=(5.5, 3.8))
+    for s, pts in data["sweeps"].items():
+        ax.plot([p["throughput"] for p in pts], [p["median_norm_latency_ms"] for p in pts], "o-", label=s)
+    ax.axhline(data["summary"]["latency_level_ms"], color="grey", ls=":", label="equal-latency level")
+    ax.set_xlabel("throughput (req/s)")
+    ax.set_ylabel("median normalized latency (ms/token)")
+    ax.set_yscale("log")
+    ax.set_title("GPT-2 small shapes, U(32,512) in, U(1,128) out")
+    ax.legend()
+    save_figure(fig, path)
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    from paella.experiments.cli import add_common
+    p = sub.add_parser("orca", help="Orca: iteration-level scheduling vs request-level batching (GPT)")
+    add_common(p)
+    p.add_argument("--gpu", default="v100", help="simulated GPU preset (default v100)")
+    p.add_argument("--max-bs", type=int, default=32, help="max batch size of both systems (default 32)")
+    p.add_argument("--slots", type=int, default=32768, help="Orca's KV slots (default 32768)")
+    p.add_argument("--requests", type=int, default=0, help="requests per load point (default 400; 150 with --quick)")
+    p.set_defaults(func=main)
+
+
+def main(args: argparse.Namespace) -> int:
+    from paella.experiments.harness import run_experiment
+    return run_experiment(run, plot, args)
+
+
+def report_section(d: dict) -> list[str]:
+    """The Orca section of docs/EXPERIMENTS.md, every figure read from ``d``."""
+    s, st, p = d["summary"], d["setting"], d["paper"]
+    r = s["throughput_ratio_at_equal_latency"]
+    ratio = f"**{r:.1f}x**" if r is not None else "n/a (request-level batching never reaches the level)"
+    t, it = s["ttft_ms"], s["inter_token_ms"]["orca"]
+    return [
+        f"{st['model']} on a simulated {st['gpu']}; prompts {st['prompts']}, outputs {st['outputs']}; "
+        f"max batch {st['max_bs']} for both systems; {st['n_slots']} KV slots; "
+        f"{st['requests_per_point']} requests per point.", "",
+        "| | this project | paper (Orca) |", "|---|---:|---:|",
+        f"| throughput at equal median normalized latency, Orca over request-level "
+        f"(`summary.throughput_ratio_at_equal_latency`) | {ratio} at {s['latency_level_ms']:.2f} ms/token "
+        f"({s['throughput_at_level']['orca']:.1f} vs {s['throughput_at_level']['request']:.1f} req/s) | "
+        f"{p['throughput_ratio_at_equal_latency']}x at {p['latency_level_ms']} ms/token ({p['model']}) |",
+        f"| peak throughput, Orca / request-level | {s['peak_throughput']['orca']:.1f} / "
+        f"{s['peak_throughput']['request']:.1f} req/s | - |",
+        f"| time to first token p50 / p99 at {s['moderate_load']:.1f} req/s, Orca | "
+        f"{t['orca']['p50']:.1f} / {t['orca']['p99']:.1f} ms | - |",
+        f"| time to first token p50 / p99, request-level (= its latency: nothing streams) | "
+        f"{t['request']['p50']:.1f} / {t['request']['p99']:.1f} ms | - |",
+        f"| inter-token latency p50 / p99, Orca | {it['p50']:.2f} / {it['p99']:.2f} ms | - |", "",
+        "- The ratio is smaller than the chapter's 36.9x: its 175B model on two pipeline stages let "
+        "FasterTransformer's batches idle a whole stage, and its baseline peaked at 0.185 req/s; here one "
+        "GPU runs a 124M-parameter model, where request-level batching loses only to padding (prompts to "
+        "the longest, outputs to the longest) and to requests waiting for the running batch to end.",
+        "- The latency level is twice Orca's median normalized latency at the lowest load swept; the "
+        "chapter took twice Orca's normalized execution time in its microbenchmark, the same idea "
+        "measured on the same curve.",
+        "- The chapter reports no TTFT or inter-token figures; the rows are ours alone.",
+    ]

@@ -1,0 +1,226 @@
+"""Orca on the step runtime: a GPT served iteration by iteration, its KV cache in device
+memory, tokens streamed as each iteration completes.
+
+:class:`GenerationEngine` owns the physical KV slots: one device allocation of
+``n_slots`` slots (:meth:`GPTConfig.kv_bytes_per_slot` bytes each). The iteration
+scheduler reserves ``max_tokens`` slots logically on a request's first iteration; the
+engine hands it that many physical slots then (the reservation guarantees they are
+free), and takes them back when the request finishes, is preempted or its client goes
+away.
+
+Each iteration is one job (:class:`~.runtime.StepRuntime`) whose kernels are the
+selectively batched transformer iteration (:func:`~.step_kernels.transformer_iteration`); with
+weights given, its last kernel's functional effect runs the iteration
+(:func:`paella.models.gpt.selective_iteration`) on the KV cache in simulated device
+memory and the next tokens come out of it.
+
+Preemption (when enabled) picks, per victim, the cheaper way to give its slots up:
+*swap* (copy its cached keys and values to host memory and back: ``2 x bytes / pcie_bw``)
+or *recompute* (drop them; one prefill over its prompt and its tokens so far:
+``2 x parameters x tokens / peak_flops``). A swap's copies are the iteration job's first
+operations (device to host for the victims, host to device for a request swapping back
+in), timed by the simulated copy engines; the bytes themselves move at the iteration's
+submission (the functional state).
+
+``max_tokens`` in :meth:`submit` and :meth:`generate` counts *generated* tokens (as in
+vLLM's and OpenAI's APIs); the scheduler's Orca-style reservation is the prompt plus that.
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field, replace
+from typing import Callable, Iterator
+
+import numpy as np
+
+from paella.dispatcher.core import Dispatcher
+from paella.models.gpt import GPTConfig, selective_iteration
+
+from .iteration_scheduler import GenRequest, Iteration, IterationScheduler
+from .step_kernels import StepKernels, transformer_iteration
+from .runtime import StepRuntime
+
+
+class GenerationError(ValueError):
+    """A request the engine refuses (bad token ids, too long, too big for the cache)."""
+
+
+@dataclass(eq=False)
+class Stream:
+    """A request's tokens as they come, with the device time of each."""
+    req: GenRequest
+    prompt: list[int]
+    tokens: list[int] = field(default_factory=list)
+    times: list[float] = field(default_factory=list)
+    t_submit: float = 0.0
+    done: bool = False
+    cancelled: bool = False
+    on_token: Callable[[int], None] | None = None
+
+
+class GenerationEngine:
+    def __init__(self, disp: Dispatcher, cfg: GPTConfig, *, max_bs: int, n_slots: int,
+                 weights: dict[str, np.ndarray] | None = None, name: str = "gpt",
+                 priorities: bool = False, fairness_threshold: float | None = None,
+                 preempt: bool = False, n_workers: int = 1, cpu_scale: float = 0.0):
+        self.disp, self.dev, self.cfg = disp, disp.device, cfg
+        self.weights = weights
+        self.n_slots = n_slots
+        self.sched = IterationScheduler(max_bs, n_slots, n_workers=n_workers, priorities=priorities,
+                                        fairness_threshold=fairness_threshold, preempt=preempt,
+                                        preempt_cost=self.preempt_cost)
+        self.runtime = StepRuntime(disp, self.sched, self._kernels, name=name, n_workers=n_workers,
+                                   client_of=lambda r: r.user,
+                                   effect=self._effect if weights is not None else None,
+                                   on_task_done=self._after, cpu_scale=cpu_scale)
+        self.kv_ptr = None
+        if weights is not None:
+            nbytes = n_slots * cfg.kv_bytes_per_slot()
+            self.kv_ptr = self.dev.alloc(nbytes)
+            self.dev.memory.view(self.kv_ptr, nbytes)[:] = 0
+        self.free_slots: deque[int] = deque(range(n_slots))
+        self.slots: dict[GenRequest, list[int]] = {}
+        self.swapped: dict[GenRequest, np.ndarray] = {}
+        self.streams: dict[GenRequest, Stream] = {}
+        self.swaps = self.recomputes = 0
+
+    # ---- client side ---------------------------------------------------------------------
+    def submit(self, prompt: list[int], max_tokens: int, *, out_len: int | None = None, user: int = 0,
+               priority: int = 0, on_token: Callable[[int], None] | None = None,
+               kick: bool = True) -> Stream:
+        """Queue a generation of up to ``max_tokens`` tokens (``out_len``: where the
+        workload's EOS falls, for timing-only runs without weights)."""
+        prompt = list(prompt)
+        if not prompt:
+            raise GenerationError("the prompt is empty; send at least one token id")
+        if type(max_tokens) is not int or max_tokens < 1:
+            raise GenerationError(f"max_tokens must be an int >= 1, got {max_tokens!r}")
+        if self.weights is not None:
+            bad = [t for t in prompt if type(t) is not int or not 0 <= t < self.cfg.vocab]
+            if bad:
+                raise GenerationError(f"token id {bad[0]!r} is outside the vocabulary [0, {self.cfg.vocab})")
+        total = len(prompt) + max_tokens
+        if total > self.cfg.n_ctx:
+            raise GenerationError(f"prompt ({len(prompt)}) + max_tokens ({max_tokens}) = {total} exceeds "
+                                  f"the model's context of {self.cfg.n_ctx} tokens")
+        if total > self.n_slots:
+            raise GenerationError(f"prompt + max_tokens = {total} exceeds the KV cache's {self.n_slots} slots")
+        now = self.dev.now()
+        req = GenRequest(object(), len(prompt), total, out_len, now, user, priority)
+        s = Stream(req, prompt, t_submit=now, on_token=on_token)
+        self.streams[req] = s
+        self.runtime.add(req, kick=kick)
+        return s
+
+    def generate(self, prompt_ids: list[int], max_tokens: int, **options) -> Iterator[int]:
+        """Yield the tokens of one generation as the iterations that make them complete
+        (virtual time: this drives the dispatcher until the next token)."""
+        s = self.submit(prompt_ids, max_tokens, **options)
+        given = 0
+        while True:
+            if given < len(s.tokens):
+                yield s.tokens[given]
+                given += 1
+                continue
+            if s.done or s.cancelled:
+                return
+            self.runtime.drive([], until=lambda: len(s.tokens) > given or s.done or s.cancelled)
+
+    def cancel(self, s: Stream) -> None:
+        """The client went away: its slots come back (now, or when its running iteration
+        returns) and the rest of the line moves up."""
+        if s.done or s.cancelled:
+            return
+        s.cancelled = True
+        running = s.req.state == "running"
+        self.sched.cancel(s.req)
+        self.swapped.pop(s.req, None)        # a swapped-out cache goes with it
+        if not running:
+            self._free(s.req)
+        self.runtime.kick()
+
+    def cancel_user(self, user: int) -> int:
+        """Cancel every live generation of ``user`` (its connection dropped)."""
+        live = [s for s in self.streams.values() if s.req.user == user and not (s.done or s.cancelled)]
+        for s in live:
+            self.cancel(s)
+        return len(live)
+
+    # ---- preemption cost ------------------------------------------------------------------
+    def preempt_cost(self, r: GenRequest) -> str:
+        p = self.dev.props
+        cfg = self.cfg
+        swap = 2 * r.context * cfg.kv_bytes_per_slot() / p.pcie_bw
+        n_params = cfg.n_layer * 12 * cfg.d * cfg.d + cfg.vocab * cfg.d
+        recompute = 2.0 * n_params * r.context / p.peak_flops
+        return "swap" if swap < recompute else "recompute"
+
+    # ---- step runtime hooks -----------------------------------------------------------------
+    def _kv(self, view=None) -> np.ndarray:
+        cfg = self.cfg
+        nbytes = self.n_slots * cfg.kv_bytes_per_slot()
+        raw = (view or self.dev.memory.view)(self.kv_ptr, nbytes)
+        return raw.view(np.float32).reshape(2 * cfg.n_layer, self.n_slots, cfg.d)
+
+    def _kernels(self, it: Iteration) -> StepKernels:
+        """Called as the iteration is submitted: victims give their slots up first, then
+        requests starting (or resuming) take theirs."""
+        slot = self.cfg.kv_bytes_per_slot()
+        copies = []
+        for v in it.preempted:
+            if v.evicted == "swap":
+                self.swaps += 1
+                copies.append(("d2h", (v.context - 1) * slot))
+                if self.kv_ptr is not None:
+                    self.swapped[v] = self._kv()[:, self.slots[v][:v.context - 1]].copy()
+            else:
+                self.recomputes += 1
+            self._free(v)
+        for r, phase in zip(it.requests, it.phases):
+            if phase in ("prefill", "swap-in", "recompute"):
+                self.slots[r] = [self.free_slots.popleft() for _ in range(r.max_tokens)]
+            if phase == "swap-in":
+                copies.append(("h2d", (r.context - 1) * slot))
+                if r in self.swapped:
+                    saved = self.swapped.pop(r)
+                    self._kv()[:, self.slots[r][:saved.shape[1]]] = saved
+        contexts = [self._first(r, ph) + n for r, ph, n in zip(it.requests, it.phases, it.n_tokens)]
+        return replace(transformer_iteration(self.cfg, it.n_tokens, contexts), copies=tuple(copies))
+
+    def _first(self, r: GenRequest, phase: str) -> int:
+        """Position of the first token this iteration processes for ``r``."""
+        return 0 if phase in ("prefill", "recompute") else r.prompt_len + r.generated - 1
+
+    def _effect(self, it: Iteration, view) -> None:
+        kv = self._kv(view)
+        batch = []
+        for r, phase in zip(it.requests, it.phases):
+            s = self.streams[r]
+            if phase == "prefill":
+                new = s.prompt
+            elif phase == "recompute":
+                new = s.prompt + s.tokens
+            else:
+                new = [s.tokens[-1]]
+            batch.append((new, self._first(r, phase), self.slots[r]))
+        it.result = selective_iteration(self.cfg, self.weights, kv, batch)
+
+    def _after(self, it: Iteration, finished: list) -> None:
+        now = self.dev.now()
+        result = getattr(it, "result", None)
+        for i, r in enumerate(it.requests):
+            s = self.streams[r]
+            if s.cancelled:
+                self._free(r)
+                continue
+            tok = result[i] if result is not None else -1
+            s.tokens.append(tok)
+            s.times.append(now)
+            if s.on_token is not None:
+                s.on_token(tok)
+        for r in finished:
+            self.streams[r].done = True
+            self._free(r)
+
+    def _free(self, r: GenRequest) -> None:
+        self.free_slots.extend(self.slots.pop(r, ()))

@@ -1,0 +1,259 @@
+"""The step scheduler on the kernel scheduler: every batched step is a job.
+
+:class:`StepRuntime` drives a step policy (:class:`~.cell_scheduler.CellularScheduler`,
+:class:`~.iteration_scheduler.IterationScheduler` or the graph-batching baseline
+:class:`~.padding.PaddingBatcher`) against a :class:`~paella.dispatcher.core.Dispatcher`.
+Whenever a worker is idle it asks the policy for tasks and submits each as one job
+(``submit_group``) of the model's step adaptor, with one internal request per request in
+the task, carrying that request's client id. So Paella's policy sees the steps of every
+model sharing the GPU as ordinary jobs (SRPT across models, deficit counters across
+clients), and a client that goes away cancels its part of a running step like any
+request's.
+
+A *worker* is BatchMaker's: a FIFO of tasks of which one is on the GPU at a time
+(tasks of one subgraph depend on each other, and the kernel scheduler may reorder
+independent jobs). ``n_workers`` > 1 keeps that many steps in flight; Algorithm 1's
+pinning keeps dependent steps on one worker.
+
+What a task launches comes from ``kernels_for(task)`` (:mod:`.step_kernels`); what it
+computes, on a device that runs no code, from ``effect(task, view)``, applied in device
+memory when the task's last kernel completes (the simulator's functional effects).
+
+Host cost: with ``cpu_scale`` > 0 the CPU time the step scheduler spends forming a round
+of tasks (``time.thread_time`` around the policy) delays their submission by that much
+virtual time, times ``cpu_scale``, split evenly over the round's tasks (the GPU runs the
+first while the others are formed): BatchMaker's "scheduling and gathering overhead"
+(§7.3), measured on this implementation rather than assumed.
+"""
+from __future__ import annotations
+
+import heapq
+import itertools
+import math
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import numpy as np
+
+from paella.dispatcher import cudart as cuda
+from paella.dispatcher.adaptor import JobAdaptor
+from paella.dispatcher.core import Dispatcher, Request
+from paella.dispatcher.devices.base import Device, ModuleImage
+
+from .step_kernels import StepKernels
+from .timeline import StepPolicy
+
+
+class StepAdaptor(JobAdaptor):
+    """The job adaptor of one model's steps: ``run(io)`` launches the kernels of the
+    task whose id is in ``io`` (modules loaded once per distinct kernel list)."""
+
+    io_bytes = 8
+
+    def __init__(self, name: str, runtime: "StepRuntime"):
+        self.name = name
+        self.runtime = runtime
+        self.device: Device | None = None
+        self._modules: dict[str, dict] = {}
+
+    def init(self, device: Device) -> None:
+        self.device = device
+
+    def _funcs(self, sk: StepKernels) -> dict:
+        funcs = self._modules.get(sk.name)
+        if funcs is None:
+            rt = self.runtime
+            last = sk.launches[-1].kernel
+            effects = {last: lambda view, args: rt._effect(args[0], view) if len(args) == 1 else None}
+            funcs = self.device.load_module(ModuleImage(sk.name, sk.kernels, effects=effects))
+            self._modules[sk.name] = funcs
+        return funcs
+
+    def run(self, io: np.ndarray) -> None:
+        task_id = int(io[:8].view(np.int64)[0])
+        sk = self.runtime._running[task_id].kernels
+        funcs = self._funcs(sk)
+        for kind, nbytes in sk.copies:       # timing of a swap through the copy engines
+            dev_buf, host = cuda.malloc(nbytes), np.empty(nbytes, np.uint8)
+            if kind == "d2h":
+                cuda.memcpy_dtoh(host, dev_buf)
+            else:
+                cuda.memcpy_htod(dev_buf, host)
+        n = len(sk.launches)
+        for i, ln in enumerate(sk.launches):
+            cuda.launch(funcs[ln.kernel], ln.grid, ln.block, dyn_smem=ln.dyn_smem,
+                        args=(task_id,) if i == n - 1 else ())
+        cuda.device_synchronize()
+
+
+@dataclass(eq=False)
+class _InFlight:
+    task: Any
+    kernels: StepKernels
+    left: int
+    cancelled: bool = False
+
+
+@dataclass
+class StepStats:
+    tasks: int = 0
+    rows: int = 0               # request-steps run
+    padded_rows: int = 0        # rows of compiled batch sizes no request filled
+    padded_cells: int = 0       # graph batching: cells run past a request's own length
+    host_seconds: float = 0.0   # scheduler CPU charged
+
+    def to_dict(self) -> dict:
+        return {"tasks": self.tasks, "rows": self.rows, "padded_rows": self.padded_rows,
+                "padded_cells": self.padded_cells,
+                "mean_batch": self.rows / self.tasks if self.tasks else 0.0,
+                "host_us_per_task": 1e6 * self.host_seconds / self.tasks if self.tasks else 0.0}
+
+
+class StepRuntime:
+    def __init__(self, disp: Dispatcher, policy: StepPolicy, kernels_for: Callable[[Any], StepKernels],
+                 *, name: str = "steps", n_workers: int = 1,
+                 client_of: Callable[[Any], int] = lambda req: 0,
+                 effect: Callable[[Any, Callable], None] | None = None,
+                 on_task_done: Callable[[Any, list], None] | None = None,
+                 cpu_scale: float = 0.0):
+        self.disp = disp
+        self.dev = disp.device
+        self.policy = policy
+        self.kernels_for = kernels_for
+        self.client_of = client_of
+        self.effect = effect
+        self.on_task_done = on_task_done
+        self.cpu_scale = cpu_scale
+        self.n_workers = n_workers
+        self.queues = [deque() for _ in range(n_workers)]
+        self.busy = [False] * n_workers
+        self.adaptor = StepAdaptor(name, self)
+        self.model_id = disp.register_model(name, self.adaptor, profile_runs=0)
+        self.finished: dict[Any, float] = {}
+        self.stats = StepStats()
+        self._running: dict[int, _InFlight] = {}
+        self._delayed: list = []            # (ready time, seq, worker, task)
+        self._ids = itertools.count(1)
+        self._seq = itertools.count()
+        self._io = {}
+
+    # ---- requests ----------------------------------------------------------------------
+    def add(self, item: Any, kick: bool = True) -> None:
+        """A request arrives (``kick=False``: more arrive at this instant; call
+        :meth:`kick` after the last, so they can share the first step)."""
+        self.policy.add(item, self.dev.now())
+        if kick:
+            self.kick()
+
+    @property
+    def active(self) -> bool:
+        return bool(self.policy.pending or self._running or self._delayed or any(self.queues))
+
+    # ---- workers -----------------------------------------------------------------------
+    def kick(self) -> None:
+        """Hand tasks to every idle worker (Algorithm 1 runs when a worker is idle)."""
+        now = self.dev.now()
+        for w in range(self.n_workers):
+            if self.busy[w] or self.queues[w]:
+                continue
+            c0 = time.thread_time() if self.cpu_scale else 0.0
+            tasks = self.policy.schedule(w, now)
+            if not tasks:
+                continue
+            spent = (time.thread_time() - c0) * self.cpu_scale if self.cpu_scale else 0.0
+            self.stats.host_seconds += spent
+            # The round's host time is split evenly over its tasks: task i is formed (and
+            # can go to the GPU) after (i + 1) / n of it, while the GPU runs the ones before.
+            k = len(tasks)
+            self.queues[w].extend((now + spent * (i + 1) / k, t) for i, t in enumerate(tasks))
+            self._next(w)
+
+    def _next(self, w: int) -> None:
+        ready_at, task = self.queues[w].popleft()
+        self.busy[w] = True
+        if ready_at > self.dev.now():
+            heapq.heappush(self._delayed, (ready_at, next(self._seq), w, task))
+        else:
+            self._submit(task)
+
+    def release_delayed(self) -> None:
+        now = self.dev.now()
+        while self._delayed and self._delayed[0][0] <= now:
+            _, _, _, task = heapq.heappop(self._delayed)
+            self._submit(task)
+
+    def _submit(self, task: Any) -> None:
+        tid = next(self._ids)
+        reqs = list(task.requests)
+        sk = self.kernels_for(task)
+        run = _InFlight(task, sk, len(reqs))
+        self._running[tid] = run
+        st = self.stats
+        st.tasks += 1
+        st.rows += len(reqs)
+        st.padded_rows += max(0, getattr(task, "batch_size", len(reqs)) - len(reqs))
+        st.padded_cells += getattr(task, "padded_cells", 0)
+        io = np.zeros(8, np.uint8)
+        io.view(np.int64)[0] = tid
+        group = [Request(tid * 100000 + i, self.client_of(r), self.model_id, io,
+                         on_complete=lambda q, status, err, tid=tid: self._one_done(tid, status))
+                 for i, r in enumerate(reqs)]
+        self.disp.submit_group(group, io)
+
+    def _effect(self, tid: int, view: Callable) -> None:
+        if self.effect is not None:
+            self.effect(self._running[tid].task, view)
+
+    def _one_done(self, tid: int, status: int) -> None:
+        run = self._running[tid]
+        run.left -= 1
+        if status != 0:
+            run.cancelled = True
+        if run.left:
+            return
+        del self._running[tid]
+        task = run.task
+        now = self.dev.now()
+        done = self.policy.task_done(task, now)
+        for req in done:
+            self.finished[req] = now
+        if self.on_task_done is not None:
+            self.on_task_done(task, done)
+        w = task.worker
+        self.busy[w] = False
+        if self.queues[w]:
+            self._next(w)
+        self.kick()
+
+    # ---- virtual time --------------------------------------------------------------------
+    def drive(self, arrivals: list[tuple[float, Any]], until: Callable[[], bool] | None = None,
+              on_arrival: Callable[[Any], None] | None = None) -> None:
+        """Virtual time: add each item at its time and run until everything has left
+        (or ``until()`` says stop). The clock jumps to the next thing that can happen.
+        ``on_arrival(item)``: what an arrival does instead of ``add(item, kick=False)``
+        (an engine's own submit)."""
+        arrive = on_arrival or (lambda item: self.add(item, kick=False))
+        d, dev = self.disp, self.dev
+        arrivals = sorted(arrivals, key=lambda a: a[0])
+        i, n = 0, len(arrivals)
+        inf = math.inf
+        while i < n or self.active or d.in_flight:
+            if until is not None and until():
+                return
+            now = dev.now()
+            if i < n and arrivals[i][0] <= now:
+                while i < n and arrivals[i][0] <= now:
+                    arrive(arrivals[i][1])
+                    i += 1
+                self.kick()
+            self.release_delayed()
+            d.step()
+            if d.idle:
+                limit = min(arrivals[i][0] if i < n else inf,
+                            self._delayed[0][0] if self._delayed else inf)
+                if limit > dev.now() and not dev.run_until_observed(limit) and limit == inf:
+                    if self.active or d.in_flight:
+                        raise RuntimeError("step runtime stalled: work pending, no device event")
+                    return
