@@ -50,7 +50,8 @@ class DvaConfig:
     stretch: bool = True                      # policy III
     t_comp_wait: float = float("inf")         # policy III's bound (s)
     split: bool = True                        # policy II
-    length_buckets: tuple[int, ...] = ()      # policy I (empty: no length axis)
+    length_buckets: tuple[int, ...] = ()      # the compiled lengths (empty: no length axis)
+    group_lengths: bool = True                # policy I (False: pad a batch to its longest)
     #: stages a query needs (None: all): a query done after fewer stages leaves there
     #: (multi-exit for input diversity, Figure 3 Case-I's short queries).
     stages_of: Callable[[Any], int] | None = None
@@ -130,9 +131,10 @@ class DvaPipeline:
         row = self.table.stretchable()
         if row is None or not may_stretch(row.time, now, self.cfg.t_comp_wait):
             return False
-        if self.cfg.length_buckets and \
-                length_bucket(q.seq_len, self.cfg.length_buckets) != row.seq_len:
-            return False                    # joining would pad it (policy I first)
+        if self.cfg.length_buckets:
+            b = length_bucket(q.seq_len, self.cfg.length_buckets)
+            if b > row.seq_len or (self.cfg.group_lengths and b != row.seq_len):
+                return False                # joining would pad it (policy I first)
         start = row.bs
         self.table.stretch(row.id, [q], row.seq_len, busy=self.executors[0].current)
         self.pool.load_inputs(row.pair, row.row0 + start, 1)
@@ -151,7 +153,11 @@ class DvaPipeline:
             if pair is None:
                 return
             take = self.waiting[:cfg.bs_max]
-            bucket, group = group_by_length(take, cfg.length_buckets)[0]
+            if cfg.group_lengths:
+                bucket, group = group_by_length(take, cfg.length_buckets)[0]
+            else:
+                bucket, group = length_bucket(max(q.seq_len for q in take),
+                                              cfg.length_buckets), take
             ids = {id(q) for q in group}
             self.waiting = [q for q in self.waiting if id(q) not in ids]
             if cfg.stages_of is not None:    # the queries leaving first at the tail
@@ -221,7 +227,12 @@ class DvaPipeline:
         self._kick(now)
 
     def _advance(self, row: BatchRow, stage: int, now: float) -> None:
-        """Early exits, then policy II, before the push to ``stage``."""
+        """Early exits, then policy II, before the push to ``stage`` -- only when the
+        whole batch moves on: late rows of a stretch catching up to where the batch's
+        first rows already are just follow them."""
+        if row.sent[stage]:
+            self.table.forward(row.id, stage)
+            return
         row = self._exit_early(row, stage, now)
         if row is None:
             return
