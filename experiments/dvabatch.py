@@ -16,7 +16,8 @@ of the dispatcher (:class:`paella.dispatcher.batchers.dvabatch.runner.Dispatcher
 * **DVABatch**: the model sliced into stages (:func:`paella.compiler_pass.stages.slice_stages`;
   4 stages, 2 for BERT, the paper's best counts), two buffer pairs, the three policies;
   no batching window, and the stretch bound ``T_comp_wait`` is the first stage's time at
-  batch 1 (a batch takes late queries while in its first stage). The paper gives no
+  batch 1 (a batch takes late queries while in its first stage), and only when the
+  first stage can start the late queries' catch-up at once (``stretch_idle_only``). The paper gives no
   ``T_comp_wait`` and sets policy I's window to the first stage's time at batch 64; both
   made DVABatch slower here (docs/dvabatch.md has the measurements).
 
@@ -141,7 +142,8 @@ def make_config(m: ModelSpec, system: str, window: float = 0.0) -> tuple[DvaConf
         # is in its first stage (Figure 3 Case-III's rule), bounded by the first
         # stage's time at batch 1 of the longest length.
         cfg = DvaConfig(len(stages), stage_time, pairs=2, bs_max=BS_MAX, window=0.0,
-                        t_comp_wait=stage_time(0, 1, m.max_len), length_buckets=m.buckets)
+                        t_comp_wait=stage_time(0, 1, m.max_len), length_buckets=m.buckets,
+                        stretch_idle_only=True)
     else:
         cfg = DvaConfig(1, stage_time, pairs=1, bs_max=BS_MAX, window=window, stretch=False,
                         split=False, length_buckets=m.buckets, group_lengths=False)

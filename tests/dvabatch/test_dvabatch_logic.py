@@ -62,11 +62,19 @@ def test_figure3_case3_load_diversity_8T_to_5_25T():
     qs = lambda: [Query(0, 0.0)] + [Query(i, 5.0) for i in (1, 2, 3)]  # noqa: E731
     single, _ = simulate(baseline(4.0, window=4.0), lambda s, r, l: (4.0, r / 4), qs())
     assert [q.done - q.arrival for q in single] == pytest.approx([8.0] * 4)
-    cfg = DvaConfig(4, lambda s, b, l: 1.0, window=4.0, t_comp_wait=2.0)
-    multi, pipe = simulate(cfg, cost, qs())
-    assert [q.done - q.arrival for q in multi] == pytest.approx([9.0, 4.0, 4.0, 4.0])
-    assert mean_latency(multi) == pytest.approx(5.25)
-    assert pipe.stats.stretch == 3 and pipe.stats.new == 1
+    for idle_only in (False, True):     # the first stage is idle at 5T: both stretch
+        cfg = DvaConfig(4, lambda s, b, l: 1.0, window=4.0, t_comp_wait=2.0,
+                        stretch_idle_only=idle_only)
+        multi, pipe = simulate(cfg, cost, qs())
+        assert [q.done - q.arrival for q in multi] == pytest.approx([9.0, 4.0, 4.0, 4.0])
+        assert mean_latency(multi) == pytest.approx(5.25)
+        assert pipe.stats.stretch == 3 and pipe.stats.new == 1
+    # Arriving at 4.5T, while the first stage still runs query 1: only without the rule.
+    early = lambda: [Query(0, 0.0)] + [Query(i, 4.5) for i in (1, 2, 3)]  # noqa: E731
+    for idle_only, stretches in ((False, 3), (True, 0)):
+        _, pipe = simulate(DvaConfig(4, lambda s, b, l: 1.0, window=4.0, t_comp_wait=2.0,
+                                     stretch_idle_only=idle_only), cost, early())
+        assert pipe.stats.stretch == stretches
     # Past the wait bound no stretch: query 1's batch has run 1T at 5T.
     late, pipe = simulate(DvaConfig(4, lambda s, b, l: 1.0, window=4.0, t_comp_wait=0.5),
                           cost, qs())

@@ -49,6 +49,10 @@ class DvaConfig:
     window: float = 0.0                       # batching window (s) before a *new*
     stretch: bool = True                      # policy III
     t_comp_wait: float = float("inf")         # policy III's bound (s)
+    #: stretch only when the late rows can start their catch-up at once (the first
+    #: stage is idle or about to run the same batch's catch-up): a catch-up queued
+    #: behind other batches holds the stretched batch back as well.
+    stretch_idle_only: bool = False
     split: bool = True                        # policy II
     length_buckets: tuple[int, ...] = ()      # the compiled lengths (empty: no length axis)
     group_lengths: bool = True                # policy I (False: pad a batch to its longest)
@@ -131,6 +135,8 @@ class DvaPipeline:
         row = self.table.stretchable()
         if row is None or not may_stretch(row.time, now, self.cfg.t_comp_wait):
             return False
+        if self.cfg.stretch_idle_only and not self._first_stage_free():
+            return False
         if self.cfg.length_buckets:
             b = length_bucket(q.seq_len, self.cfg.length_buckets)
             if b > row.seq_len or (self.cfg.group_lengths and b != row.seq_len):
@@ -140,6 +146,15 @@ class DvaPipeline:
         self.pool.load_inputs(row.pair, row.row0 + start, 1)
         self.stats.stretch += 1
         return True
+
+    def _first_stage_free(self) -> bool:
+        """The first stage could start a catch-up now: idle, or its queue ends with
+        an item of the newest batch not started yet (the new rows join that item)."""
+        ex, q = self.executors[0], self.table.queues[0]
+        if not q:
+            return ex.state != "working"
+        last = q[-1]
+        return last is not ex.current and last.id == self.table._newest
 
     def _form(self, now: float) -> None:
         """*new*: batches of the waiting queries once the window closed (or a full
