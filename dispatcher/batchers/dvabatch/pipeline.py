@@ -168,8 +168,10 @@ class DvaPipeline:
             if pair is None:
                 return
             take = self.waiting[:cfg.bs_max]
-            if cfg.group_lengths:
-                bucket, group = group_by_length(take, cfg.length_buckets)[0]
+            if cfg.group_lengths:         # the oldest query's group first (no starving)
+                first = length_bucket(take[0].seq_len, cfg.length_buckets)
+                bucket, group = next(g for g in group_by_length(take, cfg.length_buckets)
+                                     if g[0] == first)
             else:
                 bucket, group = length_bucket(max(q.seq_len for q in take),
                                               cfg.length_buckets), take
