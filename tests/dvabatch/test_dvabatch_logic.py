@@ -194,13 +194,13 @@ def test_no_raw_or_war_hazard_between_stages_under_random_load():
     rng = random.Random(5)
     cost = lambda s, rows, l: (case2_time(s, rows) * (1 + l / 64), min(rows / 4, 1.0))  # noqa: E731
     used = set()
-    for pairs in (1, 2, 3):
+    for pairs, buckets in ((1, (16, 64)), (2, (16, 64)), (3, (16, 64)), (2, ())):
         qs, t = [], 0.0
         for i in range(150):
             t += rng.expovariate(3.0)
             qs.append(Query(i, t, seq_len=rng.choice((8, 16, 32, 64))))
         cfg = DvaConfig(4, lambda s, b, l: case2_time(s, b) * (1 + l / 64), pairs=pairs,
-                        bs_max=8, window=0.2, t_comp_wait=1.5, length_buckets=(16, 64))
+                        bs_max=8, window=0.2, t_comp_wait=1.5, length_buckets=buckets)
         done, pipe = simulate(cfg, cost, qs)
         assert all(q.done >= q.arrival for q in done)
         used.update(k for k in ("new", "stretch", "split") if getattr(pipe.stats, k))
