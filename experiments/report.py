@@ -14,6 +14,7 @@ from typing import Callable
 
 from paella.experiments.harness import saturated
 from paella.experiments.sched_delay import PYTHON_DECISION_US
+from paella.experiments.dvabatch import report_section as _dvabatch
 from paella.experiments.windtunnel import report_section as _windtunnel
 
 FIGURES = Path("docs/figures")
@@ -479,6 +480,9 @@ SECTIONS: list[tuple[str, str, str, Callable[[dict], list[str]]]] = [
     ("windtunnel", "WindTunnel: pipelines translated, fine-tuned and served (Tables 5.3-5.5)",
      "paella experiment windtunnel --json docs/figures/windtunnel.json --plot docs/figures/windtunnel.png",
      _windtunnel),
+    ("dvabatch", "DVABatch against ZeroBatch and DelayBatch (DVABatch, Figures 14-16; issue 16)",
+     "paella experiment dvabatch --json docs/figures/dvabatch.json --plot docs/figures/dvabatch.png",
+     _dvabatch),
 ]
 
 
