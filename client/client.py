@@ -39,7 +39,7 @@ from typing import Mapping
 
 import numpy as np
 
-from paella import rings, wire
+from paella import rings, shapes, wire
 from paella.client.arena import ArenaAllocator
 from paella.client.errors import (DaemonError, DaemonGone, DaemonUnavailable, NothingInFlight,
                                   PaellaError, RequestFailed, RingFull, UnknownModel)
@@ -395,32 +395,68 @@ class Client:
             return self.arena[start:start + t.nbytes].view(t.dtype).reshape(t.shape)
         return {t.name: view(t) for t in v.inputs}, {t.name: view(t) for t in v.outputs}
 
+    def shaped_views(self, model: str | int, offset: int, rows: int, seq_len: int = 0
+                     ) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray], int]:
+        """numpy views of the inputs and outputs of a request of ``rows`` rows (and
+        sequence length ``seq_len``) in the region at ``offset``, and the region's size.
+        For models compiled with ``--batch-sizes``: the daemon's batcher groups such
+        requests and the outputs hold exactly these rows. ValueError (a
+        :class:`paella.shapes.ShapeError`) for a shape the model does not take."""
+        slots, nbytes = shapes.request_layout(self.model(model).variants, rows, seq_len)
+
+        def view(t: shapes.Slot) -> np.ndarray:
+            start = offset + t.offset
+            return self.arena[start:start + t.nbytes].view(t.dtype).reshape(t.shape)
+        n_in = len(self.model(model).variants[0].inputs)
+        return ({t.name: view(t) for t in slots[:n_in]},
+                {t.name: view(t) for t in slots[n_in:]}, nbytes)
+
+    def predict_shaped(self, model: str | int, offset: int, rows: int, seq_len: int = 0) -> int:
+        """Submit a request of ``rows`` rows (length ``seq_len``) laid out as
+        :meth:`shaped_views` says, at ``offset``; returns its id."""
+        m = self.model(model)
+        _, nbytes = shapes.request_layout(m.variants, rows, seq_len)
+        return self.predict(m.model_id, nbytes, offset,
+                            shapes.RequestShape(rows, seq_len).options())
+
     def infer(self, model: str | int, inputs: Mapping[str, np.ndarray],
-              variant: int = 0) -> dict[str, np.ndarray]:
+              variant: int = 0, *, rows: int | None = None,
+              seq_len: int = 0) -> dict[str, np.ndarray]:
         """Run one request: place inputs, predict, wait, return copies of the outputs.
 
         Inputs must match the variant's names and shapes exactly (values are cast to
-        the tensor's dtype as numpy assignment does). For zero-copy use, take a region
-        with :meth:`alloc`, fill the views from :meth:`io_views`, and call
-        :meth:`predict` and :meth:`wait` yourself.
+        the tensor's dtype as numpy assignment does). With ``rows`` (models compiled
+        with ``--batch-sizes``), the request carries that many rows (and ``seq_len``)
+        instead, the inputs have that shape, and the daemon batches it with others.
+        For zero-copy use, take a region with :meth:`alloc`, fill the views from
+        :meth:`io_views` (or :meth:`shaped_views`), and call :meth:`predict` (or
+        :meth:`predict_shaped`) and :meth:`wait` yourself.
         """
         m = self.model(model)
-        if not 0 <= variant < len(m.variants):
-            raise ValueError(f"{m.name} has {len(m.variants)} variant(s); no variant {variant}")
-        v = m.variants[variant]
-        names = {t.name for t in v.inputs}
-        if set(inputs) != names:
+        if rows is None:
+            if not 0 <= variant < len(m.variants):
+                raise ValueError(f"{m.name} has {len(m.variants)} variant(s); no variant {variant}")
+            v = m.variants[variant]
+            names, nbytes = [t.name for t in v.inputs], v.io_bytes
+        else:
+            names = [t.name for t in m.variants[0].inputs]
+            nbytes = shapes.request_layout(m.variants, rows, seq_len)[1]
+        if set(inputs) != set(names):
             raise ValueError(f"{m.name} takes inputs {sorted(names)}, got {sorted(inputs)}")
-        off = self._alloc.alloc(v.io_bytes)
+        off = self._alloc.alloc(nbytes)
         try:
-            ins, outs = self.io_views(m.model_id, off, variant)
-            for t in v.inputs:
-                a = np.asarray(inputs[t.name])
-                if a.shape != t.shape:
-                    raise ValueError(f"{m.name} input {t.name!r} must have shape {t.shape} "
-                                     f"({t.dtype}), got {a.shape}")
-                ins[t.name][...] = a
-            req_id = self.predict(m.model_id, v.io_bytes, off, variant)
+            if rows is None:
+                ins, outs = self.io_views(m.model_id, off, variant)
+            else:
+                ins, outs, _ = self.shaped_views(m.model_id, off, rows, seq_len)
+            for name, view in ins.items():
+                a = np.asarray(inputs[name])
+                if a.shape != view.shape:
+                    raise ValueError(f"{m.name} input {name!r} must have shape {view.shape} "
+                                     f"({view.dtype}), got {a.shape}")
+                view[...] = a
+            req_id = (self.predict(m.model_id, nbytes, off, variant) if rows is None else
+                      self.predict_shaped(m.model_id, off, rows, seq_len))
             self.wait(req_id)
             return {k: a.copy() for k, a in outs.items()}
         finally:

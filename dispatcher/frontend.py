@@ -38,7 +38,7 @@ from typing import Callable, Protocol
 
 import numpy as np
 
-from paella import rings, wire
+from paella import rings, shapes, wire
 from paella.dispatcher.core import Request
 
 log = logging.getLogger("paella.frontend")
@@ -624,31 +624,44 @@ class Frontend:
                ln: int) -> None:
         """Validate every field of one entry; start the job or complete it with an error."""
         self.stats["requests"] += 1
-        if options & ~wire.KNOWN_OPTIONS:
+        shape = shapes.RequestShape.from_options(options)
+        if shape is None and options & ~wire.KNOWN_OPTIONS:
             return self._reject(c, req_id, rings.E_OPTIONS,
                                 f"unknown option bits {options & ~wire.KNOWN_OPTIONS:#x}")
         model = self.models.by_id.get(model_id)
         if model is None:
             return self._reject(c, req_id, rings.E_MODEL, f"no model with id {model_id}")
-        variant = options & wire.VARIANT_MASK
-        if variant >= len(model.variants):
-            return self._reject(c, req_id, rings.E_OPTIONS,
-                                f"{model.name} has no variant {variant}")
+        variant, rows, seq_len, slots = 0, 1, 0, None
+        if shape is not None:              # rows x length: the daemon's batcher chooses
+            try:
+                slots, need = shapes.request_layout(model.variants, shape.rows, shape.seq_len)
+            except shapes.ShapeError as e:
+                return self._reject(c, req_id, rings.E_OPTIONS, f"{model.name}: {e}")
+            rows, seq_len, slots = shape.rows, shape.seq_len, tuple(slots)
+            what = f"{rows} row(s)" + (f" of length {seq_len}" if seq_len else "")
+        else:
+            variant = options & wire.VARIANT_MASK
+            if variant >= len(model.variants):
+                return self._reject(c, req_id, rings.E_OPTIONS,
+                                    f"{model.name} has no variant {variant}")
+            v = model.variants[variant]
+            need, rows, seq_len, what = v.io_bytes, v.batch or 1, v.seq_len, ""
         arena = c.seg.layout.arena_bytes   # type: ignore[union-attr]
         if off + ln > arena:
             return self._reject(c, req_id, rings.E_RANGE,
                                 f"[{off}, {off + ln}) is outside the {arena}-byte arena")
-        need = model.variants[variant].io_bytes
         if ln != need:
             return self._reject(c, req_id, rings.E_LENGTH,
-                                f"{model.name} needs {need} io bytes, request has {ln}")
+                                f"{model.name} needs {need} io bytes{' for ' + what if what else ''}"
+                                f", request has {ln}")
         if req_id in c.inflight:
             return self._reject(c, req_id, rings.E_DUPLICATE,
                                 f"request id {req_id} is already in flight")
         c.inflight[req_id] = False
         self.executor.submit(Request(req_id, c.cid, model_id,      # type: ignore[union-attr]
                                      c.seg.arena[off:off + ln],    # type: ignore[union-attr]
-                                     variant, self._woken, self._completed))
+                                     variant, self._woken, self._completed, rows=rows,
+                                     seq_len=seq_len, layout=slots))
 
     def _reject(self, c: ClientConn, req_id: int, status: int, reason: str) -> None:
         self.stats["rejected"] += 1

@@ -16,6 +16,7 @@ EXPERIMENTS = [
     "paella.experiments.overhead",
     "paella.experiments.windtunnel",
     "paella.experiments.report",
+    "paella.experiments.batching",
     "paella.experiments.dvabatch",
 ]
 

@@ -166,35 +166,45 @@ class DeviceMeter:
 
 
 def _drive(d: Dispatcher, dev: SimDevice, arrivals: np.ndarray, submit: Callable[[int], None],
-           cpu_scale: float, meter: DeviceMeter | None, decision_delay: float = 0.0) -> float:
+           cpu_scale: float, meter: DeviceMeter | None, decision_delay: float = 0.0,
+           stage: Any = None) -> float:
     """The harness loop; returns the dispatcher CPU seconds charged. Without a meter
-    the dispatcher is free: nothing is measured and the clock moves with the device."""
+    the dispatcher is free: nothing is measured and the clock moves with the device.
+    ``stage``: a :class:`~paella.dispatcher.batchers.stage.BatchingStage` in front of the
+    dispatcher (``submit`` hands it the requests): stepped after the dispatcher (its
+    CPU is the dispatcher's), and its batchers' deadlines are events the clock stops at."""
     n = len(arrivals)
     i = 0
     total_cpu = 0.0
     clock = time.thread_time
     inf = math.inf
-    while i < n or d.in_flight:
+    step = d.step if stage is None else (lambda: (d.step(), stage.step()))
+
+    def next_timer() -> float:
+        t = stage.deadline() if stage is not None else None
+        return inf if t is None else t
+
+    while i < n or d.in_flight or (stage is not None and stage.queued):
         now = dev.now()
         while i < n and arrivals[i] <= now:
             submit(i)
             i += 1
         if meter is None:
-            d.step()
+            step()
             t = now
         else:
             meter.take()
             meter.take_launches()
             c0 = clock()
-            d.step()
+            step()
             spent = max(clock() - c0 - meter.take(), 0.0)
             total_cpu += spent
             t = now + spent * cpu_scale + meter.take_launches() * decision_delay
         if meter is not None:
             # The dispatcher's CPU is charged: it is stepped at every device event, as a
             # busy-polling loop would be, and each idle poll costs what it costs.
-            if d.idle:
-                nxt = min(dev.next_event_time(), arrivals[i] if i < n else inf)
+            if d.idle and not d._arrivals:
+                nxt = min(dev.next_event_time(), arrivals[i] if i < n else inf, next_timer())
                 if nxt == inf:
                     if d.in_flight:
                         raise RuntimeError("harness stalled: requests in flight, no device event")
@@ -203,7 +213,7 @@ def _drive(d: Dispatcher, dev: SimDevice, arrivals: np.ndarray, submit: Callable
             dev.run_until(t)
             continue
         observed = dev.run_until(t)
-        if d.idle and not observed:
+        if d.idle and not observed and not d._arrivals:
             # A free dispatcher (cpu_scale 0) has nothing to do until the device shows
             # something (a notification, a completed op) or a request arrives: skip the
             # events in between in one call. Exact for a policy that acts on what it
@@ -211,7 +221,7 @@ def _drive(d: Dispatcher, dev: SimDevice, arrivals: np.ndarray, submit: Callable
             # device event). Not used when the CPU is charged: there the idle polls and the
             # instants they fall on are part of what is measured (skipping them moved
             # short-long at --cpu-scale 1 from 4.9x to 1.6x).
-            limit = arrivals[i] if i < n else inf
+            limit = min(arrivals[i] if i < n else inf, next_timer())
             if limit > dev.now() and not dev.run_until_observed(limit) and limit == inf:
                 if d.in_flight:
                     raise RuntimeError("harness stalled: requests in flight, no device event")

@@ -445,6 +445,56 @@ def _moves(figures: Path) -> list[str]:
             *rows, ""]
 
 
+def _batching(d: dict) -> list[str]:
+    s = d["summary"]
+    rows = ["| model | policy | max throughput unbatched (req/s) | dynamic (req/s) | ratio | "
+            "load for equal-load p99 (req/s) | p99 unbatched (ms) | p99 dynamic (ms) |",
+            "|---|---|---:|---:|---:|---:|---:|---:|"]
+    for model, e in s["per_model"].items():
+        for policy, t in e["max_throughput"].items():
+            q = e["p99_at_equal_load"].get(policy) or {}
+            dyn = q.get("dynamic_p99_ms")
+            rows.append(f"| {model} | {policy} | {t['unbatched']:.0f} | {t['dynamic']:.0f} | "
+                        f"{e['max_throughput_ratio'][policy]:.2f} | {q.get('load', float('nan')):.0f} | "
+                        f"{q.get('unbatched_p99_ms', float('nan')):.2f} | "
+                        f"{'n/a' if dyn is None else f'{dyn:.2f}'} |")
+    dyn = d["dynamic"]
+    return [
+        f"One model alone on the simulated `{d['gpu']}`, compiled at batch sizes "
+        f"{', '.join(map(str, d['sizes']))} (the encoder at length {d['seq_len']}); lognormal "
+        f"arrivals (sigma 1.5) of one-row requests, {d['requests_per_point']} per load, swept past "
+        f"saturation; dispatcher CPU charged at scale {d['cpu_scale']:g}. Unbatched: the identity "
+        f"batcher (one request per job, today's path). Dynamic: Triton's semantics with "
+        f"max_batch_size {dyn['max_batch_size']}, max_queue_delay_us {dyn['max_queue_delay_us']}, "
+        f"{dyn['max_inflight_batches']} batches in flight (Triton's model instances). "
+        f"`summary.max_throughput_ratio` (batched over unbatched at saturation, paella, the smaller "
+        f"model): **{s['max_throughput_ratio']:.2f}x**.", "", *rows, "",
+        "Beside the published claims, one sentence per difference:", "",
+        "- *Triton's optimization guide* presents the dynamic batcher as a main lever "
+        "for throughput (its Inception example serves 62.6-73.2 infer/s without it at concurrency "
+        "1-2); we quote no batched figure from it that we could check. Here the encoder gains what "
+        "batching promises, but ResNet-18 gains nothing: on the simulated T4 its batch-1 jobs, run "
+        "concurrently by the kernel scheduler, already fill the GPU (b16 alone costs 8x b1 for 16x "
+        "the rows, and concurrent b1 jobs reach the same rows per second), which real GPUs with "
+        "Triton's one-job-per-instance execution do not get.",
+        "- *Paella* (§8) argues dynamic batching hurts latency (the wait and the copy) and may pay "
+        "only near saturation; the equal-load p99 column shows both: for ResNet-18 the batched p99 "
+        "is higher at every unsaturated load, for the encoder the batched p99 is lower once "
+        "unbatched jobs queue.",
+        "- *DVABatch* reports up to 2.12x throughput over Triton-style batching (DelayBatch) from "
+        "splitting batches by stage, and that some operators gain nothing from batching; that "
+        "comparison is batched-vs-batched and is not run here (our dynamic batcher is its "
+        "DelayBatch baseline).",
+        "- Under `fifo` batching gains far more than under `paella`: fifo releases one job's "
+        "kernels in arrival order, so concurrent batch-1 jobs overlap little and the GPU idles "
+        "between small kernels; batching is then the only source of parallelism, as in the "
+        "one-job-at-a-time executors the seed papers measured against.",
+        "- *BatchMaker* and *TurboTransformers* batch variable-length and step-wise work; this "
+        "experiment uses one fixed length, so its padding comes only from batch counts between "
+        "compiled sizes (`padding_waste` of each point in the JSON), not from lengths.",
+    ]
+
+
 SECTIONS: list[tuple[str, str, str, Callable[[dict], list[str]]]] = [
     ("calibrate", "Table 2 under the timing model (calibrate)",
      "paella experiment calibrate --json docs/figures/calibrate.json --plot docs/figures/calibrate.png",
@@ -477,6 +527,9 @@ SECTIONS: list[tuple[str, str, str, Callable[[dict], list[str]]]] = [
     ("fairness", "Fairness threshold (Figure 13)",
      "paella experiment fairness --quick --json docs/figures/fairness.json "
      "--plot docs/figures/fairness.png", _fairness),
+    ("batching", "Dynamic batching under the kernel scheduler (issue 14)",
+     "paella experiment batching --json docs/figures/batching.json --plot docs/figures/batching.png",
+     _batching),
     ("windtunnel", "WindTunnel: pipelines translated, fine-tuned and served (Tables 5.3-5.5)",
      "paella experiment windtunnel --json docs/figures/windtunnel.json --plot docs/figures/windtunnel.png",
      _windtunnel),

@@ -201,7 +201,7 @@ def serving(net, pipe, X: np.ndarray, batch: int, seed: int, progress=None) -> d
                            [Workload("windtunnel", lambda bundle=bundle: PlanAdaptor.from_bundle(bundle))])
             v = bundle.variants[0]
             ref = net.output(X[:b])
-            cpu_build = bundle.run_cpu({"x": np.ascontiguousarray(X[:b])})["output0"]
+            cpu_build = bundle.run_cpu({"x": np.ascontiguousarray(X[:b])})["y"]   # the ONNX output name
             out[f"gpu_batch{b}"] = {
                 "latency_ms": lat * 1e3, "rows_per_s": pt["throughput"] * b, "requests_per_s": pt["throughput"],
                 "p50_ms_saturated": pt["p50_ms"], "kernels": len(v.kernels),

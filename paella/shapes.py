@@ -95,3 +95,32 @@ def layout(tensors: "list[tuple[str, tuple[int, ...], str]]", variant_rows: int,
         slots.append(s)
         off = align(off + s.nbytes)
     return slots, off
+
+
+def batchable(variants) -> bool:
+    """Whether a model's variants (``wire.VariantInfo``) take shaped requests."""
+    return bool(variants) and all(v.batch > 0 for v in variants)
+
+
+def request_layout(variants, rows: int, seq_len: int) -> tuple[list[Slot], int]:
+    """The slots and io size of a shaped request to a model with ``variants``
+    (``wire.VariantInfo``); :class:`ShapeError` names what the model takes instead."""
+    if not batchable(variants):
+        raise ShapeError("the model takes whole-variant requests only (it was compiled "
+                         "without --batch-sizes): select a variant instead of giving a shape")
+    max_rows = max(v.batch for v in variants)
+    max_seq = max(v.seq_len for v in variants)
+    if not 1 <= rows <= max_rows:
+        raise ShapeError(f"{rows} rows: a request has 1..{max_rows} rows, the largest compiled "
+                         f"variant taking {max_rows} (compiled batch sizes: "
+                         f"{', '.join(str(b) for b in sorted({v.batch for v in variants}))})")
+    if max_seq and not 1 <= seq_len <= max_seq:
+        raise ShapeError(f"sequence length {seq_len}: the model takes 1..{max_seq} "
+                         f"(length buckets: "
+                         f"{', '.join(str(s) for s in sorted({v.seq_len for v in variants}))})")
+    if not max_seq and seq_len:
+        raise ShapeError(f"sequence length {seq_len}: the model has no length axis (give 0)")
+    v = min((v for v in variants if v.batch >= rows and v.seq_len >= seq_len),
+            key=lambda v: (v.seq_len, v.batch))
+    tensors = [(t.name, tuple(t.shape), t.dtype) for t in (*v.inputs, *v.outputs)]
+    return layout(tensors, v.batch, v.seq_len, rows, seq_len)

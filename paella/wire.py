@@ -235,19 +235,26 @@ class TensorInfo:
 
 @dataclass(frozen=True)
 class VariantInfo:
-    """One compiled variant; a request selects it with ``options & VARIANT_MASK``."""
+    """One compiled variant; a request selects it with ``options & VARIANT_MASK``, or
+    gives its shape (``paella.shapes``) and the daemon's batcher chooses. ``batch``:
+    its batch size (0: the model takes whole-variant requests only); ``seq_len``: its
+    length bucket (0: no length axis)."""
     io_bytes: int
     inputs: tuple[TensorInfo, ...]
     outputs: tuple[TensorInfo, ...]
+    batch: int = 0
+    seq_len: int = 0
 
     def to_dict(self) -> dict:
         return {"io_bytes": self.io_bytes, "inputs": [t.to_dict() for t in self.inputs],
-                "outputs": [t.to_dict() for t in self.outputs]}
+                "outputs": [t.to_dict() for t in self.outputs], "batch": self.batch,
+                "seq_len": self.seq_len}
 
     @classmethod
     def from_dict(cls, d: dict) -> "VariantInfo":
         return cls(int(d["io_bytes"]), tuple(TensorInfo.from_dict(t) for t in d["inputs"]),
-                   tuple(TensorInfo.from_dict(t) for t in d["outputs"]))
+                   tuple(TensorInfo.from_dict(t) for t in d["outputs"]),
+                   int(d.get("batch", 0)), int(d.get("seq_len", 0)))
 
 
 @dataclass(frozen=True)
@@ -270,7 +277,10 @@ class ModelInfo:
             raise WireError("bad_model", f"malformed model description {d!r}: {e}") from None
 
 
-#: Request options: the low 16 bits select the model variant; the rest are reserved
-#: and must be 0 (the daemon rejects unknown bits rather than ignoring them).
+#: Request options: the low 16 bits select the model variant; or, with bit 31
+#: (``paella.shapes.SHAPED``) set, the word carries the request's shape (rows, sequence
+#: length: see ``paella.shapes``). The bits in between are reserved and must be 0 (the
+#: daemon rejects unknown bits rather than ignoring them).
 VARIANT_MASK = 0xFFFF
+SHAPED = 1 << 31
 KNOWN_OPTIONS = VARIANT_MASK

@@ -51,7 +51,7 @@ class VariantSpec:
     index: int          # the variant's position in the bundle's manifest
     rows: int           # its batch size
     seq_len: int = 0    # its length bucket (0: the model has no length axis)
-    label: str = ""     # the dispatcher's model name of this variant (its SRPT profile)
+    label: str = field(default="", compare=False)   # its name (for logs and profiles)
 
     def takes(self, rows: int, seq_len: int) -> bool:
         return rows <= self.rows and seq_len <= self.seq_len if self.seq_len else rows <= self.rows
@@ -68,6 +68,7 @@ class ModelVariants:
             raise BatcherError(f"model {self.name!r} has no variant to serve")
         object.__setattr__(self, "variants",
                            tuple(sorted(self.variants, key=lambda v: (v.seq_len, v.rows))))
+        object.__setattr__(self, "_fits", {})   # Speed: fit() memo, once per request
 
     @property
     def max_rows(self) -> int:
@@ -84,10 +85,15 @@ class ModelVariants:
     def fit(self, rows: int, seq_len: int = 0) -> VariantSpec | None:
         """The smallest variant taking ``rows`` rows of length ``seq_len`` (the
         shortest length bucket first, then the fewest rows), or None."""
-        for v in self.variants:
-            if v.takes(rows, seq_len):
-                return v
-        return None
+        key = (rows, seq_len)
+        try:
+            return self._fits[key]
+        except KeyError:
+            pass
+        v = next((v for v in self.variants if v.takes(rows, seq_len)), None)
+        if len(self._fits) < 4096:
+            self._fits[key] = v
+        return v
 
 
 @dataclass(eq=False)
@@ -97,7 +103,7 @@ class Batch:
     variant: VariantSpec
     #: Set by the stage: when the batch was formed (device seconds).
     t_formed: float = 0.0
-    meta: dict = field(default_factory=dict)   # the batcher's own notes (priority, step)
+    meta: Any = None                  # the batcher's own notes (priority, step), if any
 
     @property
     def rows(self) -> int:
@@ -150,5 +156,8 @@ class Batcher:
     # -- helpers for subclasses --------------------------------------------------------
     def fit(self, requests: list[Any]) -> VariantSpec | None:
         """The smallest variant taking ``requests`` together."""
+        if len(requests) == 1:
+            r = requests[0]
+            return self.model.fit(r.rows, r.seq_len)
         return self.model.fit(sum(r.rows for r in requests),
-                              max((r.seq_len for r in requests), default=0))
+                              max(r.seq_len for r in requests))

@@ -28,6 +28,16 @@ class IoLayout:
     outputs: tuple[Slot, ...]
     io_bytes: int
 
+    @property
+    def slots(self) -> tuple[Slot, ...]:
+        """Inputs then outputs: one tuple, made once (a request on the variant's own
+        layout holds this very object, so :func:`in_place` is an identity test)."""
+        s = self.__dict__.get("_slots")
+        if s is None:
+            s = self.inputs + self.outputs
+            object.__setattr__(self, "_slots", s)
+        return s
+
 
 def _view(buf: np.ndarray, s: Slot) -> np.ndarray:
     return buf[s.offset:s.offset + s.nbytes].view(np.dtype(s.dtype)).reshape(s.shape)
@@ -38,7 +48,8 @@ def in_place(requests: list, layout: IoLayout) -> bool:
     if len(requests) != 1:
         return False
     own = requests[0].layout
-    return own is None or tuple(own) == layout.inputs + layout.outputs
+    slots = layout.slots
+    return own is None or own is slots or tuple(own) == slots
 
 
 def _slots(req, layout: IoLayout) -> list[Slot]:

@@ -48,6 +48,9 @@ class ServedModel:
     variants: ModelVariants
     served: dict[int, ServedVariant]   # by variant index
     batcher: Batcher
+    #: Requests handed to the batcher and not yet back in a batch (by id()): the stage's
+    #: own record, so a batcher that fails or misbehaves cannot lose or repeat one.
+    waiting: dict[int, Any] = field(default_factory=dict)
 
 
 @dataclass(eq=False)
@@ -99,70 +102,97 @@ class BatchingStage:
     # -- models ----------------------------------------------------------------------------
     def add_model(self, model_id: int, model: ServedModel) -> None:
         """Serve ``model`` (its variants registered with the dispatcher already) as the
-        clients' ``model_id``; a model added again takes new requests, queued ones go
-        on with the old batcher until flushed (:meth:`replace`)."""
+        clients' ``model_id``; a model added again takes new requests, and the old
+        batcher's queued requests start at once (flushed)."""
         old = self.models.get(model_id)
         self.models[model_id] = model
-        if old is not None and old.batcher.pending:
-            self._start(old, old.batcher.flush(self.disp.now))
+        if old is not None and old.waiting:
+            self._start(old, self._guarded(old, "flush", old.batcher.flush, self.disp.now))
 
     # -- requests ----------------------------------------------------------------------------
     def submit(self, req: Any) -> None:
         m = self.models.get(req.model_id)
         if m is None:
             raise ValueError(f"request {req.req_id}: model id {req.model_id} is not batched here")
-        if m.variants.fit(req.rows, req.seq_len) is None:
+        own = m.variants.fit(req.rows, req.seq_len)
+        if own is not None and req.layout is None:
+            # A whole-variant request: its io region is laid out as that variant's.
+            req.layout = m.served[own.index].layout.slots
+        if own is None:
             # The front end checks shapes against the model table; this guards the rest.
             return self._complete(req, rings.E_OPTIONS,
                                   f"no variant of {m.name} takes {req.rows} rows of length "
                                   f"{req.seq_len} (largest: {m.variants.max_rows} rows"
                                   f"{f', length {m.variants.max_seq_len}' if m.variants.has_length else ''})")
+        m.waiting[id(req)] = req
         self._queued += 1
-        try:
-            batches = m.batcher.add(req, self.disp.now)
-        except Exception as e:  # noqa: BLE001 - a plug-in's bug fails that request only
-            self._queued -= 1
-            log.exception("batcher %r of %s failed on a request", m.batcher.name, m.name)
-            return self._complete(req, rings.E_INTERNAL,
-                                  f"batcher {m.batcher.name!r} failed: {type(e).__name__}: {e}")
-        self._start(m, batches)
+        self._start(m, self._guarded(m, "add", m.batcher.add, req, self.disp.now))
 
     def step(self) -> bool:
         """The timer hook: poll every batcher whose deadline has come."""
         now = self.disp.now
-        for m in self.models.values():
-            b = m.batcher
-            if b.pending:
-                d = b.deadline()
+        for m in list(self.models.values()):
+            if m.waiting:
+                d = self._guarded(m, "deadline", m.batcher.deadline)
                 if d is not None and d <= now:
-                    self._start(m, b.poll(now))
+                    self._start(m, self._guarded(m, "poll", m.batcher.poll, now))
         return self._queued > 0
 
     def deadline(self) -> float | None:
         """The earliest device time a batcher wants :meth:`step` called (None: none)."""
-        ds = [d for m in self.models.values() if m.batcher.pending
-              for d in (m.batcher.deadline(),) if d is not None]
-        return min(ds) if ds else None
+        best = None
+        for m in list(self.models.values()):
+            if m.waiting:
+                d = self._guarded(m, "deadline", m.batcher.deadline)
+                if d is not None and (best is None or d < best):
+                    best = d
+        return best
 
     def cancel_client(self, client_id: int) -> None:
         """The client went away: its queued requests complete as cancelled now, its
         running ones through the dispatcher (a batch goes on for the other clients)."""
-        for m in self.models.values():
-            for req in m.batcher.remove_client(client_id):
-                self._queued -= 1
-                self._complete(req, rings.E_CANCELLED, f"cancelled: client {client_id} "
-                                                       f"disconnected")
+        for m in list(self.models.values()):
+            if any(r.client_id == client_id for r in m.waiting.values()):
+                self._guarded(m, "remove_client", m.batcher.remove_client, client_id)
+                for key, req in list(m.waiting.items()):
+                    if req.client_id == client_id:   # (whatever the plug-in returned)
+                        del m.waiting[key]
+                        self._queued -= 1
+                        self._complete(req, rings.E_CANCELLED, f"cancelled: client "
+                                                               f"{client_id} disconnected")
         self.disp.cancel_client(client_id)
 
     def flush(self) -> None:
         """Start every queued request now (the daemon drains)."""
-        for m in self.models.values():
-            if m.batcher.pending:
-                self._start(m, m.batcher.flush(self.disp.now))
+        for m in list(self.models.values()):
+            if m.waiting:
+                self._start(m, self._guarded(m, "flush", m.batcher.flush, self.disp.now))
+                self._run_alone(m)           # anything the batcher kept back
 
     @property
     def queued(self) -> int:
         return self._queued
+
+    # -- plug-in failures ----------------------------------------------------------------------
+    def _guarded(self, m: ServedModel, hook: str, fn: Any, *args: Any) -> Any:
+        """Call a batcher hook. One that raises is logged, the model falls back to the
+        identity batcher, and every request its batcher held runs alone: none is lost."""
+        try:
+            return fn(*args)
+        except Exception as e:  # noqa: BLE001 - a plug-in may raise anything
+            failed = m.batcher
+            log.error("batcher %r of model %s raised in %s(); the model falls back to the "
+                      "identity batcher, its %d queued request(s) run alone", failed.name,
+                      m.name, hook, len(m.waiting), exc_info=e)
+            from .identity import IdentityBatcher
+            m.batcher = IdentityBatcher(m.variants)
+            self._run_alone(m)
+            return None if hook == "deadline" else []
+
+    def _run_alone(self, m: ServedModel) -> None:
+        for req in list(m.waiting.values()):
+            self._start(m, [Batch([req], m.variants.fit(req.rows, req.seq_len),
+                                  t_formed=self.disp.now)])
 
     def run_until_idle(self) -> None:
         """Virtual time only (tests, experiments): step the dispatcher and the batchers
@@ -186,21 +216,39 @@ class BatchingStage:
                 dev.run_until(max(t, dev.now()))
 
     # -- batches -----------------------------------------------------------------------------
-    def _start(self, m: ServedModel, batches: list[Batch]) -> None:
-        for batch in batches:
-            self._queued -= len(batch.requests)
-            self._run(m, batch, retry=len(batch.requests) > 1)
+    def _start(self, m: ServedModel, batches: Any) -> None:
+        """Run the batches a batcher returned, each request once: one the stage is not
+        holding for it (never given, or already run) is dropped from its batch, logged."""
+        for batch in batches or ():
+            reqs = []
+            for req in getattr(batch, "requests", ()):
+                if m.waiting.pop(id(req), None) is None:
+                    log.error("batcher %r of %s returned request %s, which it does not hold; "
+                              "ignored", m.batcher.name, m.name, getattr(req, "req_id", req))
+                    continue
+                reqs.append(req)
+            if not reqs:
+                continue
+            self._queued -= len(reqs)
+            if len(reqs) != len(batch.requests):
+                batch = Batch(reqs, batch.variant, batch.t_formed, batch.meta)
+            self._run(m, batch, retry=len(reqs) > 1)
 
     def _run(self, m: ServedModel, batch: Batch, retry: bool, own: bool = True) -> None:
         reqs = batch.requests
         v = batch.variant
-        sv = m.served.get(v.index) if v is not None else None
+        sv = m.served.get(v.index) if isinstance(v, VariantSpec) else None
+        if len(reqs) == 1:                   # Speed: the identity path, once per request
+            rows, seq = reqs[0].rows, reqs[0].seq_len
+        else:
+            rows, seq = batch.rows, batch.seq_len
         bad = None
-        if sv is None or sv.spec != v:
+        if not isinstance(v, VariantSpec):
+            bad = f"batcher {m.batcher.name!r} gave a batch no variant ({v!r})"
+        elif sv is None or sv.spec != v:
             bad = f"batcher {m.batcher.name!r} chose variant {v!r}, which {m.name} does not have"
-        elif batch.rows > v.rows or (v.seq_len and batch.seq_len > v.seq_len) or \
-                (not v.seq_len and batch.seq_len):
-            bad = (f"batcher {m.batcher.name!r} put {batch.rows} rows of length {batch.seq_len} "
+        elif rows > v.rows or (v.seq_len and seq > v.seq_len) or (not v.seq_len and seq):
+            bad = (f"batcher {m.batcher.name!r} put {rows} rows of length {seq} "
                    f"on variant {v.index} ({v.rows} rows, length {v.seq_len})")
         if bad is not None:
             log.error("%s", bad)
@@ -210,8 +258,8 @@ class BatchingStage:
         st = self.stats
         st.batches += 1
         st.requests += len(reqs)
-        st.rows += batch.rows
-        st.padded_rows += batch.padding
+        st.rows += rows
+        st.padded_rows += v.rows - rows
         if in_place(reqs, sv.layout):
             st.zero_copy += 1
             staging, io = None, reqs[0].io
@@ -244,12 +292,11 @@ class BatchingStage:
             run.served.free.append(run.staging)
             run.staging = None
         if run.left == 0 and run.own:
-            try:
-                run.model.batcher.batch_done(run.batch, self.disp.now)
-            except Exception:  # noqa: BLE001 - a plug-in's bug must not stop completions
-                log.exception("batcher %r batch_done failed", run.model.batcher.name)
-            for b in (run.model.batcher.poll(self.disp.now) if run.model.batcher.pending else ()):
-                self._start(run.model, [b])
+            m = run.model
+            if self.models.get(req.model_id) is m:   # (not a model replaced since)
+                self._guarded(m, "batch_done", m.batcher.batch_done, run.batch, self.disp.now)
+                if m.waiting:
+                    self._start(m, self._guarded(m, "poll", m.batcher.poll, self.disp.now))
 
     def _retry(self, m: ServedModel, req: Any) -> None:
         """Re-run one request of a failed batch alone (isolating the failure)."""

@@ -16,15 +16,16 @@ from paella import wire
 log = logging.getLogger("paella.daemon")
 
 
-def model_info_from_bundle(model_id: int, bundle) -> wire.ModelInfo:
-    """The client-facing description of a loaded bundle."""
+def model_info_from_bundle(model_id: int, bundle, name: str | None = None) -> wire.ModelInfo:
+    """The client-facing description of a loaded bundle (every variant), under ``name``
+    (the model's folder name in the repository; default the bundle's own)."""
     def tensors(ts) -> tuple[wire.TensorInfo, ...]:
         return tuple(wire.TensorInfo(t.name, tuple(t.shape), t.dtype, t.offset) for t in ts)
-    # Only variant 0 is served for now: the functional adaptor runs that one, so
-    # announcing the others would accept requests it would answer wrongly.
-    return wire.ModelInfo(model_id, bundle.model, tuple(
-        wire.VariantInfo(v.io_bytes, tensors(v.inputs), tensors(v.outputs))
-        for v in bundle.variants[:1]))
+    batched = all(v.batch for v in bundle.variants)
+    return wire.ModelInfo(model_id, name or bundle.model, tuple(
+        wire.VariantInfo(v.io_bytes, tensors(v.inputs), tensors(v.outputs),
+                         v.batch if batched else 0, v.seq_len if batched else 0)
+        for v in bundle.variants))
 
 
 class FunctionalCache:
@@ -47,7 +48,7 @@ class FunctionalCache:
         self._lock = threading.Lock()
 
     def outputs(self, name: str, bundle, inputs: dict[str, np.ndarray],
-                where: str = "the dispatcher loop waited") -> dict[str, np.ndarray]:
+                where: str = "the dispatcher loop waited", variant: int = 0) -> dict[str, np.ndarray]:
         # A private copy first: the inputs are views of a client's arena, which it may
         # rewrite at any moment; hashing one content and computing another would cache
         # wrong outputs under a digest that another client's request can match.
@@ -64,7 +65,7 @@ class FunctionalCache:
                 return hit
             self.misses += 1
         t0 = time.perf_counter()
-        outs = {k: np.array(v) for k, v in bundle.run_cpu(inputs).items()}
+        outs = {k: np.array(v) for k, v in bundle.run_cpu(inputs, variant).items()}
         log.info("model %s: computed reference outputs for a new input on the CPU in %.0f ms "
                  "(%s; repeated inputs are answered from the cache)",
                  name, (time.perf_counter() - t0) * 1e3, where)
@@ -79,7 +80,8 @@ class FunctionalCache:
         return outs
 
 
-def functional_adaptor(bundle, name: str, cache: FunctionalCache | None = None):
+def functional_adaptor(bundle, name: str, cache: FunctionalCache | None = None,
+                       variant: int = 0):
     """Sim backend: the plan's timing on the simulated GPU, the CPU build's answers.
 
     The simulated kernels compute nothing, so the plan's last kernel carries the CPU
@@ -92,11 +94,12 @@ def functional_adaptor(bundle, name: str, cache: FunctionalCache | None = None):
     from paella.dispatcher.adaptor import BufferArg, PlanAdaptor, plan_from_bundle
     from paella.dispatcher.devices.sim.functional import model_effect
 
-    v = bundle.variants[0]
+    v = bundle.variants[variant]
     cache = cache or FunctionalCache()
-    plan = plan_from_bundle(bundle, 0, name=name)
+    plan = plan_from_bundle(bundle, variant, name=f"{name}/{v.name}")
     last = [op for op in plan.ops if op.kind == "launch"][-1]
-    effect = model_effect(v.inputs, v.outputs, lambda x: cache.outputs(name, bundle, x),
+    key = f"{name}/{v.name}"
+    effect = model_effect(v.inputs, v.outputs, lambda x: cache.outputs(key, bundle, x, variant=variant),
                           len(last.args))
     operands = [BufferArg(str(t.buffer), t.buffer_offset) for t in (*v.inputs, *v.outputs)]
 
@@ -107,15 +110,16 @@ def functional_adaptor(bundle, name: str, cache: FunctionalCache | None = None):
             """Off the loop, before registration: load the CPU build and answer the
             profiling runs' input (zeros), so that registering costs the loop no CPU run."""
             zeros = np.zeros(self.io_bytes, np.uint8)
-            cache.outputs(name, bundle, {t.name: zeros[t.offset:t.offset + t.nbytes].view(
+            cache.outputs(key, bundle, {t.name: zeros[t.offset:t.offset + t.nbytes].view(
                 t.dtype).reshape(t.shape) for t in v.inputs},
-                where="while loading, off the dispatcher loop")
+                where="while loading, off the dispatcher loop", variant=variant)
 
     return FunctionalBundleAdaptor(plan.with_effect(effect, operands))
 
 
-def bundle_adaptor(bundle, name: str, device, cache: FunctionalCache | None = None):
-    """The adaptor serving ``bundle`` (variant 0) on ``device``.
+def bundle_adaptor(bundle, name: str, device, cache: FunctionalCache | None = None,
+                   variant: int = 0):
+    """The adaptor serving ``bundle``'s ``variant`` on ``device``.
 
     Every backend gets the same plan with real device memory (params uploaded once,
     per-request buffer sets, bound kernel arguments: see ``paella.dispatcher.adaptor``),
@@ -124,6 +128,6 @@ def bundle_adaptor(bundle, name: str, device, cache: FunctionalCache | None = No
     (:func:`functional_adaptor`); on a real GPU the kernels compute them.
     """
     if device.backend == "sim":
-        return functional_adaptor(bundle, name, cache)
+        return functional_adaptor(bundle, name, cache, variant)
     from paella.dispatcher.adaptor import PlanAdaptor
-    return PlanAdaptor.from_bundle(bundle, name=name)
+    return PlanAdaptor.from_bundle(bundle, variant, name=f"{name}/{bundle.variants[variant].name}")

@@ -8,6 +8,8 @@ from typing import Any
 
 
 from paella import rings
+from paella.dispatcher.batchers import VariantSpec
+from paella.dispatcher.batchers.stage import BatchingStage, ServedModel, ServedVariant, layout_of
 from paella.dispatcher.core import Request
 from paella.dispatcher.frontend import Frontend
 from paella.dispatcher.policies import PolicyError
@@ -119,10 +121,13 @@ class Router:
 
 
 class DispatcherExecutor:
-    """The Dispatcher (issue 4) on a device: the execution path of bundle models."""
+    """The Dispatcher (issue 4) on a device: the execution path of bundle models, each
+    behind its batcher (:class:`~paella.dispatcher.batchers.stage.BatchingStage`)."""
 
     #: Spin instead of sleeping when the next device event is this close (seconds).
     SPIN_BELOW = 50e-6
+    #: Dispatcher model ids of compiled variants start here (the clients' ids are small).
+    VARIANT_IDS = 1 << 20
 
     def __init__(self, front: Frontend, device, cfg: DaemonConfig, instruments: Any = ()):
         from paella.dispatcher.core import Dispatcher
@@ -144,34 +149,60 @@ class DispatcherExecutor:
                               f"{type(e).__name__}: {e}; fix the plug-in or choose another "
                               f"policy (--policy, [policy] name)") from None
         self._next_event = getattr(device, "next_event_time", None)
+        self.stage = BatchingStage(self.disp)
+        self._next_vid = self.VARIANT_IDS
 
     def register(self, model_id: int, name: str, adaptor) -> None:
-        """Serve ``adaptor`` as ``model_id`` (the client-visible id: requests keep it all
-        the way into the dispatcher); a model registered again takes new requests, the
-        running ones finish on the old."""
+        """Serve ``adaptor`` as ``model_id`` unbatched (the client-visible id: requests
+        keep it all the way into the dispatcher); a model registered again takes new
+        requests, the running ones finish on the old."""
         self.disp.register_model(name, adaptor, model_id=model_id)
 
+    def register_variants(self, model_id: int, name: str, label: str, bundle, adaptors: list,
+                          batcher, profile_runs: int | None = None) -> None:
+        """Serve a bundle's variants (one adaptor each) as the clients' ``model_id``
+        through ``batcher``: each variant is a dispatcher model of its own (its plan, its
+        SRPT profile), named ``label/variant``. Registered again: new requests take the
+        new variants, running batches finish on the old."""
+        served = {}
+        for k, (v, adaptor) in enumerate(zip(bundle.variants, adaptors)):
+            vid = self._next_vid
+            self._next_vid += 1
+            self.disp.register_model(f"{label}/{v.name}", adaptor, model_id=vid,
+                                     profile_runs=profile_runs)
+            served[k] = ServedVariant(VariantSpec(k, v.rows, v.seq_len, f"{label}/{v.name}"),
+                                      vid, layout_of(v.inputs, v.outputs, v.io_bytes))
+        self.stage.add_model(model_id, ServedModel(name, batcher.model, served, batcher))
+
     def submit(self, req: Request) -> None:
-        self.disp.submit(req)
+        if req.model_id in self.stage.models:
+            self.stage.submit(req)
+        else:
+            self.disp.submit(req)
 
     def step(self) -> bool:
-        return self.disp.step()
+        busy = self.disp.step()
+        return self.stage.step() or busy
 
     def cancel_client(self, client_id: int) -> None:
-        self.disp.cancel_client(client_id)
+        self.stage.cancel_client(client_id)          # queued ones, then the dispatcher's
 
     def abandon_all(self, reason: str, status: int = rings.E_CANCELLED) -> None:
+        self.stage.flush()
         self.disp.abandon_all(reason, status)        # a lost device fails them: E_FAILED
 
     def deadline(self) -> float | None:
         """Seconds the loop may sleep: None when idle, 0 when work is runnable now."""
-        if self.disp.in_flight == 0:
+        batch_at = self.stage.deadline()
+        if self.disp.in_flight == 0 and batch_at is None:
             return None
-        if not self.disp.idle or self._next_event is None:
+        if self.disp.in_flight and (not self.disp.idle or self._next_event is None):
             return 0.0
-        wait = (self._next_event() - self.device.now()) / getattr(self.device, "speed", 1.0)
+        at = min(self._next_event() if self.disp.in_flight and self._next_event else float("inf"),
+                 float("inf") if batch_at is None else batch_at)
+        wait = (at - self.device.now()) / getattr(self.device, "speed", 1.0)
         return 0.0 if wait < self.SPIN_BELOW else min(wait, 0.1)
 
     @property
     def in_flight(self) -> int:
-        return self.disp.in_flight
+        return self.disp.in_flight + self.stage.queued

@@ -7,9 +7,11 @@ every client for as long (189 ms worst latency against 19 ms). So the daemon spl
 load in two:
 
 * :func:`scan` does everything that needs no loop state, in any thread: it lists the
-  repository, keeps what did not change, and turns each new or changed bundle into a
-  :class:`Prepared` model (adaptor built and warmed). A bad bundle fails alone, with
-  its reason; the others go on.
+  repository (one folder per model: the folder name is the model name, ``config.toml``
+  its settings, versions as numbered subfolders), keeps what did not change, and turns
+  each new or changed model into a :class:`Prepared` model (one adaptor per compiled
+  variant, built and warmed; its batcher built). A bad model fails alone, with its
+  reason; the others go on.
 * the daemon's loop then *swaps* (registers the prepared models with the dispatcher and
   replaces the model table) between two iterations, so clients see either the old set
   of models or the new one.
@@ -36,14 +38,17 @@ _generations = itertools.count(1)
 
 @dataclass
 class Prepared:
-    """A new or changed bundle, read and warmed off the loop: what the swap registers."""
-    directory: str
+    """A new or changed model, read and warmed off the loop: what the swap registers."""
+    directory: str             # the model's folder (its name)
     model: str
-    key: tuple                 # (manifest cache key, manifest mtime): "changed" means this
+    key: tuple                 # (cache key, manifest mtime, config mtime, bundle dir): "changed"
     bundle: Any                # paella.bundle.Bundle
-    adaptor: Any               # a JobAdaptor, ready for Dispatcher.register_model
+    adaptors: list             # one JobAdaptor per variant, ready for register_model
     label: str                 # the dispatcher's name for this version: model#gen
     seconds: float             # how long preparing it took
+    config: Any = None         # its ModelConfig (config.toml)
+    batcher: Any = None        # its batcher, built for its variants
+    version: str = ""          # the version folder served ("" for an unversioned bundle)
 
 
 @dataclass
@@ -58,52 +63,94 @@ class Scan:
 
     @property
     def found(self) -> int:
-        """Bundles in the repository (served, kept or failed)."""
+        """Models in the repository (served, kept or failed)."""
         return len(self.prepared) + len(self.kept) + len(self.failed)
 
 
-def scan(path: str, known: dict[str, tuple], make_adaptor: Callable[[Any, str], Any],
-         stop: Callable[[], bool] = lambda: False) -> Scan:
-    """Read every bundle directory under ``path``.
+def bundle_folder(folder: str, pinned: int | None) -> tuple[str, str] | None:
+    """The bundle a model folder serves and its version: the folder itself if it holds a
+    bundle, else its latest numbered subfolder holding one (or ``pinned``); None if the
+    folder has no bundle at all (not a model)."""
+    if pinned is None and os.path.isfile(os.path.join(folder, "manifest.json")):
+        return folder, ""
+    versions = sorted(int(d) for d in os.listdir(folder) if d.isdigit()
+                      and os.path.isfile(os.path.join(folder, d, "manifest.json")))
+    if pinned is not None:
+        if pinned not in versions:
+            raise ValueError(f"config.toml pins version {pinned}, but the folder has "
+                             f"{'versions ' + ', '.join(map(str, versions)) if versions else 'no version subfolders'}; "
+                             f"fix the pin or add the version")
+        return os.path.join(folder, str(pinned)), str(pinned)
+    if not versions:
+        return None
+    return os.path.join(folder, str(versions[-1])), str(versions[-1])
 
-    ``known``: model name -> key of the version being served; a bundle whose key is
-    unchanged is only listed in ``kept``. ``make_adaptor(bundle, label)`` builds the
-    adaptor; if it has a ``warm()`` method, that runs here too. ``stop()`` is asked
-    between bundles (SIGTERM during start-up). Touches no loop state.
+
+def scan(path: str, known: dict[str, tuple], make_adaptor: Callable[[Any, str, int], Any],
+         stop: Callable[[], bool] = lambda: False, reserved: tuple[str, ...] = ()) -> Scan:
+    """Read every model folder under ``path``: the folder name is the model name, its
+    ``config.toml`` its settings, its bundle either in the folder or in numbered
+    version subfolders (the latest served, or the one config.toml pins).
+
+    ``known``: model name -> key of the version being served; a model whose key is
+    unchanged is only listed in ``kept``. ``make_adaptor(bundle, label, variant)`` builds
+    each variant's adaptor; if it has a ``warm()`` method, that runs here too.
+    ``reserved``: names already taken (the built-in models). ``stop()`` is asked between
+    models (SIGTERM during start-up). Touches no loop state.
     """
     from paella.bundle import BundleError, load_bundle
+    from paella.dispatcher.batchers import BatcherError, ModelVariants, VariantSpec, make_batcher
+
+    from .model_config import ModelConfigError, load_model_config
     t0 = time.monotonic()
     out = Scan(path)
-    seen: dict[str, str] = {}
+    seen: dict[str, str] = {r.lower(): "the daemon's built-in models" for r in reserved}
     for d in sorted(os.listdir(path)):
-        bdir = os.path.join(path, d)
-        if not os.path.isfile(os.path.join(bdir, "manifest.json")):
+        folder = os.path.join(path, d)
+        if d.startswith(".") or not os.path.isdir(folder):
             continue
         if stop():
             out.interrupted = True
             break
         t1 = time.monotonic()
         try:
+            cfg = load_model_config(folder)
+            found = bundle_folder(folder, cfg.version)
+            if found is None:
+                if os.path.isfile(os.path.join(folder, "config.toml")):
+                    raise ValueError("the folder has a config.toml but no bundle (no "
+                                     "manifest.json in it or in a version subfolder)")
+                continue                          # not a model folder
+            bdir, version = found
+            model = d
+            if model.lower() in seen:
+                raise ValueError(f"model name {model!r} is already taken by "
+                                 f"{seen[model.lower()]}; model names are folder names and "
+                                 f"must differ (case aside): rename one folder")
+            seen[model.lower()] = folder
             bundle = load_bundle(bdir)
-            model = bundle.model
-            if model in seen:
-                raise ValueError(f"model {model!r} is already served from {seen[model]}; "
-                                 f"give each bundle its own model name")
-            seen[model] = bdir
-            key = (bundle.manifest.cache_key, os.path.getmtime(bundle.path / "manifest.json"))
+            key = (bundle.manifest.cache_key, os.path.getmtime(bundle.path / "manifest.json"),
+                   cfg.mtime, bdir)
             if known.get(model) == key:
-                out.kept[bdir] = model
+                out.kept[folder] = model
                 continue
+            specs = tuple(VariantSpec(k, v.rows, v.seq_len, v.name)
+                          for k, v in enumerate(bundle.variants))
+            batcher = make_batcher(cfg.batcher, ModelVariants(model, specs), cfg.batcher_options)
             label = f"{model}#{next(_generations)}"
-            adaptor = make_adaptor(bundle, label)
-            warm = getattr(adaptor, "warm", None)
-            if warm is not None:
-                warm()
-        except Exception as e:  # noqa: BLE001 - a bad bundle fails alone, with its reason
-            out.failed[bdir] = str(e) if isinstance(e, BundleError) else f"{type(e).__name__}: {e}"
+            adaptors = []
+            for k in range(len(bundle.variants)):
+                adaptor = make_adaptor(bundle, label, k)
+                warm = getattr(adaptor, "warm", None)
+                if warm is not None:
+                    warm()
+                adaptors.append(adaptor)
+        except Exception as e:  # noqa: BLE001 - a bad model fails alone, with its reason
+            plain = isinstance(e, (BundleError, ModelConfigError, BatcherError, ValueError))
+            out.failed[folder] = str(e) if plain else f"{type(e).__name__}: {e}"
             continue
-        out.prepared.append(Prepared(bdir, model, key, bundle, adaptor, label,
-                                     time.monotonic() - t1))
+        out.prepared.append(Prepared(folder, model, key, bundle, adaptors, label,
+                                     time.monotonic() - t1, cfg, batcher, version))
     out.seconds = time.monotonic() - t0
     return out
 

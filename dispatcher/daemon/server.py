@@ -166,7 +166,7 @@ class Daemon:
                 import tvm.relax  # noqa: F401 - now, not in a reload's thread: importing
                 #                   TVM holds the GIL for ~0.5 s, a stall of the loop
             scan = repository.scan(self.cfg.models, {}, self._make_adaptor,
-                                   stop=lambda: self.draining)
+                                   stop=lambda: self.draining, reserved=self._reserved())
             if scan.interrupted or self.draining:
                 raise StartupInterrupted()
         self._swap(scan)
@@ -175,8 +175,12 @@ class Daemon:
                               f"served: " + "; ".join(f"{d}: {why}" for d, why in
                                                       sorted(self.unserved.items())))
 
-    def _make_adaptor(self, bundle, label: str):
-        return bundle_adaptor(bundle, label, self.device, self._functional)
+    def _make_adaptor(self, bundle, label: str, variant: int = 0):
+        return bundle_adaptor(bundle, label, self.device, self._functional, variant)
+
+    def _reserved(self) -> tuple[str, ...]:
+        """Names a repository folder may not take: the built-in models'."""
+        return tuple(m.name for m in self._builtins)
 
     def _swap(self, scan: repository.Scan | None) -> None:
         """Register what ``scan`` prepared and replace the model table. The loop calls
@@ -189,7 +193,8 @@ class Daemon:
                 mid = self.table.id_for(p.model)
                 t0 = time.monotonic()
                 try:
-                    ex.register(mid, p.label, p.adaptor)        # init + profiling runs
+                    ex.register_variants(mid, p.model, p.label, p.bundle, p.adaptors,
+                                         p.batcher, p.config.profile_runs)   # init + profiling
                 except DeviceLost:
                     raise
                 except Exception as e:  # noqa: BLE001 - this bundle only
@@ -197,10 +202,12 @@ class Daemon:
                     continue
                 self.router.by_model[mid] = ex
                 self._served[p.model] = ServedBundle(p.directory, p.key,
-                                                     model_info_from_bundle(mid, p.bundle))
-                log.info("registered %s (%d variant(s), %d io bytes): read in %.2f s, "
-                         "registered in %.3f s", p.model, len(p.bundle.variants),
-                         p.bundle.io_bytes, p.seconds, time.monotonic() - t0)
+                                                     model_info_from_bundle(mid, p.bundle, p.model))
+                log.info("registered %s%s (%d variant(s): %s; batcher %s): read in %.2f s, "
+                         "registered in %.3f s", p.model,
+                         f" version {p.version}" if p.version else "", len(p.bundle.variants),
+                         ", ".join(v.name for v in p.bundle.variants), p.batcher.name,
+                         p.seconds, time.monotonic() - t0)
             for d, model in scan.kept.items():
                 self._served[model].directory = d
             current = ({p.directory for p in scan.prepared} | set(scan.kept) | set(failed))
@@ -363,6 +370,8 @@ class Daemon:
         except DeviceLost as e:
             return self._device_lost(e)
         log.info("stopped cleanly; stats %s", self.front.stats)
+        if self.dispatcher is not None and self.dispatcher.stage.stats.batches:
+            log.info("batching stats %s", self.dispatcher.stage.stats.to_dict())
         return 0
 
     def _device_lost(self, exc: DeviceLost) -> int:
@@ -481,7 +490,7 @@ class Daemon:
         log.info("SIGHUP: reading the model repository %s in the background", self.cfg.models)
         known = {model: sb.key for model, sb in self._served.items()}
         self._loader = repository.BackgroundScan(self._wake_loop, self.cfg.models, known,
-                                                 self._make_adaptor)
+                                                 self._make_adaptor, reserved=self._reserved())
 
     def _finish_reload(self, loader: repository.BackgroundScan) -> None:
         if loader.error is not None:

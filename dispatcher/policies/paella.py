@@ -45,7 +45,8 @@ deficit counters.
   live job sits in one more heap, re-keyed at each of its releases.
 
 Decisions on the paper's open points (docs/policies.md): deficits are charged per
-kernel, not per block; a unit enters with deficit 0 and leaves (forgetting its
+kernel, not per block (a batched job serving several clients charges each client its
+requests' fraction of every kernel, in client mode); a unit enters with deficit 0 and leaves (forgetting its
 deficit) when its last job finishes, so idle units accrue nothing; "oldest job" is
 the earliest-arrived job with a ready kernel.
 """
@@ -79,13 +80,16 @@ _REBASE = 1e9
 
 class _JobState:
     """The policy's own record of a live job (``job.policy_state``): its fairness unit,
-    whether it is queued (has a ready kernel announced), whether it has a fifo entry."""
-    __slots__ = ("unit", "queued", "infifo")
+    whether it is queued (has a ready kernel announced), whether it has a fifo entry;
+    ``shares`` (client mode, a batched job serving several clients): each client's unit
+    and the fraction of every release it is charged (its requests over the job's)."""
+    __slots__ = ("unit", "queued", "infifo", "shares")
 
     def __init__(self, unit: "_Unit"):
         self.unit = unit
         self.queued = False
         self.infifo = False
+        self.shares: "list[tuple[_Unit, float]] | None" = None
 
 
 class _Unit:
@@ -146,15 +150,30 @@ class Paella(Policy):
     # -- hooks ----------------------------------------------------------------------------
     def job_arrived(self, job: Any) -> None:
         key = job.client_id if self.by_client else job
-        units = self.units
-        unit = units.get(key)
-        if unit is None:
-            unit = units[key] = _Unit(key, -self.G, next(self._useq))
-            self._units_changed()
+        unit = self._unit(key)
         unit.jobs += 1
-        job.policy_state = _JobState(unit)
+        job.policy_state = st = _JobState(unit)
+        reqs = getattr(job, "requests", ())
+        if self.by_client and len(reqs) > 1:
+            counts: dict[Any, int] = {}
+            for r in reqs:
+                counts[r.client_id] = counts.get(r.client_id, 0) + 1
+            if len(counts) > 1:      # a batch of several clients: each is charged its part
+                st.shares = []
+                for cid, n in counts.items():
+                    u = self._unit(cid)
+                    if u is not unit:
+                        u.jobs += 1
+                    st.shares.append((u, n / len(reqs)))
         self.n_live_jobs += 1
         self.inflight.push(job, job.remaining, job.seq)
+
+    def _unit(self, key: Any) -> "_Unit":
+        unit = self.units.get(key)
+        if unit is None:
+            unit = self.units[key] = _Unit(key, -self.G, next(self._useq))
+            self._units_changed()
+        return unit
 
     def kernel_ready(self, job: Any) -> None:
         st = job.policy_state
@@ -215,11 +234,22 @@ class Paella(Policy):
         self.inflight.push(job, job.remaining, job.seq)     # its estimate dropped: re-key
         # Deficits: everyone +1/n (the offset), the releasing unit -1.
         g = self.G = self.G + self._share
-        unit.s -= 1.0
+        if st.shares is None:
+            unit.s -= 1.0
+        else:                        # a batch of several clients: per request
+            self._charge(st.shares)
         if n:
             self.dheap.push(unit, -unit.s, unit.seq)
         if g > _REBASE:
             self._rebase()
+
+    def _charge(self, shares: "list[tuple[_Unit, float]]") -> None:
+        """Charge one release to the clients of a batched job, each its requests'
+        fraction; a unit with ready jobs moves in the deficit heap."""
+        for u, part in shares:
+            u.s -= part
+            if u.nready:
+                self.dheap.push(u, -u.s, u.seq)
 
     def job_finished(self, job: Any) -> None:
         st = job.policy_state
@@ -233,10 +263,12 @@ class Paella(Policy):
         self.inflight.remove(job)
         st.unit = None               # (job mode: unit.key is the job; no cycle left for the gc)
         self.n_live_jobs -= 1
-        unit.jobs -= 1
-        if unit.jobs == 0:
-            del self.units[unit.key]
-            self._units_changed()
+        for u in {unit, *(u for u, _ in st.shares or ())}:
+            u.jobs -= 1
+            if u.jobs == 0:
+                del self.units[u.key]
+                self._units_changed()
+        st.shares = None
 
     # -- inspection (tests, docs) -----------------------------------------------------------
     def deficit(self, job_or_client: Any) -> float:

@@ -150,3 +150,69 @@ def test_a_request_larger_than_every_variant_is_refused_alone():
     stage.run_until_idle()
     assert c.done[0][0] == rings.E_OPTIONS and "largest: 8 rows" in c.done[0][1]
     assert c.done[1] == (rings.OK, None)
+
+
+def test_the_plug_in_of_docs_batching_md_works():
+    """The example batcher of docs/batching.md, taken from the page, batches in pairs."""
+    import re
+    from pathlib import Path
+    text = (Path(__file__).resolve().parents[2] / "docs" / "batching.md").read_text()
+    code = re.search(r"```python\n(from paella.dispatcher.batchers import.*?)```", text, re.S).group(1)
+    ns: dict = {}
+    exec(compile(code, "docs/batching.md", "exec"), ns)
+    disp, stage = serve(batcher="pairs", options={"wait_us": 300})
+    c = Client()
+    for i in range(5):
+        stage.submit(c.request(i, 1, client=i))
+    stage.run_until_idle()
+    assert all(c.done[i] == (rings.OK, None) for i in range(5))
+    for i in range(5):
+        np.testing.assert_array_equal(c.outputs[i], c.expect[i])
+    assert stage.stats.batches == 3 and stage.stats.padded_rows == 0   # 2 + 2 + 1
+
+
+def _register_broken():
+    """Plug-in batchers that get things wrong in the ways a plug-in can (once)."""
+    from paella.dispatcher.batchers import Batch, Batcher, batcher_names, register_batcher
+    if "repeats" in batcher_names():
+        return
+
+    @register_batcher("raises-in-poll")
+    class RaisesInPoll(Batcher):
+        def __init__(self, model):
+            super().__init__(model)
+            self.q = []
+
+        def add(self, req, now):
+            self.q.append(req)
+            return []
+
+        def deadline(self):
+            return 0.0
+
+        def poll(self, now):
+            raise RuntimeError("plug-in bug")
+
+    @register_batcher("repeats")
+    class Repeats(Batcher):
+        """Returns every request twice, and a batch with no variant."""
+
+        def add(self, req, now):
+            return [Batch([req], self.fit([req])), Batch([req], self.fit([req])),
+                    Batch([req], None)]
+
+
+@pytest.mark.parametrize("name", ["raises-in-poll", "repeats"])
+def test_a_wrong_batcher_loses_and_repeats_no_request(name):
+    _register_broken()
+    disp, stage = serve(batcher=name)
+    c = Client()
+    for i in range(4):
+        stage.submit(c.request(i, 1 + i % 2, client=i))
+    stage.run_until_idle()
+    assert set(c.done) == set(range(4))                  # (Client asserts: once each)
+    for i in range(4):
+        assert c.done[i] == (rings.OK, None)
+        np.testing.assert_array_equal(c.outputs[i], c.expect[i])
+    if name == "raises-in-poll":                         # fell back to identity
+        assert stage.models[100].batcher.name == "identity"

@@ -132,6 +132,23 @@ def test_deficits_by_client_follow_the_paper_update():
     assert p.deficit(2) == pytest.approx(0.5)   # +1/2
 
 
+def test_a_batched_job_charges_each_client_its_requests_part():
+    """Client mode: a batch serving 2 requests of client 1 and 1 of client 2 charges a
+    kernel 2/3 and 1/3 (deficits per user per request); client 3 only gains."""
+    p = Paella(fairness_threshold=1e9, fairness_unit="client")
+    batch = FakeJob(1.0, client=1)
+    batch.requests = [types.SimpleNamespace(client_id=c) for c in (1, 1, 2)]
+    other = FakeJob(5.0, client=3)
+    arrive(p, batch, other)
+    assert set(p.units) == {1, 2, 3}
+    p.released(p.pick(), None)
+    assert p.deficit(1) == pytest.approx(1 / 3 - 2 / 3)
+    assert p.deficit(2) == pytest.approx(1 / 3 - 1 / 3)
+    assert p.deficit(3) == pytest.approx(1 / 3)
+    p.job_finished(batch)
+    assert set(p.units) == {3}               # the batch's clients leave with it
+
+
 def test_deficits_by_job_follow_the_paper_update():
     p = Paella(fairness_threshold=1e9)        # fairness_unit="job" is the default
     a, b, c = FakeJob(1.0), FakeJob(2.0), FakeJob(3.0)

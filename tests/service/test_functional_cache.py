@@ -10,7 +10,7 @@ class CountingBundle:
     def __init__(self):
         self.runs = 0
 
-    def run_cpu(self, inputs):
+    def run_cpu(self, inputs, variant=0):
         self.runs += 1
         return {"y": inputs["x"] * 2}
 
@@ -44,7 +44,7 @@ class RewritingClient:
     def __init__(self, arena):
         self.arena = arena
 
-    def run_cpu(self, inputs):
+    def run_cpu(self, inputs, variant=0):
         self.arena[:] = 99
         return {"y": inputs["x"] * 2}
 

@@ -76,8 +76,8 @@ def test_drain_deadline_completes_every_request_once_as_cancelled(tmp_path, mlp,
     make_slow_running(repo / "slow_mlp", kernel_seconds=0.25)
     dp = fresh_daemon("--models", str(repo), "--drain-seconds", "0.2", "--no-noop")
     c = connect(dp.socket)
-    n = c.models["tiny_mlp"].variants[0].io_bytes
-    ids = [c.predict("tiny_mlp", n, c.alloc(n)) for _ in range(8)]
+    n = c.models["slow_mlp"].variants[0].io_bytes        # the folder's name
+    ids = [c.predict("slow_mlp", n, c.alloc(n)) for _ in range(8)]
     time.sleep(0.3)                  # taken from the ring and released to the GPU
     dp.proc.send_signal(signal.SIGTERM)
     assert dp.proc.wait(20) == 0
@@ -104,8 +104,8 @@ def test_a_lost_device_fails_every_request_once_also_those_on_it(tmp_path, mlp):
                       env={"PAELLA_SIM_LOSE_DEVICE_AFTER": "12"})
     try:
         c = connect(dp.socket)
-        n = c.models["tiny_mlp"].variants[0].io_bytes
-        ids = [c.predict("tiny_mlp", n, c.alloc(n)) for _ in range(8)]
+        n = c.models["slow_mlp"].variants[0].io_bytes
+        ids = [c.predict("slow_mlp", n, c.alloc(n)) for _ in range(8)]
         assert dp.proc.wait(20) == EXIT_DEVICE_LOST
         got = read_all(c)
         assert sorted(got) == sorted(ids) and all(len(v) == 1 for v in got.values()), got
@@ -199,8 +199,8 @@ def test_a_bad_bundle_is_reported_and_the_others_are_served(tmp_path, mlp, fresh
     set_dtype(repo / "broken", "float33")
     dp = fresh_daemon("--models", str(repo))
     with connect(dp.socket) as c:
-        assert set(c.models) == {"echo", "noop", "tiny_mlp"}
-        out = c.infer("tiny_mlp", {"x": np.ones((2, 16), np.float32)})["output0"]
+        assert set(c.models) == {"echo", "noop", "good"}   # folder names are model names
+        out = c.infer("good", {"x": np.ones((2, 16), np.float32)})["output0"]
         assert out.shape == (2, 8)
     log = dp.log()
     assert f"bundle {repo / 'broken'} not served" in log and "'float33'" in log

@@ -49,7 +49,7 @@ def test_daemon_answers_equal_the_framework(served_net):
         assert [t.name for t in spec.inputs] == ["x"] and tuple(spec.inputs[0].shape) == (BATCH, net.in_dim)
         for k in range(6):
             x = np.ascontiguousarray(rows[k * BATCH:(k + 1) * BATCH])
-            got = c.infer("windtunnel", {"x": x})["output0"]
+            got = c.infer("windtunnel", {"x": x})["y"]        # the ONNX model's output name
             np.testing.assert_allclose(got, net.output(x), rtol=1e-5, atol=1e-6)
             np.testing.assert_allclose(got.sum(axis=1), 1.0, atol=1e-6)   # probabilities
     assert "backend auto: sim" in dp.log()

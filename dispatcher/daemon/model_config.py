@@ -1,0 +1,100 @@
+"""A model's own settings: the ``config.toml`` beside its bundle in the model repository.
+
+::
+
+    version = 2                   # serve this version (subfolder 2), not the latest
+
+    [batching]
+    batcher = "dynamic"           # a batcher by name (built-in or plug-in); default identity
+    max_batch_size = 8            # ... and its options (here the dynamic batcher's)
+    preferred_batch_sizes = [4, 8]
+    max_queue_delay_us = 500
+
+    [policy]
+    profile_runs = 2              # profiling runs seeding each variant's SRPT estimate
+
+Unknown keys are errors naming the key and the valid ones; the batcher's options are
+checked against the batcher's own parameters (:mod:`paella.dispatcher.batchers`).
+"""
+from __future__ import annotations
+
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from paella.dispatcher.batchers import BatcherError, DEFAULT_BATCHER, check_options, options_of
+
+CONFIG = "config.toml"
+TOP_KEYS = ("version", "batching", "policy")
+POLICY_KEYS = {"profile_runs": int}
+
+
+class ModelConfigError(ValueError):
+    """A bad config.toml: the message names the file, the key and what is valid."""
+
+
+@dataclass
+class ModelConfig:
+    version: int | None = None
+    batcher: str = DEFAULT_BATCHER
+    batcher_options: dict[str, Any] = field(default_factory=dict)
+    profile_runs: int | None = None
+    mtime: float = 0.0              # of the file (0: none): a changed file reloads the model
+
+
+def load_model_config(folder: str | Path) -> ModelConfig:
+    """``folder/config.toml`` (defaults if there is none)."""
+    path = Path(folder) / CONFIG
+    cfg = ModelConfig()
+    if not path.is_file():
+        return cfg
+    try:
+        data = tomllib.loads(path.read_text())
+    except (OSError, UnicodeDecodeError) as e:
+        raise ModelConfigError(f"{path}: cannot read it ({e})") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ModelConfigError(f"{path} is not valid TOML: {e}") from None
+    cfg.mtime = path.stat().st_mtime
+    for key in data:
+        if key not in TOP_KEYS:
+            raise ModelConfigError(f"{path}: unknown key {key!r}; valid keys: "
+                                   f"{', '.join(TOP_KEYS)}")
+    if "version" in data:
+        v = data["version"]
+        if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+            raise ModelConfigError(f"{path}: version must be a version number (the name of "
+                                   f"a subfolder, such as 2), got {v!r}")
+        cfg.version = v
+    batching = _table(data, "batching", path)
+    name = batching.pop("batcher", DEFAULT_BATCHER)
+    try:
+        cls = check_options(name, batching)
+    except BatcherError as e:
+        valid = ["batcher"]
+        try:
+            from paella.dispatcher.batchers import get_batcher
+            valid += sorted(options_of(get_batcher(name)))
+        except BatcherError:
+            pass  # the name itself is bad: the message says so
+        raise ModelConfigError(f"{path}: [batching] {e} (valid keys of [batching] for this "
+                               f"batcher: {', '.join(valid)})") from None
+    cfg.batcher, cfg.batcher_options = cls.name, batching
+    policy = _table(data, "policy", path)
+    for key, value in policy.items():
+        if key not in POLICY_KEYS:
+            raise ModelConfigError(f"{path}: unknown key {key!r} in [policy]; valid keys: "
+                                   f"{', '.join(POLICY_KEYS)} (the scheduling policy itself "
+                                   f"is the daemon's: [policy] of paella.toml)")
+        if not isinstance(value, POLICY_KEYS[key]) or isinstance(value, bool) or value < 0:
+            raise ModelConfigError(f"{path}: [policy] {key} must be an integer >= 0, "
+                                   f"got {value!r}")
+    cfg.profile_runs = policy.get("profile_runs")
+    return cfg
+
+
+def _table(data: dict, key: str, path: Path) -> dict:
+    t = data.get(key, {})
+    if not isinstance(t, dict):
+        raise ModelConfigError(f"{path}: {key!r} must be a [{key}] table, got {t!r}")
+    return dict(t)
