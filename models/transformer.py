@@ -67,26 +67,12 @@ def tiny_encoder(batch: int = 1, seq_len: int = 8) -> ModelDef:
     return md
 
 
-class EncoderStage(nn.Module):
-    """Layers ``first .. first+count-1`` of an :class:`Encoder` (a DVABatch stage): the
-    same inputs (``x``, ``mask``; the attention bias is recomputed from the mask, a few
-    elementwise operations) and output ``x`` after those layers."""
-
-    def __init__(self, count: int, hidden: int, heads: int, ffn: int):
-        self.layers = nn.ModuleList([EncoderLayer(hidden, heads, ffn) for _ in range(count)])
-
-    def forward(self, x: nn.Tensor, mask: nn.Tensor) -> nn.Tensor:
-        b, s = mask.shape
-        bias = nn.op.reshape((mask - 1.0) * 10000.0, (b, 1, 1, s))
-        for layer in self.layers:
-            x = layer(x, bias)
-        return x
-
-
 def bert_encoder_stage(layers: range, batch: int = 1, seq_len: int = 64, total_layers: int = 2,
                        hidden: int = 128, heads: int = 2, ffn: int = 512) -> ModelDef:
-    """The stage of :func:`bert_encoder` made of ``layers``, with that model's weights (so
-    running the stages one after the other gives the whole model's outputs)."""
+    """The stage of :func:`bert_encoder` made of ``layers`` (a DVABatch stage): an encoder
+    of those layers with the whole model's weights, so running the stages one after the
+    other gives the whole model's outputs. Each stage takes ``mask`` again and recomputes
+    the attention bias from it (a few elementwise operations)."""
     if not layers or layers.start < 0 or layers.stop > total_layers or layers.step != 1:
         raise ValueError(f"layers {layers} is not a stage of a {total_layers}-layer encoder")
     shapes = {"x": ((batch, seq_len, hidden), "float32"), "mask": ((batch, seq_len), "float32")}
@@ -97,7 +83,7 @@ def bert_encoder_stage(layers: range, batch: int = 1, seq_len: int = 64, total_l
         mine.update({k.replace(f"layers.{layers.start + i}.", prefix, 1): v for k, v in full.items()
                      if k.startswith(f"layers.{layers.start + i}.")})
     md = export(f"bert_encoder_s{layers.start}_{layers.stop}",
-                EncoderStage(len(layers), hidden, heads, ffn), shapes, weights=mine,
+                Encoder(len(layers), hidden, heads, ffn), shapes, weights=mine,
                 description=f"BERT-like encoder layers {layers.start}..{layers.stop - 1} of "
                             f"{total_layers}, batch {batch}, length {seq_len}")
     md.batch, md.seq_len = batch, seq_len
