@@ -85,6 +85,11 @@ class BatchTable:
         self.queues[0].append(QueueItem(row.id, 0, n))
         return row
 
+    @property
+    def newest(self) -> int | None:
+        """The id of the batch made last by *new* (None once it has left)."""
+        return self._newest
+
     def stretchable(self) -> BatchRow | None:
         """The batch a stretch would join: the newest one, unless it was split (or
         made by a split), has left or is full."""

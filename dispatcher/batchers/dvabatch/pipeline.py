@@ -154,7 +154,7 @@ class DvaPipeline:
         if not q:
             return ex.state != "working"
         last = q[-1]
-        return last is not ex.current and last.id == self.table._newest
+        return last is not ex.current and last.id == self.table.newest
 
     def _form(self, now: float) -> None:
         """*new*: batches of the waiting queries once the window closed (or a full
