@@ -645,7 +645,10 @@ class Frontend:
                 return self._reject(c, req_id, rings.E_OPTIONS,
                                     f"{model.name} has no variant {variant}")
             v = model.variants[variant]
-            need, rows, seq_len, what = v.io_bytes, v.batch or 1, v.seq_len, ""
+            # The whole variant: its batch size (or its first input's axis 0, for bundles
+            # compiled without --batch-sizes), so it is no padding anywhere.
+            rows = v.batch or (v.inputs[0].shape[0] if v.inputs and v.inputs[0].shape else 1)
+            need, seq_len, what = v.io_bytes, v.seq_len, ""
         arena = c.seg.layout.arena_bytes   # type: ignore[union-attr]
         if off + ln > arena:
             return self._reject(c, req_id, rings.E_RANGE,
