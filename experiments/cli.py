@@ -20,6 +20,7 @@ EXPERIMENTS = [
     "paella.experiments.orca",
     "paella.experiments.report",
     "paella.experiments.batching",
+    "paella.experiments.dvabatch",
 ]
 
 

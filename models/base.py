@@ -74,12 +74,23 @@ def random_weights(named: list[tuple[str, nn.Parameter]], seed: int = DEFAULT_SE
 
 
 def export(name: str, module: nn.Module, inputs: dict[str, tuple[tuple[int, ...], str]],
-           seed: int = DEFAULT_SEED, description: str = "") -> ModelDef:
-    """Export an ``nn.Module`` (its ``forward``) as entry ``main`` with seeded weights."""
+           seed: int = DEFAULT_SEED, description: str = "",
+           weights: dict[str, np.ndarray] | None = None) -> ModelDef:
+    """Export an ``nn.Module`` (its ``forward``) as entry ``main`` with seeded weights,
+    or with ``weights`` by parameter name (a model's stage takes the whole model's)."""
     spec = {"forward": {k: nn.spec.Tensor(shape, dtype) for k, (shape, dtype) in inputs.items()}}
     mod, named = module.export_tvm(spec=spec)
     gv = mod.get_global_var("forward")
     func = mod[gv].with_attr("global_symbol", "main")
     new = tvm.IRModule({k: v for k, v in mod.functions.items() if k.name_hint != "forward"})
     new["main"] = func
-    return ModelDef(name, new, random_weights(named, seed), description)
+    values = random_weights(named, seed) if weights is None else [weights[n] for n, _ in named]
+    return ModelDef(name, new, values, description)
+
+
+def named_weights(module: nn.Module, inputs: dict[str, tuple[tuple[int, ...], str]],
+                  seed: int = DEFAULT_SEED) -> dict[str, np.ndarray]:
+    """``module``'s seeded weights by parameter name (what :func:`export` gives it)."""
+    spec = {"forward": {k: nn.spec.Tensor(shape, dtype) for k, (shape, dtype) in inputs.items()}}
+    _, named = module.export_tvm(spec=spec)
+    return dict(zip((n for n, _ in named), random_weights(named, seed)))

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from tvm.relax.frontend import nn
 
-from .base import ModelDef, export
+from .base import ModelDef, export, named_weights
 
 
 class EncoderLayer(nn.Module):
@@ -64,4 +64,27 @@ def tiny_encoder(batch: int = 1, seq_len: int = 8) -> ModelDef:
     """The same encoder at test size (1 layer, hidden 16): compiles in seconds."""
     md = bert_encoder(batch, seq_len, layers=1, hidden=16, heads=2, ffn=32)
     md.name = "tiny_encoder"
+    return md
+
+
+def bert_encoder_stage(layers: range, batch: int = 1, seq_len: int = 64, total_layers: int = 2,
+                       hidden: int = 128, heads: int = 2, ffn: int = 512) -> ModelDef:
+    """The stage of :func:`bert_encoder` made of ``layers`` (a DVABatch stage): an encoder
+    of those layers with the whole model's weights, so running the stages one after the
+    other gives the whole model's outputs. Each stage takes ``mask`` again and recomputes
+    the attention bias from it (a few elementwise operations)."""
+    if not layers or layers.start < 0 or layers.stop > total_layers or layers.step != 1:
+        raise ValueError(f"layers {layers} is not a stage of a {total_layers}-layer encoder")
+    shapes = {"x": ((batch, seq_len, hidden), "float32"), "mask": ((batch, seq_len), "float32")}
+    full = named_weights(Encoder(total_layers, hidden, heads, ffn), shapes)
+    mine = {}
+    for i in range(len(layers)):
+        prefix = f"layers.{i}."
+        mine.update({k.replace(f"layers.{layers.start + i}.", prefix, 1): v for k, v in full.items()
+                     if k.startswith(f"layers.{layers.start + i}.")})
+    md = export(f"bert_encoder_s{layers.start}_{layers.stop}",
+                Encoder(len(layers), hidden, heads, ffn), shapes, weights=mine,
+                description=f"BERT-like encoder layers {layers.start}..{layers.stop - 1} of "
+                            f"{total_layers}, batch {batch}, length {seq_len}")
+    md.batch, md.seq_len = batch, seq_len
     return md

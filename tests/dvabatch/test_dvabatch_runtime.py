@@ -1,0 +1,98 @@
+"""DVABatch on the kernel scheduler: stage slicing, each stage run as a job of the real
+dispatcher on the simulated GPU, and the experiment's summary keys."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from paella.compiler_pass.stages import OpProfile, preferred_batch, slice_stages
+from paella.dispatcher.adaptor import PlanAdaptor, synthetic_plan
+from paella.dispatcher.batchers.dvabatch import DvaConfig, DvaPipeline, check_hazards
+from paella.dispatcher.batchers.dvabatch.runner import DispatcherStageRunner
+from paella.dispatcher.core import Dispatcher
+from paella.dispatcher.devices.sim import SimDevice
+from paella.experiments import dvabatch as exp
+
+SIZES = (1, 2, 4, 8, 16, 32, 64)
+
+
+def op(name: str, pref: int, t: float = 1.0) -> OpProfile:
+    """Flat up to ``pref``, then proportional."""
+    return OpProfile(name, tuple((b, t * max(b, pref) / pref) for b in SIZES))
+
+
+def test_preferred_batch_and_slicing_cut_where_the_preference_changes():
+    assert preferred_batch(op("a", 8)) == 8
+    assert preferred_batch(op("b", 1)) == 1
+    assert preferred_batch(OpProfile("c", tuple((b, 1.0) for b in SIZES))) == 64
+    ops = [op(f"e{i}", 32) for i in range(6)] + [op(f"d{i}", 4) for i in range(6)]
+    stages = slice_stages(ops, 4)
+    assert stages[0] == range(0, 6)                 # the cut at the change of preference
+    # then the longest stage (the decoder, 96 at batch 64) in halves, then a half again
+    assert stages == [range(0, 6), range(6, 9), range(9, 10), range(10, 12)]
+    # Without a change: balanced in time at batch 64.
+    same = [op(f"x{i}", 16, t=1.0 + (i == 0) * 3) for i in range(8)]
+    assert slice_stages(same, 2) == [range(0, 2), range(2, 8)]     # 20 | 24 of 44
+    with pytest.raises(ValueError):
+        slice_stages(same, 9)
+
+
+def test_stages_run_as_dispatcher_jobs_without_hazards():
+    """A 3-stage model whose stage variants are plans of the real dispatcher: every
+    query leaves, batches split and stretch, no stage touches rows another is using."""
+    dev = SimDevice("t4", n_streams=64, seed=3)
+    disp = Dispatcher(dev, "paella", profile_runs=0)
+    blocks = {0: 5, 1: 40, 2: 40}           # stage 0 prefers batch 32, the others batch 4
+
+    def time_of(stage: int, rows: int) -> float:
+        return -(-blocks[stage] * rows // 160) * 0.2e-3
+
+    def adaptor(stage: int, rows: int, seq_len: int) -> PlanAdaptor:
+        return PlanAdaptor(synthetic_plan(f"s{stage}", [
+            (f"k{stage}", blocks[stage] * rows, 256, 32, time_of(stage, rows))]))
+    runner = DispatcherStageRunner(disp, "toy3", adaptor)
+    cfg = DvaConfig(3, lambda s, b, l: time_of(s, b), pairs=2, bs_max=64,
+                    t_comp_wait=time_of(0, 1))
+    done = {}
+    pipe = DvaPipeline(cfg, runner, lambda q, now: done.__setitem__(q.i, now), dev.now)
+    rng = np.random.default_rng(0)
+    qs = [exp._Query(i, float(t), 0) for i, t in
+          enumerate(dev.now() + np.cumsum(rng.exponential(1 / 3000, 300)))]
+    exp._drive(disp, dev, pipe, qs)
+    assert not runner.failed
+    assert sorted(done) == list(range(300))
+    assert all(done[q.i] >= q.arrival + sum(time_of(s, 1) for s in range(3)) - 1e-9 for q in qs)
+    assert pipe.stats.split > 0 and pipe.stats.stretch > 0
+    assert check_hazards(pipe.accesses) == []
+    # Each run used the variant of its own size (stage, rows, length).
+    assert {k[1] for k in runner.model_ids} >= {1, 4}
+    assert all(disp.models[m].name == f"toy3/s{s}/b{b}/l{l}"
+               for (s, b, l), m in runner.model_ids.items())
+
+
+def test_experiment_quick_subset_writes_the_issue_keys(tmp_path):
+    out = tmp_path / "d.json"
+    r = subprocess.run([sys.executable, "-m", "paella.cli", "experiment", "dvabatch", "--quick",
+                        "--models", "resnet152", "--queries", "150", "--json", str(out)],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    data = json.loads(out.read_text())
+    s = data["summary"]
+    for key in ("avg_latency_reduction_vs_zerobatch", "p99_latency_reduction_vs_zerobatch",
+                "avg_latency_reduction_vs_delaybatch"):
+        assert set(s[key]) == {"low", "medium", "high"}
+        assert all(np.isfinite(v) for v in s[key].values())
+    assert s["peak_throughput_ratio"]["resnet152"] > 0
+    pts = data["models"]["resnet152"]["loads"]["low"]
+    assert pts["zerobatch"]["mean_ms"] > 0 and pts["dvabatch"]["new"] > 0
+
+
+def test_experiment_refuses_an_unknown_model():
+    r = subprocess.run([sys.executable, "-m", "paella.cli", "experiment", "dvabatch",
+                        "--models", "vgg"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2
+    assert "paella: error: unknown model(s) vgg" in r.stderr and "Traceback" not in r.stderr
