@@ -82,6 +82,13 @@ class Request:
     status: int = -1
     error: str | None = None
     cancelled: bool = False          # its client went away: completes as STATUS_CANCELLED
+    # Its shape (batching): rows on the batch axis, sequence length (0: the model has no
+    # length axis), the tensors' slots in ``io`` (paella.shapes.Slot, inputs then
+    # outputs; None: the variant's own layout), and a priority level for batchers.
+    rows: int = 1
+    seq_len: int = 0
+    layout: Any = None
+    priority: int = 0
 
 
 @dataclass(eq=False)
@@ -626,16 +633,23 @@ class Dispatcher:
         self.in_flight += 1
         self._arrivals.append(job)
 
-    def submit_group(self, requests: list[Request], io: np.ndarray) -> None:
+    def submit_group(self, requests: list[Request], io: np.ndarray,
+                     model_id: int | None = None) -> None:
         """Accept requests of one model served by one job whose work reads and writes
         ``io`` (the seam for batchers: how the requests' inputs get into ``io`` and their
         outputs out of it is the batcher's). Each request completes, is woken and can be
-        cancelled on its own; the job starts in the next :meth:`step`."""
+        cancelled on its own; the job starts in the next :meth:`step`. ``model_id``: the
+        registered model the job runs (a compiled variant of the requests' model, with
+        its own plan and SRPT profile); default the requests' own."""
         if not requests:
             raise ValueError("submit_group needs at least one request")
         mid = requests[0].model_id
+        run = mid if model_id is None else model_id
+        if run not in self.models:
+            raise ValueError(f"unknown model id {run}; register the model first "
+                             f"({len(self.models)} registered)")
         for req in requests:
-            if req.model_id not in self.models:
+            if model_id is None and req.model_id not in self.models:
                 raise ValueError(f"request {req.req_id}: unknown model id {req.model_id}; "
                                  f"register the model first ({len(self.models)} registered)")
             if req.model_id != mid:
@@ -653,7 +667,7 @@ class Dispatcher:
             if "request_admitted" in instr:
                 instr.call("request_admitted", req)
         self._seq += 1
-        job = Job(self, self.models[mid], list(requests), io, self._seq)
+        job = Job(self, self.models[run], list(requests), io, self._seq)
         self.jobs.add(job)
         self.in_flight += len(requests)
         self._arrivals.append(job)

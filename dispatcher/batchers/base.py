@@ -1,0 +1,154 @@
+"""The batcher interface: requests in, batches (groups of requests run as one job of a
+chosen compiled variant) out.
+
+A batcher sits between the front end (which validated each request and knows its
+shape) and job creation (:meth:`paella.dispatcher.core.Dispatcher.submit_group`). One
+batcher instance serves one model; it sees that model's compiled variants
+(:class:`ModelVariants`) and decides *which requests run together* and *on which
+variant*. Everything else -- laying the requests' inputs into the variant's io buffer,
+scattering the outputs back, per-request completion -- is the batching stage's
+(:mod:`.stage`), so a batcher is pure bookkeeping and easy to test in virtual time.
+
+The hooks, all called by the daemon loop (or the harness) only, with the device clock
+``now`` in seconds:
+
+* ``add(req, now) -> list[Batch]``   a request arrived; return the batches that are
+                                      ready now (possibly none: the request waits);
+* ``poll(now) -> list[Batch]``       the timer hook: called at (or after) ``deadline()``
+                                      and whenever the loop has time; returns batches
+                                      whose wait is over;
+* ``deadline() -> float | None``     the device time at which ``poll`` must run next
+                                      (None: nothing is waiting);
+* ``batch_done(batch, now)``         a batch's job finished (all its requests are
+                                      completed): the feedback a step scheduler needs;
+* ``remove_client(client_id) -> list[Request]``  the client went away: drop its
+                                      queued requests (the stage completes them as
+                                      cancelled);
+* ``flush(now) -> list[Batch]``      the daemon drains: every queued request, now;
+* ``pending``                        requests queued in the batcher.
+
+A batch's variant must take its rows (``sum(r.rows) <= variant.rows``) and every
+request's length (``r.seq_len <= variant.seq_len`` for length buckets); the stage
+checks that and fails the batch's requests with the reason if a plug-in gets it wrong.
+The rows a batch leaves empty are padding, counted in the stage's stats.
+
+Plug-ins register under the entry-point group ``paella.batchers`` (see
+:mod:`.registry`); their options are the keyword parameters of ``__init__``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+
+class BatcherError(ValueError):
+    """An unknown batcher, a bad batcher option, or a batch a variant cannot take."""
+
+
+@dataclass(frozen=True)
+class VariantSpec:
+    """One compiled variant as a batcher sees it."""
+    index: int          # the variant's position in the bundle's manifest
+    rows: int           # its batch size
+    seq_len: int = 0    # its length bucket (0: the model has no length axis)
+    label: str = ""     # the dispatcher's model name of this variant (its SRPT profile)
+
+    def takes(self, rows: int, seq_len: int) -> bool:
+        return rows <= self.rows and seq_len <= self.seq_len if self.seq_len else rows <= self.rows
+
+
+@dataclass(frozen=True)
+class ModelVariants:
+    """A model's variants, smallest first (by rows, then length)."""
+    name: str
+    variants: tuple[VariantSpec, ...]
+
+    def __post_init__(self) -> None:
+        if not self.variants:
+            raise BatcherError(f"model {self.name!r} has no variant to serve")
+        object.__setattr__(self, "variants",
+                           tuple(sorted(self.variants, key=lambda v: (v.seq_len, v.rows))))
+
+    @property
+    def max_rows(self) -> int:
+        return max(v.rows for v in self.variants)
+
+    @property
+    def max_seq_len(self) -> int:
+        return max(v.seq_len for v in self.variants)
+
+    @property
+    def has_length(self) -> bool:
+        return self.max_seq_len > 0
+
+    def fit(self, rows: int, seq_len: int = 0) -> VariantSpec | None:
+        """The smallest variant taking ``rows`` rows of length ``seq_len`` (the
+        shortest length bucket first, then the fewest rows), or None."""
+        for v in self.variants:
+            if v.takes(rows, seq_len):
+                return v
+        return None
+
+
+@dataclass(eq=False)
+class Batch:
+    """Requests that run as one job of ``variant`` (rows in request order)."""
+    requests: list[Any]               # paella.dispatcher.core.Request, each with .rows, .seq_len
+    variant: VariantSpec
+    #: Set by the stage: when the batch was formed (device seconds).
+    t_formed: float = 0.0
+    meta: dict = field(default_factory=dict)   # the batcher's own notes (priority, step)
+
+    @property
+    def rows(self) -> int:
+        return sum(r.rows for r in self.requests)
+
+    @property
+    def seq_len(self) -> int:
+        return max((r.seq_len for r in self.requests), default=0)
+
+    @property
+    def padding(self) -> int:
+        """Rows of the variant no request fills."""
+        return self.variant.rows - self.rows
+
+
+class Batcher:
+    """Base class: a batcher of one model's requests. Subclasses override the hooks;
+    options are keyword parameters of ``__init__`` (checked before it is built)."""
+
+    name: ClassVar[str] = "base"
+
+    def __init__(self, model: ModelVariants, **options: Any):
+        if options:
+            raise BatcherError(f"batcher {self.name!r} takes no option(s) "
+                               f"{', '.join(sorted(options))}")
+        self.model = model
+
+    def add(self, req: Any, now: float) -> list[Batch]:
+        raise NotImplementedError("need add")
+
+    def poll(self, now: float) -> list[Batch]:
+        return []
+
+    def deadline(self) -> float | None:
+        return None
+
+    def batch_done(self, batch: Batch, now: float) -> None:
+        pass
+
+    def remove_client(self, client_id: int) -> list[Any]:
+        return []
+
+    def flush(self, now: float) -> list[Batch]:
+        return []
+
+    @property
+    def pending(self) -> int:
+        return 0
+
+    # -- helpers for subclasses --------------------------------------------------------
+    def fit(self, requests: list[Any]) -> VariantSpec | None:
+        """The smallest variant taking ``requests`` together."""
+        return self.model.fit(sum(r.rows for r in requests),
+                              max((r.seq_len for r in requests), default=0))

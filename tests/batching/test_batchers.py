@@ -1,0 +1,152 @@
+"""The batcher layer in virtual time: the registry, the dynamic batcher's rules, and the
+stage (gather, scatter, per-request completion, cancellation, failure isolation) on the
+real dispatcher and simulated GPU."""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from paella import rings
+from paella.dispatcher.batchers import (BatcherError, ModelVariants, VariantSpec, batcher_names,
+                                        make_batcher)
+
+from row_model import POISON, Client, serve
+
+MODEL = ModelVariants("m", tuple(VariantSpec(i, b) for i, b in enumerate((1, 2, 4, 8))))
+
+
+def req(i, rows=1, client=0, priority=0):
+    return SimpleNamespace(req_id=i, rows=rows, seq_len=0, client_id=client, priority=priority)
+
+
+def test_registry_names_errors_and_options():
+    assert {"identity", "dynamic"} <= set(batcher_names())
+    with pytest.raises(BatcherError, match="unknown batcher 'triton'.*dynamic.*identity"):
+        make_batcher("triton", MODEL)
+    with pytest.raises(BatcherError, match="no option 'max_delay'.*max_queue_delay_us"):
+        make_batcher("dynamic", MODEL, {"max_delay": 5})
+    with pytest.raises(BatcherError, match="max_batch_size must be 1..8"):
+        make_batcher("dynamic", MODEL, {"max_batch_size": 16})
+    with pytest.raises(BatcherError, match="must be an int"):
+        make_batcher("dynamic", MODEL, {"max_batch_size": "8"})
+    with pytest.raises(BatcherError, match="identity.*no option .max_batch_size.; valid options: none"):
+        make_batcher("identity", MODEL, {"max_batch_size": 4})
+
+
+def test_dynamic_forms_max_and_preferred_batches_at_once():
+    b = make_batcher("dynamic", MODEL, {"max_queue_delay_us": 1000, "preferred_batch_sizes": [4]})
+    assert b.add(req(0), 0.0) == [] and b.add(req(1), 0.0) == [] and b.add(req(2), 0.0) == []
+    assert b.deadline() == pytest.approx(1e-3)
+    (batch,) = b.add(req(3), 0.0)                      # 4 rows: a preferred size
+    assert [r.req_id for r in batch.requests] == [0, 1, 2, 3] and batch.variant.rows == 4
+    assert b.pending == 0 and b.deadline() is None
+    out = b.add(req(4, rows=6), 0.0) + b.add(req(5, rows=2), 0.0)   # 8 rows: max_batch_size
+    assert len(out) == 1 and out[0].rows == 8 and out[0].padding == 0
+
+
+def test_dynamic_waits_for_the_delay_then_pads_to_the_next_variant():
+    b = make_batcher("dynamic", MODEL, {"max_queue_delay_us": 500})
+    assert b.add(req(0), 0.0) == [] and b.add(req(1, rows=2), 1e-4) == []
+    assert b.poll(4.9e-4) == []
+    (batch,) = b.poll(5e-4)
+    assert batch.rows == 3 and batch.variant.rows == 4 and batch.padding == 1
+
+
+def test_dynamic_keeps_order_and_never_splits_a_request():
+    b = make_batcher("dynamic", MODEL, {"max_queue_delay_us": 100, "max_batch_size": 4})
+    b.add(req(0, rows=3), 0.0)
+    out = b.add(req(1, rows=2), 0.0)                  # 5 > 4: the first goes alone
+    assert [[r.req_id for r in x.requests] for x in out] == [[0]]
+    assert b.pending == 1
+
+
+def test_dynamic_priority_levels_fill_from_the_highest():
+    b = make_batcher("dynamic", MODEL, {"max_queue_delay_us": 100, "priority_levels": 2,
+                                        "max_batch_size": 2})
+    b.add(req(0, priority=2), 0.0)
+    out = b.add(req(1, priority=1), 0.0)              # two rows: full
+    assert [r.req_id for r in out[0].requests] == [1, 0]
+
+
+def test_dynamic_holds_batches_while_max_inflight_run():
+    b = make_batcher("dynamic", MODEL, {"max_inflight_batches": 1})
+    (first,) = b.add(req(0), 0.0)
+    assert b.add(req(1), 0.0) == [] and b.add(req(2), 0.0) == []
+    b.batch_done(first, 1.0)
+    (second,) = b.poll(1.0)
+    assert [r.req_id for r in second.requests] == [1, 2] and second.variant.rows == 2
+
+
+def test_remove_client_drops_only_its_queued_requests():
+    b = make_batcher("dynamic", MODEL, {"max_queue_delay_us": 100})
+    b.add(req(0, client=1), 0.0)
+    b.add(req(1, client=2), 0.0)
+    assert [r.req_id for r in b.remove_client(1)] == [0] and b.pending == 1
+
+
+# -- the stage, end to end on the simulated GPU ------------------------------------------------
+@pytest.mark.parametrize("batcher,options", [("identity", {}),
+                                              ("dynamic", {"max_queue_delay_us": 200})])
+def test_each_request_gets_exactly_its_own_rows(batcher, options):
+    disp, stage = serve(batcher=batcher, options=options)
+    c = Client()
+    rows = [1, 2, 3, 1, 4, 2, 1, 1, 5, 3, 2, 1]       # 3 and 5 pad to 4 and 8
+    for i, r in enumerate(rows):
+        stage.submit(c.request(i, r, client=i % 3))
+    stage.run_until_idle()
+    assert set(c.done) == set(range(len(rows)))
+    for i in range(len(rows)):
+        assert c.done[i] == (rings.OK, None)
+        np.testing.assert_array_equal(c.outputs[i], c.expect[i])
+    assert c.woken == set(range(len(rows)))
+    st = stage.stats
+    assert st.requests == len(rows) and st.rows == sum(rows)
+    if batcher == "dynamic":
+        assert st.batches < len(rows)
+    else:
+        assert st.batches == len(rows) and st.padded_rows == 1 + 3 + 1   # 3 -> 4 (twice), 5 -> 8
+        assert st.zero_copy == len(rows) - 3
+
+
+def test_a_cancelled_request_of_a_batch_gets_no_outputs_and_the_others_theirs():
+    disp, stage = serve(batcher="dynamic", options={"max_queue_delay_us": 100,
+                                                    "preferred_batch_sizes": [4]})
+    c = Client()
+    for i in range(4):
+        stage.submit(c.request(i, 1, client=i))       # one batch of 4, formed at once
+    disp.step()
+    stage.cancel_client(2)                            # in the running batch
+    stage.submit(c.request(9, 1, client=7))           # queued
+    stage.cancel_client(7)                            # cancelled while queued
+    stage.run_until_idle()
+    assert c.done[2][0] == rings.E_CANCELLED and c.done[9][0] == rings.E_CANCELLED
+    assert not c.outputs[2].any() and not c.outputs[9].any()
+    for i in (0, 1, 3):
+        assert c.done[i] == (rings.OK, None)
+        np.testing.assert_array_equal(c.outputs[i], c.expect[i])
+    assert stage.stats.batches == 1
+
+
+def test_a_failing_request_fails_alone():
+    disp, stage = serve(batcher="dynamic", options={"max_queue_delay_us": 100}, greenlet=True)
+    c = Client()
+    for i in range(4):
+        stage.submit(c.request(i, 1, first=POISON if i == 1 else None))
+    stage.run_until_idle()
+    assert c.done[1][0] == rings.E_FAILED and "poisoned row" in c.done[1][1]
+    for i in (0, 2, 3):
+        assert c.done[i] == (rings.OK, None)
+        np.testing.assert_array_equal(c.outputs[i], c.expect[i])
+    assert stage.stats.retried == 4
+
+
+def test_a_request_larger_than_every_variant_is_refused_alone():
+    disp, stage = serve(batcher="dynamic", options={"max_queue_delay_us": 100})
+    c = Client()
+    stage.submit(c.request(0, 9))
+    stage.submit(c.request(1, 2))
+    stage.run_until_idle()
+    assert c.done[0][0] == rings.E_OPTIONS and "largest: 8 rows" in c.done[0][1]
+    assert c.done[1] == (rings.OK, None)
