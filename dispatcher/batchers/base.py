@@ -52,6 +52,9 @@ class VariantSpec:
     rows: int           # its batch size
     seq_len: int = 0    # its length bucket (0: the model has no length axis)
     label: str = ""     # the dispatcher's model name of this variant (its SRPT profile)
+    #: Its isolated time on the device (seconds; the dispatcher's profile, what
+    #: `paella profile` reports), for batchers that plan by cost; 0 = not profiled.
+    cost_s: float = 0.0
 
     def takes(self, rows: int, seq_len: int) -> bool:
         return rows <= self.rows and seq_len <= self.seq_len if self.seq_len else rows <= self.rows
