@@ -151,6 +151,15 @@ class Batcher:
         return 0
 
     # -- helpers for subclasses --------------------------------------------------------
+    def max_batch_size_option(self, value: int) -> int:
+        """A ``max_batch_size`` option checked against the compiled variants (0: the
+        largest variant's rows)."""
+        largest = self.model.max_rows
+        if not 0 <= value <= largest:
+            raise BatcherError(f"max_batch_size must be 1..{largest} (the largest compiled "
+                               f"variant of {self.model.name}), got {value}")
+        return value or largest
+
     def fit(self, requests: list[Any]) -> VariantSpec | None:
         """The smallest variant taking ``requests`` together."""
         return self.model.fit(sum(r.rows for r in requests),

@@ -77,11 +77,7 @@ class TurboDPBatcher(Batcher):
     def __init__(self, model: ModelVariants, max_batch_size: int = 0, trigger: str = "hungry",
                  timeout_us: float = 0, slo_ms: float = 0):
         super().__init__(model)
-        largest = model.max_rows
-        self.max_batch_size = max_batch_size or largest
-        if not 1 <= self.max_batch_size <= largest:
-            raise BatcherError(f"max_batch_size must be 1..{largest} (the largest compiled "
-                               f"variant of {model.name}), got {max_batch_size}")
+        self.max_batch_size = self.max_batch_size_option(max_batch_size)
         if trigger not in TRIGGERS:
             raise BatcherError(f"trigger must be one of {', '.join(TRIGGERS)}, got {trigger!r}")
         if not timeout_us >= 0 or not slo_ms >= 0:
