@@ -252,6 +252,11 @@ class BufferPool:
             self.peak = self.in_use
         return b
 
+    def rebind(self, b: BufferSet) -> BufferSet:
+        """A set freed by one job, for the next job waiting in :attr:`waiting` (the
+        same plan: as it is)."""
+        return b
+
     def release(self, b: BufferSet) -> None:
         if b is self.shared:
             return
@@ -280,7 +285,7 @@ class PlanAdaptor(JobAdaptor):
     """
 
     def __init__(self, plan: Plan, *, max_buffer_sets: int | None = None,
-                 buffer_budget: int = DEFAULT_BUFFER_BUDGET):
+                 buffer_budget: int = DEFAULT_BUFFER_BUDGET, memory: Any = None):
         self.plan = plan
         self.name = plan.name
         self.io_bytes = plan.io_bytes
@@ -292,6 +297,9 @@ class PlanAdaptor(JobAdaptor):
         if max_buffer_sets is None:
             max_buffer_sets = max(1, buffer_budget // self._set_bytes) if self._set_bytes else 1
         self.max_buffer_sets = max_buffer_sets
+        #: A :class:`~paella.dispatcher.chunked_buffers.ChunkedMemory` shared with the
+        #: model's other variants, instead of a pool of buffer sets of this plan's own.
+        self.memory = memory
 
     @classmethod
     def from_bundle(cls, bundle: Any, variant: int = 0, *, name: str | None = None,
@@ -313,8 +321,11 @@ class PlanAdaptor(JobAdaptor):
             for name in plan.params:
                 self.buffers[name] = device.alloc(plan.buffers[name])
             self._upload_params(device)
-            self.buffer_pool = BufferPool(plan.name, self._new_set, self._free_set,
-                                          self.max_buffer_sets, self._set_bytes)
+            if self.memory is not None and self._set_bytes:
+                self.buffer_pool = self.memory.view(self)
+            else:
+                self.buffer_pool = BufferPool(plan.name, self._new_set, self._free_set,
+                                              self.max_buffer_sets, self._set_bytes)
         except Exception:
             self.close(device)
             raise
