@@ -263,11 +263,13 @@ def _write_bundle(model: ModelDef, tmp: Path, arch: str, options: InstrumentOpti
 
     step("launch plan + manifest")
     plan = build_plan(entry, gpu.host_plans, model.params)
+    _name_outputs(plan, model)
     kernels = _kernel_specs(gpu, plan, res, options.enabled)
     if len(kernels) != len(globals_):
         raise CompileError(f"the plan launches {len(kernels)} distinct kernels, the source defines "
                            f"{len(globals_)}")
-    variant = Variant("default", plan.inputs, plan.outputs, plan.buffers, kernels, plan.plan, plan.io_bytes)
+    variant = Variant("default", plan.inputs, plan.outputs, plan.buffers, kernels, plan.plan,
+                      plan.io_bytes, batch=model.batch, seq_len=model.seq_len)
     check_variant(variant)
 
     step("CPU (llvm) reference build")
@@ -282,6 +284,42 @@ def _write_bundle(model: ModelDef, tmp: Path, arch: str, options: InstrumentOpti
     return Manifest(model=model.name, arch=arch, instrumented=options.enabled, group=options.group,
                     variants=[variant], files=dict(FILES), cache_key=key, tvm_version=tvm.__version__,
                     compile_seconds=time.perf_counter() - t0)
+
+
+def _name_outputs(plan: PlanResult, model: ModelDef) -> None:
+    """Keep the model's own output names (ONNX graph outputs) where it has them."""
+    names = model.output_names
+    if names and len(names) == len(plan.outputs) and len(set(names)) == len(names):
+        for t, name in zip(plan.outputs, names):
+            t.name = name
+
+
+def variant_name(model: ModelDef) -> str:
+    """``b4``, ``b4_l64``: a variant's name from its batch size and length bucket."""
+    return f"b{model.batch}" + (f"_l{model.seq_len}" if model.seq_len else "")
+
+
+def _write_variants(models: list[ModelDef], tmp: Path, arch: str, options: InstrumentOptions,
+                    key: str, progress: Progress) -> Manifest:
+    """One bundle of several variants: variant 0's files at the top (as in a bundle of
+    one), each other's in ``variants/<name>/`` (its own kernels, plan, params and CPU
+    build: TVM names kernels after the operators, so two shapes' kernels collide)."""
+    t0 = time.perf_counter()
+    first = None
+    for k, model in enumerate(models):
+        progress(f"-- variant {variant_name(model)} ({k + 1}/{len(models)})")
+        sub = tmp if k == 0 else tmp / "variants" / variant_name(model)
+        sub.mkdir(parents=True, exist_ok=True)
+        m = _write_bundle(model, sub, arch, options, key, progress)
+        v = m.variants[0]
+        v.name = variant_name(model)
+        if k == 0:
+            first = m
+        else:
+            v.files = {f: f"variants/{v.name}/{name}" for f, name in FILES.items()}
+            first.variants.append(v)
+    first.compile_seconds = time.perf_counter() - t0
+    return first
 
 
 def _require_static_inputs(model: ModelDef) -> None:
@@ -333,14 +371,24 @@ def _install(src: Path, out: Path, copy: bool) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def compile_bundle(model: ModelDef, out: str | Path, arch: str = "sm_75",
+def compile_bundle(model: ModelDef | list[ModelDef], out: str | Path, arch: str = "sm_75",
                    options: InstrumentOptions = InstrumentOptions(), progress: Progress = lambda _m: None,
                    cache_dir: str | Path | None = None, force: bool = False) -> Path:
-    """Build (or fetch from cache) the bundle of ``model`` into directory ``out``."""
+    """Build (or fetch from cache) the bundle of ``model`` into directory ``out``. A
+    list of models (one model at several batch sizes / length buckets, each with its
+    ``batch`` and ``seq_len``) makes one bundle with one variant each, in that order."""
     out = Path(out)
     nvcc.check_arch(arch)
     _check_writable(out)
-    key = cache_key(model, arch, options)
+    models = model if isinstance(model, list) else None
+    if models is not None:
+        if not models:
+            raise CompileError("no variant to compile")
+        model = models[0]
+        key = hashlib.sha256("".join(cache_key(m, arch, options) + variant_name(m)
+                                     for m in models).encode()).hexdigest()[:24]
+    else:
+        key = cache_key(model, arch, options)
     existing = out / MANIFEST
     if not force and existing.is_file():
         try:
@@ -360,7 +408,9 @@ def compile_bundle(model: ModelDef, out: str | Path, arch: str = "sm_75",
         raise CompileError(f"cannot write into {out.resolve().parent} ({e.strerror}); choose a writable -o path") from None
     try:
         try:
-            manifest = _write_bundle(model, tmp, arch, options, key, progress)
+            manifest = (_write_variants(models, tmp, arch, options, key, progress)
+                        if models is not None else
+                        _write_bundle(model, tmp, arch, options, key, progress))
         except (PlanError, nvcc.NvccError) as e:
             raise CompileError(f"{model.name}: {e}") from None
         except _TVM_ERRORS as e:

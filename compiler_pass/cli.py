@@ -24,17 +24,44 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--zoo", action="store_true", help="compile all Table 2 models into OUT/<name>")
     p.add_argument("--force", action="store_true", help="rebuild even if a cached bundle matches")
     p.add_argument("--cache-dir", help="bundle cache (default $PAELLA_CACHE_DIR or ~/.cache/paella/bundles)")
+    p.add_argument("--batch-sizes", type=_sizes, default=None, metavar="1,2,4,8",
+                   help="one variant per batch size (zoo models with a batch parameter, ONNX "
+                        "models with a dynamic batch axis; default for those: 1,2,4,8)")
+    p.add_argument("--seq-lens", type=_sizes, default=None, metavar="32,64,128",
+                   help="length buckets: one variant per length (and batch size) for models "
+                        "with a length axis (bert_encoder, ONNX with a dynamic axis 1)")
     p.add_argument("--list", action="store_true", help="list the zoo's model names and exit")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress lines")
     p.set_defaults(func=_compile)
 
 
-def _load_model(spec: str):
+#: The variants an ONNX model with a dynamic batch axis gets without --batch-sizes.
+DEFAULT_BATCH_SIZES = (1, 2, 4, 8)
+
+
+def _sizes(text: str) -> tuple[int, ...]:
+    try:
+        sizes = tuple(sorted({int(x) for x in text.split(",") if x.strip()}))
+    except ValueError:
+        sizes = ()
+    if not sizes or sizes[0] < 1:
+        raise argparse.ArgumentTypeError(f"expected positive integers separated by commas "
+                                         f"(e.g. 1,2,4,8), got {text!r}")
+    return sizes
+
+
+def _load_model(spec: str, batch_sizes=None, seq_lens=None):
+    """The model, or a list of models (one per batch size x length bucket)."""
     from paella.models import zoo
-    from paella.models.onnx_models import load_onnx
-    if spec.endswith(".onnx") or Path(spec).is_file():
-        return load_onnx(spec)
-    return zoo.get(spec)
+    from paella.models.onnx_models import dynamic_axes, load_onnx
+    onnx = spec.endswith(".onnx") or Path(spec).is_file()
+    if onnx and batch_sizes is None and 0 in dynamic_axes(spec):
+        batch_sizes = DEFAULT_BATCH_SIZES
+    if batch_sizes is None and seq_lens is None:
+        return load_onnx(spec) if onnx else zoo.get(spec)
+    load = (lambda b, s: load_onnx(spec, batch=b, seq_len=s)) if onnx else \
+        (lambda b, s: zoo.get(spec, batch=b, seq_len=s))
+    return [load(b, s) for s in (seq_lens or (None,)) for b in (batch_sizes or (None,))]
 
 
 def _compile(args: argparse.Namespace) -> int:
@@ -63,15 +90,16 @@ def _compile(args: argparse.Namespace) -> int:
         progress(f"== {name} -> {out}")
         t0 = time.perf_counter()
         try:
-            model = _load_model(name)
+            model = _load_model(name, args.batch_sizes, args.seq_lens)
             compile_bundle(model, out, arch=args.arch, options=options, progress=progress,
                            cache_dir=args.cache_dir, force=args.force)
         except (CompileError, ModelSourceError, zoo.UnknownModel, ValueError) as e:
             raise CLIError(str(e)) from None
         manifest = json.loads((out / "manifest.json").read_text())
-        v = manifest["variants"][0]
-        rows.append((name, manifest["compile_seconds"], len(v["kernels"]),
-                     sum(1 for o in v["plan"] if o["op"] == "launch"), time.perf_counter() - t0))
+        for v in manifest["variants"]:
+            label = name if len(manifest["variants"]) == 1 else f"{name} {v['name']}"
+            rows.append((label, manifest["compile_seconds"], len(v["kernels"]),
+                         sum(1 for o in v["plan"] if o["op"] == "launch"), time.perf_counter() - t0))
     if args.zoo or not args.quiet:
         print("| model | compile time (s) | distinct kernels | launches per request |")
         print("|---|---:|---:|---:|")

@@ -407,8 +407,9 @@ def plan_from_bundle(bundle: Any, variant: int = 0, *, name: str | None = None) 
                               buffer_offset=op.buffer_offset, io_offset=op.io_offset,
                               nbytes=op.nbytes))
     params = {str(i): data for i, data in bundle.param_bytes(variant).items()}
-    files = bundle.manifest.files
-    code = {key: bundle.file(key).read_bytes() if key in files else None for key in ("cubin", "ptx")}
+    files = {**bundle.manifest.files, **v.files}
+    code = {key: bundle.file(key, variant).read_bytes() if key in files else None
+            for key in ("cubin", "ptx")}
     return Plan(name or bundle.model, kernels, ops, {str(b.id): b.nbytes for b in v.buffers},
                 v.io_bytes, params=params, cubin=code["cubin"], ptx=code["ptx"])
 

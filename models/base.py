@@ -27,6 +27,11 @@ class ModelDef:
     #: optional reference check data: input arrays and expected outputs (ONNX tests)
     sample_inputs: dict[str, np.ndarray] = field(default_factory=dict)
     expected_outputs: list[np.ndarray] = field(default_factory=list)
+    #: the outputs' names (ONNX models keep theirs; empty: output0, output1, ...)
+    output_names: list[str] = field(default_factory=list)
+    #: the batch size and length bucket it was built for (0: not declared)
+    batch: int = 0
+    seq_len: int = 0
 
     def fingerprint(self) -> str:
         """Content hash of the model: its IR text, its structural hash (which covers

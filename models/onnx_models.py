@@ -60,8 +60,25 @@ def _identifier_inputs(model) -> dict[str, str]:
     return renamed
 
 
-def load_onnx(path: str | Path, name: str | None = None) -> ModelDef:
-    """Import an .onnx file with fixed input shapes; weights become params."""
+def dynamic_axes(path: str | Path) -> set[int]:
+    """The axes (0: batch, 1: length) that some graph input leaves dynamic (none for a
+    file that does not load: :func:`load_onnx` then says why)."""
+    import onnx
+    try:
+        model = onnx.load(str(path), load_external_data=False)
+    except Exception:  # noqa: BLE001 - onnx raises DecodeError and others for bad files
+        return set()
+    inits = {i.name for i in model.graph.initializer}
+    return {k for i in model.graph.input if i.name not in inits
+            for k, d in enumerate(i.type.tensor_type.shape.dim)
+            if not d.HasField("dim_value") or d.dim_value <= 0}
+
+
+def load_onnx(path: str | Path, name: str | None = None, batch: int | None = None,
+              seq_len: int | None = None) -> ModelDef:
+    """Import an .onnx file; weights become params. Every input shape must end up
+    static: a dynamic axis 0 takes ``batch``, a dynamic axis 1 ``seq_len`` (one
+    compiled variant per value, ``paella compile --batch-sizes/--seq-lens``)."""
     import onnx
     from onnx import numpy_helper
     from tvm import relax
@@ -79,13 +96,23 @@ def load_onnx(path: str | Path, name: str | None = None) -> ModelDef:
     inits = {i.name for i in model.graph.initializer}
     graph_inputs = [i for i in model.graph.input if i.name not in inits]
     shapes = {}
+    fill = {0: batch, 1: seq_len}
     for i in graph_inputs:
         dims = i.type.tensor_type.shape.dim
-        if any(not d.HasField("dim_value") or d.dim_value <= 0 for d in dims):
-            raise ModelSourceError(f"{path}: input {i.name!r} has a dynamic shape "
-                                   f"({[d.dim_param or d.dim_value for d in dims]}); the launch plan needs "
-                                   "static shapes: fix them (e.g. onnx.tools.update_model_dims) and retry")
-        shapes[i.name] = [d.dim_value for d in dims]
+        shape = []
+        for k, d in enumerate(dims):
+            if d.HasField("dim_value") and d.dim_value > 0:
+                shape.append(d.dim_value)
+            elif fill.get(k):
+                shape.append(fill[k])
+            else:
+                flag = {0: " (compile it with --batch-sizes 1,2,4,...)",
+                        1: " (compile it with --seq-lens 32,64,...)"}.get(k, "")
+                raise ModelSourceError(
+                    f"{path}: input {i.name!r} has a dynamic shape "
+                    f"({[d.dim_param or d.dim_value for d in dims]}); the launch plan needs "
+                    f"static shapes{flag or ': fix them (e.g. onnx.tools.update_model_dims) and retry'}")
+        shapes[i.name] = shape
     try:
         # Initializers stay constants: light models compute weight *shapes* from
         # initializers (ConstantOfShape), which must fold to keep shapes static.
@@ -98,7 +125,9 @@ def load_onnx(path: str | Path, name: str | None = None) -> ModelDef:
     main = mod["main"]
     if main.attrs is None or "num_input" not in main.attrs:
         mod["main"] = main.with_attr("num_input", len(main.params) - len(values))
-    md = ModelDef(name or path.stem, mod, values, description=f"ONNX {path.name}")
+    md = ModelDef(name or path.stem, mod, values, description=f"ONNX {path.name}",
+                  output_names=[o.name for o in model.graph.output],
+                  batch=batch or 0, seq_len=seq_len or 0)
     md.sample_inputs = {}
     for vi, (spec_name, _shape, _dtype) in zip(graph_inputs, md.input_specs()):
         md.sample_inputs[spec_name] = _runner_input(vi)

@@ -27,13 +27,13 @@ class TinyCNN(nn.Module):
         return nn.op.softmax(self.fc(y), axis=-1)
 
 
-def tiny_mlp() -> ModelDef:
-    return export("tiny_mlp", TinyMLP(), {"x": ((2, 16), "float32")},
-                  description="Linear-ReLU-Linear, 16->32->8, batch 2")
+def tiny_mlp(batch: int = 2) -> ModelDef:
+    return export("tiny_mlp", TinyMLP(), {"x": ((batch, 16), "float32")},
+                  description=f"Linear-ReLU-Linear, 16->32->8, batch {batch}")
 
 
-def tiny_cnn() -> ModelDef:
-    return export("tiny_cnn", TinyCNN(), {"x": ((1, 3, 8, 8), "float32")},
+def tiny_cnn(batch: int = 1) -> ModelDef:
+    return export("tiny_cnn", TinyCNN(), {"x": ((batch, 3, 8, 8), "float32")},
                   description="3x3 conv, ReLU, global average pool, linear, softmax on 8x8")
 
 

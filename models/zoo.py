@@ -6,6 +6,7 @@ for tests; and the onnx package's light models as ``onnx_<name>``.
 """
 from __future__ import annotations
 
+import inspect
 from difflib import get_close_matches
 from typing import Callable
 
@@ -22,7 +23,7 @@ class UnknownModel(KeyError):
 
 
 def _registry() -> dict[str, Callable[[], ModelDef]]:
-    from . import densenet, googlenet, inception, mobilenet, resnet, squeezenet, tiny
+    from . import densenet, googlenet, inception, mobilenet, resnet, squeezenet, tiny, transformer
     from .onnx_models import light, light_models
     reg: dict[str, Callable[[], ModelDef]] = {
         "tiny_mlp": tiny.tiny_mlp, "tiny_cnn": tiny.tiny_cnn,
@@ -30,6 +31,7 @@ def _registry() -> dict[str, Callable[[], ModelDef]]:
         "mobilenetv2": mobilenet.mobilenetv2, "squeezenet1_1": squeezenet.squeezenet11,
         "densenet121": densenet.densenet121, "googlenet": googlenet.googlenet,
         "inceptionv3": inception.inceptionv3,
+        "bert_encoder": transformer.bert_encoder, "tiny_encoder": transformer.tiny_encoder,
     }
     for n in light_models():
         reg[f"onnx_{n}"] = (lambda n=n: light(n))
@@ -40,11 +42,26 @@ def names() -> list[str]:
     return list(_registry())
 
 
-def get(name: str) -> ModelDef:
+def get(name: str, batch: int | None = None, seq_len: int | None = None) -> ModelDef:
+    """The zoo model ``name``; ``batch``/``seq_len``: built for that batch size / length
+    (a ValueError if the model has no such parameter)."""
     reg = _registry()
     if name not in reg:
         close = get_close_matches(name, reg, n=3)
         hint = f" (did you mean {', '.join(close)}?)" if close else ""
         raise UnknownModel(f"unknown model {name!r}{hint}; zoo models: {', '.join(reg)}; "
                            "or pass a path to an .onnx file")
-    return reg[name]()
+    make = reg[name]
+    kw = {}
+    params = inspect.signature(make).parameters
+    for key, value in (("batch", batch), ("seq_len", seq_len)):
+        if value is None:
+            continue
+        if key not in params:
+            raise ValueError(f"zoo model {name!r} has no {key} parameter: it cannot be "
+                             f"compiled with --{'batch-sizes' if key == 'batch' else 'seq-lens'}")
+        kw[key] = value
+    md = make(**kw)
+    md.batch = kw.get("batch", md.batch)
+    md.seq_len = kw.get("seq_len", md.seq_len)
+    return md

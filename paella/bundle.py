@@ -131,6 +131,12 @@ class Op:
 
 @dataclass
 class Variant:
+    """One compiled shape of the model. ``batch``: its batch size (rows on axis 0 of
+    every input and output; 0 in bundles compiled without ``--batch-sizes``: then the
+    first input's axis 0); ``seq_len``: its length bucket (axis 1 of the tensors that
+    have one; 0: the model has no length axis). ``files``: this variant's own files
+    (kernels, params, CPU build), keyed like the manifest's; missing keys fall back to
+    the manifest's (variant 0 uses those)."""
     name: str
     inputs: list[TensorSpec]
     outputs: list[TensorSpec]
@@ -138,6 +144,17 @@ class Variant:
     kernels: list[KernelSpec]
     plan: list[Op]
     io_bytes: int
+    batch: int = 0
+    seq_len: int = 0
+    files: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def rows(self) -> int:
+        """Its batch size: ``batch``, or the first input's axis 0 (1 for scalars)."""
+        if self.batch:
+            return self.batch
+        shape = self.inputs[0].shape if self.inputs else []
+        return int(shape[0]) if shape else 1
 
     def kernel(self, name: str) -> KernelSpec:
         for k in self.kernels:
@@ -149,7 +166,8 @@ class Variant:
         return [op for op in self.plan if op.op == "launch"]
 
     def to_dict(self) -> dict:
-        return {"name": self.name, "io_bytes": self.io_bytes,
+        return {"name": self.name, "io_bytes": self.io_bytes, "batch": self.batch,
+                "seq_len": self.seq_len, "files": dict(self.files),
                 "inputs": [asdict(t) for t in self.inputs], "outputs": [asdict(t) for t in self.outputs],
                 "buffers": [asdict(b) for b in self.buffers], "kernels": [asdict(k) for k in self.kernels],
                 "plan": [op.to_dict() for op in self.plan]}
@@ -198,7 +216,9 @@ def _variant_from_dict(d: dict) -> Variant:
     return Variant(name=name, inputs=tensors("inputs"), outputs=tensors("outputs"),
                    buffers=[BufferSpec(**b) for b in _require(d, "buffers", where)],
                    kernels=[KernelSpec(**k) for k in _require(d, "kernels", where)],
-                   plan=plan, io_bytes=int(_require(d, "io_bytes", where)))
+                   plan=plan, io_bytes=int(_require(d, "io_bytes", where)),
+                   batch=int(d.get("batch", 0)), seq_len=int(d.get("seq_len", 0)),
+                   files=dict(d.get("files", {})))
 
 
 def manifest_from_dict(d: dict) -> Manifest:
@@ -299,8 +319,8 @@ class Bundle:
     def __init__(self, path: Path, manifest: Manifest) -> None:
         self.path = path
         self.manifest = manifest
-        self._params: dict[str, np.ndarray] | None = None
-        self._vm = None
+        self._params: dict[str, dict[str, np.ndarray]] = {}   # by params file
+        self._vm: dict[str, Any] = {}                          # by CPU build file
 
     # shortcuts to variants[0]
     @property
@@ -335,22 +355,24 @@ class Bundle:
     def io_bytes(self) -> int:
         return self.variants[0].io_bytes
 
-    def file(self, key: str) -> Path:
-        name = self.manifest.files.get(key)
+    def file(self, key: str, variant: int = 0) -> Path:
+        """The file ``key`` of ``variant`` (its own, else the manifest's)."""
+        name = self.variants[variant].files.get(key) or self.manifest.files.get(key)
         if name is None:
             raise BundleError(f"bundle {self.path} has no {key!r} file in its manifest")
         return self.path / name
 
-    def params(self) -> dict[str, np.ndarray]:
+    def params(self, variant: int = 0) -> dict[str, np.ndarray]:
         """Param buffer contents keyed by buffer name (what the device uploads once)."""
-        if self._params is None:
-            with np.load(self.file("params"), allow_pickle=False) as z:
-                self._params = {k: z[k] for k in z.files}
-        return self._params
+        path = self.file("params", variant)
+        if str(path) not in self._params:
+            with np.load(path, allow_pickle=False) as z:
+                self._params[str(path)] = {k: z[k] for k in z.files}
+        return self._params[str(path)]
 
     def param_bytes(self, variant: int = 0) -> dict[int, bytes]:
         """Initial contents per param buffer id."""
-        p = self.params()
+        p = self.params(variant)
         return {b.id: p[b.name].tobytes() for b in self.variants[variant].buffers if b.kind == "param"}
 
     def pack_inputs(self, inputs: dict[str, np.ndarray], variant: int = 0) -> np.ndarray:
@@ -367,20 +389,22 @@ class Bundle:
         return {t.name: io[t.offset:t.offset + t.nbytes].view(np.dtype(t.dtype)).reshape(t.shape).copy()
                 for t in v.outputs}
 
-    def run_cpu(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        """Reference outputs from the CPU (llvm) build of the same model."""
+    def run_cpu(self, inputs: dict[str, np.ndarray], variant: int = 0) -> dict[str, np.ndarray]:
+        """Reference outputs from the CPU (llvm) build of the same model (``variant``'s)."""
         import tvm
         from tvm import relax
-        v = self.variants[0]
+        v = self.variants[variant]
         arrays = [_checked_input(t, inputs) for t in v.inputs]
-        if self._vm is None:
-            lib = tvm.runtime.load_module(str(self.file("cpu_lib")))
-            self._vm = relax.VirtualMachine(lib, tvm.cpu())
-        p = self.params()
-        order = json.loads(self.file("cpu_params").read_text())
+        lib_path = str(self.file("cpu_lib", variant))
+        vm = self._vm.get(lib_path)
+        if vm is None:
+            lib = tvm.runtime.load_module(lib_path)
+            vm = self._vm[lib_path] = relax.VirtualMachine(lib, tvm.cpu())
+        p = self.params(variant)
+        order = json.loads(self.file("cpu_params", variant).read_text())
         dev = tvm.cpu()
         args = [tvm.runtime.tensor(a, dev) for a in arrays] + [tvm.runtime.tensor(p[n], dev) for n in order]
-        out = self._vm["main"](*args)
+        out = vm["main"](*args)
         outs = list(out) if not hasattr(out, "numpy") else [out]
         if len(outs) != len(v.outputs):
             raise BundleError(f"CPU build returned {len(outs)} outputs, manifest lists {len(v.outputs)}")
@@ -408,7 +432,7 @@ def load_bundle(path: str | Path) -> Bundle:
         raise BundleError(f"{mpath} is not valid JSON ({e}); the bundle is corrupt, recompile it") from None
     try:
         m = manifest_from_dict(d)
-        for key, name in m.files.items():
+        for key, name in [*m.files.items(), *(kv for v in m.variants for kv in v.files.items())]:
             if not (path / name).is_file():
                 raise BundleError(f"bundle {path}: file {name!r} ({key}) is missing; recompile the bundle")
         for v in m.variants:

@@ -45,7 +45,7 @@ def test_onnx_model_matches_onnx_reference(tmp_path, cache_dir):
     bundle = load_bundle(out)
     x = np.random.default_rng(8).standard_normal((1, 3, 6, 6)).astype(np.float32)
     [ref] = onnx.reference.ReferenceEvaluator(model).run(None, {"x": x})
-    got = bundle.run_cpu({bundle.inputs[0].name: x})["output0"]
+    got = bundle.run_cpu({bundle.inputs[0].name: x})["y"]        # the ONNX output name, kept
     np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-4)
     # the weights were initializers: they became param buffers of the plan
     assert sum(b.kind == "param" for b in bundle.buffers) >= 3
