@@ -76,6 +76,11 @@ class ChunkedMemory:
         self.closed = False
         self._alloc: Callable[[int], int] | None = None
         self._free: Callable[[int], None] | None = None
+        #: Device bytes held and at peak, allocation calls, jobs placed: all slots together.
+        self.stats = AllocatorStats()
+        #: If a list, each placement appends its variant's usage records (experiments
+        #: replay the same sequence through other allocators).
+        self.trace: list | None = None
 
     def view(self, adaptor: "PlanAdaptor") -> "ChunkedView":
         """The buffer pool of one variant (called from its adaptor's ``init``)."""
@@ -90,7 +95,7 @@ class ChunkedMemory:
             slot = self.free.pop()
         elif len(self.slots) < self.limit:
             slot = ChunkAllocator(self.chunk_size, self.k_scale, self.max_idle,
-                                  alloc=self._alloc, free=self._free)
+                                  alloc=self._alloc, free=self._free, stats=self.stats)
             self.slots.append(slot)
         else:
             return None
@@ -111,19 +116,6 @@ class ChunkedMemory:
             while self.free:
                 self.free.pop().close()
 
-    @property
-    def stats(self) -> AllocatorStats:
-        """Summed over the slots (peak: the sum of each slot's peak, an upper bound)."""
-        total = AllocatorStats()
-        for s in self.slots:
-            st = s.stats
-            total.held_bytes += st.held_bytes
-            total.peak_bytes += st.peak_bytes
-            total.alloc_calls += st.alloc_calls
-            total.free_calls += st.free_calls
-            total.inferences += st.inferences
-        return total
-
 
 class ChunkedView:
     """One variant's buffer pool over its model's :class:`ChunkedMemory`."""
@@ -141,6 +133,8 @@ class ChunkedView:
         return self.memory.waiting
 
     def _bind(self, slot: ChunkAllocator) -> ChunkBufferSet:
+        if self.memory.trace is not None:
+            self.memory.trace.append(self.usages)
         ptrs = dict(self.adaptor.buffers)
         ptrs.update(slot.addresses(self.usages))
         return ChunkBufferSet(ptrs, self.adaptor.bind(ptrs), slot)

@@ -130,10 +130,11 @@ class _Device:
     """The device memory the allocators draw from (``alloc``/``free`` of the dispatcher,
     or counters alone when the comparison runs without a device)."""
 
-    def __init__(self, alloc: Callable[[int], int] | None, free: Callable[[int], None] | None):
+    def __init__(self, alloc: Callable[[int], int] | None, free: Callable[[int], None] | None,
+                 stats: AllocatorStats | None = None):
         self._alloc, self._free = alloc, free
         self._next = 0x1000
-        self.stats = AllocatorStats()
+        self.stats = stats if stats is not None else AllocatorStats()
 
     def alloc(self, nbytes: int) -> int:
         self.stats.allocated(nbytes)
@@ -153,13 +154,15 @@ class ChunkAllocator:
 
     def __init__(self, chunk_size: int = DEFAULT_CHUNK_SIZE, k_scale: float = K_SCALE,
                  max_idle: int = 0, alloc: Callable[[int], int] | None = None,
-                 free: Callable[[int], None] | None = None):
+                 free: Callable[[int], None] | None = None, stats: AllocatorStats | None = None):
+        """``stats``: counters to add to (several allocators drawing on one device
+        share one, so that its peak is theirs together)."""
         if chunk_size <= 0 or k_scale < 1.0 or max_idle < 0:
             raise ValueError(f"chunk allocator: chunk_size must be > 0, k_scale >= 1 and "
                              f"max_idle >= 0 (got {chunk_size}, {k_scale}, {max_idle})")
         self.chunk_size, self.k_scale, self.max_idle = chunk_size, k_scale, max_idle
         self.chunks: list[Chunk] = []
-        self._device = _Device(alloc, free)
+        self._device = _Device(alloc, free, stats)
 
     @property
     def stats(self) -> AllocatorStats:

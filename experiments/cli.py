@@ -15,6 +15,7 @@ EXPERIMENTS = [
     "paella.experiments.sched_delay",
     "paella.experiments.overhead",
     "paella.experiments.windtunnel",
+    "paella.experiments.turbo",
     "paella.experiments.report",
 ]
 
