@@ -35,6 +35,9 @@ import bisect
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Sequence
 
+#: The job of :meth:`ChunkAllocator.plan` (one inference at a time).
+_SERIAL = object()
+
 #: The paper's chunk size (2 MB) and its new-chunk scale factor (§4.3).
 DEFAULT_CHUNK_SIZE = 2 << 20
 K_SCALE = 1.2
@@ -69,15 +72,16 @@ class Placement:
 
 @dataclass
 class Chunk:
-    """One device allocation and the tensors of the current inference placed in it,
-    kept sorted by offset (``find_gap`` walks them in address order)."""
+    """One device allocation and the live tensors placed in it, each with the job (the
+    inference) it belongs to, kept sorted by offset (``find_gap`` walks them in address
+    order)."""
     size: int
     ptr: int
-    records: list[tuple[int, TensorUsage]] = field(default_factory=list)   # (offset, usage)
+    records: list[tuple[int, TensorUsage, object]] = field(default_factory=list)  # (offset, usage, job)
     idle: int = 0
 
-    def place(self, offset: int, t: TensorUsage) -> None:
-        bisect.insort(self.records, (offset, t), key=lambda r: r[0])
+    def place(self, offset: int, t: TensorUsage, job: object = None) -> None:
+        bisect.insort(self.records, (offset, t, job), key=lambda r: r[0])
 
 
 @dataclass
@@ -104,13 +108,14 @@ class AllocatorStats:
         return self.alloc_calls / self.inferences if self.inferences else 0.0
 
 
-def find_gap(t: TensorUsage, chunk: Chunk) -> int | None:
+def find_gap(t: TensorUsage, chunk: Chunk, job: object = None) -> int | None:
     """Algorithm 1's FindGapFromChunk: the offset of the smallest gap in ``chunk`` that
     holds ``t`` among the tensors whose lifetimes overlap ``t``'s, else the free space
-    after the last of them, else None. O(n) per call, O(n^2) per inference."""
+    after the last of them, else None. O(n) per call, O(n^2) per inference. A tensor of
+    another job (an inference running at the same time) always overlaps."""
     smallest_gap, best, prev_end = None, None, 0
-    for offset, x in chunk.records:
-        if not t.overlaps(x):
+    for offset, x, owner in chunk.records:
+        if owner is job and not t.overlaps(x):
             continue
         gap = offset - prev_end
         if gap >= t.size and (smallest_gap is None or gap < smallest_gap):
@@ -169,16 +174,11 @@ class ChunkAllocator:
         return self._device.stats
 
     def plan(self, usages: Sequence[TensorUsage]) -> dict[str, Placement]:
-        """Place one inference's intermediates (MemAllocate); returns name -> placement.
-        Chunks are reused from earlier inferences; unused ones are released afterwards."""
-        names = [t.name for t in usages]
-        if len(set(names)) != len(names):
-            raise ValueError("chunk allocator: two usage records share a tensor name")
-        for c in self.chunks:
-            c.records.clear()
-        placed = {t.name: self._place(t) for t in _sorted_by_size(usages)}
-        self._release_unused()          # may drop chunks: indices are taken after it
-        self.stats.inferences += 1
+        """Algorithm 1 as the paper runs it, one inference at a time (MemAllocate): the
+        previous inference's tensors are gone, this one's are placed; returns name ->
+        placement. Chunks persist across inferences; unused ones are released."""
+        self.release_job(_SERIAL)
+        placed = self._place_job(_SERIAL, usages)
         index = {id(c): i for i, c in enumerate(self.chunks)}
         return {n: Placement(index[id(c)], off) for n, (c, off) in placed.items()}
 
@@ -186,15 +186,39 @@ class ChunkAllocator:
         """:meth:`plan`, as device addresses."""
         return {n: self.chunks[p.chunk].ptr + p.offset for n, p in self.plan(usages).items()}
 
-    def _place(self, t: TensorUsage) -> tuple[Chunk, int]:
+    def place_job(self, job: object, usages: Sequence[TensorUsage]) -> dict[str, int]:
+        """Algorithm 1 for inferences that run *at the same time* (a job on the device
+        beside others): ``job``'s tensors are placed around every live tensor of the
+        other jobs (always overlapping) and, within the job, by their lifetimes, until
+        :meth:`release_job`. One job at a time, this is :meth:`plan` exactly. Returns
+        name -> device address."""
+        return {n: c.ptr + off for n, (c, off) in self._place_job(job, usages).items()}
+
+    def release_job(self, job: object) -> None:
+        """``job`` has finished: its tensors' bytes are free (the chunks stay; a chunk no
+        inference uses is released at the next placement, after ``max_idle`` of them)."""
         for c in self.chunks:
-            off = find_gap(t, c)
+            if any(r[2] is job for r in c.records):
+                c.records = [r for r in c.records if r[2] is not job]
+
+    def _place_job(self, job: object, usages: Sequence[TensorUsage]) -> dict[str, tuple[Chunk, int]]:
+        names = [t.name for t in usages]
+        if len(set(names)) != len(names):
+            raise ValueError("chunk allocator: two usage records share a tensor name")
+        placed = {t.name: self._place(t, job) for t in _sorted_by_size(usages)}
+        self._release_unused()
+        self.stats.inferences += 1
+        return placed
+
+    def _place(self, t: TensorUsage, job: object) -> tuple[Chunk, int]:
+        for c in self.chunks:
+            off = find_gap(t, c, job)
             if off is not None:
-                c.place(off, t)
+                c.place(off, t, job)
                 return c, off
         size = max(self.chunk_size, int(t.size * self.k_scale))
         c = Chunk(size, self._device.alloc(size))
-        c.place(0, t)
+        c.place(0, t, job)
         self.chunks.append(c)
         return c, 0
 

@@ -119,3 +119,29 @@ def test_bad_records_are_refused():
         TensorUsage("t", 3, 2, 10)
     with pytest.raises(ValueError, match="share a tensor name"):
         ChunkAllocator().plan([TensorUsage("t", 0, 1, 1), TensorUsage("t", 1, 2, 1)])
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.booleans(), usage_lists(max_tensors=8)), min_size=1, max_size=12),
+       st.integers(0, 2))
+def test_concurrent_jobs_never_share_a_live_byte(steps, max_idle):
+    """Jobs placed beside each other (place_job) and finished in any order: a tensor of
+    one live job never shares a byte with a tensor of another, nor with one of its own
+    job whose lifetime overlaps."""
+    alloc = ChunkAllocator(chunk_size=1 << 20, max_idle=max_idle)
+    live: dict[int, tuple[list, dict]] = {}
+    for k, (finish_one, usages) in enumerate(steps):
+        if finish_one and live:
+            job = min(live)
+            alloc.release_job(job)
+            del live[job]
+        live[k] = (usages, alloc.place_job(k, usages))
+        spans = [(j, u, addr[u.name]) for j, (us, addr) in live.items() for u in us if u.size]
+        for i, (j1, u1, a1) in enumerate(spans):
+            assert any(c.ptr <= a1 and a1 + u1.size <= c.ptr + c.size for c in alloc.chunks)
+            for j2, u2, a2 in spans[i + 1:]:
+                if j1 == j2 and not u1.overlaps(u2):
+                    continue
+                assert a1 + u1.size <= a2 or a2 + u2.size <= a1, (j1, u1, j2, u2)
+    alloc.close()
+    assert alloc.stats.held_bytes == 0 and alloc.stats.alloc_calls == alloc.stats.free_calls
