@@ -320,9 +320,22 @@ def _write_variants(models: list[ModelDef], tmp: Path, arch: str, options: Instr
             first = m
         else:
             v.files = {f: f"variants/{v.name}/{name}" for f, name in FILES.items()}
+            if _same_params(tmp / FILES["params"], sub / FILES["params"]):
+                (sub / FILES["params"]).unlink()     # variant 0's serve: one copy of the weights
+                del v.files["params"]
             first.variants.append(v)
     first.compile_seconds = time.perf_counter() - t0
     return first
+
+
+def _same_params(a: Path, b: Path) -> bool:
+    """Whether two params files hold the same arrays. The variants of one model share
+    its weights (a BERT-base's are 340 MB: one copy, not one per variant); a model
+    whose constants change with the shape keeps its own file."""
+    with np.load(a, allow_pickle=False) as za, np.load(b, allow_pickle=False) as zb:
+        if sorted(za.files) != sorted(zb.files):
+            return False
+        return all(za[k].dtype == zb[k].dtype and np.array_equal(za[k], zb[k]) for k in za.files)
 
 
 def _require_static_inputs(model: ModelDef) -> None:

@@ -317,6 +317,11 @@ class BufferPool:
             self.peak = self.in_use
         return b
 
+    def rebind(self, b: BufferSet) -> BufferSet:
+        """A set freed by one job, for the next job waiting in :attr:`waiting` (the
+        same plan: as it is)."""
+        return b
+
     def release(self, b: BufferSet) -> None:
         if b is self.shared:
             return
@@ -345,7 +350,7 @@ class PlanAdaptor(JobAdaptor):
     """
 
     def __init__(self, plan: Plan, *, max_buffer_sets: int | None = None,
-                 buffer_budget: int = DEFAULT_BUFFER_BUDGET):
+                 buffer_budget: int = DEFAULT_BUFFER_BUDGET, memory: Any = None):
         self.plan = plan
         self.name = plan.name
         self.io_bytes = plan.io_bytes
@@ -357,6 +362,9 @@ class PlanAdaptor(JobAdaptor):
         if max_buffer_sets is None:
             max_buffer_sets = max(1, buffer_budget // self._set_bytes) if self._set_bytes else 1
         self.max_buffer_sets = max_buffer_sets
+        #: A :class:`~paella.dispatcher.chunked_buffers.ChunkedMemory` shared with the
+        #: model's other variants, instead of a pool of buffer sets of this plan's own.
+        self.memory = memory
 
     @classmethod
     def from_bundle(cls, bundle: Any, variant: int = 0, *, name: str | None = None,
@@ -378,8 +386,11 @@ class PlanAdaptor(JobAdaptor):
             for name in plan.params:
                 self.buffers[name] = device.alloc(plan.buffers[name])
             self._upload_params(device)
-            self.buffer_pool = BufferPool(plan.name, self._new_set, self._free_set,
-                                          self.max_buffer_sets, self._set_bytes)
+            if self.memory is not None and self._set_bytes:
+                self.buffer_pool = self.memory.view(self)
+            else:
+                self.buffer_pool = BufferPool(plan.name, self._new_set, self._free_set,
+                                              self.max_buffer_sets, self._set_bytes)
         except Exception:
             self.close(device)
             raise
@@ -436,14 +447,17 @@ class PlanAdaptor(JobAdaptor):
         self.buffers = {}
 
 
-def plan_from_bundle(bundle: Any, variant: int = 0, *, name: str | None = None) -> Plan:
+def plan_from_bundle(bundle: Any, variant: int = 0, *, name: str | None = None,
+                     weights: bool = True) -> Plan:
     """A compiled bundle's variant (:mod:`paella.bundle`) as a :class:`Plan`.
 
     Buffers are named by their id (``"5"``); ``param`` buffers carry their contents from
     ``params.npz`` and are shared by the model's requests; input, intermediate and
     workspace buffers are per request. Launch args keep their order, offsets and
     scalar dtypes; copies keep ``buffer_offset``. The module image is the bundle's cubin
-    and PTX (whichever exist).
+    and PTX (whichever exist). ``weights=False`` leaves the params' contents out (their
+    buffers are still allocated, never uploaded): for timing on the simulator, where a
+    BERT-base's 340 MB per variant would only cost memory and copies.
     """
     if not 0 <= variant < len(bundle.variants):
         raise ValueError(f"bundle {bundle.model!r} has {len(bundle.variants)} variant(s); "
@@ -464,7 +478,10 @@ def plan_from_bundle(bundle: Any, variant: int = 0, *, name: str | None = None) 
             ops.append(PlanOp(op.op, stream=op.stream, buffer=str(op.buffer),
                               buffer_offset=op.buffer_offset, io_offset=op.io_offset,
                               nbytes=op.nbytes))
-    params = {str(i): data for i, data in bundle.param_bytes(variant).items()}
+    if weights:
+        params = {str(i): data for i, data in bundle.param_bytes(variant).items()}
+    else:                       # timing only: the buffers, not their contents (see the doc)
+        params = {str(b.id): b"" for b in v.buffers if b.kind == "param"}
     files = {**bundle.manifest.files, **v.files}
     code = {key: bundle.file(key, variant).read_bytes() if key in files else None
             for key in ("cubin", "ptx")}

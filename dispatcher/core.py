@@ -495,7 +495,7 @@ class Dispatcher:
             pool = job.model.pool
             if pool.waiting:                 # straight to the oldest job waiting for one
                 nxt = pool.waiting.popleft()
-                nxt.bindings = bindings
+                nxt.bindings = nxt.model.pool.rebind(bindings)   # (variants may share a pool)
                 self._arrivals.append(nxt)
             else:
                 pool.release(bindings)

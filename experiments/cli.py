@@ -18,6 +18,7 @@ EXPERIMENTS = [
     "paella.experiments.nimble",
     "paella.experiments.cellular",
     "paella.experiments.orca",
+    "paella.experiments.turbo",
     "paella.experiments.report",
     "paella.experiments.batching",
     "paella.experiments.dvabatch",

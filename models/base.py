@@ -56,7 +56,25 @@ def random_weights(named: list[tuple[str, nn.Parameter]], seed: int = DEFAULT_SE
     Multi-dimensional weights get He-normal values (std sqrt(2/fan_in)); 1-D
     tensors named ``*scale*`` (folded batch-norm scale) get values near 1, other
     1-D tensors (biases, shifts) small values near 0.
+
+    The last set drawn is kept (read-only): a model exported at many batch sizes and
+    lengths has the same weights each time, and drawing a BERT-base's 85M values costs
+    seconds per variant.
     """
+    key = (tuple((name, tuple(int(s) for s in p.shape), str(p.dtype)) for name, p in named), seed)
+    if _LAST_WEIGHTS and _LAST_WEIGHTS[0] == key:
+        return list(_LAST_WEIGHTS[1])
+    out = _draw_weights(named, seed)
+    for v in out:
+        v.flags.writeable = False
+    _LAST_WEIGHTS[:] = [key, out]
+    return list(out)
+
+
+_LAST_WEIGHTS: list = []
+
+
+def _draw_weights(named: list[tuple[str, nn.Parameter]], seed: int) -> list[np.ndarray]:
     rng = np.random.default_rng(seed)
     out = []
     for name, p in named:

@@ -52,6 +52,9 @@ class VariantSpec:
     rows: int           # its batch size
     seq_len: int = 0    # its length bucket (0: the model has no length axis)
     label: str = field(default="", compare=False)   # its name (for logs and profiles)
+    #: Its isolated time on the device (seconds; the dispatcher's profile, what
+    #: `paella profile` reports), for batchers that plan by cost; 0 = not profiled.
+    cost_s: float = field(default=0.0, compare=False)
 
     def takes(self, rows: int, seq_len: int) -> bool:
         return rows <= self.rows and seq_len <= self.seq_len if self.seq_len else rows <= self.rows
@@ -154,6 +157,15 @@ class Batcher:
         return 0
 
     # -- helpers for subclasses --------------------------------------------------------
+    def max_batch_size_option(self, value: int) -> int:
+        """A ``max_batch_size`` option checked against the compiled variants (0: the
+        largest variant's rows)."""
+        largest = self.model.max_rows
+        if not 0 <= value <= largest:
+            raise BatcherError(f"max_batch_size must be 1..{largest} (the largest compiled "
+                               f"variant of {self.model.name}), got {value}")
+        return value or largest
+
     def fit(self, requests: list[Any]) -> VariantSpec | None:
         """The smallest variant taking ``requests`` together."""
         if len(requests) == 1:

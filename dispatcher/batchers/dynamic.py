@@ -36,11 +36,7 @@ class DynamicBatcher(Batcher):
                  priority_levels: int = 0, default_priority_level: int = 0,
                  max_inflight_batches: int = 0):
         super().__init__(model)
-        largest = model.max_rows
-        self.max_batch_size = max_batch_size or largest
-        if not 1 <= self.max_batch_size <= largest:
-            raise BatcherError(f"max_batch_size must be 1..{largest} (the largest compiled "
-                               f"variant of {model.name}), got {max_batch_size}")
+        self.max_batch_size = self.max_batch_size_option(max_batch_size)
         prefs = sorted(set(preferred_batch_sizes or ()))
         for p in prefs:
             if not isinstance(p, int) or isinstance(p, bool) or not 1 <= p <= self.max_batch_size:

@@ -7,6 +7,7 @@ large parameter buffers cost nothing until touched.
 from __future__ import annotations
 
 import bisect
+import mmap
 
 import numpy as np
 
@@ -14,6 +15,20 @@ from paella.dispatcher.devices.base import DeviceError
 
 ALIGN = 256
 BASE = 0x7000_0000_0000
+#: Allocations from this size up get pages of their own (see :func:`_zeros`).
+MMAP_MIN = 1 << 20
+
+
+def _zeros(nbytes: int) -> np.ndarray:
+    """Zeroed bytes that cost no memory until written. ``np.zeros`` is calloc, which is
+    lazy only for a fresh mmap: once a program has freed large blocks, glibc raises its
+    mmap threshold (up to 32 MB) and serves calloc from the heap, *writing* the zeros. A
+    simulated BERT-base's buffer sets (11-40 MB each, most never written: the simulator
+    times kernels without running them) then cost real memory, gigabytes at overload.
+    An anonymous mapping is always lazy and goes back to the system when freed."""
+    if nbytes < MMAP_MIN:
+        return np.zeros(nbytes, dtype=np.uint8)
+    return np.frombuffer(mmap.mmap(-1, nbytes), dtype=np.uint8)
 
 
 class SimMemory:
@@ -26,7 +41,7 @@ class SimMemory:
         ptr = self._next
         self._next += -(-nbytes // ALIGN) * ALIGN + ALIGN   # a guard gap between buffers
         bisect.insort(self._bases, ptr)
-        self._arrays[ptr] = np.zeros(nbytes, dtype=np.uint8)
+        self._arrays[ptr] = _zeros(nbytes)
         return ptr
 
     def free(self, ptr: int) -> None:
