@@ -18,6 +18,7 @@ from paella.experiments.nimble import report_section as _nimble
 from paella.experiments.cellular import report_section as _cellular
 from paella.experiments.orca import report_section as _orca
 from paella.experiments.dvabatch import report_section as _dvabatch
+from paella.experiments.turbo import report_section as _turbo
 from paella.experiments.windtunnel import report_section as _windtunnel
 
 FIGURES = Path("docs/figures")
@@ -544,6 +545,8 @@ SECTIONS: list[tuple[str, str, str, Callable[[dict], list[str]]]] = [
      _cellular),
     ("orca", "Iteration-level scheduling: Orca (Figure 4.8)",
      "paella experiment orca --quick --json docs/figures/orca.json --plot docs/figures/orca.png", _orca),
+    ("turbo", "TurboTransformers: variable-length batching and the chunked allocator (Figures 15-16)",
+     "paella experiment turbo --json docs/figures/turbo.json --plot docs/figures/turbo.png", _turbo),
     ("dvabatch", "DVABatch against ZeroBatch and DelayBatch (DVABatch, Figures 14-16; issue 16)",
      "paella experiment dvabatch --json docs/figures/dvabatch.json --plot docs/figures/dvabatch.png",
      _dvabatch),

@@ -330,3 +330,94 @@ def main(args: argparse.Namespace) -> int:
     data = run(QUICK if args.quick else FULL, args.seed, lambda m: print(m, file=sys.stderr))
     write_outputs(data, args, plot, t0)
     return 0
+
+
+def _gib(b: float) -> str:
+    return f"{b / 2**30:.2f} GiB"
+
+
+def report_section(d: dict) -> list[str]:
+    """The TurboTransformers section of docs/EXPERIMENTS.md, every figure read from ``d``."""
+    s = d["summary"]
+    rows = ["| lengths | system | ours: responses/s at saturation | paper (RTX 2060) |",
+            "|---|---|---:|---:|"]
+    names = {"nobatch": "Turbo-NoBatch", "naive": "Turbo-Naive-Batch", "dp": "Turbo-DP-Batch"}
+    for rng_name, sat in s["saturation_rps"].items():
+        p = d["paper"][rng_name]
+        rows.append(f"| {rng_name} | PyTorch-NoBatch | (not run) | {p['pytorch_nobatch']} |")
+        for system, v in sat.items():
+            rows.append(f"| {rng_name} | {names[system]} | {v:.0f} | {p[system]} |")
+    ratios = ["| lengths | DP over no batching: ours | paper (over Turbo-NoBatch; over PyTorch) "
+              "| DP over naive: ours | paper |", "|---|---:|---:|---:|---:|"]
+    for rng_name in s["dp_over_nobatch"]:
+        p = d["paper"][rng_name]
+        ratios.append(f"| {rng_name} | **{s['dp_over_nobatch'][rng_name]:.2f}x** | "
+                      f"{p['dp_over_nobatch']:.2f}x; {p['dp_over_pytorch_nobatch']:.2f}x | "
+                      f"**{s['dp_over_naive'][rng_name]:.2f}x** | {p['dp_over_naive']:.2f}x |")
+    lat = ["| lengths | system | offered req/s | served req/s | mean (min, max) ms | p99 ms | mean batch |",
+           "|---|---|---:|---:|---:|---:|---:|"]
+    for pt in d["points"]:
+        lat.append(f"| {pt['range']} | {pt['system']} | {pt['offered']:g} | {pt['throughput']:.0f} | "
+                   f"{pt['mean_ms']:.1f} ({pt['min_ms']:.1f}, {pt['max_ms']:.1f}) | {pt['p99_ms']:.1f} | "
+                   f"{pt['mean_batch']:.1f} |")
+    al = d["allocators"]
+    mem = ["| allocator | how measured | peak device bytes (intermediates) | device allocations per request |",
+           "|---|---|---:|---:|"]
+    how = {"per_request_sets": "serving (one buffer pool per variant)",
+           "chunked": "serving (one chunk list per model, jobs side by side)",
+           "caching": "replayed, one job at a time",
+           "chunked_one_at_a_time": "replayed, one job at a time",
+           "per_request_sets_one_at_a_time": "one set per variant used"}
+    for k, v in al.items():
+        if isinstance(v, dict):
+            mem.append(f"| {k} | {how.get(k, '')} | {_gib(v['peak_bytes'])} | "
+                       f"{v['alloc_calls_per_request']:.2f} |")
+    short, long_ = s["dp_over_nobatch"].get("2-100", 0), s["dp_over_nobatch"].get("5-500", 0)
+    p_short, p_long = d["paper"]["2-100"], d["paper"]["5-500"]
+    naive_worse = s["saturation_rps"]["5-500"]["naive"] < s["saturation_rps"]["5-500"]["nobatch"]
+    ct = d["cost_table_ms"]
+    b1 = min((v for k, v in ct.items() if k.endswith("x1")), default=float("nan"))
+    notes = [
+        f"- Baselines: the paper's 4.06x and 2.4x are DP batching over *PyTorch* without "
+        f"batching; our no-batching baseline is our own runtime unbatched (its Turbo-NoBatch), "
+        f"against which the paper gains {p_short['dp_over_nobatch']:.2f}x and "
+        f"{p_long['dp_over_nobatch']:.2f}x, and we {short:.2f}x and {long_:.2f}x. PyTorch is "
+        f"not part of this system, so that column is not run.",
+        f"- Absolute throughput: ours is {s['saturation_rps']['2-100']['nobatch'] / p_short['nobatch']:.2f}x "
+        f"the paper's without batching at 2-100, because our kernels are TVM's untuned default "
+        f"schedules (DLight) timed by the simulator (one short request alone takes {b1:.1f} ms; "
+        f"Turbo's hand-written kernels take about 3.7 ms on the real RTX 2060, Table 4), and the "
+        f"5-500 run uses fp32 where the paper turns on tensor cores.",
+        f"- Naive batching {'loses to' if naive_worse else 'beats'} no batching at 5-500 "
+        f"({s['saturation_rps']['5-500']['naive']:.0f} against "
+        f"{s['saturation_rps']['5-500']['nobatch']:.0f} responses/s), "
+        f"{'as in the paper (98 against 120): padding every request to the longest of the queue wastes more than batching gains' if naive_worse else 'unlike the paper (98 against 120)'}.",
+        "- Length buckets: a batch runs on the smallest compiled bucket and batch size that take "
+        f"it ({', '.join(map(str, d['buckets']))} tokens; batch sizes "
+        f"{', '.join(map(str, d['batch_sizes']))}), where the paper's runtime takes any length "
+        "and batch size; the DP's cost table is each variant's simulated isolated time, where "
+        "the paper measures a warm-up on the GPU.",
+        f"- Memory: TVM already plans each variant's intermediates into a few shared storages "
+        f"(lifetimes reused within a plan), so Algorithm 1 gains little over a variant's own "
+        f"buffer set one job at a time ({_gib(al['chunked_one_at_a_time']['peak_bytes'])} "
+        f"against {_gib(al['per_request_sets_one_at_a_time']['peak_bytes'])} for one set per "
+        f"variant used, {_gib(al['caching']['peak_bytes'])} for a caching allocator). Serving, "
+        f"the chunk list peaks at {_gib(al['chunked']['peak_bytes'])} against "
+        f"{_gib(al['per_request_sets']['peak_bytes'])} for the per-variant buffer pools: a job "
+        f"takes its buffers when the dispatcher starts it, and the hungry DP starts every batch "
+        f"of a round at once, so both hold what those batches need together; the chunk list "
+        f"makes {al['chunked']['alloc_calls_per_request']:.2f} device allocations per request "
+        f"against {al['per_request_sets']['alloc_calls_per_request']:.2f}, and gives memory back "
+        f"when the lengths served change. The paper compares with PyTorch's per-tensor caching "
+        f"allocator on a runtime that runs one inference at a time.",
+    ]
+    return [
+        f"BERT-base (12 layers, hidden 768, 12 heads) compiled for length buckets x batch sizes, "
+        f"on the simulated {d['gpu']} (the paper's GPU), Poisson arrivals, {d['n_requests']} "
+        f"requests per point, the `paella` policy, the dispatcher's CPU not charged. "
+        f"`nobatch`: the identity batcher; `naive`: every queued request in one batch padded to "
+        f"the longest (dynamic batcher, no window, one batch in flight); `dp`: the `turbo-dp` "
+        f"batcher (Algorithm 2, hungry, at most {MAX_BATCH} per batch). "
+        f"(docs/turbotransformers.md)", "", *rows, "", *ratios, "", *lat, "",
+        f"Allocators for the DP run at 5-500, {al['offered']:g} requests/s "
+        f"(`summary.peak_bytes`):", "", *mem, "", *notes]

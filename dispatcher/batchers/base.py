@@ -127,6 +127,9 @@ class Batcher:
     options are keyword parameters of ``__init__`` (checked before it is built)."""
 
     name: ClassVar[str] = "base"
+    #: Whether it plans with each variant's profiled time (``VariantSpec.cost_s``): the
+    #: daemon then builds it once the variants are registered and profiled.
+    needs_costs: ClassVar[bool] = False
 
     def __init__(self, model: ModelVariants, **options: Any):
         if options:

@@ -74,6 +74,8 @@ class TurboDPBatcher(Batcher):
     """Algorithm 2 with the hungry or lazy trigger and the half-SLO rule (see the module
     docstring). Needs each variant's profiled time (``VariantSpec.cost_s``)."""
 
+    needs_costs = True
+
     def __init__(self, model: ModelVariants, max_batch_size: int = 0, trigger: str = "hungry",
                  timeout_us: float = 0, slo_ms: float = 0):
         super().__init__(model)
@@ -87,7 +89,8 @@ class TurboDPBatcher(Batcher):
             raise BatcherError(
                 f"batcher 'turbo-dp' plans with each variant's profiled time, and "
                 f"{len(missing)} variant(s) of {model.name} have none (e.g. rows={missing[0].rows} "
-                f"seq_len={missing[0].seq_len}); serve it from a bundle whose variants are profiled")
+                f"seq_len={missing[0].seq_len}); the daemon profiles each variant at load "
+                f"([policy] profile_runs in config.toml must be at least 1)")
         self.trigger, self.timeout = trigger, timeout_us * 1e-6
         self.half_slo = slo_ms * 1e-3 / 2
         self.inflight = 0                            # this model's batches running

@@ -8,7 +8,7 @@ from typing import Any
 
 
 from paella import rings
-from paella.dispatcher.batchers import VariantSpec
+from paella.dispatcher.batchers import ModelVariants, VariantSpec, make_batcher
 from paella.dispatcher.batchers.stage import BatchingStage, ServedModel, ServedVariant, layout_of
 from paella.dispatcher.core import Request
 from paella.dispatcher.frontend import Frontend
@@ -164,19 +164,31 @@ class DispatcherExecutor:
         self.disp.register_model(name, adaptor, model_id=model_id)
 
     def register_variants(self, model_id: int, name: str, label: str, bundle, adaptors: list,
-                          batcher, profile_runs: int | None = None) -> None:
+                          batcher, profile_runs: int | None = None, config: Any = None) -> None:
         """Serve a bundle's variants (one adaptor each) as the clients' ``model_id``
         through ``batcher``: each variant is a dispatcher model of its own (its plan, its
         SRPT profile), named ``label/variant``. Registered again: new requests take the
-        new variants, running batches finish on the old."""
+        new variants, running batches finish on the old. ``batcher`` None: built here from
+        ``config`` (its ModelConfig) once the variants are profiled (a batcher that plans
+        with their costs, e.g. ``turbo-dp``)."""
         served = {}
         for k, (v, adaptor) in enumerate(zip(bundle.variants, adaptors)):
             vid = self._next_vid
             self._next_vid += 1
             self.disp.register_model(f"{label}/{v.name}", adaptor, model_id=vid,
                                      profile_runs=profile_runs)
-            served[k] = ServedVariant(VariantSpec(k, v.rows, v.seq_len, f"{label}/{v.name}"),
+            # The variant's time as the profiling runs measured it (its kernels alone):
+            # the cost table of batchers that plan by cost.
+            cost = self.disp.models[vid].profile.total
+            served[k] = ServedVariant(VariantSpec(k, v.rows, v.seq_len, f"{label}/{v.name}",
+                                                  cost_s=cost),
                                       vid, layout_of(v.inputs, v.outputs, v.io_bytes))
+        if batcher is None:
+            if config is None:
+                raise ValueError(f"model {name!r}: no batcher and no config to build one")
+            batcher = make_batcher(config.batcher,
+                                   ModelVariants(name, tuple(s.spec for s in served.values())),
+                                   config.batcher_options)
         self.stage.add_model(model_id, ServedModel(name, batcher.model, served, batcher))
 
     def submit(self, req: Request) -> None:

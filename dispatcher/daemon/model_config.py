@@ -13,6 +13,11 @@
     [policy]
     profile_runs = 2              # profiling runs seeding each variant's SRPT estimate
 
+    [memory]
+    allocator = "chunked"         # "sets" (default): each variant its own buffer sets;
+                                  # "chunked": TurboTransformers' chunk allocator shared
+                                  # by all the variants (docs/turbotransformers.md)
+
 Unknown keys are errors naming the key and the valid ones; the batcher's options are
 checked against the batcher's own parameters (:mod:`paella.dispatcher.batchers`).
 """
@@ -26,7 +31,8 @@ from typing import Any
 from paella.dispatcher.batchers import BatcherError, DEFAULT_BATCHER, check_options, options_of
 
 CONFIG = "config.toml"
-TOP_KEYS = ("version", "batching", "policy")
+TOP_KEYS = ("version", "batching", "policy", "memory")
+ALLOCATORS = ("sets", "chunked")
 POLICY_KEYS = {"profile_runs": int}
 
 
@@ -40,6 +46,7 @@ class ModelConfig:
     batcher: str = DEFAULT_BATCHER
     batcher_options: dict[str, Any] = field(default_factory=dict)
     profile_runs: int | None = None
+    allocator: str = "sets"         # per-request buffers: "sets" or "chunked"
     mtime: float = 0.0              # of the file (0: none): a changed file reloads the model
 
 
@@ -90,6 +97,14 @@ def load_model_config(folder: str | Path) -> ModelConfig:
             raise ModelConfigError(f"{path}: [policy] {key} must be an integer >= 0, "
                                    f"got {value!r}")
     cfg.profile_runs = policy.get("profile_runs")
+    memory = _table(data, "memory", path)
+    for key, value in memory.items():
+        if key != "allocator":
+            raise ModelConfigError(f"{path}: unknown key {key!r} in [memory]; valid keys: allocator")
+        if value not in ALLOCATORS:
+            raise ModelConfigError(f"{path}: [memory] allocator must be one of "
+                                   f"{', '.join(map(repr, ALLOCATORS))}, got {value!r}")
+    cfg.allocator = memory.get("allocator", "sets")
     return cfg
 
 

@@ -47,7 +47,7 @@ class Prepared:
     label: str                 # the dispatcher's name for this version: model#gen
     seconds: float             # how long preparing it took
     config: Any = None         # its ModelConfig (config.toml)
-    batcher: Any = None        # its batcher, built for its variants
+    batcher: Any = None        # its batcher, built for its variants (None: built once profiled)
     version: str = ""          # the version folder served ("" for an unversioned bundle)
 
 
@@ -99,7 +99,9 @@ def scan(path: str, known: dict[str, tuple], make_adaptor: Callable[[Any, str, i
     models (SIGTERM during start-up). Touches no loop state.
     """
     from paella.bundle import BundleError, load_bundle
-    from paella.dispatcher.batchers import BatcherError, ModelVariants, VariantSpec, make_batcher
+    from paella.dispatcher.batchers import (BatcherError, ModelVariants, VariantSpec, get_batcher,
+                                            make_batcher)
+    from paella.dispatcher.chunked_buffers import ChunkedMemory
 
     from .model_config import ModelConfigError, load_model_config
     t0 = time.monotonic()
@@ -136,7 +138,10 @@ def scan(path: str, known: dict[str, tuple], make_adaptor: Callable[[Any, str, i
                 continue
             specs = tuple(VariantSpec(k, v.rows, v.seq_len, v.name)
                           for k, v in enumerate(bundle.variants))
-            batcher = make_batcher(cfg.batcher, ModelVariants(model, specs), cfg.batcher_options)
+            # A batcher planning by cost is built once the variants are profiled
+            # (Executors.register_variants); the others now, so a bad option fails here.
+            batcher = (None if get_batcher(cfg.batcher).needs_costs else
+                       make_batcher(cfg.batcher, ModelVariants(model, specs), cfg.batcher_options))
             label = f"{model}#{next(_generations)}"
             adaptors = []
             for k in range(len(bundle.variants)):
@@ -145,6 +150,11 @@ def scan(path: str, known: dict[str, tuple], make_adaptor: Callable[[Any, str, i
                 if warm is not None:
                     warm()
                 adaptors.append(adaptor)
+            if cfg.allocator == "chunked":        # one chunk list for all the variants
+                limit = max(getattr(a, "max_buffer_sets", 1) for a in adaptors)
+                memory = ChunkedMemory(model, limit=limit)
+                for a in adaptors:
+                    a.memory = memory
         except Exception as e:  # noqa: BLE001 - a bad model fails alone, with its reason
             plain = isinstance(e, (BundleError, ModelConfigError, BatcherError, ValueError))
             out.failed[folder] = str(e) if plain else f"{type(e).__name__}: {e}"

@@ -228,7 +228,8 @@ class Daemon:
                 t0 = time.monotonic()
                 try:
                     ex.register_variants(mid, p.model, p.label, p.bundle, p.adaptors,
-                                         p.batcher, p.config.profile_runs)   # init + profiling
+                                         p.batcher, p.config.profile_runs,  # init + profiling
+                                         config=p.config)
                 except DeviceLost:
                     raise
                 except Exception as e:  # noqa: BLE001 - this bundle only
@@ -240,7 +241,7 @@ class Daemon:
                 log.info("registered %s%s (%d variant(s): %s; batcher %s): read in %.2f s, "
                          "registered in %.3f s", p.model,
                          f" version {p.version}" if p.version else "", len(p.bundle.variants),
-                         ", ".join(v.name for v in p.bundle.variants), p.batcher.name,
+                         ", ".join(v.name for v in p.bundle.variants), p.config.batcher,
                          p.seconds, time.monotonic() - t0)
             for d, model in scan.kept.items():
                 self._served[model].directory = d

@@ -185,7 +185,7 @@ def test_versions_latest_or_pinned(tmp_path, fresh_daemon):
 
 CONFIG_ERRORS = [
     ("unknown-top-key", "batcher = 'dynamic'\n",
-     "config.toml: unknown key 'batcher'; valid keys: version, batching, policy"),
+     "config.toml: unknown key 'batcher'; valid keys: version, batching, policy, memory"),
     ("unknown-batching-key", "[batching]\nbatcher = 'dynamic'\nmax_delay_us = 5\n",
      "[batching] batcher 'dynamic' has no option 'max_delay_us'; valid options: "
      "default_priority_level, max_batch_size, max_inflight_batches, max_queue_delay_us, "
@@ -197,6 +197,10 @@ CONFIG_ERRORS = [
      "config.toml pins version 3, but the folder has no version subfolders"),
     ("policy-key", "[policy]\nname = 'fifo'\n", "unknown key 'name' in [policy]; valid keys: "
                                                 "profile_runs"),
+    ("allocator", "[memory]\nallocator = 'arena'\n",
+     "[memory] allocator must be one of 'sets', 'chunked', got 'arena'"),
+    ("turbo-unprofiled", "[batching]\nbatcher = 'turbo-dp'\n[policy]\nprofile_runs = 0\n",
+     "[policy] profile_runs in config.toml must be at least 1"),
 ]
 
 
@@ -229,10 +233,24 @@ def test_a_folder_named_like_a_built_in_model_is_refused(tmp_path, repo, fresh_d
     assert "model name 'Echo' is already taken by the daemon's built-in models" in dp.log()
 
 
-def test_length_buckets_batch_requests_of_different_lengths(tmp_path, fresh_daemon):
+TURBO = """
+[batching]
+batcher = "turbo-dp"
+trigger = "lazy"
+timeout_us = 3000
+
+[memory]
+allocator = "chunked"
+"""
+
+
+@pytest.mark.parametrize("config", [CONFIG.replace("[4]", "[2]"), TURBO], ids=["dynamic", "turbo-dp"])
+def test_length_buckets_batch_requests_of_different_lengths(tmp_path, fresh_daemon, config):
     """The tiny encoder at batch 1,2 x length 4,8: requests of 1..2 rows and lengths 2..8
     from several clients, batched across lengths (padded to the bucket, masked), each
-    get their own rows and length back, equal to the CPU build at their bucket."""
+    get their own rows and length back, equal to the CPU build at their bucket. Also
+    with TurboTransformers' DP batcher (its cost table the daemon's profiles) and the
+    chunked allocator placing every variant's buffers in one chunk list."""
     from paella.bundle import load_bundle
     from paella.compiler_pass.build import compile_bundle
     from paella.models import zoo
@@ -240,7 +258,7 @@ def test_length_buckets_batch_requests_of_different_lengths(tmp_path, fresh_daem
     repo.mkdir()
     compile_bundle([zoo.get("tiny_encoder", batch=b, seq_len=s) for s in (4, 8) for b in (1, 2)],
                    repo / "enc")
-    (repo / "enc" / "config.toml").write_text(CONFIG.replace("[4]", "[2]"))
+    (repo / "enc" / "config.toml").write_text(config)
     b = load_bundle(repo / "enc")
     dp = fresh_daemon("--models", str(repo), "--no-noop")
     rng = np.random.default_rng(9)
