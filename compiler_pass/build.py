@@ -40,6 +40,7 @@ from . import nvcc
 from .instrument import (INSTRUMENTED_ATTR, LAUNCH_ID_PARAM, NOTIFQ_PARAM, InstrumentOptions,
                          is_device_kernel, override_global_func,
                          paella_tir_pipeline, postproc_hook)
+from .bounded_indexing import bounded_indexing
 from .kernels import HostPlan, PlanError, host_plan, kernel_params
 from .plan import PlanResult, build_plan
 
@@ -249,8 +250,9 @@ def _write_bundle(model: ModelDef, tmp: Path, arch: str, options: InstrumentOpti
     step = _stepper(progress, 6)
 
     _require_static_inputs(model)
+    mod = bounded_indexing(model.mod)        # a client's index can never leave a tensor
     step("Relax CUDA pipeline (legalize, fuse, schedule, plan memory)")
-    lowered, flops = relax_pipeline(model.mod, target, progress)
+    lowered, flops = relax_pipeline(mod, target, progress)
     entry = lowered["main"]
 
     step("TIR lowering" + (f" + instrumentation (group={options.group})" if options.enabled else " (plain)"))
@@ -276,7 +278,7 @@ def _write_bundle(model: ModelDef, tmp: Path, arch: str, options: InstrumentOpti
     check_variant(variant)
 
     step("CPU (llvm) reference build")
-    cpu_exec = tvm.compile(model.mod, target="llvm")
+    cpu_exec = tvm.compile(mod, target="llvm")
     cpu_exec.export_library(str(tmp / FILES["cpu_lib"]))
     n_in = int(entry.attrs["num_input"])
     cpu_order = [b.name for b in plan.buffers if b.kind == "param"][:len(entry.params) - n_in]
