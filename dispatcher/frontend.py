@@ -34,7 +34,7 @@ import struct
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Callable, Protocol
+from typing import Any, Callable, Protocol
 
 import numpy as np
 
@@ -93,23 +93,34 @@ class FrontendConfig:
                                        # rejected entries and bad messages (then a count)
 
 
+#: Client arrivals/departures logged per ``log_interval`` before they are only counted.
+SESSION_LOG_BURST = 50
+
+
 @dataclass
 class LogThrottle:
-    """At most one log line per ``interval`` for one kind of event; the events in
-    between are only counted, and the next line (or :meth:`flush`) says how many.
-    Why: one client writing bad entries in a loop wrote 65,815 INFO lines (8 MB)."""
+    """At most ``burst`` log lines per ``interval`` for one kind of event; the events
+    beyond are only counted, and the next line (or :meth:`flush`) says how many.
+    Why: one client writing bad entries in a loop wrote 65,815 INFO lines (8 MB), and
+    clients connecting and leaving in a loop wrote two lines each (2.6 MB in 5 minutes
+    of the fuzzer)."""
     interval: float
+    burst: int = 1
     next_at: float = 0.0
     held: int = 0
+    in_window: int = 0
 
     def admit(self) -> int | None:
         """None: stay quiet (the event is counted). Else log now; the value is the
         number of events held back since the last line."""
         now = time.monotonic()
-        if now < self.next_at:
+        if now >= self.next_at:
+            self.next_at, self.in_window = now + self.interval, 0
+        if self.in_window >= self.burst:
             self.held += 1
             return None
-        held, self.held, self.next_at = self.held, 0, now + self.interval
+        self.in_window += 1
+        held, self.held = self.held, 0
         return held
 
     def flush(self) -> int:
@@ -258,6 +269,8 @@ class Frontend:
         self._cancels: list[int] = []
         self._per_uid: dict[int, int] = {}
         self._refusal_log = LogThrottle(cfg.log_interval)
+        #: Client arrivals and departures: logged, but a loop of them is only counted.
+        self._session_log = LogThrottle(cfg.log_interval, burst=SESSION_LOG_BURST)
         self.allowed_uids = {_resolve_id(u, pwd.getpwnam, 'pw_uid', 'user')
                              for u in cfg.allowed_users} | {os.geteuid(), 0}
         self.allowed_gids = {_resolve_id(g, grp.getgrnam, 'gr_gid', 'group')
@@ -265,7 +278,8 @@ class Frontend:
         #: Counters the daemon logs at exit ("stopped cleanly; stats {...}").
         self.stats = {"accepted": 0, "refused": 0, "lost": 0, "requests": 0, "rejected": 0,
                       "bad_messages": 0, "handshake_timeouts": 0, "rejections_not_logged": 0,
-                      "messages_not_logged": 0, "refusals_not_logged": 0}
+                      "messages_not_logged": 0, "refusals_not_logged": 0,
+                      "sessions_not_logged": 0}
 
     # -- socket setup --------------------------------------------------------------
     def listen(self) -> None:
@@ -561,8 +575,18 @@ class Frontend:
         self.ready.append(c)
         if self.on_arena_mapped is not None:
             self.on_arena_mapped(c.cid, c.seg.arena)
-        log.info("client %d (pid %d uid %d) ready: mode %s, segment %s, arena %d bytes",
-                 c.cid, c.pid, c.uid, mode, c.segment, arena)
+        self._session_line("client %d (pid %d uid %d) ready: mode %s, segment %s, arena %d bytes",
+                           c.cid, c.pid, c.uid, mode, c.segment, arena)
+
+    def _session_line(self, fmt: str, *args: Any) -> None:
+        """A client's arrival or departure, through the session throttle."""
+        held = self._session_log.admit()
+        if held is None:
+            self.stats["sessions_not_logged"] += 1
+            return
+        if held:
+            fmt += f" ({held} more client arrivals/departures since the last line)"
+        log.info(fmt, *args)
 
     def _fatal(self, c: ClientConn, code: str, message: str) -> None:
         """Tell the client why, then drop it."""
@@ -782,8 +806,8 @@ class Frontend:
             return
         c.alive = False
         self.stats["lost"] += 1
-        log.info("client %d (pid %d) dropped: %s (%d in flight)", c.cid, c.pid, why,
-                 len(c.inflight))
+        self._session_line("client %d (pid %d) dropped: %s (%d in flight)", c.cid, c.pid, why,
+                           len(c.inflight))
         for what, throttle in (("rejected entries", c.reject_log),
                                ("bad messages", c.message_log)):
             if held := throttle.flush():

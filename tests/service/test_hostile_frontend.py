@@ -475,3 +475,30 @@ def test_rejected_entries_are_counted_and_their_logs_rate_limited(fresh_daemon):
     stats = daemon_stats(log)
     assert stats["rejected"] == n, stats
     assert stats["rejections_not_logged"] >= n - 5, stats
+
+
+# --- clients that connect and leave in a loop cannot fill the disk with log lines ----------
+def test_a_connect_loop_writes_a_bounded_log(daemon):
+    """300 clients connecting and leaving at once: at most SESSION_LOG_BURST arrival and
+    departure lines per log interval; the rest are counted, and the daemon serves on."""
+    from paella.dispatcher.frontend import SESSION_LOG_BURST
+    before = daemon.log().count(" ready: mode ") + daemon.log().count(") dropped: ")
+    for _ in range(300):
+        with connect(daemon.socket):
+            pass
+    echo_works(daemon.socket)
+    log = daemon.log()
+    lines = log.count(" ready: mode ") + log.count(") dropped: ") - before
+    assert lines <= SESSION_LOG_BURST + 4, lines       # (+ this test's echo client, a window edge)
+    assert lines >= 10                                 # ... but sessions are still logged
+
+
+def test_log_throttle_allows_a_burst_then_counts():
+    from paella.dispatcher.frontend import LogThrottle
+    t = LogThrottle(interval=3600.0, burst=3)
+    assert [t.admit() for _ in range(3)] == [0, 0, 0]
+    assert [t.admit() for _ in range(5)] == [None] * 5
+    t.next_at = 0.0                                    # the window ends
+    assert t.admit() == 5 and t.flush() == 0
+    one = LogThrottle(interval=3600.0)
+    assert one.admit() == 0 and one.admit() is None and one.flush() == 1
