@@ -271,7 +271,7 @@ def plugin(monkeypatch):
     monkeypatch.setitem(sys.modules, "paella_test_plugin", mod)
     ep = metadata.EntryPoint("exploding", "paella_test_plugin:Exploding", registry.ENTRY_POINT_GROUP)
     real = metadata.entry_points
-    monkeypatch.setattr(registry.metadata, "entry_points",
+    monkeypatch.setattr(metadata, "entry_points",
                         lambda group=None: [ep] if group == registry.ENTRY_POINT_GROUP else real(group=group))
     yield
     registry._REGISTRY.pop("exploding", None)
