@@ -8,16 +8,13 @@ most objects from its arenas, where ASan sees neither a use after free nor an
 overflow into a neighbour."""
 from __future__ import annotations
 
-import os
 import shutil
-import subprocess
-import sys
-import sysconfig
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+import sanitized_build
+from sanitized_build import ROOT
 MODULES = ("_tracker", "_pqueue", "_replay")
 
 DRIVER = r'''
@@ -60,32 +57,11 @@ print("sanitized run ok")
 '''
 
 
-def _libs() -> list[str]:
-    out = []
-    for lib in ("libasan.so", "libubsan.so"):
-        path = subprocess.run(["gcc", f"-print-file-name={lib}"], capture_output=True,
-                              text=True).stdout.strip()
-        if not os.path.isabs(path) or not os.path.exists(path):
-            pytest.skip(f"gcc has no {lib} here (install libasan/libubsan) to run the sanitized build")
-        out.append(path)
-    return out
-
-
 @pytest.mark.skipif(shutil.which("gcc") is None, reason="needs gcc to build the sanitized modules")
 def test_c_modules_are_clean_under_asan_and_ubsan(tmp_path):
-    libs = _libs()
-    inc = sysconfig.get_paths()["include"]
-    suffix = sysconfig.get_config_var("EXT_SUFFIX")
+    sanitized_build.sanitizer_libs()
     args = []
     for name in MODULES:
-        out = tmp_path / f"{name}{suffix}"
-        subprocess.run(["gcc", "-O1", "-g", "-fsanitize=address,undefined",
-                        "-fno-sanitize-recover=all", "-fno-omit-frame-pointer", "-shared", "-fPIC",
-                        f"-I{inc}", "-o", str(out), str(ROOT / "dispatcher" / f"{name}.c")],
-                       check=True)
-        args += [name, str(out)]
-    env = dict(os.environ, LD_PRELOAD=":".join(libs), ASAN_OPTIONS="detect_leaks=0",
-               UBSAN_OPTIONS="print_stacktrace=1", PYTHONMALLOC="malloc")
-    r = subprocess.run([sys.executable, "-c", DRIVER, str(Path(__file__).parent), *args],
-                       env=env, capture_output=True, text=True, timeout=600)
+        args += [name, str(sanitized_build.build(ROOT / "dispatcher" / f"{name}.c", tmp_path, name))]
+    r = sanitized_build.run_driver(DRIVER, str(Path(__file__).parent), *args)
     assert r.returncode == 0 and "sanitized run ok" in r.stdout, r.stderr[-4000:]

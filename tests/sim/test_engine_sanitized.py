@@ -6,16 +6,12 @@ undefined behaviour aborts the subprocess, which fails the test (checked by hand
 overflow planted in the dirty-SM list aborts it)."""
 from __future__ import annotations
 
-import os
 import shutil
-import subprocess
-import sys
-import sysconfig
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+import sanitized_build
+from sanitized_build import ROOT
 
 DRIVER = r'''
 import importlib.util, random, sys
@@ -113,29 +109,10 @@ print("sanitized run ok")
 '''
 
 
-def _libs() -> list[str]:
-    out = []
-    for lib in ("libasan.so", "libubsan.so"):
-        path = subprocess.run(["gcc", f"-print-file-name={lib}"], capture_output=True,
-                              text=True).stdout.strip()
-        if not os.path.isabs(path) or not os.path.exists(path):
-            pytest.skip(f"gcc has no {lib} here (install libasan/libubsan) to run the sanitized build")
-        out.append(path)
-    return out
-
-
 @pytest.mark.skipif(shutil.which("gcc") is None, reason="needs gcc to build the sanitized engine")
 def test_engine_is_clean_under_asan_and_ubsan(tmp_path):
-    libs = _libs()
-    inc = sysconfig.get_paths()["include"]
-    out = tmp_path / f"_engine{sysconfig.get_config_var('EXT_SUFFIX')}"
-    subprocess.run(["gcc", "-O1", "-g", "-fsanitize=address,undefined", "-fno-sanitize-recover=all",
-                    "-fno-omit-frame-pointer", "-shared", "-fPIC", f"-I{inc}", "-o", str(out),
-                    str(ROOT / "dispatcher" / "devices" / "sim" / "_engine.c")], check=True)
-    # PYTHONMALLOC=malloc: the engine's arrays come from PyMem_*, which would otherwise be
-    # pymalloc pools where ASan cannot see an overflow (a planted one then goes unnoticed).
-    env = dict(os.environ, LD_PRELOAD=":".join(libs), ASAN_OPTIONS="detect_leaks=0",
-               UBSAN_OPTIONS="print_stacktrace=1", PYTHONMALLOC="malloc")
-    r = subprocess.run([sys.executable, "-c", DRIVER, str(out)], env=env, capture_output=True,
-                       text=True, timeout=600)
+    sanitized_build.sanitizer_libs()
+    out = sanitized_build.build(ROOT / "dispatcher" / "devices" / "sim" / "_engine.c", tmp_path,
+                                "_engine")
+    r = sanitized_build.run_driver(DRIVER, str(out))
     assert r.returncode == 0 and "sanitized run ok" in r.stdout, (r.stdout[-2000:], r.stderr[-4000:])
