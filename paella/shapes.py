@@ -67,7 +67,10 @@ class Slot:
 
     @property
     def nbytes(self) -> int:
-        return int(np.prod(self.shape, dtype=np.int64)) * np.dtype(self.dtype).itemsize
+        n = np.dtype(self.dtype).itemsize      # (Python ints: no int64 overflow)
+        for d in self.shape:
+            n *= d
+        return n
 
 
 def align(n: int, to: int = IO_ALIGN) -> int:

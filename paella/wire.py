@@ -42,6 +42,8 @@ from typing import Any
 
 import numpy as np
 
+from paella.shapes import Slot
+
 PROTOCOL_VERSION = 1
 
 HELLO, WELCOME, LIST_MODELS, MODELS, WAKE, DONE, ERROR, KICK, STATUS, STATUS_REPLY = range(1, 11)
@@ -215,19 +217,9 @@ class FrameReader:
 
 # --- model descriptions (MODELS and WELCOME payloads) ---------------------------------
 @dataclass(frozen=True)
-class TensorInfo:
-    """One tensor of a model variant, at a byte offset in the request's io region."""
-    name: str
-    shape: tuple[int, ...]
-    dtype: str
-    offset: int
-
-    @property
-    def nbytes(self) -> int:
-        n = np.dtype(self.dtype).itemsize
-        for d in self.shape:
-            n *= d
-        return n
+class TensorInfo(Slot):
+    """One tensor of a model variant, at a byte offset in the request's io region (a
+    :class:`~paella.shapes.Slot` that travels in MODELS and WELCOME payloads)."""
 
     def to_dict(self) -> dict:
         return {"name": self.name, "shape": list(self.shape), "dtype": self.dtype,
