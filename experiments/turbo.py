@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import math
 import sys
 import time
 from pathlib import Path
@@ -44,16 +43,15 @@ import numpy as np
 
 from paella.dispatcher.adaptor import PlanAdaptor, plan_from_bundle
 from paella.dispatcher.batchers import ModelVariants, VariantSpec, make_batcher
-from paella.dispatcher.batchers.gather import IoLayout
-from paella.dispatcher.batchers.stage import BatchingStage, ServedModel, ServedVariant
+from paella.dispatcher.batchers.stage import BatchingStage, ServedModel, ServedVariant, layout_of
 from paella.dispatcher.chunked_buffers import ChunkedMemory
 from paella.dispatcher.core import STATUS_OK, Dispatcher, Request
 from paella.dispatcher.devices.sim import SimDevice
 from paella.dispatcher.devices.sim.bundle_profile import plan_time
 from paella.dispatcher.seqlen_allocator import CachingAllocator, ChunkAllocator
 from paella.experiments.cli import add_common, save_figure
-from paella.experiments.harness import write_outputs
-from paella.shapes import Slot, layout as request_layout
+from paella.experiments.harness import _drive, write_outputs
+from paella.shapes import layout as request_layout
 
 GPU = "rtx2060"
 BERT_BASE = {"layers": 12, "hidden": 768, "heads": 12, "ffn": 3072}
@@ -120,12 +118,6 @@ def variant_costs(bundle: Any, gpu: str = GPU) -> list[float]:
     return [plan_time(bundle, gpu, vi) for vi in range(len(bundle.variants))]
 
 
-def _io_layout(v: Any) -> IoLayout:
-    def slots(ts):
-        return tuple(Slot(t.name, tuple(t.shape), t.dtype, t.offset) for t in ts)
-    return IoLayout(slots(v.inputs), slots(v.outputs), v.io_bytes)
-
-
 def _timing_plan(bundle: Any, vi: int) -> Any:
     """The variant's plan with its weights' contents dropped (their buffers stay shared
     and allocated): the simulator times kernels and computes nothing here."""
@@ -150,7 +142,7 @@ class Server:
             ad = PlanAdaptor(_timing_plan(bundle, vi), memory=memory)
             mid = self.disp.register_model(ad.name, ad)
             spec = VariantSpec(vi, v.rows, v.seq_len, ad.name, cost_s=costs[vi])
-            served[vi] = ServedVariant(spec, mid, _io_layout(v))
+            served[vi] = ServedVariant(spec, mid, layout_of(v.inputs, v.outputs, v.io_bytes))
             self.adaptors.append(ad)
         variants = ModelVariants(bundle.model, tuple(s.spec for s in served.values()))
         self.variants = variants
@@ -178,24 +170,9 @@ class Server:
 
         t0 = dev.now()
         arrivals = t0 + arrivals
-        i = 0
-        while True:
-            while i < n and arrivals[i] <= dev.now():
-                stage.submit(self.request(i, int(lengths[i]), complete))
-                i += 1
-            busy = disp.step()
-            stage.step()
-            if i >= n and not busy and not stage.queued and not disp.in_flight:
-                break
-            if disp.idle:
-                # A free dispatcher (as harness._drive's): nothing to do until the device
-                # shows something, a request arrives or a batcher's timer expires.
-                d = stage.deadline()
-                limit = min(arrivals[i] if i < n else math.inf, math.inf if d is None else d)
-                if limit <= dev.now():
-                    continue
-                if not dev.run_until_observed(limit) and limit == math.inf:
-                    raise RuntimeError("turbo: stalled with requests in flight")
+        _drive(disp, dev, arrivals,
+               lambda i: stage.submit(self.request(i, int(lengths[i]), complete)),
+               cpu_scale=0.0, meter=None, stage=stage)        # a free dispatcher
         if np.any(status != STATUS_OK):
             raise RuntimeError(f"{int(np.sum(status != STATUS_OK))} requests failed")
         return done - t0
