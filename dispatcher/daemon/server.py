@@ -292,8 +292,15 @@ class Daemon:
         per_model: dict[int, int] = {}
         ex = self.dispatcher
         if ex is not None:
+            # A batched model runs as one dispatcher model per variant: count its jobs (and
+            # the requests its batcher holds) under the clients' model id.
+            client_id: dict[int, int] = {}
+            for cid, served in list(ex.stage.models.items()):
+                per_model[cid] = len(served.waiting)
+                for sv in list(served.served.values()):
+                    client_id[sv.model_id] = cid
             for job in list(ex.disp.jobs):
-                mid = job.model.model_id
+                mid = client_id.get(job.model.model_id, job.model.model_id)
                 per_model[mid] = per_model.get(mid, 0) + len(job.requests)
         for m in st["models"]:
             m["in_flight"] = per_model.get(m["id"], 0)
