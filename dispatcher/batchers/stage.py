@@ -406,7 +406,9 @@ class StageContext:
     def register_model(self, name: str, adaptor: Any, *, profile_runs: int = 0) -> int:
         disp = self.stage.disp
         mid = self.stage.new_model_id()
-        disp.register_model(f"{self.name}/{name}", adaptor, profile_runs=profile_runs,
+        # Named with its id: a reloaded model's scheduler registers its models again
+        # while the old one's still run.
+        disp.register_model(f"{self.name}/{name}@{mid}", adaptor, profile_runs=profile_runs,
                             model_id=mid)
         self._own_models.add(mid)
         return mid
@@ -506,9 +508,9 @@ class StageContext:
         if self.failed:
             return
         name = self.model.batcher.name
-        self.failed = (f"scheduler {name!r} of model {self.name} failed in {hook}(): "
-                       f"{type(exc).__name__}: {exc}; the model is out of service until it is "
-                       f"reloaded (SIGHUP) with a fixed plug-in")
+        # (Most telling first: a client's completion text keeps 120 bytes of it.)
+        self.failed = (f"{self.name} out of service: scheduler {name!r} raised in {hook}(): "
+                       f"{type(exc).__name__}: {exc}; fix it and reload (SIGHUP)")
         self.stage.stats.scheduler_failures += 1
         log.error("%s (%d request(s) it held answered with the reason)", self.failed,
                   len(self.model.waiting), exc_info=exc)
