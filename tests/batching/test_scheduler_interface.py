@@ -126,7 +126,9 @@ def test_raising_scheduler_answers_everything_once(where):
     assert sorted(c.done) == [0, 1, 2, 9]
     for st, err in c.done.values():
         assert st == rings.E_INTERNAL
-        assert f"failed in {where}()" in err and "SIGHUP" in err
+        assert err.startswith(f"rows out of service: scheduler 'two-pass' raised in {where}(): "
+                              f"RuntimeError: boom in {where}")
+        assert err.endswith("reload (SIGHUP)")
     assert stage.queued == 0 and sched.closed
     assert stage.stats.scheduler_failures == 1
     assert not stage.models[100].ctx._ptrs       # no job in flight: memory freed

@@ -299,3 +299,34 @@ def test_the_readme_generation_snippet_runs_as_written(daemon):
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == str(generate_reference(CFG, W, [3, 7, 1, 9], 6))
+
+
+def test_sighup_with_a_changed_config_serves_the_new_and_loses_nothing(tmp_path):
+    """A generation in flight across a reload of its model gets all its tokens, and the
+    reloaded model serves. (Whether the reload's swap lands before the generation ends
+    depends on timing; the old scheduler finishing its requests after a swap is
+    tests/stepsched/test_orca_plugin.py's reload test, deterministic in virtual time.)"""
+    dp = serve(tmp_path)
+    try:
+        with connect(dp.socket, mode="polling") as c:
+            rid, off, tokens = stream_raw(c, "gpt-tiny", [4, 4], 50)
+            while not c._completions.ready():
+                pass                                      # it runs
+            cfg = tmp_path / "models" / "gpt-tiny" / "config.toml"
+            cfg.write_text(cfg.read_text().replace("max_bs = 4", "max_bs = 2"))
+            os.utime(cfg, (time.time() + 5, time.time() + 5))    # a newer mtime for sure
+            dp.proc.send_signal(signal.SIGHUP)
+            got = entries(c, {rid})
+            assert got[-1] == (rid, rings.OK, "")
+            assert tokens.tolist()[:50] == generate_reference(CFG, W, [4, 4], 50)
+            deadline = time.monotonic() + 20
+            while "SIGHUP: repository read" not in dp.log():
+                assert time.monotonic() < deadline, dp.log()
+                time.sleep(0.05)
+            assert list(c.generate("gpt-tiny", [4, 4], 5, timeout=20)) == \
+                generate_reference(CFG, W, [4, 4], 5)
+        log = dp.log()
+        assert "1 new or changed" in log and "registered gpt-tiny" in log
+        assert dp.stop() == 0
+    finally:
+        cleanup(dp)

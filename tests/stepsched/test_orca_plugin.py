@@ -59,7 +59,7 @@ def test_registered_as_a_standalone_scheduler():
 
 
 def test_generations_stream_the_reference_tokens_and_complete_once():
-    disp, stage, sched = stage_and_orca(max_bs=3, n_slots=128)
+    disp, stage, sched = stage_and_orca(max_bs=3, n_slots=128, fairness_threshold=2.0)
     gens = [Gen(i, p, n, client=i) for i, (p, n) in
             enumerate([([3, 7, 1, 9], 6), ([5], 12), ([60, 2, 2], 3), ([8, 8], 9)])]
     for g in gens:
@@ -71,6 +71,7 @@ def test_generations_stream_the_reference_tokens_and_complete_once():
         assert g.progress == list(range(1, g.n + 1))
     assert stage.queued == 0 and sched.engine.streams == {} and not sched.pending
     assert len(sched.engine.free_slots) == 128          # every KV slot back
+    assert set(sched.engine.sched.deficit) == {0, 1, 2, 3}   # users: the clients' ids
 
 
 def test_a_client_leaving_frees_its_slots_and_the_next_is_admitted():
