@@ -126,7 +126,11 @@ class BatchingStage:
         old = self.models.get(model_id)
         if model.batcher.drives_jobs and model.ctx is None:
             model.ctx = StageContext(self, model)
-            model.batcher.start(model.ctx)      # raises: the model is not served
+            try:
+                model.batcher.start(model.ctx)  # raises: the model is not served
+            except BaseException:
+                model.ctx.shut("", rings.E_INTERNAL)   # (frees what it allocated)
+                raise
         self.models[model_id] = model
         if old is not None and old.ctx is not None:
             old.ctx.retire()                     # its requests finish on it, then it closes
@@ -175,6 +179,11 @@ class BatchingStage:
         for m in self._served_models():
             if m.waiting:
                 d = self._guarded(m, "deadline", m.batcher.deadline)
+                if d is None and m.ctx is not None and m.ctx.jobs == 0 and m.waiting:
+                    # Nothing would ever call it again for them: a stall, not a wait.
+                    m.ctx.fail("deadline", RuntimeError(
+                        f"it holds {len(m.waiting)} request(s) with no job in flight and "
+                        f"no deadline"))
                 if d is not None and (best is None or d < best):
                     best = d
         return best
