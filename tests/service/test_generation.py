@@ -141,6 +141,15 @@ def test_progress_entries_come_in_order_before_the_one_completion(daemon):
     assert tokens.tolist()[:20] == generate_reference(CFG, W, [5, 4, 3], 20)
 
 
+def test_read_result_skips_progress_entries_and_keeps_no_count(daemon):
+    """A STREAM request read the plain way: read_result returns its completion only."""
+    with connect(daemon.socket) as c:
+        rid, off, tokens = stream_raw(c, "gpt-tiny", [6, 1], 15)
+        assert c.read_result(timeout=20) == rid
+        assert c.in_flight == 0 and not c._progress
+        assert tokens.tolist()[:15] == generate_reference(CFG, W, [6, 1], 15)
+
+
 @pytest.mark.parametrize("mode", ["hybrid", "socket", "polling"])
 def test_generate_in_every_wait_mode(daemon, mode):
     with connect(daemon.socket, mode=mode) as c:
