@@ -63,10 +63,11 @@ def model_repository(root: Path) -> Path:
     return models
 
 
-def serve(root: Path, *args: str):
+def serve(root: Path, *args: str, env: dict[str, str] | None = None):
     models = model_repository(root)
     env = {"PYTHONPATH": os.pathsep.join(filter(None, [str(root / "plugin"),
-                                                       os.environ.get("PYTHONPATH")]))}
+                                                       os.environ.get("PYTHONPATH")])),
+           **(env or {})}
     return start_daemon("--backend", "sim", "--models", str(models), *args, env=env)
 
 
@@ -337,5 +338,26 @@ def test_sighup_with_a_changed_config_serves_the_new_and_loses_nothing(tmp_path)
         log = dp.log()
         assert "1 new or changed" in log and "registered gpt-tiny" in log
         assert dp.stop() == 0
+    finally:
+        cleanup(dp)
+
+
+def test_a_device_lost_mid_generation_fails_it_once_and_the_daemon_exits(tmp_path):
+    """The simulated GPU is lost at its 40th launch (the noop model's profiling took 2;
+    an iteration of the tiny GPT is a dozen): the generation has streamed some tokens,
+    then fails with the reason, once; the daemon exits for systemd to restart it."""
+    from paella.dispatcher.daemon import EXIT_DEVICE_LOST
+    dp = serve(tmp_path, env={"PAELLA_SIM_LOSE_DEVICE_AFTER": "40"})
+    try:
+        with connect(dp.socket, mode="polling") as c:
+            rid, off, tokens = stream_raw(c, "gpt-tiny", [2, 2, 2], 40)
+            got = entries(c, {rid})
+        assert dp.proc.wait(15) == EXIT_DEVICE_LOST
+        finals = [e for e in got if e[1] != rings.PROGRESS]
+        assert len(finals) == 1 and finals[0][1] == rings.E_FAILED
+        assert "GPU failed" in finals[0][2]
+        n = max((e[2] for e in got if e[1] == rings.PROGRESS), default=0)
+        assert 0 < n < 40
+        assert tokens.tolist()[:n] == generate_reference(CFG, W, [2, 2, 2], n)
     finally:
         cleanup(dp)
