@@ -361,3 +361,24 @@ def test_a_device_lost_mid_generation_fails_it_once_and_the_daemon_exits(tmp_pat
         assert tokens.tolist()[:n] == generate_reference(CFG, W, [2, 2, 2], n)
     finally:
         cleanup(dp)
+
+
+def test_a_client_corrupting_its_ring_mid_stream_is_dropped_and_its_slots_come_back(daemon):
+    """Its completion head moved past the tail between two progress entries: the next
+    progress push finds it (inside the scheduler's callback) and drops the client; its
+    generation is cancelled, and gpt-tight's 64 slots serve the next long one."""
+    from paella.client import DaemonError, DaemonGone
+    c = connect(daemon.socket, mode="polling")
+    rid, off, tokens = stream_raw(c, "gpt-tight", [1, 1, 1, 1], 56)
+    while c._completions.pop() is None:
+        pass                                              # its first token
+    c._seg.hdr[rings.CMP_HEAD] = int(c._seg.hdr[rings.CMP_TAIL]) + 5
+    with pytest.raises((DaemonError, DaemonGone)):
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            c._pump(block=True, timeout=1.0)              # the ERROR frame, then EOF
+    c.close()
+    assert "ring_corrupt" in daemon.log()
+    with connect(daemon.socket) as other:
+        assert list(other.generate("gpt-tight", [4, 3, 2, 1], 56, timeout=20)) == \
+            generate_reference(CFG, W, [4, 3, 2, 1], 56)
