@@ -603,13 +603,17 @@ class Client:
                     n = self._progress.get(req_id, seen) if end is None else None
                 if end is not None:
                     done = True
-                    self._progress.pop(req_id, None)
-                    self._result(*end)
-                    n = int(views_out["n_tokens"][0])
+                    # The tokens the progress entries announced come first, also when the
+                    # generation then failed: its final entry may be read in the same
+                    # drain of the ring as the progress entries before it.
+                    n = self._progress.pop(req_id, seen)
+                    if end[1] == rings.OK:
+                        n = int(views_out["n_tokens"][0])
                 for t in tokens[seen:min(n, tokens.size)].tolist():
                     yield t
                 seen = max(seen, min(n, tokens.size))
                 if end is not None:
+                    self._result(*end)
                     return
         finally:
             if done or req_id is None:

@@ -148,10 +148,22 @@ def _ln(x, s, b):
     return (x - mu) / np.sqrt(var + 1e-5) * s + b
 
 
+def _erf(x: np.ndarray) -> np.ndarray:
+    """erf, vectorized: Abramowitz and Stegun 7.1.26 (absolute error below 1.5e-7, about
+    float32's epsilon). Speed: ``np.vectorize(math.erf)`` called Python per element and
+    made a GPT-2-small iteration's reference cost about 0.45 s (the MLP's 3072 x tokens
+    activations in 12 layers); this is numpy throughout."""
+    a1, a2, a3, a4, a5, p = 0.254829592, -0.284496736, 1.421413741, -1.453152027, 1.061405429, 0.3275911
+    sign = np.sign(x)
+    ax = np.abs(x).astype(np.float64)
+    t = 1.0 / (1.0 + p * ax)
+    y = 1.0 - ((((a5 * t + a4) * t + a3) * t + a2) * t + a1) * t * np.exp(-ax * ax)
+    return (sign * y).astype(x.dtype, copy=False)
+
+
 def _gelu(x):
     # TVM's gelu is the erf form
-    from math import erf
-    return 0.5 * x * (1.0 + np.vectorize(erf)(x / np.sqrt(2.0)))
+    return 0.5 * x * (1.0 + _erf(x * x.dtype.type(0.7071067811865476)))   # 1/sqrt(2), x's dtype
 
 
 def _block_dense_in(w, i, x):
@@ -179,7 +191,10 @@ def _attend(cfg: GPTConfig, q, K, V, first: int):
     s = np.where(allowed, s, NEG)
     p = np.exp(s - s.max(-1, keepdims=True))
     p /= p.sum(-1, keepdims=True)
-    return (p @ vh).transpose(1, 0, 2).reshape(T, cfg.d)
+    # In the queries' dtype: NEG (a Python float) made the scores float64, and a float64
+    # output then converted every following float32 weight matrix to float64 (Speed:
+    # a GPT-2-small decode step went from 0.40 s to well under a tenth of that).
+    return (p @ vh).transpose(1, 0, 2).reshape(T, cfg.d).astype(q.dtype, copy=False)
 
 
 def forward_reference(cfg: GPTConfig, w: dict[str, np.ndarray], tokens: list[int]) -> np.ndarray:
