@@ -194,3 +194,24 @@ def test_bad_stages_values_are_errors(tmp_path, value, message):
     assert r.returncode == 2, r.stderr
     assert "paella: error:" in r.stderr and message in r.stderr and "Traceback" not in r.stderr
     assert not (tmp_path / "b").exists()
+
+
+@pytest.mark.slow
+def test_the_experiment_runs_compiled_stage_kernels(sliced):
+    """``paella experiment dvabatch``'s compiled models: a stage run is the compiled
+    stage variants' launches (rows not compiled run in split_rows pieces), and queries
+    go through DVABatch and ZeroBatch on the dispatcher."""
+    from paella.experiments import dvabatch as exp
+    bundle, _ = sliced["resnet152_small"]
+    m = exp.CompiledModel("resnet152", {0: bundle})
+    assert m.n_stages == 4 and m.sizes == list(SIZES)
+    three = m.kernels(1, 3, 0)
+    v2, v1 = (bundle.variants[bundle.stage_variant(1, b)] for b in (2, 1))
+    assert len(three) == len(v2.launches()) + len(v1.launches())
+    assert m.time(1, 3, 0) == pytest.approx(m.time(1, 2, 0) + m.time(1, 1, 0)) and m.time(1, 1, 0) > 0
+    assert m.time(-1, 2, 0) == pytest.approx(sum(m.time(s, 2, 0) for s in range(4)))
+    rec = m.record()
+    assert rec["stages"][1][0] == bundle.variants[0].cuts[0] and rec["source"] == "compiled"
+    for system in ("dvabatch", "zerobatch"):
+        pt = exp.run_point(m, system, rate=2000.0, n=60, seed=1)
+        assert pt["mean_ms"] > 0 and pt["throughput"] > 0
