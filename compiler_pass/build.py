@@ -158,7 +158,7 @@ def relax_pipeline(mod: tvm.IRModule, target: tvm.target.Target,
 def _build_fused_cpu(fused: tvm.IRModule, calls, path: Path) -> None:
     """The llvm build of the unscheduled fused PrimFuncs the plan calls, each exported
     under its name (DLight keeps the names), for the CPU replay of the plan
-    (:mod:`.plan_replay`). Unoptimized: 7x quicker to build (0.4 s against 3 s for the
+    (:meth:`paella.bundle.Bundle.run_stage_cpu`). Unoptimized: 7x quicker to build (0.4 s against 3 s for the
     small ResNet-152-like net), and LLVM's vectorizer sometimes emits IR its own
     verifier rejects ("Instruction does not dominate all uses", a batch-4 conv)."""
     names = {c.primfunc for c in calls}
@@ -261,7 +261,7 @@ def cache_key(model: ModelDef, arch: str, options: InstrumentOptions) -> str:
 
 
 #: Modules that rewrite a compiled bundle after the cache (their own part of the key).
-POST_PASSES = ("streams.py", "stages.py", "stage_variants.py", "plan_replay.py")
+POST_PASSES = ("streams.py", "stages.py", "stage_variants.py")
 
 
 #: The files of a timing-only bundle (``compile_bundle(timing_only=True)``).

@@ -2,7 +2,7 @@
 
 The small U-Net-like and ResNet-152-like networks are compiled for batch sizes 1, 2
 and 4 and cut into stages; each stage variant's plan is replayed on the CPU
-(:mod:`paella.compiler_pass.plan_replay`: the plan's own buffers, copies and storage
+(``Bundle.run_stage_cpu``: the plan's own buffers, copies and storage
 reuse, each fused call run by its llvm build), so what is checked is the cut plans'
 dataflow. Bundles come from the compile cache after the first run (about a minute for
 both models the first time, seconds after).
@@ -19,7 +19,6 @@ import pytest
 from paella.bundle import (BufferSpec, CallSpec, KernelArg, KernelSpec, Op, TensorSpec, Variant,
                            ViewSpec, load_bundle, split_rows)
 from paella.compiler_pass.build import compile_bundle
-from paella.compiler_pass.plan_replay import replay_cpu
 from paella.compiler_pass.stage_variants import allowed_cuts, boundaries, call_times
 from paella.compiler_pass.stages import OpProfile, preferred_batch, slice_stages
 from paella.models import zoo
@@ -49,7 +48,7 @@ def _inputs(bundle, batch, seed=0):
 def _chain(bundle, inputs, batch):
     h = inputs
     for s in range(bundle.n_stages):
-        h = replay_cpu(bundle, h, bundle.stage_variant(s, batch))
+        h = bundle.run_stage_cpu(h, bundle.stage_variant(s, batch))
     return h
 
 
@@ -109,7 +108,7 @@ def test_a_row_range_runs_through_smaller_variants_at_its_offset(sliced, name):
         for off, size in pieces:
             v = bundle.variants[bundle.stage_variant(s, size)]
             ins = {t.name: bufs[t.name][off:off + size].reshape(t.shape) for t in v.inputs}
-            outs = replay_cpu(bundle, ins, bundle.stage_variant(s, size))
+            outs = bundle.run_stage_cpu(ins, bundle.stage_variant(s, size))
             for t in v.outputs:
                 bufs.setdefault(t.name, np.zeros((cap, t.nbytes // size // np.dtype(t.dtype).itemsize), t.dtype))
                 bufs[t.name][off:off + size] = outs[t.name].reshape(size, -1)
@@ -242,3 +241,19 @@ def test_a_timing_only_bundle_has_kernels_and_plan_but_no_weights(tmp_path):
     assert not (tmp_path / "t" / "params.npz").exists() and b.variants[0].launches()
     with pytest.raises(BundleError, match="no 'params' file"):
         b.params()
+
+
+def test_a_manifest_without_the_stage_fields_still_loads(sliced):
+    """Bundles from before stages (no calls, stage, cuts, stage_seconds) load as
+    whole-model variants."""
+    import json
+
+    from paella.bundle import manifest_from_dict
+    bundle, _ = sliced["unet_small"]
+    d = json.loads((bundle.path / "manifest.json").read_text())
+    for v in d["variants"]:
+        for key in ("calls", "stage", "cuts", "stage_seconds"):
+            del v[key]
+    m = manifest_from_dict(d)
+    assert all(v.stage == -1 and v.calls == [] and v.cuts == [] and v.stage_seconds == 0.0
+               for v in m.variants)
