@@ -89,6 +89,9 @@ class Request:
     seq_len: int = 0
     layout: Any = None
     priority: int = 0
+    #: Streaming (a scheduler's partial results): ``(req, n)`` says n outputs are valid
+    #: in ``io`` so far; set by the front end for requests that asked to stream.
+    on_progress: Callable[["Request", int], None] | None = None
 
 
 @dataclass(eq=False)

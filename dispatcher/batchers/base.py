@@ -34,11 +34,21 @@ The rows a batch leaves empty are padding, counted in the stage's stats.
 
 Plug-ins register under the entry-point group ``paella.batchers`` (see
 :mod:`.registry`); their options are the keyword parameters of ``__init__``.
+
+**Schedulers** (:class:`SchedulerBatcher`) are the second kind of plug-in: a step
+scheduler (Orca, BatchMaker) or DVABatch does not hand the stage whole batches; it
+*drives its own jobs*. It gets a narrow :class:`SchedulerContext` at ``start(ctx)`` and,
+through it only, registers internal dispatcher models (iteration buckets, stage
+variants), allocates device memory, submits jobs on io buffers it owns, streams partial
+results (``ctx.progress``) and completes each request when it decides
+(``ctx.complete``). The stage keeps the ledger of the requests it handed over, so a
+scheduler that raises or misbehaves can neither lose a request nor answer one twice
+(:mod:`.stage`, docs/batching.md "Schedulers").
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any, Callable, ClassVar, Protocol
 
 
 class BatcherError(ValueError):
@@ -130,6 +140,9 @@ class Batcher:
     #: Whether it plans with each variant's profiled time (``VariantSpec.cost_s``): the
     #: daemon then builds it once the variants are registered and profiled.
     needs_costs: ClassVar[bool] = False
+    #: A scheduler (:class:`SchedulerBatcher`): it submits its own jobs and completes
+    #: requests itself through a :class:`SchedulerContext`.
+    drives_jobs: ClassVar[bool] = False
 
     def __init__(self, model: ModelVariants, **options: Any):
         if options:
@@ -176,3 +189,116 @@ class Batcher:
             return self.model.fit(r.rows, r.seq_len)
         return self.model.fit(sum(r.rows for r in requests),
                               max(r.seq_len for r in requests))
+
+
+# -- schedulers: batchers that drive their own jobs -----------------------------------------
+class RequestRefused(ValueError):
+    """Raised by :meth:`SchedulerBatcher.add` for a request it will not serve (a token id
+    out of the vocabulary, a prompt too long): the stage answers that request alone with
+    the message (status ``E_OPTIONS``); the scheduler keeps serving."""
+
+
+class SchedulerContext(Protocol):
+    """What the stage gives a :class:`SchedulerBatcher` (``start(ctx)``): the only way it
+    reaches the dispatcher and the clients. Implemented by
+    :class:`paella.dispatcher.batchers.stage.StageContext`; a test may pass its own.
+
+    Every method may be called from any hook and from a job's ``on_done``."""
+
+    #: The client-visible model's name (for messages).
+    name: str
+    #: The bundle's compiled variants as the dispatcher serves them, by index
+    #: (``.spec``: VariantSpec, ``.model_id``: its dispatcher model, ``.layout``: its io
+    #: layout); empty for a model without a bundle (a scheduler that defines its own io).
+    variants: dict[int, Any]
+
+    def now(self) -> float:
+        """The device clock (seconds)."""
+
+    def register_model(self, name: str, adaptor: Any, *, profile_runs: int = 0) -> int:
+        """Register an internal dispatcher model (an iteration, a stage variant): its own
+        launch plan and SRPT profile. Returns its id, for :meth:`submit`."""
+
+    def submit(self, model_id: int, io: Any, clients: "list[int]",
+               on_done: "Callable[[int, str | None], None]") -> None:
+        """Run one job of internal model ``model_id`` on ``io`` (a 1-D uint8 numpy
+        array the scheduler owns; a request's own ``req.io`` is allowed too) on behalf
+        of ``clients`` (client ids, one part each: the policy's fairness and the GPU
+        share see them; a client that leaves cancels its part, and a job whose parts
+        are all cancelled stops). ``on_done(status, error)`` is called once when the job
+        ended: ``OK`` if it ran for any client, else the first part's status."""
+
+    def alloc(self, nbytes: int) -> int:
+        """Device memory (a pointer) owned by this scheduler; freed by :meth:`free`, or
+        by the stage once the scheduler is closed and its jobs are over."""
+
+    def free(self, ptr: int) -> None: ...
+
+    def view(self, ptr: int, nbytes: int) -> Any:
+        """A host numpy view of device memory (the simulated GPU's functional memory;
+        the CUDA backend raises: copy through a job instead)."""
+
+    @property
+    def device_props(self) -> Any:
+        """The device's properties (PCIe bandwidth, peak FLOPs: for cost decisions)."""
+
+    def progress(self, req: Any, n: int) -> bool:
+        """``n`` outputs of ``req`` are valid in its io region so far (streaming): the
+        client is told if it asked to stream and its completion ring has room; counts
+        are cumulative, so one the client misses is covered by the next. False if the
+        stage does not hold ``req`` (already answered, or cancelled)."""
+
+    def complete(self, req: Any, status: int = 0, error: str | None = None) -> bool:
+        """Answer ``req`` (exactly once: a second call is refused and logged; False)."""
+
+    def held(self) -> "list[Any]":
+        """The requests handed to this scheduler and not answered yet."""
+
+
+class SchedulerBatcher(Batcher):
+    """Base class of a batcher that drives its own jobs (see the module docstring).
+
+    Hooks (all optional but ``add``; the stage guards each: one that raises takes the
+    scheduler out of service, every request it held is answered ``E_INTERNAL`` with the
+    reason, and later requests of its model too, until a reload):
+
+    * ``start(ctx)``            once, before any request: register internal models,
+                                allocate device memory (a failure here refuses the model
+                                at load time, with the reason);
+    * ``add(req, now)``         a request arrived; the scheduler owns it until it calls
+                                ``ctx.complete(req, ...)``. Raise :class:`RequestRefused`
+                                to refuse this one request cleanly;
+    * ``poll(now)``             called at ``deadline()`` (and whenever the loop has time);
+    * ``deadline()``            when ``poll`` must run next (None: jobs' ``on_done`` drive it);
+    * ``remove_client(cid)``    the client went away: forget its requests (the stage
+                                answers those still held as cancelled, and cancels the
+                                client's parts of running jobs);
+    * ``close()``               the daemon abandons the model (drain deadline passed, or
+                                the model was replaced and drained): stop submitting. The
+                                stage answers what is still held as cancelled and frees
+                                the device memory once no job of it is running.
+
+    ``standalone = True``: the scheduler defines the model's io itself
+    (:meth:`client_variants`), and a model repository folder needs only a ``config.toml``
+    naming it (no bundle): ``ModelVariants`` then has one placeholder variant.
+    """
+
+    drives_jobs: ClassVar[bool] = True
+    standalone: ClassVar[bool] = False
+
+    def start(self, ctx: SchedulerContext) -> None:
+        self.ctx = ctx
+
+    def add(self, req: Any, now: float) -> None:        # type: ignore[override]
+        raise NotImplementedError("need add")
+
+    def poll(self, now: float) -> None:                  # type: ignore[override]
+        return None
+
+    def close(self) -> None:
+        pass
+
+    def client_variants(self) -> list:
+        """Standalone schedulers: the io layout clients see (``paella.wire.VariantInfo``
+        list, one per variant a request can name)."""
+        raise NotImplementedError(f"scheduler {self.name!r} is not standalone")

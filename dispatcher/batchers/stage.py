@@ -13,6 +13,12 @@ once; a cancelled request inside a running batch is completed as cancelled with 
 batch, without its outputs. A batch whose job *fails* is retried request by request
 (each alone on its smallest variant, once), so one bad request fails alone and the
 others of its batch still get their answers.
+
+Schedulers (:class:`~.base.SchedulerBatcher`: Orca, DVABatch) drive their own jobs
+through a :class:`StageContext`; the stage keeps the ledger of the requests it handed
+them (``ServedModel.waiting``), answers each exactly once (a second answer is refused
+and logged), answers what a failed or closed scheduler still held, and cancels a
+vanished client's requests and its parts of running jobs.
 """
 from __future__ import annotations
 
@@ -24,7 +30,9 @@ import numpy as np
 
 from paella import rings
 
-from .base import Batch, Batcher, BatcherError, ModelVariants, VariantSpec
+from paella.dispatcher.core import Request
+
+from .base import Batch, Batcher, BatcherError, ModelVariants, RequestRefused, VariantSpec
 from .gather import IoLayout, gather, in_place, scatter_one
 
 log = logging.getLogger(__name__)
@@ -51,6 +59,8 @@ class ServedModel:
     #: Requests handed to the batcher and not yet back in a batch (by id()): the stage's
     #: own record, so a batcher that fails or misbehaves cannot lose or repeat one.
     waiting: dict[int, Any] = field(default_factory=dict)
+    #: A scheduler's context (None: a plain batcher, the stage forms the jobs).
+    ctx: "StageContext | None" = None
 
 
 @dataclass(eq=False)
@@ -77,6 +87,8 @@ class BatchStats:
     gathered_bytes: int = 0
     scattered_bytes: int = 0
     retried: int = 0                # requests re-run alone after their batch failed
+    scheduler_jobs: int = 0         # jobs schedulers submitted (iterations, stages)
+    scheduler_failures: int = 0     # schedulers taken out of service (a hook raised)
 
     @property
     def padding_waste(self) -> float:
@@ -87,7 +99,9 @@ class BatchStats:
         return {"batches": self.batches, "requests": self.requests, "rows": self.rows,
                 "padded_rows": self.padded_rows, "padding_waste": round(self.padding_waste, 4),
                 "zero_copy": self.zero_copy, "gathered_bytes": self.gathered_bytes,
-                "scattered_bytes": self.scattered_bytes, "retried": self.retried}
+                "scattered_bytes": self.scattered_bytes, "retried": self.retried,
+                "scheduler_jobs": self.scheduler_jobs,
+                "scheduler_failures": self.scheduler_failures}
 
 
 class BatchingStage:
@@ -98,6 +112,11 @@ class BatchingStage:
         self.models: dict[int, ServedModel] = {}   # by the clients' model id
         self.stats = BatchStats()
         self._queued = 0
+        #: Dispatcher model ids for schedulers' internal models (the daemon hands out
+        #: ids clear of the clients'); default: the next free one.
+        self.new_model_id = lambda: max(disp.models, default=-1) + 1
+        #: Replaced models whose scheduler still holds requests: served to the end.
+        self._retired: list[ServedModel] = []
 
     # -- models ----------------------------------------------------------------------------
     def add_model(self, model_id: int, model: ServedModel) -> None:
@@ -105,8 +124,13 @@ class BatchingStage:
         clients' ``model_id``; a model added again takes new requests, and the old
         batcher's queued requests start at once (flushed)."""
         old = self.models.get(model_id)
+        if model.batcher.drives_jobs and model.ctx is None:
+            model.ctx = StageContext(self, model)
+            model.batcher.start(model.ctx)      # raises: the model is not served
         self.models[model_id] = model
-        if old is not None and old.waiting:
+        if old is not None and old.ctx is not None:
+            old.ctx.retire()                     # its requests finish on it, then it closes
+        elif old is not None and old.waiting:
             self._start(old, self._guarded(old, "flush", old.batcher.flush, self.disp.now))
 
     # -- requests ----------------------------------------------------------------------------
@@ -114,6 +138,8 @@ class BatchingStage:
         m = self.models.get(req.model_id)
         if m is None:
             raise ValueError(f"request {req.req_id}: model id {req.model_id} is not batched here")
+        if m.ctx is not None:
+            return m.ctx.add(req)
         own = m.variants.fit(req.rows, req.seq_len)
         if own is not None and req.layout is None:
             # A whole-variant request: its io region is laid out as that variant's.
@@ -131,17 +157,22 @@ class BatchingStage:
     def step(self) -> bool:
         """The timer hook: poll every batcher whose deadline has come."""
         now = self.disp.now
-        for m in list(self.models.values()):
+        for m in self._served_models():
             if m.waiting:
                 d = self._guarded(m, "deadline", m.batcher.deadline)
                 if d is not None and d <= now:
-                    self._start(m, self._guarded(m, "poll", m.batcher.poll, now))
+                    polled = self._guarded(m, "poll", m.batcher.poll, now)
+                    if m.ctx is None:
+                        self._start(m, polled)
         return self._queued > 0
+
+    def _served_models(self) -> list[ServedModel]:
+        return [*self.models.values(), *self._retired] if self._retired else list(self.models.values())
 
     def deadline(self) -> float | None:
         """The earliest device time a batcher wants :meth:`step` called (None: none)."""
         best = None
-        for m in list(self.models.values()):
+        for m in self._served_models():
             if m.waiting:
                 d = self._guarded(m, "deadline", m.batcher.deadline)
                 if d is not None and (best is None or d < best):
@@ -151,7 +182,7 @@ class BatchingStage:
     def cancel_client(self, client_id: int) -> None:
         """The client went away: its queued requests complete as cancelled now, its
         running ones through the dispatcher (a batch goes on for the other clients)."""
-        for m in list(self.models.values()):
+        for m in self._served_models():
             if any(r.client_id == client_id for r in m.waiting.values()):
                 self._guarded(m, "remove_client", m.batcher.remove_client, client_id)
                 for key, req in list(m.waiting.items()):
@@ -163,11 +194,20 @@ class BatchingStage:
         self.disp.cancel_client(client_id)
 
     def flush(self) -> None:
-        """Start every queued request now (the daemon drains)."""
+        """Start every queued request now (the daemon drains). Schedulers keep theirs:
+        they run them to the end, or :meth:`abandon` closes them."""
         for m in list(self.models.values()):
-            if m.waiting:
+            if m.waiting and m.ctx is None:
                 self._start(m, self._guarded(m, "flush", m.batcher.flush, self.disp.now))
                 self._run_alone(m)           # anything the batcher kept back
+
+    def abandon(self, reason: str, status: int = rings.E_CANCELLED) -> None:
+        """The daemon stops now: every scheduler is closed and what it still holds is
+        answered with ``status`` and ``reason`` (their jobs are the dispatcher's to
+        abandon)."""
+        for m in self._served_models():
+            if m.ctx is not None:
+                m.ctx.shut(reason, status)
 
     @property
     def queued(self) -> int:
@@ -180,6 +220,9 @@ class BatchingStage:
         try:
             return fn(*args)
         except Exception as e:  # noqa: BLE001 - a plug-in may raise anything
+            if m.ctx is not None:
+                m.ctx.fail(hook, e)
+                return None
             failed = m.batcher
             log.error("batcher %r of model %s raised in %s(); the model falls back to the "
                       "identity batcher, its %d queued request(s) run alone", failed.name,
@@ -311,6 +354,191 @@ class BatchingStage:
             req.on_complete(req, status, err)
 
 
+class StageContext:
+    """The :class:`~.base.SchedulerContext` of one model's scheduler: the scheduler's
+    only way to the dispatcher, the device and the clients, and the stage's ledger of
+    what it holds (``model.waiting``, by ``id(req)``)."""
+
+    def __init__(self, stage: BatchingStage, model: ServedModel):
+        self.stage = stage
+        self.model = model
+        self.name = model.name
+        self.variants = model.served
+        self.failed: str | None = None       # why it is out of service
+        self.closed = False
+        self.retired = False                 # replaced by a reload: no new requests
+        self.jobs = 0                        # its jobs in flight
+        self._own_models: set[int] = {sv.model_id for sv in model.served.values()}
+        self._ptrs: set[int] = set()
+        self._part_ids = 0
+
+    # -- the scheduler's side -------------------------------------------------------------
+    def now(self) -> float:
+        return self.stage.disp.now
+
+    def register_model(self, name: str, adaptor: Any, *, profile_runs: int = 0) -> int:
+        disp = self.stage.disp
+        mid = self.stage.new_model_id()
+        disp.register_model(f"{self.name}/{name}", adaptor, profile_runs=profile_runs,
+                            model_id=mid)
+        self._own_models.add(mid)
+        return mid
+
+    def submit(self, model_id: int, io: np.ndarray, clients: list[int],
+               on_done: Any) -> None:
+        if self.closed or self.failed:
+            raise RuntimeError(f"scheduler of {self.name} submitted a job after it was "
+                               f"{'closed' if self.closed else 'taken out of service'}")
+        if model_id not in self._own_models:
+            raise ValueError(f"model id {model_id} is not one this scheduler registered "
+                             f"(or one of its bundle's variants)")
+        if not clients:
+            raise ValueError("a job needs at least one client to run for")
+        state = [len(clients), None, None]        # parts left, first OK, first failure
+        ok = rings.OK
+
+        def part_done(q: Request, status: int, err: str | None) -> None:
+            state[0] -= 1
+            if status == ok:
+                state[1] = True
+            elif state[2] is None:
+                state[2] = (status, err)
+            if state[0]:
+                return
+            self.jobs -= 1
+            if self.closed or self.failed:
+                self._release_if_idle()
+                return
+            st, e = (ok, None) if state[1] or state[2] is None else state[2]
+            self._call("on_done", on_done, st, e)
+            if self.retired:
+                self._close_if_done()
+
+        parts = []
+        for cid in clients:
+            self._part_ids += 1
+            parts.append(Request(self._part_ids, int(cid), model_id, io, on_complete=part_done))
+        self.stage.disp.submit_group(parts, io, model_id=model_id)
+        self.jobs += 1
+        self.stage.stats.scheduler_jobs += 1
+
+    def alloc(self, nbytes: int) -> int:
+        ptr = self.stage.disp.device.alloc(nbytes)
+        self._ptrs.add(ptr)
+        return ptr
+
+    def free(self, ptr: int) -> None:
+        if ptr in self._ptrs:
+            self._ptrs.discard(ptr)
+            self.stage.disp.device.free(ptr)
+
+    def view(self, ptr: int, nbytes: int) -> np.ndarray:
+        mem = getattr(self.stage.disp.device, "memory", None)
+        if mem is None:
+            raise RuntimeError(f"the {self.stage.disp.device.backend} device has no host view "
+                               f"of its memory (the simulated GPU has); copy through a job")
+        return mem.view(ptr, nbytes)
+
+    @property
+    def device_props(self) -> Any:
+        return self.stage.disp.device.props
+
+    def progress(self, req: Any, n: int) -> bool:
+        if id(req) not in self.model.waiting:
+            return False
+        cb = req.on_progress
+        if cb is not None:
+            cb(req, int(n))
+        return True
+
+    def complete(self, req: Any, status: int = rings.OK, error: str | None = None) -> bool:
+        if self.model.waiting.pop(id(req), None) is None:
+            log.error("scheduler %r of %s answered request %s, which it does not hold (answered "
+                      "already, or cancelled); ignored", self.model.batcher.name, self.name,
+                      getattr(req, "req_id", req))
+            return False
+        self.stage._queued -= 1
+        self.stage._complete(req, status, error if status else None)
+        if self.retired:
+            self._close_if_done()
+        return True
+
+    def held(self) -> list[Any]:
+        return list(self.model.waiting.values())
+
+    # -- the stage's side -----------------------------------------------------------------
+    def add(self, req: Any) -> None:
+        """A request for this scheduler: into the ledger, then the plug-in's ``add``."""
+        if self.failed or self.closed:
+            why = self.failed or f"model {self.name} is shutting down"
+            return self.stage._complete(req, rings.E_INTERNAL if self.failed else
+                                        rings.E_CANCELLED, why)
+        self.model.waiting[id(req)] = req
+        self.stage._queued += 1
+        try:
+            self.model.batcher.add(req, self.stage.disp.now)
+        except RequestRefused as e:
+            if id(req) in self.model.waiting:
+                self.complete(req, rings.E_OPTIONS, f"{self.name}: {e}")
+        except Exception as e:  # noqa: BLE001 - a plug-in may raise anything
+            self.fail("add", e)
+
+    def _call(self, hook: str, fn: Any, *args: Any) -> Any:
+        try:
+            return fn(*args)
+        except Exception as e:  # noqa: BLE001 - a plug-in may raise anything
+            self.fail(hook, e)
+            return None
+
+    def fail(self, hook: str, exc: BaseException) -> None:
+        """A hook raised: out of service, everything it holds answered E_INTERNAL."""
+        if self.failed:
+            return
+        name = self.model.batcher.name
+        self.failed = (f"scheduler {name!r} of model {self.name} failed in {hook}(): "
+                       f"{type(exc).__name__}: {exc}; the model is out of service until it is "
+                       f"reloaded (SIGHUP) with a fixed plug-in")
+        self.stage.stats.scheduler_failures += 1
+        log.error("%s (%d request(s) it held answered with the reason)", self.failed,
+                  len(self.model.waiting), exc_info=exc)
+        self.shut(self.failed, rings.E_INTERNAL)
+
+    def shut(self, reason: str, status: int) -> None:
+        """Close the scheduler and answer what it still holds with ``status``."""
+        if not self.closed:
+            self.closed = True
+            try:
+                self.model.batcher.close()
+            except Exception as e:  # noqa: BLE001 - it is going anyway
+                log.error("scheduler %r of %s raised in close(): %s: %s",
+                          self.model.batcher.name, self.name, type(e).__name__, e)
+        for req in list(self.model.waiting.values()):
+            self.complete(req, status, reason)
+        self._release_if_idle()
+
+    def retire(self) -> None:
+        """A reload replaced the model: finish what it holds, then close."""
+        self.retired = True
+        if self.model.waiting or self.jobs:
+            self.stage._retired.append(self.model)
+        else:
+            self._close_if_done()
+
+    def _close_if_done(self) -> None:
+        if not self.model.waiting and not self.jobs and not self.closed:
+            self.shut("", rings.E_CANCELLED)
+        if self.closed and not self.jobs and self.model in self.stage._retired:
+            self.stage._retired.remove(self.model)
+
+    def _release_if_idle(self) -> None:
+        """Device memory goes back once no job of the scheduler can touch it."""
+        if self.jobs == 0 and self._ptrs:
+            for ptr in list(self._ptrs):
+                self.free(ptr)
+        if self.retired:
+            self._close_if_done()
+
+
 def layout_of(inputs: list, outputs: list, io_bytes: int) -> IoLayout:
     """An :class:`IoLayout` from a bundle variant's TensorSpecs."""
     from paella.shapes import Slot
@@ -319,4 +547,4 @@ def layout_of(inputs: list, outputs: list, io_bytes: int) -> IoLayout:
 
 
 __all__ = ["BatchStats", "BatchingStage", "BatcherError", "ServedModel", "ServedVariant",
-           "layout_of"]
+           "StageContext", "layout_of"]

@@ -156,6 +156,12 @@ class DispatcherExecutor:
         self._next_event = getattr(device, "next_event_time", None)
         self.stage = BatchingStage(self.disp)
         self._next_vid = self.VARIANT_IDS
+        self.stage.new_model_id = self._new_vid      # schedulers' internal models
+
+    def _new_vid(self) -> int:
+        vid = self._next_vid
+        self._next_vid += 1
+        return vid
 
     def register(self, model_id: int, name: str, adaptor) -> None:
         """Serve ``adaptor`` as ``model_id`` unbatched (the client-visible id: requests
@@ -173,8 +179,7 @@ class DispatcherExecutor:
         with their costs, e.g. ``turbo-dp``)."""
         served = {}
         for k, (v, adaptor) in enumerate(zip(bundle.variants, adaptors)):
-            vid = self._next_vid
-            self._next_vid += 1
+            vid = self._new_vid()
             self.disp.register_model(f"{label}/{v.name}", adaptor, model_id=vid,
                                      profile_runs=profile_runs)
             # The variant's time as the profiling runs measured it (its kernels alone):
@@ -206,6 +211,7 @@ class DispatcherExecutor:
 
     def abandon_all(self, reason: str, status: int = rings.E_CANCELLED) -> None:
         self.stage.flush()
+        self.stage.abandon(reason, status)           # schedulers: closed, held answered
         self.disp.abandon_all(reason, status)        # a lost device fails them: E_FAILED
 
     def deadline(self) -> float | None:
