@@ -46,7 +46,8 @@ from .plan import PlanResult, build_plan
 
 Progress = Callable[[str], None]
 FILES = {"cuda_source": "kernels.cu", "ptx": "kernels.ptx", "cubin": "kernels.cubin",
-         "params": "params.npz", "cpu_lib": "cpu.so", "cpu_params": "cpu_params.json"}
+         "params": "params.npz", "cpu_lib": "cpu.so", "cpu_params": "cpu_params.json",
+         "fused_tir": "fused_tir.py"}
 #: a __global__ function *definition* (TVM also emits forward declarations ending in ';')
 _GLOBAL_FN = re.compile(r"__global__\s+void\s+(?:__launch_bounds__\([^)]*\)\s+)?(\w+)\s*\([^)]*\)\s*\{")
 
@@ -131,23 +132,36 @@ def cuda_relax_pipeline(target: tvm.target.Target) -> tvm.transform.Pass:
 
 
 def relax_pipeline(mod: tvm.IRModule, target: tvm.target.Target,
-                   progress: Progress) -> tuple[tvm.IRModule, dict[str, float]]:
+                   progress: Progress) -> tuple[tvm.IRModule, dict[str, float], str]:
     """:func:`cuda_relax_pipeline`, plus the FLOPs of each fused PrimFunc taken just
-    before DLight schedules it (see :func:`_flops`)."""
+    before DLight schedules it (see :func:`_flops`), and the module at that point (its
+    fused, unscheduled PrimFuncs as TVMScript: what the CPU replay of a plan calls)."""
     flops: dict[str, float] = {}
+    fused: dict[str, str] = {}
 
     @tvm.instrument.pass_instrument
     class FlopsBeforeSchedule:
         def run_before_pass(self, m, info):
             if "ApplyDefaultSchedule" in info.name and not flops:
                 flops.update(_flops(m, progress))
+                # The PrimFuncs alone, copied now: the pipeline goes on rewriting this module.
+                fused["mod"] = tvm.IRModule({gv: f for gv, f in m.functions.items()
+                                             if isinstance(f, tirx.PrimFunc)}).script()
 
     with target, tvm.transform.PassContext(instruments=[FlopsBeforeSchedule()]):
         lowered = cuda_relax_pipeline(target)(mod)
     if not flops:
         raise CompileError("internal: the Relax pipeline ran no DLight ApplyDefaultSchedule pass "
                            "(TVM version mismatch? paella needs apache-tvm 0.27)")
-    return lowered, flops
+    return lowered, flops, fused["mod"]
+
+
+def _fused_primfuncs(fused: str, calls) -> str:
+    """TVMScript of the unscheduled fused PrimFuncs the plan calls, by name (DLight
+    keeps the names)."""
+    names = {c.primfunc for c in calls}
+    mod = tvm.script.from_source(fused)
+    return tvm.IRModule({gv: f for gv, f in mod.functions.items() if gv.name_hint in names}).script()
 
 
 def lower_gpu(tir_mod: tvm.IRModule, target: tvm.target.Target, options: InstrumentOptions,
@@ -234,13 +248,17 @@ def cache_key(model: ModelDef, arch: str, options: InstrumentOptions) -> str:
                          "group": options.group, "tvm": tvm.__version__}).encode())
     h.update(model.fingerprint().encode())
     pkg = resources.files("paella.compiler_pass")
-    # streams.py is applied after the cache (the cache holds single-stream bundles):
-    # a bundle on other streams has its own key, see _streams_key.
-    for name in sorted(p.name for p in pkg.iterdir() if p.name.endswith(".py") and p.name != "streams.py"):
+    # streams.py and the stage cutting are applied after the cache (the cache holds
+    # single-stream whole-model bundles): such a bundle has its own key, see _post_key.
+    for name in sorted(p.name for p in pkg.iterdir() if p.name.endswith(".py") and p.name not in POST_PASSES):
         h.update(pkg.joinpath(name).read_bytes())
     h.update(pkg.joinpath("include", "paella_notif.cuh").read_bytes())
     h.update(resources.files("paella").joinpath("bundle.py").read_bytes())
     return h.hexdigest()[:24]
+
+
+#: Modules that rewrite a compiled bundle after the cache (their own part of the key).
+POST_PASSES = ("streams.py", "stages.py", "stage_variants.py", "plan_replay.py")
 
 
 def _write_bundle(model: ModelDef, tmp: Path, arch: str, options: InstrumentOptions,
@@ -252,7 +270,7 @@ def _write_bundle(model: ModelDef, tmp: Path, arch: str, options: InstrumentOpti
     _require_static_inputs(model)
     mod = bounded_indexing(model.mod)        # a client's index can never leave a tensor
     step("Relax CUDA pipeline (legalize, fuse, schedule, plan memory)")
-    lowered, flops = relax_pipeline(mod, target, progress)
+    lowered, flops, fused = relax_pipeline(mod, target, progress)
     entry = lowered["main"]
 
     step("TIR lowering" + (f" + instrumentation (group={options.group})" if options.enabled else " (plain)"))
@@ -274,7 +292,8 @@ def _write_bundle(model: ModelDef, tmp: Path, arch: str, options: InstrumentOpti
         raise CompileError(f"the plan launches {len(kernels)} distinct kernels, the source defines "
                            f"{len(globals_)}")
     variant = Variant("default", plan.inputs, plan.outputs, plan.buffers, kernels, plan.plan,
-                      plan.io_bytes, batch=model.batch, seq_len=model.seq_len)
+                      plan.io_bytes, batch=model.batch, seq_len=model.seq_len, calls=plan.calls)
+    (tmp / FILES["fused_tir"]).write_text(_fused_primfuncs(fused, plan.calls))
     check_variant(variant)
 
     step("CPU (llvm) reference build")
@@ -397,12 +416,14 @@ def _install(src: Path, out: Path, copy: bool) -> None:
 def compile_bundle(model: ModelDef | list[ModelDef], out: str | Path, arch: str = "sm_75",
                    options: InstrumentOptions = InstrumentOptions(), progress: Progress = lambda _m: None,
                    cache_dir: str | Path | None = None, force: bool = False,
-                   streams: str = "single") -> Path:
+                   streams: str = "single", stages: int = 0, stage_gpu: str = "t4") -> Path:
     """Build (or fetch from cache) the bundle of ``model`` into directory ``out``. A
     list of models (one model at several batch sizes / length buckets, each with its
     ``batch`` and ``seq_len``) makes one bundle with one variant each, in that order.
     ``streams``: the launch plan's streams (:data:`.streams.MODES`; ``nimble`` assigns
-    them by Nimble's algorithm, :mod:`.streams`, to every variant)."""
+    them by Nimble's algorithm, :mod:`.streams`, to every variant). ``stages``: cut
+    the variants into that many DVABatch stages, profiled on the simulated
+    ``stage_gpu`` (:mod:`.stage_variants`; 0: no cut)."""
     from .streams import MODES
     out = Path(out)
     nvcc.check_arch(arch)
@@ -418,7 +439,7 @@ def compile_bundle(model: ModelDef | list[ModelDef], out: str | Path, arch: str 
                                      for m in models).encode()).hexdigest()[:24]
     else:
         key = cache_key(model, arch, options)
-    out_key = _streams_key(key, streams)
+    out_key = _post_key(key, streams, stages, stage_gpu)
     existing = out / MANIFEST
     if not force and existing.is_file():
         try:
@@ -433,7 +454,7 @@ def compile_bundle(model: ModelDef | list[ModelDef], out: str | Path, arch: str 
         progress(f"cached bundle {key} found in {cache.parent}")
         _install(cache, out, copy=True)
         _name_bundle(out, model.name)
-        _apply_streams(out, streams, out_key, progress)
+        _apply_post(out, streams, stages, stage_gpu, out_key, progress)
         return out
     try:
         tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.build.", dir=out.resolve().parent))
@@ -456,7 +477,7 @@ def compile_bundle(model: ModelDef | list[ModelDef], out: str | Path, arch: str 
         shutil.rmtree(tmp, ignore_errors=True)
     progress(f"wrote {out} in {manifest.compile_seconds:.1f}s: {len(manifest.variants[0].kernels)} kernels, "
              f"{len(manifest.variants[0].launches())} launches")
-    _apply_streams(out, streams, out_key, progress)
+    _apply_post(out, streams, stages, stage_gpu, out_key, progress)
     return out
 
 
@@ -471,16 +492,36 @@ def _name_bundle(out: Path, name: str) -> None:
         path.write_text(json.dumps(data, indent=1))
 
 
-def _streams_key(key: str, streams: str) -> str:
-    """The cache key of a bundle on ``streams``: the single-stream key, plus the mode and
-    a hash of the pass that assigned them."""
-    if streams == "single":
+def _post_key(key: str, streams: str, stages: int = 0, stage_gpu: str = "t4") -> str:
+    """The cache key of a bundle cut into ``stages`` and on ``streams``: the
+    single-stream whole-model key, plus the options and a hash of the passes applied."""
+    if streams == "single" and not stages:
         return key
-    src = resources.files("paella.compiler_pass").joinpath("streams.py").read_bytes()
-    return f"{key}-{streams}-{hashlib.sha256(src).hexdigest()[:8]}"
+    pkg = resources.files("paella.compiler_pass")
+    src = b"".join(pkg.joinpath(p).read_bytes() for p in POST_PASSES)
+    tag = (f"-stages{stages}-{stage_gpu}" if stages else "") + (f"-{streams}" if streams != "single" else "")
+    return f"{key}{tag}-{hashlib.sha256(src).hexdigest()[:8]}"
 
 
-def _apply_streams(out: Path, streams: str, out_key: str, progress: Progress) -> None:
+def _apply_post(out: Path, streams: str, stages: int, stage_gpu: str, out_key: str,
+                progress: Progress) -> None:
+    """The passes after the cache: cut into stages, then assign streams; the result
+    carries ``out_key``."""
+    if stages:
+        from .stage_variants import StageError, slice_bundle
+        try:
+            slice_bundle(out, stages, stage_gpu, progress)
+        except StageError as e:
+            raise CompileError(str(e)) from None
+    _apply_streams(out, streams, progress)
+    if streams != "single" or stages:
+        mpath = out / MANIFEST
+        data = json.loads(mpath.read_text())
+        data["cache_key"] = out_key
+        mpath.write_text(json.dumps(data, indent=1))
+
+
+def _apply_streams(out: Path, streams: str, progress: Progress) -> None:
     """Rewrite the single-stream bundle at ``out`` onto ``streams`` (every variant)."""
     if streams == "single":
         return
@@ -492,7 +533,6 @@ def _apply_streams(out: Path, streams: str, out_key: str, progress: Progress) ->
         check_variant(manifest.variants[i])
         progress(f"{streams} streams ({v.name}): {a.n_streams} streams, {len(a.syncs)} "
                  f"synchronizations (|E'| = {len(a.meg)}, |M| = {len(a.matched)})")
-    manifest.cache_key = out_key
     mpath.write_text(json.dumps(manifest.to_dict(), indent=1))
 
 

@@ -35,6 +35,12 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="the launch plan's streams: single (default: one stream, plan order) or "
                         "nimble (independent branches on their own streams, ordered by events; "
                         "docs/nimble.md)")
+    p.add_argument("--stages", default=None, metavar="N",
+                   help="cut the compiled model into N DVABatch stages (after fusion: between fused "
+                        "operators, where the preferred batch size changes, then balanced in "
+                        "simulated time); one variant per stage and batch size (docs/dvabatch.md)")
+    p.add_argument("--stage-gpu", default="t4", metavar="PRESET",
+                   help="the simulated GPU preset --stages profiles the kernels on (default t4)")
     p.add_argument("--list", action="store_true", help="list the zoo's model names and exit")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress lines")
     p.set_defaults(func=_compile)
@@ -69,6 +75,27 @@ def _load_model(spec: str, batch_sizes=None, seq_lens=None):
     return [load(b, s) for s in (seq_lens or (None,)) for b in (batch_sizes or (None,))]
 
 
+def _stages(args: argparse.Namespace) -> int:
+    """``--stages``, checked here (not by argparse) so that a bad value is a
+    ``paella: error:`` naming the fix."""
+    from paella.cli import CLIError
+    from paella.gpus import PRESETS
+    if args.stages is None:
+        return 0
+    try:
+        n = int(args.stages)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise CLIError(f"--stages {args.stages!r}: give the number of stages as a positive integer "
+                       f"(e.g. --stages 4)")
+    if args.zoo:
+        raise CLIError("--stages cuts one model: give MODEL instead of --zoo")
+    if args.stage_gpu not in PRESETS:
+        raise CLIError(f"--stage-gpu {args.stage_gpu!r} is not a GPU preset; use one of {', '.join(PRESETS)}")
+    return n
+
+
 def _compile(args: argparse.Namespace) -> int:
     from paella.cli import CLIError
     from paella.models import zoo
@@ -89,6 +116,7 @@ def _compile(args: argparse.Namespace) -> int:
     if not args.out:
         raise CLIError("give the output directory with -o DIR (e.g. -o bundles/"
                        f"{args.model or 'zoo'})")
+    stages = _stages(args)
     names = zoo.TABLE2 if args.zoo else [args.model]
     rows = []
     for name in names:
@@ -100,7 +128,8 @@ def _compile(args: argparse.Namespace) -> int:
         try:
             model = _load_model(name, args.batch_sizes, args.seq_lens)
             compile_bundle(model, out, arch=args.arch, options=options, progress=progress,
-                           cache_dir=args.cache_dir, force=args.force, streams=args.streams)
+                           cache_dir=args.cache_dir, force=args.force, streams=args.streams,
+                           stages=stages, stage_gpu=args.stage_gpu)
         except (CompileError, ModelSourceError, zoo.UnknownModel, ValueError) as e:
             raise CLIError(str(e)) from None
         manifest = json.loads((out / "manifest.json").read_text())

@@ -24,7 +24,7 @@ import tvm
 from tvm import relax
 from tvm.ir.expr import Constant, StringImm
 
-from paella.bundle import IO_ALIGN, BufferSpec, KernelArg, Op, TensorSpec
+from paella.bundle import IO_ALIGN, BufferSpec, CallSpec, KernelArg, Op, TensorSpec, ViewSpec
 
 from .kernels import HostPlan, PlanError
 
@@ -35,18 +35,8 @@ _IGNORED_OPS = {"relax.vm.kill_object", "relax.null_value", "relax.memory.kill_s
 _VIEW_PACKED = {"vm.builtin.reshape"}
 
 
-@dataclass(frozen=True)
-class View:
-    """A tensor as the plan sees it: bytes at ``offset`` in device buffer ``buffer``."""
-
-    buffer: int
-    offset: int
-    shape: tuple[int, ...]
-    dtype: str
-
-    @property
-    def nbytes(self) -> int:
-        return int(np.prod(self.shape, dtype=np.int64)) * np.dtype(self.dtype).itemsize
+#: A tensor as the plan sees it: bytes at ``offset`` in device buffer ``buffer``.
+View = ViewSpec
 
 
 @dataclass
@@ -71,6 +61,7 @@ class PlanResult:
     launches: list[Launch]
     plan: list[Op]
     io_bytes: int
+    calls: list[CallSpec]
 
 
 def _align(n: int) -> int:
@@ -116,6 +107,7 @@ class _Planner:
         self.params: dict[str, np.ndarray] = {}
         self.launches: list[Launch] = []
         self.ops: list[Op] = []
+        self.calls: list[CallSpec] = []
         self._param_names = param_names
         self._param_values = params
         self._consts = 0
@@ -187,6 +179,7 @@ class _Planner:
         for var, nbytes in hp.workspaces:
             bid = self.buffer(f"{fname}.{var.name}", nbytes, "workspace")
             binding[var] = View(bid, 0, (nbytes,), "uint8")
+        first = len(self.launches)
         for hl in hp.launches:
             kargs, kviews = [], []
             for a in hl.args:
@@ -202,6 +195,9 @@ class _Planner:
             self.launches.append(Launch(fname, hl.kernel, hl.grid, hl.block, hl.dyn_smem, kargs, kviews))
             self.ops.append(Op("launch", kernel=hl.kernel, grid=list(hl.grid), block=list(hl.block),
                                dyn_smem=hl.dyn_smem, args=kargs))
+        self.calls.append(CallSpec(fname, [first, len(self.launches)],
+                                   [ViewSpec(v.buffer, v.offset, list(v.shape), v.dtype)
+                                    if isinstance(v, View) else None for v in views]))
 
 
 def build_plan(func: relax.Function, host_plans: dict[str, HostPlan], params: list[np.ndarray]) -> PlanResult:
@@ -246,4 +242,5 @@ def build_plan(func: relax.Function, host_plans: dict[str, HostPlan], params: li
         p.ops.append(Op("d2h", buffer=v.buffer, buffer_offset=v.offset, io_offset=io, nbytes=v.nbytes))
         io = _align(io + v.nbytes)
     last = (inputs + outputs)[-1]
-    return PlanResult(inputs, outputs, p.buffers, p.params, p.launches, p.ops, last.offset + last.nbytes)
+    return PlanResult(inputs, outputs, p.buffers, p.params, p.launches, p.ops, last.offset + last.nbytes,
+                      p.calls)

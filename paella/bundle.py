@@ -136,13 +136,59 @@ class Op:
 
 
 @dataclass
+class ViewSpec:
+    """A tensor as a kernel call sees it: ``shape`` ``dtype`` at byte ``offset`` of
+    device buffer ``buffer`` (a TVM storage may hold several over time)."""
+
+    buffer: int
+    offset: int
+    shape: list[int]
+    dtype: str
+
+    @property
+    def nbytes(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64)) * np.dtype(self.dtype).itemsize
+
+
+@dataclass
+class CallSpec:
+    """One call of a fused PrimFunc in the plan: its launches are plan launches
+    ``launches[0]`` .. ``launches[1] - 1`` (counting launch steps only), its arguments
+    the tensors it was called with (``None``: not a tensor). The unit DVABatch slicing
+    cuts between (:mod:`paella.compiler_pass.stage_variants`); the CPU replay of a plan
+    calls the PrimFunc itself (``fused_tir`` file)."""
+
+    primfunc: str
+    launches: list[int]
+    args: list[ViewSpec | None]
+
+    def to_dict(self) -> dict:
+        return {"primfunc": self.primfunc, "launches": list(self.launches),
+                "args": [asdict(a) if a is not None else None for a in self.args]}
+
+    @staticmethod
+    def from_dict(d: dict) -> "CallSpec":
+        return CallSpec(d["primfunc"], [int(x) for x in d["launches"]],
+                        [ViewSpec(**a) if a is not None else None for a in d["args"]])
+
+
+@dataclass
 class Variant:
     """One compiled shape of the model. ``batch``: its batch size (rows on axis 0 of
     every input and output; 0 in bundles compiled without ``--batch-sizes``: then the
     first input's axis 0); ``seq_len``: its length bucket (axis 1 of the tensors that
     have one; 0: the model has no length axis). ``files``: this variant's own files
     (kernels, params, CPU build), keyed like the manifest's; missing keys fall back to
-    the manifest's (variant 0 uses those)."""
+    the manifest's (variant 0 uses those).
+
+    DVABatch stages (``paella compile --stages N``, docs/dvabatch.md "Compiled stages"):
+    ``stage`` is this variant's stage (-1: the whole model), ``cuts`` the call indices
+    (into the whole model's ``calls``) where the model was cut, the same for every
+    variant of the bundle, and ``stage_seconds`` this stage's profiled time at this
+    batch size on the simulated GPU it was sliced for. A stage variant's io holds its
+    boundary-in tensors, then its boundary-out tensors, each batch-major (axis 0 is
+    ``batch`` x a constant), so rows ``k..k+n`` of a batch are bytes
+    ``k*row .. (k+n)*row`` of each (see :func:`split_rows`)."""
     name: str
     inputs: list[TensorSpec]
     outputs: list[TensorSpec]
@@ -153,6 +199,10 @@ class Variant:
     batch: int = 0
     seq_len: int = 0
     files: dict[str, str] = field(default_factory=dict)
+    calls: list[CallSpec] = field(default_factory=list)
+    stage: int = -1
+    cuts: list[int] = field(default_factory=list)
+    stage_seconds: float = 0.0
 
     @property
     def rows(self) -> int:
@@ -176,7 +226,9 @@ class Variant:
                 "seq_len": self.seq_len, "files": dict(self.files),
                 "inputs": [asdict(t) for t in self.inputs], "outputs": [asdict(t) for t in self.outputs],
                 "buffers": [asdict(b) for b in self.buffers], "kernels": [asdict(k) for k in self.kernels],
-                "plan": [op.to_dict() for op in self.plan]}
+                "plan": [op.to_dict() for op in self.plan],
+                "calls": [c.to_dict() for c in self.calls], "stage": self.stage,
+                "cuts": list(self.cuts), "stage_seconds": self.stage_seconds}
 
 
 @dataclass
@@ -224,7 +276,10 @@ def _variant_from_dict(d: dict) -> Variant:
                    kernels=[KernelSpec(**k) for k in _require(d, "kernels", where)],
                    plan=plan, io_bytes=int(_require(d, "io_bytes", where)),
                    batch=int(d.get("batch", 0)), seq_len=int(d.get("seq_len", 0)),
-                   files=dict(d.get("files", {})))
+                   files=dict(d.get("files", {})),
+                   calls=[CallSpec.from_dict(c) for c in d.get("calls", [])],
+                   stage=int(d.get("stage", -1)), cuts=[int(c) for c in d.get("cuts", [])],
+                   stage_seconds=float(d.get("stage_seconds", 0.0)))
 
 
 def manifest_from_dict(d: dict) -> Manifest:
@@ -407,10 +462,25 @@ class Bundle:
 
     def run_cpu(self, inputs: dict[str, np.ndarray], variant: int = 0) -> dict[str, np.ndarray]:
         """Reference outputs from the CPU (llvm) build of the same model (``variant``'s)."""
+        v = self.variants[variant]
+        if v.stage >= 0:
+            raise BundleError(f"variant {v.name!r} is stage {v.stage} of a sliced model and has no "
+                              f"CPU build of its own: take the whole model's reference with "
+                              f"run_cpu_model(inputs, batch={v.rows})")
+        return self._cpu(variant, [_checked_input(t, inputs) for t in v.inputs], v.outputs)
+
+    def run_cpu_model(self, inputs: dict[str, np.ndarray], batch: int) -> dict[str, np.ndarray]:
+        """The whole model's reference outputs at ``batch`` rows, in a bundle of stage
+        variants (``paella compile --stages``): stage 0's inputs in, the last stage's
+        outputs out, from the CPU build of the whole model the stages were cut from."""
+        first = self.stage_variant(0, batch)
+        last = self.stage_variant(self.n_stages - 1, batch)
+        arrays = [_checked_input(t, inputs) for t in self.variants[first].inputs]
+        return self._cpu(first, arrays, self.variants[last].outputs)
+
+    def _cpu(self, variant: int, arrays: list[np.ndarray], outputs: list[TensorSpec]) -> dict[str, np.ndarray]:
         import tvm
         from tvm import relax
-        v = self.variants[variant]
-        arrays = [_checked_input(t, inputs) for t in v.inputs]
         lib_path = str(self.file("cpu_lib", variant))
         vm = self._vm.get(lib_path)
         if vm is None:
@@ -422,9 +492,49 @@ class Bundle:
         args = [tvm.runtime.tensor(a, dev) for a in arrays] + [tvm.runtime.tensor(p[n], dev) for n in order]
         out = vm["main"](*args)
         outs = list(out) if not hasattr(out, "numpy") else [out]
-        if len(outs) != len(v.outputs):
-            raise BundleError(f"CPU build returned {len(outs)} outputs, manifest lists {len(v.outputs)}")
-        return {t.name: o.numpy() for t, o in zip(v.outputs, outs)}
+        if len(outs) != len(outputs):
+            raise BundleError(f"CPU build returned {len(outs)} outputs, manifest lists {len(outputs)}")
+        return {t.name: o.numpy() for t, o in zip(outputs, outs)}
+
+    # DVABatch stages (paella compile --stages)
+    @property
+    def n_stages(self) -> int:
+        """How many stages the model was cut into (0: a bundle of whole-model variants)."""
+        return max((v.stage + 1 for v in self.variants), default=0)
+
+    def stage_variant(self, stage: int, batch: int) -> int:
+        """The index of the variant of ``stage`` compiled for ``batch`` rows."""
+        for i, v in enumerate(self.variants):
+            if v.stage == stage and v.rows == batch:
+                return i
+        sizes = sorted({v.rows for v in self.variants if v.stage == stage})
+        raise BundleError(f"bundle {self.path} has no variant of stage {stage} for batch {batch} "
+                          f"(stages: {self.n_stages}, batch sizes: {sizes}); run the rows in pieces "
+                          f"(split_rows) or compile it with that batch size")
+
+
+def split_rows(start: int, num: int, sizes: list[int] | tuple[int, ...]) -> list[tuple[int, int]]:
+    """How a stage runs rows ``start .. start+num-1`` of a batch with the compiled batch
+    sizes ``sizes``: ``[(row offset, variant batch size), ...]``, covering the rows
+    exactly once, in order, with no padding. Greedy: the largest compiled size that fits
+    the rows still to run, so with the powers of two it is ``num``'s binary
+    decomposition (at most log2(64) + 1 = 7 runs) and with every size 1..64 one run.
+    Rows are independent in these models, so each piece gives its rows' outputs; a
+    stage variant's boundary tensors are batch-major, so a piece's bytes are at
+    ``offset * row_bytes`` of each batch buffer."""
+    avail = sorted(set(sizes), reverse=True)
+    if num < 0 or start < 0:
+        raise ValueError(f"rows {start}+{num}: need a non-negative start and count")
+    if num and 1 not in avail:
+        # Greedy is exact whenever 1 is compiled; without it some counts have no cover.
+        raise ValueError(f"compiled batch sizes {sorted(avail)} lack 1: a count of rows such as "
+                         f"{num} may have no exact cover; compile batch size 1 too")
+    out, k, left = [], start, num
+    while left:
+        b = next(b for b in avail if b <= left)
+        out.append((k, b))
+        k, left = k + b, left - b
+    return out
 
 
 def _checked_input(t: TensorSpec, inputs: dict[str, np.ndarray]) -> np.ndarray:
