@@ -385,7 +385,7 @@ class StageContext:
         return mid
 
     def submit(self, model_id: int, io: np.ndarray, clients: list[int],
-               on_done: Any) -> None:
+               on_done: Any, stream: str | None = None) -> None:
         if self.closed or self.failed:
             raise RuntimeError(f"scheduler of {self.name} submitted a job after it was "
                                f"{'closed' if self.closed else 'taken out of service'}")
@@ -418,7 +418,8 @@ class StageContext:
         for cid in clients:
             self._part_ids += 1
             parts.append(Request(self._part_ids, int(cid), model_id, io, on_complete=part_done))
-        self.stage.disp.submit_group(parts, io, model_id=model_id)
+        self.stage.disp.submit_group(parts, io, model_id=model_id,
+                                     stream=None if stream is None else f"{self.name}/{stream}")
         self.jobs += 1
         self.stage.stats.scheduler_jobs += 1
 

@@ -60,6 +60,8 @@ class DvaConfig:
     #: behind other batches holds the stretched batch back as well.
     stretch_idle_only: bool = False
     split: bool = True                        # policy II
+    #: policy II's test: split while T_remain(bs) >= split_factor x T_remain(bs/2)
+    split_factor: float = 2.0
     length_buckets: tuple[int, ...] = ()      # the compiled lengths (empty: no length axis)
     group_lengths: bool = True                # policy I (False: pad a batch to its longest)
     #: stages a query needs (None: all): a query done after fewer stages leaves there
@@ -107,12 +109,13 @@ class DvaPipeline:
     def __init__(self, cfg: DvaConfig, runner: StageRunner,
                  on_exit: Callable[[Any, float], None], clock: Callable[[], float],
                  on_error: Callable[[Any, str], None] | None = None,
-                 on_join: Callable[[Any, int, int], None] | None = None):
+                 on_join: Callable[[Any, int, int, int], None] | None = None):
         """``on_exit(q, now)``: ``q`` left (its rows are in its pair's last boundary
         buffer, or the boundary it left at). ``on_error(q, why)``: a stage run holding
         ``q`` failed (its rows still flow; ``on_exit`` still comes). ``on_join(q, pair,
-        row)``: ``q`` was given row ``row`` of pair ``pair`` (new or stretch) -- where a
-        runner moving real data gathers its inputs."""
+        row, seq_len)``: ``q`` was given row ``row`` of pair ``pair`` in a batch padded to
+        ``seq_len`` (new or stretch) -- where a runner moving real data gathers its
+        inputs."""
         self.cfg, self.runner, self.on_exit, self.clock = cfg, runner, on_exit, clock
         self.on_error, self.on_join = on_error, on_join
         self._run_at = getattr(runner, "run_at", None)
@@ -178,7 +181,7 @@ class DvaPipeline:
         self.table.stretch(row.id, [q], row.seq_len, busy=self.executors[0].current)
         self.pool.load_inputs(row.pair, row.row0 + start, 1)
         if self.on_join is not None:
-            self.on_join(q, row.pair, row.row0 + start)
+            self.on_join(q, row.pair, row.row0 + start, row.seq_len)
         self.stats.stretch += 1
         return True
 
@@ -219,7 +222,7 @@ class DvaPipeline:
             self.pool.load_inputs(pair, row.row0, row.bs)
             if self.on_join is not None:
                 for k, q in enumerate(row.queries):
-                    self.on_join(q, pair, row.row0 + k)
+                    self.on_join(q, pair, row.row0 + k, row.seq_len)
             self.stats.new += 1
             # The rest of the window's queries are due at once (their window closed).
             self._kick(now)
@@ -303,7 +306,8 @@ class DvaPipeline:
             return
         sizes = [row.bs]
         if self.cfg.split:
-            sizes = split_sizes(row.bs, lambda b: self.cfg.t_remain(stage, b, row.seq_len))
+            sizes = split_sizes(row.bs, lambda b: self.cfg.t_remain(stage, b, row.seq_len),
+                                self.cfg.split_factor)
         if len(sizes) == 1:
             self.table.forward(row.id, stage)
             return

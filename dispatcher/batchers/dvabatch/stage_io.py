@@ -185,12 +185,13 @@ def _view(buf: np.ndarray, s: Slot) -> np.ndarray:
 
 
 def gather_request(data: PairData, model: StageModel, req: Any, pair: int, row: int,
-                   seq_len: int) -> None:
+                   seq_len: int) -> int:
     """The request's inputs into row ``row`` of boundary 0 (bucket ``seq_len``); a
     shorter sequence is zero-padded (axis 1). ``req.layout``: its slots, inputs then
-    outputs (the client's request layout)."""
+    outputs (the client's request layout). Returns the bytes copied."""
     v = model.variant(0, 1, seq_len)
     bufs = data.buffers(pair, 0, seq_len)
+    copied = 0
     for t, mine in zip(v.inputs, req.layout[:len(v.inputs)]):
         dst = bufs[t.name][row].view(np.dtype(t.dtype)).reshape(t.shape[1:])
         src = _view(req.io, mine)[0]
@@ -199,6 +200,8 @@ def gather_request(data: PairData, model: StageModel, req: Any, pair: int, row: 
         else:
             dst[...] = 0
             dst[tuple(slice(0, n) for n in src.shape)] = src
+        copied += src.nbytes
+    return copied
 
 
 def scatter_request(data: PairData, model: StageModel, req: Any, pair: int, row: int,
