@@ -79,7 +79,9 @@ class DvaBatcher(SchedulerBatcher):
     """
 
     name = "dvabatch"
-    needs_costs = True            # policy II reads the stage variants' profiled times
+    # Built at load time, so a bad option fails before the bundle is warmed; the stage
+    # variants' profiled times (policy II) are read in start(), after registration.
+    needs_costs = False
 
     def __init__(self, model: ModelVariants, pairs: int = 2, bs_max: int = 0,
                  window_us: float = 0.0, stretch: bool = True, t_comp_wait_us: float = 0.0,
