@@ -1,4 +1,5 @@
-"""The Paella client library: ``connect``, ``predict``, ``read_result``, ``infer``.
+"""The Paella client library: ``connect``, ``predict``, ``read_result``, ``infer``,
+``generate``.
 
 ``paella.client.predict`` and ``paella.client.read_result`` use a default connection
 made on first use (socket from ``$PAELLA_SOCKET``, else ``/run/paella/paella.sock``).
@@ -36,7 +37,13 @@ def read_result(options: int = 0, timeout: float | None = None) -> int:
     return default_client().read_result(options, timeout)
 
 
-__all__ = ["Client", "connect", "default_socket", "DEFAULT_SOCKET", "default_client", "predict", "read_result",
+def generate(model: str | int, prompt_ids, max_tokens: int, timeout: float | None = None):
+    """Stream the tokens of one generation on the default connection
+    (:meth:`Client.generate`)."""
+    return default_client().generate(model, prompt_ids, max_tokens, timeout)
+
+
+__all__ = ["Client", "generate", "connect", "default_socket", "DEFAULT_SOCKET", "default_client", "predict", "read_result",
            "NONBLOCK", "PaellaError", "DaemonUnavailable", "DaemonGone", "DaemonError",
            "UnknownModel", "NothingInFlight", "RingFull", "ArenaFull", "RequestFailed",
            "ResultTimeout"]

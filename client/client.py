@@ -36,7 +36,7 @@ import select
 import socket
 import threading
 import time
-from typing import Mapping
+from typing import Iterator, Mapping
 
 import numpy as np
 
@@ -118,6 +118,8 @@ class Client:
         self._completed = 0       # under _recv_lock
         self._notified = 0        # WAKE/DONE frames received, under _recv_lock
         self._stash: dict[int, tuple[int, str]] = {}   # read by wait(), not yet returned
+        #: Streaming requests: req id -> outputs valid so far (the last progress entry).
+        self._progress: dict[int, int] = {}
         #: Requests whose ``infer`` timed out: req id -> io offset, freed (and the result
         #: dropped) when the completion arrives; the daemon may write the region till then.
         self._orphans: dict[int, int] = {}
@@ -341,20 +343,15 @@ class Client:
 
     def _pop_completion(self, nonblock: bool, deadline: float | None
                         ) -> tuple[int, int, str] | None:
-        pop = self._completions.pop
+        pop = self._pop_entry
         spins = 0
         while True:
             got = pop()
             if got is not None:
-                self._completed += 1
                 return got
             if nonblock:
                 self._pump(block=False)   # consume wake-ups, notice a dead daemon
-                got = pop()
-                if got is not None:
-                    self._completed += 1
-                    return got
-                return None
+                return pop()
             if self._submitted == self._completed:
                 raise NothingInFlight("read_result: no request is in flight")
             if self.mode == "polling" or self._notified > self._completed:
@@ -364,6 +361,45 @@ class Client:
                     _check(deadline, self)
             else:
                 # hybrid/socket: sleep until the daemon speaks (or the deadline)
+                self._pump(block=True, timeout=_remaining(deadline, self))
+
+    def _pop_entry(self) -> tuple[int, int, str] | None:
+        """The next completion on the ring; progress entries on the way are recorded in
+        ``_progress`` (the latest count per request) and skipped."""
+        pop = self._completions.pop
+        while True:
+            got = pop()
+            if got is None:
+                return None
+            if got[1] != rings.PROGRESS:
+                self._completed += 1
+                return got      # type: ignore[return-value]
+            if got[0] not in self._orphans:
+                self._progress[got[0]] = max(self._progress.get(got[0], 0), got[2])  # type: ignore[arg-type]
+
+    def _wait_stream(self, req_id: int, seen: int, deadline: float | None
+                     ) -> tuple[int, int, str] | None:
+        """Wait until streaming request ``req_id`` has more than ``seen`` outputs (None)
+        or its completion arrived (its (req_id, status, reason)). Caller holds _recv_lock."""
+        spins = 0
+        while True:
+            if req_id in self._stash:
+                return (req_id, *self._stash.pop(req_id))
+            if self._progress.get(req_id, 0) > seen:
+                return None
+            got = self._pop_entry()
+            if got is not None:
+                if got[0] in self._orphans:
+                    self._alloc.free(self._orphans.pop(got[0]))
+                else:
+                    self._stash[got[0]] = got[1:]   # type: ignore[assignment]
+                continue
+            if self.mode == "polling" or self._notified > self._completed:
+                spins += 1
+                if spins % _SPINS_PER_CHECK == 0:
+                    self._pump(block=False)
+                    _check(deadline, self)
+            else:   # hybrid/socket: a PROGRESS, WAKE or DONE frame follows each entry
                 self._pump(block=True, timeout=_remaining(deadline, self))
 
     def _pump(self, block: bool, timeout: float | None = None) -> None:
@@ -390,6 +426,8 @@ class Client:
         for kind, msg in frames:
             if kind in (wire.WAKE, wire.DONE):
                 self._notified += 1
+            elif kind == wire.PROGRESS:
+                pass        # waking up was the point: the entry is on the ring
             elif kind == wire.ERROR:
                 self._replies.append((kind, msg))
             elif kind in (wire.MODELS, wire.STATUS_REPLY):
@@ -511,6 +549,73 @@ class Client:
         finally:
             if not orphaned:
                 self._alloc.free(off)
+
+    def generate(self, model: str | int, prompt_ids, max_tokens: int,
+                 timeout: float | None = None) -> Iterator[int]:
+        """Generate up to ``max_tokens`` tokens after ``prompt_ids`` with a generative
+        model (one served by a streaming scheduler such as ``orca``): yields each token
+        id as the iteration that made it completes, over the rings (progress entries).
+
+        The model's io (``paella.stepsched.orca_batcher``): inputs ``prompt`` (int32,
+        its capacity) and ``lengths`` (int32 [prompt length, max_tokens]); outputs
+        ``tokens`` and ``n_tokens``. The daemon checks the ids, the lengths and the KV
+        cache and answers a bad request with :class:`RequestFailed` (its reason) before
+        any token. ``timeout`` (seconds, the whole generation; default no limit) raises
+        :class:`ResultTimeout`; as with :meth:`infer`, the request's region then stays
+        reserved until its completion arrives, and so it does if the caller stops
+        iterating early (the generation runs to its end in the daemon)."""
+        m = self.model(model)
+        v = m.variants[0]
+        ins = {t.name: t for t in v.inputs}
+        outs = {t.name: t for t in v.outputs}
+        if set(ins) != {"prompt", "lengths"} or set(outs) != {"tokens", "n_tokens"}:
+            raise ValueError(f"{m.name} is not a generative model (its inputs are "
+                             f"{sorted(ins)}, a generative model's are ['lengths', 'prompt'])")
+        prompt = np.asarray(prompt_ids)
+        if prompt.ndim != 1 or (prompt.size and prompt.dtype.kind not in "iu"):
+            raise ValueError(f"prompt_ids must be a 1-D sequence of token ids, got "
+                             f"{prompt.dtype} of shape {prompt.shape}")
+        cap = ins["prompt"].shape[0]
+        if prompt.size > cap:
+            raise ValueError(f"the prompt has {prompt.size} tokens; {m.name} takes at most {cap}")
+        if type(max_tokens) is not int or not 0 <= max_tokens < 2 ** 31:
+            raise ValueError(f"max_tokens must be an int in 0..2**31-1, got {max_tokens!r}")
+        i32 = np.iinfo(np.int32)
+        if prompt.size and (prompt.min() < i32.min or prompt.max() > i32.max):
+            raise ValueError("token ids must fit in int32")
+        deadline = _deadline(timeout)
+        off = self._alloc.alloc(v.io_bytes)
+        done = False
+        req_id = None
+        try:
+            views_in, views_out = self.io_views(m.model_id, off)
+            views_in["prompt"][:prompt.size] = prompt
+            views_in["prompt"][prompt.size:] = 0
+            views_in["lengths"][:] = (prompt.size, max_tokens)
+            views_out["n_tokens"][:] = 0
+            req_id = self.predict(m.model_id, v.io_bytes, off, wire.STREAM)
+            tokens, seen = views_out["tokens"], 0
+            while True:
+                with self._recv_lock:
+                    end = self._wait_stream(req_id, seen, deadline)
+                    n = self._progress.get(req_id, seen) if end is None else None
+                if end is not None:
+                    done = True
+                    self._progress.pop(req_id, None)
+                    self._result(*end)
+                    n = int(views_out["n_tokens"][0])
+                for t in tokens[seen:min(n, tokens.size)].tolist():
+                    yield t
+                seen = max(seen, min(n, tokens.size))
+                if end is not None:
+                    return
+        finally:
+            if done or req_id is None:
+                self._alloc.free(off)
+            else:       # in flight still (a timeout, or the caller stopped iterating)
+                with self._recv_lock:
+                    self._progress.pop(req_id, None)
+                    self._orphans[req_id] = off
 
     @property
     def in_flight(self) -> int:

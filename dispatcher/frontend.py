@@ -279,7 +279,7 @@ class Frontend:
         self.stats = {"accepted": 0, "refused": 0, "lost": 0, "requests": 0, "rejected": 0,
                       "bad_messages": 0, "handshake_timeouts": 0, "rejections_not_logged": 0,
                       "messages_not_logged": 0, "refusals_not_logged": 0,
-                      "sessions_not_logged": 0}
+                      "sessions_not_logged": 0, "progress": 0, "progress_skipped": 0}
 
     # -- socket setup --------------------------------------------------------------
     def listen(self) -> None:
@@ -717,10 +717,12 @@ class Frontend:
             return self._reject(c, req_id, rings.E_DUPLICATE,
                                 f"request id {req_id} is already in flight")
         c.inflight[req_id] = False
-        self.executor.submit(Request(req_id, c.cid, model_id,      # type: ignore[union-attr]
-                                     c.seg.arena[off:off + ln],    # type: ignore[union-attr]
-                                     variant, self._woken, self._completed, rows=rows,
-                                     seq_len=seq_len, layout=slots))
+        req = Request(req_id, c.cid, model_id, c.seg.arena[off:off + ln],  # type: ignore[union-attr]
+                      variant, self._woken, self._completed, rows=rows, seq_len=seq_len,
+                      layout=slots)
+        if options & wire.STREAM and shape is None:
+            req.on_progress = self._progressed
+        self.executor.submit(req)   # type: ignore[union-attr]
 
     def _reject(self, c: ClientConn, req_id: int, status: int, reason: str) -> None:
         self.stats["rejected"] += 1
@@ -739,6 +741,28 @@ class Frontend:
     def _completed(self, req: Request, status: int, error: str | None) -> None:
         req.io = None        # its job may outlive it in a policy's state; the client's memory may not
         self.complete(req.client_id, req.req_id, status, error)
+
+    def _progressed(self, req: Request, n: int) -> None:
+        """A streaming request has ``n`` outputs valid so far: a progress entry on its
+        client's completion ring, only into a slot beyond the ones reserved for the
+        completions of the requests in flight. None free (the client does not read its
+        ring): skipped and counted; the next progress or the completion covers it."""
+        c = self.clients.get(req.client_id)
+        if c is None or not c.alive or req.req_id not in c.inflight:
+            return
+        cmps = c.cmps
+        try:
+            free = self.cfg.layout.cmp_slots - cmps.unread() - len(c.inflight)  # type: ignore[union-attr]
+            if free <= 0:
+                self.stats["progress_skipped"] += 1
+                return
+            cmps.push_progress(req.req_id, n)   # type: ignore[union-attr]
+        except rings.RingCorrupt as e:
+            self._ring_corrupt(c, e)
+            return
+        self.stats["progress"] += 1
+        if c.mode != "polling":
+            self.send(c, wire.encode_id(wire.PROGRESS, req.req_id))
 
     def almost_finished(self, client_id: int, req_id: int) -> None:
         """The job's last operation is about to run: wake a hybrid client."""

@@ -18,9 +18,18 @@ MODULES = ("_tracker", "_pqueue", "_replay", "devices.sim._engine")
 
 def load(name: str) -> ModuleType:
     """``paella.dispatcher.<name>``, or ImportError naming the fix."""
+    full = f"paella.dispatcher.{name}"
     try:
-        return importlib.import_module(f"paella.dispatcher.{name}")
+        return importlib.import_module(full)
     except ImportError as e:
+        missing = getattr(e, "name", None)
+        if missing and not full.startswith(missing) and not missing.startswith(full):
+            # A Python dependency of the package holding the module is absent (a client-only
+            # install has no posix_ipc, greenlet...): that is an install, not a build, problem.
+            raise ImportError(
+                f"paella.dispatcher.{name} needs the Python package {missing!r}, which is not "
+                f"installed; the daemon's dependencies come with the [serve] extra: "
+                f"pip install 'paella-py[serve]' (make install takes every extra)") from e
         raise ImportError(
             f"the dispatcher's compiled module paella.dispatcher.{name} "
             f"(dispatcher/{name.replace('.', '/')}.c) "

@@ -6,6 +6,8 @@ The client API of the paper is available at the top level::
     client = paella.connect()                  # or paella.predict(...) on a default connection
     req = client.predict("resnet18", length, io_offset)
     done = client.read_result()                # or read_result(paella.NONBLOCK) -> -EAGAIN
+    for token in paella.generate("gpt-tiny", [1, 2, 3], max_tokens=8):   # streamed
+        ...
 
 They are loaded on first use, so ``import paella.protocol`` and friends stay light.
 """
@@ -13,7 +15,7 @@ from __future__ import annotations
 
 __version__ = "0.1.0"
 
-_CLIENT_API = {"connect", "predict", "read_result", "NONBLOCK", "Client", "default_client",
+_CLIENT_API = {"connect", "predict", "read_result", "generate", "NONBLOCK", "Client", "default_client",
                "PaellaError", "DaemonUnavailable", "DaemonGone", "DaemonError", "UnknownModel",
                "NothingInFlight", "RingFull", "ArenaFull", "RequestFailed", "ResultTimeout"}
 

@@ -19,6 +19,7 @@ Layout (all integers little-endian, offsets in bytes)::
     384   request ring      req_slots x 4 uint64 {req_id, model_id | options << 32,
                                                   offset, length}
     ...   completion ring   cmp_slots x 2 uint64 {req_id, status | msg_len << 32}
+                                                 (PROGRESS: {req_id, PROGRESS | n << 32})
     ...   completion text   cmp_slots x MSG_BYTES  the daemon's reason for an error
     ...   arena             arena_bytes, 4096-aligned: inputs and outputs live here
 
@@ -35,6 +36,16 @@ setitem then stores through a ``uint64*``: one ``mov``), never byte by byte
 (``struct.pack_into`` copies through ``memcpy``, which may split the word). A reader
 can therefore never see half of an old index and half of a new one; a client whose
 stores tear breaks this contract and is dropped like any other corrupt ring.
+
+**Progress entries** (streaming): for a request sent with ``paella.wire.STREAM``, the
+daemon may push entries of status :data:`PROGRESS` before its completion; the upper
+32 bits carry ``n``, the number of outputs valid in the request's io region so far
+(cumulative, never decreasing). They are not completions: the request's one
+completion still follows. The front end reserves one completion slot per request in
+flight and pushes a progress entry only into a slot beyond those reservations; when
+the ring has none free (a client that does not read), the entry is skipped, and the
+next one -- or the completion -- covers it. So a client that never reads its ring
+can never stall the daemon, and the final answer is never dropped.
 
 The daemon never trusts what a client may write, at any moment, to any byte: it keeps
 its own copy of the layout (:class:`Layout`) and of the indices it owns, reads each
@@ -76,11 +87,12 @@ E_DUPLICATE = 5    # request id already in flight for this client
 E_FAILED = 6       # the job failed while running
 E_CANCELLED = 7    # the daemon cancelled the job (shutdown deadline)
 E_INTERNAL = 8     # a daemon bug; the text says what
+PROGRESS = 9       # not a completion: n outputs valid so far (n in the text-length word)
 
 STATUS_NAMES = {OK: "OK", E_MODEL: "unknown model", E_RANGE: "io region outside the arena",
                 E_LENGTH: "wrong io length", E_OPTIONS: "unknown options",
                 E_DUPLICATE: "duplicate request id", E_FAILED: "job failed",
-                E_CANCELLED: "cancelled", E_INTERNAL: "internal error"}
+                E_CANCELLED: "cancelled", E_INTERNAL: "internal error", PROGRESS: "progress"}
 
 
 class RingCorrupt(RuntimeError):
@@ -225,13 +237,18 @@ class CompletionConsumer(_RingEnd):
     def ready(self) -> bool:
         return int(self.hdr[CMP_TAIL]) != self.head
 
-    def pop(self) -> tuple[int, int, str] | None:
-        """(req_id, status, reason) of the oldest completion, or None when empty."""
+    def pop(self) -> tuple[int, int, str | int] | None:
+        """(req_id, status, reason) of the oldest completion, or None when empty; for a
+        :data:`PROGRESS` entry, (req_id, PROGRESS, n) with n the outputs valid so far."""
         if int(self.hdr[CMP_TAIL]) == self.head:
             return None
         slot = self.head & self.mask
         req_id, word = self.ring[slot].tolist()
         status, n = word & U32, (word >> 32) & 0xFF
+        if status == PROGRESS:
+            self.head = (self.head + 1) & U64
+            self.hdr[CMP_HEAD] = self.head
+            return req_id, PROGRESS, word >> 32
         reason = bytes(self.msg[slot, :min(n, MSG_BYTES)]).decode("utf-8", "replace") if status else ""
         self.head = (self.head + 1) & U64
         self.hdr[CMP_HEAD] = self.head
@@ -300,6 +317,15 @@ class CompletionProducer(_RingEnd):
             n = len(data)
             self.msg[slot, :n] = np.frombuffer(data, np.uint8)
         self.ring[slot] = (req_id & U64, (status & U32) | (n << 32))
+        self.tail = (self.tail + 1) & U64
+        self.hdr[CMP_TAIL] = self.tail
+
+    def push_progress(self, req_id: int, n: int) -> None:
+        """Append a progress entry (the caller checked there is a free slot beyond the
+        ones reserved for completions)."""
+        if self.unread() >= self.slots:
+            raise RingCorrupt(f"completion ring full ({self.slots} unread) on a progress entry")
+        self.ring[self.tail & self.mask] = (req_id & U64, PROGRESS | ((n & U32) << 32))
         self.tail = (self.tail + 1) & U64
         self.hdr[CMP_TAIL] = self.tail
 

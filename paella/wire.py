@@ -22,6 +22,8 @@ DONE) carry one little-endian uint64 request id and are packed with a precompile
     9     STATUS       c -> d     {} or empty: what is the daemon doing? (``paella status``;
                                   allowed before HELLO: it needs no segment)
     10    STATUS_REPLY d -> c     {"status": {...}}: models, clients, in flight, occupancy
+    11    PROGRESS     d -> c     req_id: a progress entry is on the completion ring (hybrid
+                                  and socket modes; only for requests sent with STREAM)
 
 Decoding is where a hostile peer's bytes are first interpreted, so it is strict and
 total: every failure, whatever Python would raise (a JSON syntax error, an integer of
@@ -46,12 +48,13 @@ from paella.shapes import Slot
 
 PROTOCOL_VERSION = 1
 
-HELLO, WELCOME, LIST_MODELS, MODELS, WAKE, DONE, ERROR, KICK, STATUS, STATUS_REPLY = range(1, 11)
+(HELLO, WELCOME, LIST_MODELS, MODELS, WAKE, DONE, ERROR, KICK, STATUS, STATUS_REPLY,
+ PROGRESS) = range(1, 12)
 NAMES = {HELLO: "HELLO", WELCOME: "WELCOME", LIST_MODELS: "LIST_MODELS", MODELS: "MODELS",
          WAKE: "WAKE", DONE: "DONE", ERROR: "ERROR", KICK: "KICK", STATUS: "STATUS",
-         STATUS_REPLY: "STATUS_REPLY"}
+         STATUS_REPLY: "STATUS_REPLY", PROGRESS: "PROGRESS"}
 JSON_TYPES = frozenset({HELLO, WELCOME, LIST_MODELS, MODELS, ERROR, STATUS, STATUS_REPLY})
-ID_TYPES = frozenset({WAKE, DONE})
+ID_TYPES = frozenset({WAKE, DONE, PROGRESS})
 
 #: Client wait modes (HELLO "mode"): which notification the daemon sends per request.
 MODES = ("hybrid", "polling", "socket")
@@ -278,7 +281,12 @@ class ModelInfo:
 #: Request options: the low 16 bits select the model variant; or, with bit 31
 #: (``paella.shapes.SHAPED``) set, the word carries the request's shape (rows, sequence
 #: length: see ``paella.shapes``). The bits in between are reserved and must be 0 (the
-#: daemon rejects unknown bits rather than ignoring them).
+#: daemon rejects unknown bits rather than ignoring them), except ``STREAM`` (bit 30, on
+#: an unshaped request): the client wants progress entries (``paella.rings.PROGRESS``)
+#: before the completion. A daemon older than streaming rejects the bit (E_OPTIONS,
+#: "unknown option bits"), so a streaming client learns it at once; a client that never
+#: sets it never sees a progress entry: protocol version 1 either way.
 VARIANT_MASK = 0xFFFF
 SHAPED = 1 << 31
-KNOWN_OPTIONS = VARIANT_MASK
+STREAM = 1 << 30
+KNOWN_OPTIONS = VARIANT_MASK | STREAM

@@ -29,16 +29,15 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field, replace
-from typing import Callable, Iterator
+from typing import Any, Callable, Iterator
 
 import numpy as np
 
-from paella.dispatcher.core import Dispatcher
 from paella.models.gpt import GPTConfig, selective_iteration
 
 from .iteration_scheduler import GenRequest, Iteration, IterationScheduler
 from .step_kernels import StepKernels, transformer_iteration
-from .runtime import StepRuntime
+from .runtime import StepRuntime, host_of
 
 
 class GenerationError(ValueError):
@@ -56,14 +55,20 @@ class Stream:
     done: bool = False
     cancelled: bool = False
     on_token: Callable[[int], None] | None = None
+    #: Called once when it ends: 0 when its last token is in, else the failed
+    #: iteration's status (the engine drops it and frees its slots).
+    on_end: Callable[[int], None] | None = None
+    status: int = 0
 
 
 class GenerationEngine:
-    def __init__(self, disp: Dispatcher, cfg: GPTConfig, *, max_bs: int, n_slots: int,
+    """``disp``: a Dispatcher (virtual time) or a scheduler context (the daemon)."""
+
+    def __init__(self, disp: Any, cfg: GPTConfig, *, max_bs: int, n_slots: int,
                  weights: dict[str, np.ndarray] | None = None, name: str = "gpt",
                  priorities: bool = False, fairness_threshold: float | None = None,
                  preempt: bool = False, n_workers: int = 1, cpu_scale: float = 0.0):
-        self.disp, self.dev, self.cfg = disp, disp.device, cfg
+        self.host, self.cfg = host_of(disp), cfg
         self.weights = weights
         self.n_slots = n_slots
         self.sched = IterationScheduler(max_bs, n_slots, n_workers=n_workers, priorities=priorities,
@@ -76,18 +81,20 @@ class GenerationEngine:
         self.kv_ptr = None
         if weights is not None:
             nbytes = n_slots * cfg.kv_bytes_per_slot()
-            self.kv_ptr = self.dev.alloc(nbytes)
-            self.dev.memory.view(self.kv_ptr, nbytes)[:] = 0
+            self.kv_ptr = self.host.alloc(nbytes)
+            self.host.view(self.kv_ptr, nbytes)[:] = 0
         self.free_slots: deque[int] = deque(range(n_slots))
         self.slots: dict[GenRequest, list[int]] = {}
         self.swapped: dict[GenRequest, np.ndarray] = {}
         self.streams: dict[GenRequest, Stream] = {}
         self.swaps = self.recomputes = 0
+        #: False (a server): a generation's Stream is forgotten once it ended.
+        self.keep_streams = True
 
     # ---- client side ---------------------------------------------------------------------
     def submit(self, prompt: list[int], max_tokens: int, *, out_len: int | None = None, user: int = 0,
                priority: int = 0, on_token: Callable[[int], None] | None = None,
-               kick: bool = True) -> Stream:
+               on_end: Callable[[int], None] | None = None, kick: bool = True) -> Stream:
         """Queue a generation of up to ``max_tokens`` tokens (``out_len``: where the
         workload's EOS falls, for timing-only runs without weights)."""
         prompt = list(prompt)
@@ -105,9 +112,9 @@ class GenerationEngine:
                                   f"the model's context of {self.cfg.n_ctx} tokens")
         if total > self.n_slots:
             raise GenerationError(f"prompt + max_tokens = {total} exceeds the KV cache's {self.n_slots} slots")
-        now = self.dev.now()
+        now = self.host.now()
         req = GenRequest(object(), len(prompt), total, out_len, now, user, priority)
-        s = Stream(req, prompt, t_submit=now, on_token=on_token)
+        s = Stream(req, prompt, t_submit=now, on_token=on_token, on_end=on_end)
         self.streams[req] = s
         self.runtime.add(req, kick=kick)
         return s
@@ -137,6 +144,7 @@ class GenerationEngine:
         self.swapped.pop(s.req, None)        # a swapped-out cache goes with it
         if not running:
             self._free(s.req)
+            self._forget(s.req)
         self.runtime.kick()
 
     def cancel_user(self, user: int) -> int:
@@ -148,7 +156,7 @@ class GenerationEngine:
 
     # ---- preemption cost ------------------------------------------------------------------
     def preempt_cost(self, r: GenRequest) -> str:
-        p = self.dev.props
+        p = self.host.device_props
         cfg = self.cfg
         swap = 2 * r.context * cfg.kv_bytes_per_slot() / p.pcie_bw
         n_params = cfg.n_layer * 12 * cfg.d * cfg.d + cfg.vocab * cfg.d
@@ -159,7 +167,7 @@ class GenerationEngine:
     def _kv(self, view=None) -> np.ndarray:
         cfg = self.cfg
         nbytes = self.n_slots * cfg.kv_bytes_per_slot()
-        raw = (view or self.dev.memory.view)(self.kv_ptr, nbytes)
+        raw = (view or self.host.view)(self.kv_ptr, nbytes)
         return raw.view(np.float32).reshape(2 * cfg.n_layer, self.n_slots, cfg.d)
 
     def _kernels(self, it: Iteration) -> StepKernels:
@@ -206,12 +214,17 @@ class GenerationEngine:
         it.result = selective_iteration(self.cfg, self.weights, kv, batch)
 
     def _after(self, it: Iteration, finished: list) -> None:
-        now = self.dev.now()
+        now = self.host.now()
         result = getattr(it, "result", None)
+        failed = it.status != 0 and self.weights is not None and result is None
         for i, r in enumerate(it.requests):
             s = self.streams[r]
             if s.cancelled:
                 self._free(r)
+                self._forget(r)
+                continue
+            if failed:       # the iteration did not run: no token; the request ends
+                self._end(s, it.status)
                 continue
             tok = result[i] if result is not None else -1
             s.tokens.append(tok)
@@ -219,8 +232,27 @@ class GenerationEngine:
             if s.on_token is not None:
                 s.on_token(tok)
         for r in finished:
-            self.streams[r].done = True
-            self._free(r)
+            s = self.streams.get(r)
+            if s is not None and not s.done:
+                s.done = True
+                self._free(r)
+                self._forget(r)
+                if s.on_end is not None:
+                    s.on_end(0)
+
+    def _end(self, s: Stream, status: int) -> None:
+        """A generation ends with an error: out of the scheduler, its slots back."""
+        s.status, s.done = status, True
+        self.sched.cancel(s.req)             # (its iteration has returned: slots back now)
+        self.swapped.pop(s.req, None)
+        self._free(s.req)
+        self._forget(s.req)
+        if s.on_end is not None:
+            s.on_end(status)
+
+    def _forget(self, r: GenRequest) -> None:
+        if not self.keep_streams:
+            self.streams.pop(r, None)
 
     def _free(self, r: GenRequest) -> None:
         self.free_slots.extend(self.slots.pop(r, ()))

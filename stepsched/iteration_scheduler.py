@@ -98,6 +98,7 @@ class Iteration:
     n_tokens: list[int] = field(default_factory=list)
     t_start: float = float("nan")
     t_end: float = float("nan")
+    status: int = 0                 # its job's (set by the runtime when it returns)
 
     @property
     def tokens(self) -> int:

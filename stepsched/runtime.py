@@ -19,6 +19,12 @@ What a task launches comes from ``kernels_for(task)`` (:mod:`.step_kernels`); wh
 computes, on a device that runs no code, from ``effect(task, view)``, applied in device
 memory when the task's last kernel completes (the simulator's functional effects).
 
+Where the jobs go: a bare :class:`~paella.dispatcher.core.Dispatcher` (experiments and
+tests in virtual time, :class:`DispatcherHost`) or, in the daemon, the
+:class:`~paella.dispatcher.batchers.base.SchedulerContext` the batching stage gives a
+scheduler plug-in (:mod:`.orca_plugin`): the runtime uses only what both offer (the
+clock, registering a model, submitting a job for clients, device memory).
+
 Host cost: with ``cpu_scale`` > 0 the CPU time the step scheduler spends forming a round
 of tasks (``time.thread_time`` around the policy) delays their submission by that much
 virtual time, times ``cpu_scale``, split evenly over the round's tasks (the GPU runs the
@@ -39,7 +45,8 @@ import numpy as np
 
 from paella.dispatcher import cudart as cuda
 from paella.dispatcher.adaptor import JobAdaptor
-from paella.dispatcher.core import Dispatcher, Request
+from paella.dispatcher.batchers.stage import submit_job
+from paella.dispatcher.core import Dispatcher
 from paella.dispatcher.devices.base import Device, ModuleImage
 
 from .step_kernels import StepKernels
@@ -88,11 +95,47 @@ class StepAdaptor(JobAdaptor):
         cuda.device_synchronize()
 
 
+class DispatcherHost:
+    """A bare Dispatcher seen through the scheduler context's methods (virtual time)."""
+
+    def __init__(self, disp: Dispatcher):
+        self.disp = disp
+        self.device = disp.device
+        self._part_ids = 0
+
+    def now(self) -> float:
+        return self.device.now()
+
+    def register_model(self, name: str, adaptor: Any, *, profile_runs: int = 0) -> int:
+        return self.disp.register_model(name, adaptor, profile_runs=profile_runs)
+
+    def submit(self, model_id: int, io: np.ndarray, clients: list[int],
+               on_done: Callable[[int, str | None], None]) -> None:
+        self._part_ids = submit_job(self.disp, model_id, io, clients, on_done, self._part_ids)
+
+    def alloc(self, nbytes: int) -> int:
+        return self.device.alloc(nbytes)
+
+    def free(self, ptr: int) -> None:
+        self.device.free(ptr)
+
+    def view(self, ptr: int, nbytes: int) -> np.ndarray:
+        return self.device.memory.view(ptr, nbytes)
+
+    @property
+    def device_props(self) -> Any:
+        return self.device.props
+
+
+def host_of(target: Any) -> Any:
+    """The host of a runtime: a Dispatcher wrapped, a scheduler context as it is."""
+    return DispatcherHost(target) if isinstance(target, Dispatcher) else target
+
+
 @dataclass(eq=False)
 class _InFlight:
     task: Any
     kernels: StepKernels
-    left: int
     cancelled: bool = False
 
 
@@ -112,14 +155,15 @@ class StepStats:
 
 
 class StepRuntime:
-    def __init__(self, disp: Dispatcher, policy: StepPolicy, kernels_for: Callable[[Any], StepKernels],
+    def __init__(self, disp: Any, policy: StepPolicy, kernels_for: Callable[[Any], StepKernels],
                  *, name: str = "steps", n_workers: int = 1,
                  client_of: Callable[[Any], int] = lambda req: 0,
                  effect: Callable[[Any, Callable], None] | None = None,
                  on_task_done: Callable[[Any, list], None] | None = None,
                  cpu_scale: float = 0.0):
-        self.disp = disp
-        self.dev = disp.device
+        self.host = host_of(disp)
+        #: The Dispatcher when the runtime drives one itself (virtual time), else None.
+        self.disp = disp if isinstance(disp, Dispatcher) else None
         self.policy = policy
         self.kernels_for = kernels_for
         self.client_of = client_of
@@ -130,7 +174,7 @@ class StepRuntime:
         self.queues = [deque() for _ in range(n_workers)]
         self.busy = [False] * n_workers
         self.adaptor = StepAdaptor(name, self)
-        self.model_id = disp.register_model(name, self.adaptor, profile_runs=0)
+        self.model_id = self.host.register_model(name, self.adaptor, profile_runs=0)
         self.finished: dict[Any, float] = {}
         self.stats = StepStats()
         self._running: dict[int, _InFlight] = {}
@@ -143,7 +187,7 @@ class StepRuntime:
     def add(self, item: Any, kick: bool = True) -> None:
         """A request arrives (``kick=False``: more arrive at this instant; call
         :meth:`kick` after the last, so they can share the first step)."""
-        self.policy.add(item, self.dev.now())
+        self.policy.add(item, self.host.now())
         if kick:
             self.kick()
 
@@ -154,7 +198,7 @@ class StepRuntime:
     # ---- workers -----------------------------------------------------------------------
     def kick(self) -> None:
         """Hand tasks to every idle worker (Algorithm 1 runs when a worker is idle)."""
-        now = self.dev.now()
+        now = self.host.now()
         for w in range(self.n_workers):
             if self.busy[w] or self.queues[w]:
                 continue
@@ -173,13 +217,13 @@ class StepRuntime:
     def _next(self, w: int) -> None:
         ready_at, task = self.queues[w].popleft()
         self.busy[w] = True
-        if ready_at > self.dev.now():
+        if ready_at > self.host.now():
             heapq.heappush(self._delayed, (ready_at, next(self._seq), w, task))
         else:
             self._submit(task)
 
     def release_delayed(self) -> None:
-        now = self.dev.now()
+        now = self.host.now()
         while self._delayed and self._delayed[0][0] <= now:
             _, _, _, task = heapq.heappop(self._delayed)
             self._submit(task)
@@ -188,8 +232,7 @@ class StepRuntime:
         tid = next(self._ids)
         reqs = list(task.requests)
         sk = self.kernels_for(task)
-        run = _InFlight(task, sk, len(reqs))
-        self._running[tid] = run
+        self._running[tid] = _InFlight(task, sk)
         st = self.stats
         st.tasks += 1
         st.rows += len(reqs)
@@ -197,25 +240,19 @@ class StepRuntime:
         st.padded_cells += getattr(task, "padded_cells", 0)
         io = np.zeros(8, np.uint8)
         io.view(np.int64)[0] = tid
-        group = [Request(tid * 100000 + i, self.client_of(r), self.model_id, io,
-                         on_complete=lambda q, status, err, tid=tid: self._one_done(tid, status))
-                 for i, r in enumerate(reqs)]
-        self.disp.submit_group(group, io)
+        self.host.submit(self.model_id, io, [self.client_of(r) for r in reqs],
+                         lambda status, err, tid=tid: self._task_done(tid, status))
 
     def _effect(self, tid: int, view: Callable) -> None:
         if self.effect is not None:
             self.effect(self._running[tid].task, view)
 
-    def _one_done(self, tid: int, status: int) -> None:
-        run = self._running[tid]
-        run.left -= 1
-        if status != 0:
-            run.cancelled = True
-        if run.left:
-            return
-        del self._running[tid]
+    def _task_done(self, tid: int, status: int) -> None:
+        run = self._running.pop(tid)
+        run.cancelled = status != 0
         task = run.task
-        now = self.dev.now()
+        task.status = status
+        now = self.host.now()
         done = self.policy.task_done(task, now)
         for req in done:
             self.finished[req] = now
@@ -235,7 +272,11 @@ class StepRuntime:
         ``on_arrival(item)``: what an arrival does instead of ``add(item, kick=False)``
         (an engine's own submit)."""
         arrive = on_arrival or (lambda item: self.add(item, kick=False))
-        d, dev = self.disp, self.dev
+        d = self.disp
+        if d is None:
+            raise RuntimeError("drive() runs a runtime on a Dispatcher of its own (virtual "
+                               "time); in the daemon the loop drives it")
+        dev = d.device
         arrivals = sorted(arrivals, key=lambda a: a[0])
         i, n = 0, len(arrivals)
         inf = math.inf

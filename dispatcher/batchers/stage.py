@@ -354,6 +354,33 @@ class BatchingStage:
             req.on_complete(req, status, err)
 
 
+def submit_job(disp: Any, model_id: int, io: np.ndarray, clients: list[int], done: Any,
+               last_id: int, *args: Any, stream: str | None = None) -> int:
+    """One job of ``model_id`` on ``io`` with one part (an internal request) per client;
+    ``done(*args, status, error)`` once every part ended: OK if any part ran OK, else the
+    first part's status. Returns the last part id used (parts are numbered from
+    ``last_id + 1``). ``stream``: the named stream its ops go to (``submit_group``)."""
+    if not clients:
+        raise ValueError("a job needs at least one client to run for")
+    state = [len(clients), False, None]          # parts left, any OK, first failure
+
+    def part_done(q: Request, status: int, err: str | None) -> None:
+        state[0] -= 1
+        if status == rings.OK:
+            state[1] = True
+        elif state[2] is None:
+            state[2] = (status, err)
+        if state[0] == 0:
+            done(*args, *((rings.OK, None) if state[1] or state[2] is None else state[2]))
+
+    parts = []
+    for cid in clients:
+        last_id += 1
+        parts.append(Request(last_id, int(cid), model_id, io, on_complete=part_done))
+    disp.submit_group(parts, io, model_id=model_id, stream=stream)
+    return last_id
+
+
 class StageContext:
     """The :class:`~.base.SchedulerContext` of one model's scheduler: the scheduler's
     only way to the dispatcher, the device and the clients, and the stage's ledger of
@@ -392,36 +419,20 @@ class StageContext:
         if model_id not in self._own_models:
             raise ValueError(f"model id {model_id} is not one this scheduler registered "
                              f"(or one of its bundle's variants)")
-        if not clients:
-            raise ValueError("a job needs at least one client to run for")
-        state = [len(clients), None, None]        # parts left, first OK, first failure
-        ok = rings.OK
-
-        def part_done(q: Request, status: int, err: str | None) -> None:
-            state[0] -= 1
-            if status == ok:
-                state[1] = True
-            elif state[2] is None:
-                state[2] = (status, err)
-            if state[0]:
-                return
-            self.jobs -= 1
-            if self.closed or self.failed:
-                self._release_if_idle()
-                return
-            st, e = (ok, None) if state[1] or state[2] is None else state[2]
-            self._call("on_done", on_done, st, e)
-            if self.retired:
-                self._close_if_done()
-
-        parts = []
-        for cid in clients:
-            self._part_ids += 1
-            parts.append(Request(self._part_ids, int(cid), model_id, io, on_complete=part_done))
-        self.stage.disp.submit_group(parts, io, model_id=model_id,
-                                     stream=None if stream is None else f"{self.name}/{stream}")
+        self._part_ids = submit_job(self.stage.disp, model_id, io, clients, self._job_done,
+                                    self._part_ids, on_done,
+                                    stream=None if stream is None else f"{self.name}/{stream}")
         self.jobs += 1
         self.stage.stats.scheduler_jobs += 1
+
+    def _job_done(self, on_done: Any, status: int, err: str | None) -> None:
+        self.jobs -= 1
+        if self.closed or self.failed:
+            self._release_if_idle()
+            return
+        self._call("on_done", on_done, status, err)
+        if self.retired:
+            self._close_if_done()
 
     def alloc(self, nbytes: int) -> int:
         ptr = self.stage.disp.device.alloc(nbytes)
@@ -548,4 +559,4 @@ def layout_of(inputs: list, outputs: list, io_bytes: int) -> IoLayout:
 
 
 __all__ = ["BatchStats", "BatchingStage", "BatcherError", "ServedModel", "ServedVariant",
-           "StageContext", "layout_of"]
+           "StageContext", "layout_of", "submit_job"]

@@ -174,11 +174,14 @@ class DispatcherExecutor:
         """Serve a bundle's variants (one adaptor each) as the clients' ``model_id``
         through ``batcher``: each variant is a dispatcher model of its own (its plan, its
         SRPT profile), named ``label/variant``. Registered again: new requests take the
-        new variants, running batches finish on the old. ``batcher`` None: built here from
+        new variants, running batches finish on the old. ``bundle`` None: a standalone
+        scheduler (``SchedulerBatcher.standalone``, e.g. orca) that registers its own
+        internal models when the stage starts it. ``batcher`` None: built here from
         ``config`` (its ModelConfig) once the variants are profiled (a batcher that plans
         with their costs, e.g. ``turbo-dp``)."""
         served = {}
-        for k, (v, adaptor) in enumerate(zip(bundle.variants, adaptors)):
+        for k, (v, adaptor) in enumerate(zip(bundle.variants if bundle is not None else (),
+                                             adaptors)):
             vid = self._new_vid()
             self.disp.register_model(f"{label}/{v.name}", adaptor, model_id=vid,
                                      profile_runs=profile_runs)

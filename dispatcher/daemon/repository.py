@@ -50,6 +50,22 @@ class Prepared:
     batcher: Any = None        # its batcher, built for its variants (None: built once profiled)
     version: str = ""          # the version folder served ("" for an unversioned bundle)
 
+    @property
+    def variant_names(self) -> list[str]:
+        if self.bundle is None:              # a standalone scheduler's model
+            return [f"{self.config.batcher} (no bundle)"]
+        return [v.name for v in self.bundle.variants]
+
+    def model_info(self, model_id: int) -> Any:
+        """What clients see of it: the bundle's variants, or the io a standalone
+        scheduler (``SchedulerBatcher.standalone``) defines."""
+        from paella import wire
+
+        from .bundles import model_info_from_bundle
+        if self.bundle is None:
+            return wire.ModelInfo(model_id, self.model, tuple(self.batcher.client_variants()))
+        return model_info_from_bundle(model_id, self.bundle, self.model)
+
 
 @dataclass
 class Scan:
@@ -118,6 +134,22 @@ def scan(path: str, known: dict[str, tuple], make_adaptor: Callable[[Any, str, i
         try:
             cfg = load_model_config(folder)
             found = bundle_folder(folder, cfg.version)
+            if found is None and getattr(get_batcher(cfg.batcher), "standalone", False):
+                model = d
+                if model.lower() in seen:
+                    raise ValueError(f"model name {model!r} is already taken by "
+                                     f"{seen[model.lower()]}; rename one folder")
+                seen[model.lower()] = folder
+                key = ("standalone", cfg.mtime, folder)
+                if known.get(model) == key:
+                    out.kept[folder] = model
+                    continue
+                # A scheduler that defines its own io (Orca): a config.toml and no bundle.
+                batcher = make_batcher(cfg.batcher, ModelVariants(model, (VariantSpec(0, 1, 0, model),)),
+                                       cfg.batcher_options)
+                out.prepared.append(Prepared(folder, model, key, None, [], f"{model}#{next(_generations)}",
+                                             time.monotonic() - t1, cfg, batcher))
+                continue
             if found is None:
                 if os.path.isfile(os.path.join(folder, "config.toml")):
                     raise ValueError("the folder has a config.toml but no bundle (no "

@@ -40,7 +40,7 @@ from paella.dispatcher.frontend import Frontend, FrontendConfig, ModelTable
 
 from . import repository
 from .builtin_models import echo_model, noop_adaptor, noop_info
-from .bundles import FunctionalCache, bundle_adaptor, model_info_from_bundle
+from .bundles import FunctionalCache, bundle_adaptor
 from .config import ConfigError, DaemonConfig
 from .executors import DispatcherExecutor, HostExecutor, Router
 from .system import freeze_heap, freeze_new_objects, pin_and_prioritize, sd_notify
@@ -236,12 +236,11 @@ class Daemon:
                     failed[p.directory] = f"cannot be served: {type(e).__name__}: {e}"
                     continue
                 self.router.by_model[mid] = ex
-                self._served[p.model] = ServedBundle(p.directory, p.key,
-                                                     model_info_from_bundle(mid, p.bundle, p.model))
+                self._served[p.model] = ServedBundle(p.directory, p.key, p.model_info(mid))
                 log.info("registered %s%s (%d variant(s): %s; batcher %s): read in %.2f s, "
                          "registered in %.3f s", p.model,
-                         f" version {p.version}" if p.version else "", len(p.bundle.variants),
-                         ", ".join(v.name for v in p.bundle.variants), p.config.batcher,
+                         f" version {p.version}" if p.version else "", len(p.variant_names),
+                         ", ".join(p.variant_names), p.config.batcher,
                          p.seconds, time.monotonic() - t0)
             for d, model in scan.kept.items():
                 self._served[model].directory = d
@@ -293,8 +292,15 @@ class Daemon:
         per_model: dict[int, int] = {}
         ex = self.dispatcher
         if ex is not None:
+            # A batched model runs as one dispatcher model per variant: count its jobs (and
+            # the requests its batcher holds) under the clients' model id.
+            client_id: dict[int, int] = {}
+            for cid, served in list(ex.stage.models.items()):
+                per_model[cid] = len(served.waiting)
+                for sv in list(served.served.values()):
+                    client_id[sv.model_id] = cid
             for job in list(ex.disp.jobs):
-                mid = job.model.model_id
+                mid = client_id.get(job.model.model_id, job.model.model_id)
                 per_model[mid] = per_model.get(mid, 0) + len(job.requests)
         for m in st["models"]:
             m["in_flight"] = per_model.get(m["id"], 0)

@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import subprocess
+import sys
 import time
 
 import pytest
@@ -119,6 +121,19 @@ def test_doctor_names_a_compiled_module_that_does_not_load(no_driver, monkeypatc
     text = doctor.format_report(doctor.collect())
     assert "compiled      : the dispatcher's compiled module paella.dispatcher._missing" in text
     assert "make install" in text
+
+
+def test_doctor_blames_a_missing_dependency_not_the_build():
+    """A client-only install lacks the daemon's packages: the report names the package
+    and the extra, not a C build that is fine."""
+    code = ("import sys; sys.modules['posix_ipc'] = None\n"
+            "from paella.dispatcher import native\n"
+            "print(native.status()['devices.sim._engine'])")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert "needs the Python package 'posix_ipc'" in out.stdout
+    assert "paella-py[serve]" in out.stdout and "dispatcher/" not in out.stdout
 
 
 def test_doctor_report_with_a_gpu():

@@ -78,7 +78,15 @@ def test_drain_deadline_completes_every_request_once_as_cancelled(tmp_path, mlp,
     c = connect(dp.socket)
     n = c.models["slow_mlp"].variants[0].io_bytes        # the folder's name
     ids = [c.predict("slow_mlp", n, c.alloc(n)) for _ in range(8)]
-    time.sleep(0.3)                  # taken from the ring and released to the GPU
+    # Taken from the ring and running: wait until `paella status` counts all 8 in flight
+    # under the model's own id (a fixed sleep was too short on a loaded machine).
+    from paella.client.status import daemon_status
+    end = time.monotonic() + 20
+    while sum(m["in_flight"] for m in daemon_status(dp.socket)["models"]
+              if m["name"] == "slow_mlp") < len(ids):
+        assert time.monotonic() < end, dp.log()
+        time.sleep(0.02)
+    time.sleep(0.05)                 # and its first kernels on the simulated GPU
     dp.proc.send_signal(signal.SIGTERM)
     assert dp.proc.wait(20) == 0
     got = read_all(c)
