@@ -46,15 +46,20 @@ class Served:
         self.done: dict[int, tuple[int, str | None]] = {}
         self.reqs: list[Request] = []
 
-    def send(self, client: int = 1) -> Request:
-        slots, need = shapes.request_layout(self.info.variants, 1, 8)
+    def send(self, client: int = 1, seq_len: int = 8, rows: int = 1) -> Request:
+        slots, need = shapes.request_layout(self.info.variants, rows, seq_len)
         io = np.zeros(need, np.uint8)
         x, mask = query(self.rng)
+        x, mask = x[:, :seq_len], mask[:, :seq_len]
         for s, a in zip(slots, (x, mask)):
-            io[s.offset:s.offset + a.nbytes] = a.view(np.uint8).reshape(-1)
-        req = Request(len(self.reqs), client, 1, io, rows=1, seq_len=8, layout=tuple(slots),
-                      on_complete=self._complete)
-        req.want = reference(self.bundle, x, mask)
+            io[s.offset:s.offset + a.nbytes] = a.view(np.uint8).reshape(-1)[:s.nbytes]
+        req = Request(len(self.reqs), client, 1, io, rows=rows, seq_len=seq_len,
+                      layout=tuple(slots), on_complete=self._complete)
+        # A shorter row runs padded to the bucket (zeros, masked out): the whole model's
+        # answer on the padded row, cut to the row's length.
+        pad_x, pad_m = np.zeros((1, 8, 16), np.float32), np.zeros((1, 8), np.float32)
+        pad_x[:, :seq_len], pad_m[:, :seq_len] = x, mask
+        req.want = reference(self.bundle, pad_x, pad_m)[:, :seq_len]
         self.reqs.append(req)
         self.ex.submit(req)
         return req
@@ -108,6 +113,27 @@ def test_a_client_leaving_mid_batch_is_answered_once_and_the_others_complete(bun
     later = m.send(client=1)                 # and the model serves on
     m.ex.stage.run_until_idle()
     assert m.done[later.req_id] == (rings.OK, None)
+
+
+def test_waiting_rows_of_a_leaving_client_are_withdrawn_and_short_rows_are_padded(bundle):
+    """One pair, no stretch: the first row's batch holds the pair, the others wait; the
+    client of two waiting ones leaves (withdrawn, answered once); rows shorter than the
+    length bucket come back at their own length; a request of 2 rows is refused."""
+    m = Served(bundle, pairs=1, stretch=False, split=False)
+    first = m.send(client=1, seq_len=5)
+    waiting = [m.send(client=2), m.send(client=3, seq_len=3), m.send(client=2)]
+    refused = m.send(client=1, rows=2)
+    assert m.done[refused.req_id][0] == rings.E_OPTIONS
+    assert "dvabatch serves one row per request" in m.done[refused.req_id][1]
+    m.advance(5e-6)
+    m.ex.cancel_client(2)
+    assert [m.done.get(r.req_id, (None,))[0] for r in waiting] == \
+        [rings.E_CANCELLED, None, rings.E_CANCELLED]
+    m.ex.stage.run_until_idle()
+    for r in (first, waiting[1]):
+        assert m.done[r.req_id] == (rings.OK, None)
+        np.testing.assert_allclose(m.output(r), r.want, rtol=1e-5, atol=1e-5)
+    assert m.batcher.stats_dict()["new"] == 2 and m.batcher.stats_dict()["dropped"] == 0
 
 
 def test_a_failing_stage_job_fails_its_rows_with_the_reason_and_the_others_go_on(bundle):
