@@ -7,7 +7,7 @@ storage each kernel reads and writes. A sliced plan (a DVABatch stage,
 later kernels need, storage reuse included. So this replays the plan itself: one
 numpy array per device buffer (params loaded, the rest zero), the H2D and D2H copies
 as written, and each fused PrimFunc *call* (``Variant.calls``) run by the llvm build of
-the same fused, unscheduled PrimFunc (the ``fused_tir`` file) on the views the call
+the same fused, unscheduled PrimFunc (the ``fused_cpu`` file) on the views the call
 names. The CUDA kernels are the GPU lowering of those PrimFuncs (DLight only schedules
 them), so what is checked is the plan's dataflow, not the CUDA code generation.
 """
@@ -19,25 +19,15 @@ import numpy as np
 
 from paella.bundle import Bundle, BundleError, ViewSpec
 
-_BUILT: dict[str, Any] = {}          # fused_tir path -> llvm module
+_BUILT: dict[str, Any] = {}          # fused_cpu path -> loaded module
 
 
 def _library(bundle: Bundle, variant: int):
     import tvm
-    path = bundle.file("fused_tir", variant)
-    lib = _BUILT.get(str(path))
-    if lib is None:
-        mod = tvm.script.from_source(path.read_text())
-        # The fused PrimFuncs are private (no symbol); export each under its name.
-        mod = tvm.IRModule({gv: f.with_attr("global_symbol", gv.name_hint) for gv, f in mod.functions.items()})
-        try:
-            lib = tvm.compile(mod, target="llvm")
-        except tvm.error.InternalError:
-            # LLVM's vectorizer sometimes emits IR its verifier rejects ("Instruction does
-            # not dominate all uses", seen on a batch-4 conv); unoptimized code is fine here.
-            lib = tvm.compile(mod, target=tvm.target.Target({"kind": "llvm", "opt-level": 0}))
-        _BUILT[str(path)] = lib
-    return lib
+    path = str(bundle.file("fused_cpu", variant))
+    if path not in _BUILT:
+        _BUILT[path] = tvm.runtime.load_module(path)
+    return _BUILT[path]
 
 
 def _view(mem: list[np.ndarray], v: ViewSpec) -> np.ndarray:

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import sys
 import time
 from dataclasses import dataclass
 from typing import Callable
@@ -42,7 +43,8 @@ from typing import Callable
 import numpy as np
 
 from paella.compiler_pass.stages import OpProfile, preferred_batch, slice_stages
-from paella.dispatcher.adaptor import PlanAdaptor, synthetic_plan
+from paella.dispatcher.adaptor import Plan, PlanAdaptor, PlanOp
+from paella.dispatcher.devices.base import KernelInfo
 from paella.dispatcher.batchers.dvabatch import DvaConfig, DvaPipeline
 from paella.dispatcher.batchers.dvabatch.runner import DispatcherStageRunner
 from paella.dispatcher.core import Dispatcher
@@ -115,6 +117,44 @@ def bert() -> ModelSpec:
 MODELS: dict[str, Callable[[], ModelSpec]] = {"unet": unet, "bert": bert, "resnet152": resnet152}
 
 
+@dataclass(frozen=True)
+class KRow:
+    """One launch of a stage run, as the simulated GPU runs it: ``seconds`` is its
+    isolated time (the kernel alone on an idle GPU)."""
+    name: str
+    grid: int
+    block: int
+    regs: int
+    smem: int
+    seconds: float
+
+
+class DescribedModel:
+    """A :class:`ModelSpec` (kernels described by launch shapes and wave times), cut by
+    :func:`slice_stages` on the described operators: the experiment's models before
+    compiled stages existed, kept for ``--kernels described``."""
+    source = "described"
+
+    def __init__(self, m: ModelSpec):
+        self.m, self.name, self.buckets = m, m.name, m.buckets
+        self.max_len = m.max_len
+        self.ranges = stages_of(m)
+        self.n_stages = len(self.ranges)
+
+    def kernels(self, stage: int, rows: int, seq_len: int) -> list[KRow]:
+        """Stage ``stage``'s launches for ``rows`` rows (stage -1: the whole model)."""
+        idx = range(len(self.m.ops)) if stage < 0 else self.ranges[stage]
+        return [KRow(self.m.ops[i].name, self.m.ops[i].grid(rows, seq_len, self.max_len), 256, 32, 0,
+                     self.m.ops[i].time(rows, seq_len, self.max_len)) for i in idx]
+
+    def time(self, stage: int, rows: int, seq_len: int) -> float:
+        return sum(k.seconds for k in self.kernels(stage, rows, seq_len))
+
+    def record(self) -> dict:
+        return {"source": self.source, "stages": [[r.start, r.stop] for r in self.ranges],
+                "preferred_batch": preferred_batches(self.m)}
+
+
 def stages_of(m: ModelSpec) -> list[range]:
     profiles = [OpProfile(op.name, tuple((b, op.time(b, m.max_len, m.max_len))
                                          for b in BATCH_SIZES)) for op in m.ops]
@@ -123,13 +163,104 @@ def stages_of(m: ModelSpec) -> list[range]:
 
 def preferred_batches(m: ModelSpec) -> list[int]:
     """The operators' preferred batch sizes, in order, each run of equal ones once."""
+    return _runs([preferred_batch(OpProfile(op.name, tuple((s, op.time(s, m.max_len, m.max_len))
+                                                         for s in BATCH_SIZES))) for op in m.ops])
+
+
+def _runs(xs: list[int]) -> list[int]:
     out: list[int] = []
-    for op in m.ops:
-        b = preferred_batch(OpProfile(op.name, tuple((s, op.time(s, m.max_len, m.max_len))
-                                                     for s in BATCH_SIZES)))
-        if not out or out[-1] != b:
-            out.append(b)
+    for x in xs:
+        if not out or out[-1] != x:
+            out.append(x)
     return out
+
+
+#: The compiled networks (zoo name, stages, length buckets) for ``--kernels compiled``.
+COMPILED = {"unet": ("unet", 4, ()), "bert": ("bert_encoder", 2, (32, 64, 128, 256)),
+            "resnet152": ("resnet152", 4, ())}
+
+
+class CompiledModel:
+    """A zoo network compiled for the powers of two 1..64 (per length bucket for BERT)
+    and cut into stages by ``paella compile --stages`` (profiled on the simulated
+    Titan RTX): each stage run's launches are the compiled stage variant's kernels,
+    each with its isolated time on the simulated GPU. ``rows`` that are not a compiled
+    size run as :func:`paella.bundle.split_rows` says (e.g. 13 = 8 + 4 + 1, one after
+    the other in the same job), as a runtime runs them."""
+    source = "compiled"
+
+    def __init__(self, name: str, bundles: dict[int, "Bundle"]):
+        from paella.dispatcher.devices.sim.bundle_profile import launch_profile
+        self.name, self.bundles = name, bundles
+        self.buckets = tuple(sorted(b for b in bundles if b))
+        self.max_len = max(self.buckets, default=0)
+        first = next(iter(bundles.values()))
+        self.n_stages = first.n_stages
+        self.sizes = sorted({v.rows for v in first.variants})
+        self._rows: dict[tuple[int, int, int], list[KRow]] = {}
+        self._calls: dict[tuple[int, int], list[float]] = {}      # (bucket, size) -> call times
+        for seq_len, b in bundles.items():
+            for i, v in enumerate(b.variants):
+                rows = [KRow(f"{v.name}/{op.kernel}", math.prod(op.grid), math.prod(op.block),
+                             v.kernel(op.kernel).registers, v.kernel(op.kernel).static_smem + op.dyn_smem,
+                             launch_profile(b, GPU, i, j, op)["isolated_us"] * 1e-6)
+                        for j, op in enumerate(v.launches())]
+                self._rows[(seq_len, v.stage, v.rows)] = rows
+                self._calls.setdefault((seq_len, v.rows), []).extend(
+                    sum(r.seconds for r in rows[c.launches[0]:c.launches[1]]) for c in v.calls)
+
+    def _bucket(self, seq_len: int) -> int:
+        if not self.buckets:
+            return 0
+        return next((b for b in self.buckets if b >= seq_len), self.max_len)
+
+    def kernels(self, stage: int, rows: int, seq_len: int) -> list[KRow]:
+        from paella.bundle import split_rows
+        b = self._bucket(seq_len)
+        stages = range(self.n_stages) if stage < 0 else [stage]
+        return [k for s in stages for _, size in split_rows(0, rows, self.sizes)
+                for k in self._rows[(b, s, size)]]
+
+    def time(self, stage: int, rows: int, seq_len: int) -> float:
+        return sum(k.seconds for k in self.kernels(stage, rows, seq_len))
+
+    def record(self) -> dict:
+        b = self.max_len
+        bundle = self.bundles[b]
+        calls = {size: self._calls[(b, size)] for size in self.sizes}
+        prefs = [preferred_batch(OpProfile(str(i), tuple((size, calls[size][i]) for size in self.sizes)))
+                 for i in range(len(calls[self.sizes[0]]))]
+        cuts = bundle.variants[0].cuts
+        bounds = [0, *cuts, len(prefs)]
+        return {"source": self.source, "stages": [[a, e] for a, e in zip(bounds, bounds[1:])],
+                "preferred_batch": _runs(prefs), "batch_sizes": self.sizes,
+                "fused_operators": len(prefs),
+                "launches": len(self.kernels(-1, 1, b)),
+                "stage_ms_at_bs64": [1e3 * self.time(s, BS_MAX, b) for s in range(self.n_stages)],
+                "compile_seconds": sum(x.manifest.compile_seconds for x in self.bundles.values())}
+
+
+def compiled_model(name: str, zoo_dir: str, log: Callable[[str], None] = print) -> CompiledModel:
+    """``name``'s stage bundles from ``zoo_dir`` (compiled there on first use: the
+    bundle cache makes later runs instant)."""
+    from pathlib import Path
+
+    from paella.bundle import load_bundle
+    from paella.compiler_pass.build import compile_bundle
+    from paella.models import zoo
+    zname, n, buckets = COMPILED[name]
+    bundles = {}
+    for seq_len in buckets or (0,):
+        out = Path(zoo_dir) / (f"dvabatch_{zname}" + (f"_l{seq_len}" if seq_len else ""))
+        t0 = time.perf_counter()
+        models = [zoo.get(zname, batch=b, seq_len=seq_len or None) for b in BATCH_SIZES]
+        compile_bundle(models, out, stages=n, stage_gpu=GPU)
+        bundles[seq_len] = load_bundle(out)
+        took = time.perf_counter() - t0
+        if took > 5:
+            log(f"{name}: compiled {out.name} ({len(BATCH_SIZES)} batch sizes, {n} stages) in "
+                f"{took:.0f} s (first time only; cached in {zoo_dir} and the bundle cache)")
+    return CompiledModel(name, bundles)
 
 
 def rte_lengths(n: int, rng: np.random.Generator) -> np.ndarray:
@@ -145,38 +276,42 @@ class _Query:
     done: float = float("nan")
 
 
-def make_config(m: ModelSpec, system: str, window: float = 0.0) -> tuple[DvaConfig, list[range]]:
-    if system == "dvabatch":
-        stages = stages_of(m)
-    else:
-        stages = [range(len(m.ops))]
-
-    def stage_time(s: int, bs: int, seq_len: int) -> float:
-        return sum(m.ops[i].time(bs, seq_len, m.max_len) for i in stages[s])
+def make_config(m, system: str, window: float = 0.0) -> DvaConfig:
+    """``m``: a :class:`DescribedModel` or :class:`CompiledModel`."""
     if system == "dvabatch":
         # No window (stretch lets late queries join); a batch takes stretches while it
         # is in its first stage (Figure 3 Case-III's rule), bounded by the first
         # stage's time at batch 1 of the longest length.
-        cfg = DvaConfig(len(stages), stage_time, pairs=2, bs_max=BS_MAX, window=0.0,
-                        t_comp_wait=stage_time(0, 1, m.max_len), length_buckets=m.buckets,
-                        stretch_idle_only=True)
-    else:
-        cfg = DvaConfig(1, stage_time, pairs=1, bs_max=BS_MAX, window=window, stretch=False,
-                        split=False, length_buckets=m.buckets, group_lengths=False)
-    return cfg, stages
+        return DvaConfig(m.n_stages, m.time, pairs=2, bs_max=BS_MAX, window=0.0,
+                         t_comp_wait=m.time(0, 1, m.max_len), length_buckets=m.buckets,
+                         stretch_idle_only=True)
+    return DvaConfig(1, lambda _s, bs, seq_len: m.time(-1, bs, seq_len), pairs=1, bs_max=BS_MAX,
+                     window=window, stretch=False, split=False, length_buckets=m.buckets,
+                     group_lengths=False)
 
 
-def run_point(m: ModelSpec, system: str, rate: float, n: int, seed: int,
+def _plan(name: str, rows: list[KRow]) -> Plan:
+    """A plan of ``rows``' launches in order on one stream (each kernel with its
+    isolated time, registers and shared memory: the simulator's occupancy and sharing
+    do the rest)."""
+    infos: dict[str, KernelInfo] = {}
+    ops = []
+    for r in rows:
+        infos.setdefault(r.name, KernelInfo(r.name, r.regs, static_smem=r.smem, duration=r.seconds))
+        ops.append(PlanOp("launch", kernel=r.name, grid=(r.grid,), block=(r.block,)))
+    return Plan(name, list(infos.values()), ops)
+
+
+def run_point(m, system: str, rate: float, n: int, seed: int,
               window: float = 0.0) -> dict:
     """``n`` Poisson arrivals at ``rate``/s through ``system``; latency statistics."""
-    cfg, stages = make_config(m, system, window)
+    cfg = make_config(m, system, window)
     dev = SimDevice(GPU, n_streams=1024, seed=seed)
     disp = Dispatcher(dev, "paella", profile_runs=0)
+    whole = system != "dvabatch"
 
     def adaptor(stage: int, rows: int, seq_len: int) -> PlanAdaptor:
-        kernels = [(m.ops[i].name, m.ops[i].grid(rows, seq_len, m.max_len), 256, 32,
-                    m.ops[i].time(rows, seq_len, m.max_len)) for i in stages[stage]]
-        return PlanAdaptor(synthetic_plan(f"{m.name}-s{stage}", kernels))
+        return PlanAdaptor(_plan(f"{m.name}-s{stage}", m.kernels(-1 if whole else stage, rows, seq_len)))
     runner = DispatcherStageRunner(disp, f"{m.name}-{system}", adaptor)
     rng = np.random.default_rng(seed)
     t0 = dev.now()
@@ -226,14 +361,14 @@ def _drive(disp: Dispatcher, dev: SimDevice, pipe: DvaPipeline, qs: list[_Query]
                 dev.run_until_observed(limit)
 
 
-def peak(m: ModelSpec, system: str, n: int, seed: int, window: float = 0.0,
+def peak(m, system: str, n: int, seed: int, window: float = 0.0,
          steps: int = 5) -> float:
     """The highest Poisson load (queries/s) meeting the QoS at p99 while completions
     keep up: doubling from a low load, then bisection."""
     def ok(rate: float) -> bool:
         pt = run_point(m, system, rate, n, seed, window)
         return pt["p99_ms"] <= QOS_MS and pt["throughput"] >= 0.9 * rate
-    full = sum(op.time(BS_MAX, m.max_len, m.max_len) for op in m.ops)
+    full = m.time(-1, BS_MAX, m.max_len)
     lo, hi = 0.0, 0.25 * BS_MAX / full
     while ok(hi):
         lo, hi = hi, 2 * hi
@@ -244,10 +379,10 @@ def peak(m: ModelSpec, system: str, n: int, seed: int, window: float = 0.0,
 
 
 def run(models: list[str], n: int, seed: int, windows_ms: list[float], steps: int,
-        log: Callable[[str], None] = print) -> dict:
+        log: Callable[[str], None] = print, kernels: str = "compiled", zoo_dir: str = "") -> dict:
     per_model = {}
     for name in models:
-        m = MODELS[name]()
+        m = compiled_model(name, zoo_dir, log) if kernels == "compiled" else DescribedModel(MODELS[name]())
         best = None
         for w in windows_ms:
             p = peak(m, "delaybatch", n, seed, w / 1e3, steps)
@@ -267,15 +402,14 @@ def run(models: list[str], n: int, seed: int, windows_ms: list[float], steps: in
             loads[load] = {"rate": rate, **pts}
             log(f"{name} {load} ({rate:.0f}/s): " + ", ".join(
                 f"{s} mean {p['mean_ms']:.1f} p99 {p['p99_ms']:.1f} ms" for s, p in pts.items()))
-        per_model[name] = {"stages": [[r.start, r.stop] for r in stages_of(m)],
-                           "preferred_batch": preferred_batches(m),
+        per_model[name] = {**m.record(),
                            "delay_window_ms": window_ms,
                            "peak": {"zerobatch": zero_peak, "delaybatch": delay_peak,
                                     "dvabatch": dva_peak},
                            "loads": loads}
     return {"models": per_model, "summary": summarize(per_model), "paper": PAPER,
             "setting": {"gpu": GPU, "qos_ms": QOS_MS, "bs_max": BS_MAX, "queries": n,
-                        "seed": seed, "delay_windows_ms": windows_ms}}
+                        "seed": seed, "delay_windows_ms": windows_ms, "kernels": kernels}}
 
 
 def _reduction(base: float, new: float) -> float:
@@ -323,7 +457,14 @@ def plot(data: dict, path: str) -> None:
 def register(sub: argparse._SubParsersAction) -> None:
     from paella.experiments.cli import add_common
     p = sub.add_parser("dvabatch", help="DVABatch vs ZeroBatch and DelayBatch (Figures 14-16)")
+    from paella.experiments.cli import add_zoo_dir
     add_common(p)
+    add_zoo_dir(p)
+    p.add_argument("--kernels", choices=("compiled", "described"), default="compiled",
+                   help="the models' kernels: compiled (default: the zoo's U-Net-like, BERT-like "
+                        "and ResNet-152-like networks, compiled for batch 1..64 (powers of two) "
+                        "and cut by `paella compile --stages`; the first run compiles them, "
+                        "minutes) or described (launch shapes and wave times, no compile)")
     p.add_argument("--queries", type=int, default=None,
                    help="queries per load point (default 1500, quick 400)")
     p.add_argument("--models", default=",".join(MODELS),
@@ -336,14 +477,15 @@ def main(args: argparse.Namespace) -> int:
     models = [s.strip() for s in args.models.split(",") if s.strip()]
     bad = [s for s in models if s not in MODELS]
     if bad or not models:
-        import sys
         print(f"paella: error: unknown model(s) {', '.join(bad) or '(none)'}; "
               f"choose from {', '.join(MODELS)}", file=sys.stderr)
         return 2
     n = args.queries or (400 if args.quick else 1500)
     windows = [2.0, 8.0, 32.0] if args.quick else [1.0, 2.0, 4.0, 8.0, 16.0, 32.0]
     t0 = time.perf_counter()
-    data = run(models, n, args.seed, windows, steps=3 if args.quick else 5)
+    log = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
+    data = run(models, n, args.seed, windows, steps=3 if args.quick else 5, log=log,
+               kernels=args.kernels, zoo_dir=args.zoo_dir)
     s = data["summary"]
     import json
     print(json.dumps(s, indent=1))

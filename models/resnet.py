@@ -1,4 +1,6 @@
-"""ResNet-18/34/50 (He et al. 2016), torchvision layout, 224x224 input."""
+"""ResNet-18/34/50/152 (He et al. 2016), torchvision layout, 224x224 input; and a
+ResNet-152-like network at test size (:func:`resnet152_small`: the same bottleneck
+blocks, fewer and narrower, 32x32 in), for DVABatch's compiled stages."""
 from __future__ import annotations
 
 from tvm.relax.frontend import nn
@@ -36,11 +38,11 @@ class Bottleneck(nn.Module):
 
 
 class ResNet(nn.Module):
-    def __init__(self, block, layers: list[int], classes: int = 1000):
-        self.stem = ConvBN(3, 64, 7, 2, 3)
-        blocks, cin = [], 64
+    def __init__(self, block, layers: list[int], classes: int = 1000, base: int = 64):
+        self.stem = ConvBN(3, base, 7, 2, 3)
+        blocks, cin = [], base
         for i, n in enumerate(layers):
-            width = 64 * 2 ** i
+            width = base * 2 ** i
             for j in range(n):
                 blocks.append(block(cin, width, 2 if (j == 0 and i > 0) else 1))
                 cin = width * block.expansion
@@ -54,9 +56,10 @@ class ResNet(nn.Module):
         return self.fc(global_avg_pool(y))
 
 
-def _resnet(name: str, block, layers: list[int], batch: int) -> ModelDef:
-    return export(name, ResNet(block, layers), {"x": ((batch, 3, 224, 224), "float32")},
-                  description=f"{name}, batch {batch}, 224x224, seeded random weights")
+def _resnet(name: str, block, layers: list[int], batch: int, size: int = 224, classes: int = 1000,
+            base: int = 64) -> ModelDef:
+    return export(name, ResNet(block, layers, classes, base), {"x": ((batch, 3, size, size), "float32")},
+                  description=f"{name}, batch {batch}, {size}x{size}, seeded random weights")
 
 
 def resnet18(batch: int = 1) -> ModelDef:
@@ -69,3 +72,14 @@ def resnet34(batch: int = 1) -> ModelDef:
 
 def resnet50(batch: int = 1) -> ModelDef:
     return _resnet("resnet50", Bottleneck, [3, 4, 6, 3], batch)
+
+
+def resnet152(batch: int = 1) -> ModelDef:
+    """ResNet-152: bottleneck blocks [3, 8, 36, 3], DVABatch's deepest image model."""
+    return _resnet("resnet152", Bottleneck, [3, 8, 36, 3], batch)
+
+
+def resnet152_small(batch: int = 1) -> ModelDef:
+    """ResNet-152-like at test size: bottleneck blocks [1, 2, 3, 1] of width 8..64,
+    32x32 in, 10 classes (the same kinds of operators as ResNet-152, in seconds)."""
+    return _resnet("resnet152_small", Bottleneck, [1, 2, 3, 1], batch, size=32, classes=10, base=8)

@@ -24,7 +24,7 @@ class UnknownModel(KeyError):
 
 
 def _registry() -> dict[str, Callable[[], ModelDef]]:
-    from . import densenet, googlenet, inception, mobilenet, nas_cells, resnet, squeezenet, tiny, transformer
+    from . import densenet, googlenet, inception, mobilenet, nas_cells, resnet, squeezenet, tiny, transformer, unet
     from .onnx_models import light, light_models
     reg: dict[str, Callable[[], ModelDef]] = {
         "tiny_mlp": tiny.tiny_mlp, "tiny_cnn": tiny.tiny_cnn,
@@ -36,6 +36,9 @@ def _registry() -> dict[str, Callable[[], ModelDef]]:
         # Branchy cells for Nimble's streams (docs/nimble.md).
         "nasnet_mobile": nas_cells.nasnet_mobile, "amoebanet": nas_cells.amoebanet,
         "darts": nas_cells.darts,
+        # DVABatch's models (docs/dvabatch.md), full size and test size.
+        "resnet152": resnet.resnet152, "resnet152_small": resnet.resnet152_small,
+        "unet": unet.unet, "unet_small": unet.unet_small,
     }
     for n in light_models():
         reg[f"onnx_{n}"] = (lambda n=n: light(n))

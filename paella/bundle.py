@@ -156,7 +156,7 @@ class CallSpec:
     ``launches[0]`` .. ``launches[1] - 1`` (counting launch steps only), its arguments
     the tensors it was called with (``None``: not a tensor). The unit DVABatch slicing
     cuts between (:mod:`paella.compiler_pass.stage_variants`); the CPU replay of a plan
-    calls the PrimFunc itself (``fused_tir`` file)."""
+    calls the PrimFunc itself (``fused_cpu`` file)."""
 
     primfunc: str
     launches: list[int]

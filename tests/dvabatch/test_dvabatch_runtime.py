@@ -77,7 +77,8 @@ def test_stages_run_as_dispatcher_jobs_without_hazards():
 def test_experiment_quick_subset_writes_the_issue_keys(tmp_path):
     out = tmp_path / "d.json"
     r = subprocess.run([sys.executable, "-m", "paella.cli", "experiment", "dvabatch", "--quick",
-                        "--models", "resnet152", "--queries", "150", "--json", str(out)],
+                        "--models", "resnet152", "--queries", "150", "--kernels", "described",
+                        "--json", str(out)],
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     data = json.loads(out.read_text())

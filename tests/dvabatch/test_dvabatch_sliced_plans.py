@@ -1,0 +1,217 @@
+"""DVABatch stages cut from the compiled (fused) model: ``paella compile --stages``.
+
+The small U-Net-like and ResNet-152-like networks are compiled for batch sizes 1, 2
+and 4 and cut into stages; each stage variant's plan is replayed on the CPU
+(:mod:`paella.compiler_pass.plan_replay`: the plan's own buffers, copies and storage
+reuse, each fused call run by its llvm build), so what is checked is the cut plans'
+dataflow. Bundles come from the compile cache after the first run (about a minute for
+both models the first time, seconds after).
+"""
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from paella.bundle import (BufferSpec, CallSpec, KernelArg, KernelSpec, Op, TensorSpec, Variant,
+                           ViewSpec, load_bundle, split_rows)
+from paella.compiler_pass.build import compile_bundle
+from paella.compiler_pass.plan_replay import replay_cpu
+from paella.compiler_pass.stage_variants import allowed_cuts, boundaries, call_times
+from paella.compiler_pass.stages import OpProfile, preferred_batch
+from paella.models import zoo
+
+SIZES = (1, 2, 4)
+STAGES = {"unet_small": 3, "resnet152_small": 4}
+TOL = dict(rtol=1e-4, atol=1e-5)
+
+
+@pytest.fixture(scope="module")
+def sliced(tmp_path_factory):
+    d = tmp_path_factory.mktemp("sliced")
+    out = {}
+    for name, n in STAGES.items():
+        models = [zoo.get(name, batch=b) for b in SIZES]
+        whole = load_bundle(compile_bundle(models, d / f"{name}_whole"))
+        out[name] = (load_bundle(compile_bundle(models, d / name, stages=n)), whole)
+    return out
+
+
+def _inputs(bundle, batch, seed=0):
+    rng = np.random.default_rng(seed)
+    v = bundle.variants[bundle.stage_variant(0, batch)]
+    return {t.name: rng.standard_normal(t.shape).astype(t.dtype) for t in v.inputs}
+
+
+def _chain(bundle, inputs, batch):
+    h = inputs
+    for s in range(bundle.n_stages):
+        h = replay_cpu(bundle, h, bundle.stage_variant(s, batch))
+    return h
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(STAGES))
+def test_chained_stages_give_the_whole_models_outputs(sliced, name):
+    bundle, _ = sliced[name]
+    assert bundle.n_stages == STAGES[name]
+    assert [(v.stage, v.rows) for v in bundle.variants] == \
+        [(s, b) for s in range(STAGES[name]) for b in SIZES]
+    for b in SIZES:
+        x = _inputs(bundle, b)
+        want = bundle.run_cpu_model(x, b)
+        got = _chain(bundle, x, b)
+        assert got.keys() == want.keys()
+        for k in want:
+            np.testing.assert_allclose(got[k], want[k], **TOL)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(STAGES))
+def test_stage_io_is_boundary_in_then_out_and_batch_major(sliced, name):
+    bundle, _ = sliced[name]
+    n = bundle.n_stages
+    for b in SIZES:
+        vs = [bundle.variants[bundle.stage_variant(s, b)] for s in range(n)]
+        for s in range(n - 1):           # stage s's outs are stage s+1's ins, same layout
+            assert [(t.name, t.shape, t.dtype) for t in vs[s].outputs] == \
+                [(t.name, t.shape, t.dtype) for t in vs[s + 1].inputs]
+            assert all(t.name.startswith(f"cut{s + 1}.") for t in vs[s].outputs)
+        assert [t.name for t in vs[0].inputs] == ["x"] and [t.name for t in vs[-1].outputs] == ["output0"]
+        for v in vs:
+            ends = [t.offset for t in v.inputs + v.outputs]
+            assert ends == sorted(ends) and v.cuts == vs[0].cuts and v.stage_seconds > 0
+            for t in v.inputs + v.outputs:
+                assert t.shape[0] % b == 0
+    one = bundle.variants[bundle.stage_variant(1, 1)]
+    four = bundle.variants[bundle.stage_variant(1, 4)]
+    assert [t.nbytes * 4 for t in one.inputs] == [t.nbytes for t in four.inputs]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(STAGES))
+def test_a_row_range_runs_through_smaller_variants_at_its_offset(sliced, name):
+    """Rows 1..3 of a batch of 4, run stage by stage as split_rows says (a batch-2
+    variant at row 1, a batch-1 at row 3) on the rows of each boundary's batch buffer,
+    give those rows' outputs of the whole batch."""
+    bundle, _ = sliced[name]
+    cap, start, num = 4, 1, 3
+    x = _inputs(bundle, cap, seed=1)
+    want = _chain(bundle, x, cap)
+    pieces = split_rows(start, num, SIZES)
+    assert pieces == [(1, 2), (3, 1)]
+    # One buffer per boundary tensor, holding `cap` rows: (cap, row...) arrays.
+    bufs = {k: a.reshape(cap, -1) for k, a in x.items()}
+    for s in range(bundle.n_stages):
+        for off, size in pieces:
+            v = bundle.variants[bundle.stage_variant(s, size)]
+            ins = {t.name: bufs[t.name][off:off + size].reshape(t.shape) for t in v.inputs}
+            outs = replay_cpu(bundle, ins, bundle.stage_variant(s, size))
+            for t in v.outputs:
+                bufs.setdefault(t.name, np.zeros((cap, t.nbytes // size // np.dtype(t.dtype).itemsize), t.dtype))
+                bufs[t.name][off:off + size] = outs[t.name].reshape(size, -1)
+    for k, w in want.items():
+        np.testing.assert_allclose(bufs[k][start:start + num].reshape(w[start:start + num].shape),
+                                   w[start:start + num], **TOL)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(STAGES))
+def test_cuts_obey_slice_stages(sliced, name):
+    """Every cut is at an allowed place; the first cuts are where the slicing units'
+    preferred batch size changes; the stage times add up to the whole model's."""
+    bundle, whole = sliced[name]
+    cuts = bundle.variants[0].cuts
+    n = bundle.n_stages
+    assert len(cuts) == n - 1 and cuts == sorted(set(cuts))
+    ok, _ = allowed_cuts(whole.variants)
+    assert all(ok[c] for c in cuts)
+    units = [0] + [c for c in range(1, len(ok) - 1) if ok[c]] + [len(ok) - 1]
+    times = {v.rows: call_times(whole, i, "t4") for i, v in enumerate(whole.variants)}
+    profs = [OpProfile(str(a), tuple((b, sum(times[b][a:e])) for b in SIZES)) for a, e in zip(units, units[1:])]
+    prefs = [preferred_batch(p) for p in profs]
+    changes = [units[i] for i in range(1, len(profs)) if prefs[i] != prefs[i - 1]][:n - 1]
+    assert set(changes) <= set(cuts)
+    for b in SIZES:
+        total = sum(bundle.variants[bundle.stage_variant(s, b)].stage_seconds for s in range(n))
+        assert total == pytest.approx(sum(times[b]), rel=1e-9)
+
+
+def _kernel(name: str, access: list[str]) -> KernelSpec:
+    return KernelSpec(name, [1, 1, 1], [32, 1, 1], 0, 0, 16, 0.0, 0,
+                      [{"name": f"a{i}", "kind": "buffer", "dtype": "float32", "access": a}
+                       for i, a in enumerate(access)], False)
+
+
+def test_boundaries_follow_storage_reuse():
+    """One storage (buffer 1) holds A at 0, B at 16, then C at 0 again (A's bytes):
+    across each cut, exactly the tensors written before and read after are live."""
+    def view(buf, off):
+        return ViewSpec(buf, off, [1, 4], "float32")
+    calls = [(view(0, 0), view(1, 0)),      # c0: A = f(x)
+             (view(1, 0), view(1, 16)),     # c1: B = f(A)
+             (view(1, 16), view(1, 0)),     # c2: C = f(B), over A
+             (view(1, 0), view(2, 0))]      # c3: y = f(C)  (B is dead by now)
+    kernels = [_kernel("k", ["r", "w"])]
+    plan = [Op("h2d", buffer=0, io_offset=0, nbytes=16)]
+    plan += [Op("launch", kernel="k", grid=[1, 1, 1], block=[32, 1, 1],
+                args=[KernelArg(a.buffer, a.offset), KernelArg(b.buffer, b.offset)]) for a, b in calls]
+    plan.append(Op("d2h", buffer=2, io_offset=64, nbytes=16))
+    v = Variant("v", [TensorSpec("x", [1, 4], "float32", 0, 16, 0)],
+                [TensorSpec("y", [1, 4], "float32", 64, 16, 2)],
+                [BufferSpec(0, "x", 16, "input"), BufferSpec(1, "s", 32, "intermediate"),
+                 BufferSpec(2, "y", 16, "intermediate")], kernels, plan, 80, batch=1,
+                calls=[CallSpec("f", [i, i + 1], list(c)) for i, c in enumerate(calls)])
+    key = lambda ts: [(t.buffer, t.offset) for t in ts]  # noqa: E731
+    assert key(boundaries(v, 1)) == [(1, 0)]            # A
+    assert key(boundaries(v, 2)) == [(1, 16)]           # B (A is dead, C not yet written)
+    assert key(boundaries(v, 3)) == [(1, 0)]            # C, in A's old bytes
+    assert key(boundaries(v, 4)) == [(2, 0)]            # y, for its D2H
+
+
+def test_split_rows_is_the_binary_decomposition():
+    assert split_rows(5, 13, (1, 2, 4, 8, 16, 32, 64)) == [(5, 8), (13, 4), (17, 1)]
+    assert split_rows(0, 64, (1, 2, 4, 8, 16, 32, 64)) == [(0, 64)]
+    assert split_rows(3, 7, range(1, 65)) == [(3, 7)]
+    assert split_rows(2, 0, (1, 2)) == []
+    with pytest.raises(ValueError, match="lack 1"):
+        split_rows(0, 3, (2, 4))
+
+
+def _paella(*args: str) -> subprocess.CompletedProcess:
+    exe = Path(sys.executable).parent / "paella"
+    cmd = [str(exe)] if exe.is_file() else [sys.executable, "-m", "paella.cli"]
+    return subprocess.run(cmd + list(args), capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.parametrize("value, message", [("0", "positive integer"), ("two", "positive integer"),
+                                            ("50", "only")])
+def test_bad_stages_values_are_errors(tmp_path, value, message):
+    r = _paella("compile", "tiny_cnn", "-o", str(tmp_path / "b"), "-q", "--stages", value)
+    assert r.returncode == 2, r.stderr
+    assert "paella: error:" in r.stderr and message in r.stderr and "Traceback" not in r.stderr
+    assert not (tmp_path / "b").exists()
+
+
+@pytest.mark.slow
+def test_the_experiment_runs_compiled_stage_kernels(sliced):
+    """``paella experiment dvabatch``'s compiled models: a stage run is the compiled
+    stage variants' launches (rows not compiled run in split_rows pieces), and queries
+    go through DVABatch and ZeroBatch on the dispatcher."""
+    from paella.experiments import dvabatch as exp
+    bundle, _ = sliced["resnet152_small"]
+    m = exp.CompiledModel("resnet152", {0: bundle})
+    assert m.n_stages == 4 and m.sizes == list(SIZES)
+    three = m.kernels(1, 3, 0)
+    v2, v1 = (bundle.variants[bundle.stage_variant(1, b)] for b in (2, 1))
+    assert len(three) == len(v2.launches()) + len(v1.launches())
+    assert m.time(1, 3, 0) == pytest.approx(m.time(1, 2, 0) + m.time(1, 1, 0)) and m.time(1, 1, 0) > 0
+    assert m.time(-1, 2, 0) == pytest.approx(sum(m.time(s, 2, 0) for s in range(4)))
+    rec = m.record()
+    assert rec["stages"][1][0] == bundle.variants[0].cuts[0] and rec["source"] == "compiled"
+    for system in ("dvabatch", "zerobatch"):
+        pt = exp.run_point(m, system, rate=2000.0, n=60, seed=1)
+        assert pt["mean_ms"] > 0 and pt["throughput"] > 0
