@@ -80,7 +80,15 @@ class Served:
 
 
 def test_every_row_gets_the_whole_models_answer_through_stretch_and_split(bundle):
+    from paella.dispatcher.instruments import Instrument
+
+    class Streams(Instrument):
+        seen: list = []
+
+        def op_released(self, op, t):
+            self.seen.append((op.job.model.name, op.stream))
     m = Served(bundle, pairs=2, split_factor=0.0, t_comp_wait_us=400.0)
+    m.ex.disp.instruments.add(Streams())
     for i in range(16):
         m.send(client=1 + i % 3)
         m.advance(15e-6)                     # arrivals spread over the first batches
@@ -93,6 +101,13 @@ def test_every_row_gets_the_whole_models_answer_through_stretch_and_split(bundle
     assert st["exited"] == 16 and st["failed"] == 0
     # runs of 3 rows (a stretched batch) ran as pieces of the compiled sizes 2 + 1
     assert st["jobs"] > st["stage_runs"]
+    # one stream per stage executor: every op of stage s's jobs on stage s's stream
+    own = [m.ex.disp.stream_named(f"bert/s{s}") for s in range(2)]
+    assert len(set(own)) == 2
+    by_stage = {}
+    for name, stream in Streams.seen:           # variants are "bert#1/s{stage}_b{rows}_l8"
+        by_stage.setdefault(int(name.split("/s")[1][0]), set()).add(stream)
+    assert by_stage == {0: {own[0]}, 1: {own[1]}}
 
 
 def test_a_client_leaving_mid_batch_is_answered_once_and_the_others_complete(bundle):
