@@ -31,12 +31,13 @@ from typing import Any, Callable
 import numpy as np
 
 from paella import rings
+from paella.bundle import split_rows
 from paella.shapes import layout as request_layout
 
 from ..base import BatcherError, ModelVariants, RequestRefused, SchedulerBatcher
 from ..registry import register_batcher
 from .pipeline import DvaConfig, DvaPipeline
-from .stage_io import PairData, StageModel, StageVariant, cover, gather_request, scatter_request
+from .stage_io import PairData, StageModel, StageVariant, gather_request, scatter_request
 
 log = logging.getLogger(__name__)
 
@@ -227,17 +228,17 @@ class DvaBatcher(SchedulerBatcher):
         if self.closed:
             return                       # the daemon abandons us: nothing runs any more
         sm = self.stages
-        pieces = cover(rows, sm.sizes)
+        pieces = split_rows(row, rows, sm.sizes)
         left = [len(pieces), None]       # pieces in flight, first error
         clients = sorted({q.req.client_id for k in range(row, row + rows)
                           if (q := self._at.get((pair, k))) is not None}) or [0]
-        for off, size in pieces:
+        for at, size in pieces:
             v = sm.variant(stage, size, seq_len)
             io = self._staging(v)
-            sm.load(self.data, v, pair, row + off, io)
+            sm.load(self.data, v, pair, at, io)
 
             def piece_done(status: int, err: str | None, v: StageVariant = v,
-                           io: np.ndarray = io, at: int = row + off) -> None:
+                           io: np.ndarray = io, at: int = at) -> None:
                 if status == rings.OK:
                     sm.store(self.data, v, pair, at, io)
                 elif status != rings.E_CANCELLED and left[1] is None:

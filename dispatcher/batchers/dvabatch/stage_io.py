@@ -15,8 +15,9 @@ and a run of ``n`` rows at row ``k``:
   (:meth:`StageModel.load`), runs it as a job, and copies its outs back to rows
   ``k .. k+n`` of boundary ``s + 1`` (:meth:`StageModel.store`);
 * when ``n`` is not a compiled batch size, runs the pieces of ``n``'s cover by the
-  compiled sizes (:func:`cover`: greedy, largest first; with the powers of two, ``n``'s
-  binary decomposition), each at its own row offset -- no padding row is ever run.
+  compiled sizes (:func:`paella.bundle.split_rows`: greedy, largest first; with the
+  powers of two, ``n``'s binary decomposition), each at its own row offset -- no
+  padding row is ever run.
 
 Why copies, not jobs on the pair's bytes in place: a job's io is one contiguous region
 in its variant's layout (ins then outs), while a run's ins and outs are rows of two
@@ -35,6 +36,7 @@ from typing import Any
 
 import numpy as np
 
+from paella.bundle import split_rows
 from paella.shapes import Slot
 
 from ..base import BatcherError
@@ -58,18 +60,6 @@ def _row_bytes(t: Slot, rows: int) -> int:
         raise BatcherError(f"tensor {t.name!r} {tuple(t.shape)} is not batch-major for "
                            f"{rows} rows (axis 0 must be a multiple of the batch size)")
     return t.nbytes // rows
-
-
-def cover(num: int, sizes: tuple[int, ...]) -> list[tuple[int, int]]:
-    """``num`` rows as pieces of compiled batch sizes: ``[(offset, size), ...]`` from
-    offset 0, largest size first (exact when 1 is compiled, which :class:`StageModel`
-    requires)."""
-    out, k, left = [], 0, num
-    for b in sorted(sizes, reverse=True):
-        while left >= b:
-            out.append((k, b))
-            k, left = k + b, left - b
-    return out
 
 
 class StageModel:
@@ -134,7 +124,7 @@ class StageModel:
     def stage_time(self, stage: int, rows: int, seq_len: int) -> float:
         """Profiled time of a run of ``rows`` rows (its pieces' times added)."""
         ln = self.bucket(seq_len) if self.buckets != (0,) else 0
-        return sum(self.by_key[(stage, b, ln)].cost_s for _, b in cover(rows, self.sizes))
+        return sum(self.by_key[(stage, b, ln)].cost_s for _, b in split_rows(0, rows, self.sizes))
 
     # -- copies ---------------------------------------------------------------------------
     def load(self, data: "PairData", v: StageVariant, pair: int, row: int,
@@ -216,5 +206,4 @@ def scatter_request(data: PairData, model: StageModel, req: Any, pair: int, row:
         dst[...] = src[tuple(slice(0, n) for n in dst.shape)]
 
 
-__all__ = ["PairData", "StageModel", "StageVariant", "cover", "gather_request",
-           "scatter_request"]
+__all__ = ["PairData", "StageModel", "StageVariant", "gather_request", "scatter_request"]
