@@ -136,7 +136,8 @@ def _cpu_answer(bundle, variant: int):
     """How the CPU computes ``variant``'s outputs: the CPU build of the model, or, for a
     stage of a sliced model (which has no CPU build of its own), its plan replayed on
     the CPU (``Bundle.run_stage_cpu``)."""
-    if getattr(bundle.variants[variant], "stage", -1) < 0:
+    variants = getattr(bundle, "variants", None)      # (None: a bundle-like test double)
+    if variants is None or getattr(variants[variant], "stage", -1) < 0:
         return bundle.run_cpu
     run = getattr(bundle, "run_stage_cpu", None)
     if run is None:
