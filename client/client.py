@@ -373,6 +373,8 @@ class Client:
                 return None
             if got[1] != rings.PROGRESS:
                 self._completed += 1
+                if self._progress:               # (its count is of no use any more)
+                    self._progress.pop(got[0], None)
                 return got      # type: ignore[return-value]
             if got[0] not in self._orphans:
                 self._progress[got[0]] = max(self._progress.get(got[0], 0), got[2])  # type: ignore[arg-type]

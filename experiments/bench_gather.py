@@ -7,7 +7,8 @@ of B one-row requests is gathered into the batch-B variant's buffer and scattere
 back; the figure is the median over ``--repeat`` runs of the time per batch and per
 request, next to the device time of the batch on the simulated T4 when known.
 
-Run: ``python -m paella.experiments.bench_gather [--repeat 200]``.
+Run: ``python -m paella.experiments.bench_gather [--repeat 200]``; ``--identity`` for the
+stage's own cost on the unbatched path, ``--serve {direct,stage} N`` for callgrind.
 """
 from __future__ import annotations
 
@@ -62,16 +63,13 @@ def measure(name: str, batch: int, repeat: int) -> dict:
             "zero_copy_alone": in_place(reqs[:1], variant_layout(ins, outs, 1, seq))}
 
 
-def identity_overhead(n: int, repeat: int) -> dict:
-    """The batching stage's own cost per request on the daemon's default path (identity
-    batcher, zero copy): ``n`` submissions to the dispatcher directly vs through the
-    stage (submission side: fit, batcher, completion wrapper, submit_group), then the
-    completion side (the stage's wrapper around each request's on_complete), timed apart
-    from the serving itself. Medians of ``repeat`` runs."""
+def _identity_setup():
+    """A one-kernel plan on the simulated T4, its dispatcher model id, and a function
+    making a batching stage that serves it (identity batcher) as model 7."""
     from paella.dispatcher.adaptor import PlanAdaptor, synthetic_plan
     from paella.dispatcher.batchers import ModelVariants, VariantSpec, make_batcher
     from paella.dispatcher.batchers.stage import BatchingStage, ServedModel, ServedVariant
-    from paella.dispatcher.core import Dispatcher, Request
+    from paella.dispatcher.core import Dispatcher
     from paella.dispatcher.devices.sim import SimDevice
 
     dev = SimDevice("t4", n_streams=64, seed=1)
@@ -80,14 +78,47 @@ def identity_overhead(n: int, repeat: int) -> dict:
     mid = d.register_model("p", PlanAdaptor(plan))
     lay = IoLayout((Slot("x", (1, 16), "float32", 0),), (Slot("y", (1, 16), "float32", 64),), 128)
     v = VariantSpec(0, 1)
+
+    def make_stage():
+        stage = BatchingStage(d)
+        stage.add_model(7, ServedModel("p", ModelVariants("p", (v,)),
+                                       {0: ServedVariant(v, mid, lay)},
+                                       make_batcher("identity", ModelVariants("p", (v,)))))
+        return stage
+    return d, mid, make_stage
+
+
+def serve_identity(mode: str, n: int) -> None:
+    """Serve ``n`` requests of the one-kernel plan in virtual time, submitted to the
+    dispatcher directly (``direct``) or through the stage (``stage``): what callgrind
+    counts for docs/batching.md ("Cost of the stage on the unbatched path")."""
+    from paella.dispatcher.core import Request
+    d, mid, make_stage = _identity_setup()
+    stage = make_stage()
+    io = np.zeros(128, np.uint8)
+    done: list[int] = []
+    for i in range(n):
+        r = Request(i, 0, 7 if mode == "stage" else mid, io,
+                    on_complete=lambda *a: done.append(1))
+        stage.submit(r) if mode == "stage" else d.submit(r)
+    stage.run_until_idle()
+    assert len(done) == n, f"{len(done)} of {n} requests completed"
+
+
+def identity_overhead(n: int, repeat: int) -> dict:
+    """The batching stage's own cost per request on the daemon's default path (identity
+    batcher, zero copy): ``n`` submissions to the dispatcher directly vs through the
+    stage (submission side: fit, batcher, completion wrapper, submit_group), then the
+    completion side (the stage's wrapper around each request's on_complete), timed apart
+    from the serving itself. Medians of ``repeat`` runs."""
+    from paella.dispatcher.core import Request
+
+    d, mid, make_stage = _identity_setup()
     io = np.zeros(128, np.uint8)
     sub, done = {False: [], True: []}, []
     for _ in range(repeat):
         for staged in (False, True):
-            stage = BatchingStage(d)
-            stage.add_model(7, ServedModel("p", ModelVariants("p", (v,)),
-                                           {0: ServedVariant(v, mid, lay)},
-                                           make_batcher("identity", ModelVariants("p", (v,)))))
+            stage = make_stage()
             reqs = [Request(i, 0, 7 if staged else mid, io, on_complete=lambda *a: None)
                     for i in range(n)]
             t0 = time.perf_counter()
@@ -113,7 +144,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeat", type=int, default=200)
     p.add_argument("--identity", action="store_true",
                    help="instead: the stage's cost per request on the identity path")
+    p.add_argument("--serve", nargs=2, metavar=("MODE", "N"),
+                   help="instead: serve N requests of a one-kernel plan, MODE direct or "
+                        "stage (run it under callgrind for instruction counts)")
     args = p.parse_args(argv)
+    if args.serve:
+        serve_identity(args.serve[0], int(args.serve[1]))
+        return 0
     if args.identity:
         r = identity_overhead(2000, max(3, args.repeat // 40))
         print(f"submit per request: direct {r['direct_us']:.2f} us, through the stage "

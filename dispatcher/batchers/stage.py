@@ -126,7 +126,11 @@ class BatchingStage:
         old = self.models.get(model_id)
         if model.batcher.drives_jobs and model.ctx is None:
             model.ctx = StageContext(self, model)
-            model.batcher.start(model.ctx)      # raises: the model is not served
+            try:
+                model.batcher.start(model.ctx)  # raises: the model is not served
+            except BaseException:
+                model.ctx.shut("", rings.E_INTERNAL)   # (frees what it allocated)
+                raise
         self.models[model_id] = model
         if old is not None and old.ctx is not None:
             old.ctx.retire()                     # its requests finish on it, then it closes
@@ -175,6 +179,11 @@ class BatchingStage:
         for m in self._served_models():
             if m.waiting:
                 d = self._guarded(m, "deadline", m.batcher.deadline)
+                if d is None and m.ctx is not None and m.ctx.jobs == 0 and m.waiting:
+                    # Nothing would ever call it again for them: a stall, not a wait.
+                    m.ctx.fail("deadline", RuntimeError(
+                        f"it holds {len(m.waiting)} request(s) with no job in flight and "
+                        f"no deadline"))
                 if d is not None and (best is None or d < best):
                     best = d
         return best
@@ -406,7 +415,9 @@ class StageContext:
     def register_model(self, name: str, adaptor: Any, *, profile_runs: int = 0) -> int:
         disp = self.stage.disp
         mid = self.stage.new_model_id()
-        disp.register_model(f"{self.name}/{name}", adaptor, profile_runs=profile_runs,
+        # Named with its id: a reloaded model's scheduler registers its models again
+        # while the old one's still run.
+        disp.register_model(f"{self.name}/{name}@{mid}", adaptor, profile_runs=profile_runs,
                             model_id=mid)
         self._own_models.add(mid)
         return mid
@@ -507,9 +518,9 @@ class StageContext:
         if self.failed:
             return
         name = self.model.batcher.name
-        self.failed = (f"scheduler {name!r} of model {self.name} failed in {hook}(): "
-                       f"{type(exc).__name__}: {exc}; the model is out of service until it is "
-                       f"reloaded (SIGHUP) with a fixed plug-in")
+        # (Most telling first: a client's completion text keeps 120 bytes of it.)
+        self.failed = (f"{self.name} out of service: scheduler {name!r} raised in {hook}(): "
+                       f"{type(exc).__name__}: {exc}; fix it and reload (SIGHUP)")
         self.stage.stats.scheduler_failures += 1
         log.error("%s (%d request(s) it held answered with the reason)", self.failed,
                   len(self.model.waiting), exc_info=exc)

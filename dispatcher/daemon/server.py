@@ -455,7 +455,8 @@ class Daemon:
         except DeviceLost as e:
             return self._device_lost(e)
         log.info("stopped cleanly; stats %s", self.front.stats)
-        if self.dispatcher is not None and self.dispatcher.stage.stats.batches:
+        stats = self.dispatcher.stage.stats if self.dispatcher is not None else None
+        if stats is not None and (stats.batches or stats.scheduler_jobs):
             log.info("batching stats %s", self.dispatcher.stage.stats.to_dict())
         return 0
 

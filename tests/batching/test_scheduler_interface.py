@@ -35,6 +35,8 @@ class TwoPass(SchedulerBatcher):
     def add(self, req, now):
         if self.raise_in == "add":
             raise RuntimeError("boom in add")
+        if self.raise_in == "hold":          # keeps it, with nothing that would wake it
+            return
         x = req.io[:COLS * 4].view(np.float32)
         if x[0] == self.refuse_first:
             raise RequestRefused(f"first value {self.refuse_first} is not served")
@@ -126,7 +128,9 @@ def test_raising_scheduler_answers_everything_once(where):
     assert sorted(c.done) == [0, 1, 2, 9]
     for st, err in c.done.values():
         assert st == rings.E_INTERNAL
-        assert f"failed in {where}()" in err and "SIGHUP" in err
+        assert err.startswith(f"rows out of service: scheduler 'two-pass' raised in {where}(): "
+                              f"RuntimeError: boom in {where}")
+        assert err.endswith("reload (SIGHUP)")
     assert stage.queued == 0 and sched.closed
     assert stage.stats.scheduler_failures == 1
     assert not stage.models[100].ctx._ptrs       # no job in flight: memory freed
@@ -178,3 +182,23 @@ def test_a_scheduler_may_not_run_other_models():
     with pytest.raises(ValueError, match="not one this scheduler registered"):
         sched.ctx.submit(other, np.zeros(64, np.uint8), [0], lambda s, e: None)
     assert isinstance(stage.models[100].variants, ModelVariants)
+
+
+def test_a_scheduler_holding_requests_with_nothing_to_wake_it_is_a_stall():
+    disp, stage, sched = served(raise_in="hold")
+    c = Client()
+    stage.submit(c.request(0, 1))
+    assert stage.deadline() is None                  # the loop's look: a stall, answered
+    assert c.done[0][0] == rings.E_INTERNAL
+    assert "no job in flight and no deadline" in c.done[0][1]
+    assert stage.queued == 0
+
+
+def test_a_scheduler_failing_to_start_is_not_served_and_frees_its_memory():
+    disp, stage, sched = served()
+    m = stage.models[100]
+    bad = TwoPass(m.variants)
+    bad.start = lambda ctx: (SchedulerBatcher.start(bad, ctx), ctx.alloc(64), 1 / 0)
+    with pytest.raises(ZeroDivisionError):
+        stage.add_model(101, ServedModel("rows2", m.variants, m.served, bad))
+    assert 101 not in stage.models and not bad.ctx._ptrs and bad.closed

@@ -63,10 +63,11 @@ def model_repository(root: Path) -> Path:
     return models
 
 
-def serve(root: Path, *args: str):
+def serve(root: Path, *args: str, env: dict[str, str] | None = None):
     models = model_repository(root)
     env = {"PYTHONPATH": os.pathsep.join(filter(None, [str(root / "plugin"),
-                                                       os.environ.get("PYTHONPATH")]))}
+                                                       os.environ.get("PYTHONPATH")])),
+           **(env or {})}
     return start_daemon("--backend", "sim", "--models", str(models), *args, env=env)
 
 
@@ -139,6 +140,15 @@ def test_progress_entries_come_in_order_before_the_one_completion(daemon):
     assert [e[0] for e in got] == [rid] * 21
     assert [e[1:] for e in got] == [(rings.PROGRESS, n) for n in range(1, 21)] + [(rings.OK, "")]
     assert tokens.tolist()[:20] == generate_reference(CFG, W, [5, 4, 3], 20)
+
+
+def test_read_result_skips_progress_entries_and_keeps_no_count(daemon):
+    """A STREAM request read the plain way: read_result returns its completion only."""
+    with connect(daemon.socket) as c:
+        rid, off, tokens = stream_raw(c, "gpt-tiny", [6, 1], 15)
+        assert c.read_result(timeout=20) == rid
+        assert c.in_flight == 0 and not c._progress
+        assert tokens.tolist()[:15] == generate_reference(CFG, W, [6, 1], 15)
 
 
 @pytest.mark.parametrize("mode", ["hybrid", "socket", "polling"])
@@ -299,3 +309,76 @@ def test_the_readme_generation_snippet_runs_as_written(daemon):
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == str(generate_reference(CFG, W, [3, 7, 1, 9], 6))
+
+
+def test_sighup_with_a_changed_config_serves_the_new_and_loses_nothing(tmp_path):
+    """A generation in flight across a reload of its model gets all its tokens, and the
+    reloaded model serves. (Whether the reload's swap lands before the generation ends
+    depends on timing; the old scheduler finishing its requests after a swap is
+    tests/stepsched/test_orca_plugin.py's reload test, deterministic in virtual time.)"""
+    dp = serve(tmp_path)
+    try:
+        with connect(dp.socket, mode="polling") as c:
+            rid, off, tokens = stream_raw(c, "gpt-tiny", [4, 4], 50)
+            while not c._completions.ready():
+                pass                                      # it runs
+            cfg = tmp_path / "models" / "gpt-tiny" / "config.toml"
+            cfg.write_text(cfg.read_text().replace("max_bs = 4", "max_bs = 2"))
+            os.utime(cfg, (time.time() + 5, time.time() + 5))    # a newer mtime for sure
+            dp.proc.send_signal(signal.SIGHUP)
+            got = entries(c, {rid})
+            assert got[-1] == (rid, rings.OK, "")
+            assert tokens.tolist()[:50] == generate_reference(CFG, W, [4, 4], 50)
+            deadline = time.monotonic() + 20
+            while "SIGHUP: repository read" not in dp.log():
+                assert time.monotonic() < deadline, dp.log()
+                time.sleep(0.05)
+            assert list(c.generate("gpt-tiny", [4, 4], 5, timeout=20)) == \
+                generate_reference(CFG, W, [4, 4], 5)
+        log = dp.log()
+        assert "1 new or changed" in log and "registered gpt-tiny" in log
+        assert dp.stop() == 0
+    finally:
+        cleanup(dp)
+
+
+def test_a_device_lost_mid_generation_fails_it_once_and_the_daemon_exits(tmp_path):
+    """The simulated GPU is lost at its 40th launch (the noop model's profiling took 2;
+    an iteration of the tiny GPT is a dozen): the generation has streamed some tokens,
+    then fails with the reason, once; the daemon exits for systemd to restart it."""
+    from paella.dispatcher.daemon import EXIT_DEVICE_LOST
+    dp = serve(tmp_path, env={"PAELLA_SIM_LOSE_DEVICE_AFTER": "40"})
+    try:
+        with connect(dp.socket, mode="polling") as c:
+            rid, off, tokens = stream_raw(c, "gpt-tiny", [2, 2, 2], 40)
+            got = entries(c, {rid})
+        assert dp.proc.wait(15) == EXIT_DEVICE_LOST
+        finals = [e for e in got if e[1] != rings.PROGRESS]
+        assert len(finals) == 1 and finals[0][1] == rings.E_FAILED
+        assert "GPU failed" in finals[0][2]
+        n = max((e[2] for e in got if e[1] == rings.PROGRESS), default=0)
+        assert 0 < n < 40
+        assert tokens.tolist()[:n] == generate_reference(CFG, W, [2, 2, 2], n)
+    finally:
+        cleanup(dp)
+
+
+def test_a_client_corrupting_its_ring_mid_stream_is_dropped_and_its_slots_come_back(daemon):
+    """Its completion head moved past the tail between two progress entries: the next
+    progress push finds it (inside the scheduler's callback) and drops the client; its
+    generation is cancelled, and gpt-tight's 64 slots serve the next long one."""
+    from paella.client import DaemonError, DaemonGone
+    c = connect(daemon.socket, mode="polling")
+    rid, off, tokens = stream_raw(c, "gpt-tight", [1, 1, 1, 1], 56)
+    while c._completions.pop() is None:
+        pass                                              # its first token
+    c._seg.hdr[rings.CMP_HEAD] = int(c._seg.hdr[rings.CMP_TAIL]) + 5
+    with pytest.raises((DaemonError, DaemonGone)):
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            c._pump(block=True, timeout=1.0)              # the ERROR frame, then EOF
+    c.close()
+    assert "ring_corrupt" in daemon.log()
+    with connect(daemon.socket) as other:
+        assert list(other.generate("gpt-tight", [4, 3, 2, 1], 56, timeout=20)) == \
+            generate_reference(CFG, W, [4, 3, 2, 1], 56)
