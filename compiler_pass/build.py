@@ -158,7 +158,7 @@ def relax_pipeline(mod: tvm.IRModule, target: tvm.target.Target,
 def _build_fused_cpu(fused: tvm.IRModule, calls, path: Path) -> None:
     """The llvm build of the unscheduled fused PrimFuncs the plan calls, each exported
     under its name (DLight keeps the names), for the CPU replay of the plan
-    (:mod:`.plan_replay`). Unoptimized: 7x quicker to build (0.4 s against 3 s for the
+    (:meth:`paella.bundle.Bundle.run_stage_cpu`). Unoptimized: 7x quicker to build (0.4 s against 3 s for the
     small ResNet-152-like net), and LLVM's vectorizer sometimes emits IR its own
     verifier rejects ("Instruction does not dominate all uses", a batch-4 conv)."""
     names = {c.primfunc for c in calls}
@@ -261,14 +261,18 @@ def cache_key(model: ModelDef, arch: str, options: InstrumentOptions) -> str:
 
 
 #: Modules that rewrite a compiled bundle after the cache (their own part of the key).
-POST_PASSES = ("streams.py", "stages.py", "stage_variants.py", "plan_replay.py")
+POST_PASSES = ("streams.py", "stages.py", "stage_variants.py")
+
+
+#: The files of a timing-only bundle (``compile_bundle(timing_only=True)``).
+TIMING_FILES = ("cuda_source", "ptx", "cubin")
 
 
 def _write_bundle(model: ModelDef, tmp: Path, arch: str, options: InstrumentOptions,
-                  key: str, progress: Progress) -> Manifest:
+                  key: str, progress: Progress, timing_only: bool = False) -> Manifest:
     t0 = time.perf_counter()
     target = gpu_target(arch)
-    step = _stepper(progress, 6)
+    step = _stepper(progress, 4 if timing_only else 6)
 
     _require_static_inputs(model)
     mod = bounded_indexing(model.mod)        # a client's index can never leave a tensor
@@ -296,8 +300,12 @@ def _write_bundle(model: ModelDef, tmp: Path, arch: str, options: InstrumentOpti
                            f"{len(globals_)}")
     variant = Variant("default", plan.inputs, plan.outputs, plan.buffers, kernels, plan.plan,
                       plan.io_bytes, batch=model.batch, seq_len=model.seq_len, calls=plan.calls)
-    _build_fused_cpu(fused, plan.calls, tmp / FILES["fused_cpu"])
     check_variant(variant)
+    if timing_only:
+        return Manifest(model=model.name, arch=arch, instrumented=options.enabled, group=options.group,
+                        variants=[variant], files={f: FILES[f] for f in TIMING_FILES}, cache_key=key,
+                        tvm_version=tvm.__version__, compile_seconds=time.perf_counter() - t0)
+    _build_fused_cpu(fused, plan.calls, tmp / FILES["fused_cpu"])
 
     step("CPU (llvm) reference build")
     cpu_exec = tvm.compile(mod, target="llvm")
@@ -327,7 +335,7 @@ def variant_name(model: ModelDef) -> str:
 
 
 def _write_variants(models: list[ModelDef], tmp: Path, arch: str, options: InstrumentOptions,
-                    key: str, progress: Progress) -> Manifest:
+                    key: str, progress: Progress, timing_only: bool = False) -> Manifest:
     """One bundle of several variants: variant 0's files at the top (as in a bundle of
     one), each other's in ``variants/<name>/`` (its own kernels, plan, params and CPU
     build: TVM names kernels after the operators, so two shapes' kernels collide)."""
@@ -337,14 +345,14 @@ def _write_variants(models: list[ModelDef], tmp: Path, arch: str, options: Instr
         progress(f"-- variant {variant_name(model)} ({k + 1}/{len(models)})")
         sub = tmp if k == 0 else tmp / "variants" / variant_name(model)
         sub.mkdir(parents=True, exist_ok=True)
-        m = _write_bundle(model, sub, arch, options, key, progress)
+        m = _write_bundle(model, sub, arch, options, key, progress, timing_only)
         v = m.variants[0]
         v.name = variant_name(model)
         if k == 0:
             first = m
         else:
-            v.files = {f: f"variants/{v.name}/{name}" for f, name in FILES.items()}
-            if _same_params(tmp / FILES["params"], sub / FILES["params"]):
+            v.files = {f: f"variants/{v.name}/{name}" for f, name in m.files.items()}
+            if "params" in v.files and _same_params(tmp / FILES["params"], sub / FILES["params"]):
                 (sub / FILES["params"]).unlink()     # variant 0's serve: one copy of the weights
                 del v.files["params"]
             first.variants.append(v)
@@ -419,14 +427,18 @@ def _install(src: Path, out: Path, copy: bool) -> None:
 def compile_bundle(model: ModelDef | list[ModelDef], out: str | Path, arch: str = "sm_75",
                    options: InstrumentOptions = InstrumentOptions(), progress: Progress = lambda _m: None,
                    cache_dir: str | Path | None = None, force: bool = False,
-                   streams: str = "single", stages: int = 0, stage_gpu: str = "t4") -> Path:
+                   streams: str = "single", stages: int = 0, stage_gpu: str = "t4",
+                   timing_only: bool = False) -> Path:
     """Build (or fetch from cache) the bundle of ``model`` into directory ``out``. A
     list of models (one model at several batch sizes / length buckets, each with its
     ``batch`` and ``seq_len``) makes one bundle with one variant each, in that order.
     ``streams``: the launch plan's streams (:data:`.streams.MODES`; ``nimble`` assigns
     them by Nimble's algorithm, :mod:`.streams`, to every variant). ``stages``: cut
     the variants into that many DVABatch stages, profiled on the simulated
-    ``stage_gpu`` (:mod:`.stage_variants`; 0: no cut)."""
+    ``stage_gpu`` (:mod:`.stage_variants`; 0: no cut). ``timing_only``: only the
+    kernels and the plan (no CPU build, no params file): enough for the simulator's
+    timing, a third quicker to build and without a copy of the weights (BERT-base: 340 MB)
+    -- such a bundle cannot be served or checked against a reference."""
     from .streams import MODES
     out = Path(out)
     nvcc.check_arch(arch)
@@ -442,6 +454,8 @@ def compile_bundle(model: ModelDef | list[ModelDef], out: str | Path, arch: str 
                                      for m in models).encode()).hexdigest()[:24]
     else:
         key = cache_key(model, arch, options)
+    if timing_only:
+        key += "-timing"
     out_key = _post_key(key, streams, stages, stage_gpu)
     existing = out / MANIFEST
     if not force and existing.is_file():
@@ -465,9 +479,9 @@ def compile_bundle(model: ModelDef | list[ModelDef], out: str | Path, arch: str 
         raise CompileError(f"cannot write into {out.resolve().parent} ({e.strerror}); choose a writable -o path") from None
     try:
         try:
-            manifest = (_write_variants(models, tmp, arch, options, key, progress)
+            manifest = (_write_variants(models, tmp, arch, options, key, progress, timing_only)
                         if models is not None else
-                        _write_bundle(model, tmp, arch, options, key, progress))
+                        _write_bundle(model, tmp, arch, options, key, progress, timing_only))
         except (PlanError, nvcc.NvccError) as e:
             raise CompileError(f"{model.name}: {e}") from None
         except _TVM_ERRORS as e:

@@ -60,6 +60,14 @@ def bert_encoder(batch: int = 1, seq_len: int = 64, layers: int = 2, hidden: int
                               f"{heads} heads, batch {batch}, length {seq_len}")
 
 
+def bert_base(batch: int = 1, seq_len: int = 128) -> ModelDef:
+    """The same encoder at BERT-base's size (12 layers, hidden 768, 12 heads, FFN 3072):
+    DVABatch's BERT-like model."""
+    md = bert_encoder(batch, seq_len, layers=12, hidden=768, heads=12, ffn=3072)
+    md.name = "bert_base"
+    return md
+
+
 def tiny_encoder(batch: int = 1, seq_len: int = 8) -> ModelDef:
     """The same encoder at test size (1 layer, hidden 16): compiles in seconds."""
     md = bert_encoder(batch, seq_len, layers=1, hidden=16, heads=2, ffn=32)

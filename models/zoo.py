@@ -37,7 +37,7 @@ def _registry() -> dict[str, Callable[[], ModelDef]]:
         "nasnet_mobile": nas_cells.nasnet_mobile, "amoebanet": nas_cells.amoebanet,
         "darts": nas_cells.darts,
         # DVABatch's models (docs/dvabatch.md), full size and test size.
-        "resnet152": resnet.resnet152, "resnet152_small": resnet.resnet152_small,
+        "bert_base": transformer.bert_base, "resnet152": resnet.resnet152, "resnet152_small": resnet.resnet152_small,
         "unet": unet.unet, "unet_small": unet.unet_small,
     }
     for n in light_models():

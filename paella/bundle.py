@@ -156,7 +156,7 @@ class CallSpec:
     ``launches[0]`` .. ``launches[1] - 1`` (counting launch steps only), its arguments
     the tensors it was called with (``None``: not a tensor). The unit DVABatch slicing
     cuts between (:mod:`paella.compiler_pass.stage_variants`); the CPU replay of a plan
-    calls the PrimFunc itself (``fused_cpu`` file)."""
+    (:meth:`Bundle.run_stage_cpu`) calls the PrimFunc itself (``fused_cpu`` file)."""
 
     primfunc: str
     launches: list[int]
@@ -496,6 +496,53 @@ class Bundle:
             raise BundleError(f"CPU build returned {len(outs)} outputs, manifest lists {len(outputs)}")
         return {t.name: o.numpy() for t, o in zip(outputs, outs)}
 
+    def run_stage_cpu(self, inputs: dict[str, np.ndarray], variant: int = 0) -> dict[str, np.ndarray]:
+        """``variant``'s outputs computed by *replaying its plan* on the CPU: what a DVABatch
+        stage variant gives (its boundary-in tensors in, its boundary-out tensors out),
+        since a stage has no CPU build of its own. Works for any variant that records
+        its calls.
+
+        The whole model's CPU build says nothing about a plan: which bytes of which
+        statically planned storage each kernel reads and writes. A sliced plan is right
+        only if its copies in and out carry every byte the later kernels need, storage
+        reuse included. So this replays the plan itself: one numpy array per device buffer
+        (params loaded, the rest zero), the H2D and D2H copies as written, and each fused
+        PrimFunc *call* (``Variant.calls``) run by the llvm build of the same fused,
+        unscheduled PrimFunc (the ``fused_cpu`` file) on the views the call names. The
+        CUDA kernels are the GPU lowering of those PrimFuncs (DLight only schedules them),
+        so what it checks is the plan's dataflow, not the CUDA code generation."""
+        import tvm
+        v = self.variants[variant]
+        if not v.calls:
+            raise BundleError(f"variant {v.name!r} records no PrimFunc calls (a bundle from before "
+                              f"they were recorded): recompile it with `paella compile`")
+        path = str(self.file("fused_cpu", variant))
+        lib = self._vm.get(path)
+        if lib is None:
+            lib = self._vm[path] = tvm.runtime.load_module(path)
+        params = self.params(variant)
+        mem = [np.frombuffer(params[b.name].tobytes(), np.uint8).copy() if b.kind == "param"
+               else np.zeros(b.nbytes, np.uint8) for b in v.buffers]
+        io = self.pack_inputs(inputs, variant)
+        calls, done, launched = v.calls, 0, 0
+
+        def run_calls(upto: int) -> None:
+            nonlocal done
+            while done < len(calls) and calls[done].launches[0] <= upto:
+                _replay_call(lib, calls[done], mem)
+                done += 1
+
+        for op in v.plan:
+            if op.op == "h2d":
+                mem[op.buffer][op.buffer_offset:op.buffer_offset + op.nbytes] = io[op.io_offset:op.io_offset + op.nbytes]
+            elif op.op == "launch":
+                run_calls(launched)
+                launched += 1
+            elif op.op == "d2h":
+                run_calls(launched)
+                io[op.io_offset:op.io_offset + op.nbytes] = mem[op.buffer][op.buffer_offset:op.buffer_offset + op.nbytes]
+        return self.unpack_outputs(io, variant)
+
     # DVABatch stages (paella compile --stages)
     @property
     def n_stages(self) -> int:
@@ -511,6 +558,23 @@ class Bundle:
         raise BundleError(f"bundle {self.path} has no variant of stage {stage} for batch {batch} "
                           f"(stages: {self.n_stages}, batch sizes: {sizes}); run the rows in pieces "
                           f"(split_rows) or compile it with that batch size")
+
+
+def _replay_call(lib, c: CallSpec, mem: list[np.ndarray]) -> None:
+    """One fused PrimFunc call on the CPU, on copies of its views; only the views the
+    call changed are written back (an argument it only reads may overlap one it writes)."""
+    import tvm
+    if any(a is None for a in c.args):
+        raise BundleError(f"a call of {c.primfunc} has a non-tensor argument; the CPU replay "
+                          f"handles tensor arguments only")
+    views = [mem[a.buffer][a.offset:a.offset + a.nbytes] for a in c.args]
+    before = [m.copy() for m in views]
+    args = [tvm.runtime.tensor(b.view(a.dtype).reshape(a.shape), tvm.cpu()) for a, b in zip(c.args, before)]
+    lib[c.primfunc](*args)
+    for view, b, t in zip(views, before, args):
+        after = np.ascontiguousarray(t.numpy()).view(np.uint8).reshape(-1)
+        if not np.array_equal(after, b):
+            view[:] = after
 
 
 def split_rows(start: int, num: int, sizes: list[int] | tuple[int, ...]) -> list[tuple[int, int]]:

@@ -139,13 +139,7 @@ def _cpu_answer(bundle, variant: int):
     variants = getattr(bundle, "variants", None)      # (None: a bundle-like test double)
     if variants is None or getattr(variants[variant], "stage", -1) < 0:
         return bundle.run_cpu
-    run = getattr(bundle, "run_stage_cpu", None)
-    if run is None:
-        from paella.bundle import BundleError
-        raise BundleError(f"variant {bundle.variants[variant].name!r} is a model stage and this "
-                          f"paella has no CPU replay of a stage's plan to answer it on the "
-                          f"simulated GPU (Bundle.run_stage_cpu); serve it on a GPU")
-    return run
+    return bundle.run_stage_cpu
 
 
 def _words(a: np.ndarray) -> np.ndarray:

@@ -2,7 +2,7 @@
 
 The small U-Net-like and ResNet-152-like networks are compiled for batch sizes 1, 2
 and 4 and cut into stages; each stage variant's plan is replayed on the CPU
-(:mod:`paella.compiler_pass.plan_replay`: the plan's own buffers, copies and storage
+(``Bundle.run_stage_cpu``: the plan's own buffers, copies and storage
 reuse, each fused call run by its llvm build), so what is checked is the cut plans'
 dataflow. Bundles come from the compile cache after the first run (about a minute for
 both models the first time, seconds after).
@@ -19,9 +19,8 @@ import pytest
 from paella.bundle import (BufferSpec, CallSpec, KernelArg, KernelSpec, Op, TensorSpec, Variant,
                            ViewSpec, load_bundle, split_rows)
 from paella.compiler_pass.build import compile_bundle
-from paella.compiler_pass.plan_replay import replay_cpu
 from paella.compiler_pass.stage_variants import allowed_cuts, boundaries, call_times
-from paella.compiler_pass.stages import OpProfile, preferred_batch
+from paella.compiler_pass.stages import OpProfile, preferred_batch, slice_stages
 from paella.models import zoo
 
 SIZES = (1, 2, 4)
@@ -49,7 +48,7 @@ def _inputs(bundle, batch, seed=0):
 def _chain(bundle, inputs, batch):
     h = inputs
     for s in range(bundle.n_stages):
-        h = replay_cpu(bundle, h, bundle.stage_variant(s, batch))
+        h = bundle.run_stage_cpu(h, bundle.stage_variant(s, batch))
     return h
 
 
@@ -109,7 +108,7 @@ def test_a_row_range_runs_through_smaller_variants_at_its_offset(sliced, name):
         for off, size in pieces:
             v = bundle.variants[bundle.stage_variant(s, size)]
             ins = {t.name: bufs[t.name][off:off + size].reshape(t.shape) for t in v.inputs}
-            outs = replay_cpu(bundle, ins, bundle.stage_variant(s, size))
+            outs = bundle.run_stage_cpu(ins, bundle.stage_variant(s, size))
             for t in v.outputs:
                 bufs.setdefault(t.name, np.zeros((cap, t.nbytes // size // np.dtype(t.dtype).itemsize), t.dtype))
                 bufs[t.name][off:off + size] = outs[t.name].reshape(size, -1)
@@ -121,8 +120,9 @@ def test_a_row_range_runs_through_smaller_variants_at_its_offset(sliced, name):
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(STAGES))
 def test_cuts_obey_slice_stages(sliced, name):
-    """Every cut is at an allowed place; the first cuts are where the slicing units'
-    preferred batch size changes; the stage times add up to the whole model's."""
+    """Every cut is at an allowed place, the cuts are slice_stages' on the slicing
+    units' profiles (the calls between allowed cuts), and the stage times add up to the
+    whole model's."""
     bundle, whole = sliced[name]
     cuts = bundle.variants[0].cuts
     n = bundle.n_stages
@@ -132,12 +132,27 @@ def test_cuts_obey_slice_stages(sliced, name):
     units = [0] + [c for c in range(1, len(ok) - 1) if ok[c]] + [len(ok) - 1]
     times = {v.rows: call_times(whole, i, "t4") for i, v in enumerate(whole.variants)}
     profs = [OpProfile(str(a), tuple((b, sum(times[b][a:e])) for b in SIZES)) for a, e in zip(units, units[1:])]
-    prefs = [preferred_batch(p) for p in profs]
-    changes = [units[i] for i in range(1, len(profs)) if prefs[i] != prefs[i - 1]][:n - 1]
-    assert set(changes) <= set(cuts)
+    assert [units[r.start] for r in slice_stages(profs, n)[1:]] == cuts
     for b in SIZES:
         total = sum(bundle.variants[bundle.stage_variant(s, b)].stage_seconds for s in range(n))
         assert total == pytest.approx(sum(times[b]), rel=1e-9)
+
+
+def _op(name: str, pref: int, t: float) -> OpProfile:
+    """Flat up to batch ``pref``, then proportional."""
+    return OpProfile(name, tuple((b, t * max(b, pref) / pref) for b in (1, 2, 4, 8, 16, 32, 64)))
+
+
+def test_slicing_skips_a_preference_change_that_leaves_a_sliver():
+    """A compiled net's first operator often prefers another batch size than the rest;
+    cutting there would make a stage of almost nothing: the cut goes to the next change."""
+    ops = [_op("stem", 64, 0.01)] + [_op(f"a{i}", 8, 1) for i in range(4)] + \
+          [_op(f"b{i}", 2, 1) for i in range(4)]
+    assert [preferred_batch(o) for o in ops] == [64] + [8] * 4 + [2] * 4
+    assert slice_stages(ops, 2) == [range(0, 5), range(5, 9)]
+    # Allowed to cut slivers, it takes the change that best balances, then the midpoint.
+    assert slice_stages(ops, 2, min_share=0.0) == [range(0, 5), range(5, 9)]
+    assert slice_stages(ops, 3, min_share=0.0)[:2] == [range(0, 1), range(1, 5)]
 
 
 def _kernel(name: str, access: list[str]) -> KernelSpec:
@@ -215,3 +230,30 @@ def test_the_experiment_runs_compiled_stage_kernels(sliced):
     for system in ("dvabatch", "zerobatch"):
         pt = exp.run_point(m, system, rate=2000.0, n=60, seed=1)
         assert pt["mean_ms"] > 0 and pt["throughput"] > 0
+
+
+def test_a_timing_only_bundle_has_kernels_and_plan_but_no_weights(tmp_path):
+    """What the experiment compiles its full-size networks as: enough to time, nothing
+    to serve -- and it says so instead of failing obscurely."""
+    from paella.bundle import BundleError
+    b = load_bundle(compile_bundle(zoo.get("tiny_cnn"), tmp_path / "t", timing_only=True))
+    assert sorted(b.manifest.files) == ["cubin", "cuda_source", "ptx"]
+    assert not (tmp_path / "t" / "params.npz").exists() and b.variants[0].launches()
+    with pytest.raises(BundleError, match="no 'params' file"):
+        b.params()
+
+
+def test_a_manifest_without_the_stage_fields_still_loads(sliced):
+    """Bundles from before stages (no calls, stage, cuts, stage_seconds) load as
+    whole-model variants."""
+    import json
+
+    from paella.bundle import manifest_from_dict
+    bundle, _ = sliced["unet_small"]
+    d = json.loads((bundle.path / "manifest.json").read_text())
+    for v in d["variants"]:
+        for key in ("calls", "stage", "cuts", "stage_seconds"):
+            del v[key]
+    m = manifest_from_dict(d)
+    assert all(v.stage == -1 and v.calls == [] and v.cuts == [] and v.stage_seconds == 0.0
+               for v in m.variants)

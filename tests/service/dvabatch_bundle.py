@@ -1,15 +1,8 @@
 """A small BERT-like encoder cut into stages (``paella compile --stages``), for the
 DVABatch tests: 2 layers, hidden 16, length 8, batch sizes 1, 2, 4 (about 15 s to
-compile the first time, then from the zoo cache).
-
-Until ``Bundle.run_stage_cpu`` (the CPU replay of a stage's plan, which answers stage
-variants on the simulated GPU) is reachable from ``paella.bundle`` (s6-16c's side),
-:func:`replay_shim_env` gives a daemon process a ``sitecustomize`` that adds it from
-``paella.compiler_pass.plan_replay``; it does nothing once the method exists."""
+compile the first time, then from the zoo cache)."""
 from __future__ import annotations
 
-import os
-import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -17,26 +10,6 @@ import numpy as np
 SIZES = (1, 2, 4)
 KW = dict(layers=2, hidden=16, heads=2, ffn=32)
 SEQ = 8
-
-_SHIM = '''
-import paella.bundle as _b
-if not hasattr(_b.Bundle, "run_stage_cpu"):
-    def run_stage_cpu(self, inputs, variant):
-        from paella.compiler_pass.plan_replay import replay_cpu
-        return replay_cpu(self, inputs, variant)
-    _b.Bundle.run_stage_cpu = run_stage_cpu
-'''
-
-
-def install_replay_shim() -> None:
-    """The same, in this process."""
-    exec(_SHIM, {})
-
-
-def replay_shim_env() -> dict[str, str]:
-    d = tempfile.mkdtemp(prefix="plshim")
-    Path(d, "sitecustomize.py").write_text(_SHIM)
-    return {"PYTHONPATH": os.pathsep.join(p for p in (d, os.environ.get("PYTHONPATH")) if p)}
 
 
 def staged_bert(dest: str | Path, stages: int = 2) -> Path:

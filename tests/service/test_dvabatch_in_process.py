@@ -19,12 +19,11 @@ from paella.dispatcher.daemon.model_config import ModelConfig
 from paella.dispatcher.devices.base import DeviceError
 from paella.dispatcher.devices.sim import SimDevice
 
-from dvabatch_bundle import install_replay_shim, query, reference, staged_bert
+from dvabatch_bundle import query, reference, staged_bert
 
 
 @pytest.fixture(scope="module")
 def bundle(tmp_path_factory):
-    install_replay_shim()
     return load_bundle(staged_bert(tmp_path_factory.mktemp("dva") / "bert"))
 
 

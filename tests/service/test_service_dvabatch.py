@@ -17,7 +17,7 @@ import pytest
 from paella import rings
 from paella.bundle import load_bundle
 from paella.client import connect
-from dvabatch_bundle import SEQ, install_replay_shim, query, reference, replay_shim_env, staged_bert
+from dvabatch_bundle import SEQ, query, reference, staged_bert
 from service_daemon import cleanup, run_client, start_daemon
 from test_config_errors import assert_clean_error, serve
 from test_lifecycle import read_all
@@ -34,7 +34,6 @@ split_factor = 0.0     # split every batch of 2+ before stage 1 (the model is to
 
 @pytest.fixture(scope="module")
 def built(tmp_path_factory):
-    install_replay_shim()
     return staged_bert(tmp_path_factory.mktemp("dvab") / "bert")
 
 
@@ -48,7 +47,7 @@ def repo_with(tmp_path, built, config: str):
 @pytest.fixture(scope="module")
 def served(tmp_path_factory, built):
     repo = repo_with(tmp_path_factory.mktemp("repo"), built, CONFIG)
-    dp = start_daemon("--models", str(repo), "--no-noop", env=replay_shim_env())
+    dp = start_daemon("--models", str(repo), "--no-noop")
     yield dp, load_bundle(repo / "bert")
     cleanup(dp)
 
@@ -126,7 +125,7 @@ os._exit(0)      # no close, no reads: the daemon finds the socket gone
 
 def test_sigterm_answers_every_accepted_request_exactly_once(tmp_path, built):
     repo = repo_with(tmp_path, built, CONFIG)
-    dp = start_daemon("--models", str(repo), "--no-noop", env=replay_shim_env())
+    dp = start_daemon("--models", str(repo), "--no-noop")
     try:
         bundle = load_bundle(repo / "bert")
         rng = np.random.default_rng(3)
