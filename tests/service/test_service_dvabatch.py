@@ -7,6 +7,7 @@ nothing; SIGTERM answers every accepted request exactly once; bad options are cl
 ``paella: error:`` exits."""
 from __future__ import annotations
 
+import re
 import shutil
 import signal
 import threading
@@ -120,6 +121,10 @@ os._exit(0)      # no close, no reads: the daemon finds the socket gone
         x, mask = query(rng)                       # and the model serves on
         out = c.infer("bert", {"x": x, "mask": mask}, rows=1, seq_len=SEQ)["output0"]
         np.testing.assert_allclose(out, reference(bundle, x, mask), rtol=1e-5, atol=1e-5)
+        st = next(m for m in c.status()["models"] if m["name"] == "bert")["batcher"]
+    gone = re.findall(r"dropped: disconnected \((\d+) in flight\)", dp.log())
+    assert any(int(n) > 0 for n in gone), dp.log()  # it left with rows in the pipeline
+    assert st["exited"] + st["failed"] + st["dropped"] <= st["requests"]
     assert "Traceback" not in dp.log()
 
 
