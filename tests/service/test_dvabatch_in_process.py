@@ -181,3 +181,34 @@ def test_the_model_is_described_to_clients_as_the_whole_model(bundle):
     assert [(v.batch, [t.name for t in v.inputs], [t.name for t in v.outputs])
             for v in info.variants] == [(b, ["x", "mask"], ["output0"]) for b in (1, 2, 4)]
     assert info.variants[0].outputs[0].shape == (1, 8, 16)
+
+
+def test_a_three_stage_unet_with_skips_across_stages(tmp_path):
+    """U-Net-like (``unet_small`` of the zoo) cut into 3 stages: its skip connections
+    pass through the middle stage (``cut1.1`` -> ``cut2.2``); every row through stretch
+    and split gets the whole model's CPU-build answer."""
+    from paella.compiler_pass.build import compile_bundle
+    from paella.models import zoo
+    bundle = load_bundle(compile_bundle([zoo.get("unet_small", batch=b) for b in (1, 2, 4)],
+                                        str(tmp_path / "unet"), stages=3))
+    assert bundle.n_stages == 3
+    m = Served(bundle, pairs=2, split_factor=0.0, t_comp_wait_us=400.0)
+    v = m.info.variants[0]
+    sent = []
+    for i in range(8):
+        x = m.rng.standard_normal(v.inputs[0].shape).astype(np.float32)
+        slots, need = shapes.request_layout(m.info.variants, 1, 0)
+        io = np.zeros(need, np.uint8)
+        io[slots[0].offset:slots[0].offset + x.nbytes] = x.view(np.uint8).reshape(-1)
+        req = Request(i, 1 + i % 2, 1, io, rows=1, layout=tuple(slots), on_complete=m._complete)
+        m.ex.submit(req)
+        sent.append((req, bundle.run_cpu_model({"x": x}, 1)["output0"]))
+        m.advance(10e-6)
+    m.ex.stage.run_until_idle()
+    for req, want in sent:
+        assert m.done[req.req_id] == (rings.OK, None)
+        s = req.layout[1]
+        got = req.io[s.offset:s.offset + s.nbytes].view(np.float32).reshape(s.shape)
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+    st = m.batcher.stats_dict()
+    assert st["stretch"] > 0 and st["split"] > 0 and st["stage_runs"] >= 3 * st["new"]
