@@ -203,31 +203,33 @@ VANISH = textwrap.dedent('''
     ins["prompt"][:4] = [1, 2, 3, 4]
     ins["lengths"][:] = (4, 56)
     rid = c.predict("gpt-tight", v.io_bytes, off, wire.STREAM)
-    while True:
+    seen = []
+    while not seen:
         e = c._completions.pop()
         if e is not None:
-            print(e[1], flush=True)
-            os._exit(0)          # gone after its first token, socket and all
+            seen.append(e[1])
+    while (e := c._completions.pop()) is not None:    # a last look: still running?
+        seen.append(e[1])
+    print(seen[0], "running" if rings.OK not in seen else "finished", flush=True)
+    os._exit(0)                  # gone mid-generation, socket and all
 ''')
 
 
 def test_a_client_vanishing_mid_generation_gives_its_kv_slots_back(daemon):
     """gpt-tight's cache (64 slots) holds one 60-token generation: the next one is only
     admitted once the vanished client's slots are back. Its generation takes ~150 ms,
-    so it is nearly always still running when the client dies; the log says whether it
-    was, and a rare run where it had finished is repeated."""
+    so it is nearly always still running when the client dies (it looks last thing);
+    a rare run where it had finished is repeated."""
     for attempt in range(3):
-        before = daemon.log().count("dropped")
         r = subprocess.run([sys.executable, "-c", f"SOCK = {daemon.socket!r}\n" + VANISH],
                            capture_output=True, text=True, timeout=60)
-        assert r.returncode == 0 and r.stdout.strip() == str(rings.PROGRESS), r.stderr
+        assert r.returncode == 0 and r.stdout.split()[0] == str(rings.PROGRESS), r.stderr
         with connect(daemon.socket) as c:     # needs all but 4 of the 64 slots
             assert list(c.generate("gpt-tight", [4, 3, 2, 1], 56, timeout=20)) == \
                 generate_reference(CFG, W, [4, 3, 2, 1], 56)
-        drops = [ln for ln in daemon.log().splitlines() if "dropped" in ln][before:]
-        if any("(1 in flight)" in ln for ln in drops):
+        if r.stdout.split()[1] == "running":
             return
-    pytest.fail(f"the client never vanished mid-generation in 3 attempts: {drops}")
+    pytest.fail("the client never vanished mid-generation in 3 attempts")
 
 
 def test_a_client_that_never_reads_its_ring_cannot_stall_anyone(tmp_path):
@@ -373,12 +375,15 @@ def test_a_client_corrupting_its_ring_mid_stream_is_dropped_and_its_slots_come_b
     while c._completions.pop() is None:
         pass                                              # its first token
     c._seg.hdr[rings.CMP_HEAD] = int(c._seg.hdr[rings.CMP_TAIL]) + 5
-    with pytest.raises((DaemonError, DaemonGone)):
-        deadline = time.monotonic() + 20
+    deadline = time.monotonic() + 20
+    with pytest.raises(DaemonError) as e:
         while time.monotonic() < deadline:
-            c._pump(block=True, timeout=1.0)              # the ERROR frame, then EOF
+            c._pump(block=True, timeout=1.0)              # the ERROR frame
+    assert e.value.code == "ring_corrupt"
+    with pytest.raises(DaemonGone):                       # then the connection's end
+        while time.monotonic() < deadline:
+            c._pump(block=True, timeout=1.0)
     c.close()
-    assert "ring_corrupt" in daemon.log()
     with connect(daemon.socket) as other:
         assert list(other.generate("gpt-tight", [4, 3, 2, 1], 56, timeout=20)) == \
             generate_reference(CFG, W, [4, 3, 2, 1], 56)
