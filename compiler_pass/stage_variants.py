@@ -222,9 +222,9 @@ def slice_bundle(path: str | Path, n: int, gpu: str, progress: Progress = lambda
     ok, at = allowed_cuts(variants)
     units = sorted(set([0] + [c for c in range(1, len(ok) - 1) if ok[c]] + [len(ok) - 1]))
     if n > len(units) - 1:
-        raise StageError(f"--stages {n}: {bundle.model} has only {len(units) - 1} places it can be "
-                         f"cut into stages (between {len(variants[0].calls)} fused operators, where every "
-                         f"live tensor is batch-major); use --stages {len(units) - 1} or fewer")
+        raise StageError(f"--stages {n}: {bundle.model} can be cut into at most {len(units) - 1} "
+                         f"stages (it is cut between its {len(variants[0].calls)} fused operators, only "
+                         f"where every live tensor is batch-major); use --stages {len(units) - 1} or fewer")
     index = {id(v): i for i, v in enumerate(bundle.variants)}
     progress(f"profiling {sum(len(v.launches()) for v in variants)} launches on the simulated {gpu}")
     times = {v.rows: call_times(bundle, index[id(v)], gpu) for v in variants}
@@ -235,8 +235,7 @@ def slice_bundle(path: str | Path, n: int, gpu: str, progress: Progress = lambda
     bounds = [0, *cuts, len(variants[0].calls)]
     out, record = [], {"stages": n, "gpu": gpu, "cuts": cuts, "seconds": {}}
     for s, (a, b) in enumerate(zip(bounds, bounds[1:])):
-        for v in variants:
-            k = variants.index(v)
+        for k, v in enumerate(variants):
             ins = None if a == 0 else [(f"cut{s}.{j}", t) for j, t in enumerate(at[a][k])]
             outs = None if b == bounds[-1] else [(f"cut{s + 1}.{j}", t) for j, t in enumerate(at[b][k])]
             secs = sum(times[v.rows][a:b])

@@ -203,7 +203,7 @@ def _paella(*args: str) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.parametrize("value, message", [("0", "positive integer"), ("two", "positive integer"),
-                                            ("50", "only")])
+                                            ("50", "at most")])
 def test_bad_stages_values_are_errors(tmp_path, value, message):
     r = _paella("compile", "tiny_cnn", "-o", str(tmp_path / "b"), "-q", "--stages", value)
     assert r.returncode == 2, r.stderr
