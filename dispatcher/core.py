@@ -230,7 +230,7 @@ class Dispatcher:
             # Lookahead: a kernel released while its stream predecessor is still in flight
             # goes behind it, on its real stream (it needs no free one).
             behind = ahead > 1 and op.pred is not None and op.pred.state == RELEASED
-            if not admits(k.demand) or (pool and not free and not behind):
+            if not admits(k.demand) or (pool and not free and not behind and job.pin < 0):
                 return
             ready.popleft()
             job.in_policy = False
@@ -249,7 +249,10 @@ class Dispatcher:
                 pool = streams.mode == "pool"
             # Launch it (inlined: once per kernel).
             if pool:                         # inlined StreamMap.assign, the common case
-                s = op.stream = op.pred.stream if behind else free.popleft()
+                s = job.pin                  # (a named stream: submit_group(stream=))
+                if s < 0:
+                    s = op.pred.stream if behind else free.popleft()
+                op.stream = s
                 busy[s] += 1
             else:
                 s = streams.assign(op)
@@ -670,14 +673,30 @@ class Dispatcher:
         self.in_flight += 1
         self._arrivals.append(job)
 
+    def stream_named(self, name: str) -> int:
+        """The real stream reserved for ``name`` (reserved on first use; see
+        :meth:`paella.dispatcher.streams.StreamMap.pin`): jobs submitted with
+        ``submit_group(stream=name)`` run all their ops on it, in its FIFO order, and
+        no other job's op lands on it (pool and sticky modes; a ``single``-stream policy
+        keeps everything on stream 0)."""
+        new = name not in self.streams.pinned
+        s, own = self.streams.pin(name)
+        if new and not own:
+            log.warning("stream %r shares real stream %d with another name: %d of the "
+                        "device's %d streams may be reserved", name, s,
+                        self.streams.n // 2, self.streams.n)
+        return s
+
     def submit_group(self, requests: list[Request], io: np.ndarray,
-                     model_id: int | None = None) -> None:
+                     model_id: int | None = None, stream: str | None = None) -> None:
         """Accept requests of one model served by one job whose work reads and writes
         ``io`` (the seam for batchers: how the requests' inputs get into ``io`` and their
         outputs out of it is the batcher's). Each request completes, is woken and can be
         cancelled on its own; the job starts in the next :meth:`step`. ``model_id``: the
         registered model the job runs (a compiled variant of the requests' model, with
-        its own plan and SRPT profile); default the requests' own."""
+        its own plan and SRPT profile); default the requests' own. ``stream``: run
+        the job's ops on the real stream reserved under that name (:meth:`stream_named`)
+        instead of streams from the pool."""
         if not requests:
             raise ValueError("submit_group needs at least one request")
         mid = requests[0].model_id
@@ -705,6 +724,8 @@ class Dispatcher:
                 instr.call("request_admitted", req)
         self._seq += 1
         job = Job(self, self.models[run], list(requests), io, self._seq)
+        if stream is not None:
+            job.pin = self.stream_named(stream)
         self.jobs.add(job)
         self.in_flight += len(requests)
         self._arrivals.append(job)

@@ -99,7 +99,7 @@ class Job:
                  "in_policy", "left_policy", "policy_state", "estimate", "remaining", "kcount",
                  "glet", "state", "returned", "error", "wait_op", "wait_all", "blocked",
                  "almost_sent", "almost_next", "cancelled", "allocations", "bindings",
-                 "t_arrival", "t_start", "__weakref__")
+                 "t_arrival", "t_start", "pin", "__weakref__")
 
     def __init__(self, host: JobHost, model: Any, requests: list[Any], io: np.ndarray,
                  seq: int):
@@ -139,6 +139,9 @@ class Job:
         self.bindings: Any = None
         self.t_arrival = requests[0].t_submit
         self.t_start = 0.0
+        #: The real stream its ops go to (-1: the dispatcher's stream map chooses);
+        #: set by ``Dispatcher.submit_group(stream=...)``.
+        self.pin = -1
 
     def __repr__(self) -> str:
         ids = ",".join(str(r.req_id) for r in self.requests)

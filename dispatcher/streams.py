@@ -12,6 +12,13 @@ Three mappings, one per kind of policy:
   round-robin over the pool at its first release, for its whole life, as a CUDA stream
   created per job would. Jobs beyond the pool size share streams, as on the GPU.
 * ``single`` (CUDA-SS / Paella-SS, ``fifo``): everything goes to real stream 0.
+
+Named streams (:meth:`StreamMap.pin`): a submitter may bind its jobs to a real stream
+of their own, reserved under a name (DVABatch binds each stage executor to one, as the
+paper does), in ``pool`` and ``sticky`` mode; ``single`` keeps everything on stream 0.
+A pinned stream leaves the pool for good, so nobody else's op lands on it. At most half
+of the streams are reserved; more names share the reserved ones round-robin (logged by
+the caller), so the pool never runs dry.
 """
 from __future__ import annotations
 
@@ -23,13 +30,14 @@ MODES = ("pool", "sticky", "single")
 
 
 class StreamMap:
-    __slots__ = ("n", "mode", "free", "busy", "_rr")
+    __slots__ = ("n", "mode", "free", "busy", "_rr", "pinned")
 
     def __init__(self, n_streams: int, mode: str = "pool"):
         self.n = n_streams
         self.free: deque[int] = deque(range(n_streams))   # kept in pool mode only
         self.busy = [0] * n_streams          # ops in flight per real stream
         self._rr = 0
+        self.pinned: dict[str, int] = {}     # name -> its reserved real stream
         self.set_mode(mode)
 
     def set_mode(self, mode: str) -> None:
@@ -43,10 +51,42 @@ class StreamMap:
         """Can an op be released now without sharing a stream (pool mode)?"""
         return self.mode != "pool" or bool(self.free)
 
+    def pin(self, name: str) -> tuple[int, bool]:
+        """The real stream reserved for ``name`` (reserved now if it is new), and
+        whether it is ``name``'s alone (False: the reservable half is used up and it
+        shares one with another name).
+
+        Trick (labelled): a reserved stream keeps one extra count in ``busy`` for good,
+        so its count never falls to 0 and the dispatcher's inlined ``done`` never puts
+        it back on the free list -- no test on the per-kernel path for it."""
+        s = self.pinned.get(name)
+        if s is not None:
+            return s, list(self.pinned.values()).count(s) == 1
+        own = set(self.pinned.values())
+        if len(own) < self.n // 2:
+            # the least recently freed stream not reserved yet (the free list's tail)
+            candidates = [x for x in reversed(self.free) if x not in own] or \
+                [x for x in range(self.n - 1, -1, -1) if x not in own]
+            s = candidates[0]
+            if s in self.free:
+                self.free.remove(s)
+            self.busy[s] += 1                # the sentinel count (see above)
+            self.pinned[name] = s
+            return s, True
+        if not own:                          # a single-stream device: share stream 0
+            self.pinned[name] = 0
+            return 0, False
+        shared = sorted(own)[len(self.pinned) % len(own)]
+        self.pinned[name] = shared
+        return shared, False
+
     def assign(self, op: Op) -> int:
         """Pick the real stream for ``op`` and count it in flight there."""
         mode = self.mode
-        if mode == "pool":
+        pin = op.job.pin if op.job is not None else -1
+        if pin >= 0 and mode != "single":
+            s = pin
+        elif mode == "pool":
             s = self.free.popleft()
         elif mode == "single":
             s = 0

@@ -65,6 +65,8 @@ class VariantSpec:
     #: Its isolated time on the device (seconds; the dispatcher's profile, what
     #: `paella profile` reports), for batchers that plan by cost; 0 = not profiled.
     cost_s: float = field(default=0.0, compare=False)
+    #: The model stage it runs (``paella compile --stages``; -1: the whole model).
+    stage: int = -1
 
     def takes(self, rows: int, seq_len: int) -> bool:
         return rows <= self.rows and seq_len <= self.seq_len if self.seq_len else rows <= self.rows
@@ -220,13 +222,17 @@ class SchedulerContext(Protocol):
         launch plan and SRPT profile. Returns its id, for :meth:`submit`."""
 
     def submit(self, model_id: int, io: Any, clients: "list[int]",
-               on_done: "Callable[[int, str | None], None]") -> None:
+               on_done: "Callable[[int, str | None], None]", stream: str | None = None) -> None:
         """Run one job of internal model ``model_id`` on ``io`` (a 1-D uint8 numpy
         array the scheduler owns; a request's own ``req.io`` is allowed too) on behalf
         of ``clients`` (client ids, one part each: the policy's fairness and the GPU
         share see them; a client that leaves cancels its part, and a job whose parts
         are all cancelled stops). ``on_done(status, error)`` is called once when the job
-        ended: ``OK`` if it ran for any client, else the first part's status."""
+        ended: ``OK`` if it ran for any client, else the first part's status.
+        ``stream``: run the job's ops on a real stream of the scheduler's own, reserved
+        under that name (DVABatch: one per stage executor); jobs of one name follow one
+        another in that stream's order (``Dispatcher.stream_named``). None: streams from
+        the dispatcher's pool, as any job."""
 
     def alloc(self, nbytes: int) -> int:
         """Device memory (a pointer) owned by this scheduler; freed by :meth:`free`, or

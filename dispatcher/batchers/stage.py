@@ -364,11 +364,11 @@ class BatchingStage:
 
 
 def submit_job(disp: Any, model_id: int, io: np.ndarray, clients: list[int], done: Any,
-               last_id: int, *args: Any) -> int:
+               last_id: int, *args: Any, stream: str | None = None) -> int:
     """One job of ``model_id`` on ``io`` with one part (an internal request) per client;
     ``done(*args, status, error)`` once every part ended: OK if any part ran OK, else the
     first part's status. Returns the last part id used (parts are numbered from
-    ``last_id + 1``)."""
+    ``last_id + 1``). ``stream``: the named stream its ops go to (``submit_group``)."""
     if not clients:
         raise ValueError("a job needs at least one client to run for")
     state = [len(clients), False, None]          # parts left, any OK, first failure
@@ -386,7 +386,7 @@ def submit_job(disp: Any, model_id: int, io: np.ndarray, clients: list[int], don
     for cid in clients:
         last_id += 1
         parts.append(Request(last_id, int(cid), model_id, io, on_complete=part_done))
-    disp.submit_group(parts, io, model_id=model_id)
+    disp.submit_group(parts, io, model_id=model_id, stream=stream)
     return last_id
 
 
@@ -423,7 +423,7 @@ class StageContext:
         return mid
 
     def submit(self, model_id: int, io: np.ndarray, clients: list[int],
-               on_done: Any) -> None:
+               on_done: Any, stream: str | None = None) -> None:
         if self.closed or self.failed:
             raise RuntimeError(f"scheduler of {self.name} submitted a job after it was "
                                f"{'closed' if self.closed else 'taken out of service'}")
@@ -431,7 +431,8 @@ class StageContext:
             raise ValueError(f"model id {model_id} is not one this scheduler registered "
                              f"(or one of its bundle's variants)")
         self._part_ids = submit_job(self.stage.disp, model_id, io, clients, self._job_done,
-                                    self._part_ids, on_done)
+                                    self._part_ids, on_done,
+                                    stream=None if stream is None else f"{self.name}/{stream}")
         self.jobs += 1
         self.stage.stats.scheduler_jobs += 1
 

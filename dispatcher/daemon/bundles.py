@@ -18,14 +18,35 @@ log = logging.getLogger("paella.daemon")
 
 def model_info_from_bundle(model_id: int, bundle, name: str | None = None) -> wire.ModelInfo:
     """The client-facing description of a loaded bundle (every variant), under ``name``
-    (the model's folder name in the repository; default the bundle's own)."""
+    (the model's folder name in the repository; default the bundle's own). A bundle of
+    stage variants (``paella compile --stages``) is described as the whole model it was
+    cut from: per (batch size, length) one variant of stage 0's inputs and the last
+    stage's outputs, laid out as a shaped request of that size (``paella.shapes``)."""
     def tensors(ts) -> tuple[wire.TensorInfo, ...]:
         return tuple(wire.TensorInfo(t.name, tuple(t.shape), t.dtype, t.offset) for t in ts)
+    if getattr(bundle, "n_stages", 0):
+        return _staged_model_info(model_id, bundle, name)
     batched = all(v.batch for v in bundle.variants)
     return wire.ModelInfo(model_id, name or bundle.model, tuple(
         wire.VariantInfo(v.io_bytes, tensors(v.inputs), tensors(v.outputs),
                          v.batch if batched else 0, v.seq_len if batched else 0)
         for v in bundle.variants))
+
+
+def _staged_model_info(model_id: int, bundle, name: str | None) -> wire.ModelInfo:
+    from paella.shapes import layout
+    last = bundle.n_stages - 1
+    out = []
+    for first in (v for v in bundle.variants if v.stage == 0):
+        end = next(v for v in bundle.variants if v.stage == last and v.rows == first.rows
+                   and v.seq_len == first.seq_len)
+        ts = [(t.name, tuple(t.shape), t.dtype) for t in (*first.inputs, *end.outputs)]
+        slots, io_bytes = layout(ts, first.rows, first.seq_len, first.rows, first.seq_len)
+        info = [wire.TensorInfo(s.name, s.shape, s.dtype, s.offset) for s in slots]
+        n_in = len(first.inputs)
+        out.append(wire.VariantInfo(io_bytes, tuple(info[:n_in]), tuple(info[n_in:]),
+                                    first.rows, first.seq_len))
+    return wire.ModelInfo(model_id, name or bundle.model, tuple(out))
 
 
 #: Bytes of an input the cache's key samples (a strided sample; see FunctionalCache).
@@ -92,7 +113,7 @@ class FunctionalCache:
             self.misses += 1
         inputs = {k: np.array(v) for k, v in inputs.items()}
         t0 = time.perf_counter()
-        outs = {k: np.array(v) for k, v in bundle.run_cpu(inputs, variant).items()}
+        outs = {k: np.array(v) for k, v in _cpu_answer(bundle, variant)(inputs, variant).items()}
         log.info("model %s: computed reference outputs for a new input on the CPU in %.0f ms "
                  "(%s; repeated inputs are answered from the cache)",
                  name, (time.perf_counter() - t0) * 1e3, where)
@@ -109,6 +130,16 @@ class FunctionalCache:
             elif not same:
                 del self._entries[key]
         return outs
+
+
+def _cpu_answer(bundle, variant: int):
+    """How the CPU computes ``variant``'s outputs: the CPU build of the model, or, for a
+    stage of a sliced model (which has no CPU build of its own), its plan replayed on
+    the CPU (``Bundle.run_stage_cpu``)."""
+    variants = getattr(bundle, "variants", None)      # (None: a bundle-like test double)
+    if variants is None or getattr(variants[variant], "stage", -1) < 0:
+        return bundle.run_cpu
+    return bundle.run_stage_cpu
 
 
 def _words(a: np.ndarray) -> np.ndarray:

@@ -189,7 +189,7 @@ class DispatcherExecutor:
             # the cost table of batchers that plan by cost.
             cost = self.disp.models[vid].profile.total
             served[k] = ServedVariant(VariantSpec(k, v.rows, v.seq_len, f"{label}/{v.name}",
-                                                  cost_s=cost),
+                                                  cost_s=cost, stage=getattr(v, "stage", -1)),
                                       vid, layout_of(v.inputs, v.outputs, v.io_bytes))
         if batcher is None:
             if config is None:

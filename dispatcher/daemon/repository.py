@@ -168,7 +168,7 @@ def scan(path: str, known: dict[str, tuple], make_adaptor: Callable[[Any, str, i
             if known.get(model) == key:
                 out.kept[folder] = model
                 continue
-            specs = tuple(VariantSpec(k, v.rows, v.seq_len, v.name)
+            specs = tuple(VariantSpec(k, v.rows, v.seq_len, v.name, stage=v.stage)
                           for k, v in enumerate(bundle.variants))
             # A batcher planning by cost is built once the variants are profiled
             # (Executors.register_variants); the others now, so a bad option fails here.

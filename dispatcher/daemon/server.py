@@ -304,6 +304,10 @@ class Daemon:
                 per_model[mid] = per_model.get(mid, 0) + len(job.requests)
         for m in st["models"]:
             m["in_flight"] = per_model.get(m["id"], 0)
+            served = ex.stage.models.get(m["id"]) if ex is not None else None
+            stats = getattr(served.batcher, "stats_dict", None) if served is not None else None
+            if stats is not None:                 # a batcher's own counters (dvabatch's)
+                m["batcher"] = {"name": served.batcher.name, **stats()}
         st["dispatcher"] = None if ex is None else self._device_status(ex)
         return st
 

@@ -97,3 +97,57 @@ def test_experiment_refuses_an_unknown_model():
                         "--models", "vgg"], capture_output=True, text=True, timeout=120)
     assert r.returncode == 2
     assert "paella: error: unknown model(s) vgg" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_each_stage_executor_runs_on_its_own_stream():
+    """``own_streams``: every op of stage s's jobs goes to the real stream reserved for
+    stage s, no other job's op lands there, and the pipeline still finishes every query
+    without a hazard (the policy still picks the kernels; the stream only orders a
+    stage's own runs)."""
+    from paella.dispatcher.instruments import Instrument
+
+    class Streams(Instrument):
+        def __init__(self):
+            self.seen = []
+
+        def op_released(self, op, t):
+            self.seen.append((op.job.model.name, op.stream, t))
+
+    dev = SimDevice("t4", n_streams=16, seed=3)
+    rec = Streams()
+    disp = Dispatcher(dev, "paella", profile_runs=0, instruments=[rec])
+    other = disp.register_model("other", PlanAdaptor(synthetic_plan(
+        "o", [("ko", 80, 256, 32, 0.3e-3)] * 3)), profile_runs=0)
+
+    def adaptor(stage: int, rows: int, seq_len: int) -> PlanAdaptor:
+        return PlanAdaptor(synthetic_plan(f"s{stage}", [
+            (f"k{stage}", 10 * rows, 256, 32, 0.2e-3 * (1 + rows // 8))] * 2))
+    runner = DispatcherStageRunner(disp, "toy", adaptor, own_streams=True)
+    cfg = DvaConfig(3, lambda s, b, l: 0.2e-3 * (1 + b // 8), pairs=2, bs_max=16,
+                    t_comp_wait=1e-3)
+    done = []
+    pipe = DvaPipeline(cfg, runner, lambda q, now: done.append(q.i), dev.now)
+    rng = np.random.default_rng(1)
+    qs = [exp._Query(i, float(t), 0) for i, t in
+          enumerate(dev.now() + np.cumsum(rng.exponential(1 / 4000, 120)))]
+    from paella.dispatcher.core import Request
+    # Reserved up front (as a served model does when it loads): from then on no other
+    # job's op lands on them.
+    pinned = [disp.stream_named(runner.stream_name(s)) for s in range(3)]
+    for i in range(20):                     # another model's jobs on the pool meanwhile
+        disp.submit(Request(10_000 + i, 7, other, np.zeros(1, np.uint8)))
+    exp._drive(disp, dev, pipe, qs)
+    assert not runner.failed and sorted(done) == list(range(120))
+    assert check_hazards(pipe.accesses) == []
+    assert [disp.stream_named(runner.stream_name(s)) for s in range(3)] == pinned
+    assert len(set(pinned)) == 3
+    for name, stream, _ in rec.seen:
+        if name.startswith("toy/"):
+            assert stream == pinned[int(name.split("/")[1][1:])], name
+        else:
+            assert stream not in pinned, name
+    assert any(n == "other" for n, _, _ in rec.seen)
+    # A stage's runs follow one another on its stream: its accesses never overlap.
+    for s in range(3):
+        acc = sorted((a for a in pipe.accesses if a.stage == s), key=lambda a: a.t0)
+        assert all(a.t1 <= b.t0 + 1e-12 for a, b in zip(acc, acc[1:]))

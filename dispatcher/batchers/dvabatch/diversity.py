@@ -37,16 +37,17 @@ def group_by_length(queries: Sequence[Any], buckets: Sequence[int]) -> list[tupl
     return sorted(groups.items())
 
 
-def split_sizes(bs: int, t_remain: Callable[[int], float]) -> list[int]:
+def split_sizes(bs: int, t_remain: Callable[[int], float], factor: float = 2.0) -> list[int]:
     """Policy II: the sizes ``bs`` is split into (``[bs]``: no split). ``t_remain(b)``
-    is the profiled time of the remaining stages at batch size ``b``. An odd batch
-    splits into its ceiling half first."""
+    is the profiled time of the remaining stages at batch size ``b``; a batch splits
+    while ``t_remain(bs) >= factor x t_remain(bs/2)`` (the paper's factor: 2). An odd
+    batch splits into its ceiling half first."""
     if bs < 2:
         return [bs]
     hi = (bs + 1) // 2
     lo = bs - hi
-    if t_remain(bs) >= 2 * t_remain(hi):
-        return split_sizes(hi, t_remain) + split_sizes(lo, t_remain)
+    if t_remain(bs) >= factor * t_remain(hi):
+        return split_sizes(hi, t_remain, factor) + split_sizes(lo, t_remain, factor)
     return [bs]
 
 

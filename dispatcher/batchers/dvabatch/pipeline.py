@@ -33,9 +33,15 @@ from .diversity import group_by_length, length_bucket, may_stretch, split_sizes
 
 class StageRunner(Protocol):
     """Runs ``rows`` rows (padded to ``seq_len``) through stage ``stage``; calls
-    ``done()`` once they are finished."""
+    ``done()`` once they are finished, or ``done(error)`` if the run failed (its rows
+    go on, their queries are reported to ``on_error``).
 
-    def run(self, stage: int, rows: int, seq_len: int, done: Callable[[], None]) -> None: ...
+    A runner that moves real data also defines ``run_at(stage, pair, row, rows,
+    seq_len, done)``: the same, told where the rows are -- rows ``row .. row+rows-1``
+    of pair ``pair``'s boundary buffers ``stage`` (read) and ``stage + 1`` (written).
+    The pipeline calls ``run_at`` when the runner has it."""
+
+    def run(self, stage: int, rows: int, seq_len: int, done: Callable[..., None]) -> None: ...
 
 
 @dataclass
@@ -54,6 +60,8 @@ class DvaConfig:
     #: behind other batches holds the stretched batch back as well.
     stretch_idle_only: bool = False
     split: bool = True                        # policy II
+    #: policy II's test: split while T_remain(bs) >= split_factor x T_remain(bs/2)
+    split_factor: float = 2.0
     length_buckets: tuple[int, ...] = ()      # the compiled lengths (empty: no length axis)
     group_lengths: bool = True                # policy I (False: pad a batch to its longest)
     #: stages a query needs (None: all): a query done after fewer stages leaves there
@@ -93,13 +101,24 @@ class PipelineStats:
     stage_runs: int = 0
     rows_run: int = 0
     padded_tokens: int = 0          # tokens of padding run (input diversity's waste)
+    failed_runs: int = 0            # stage runs whose runner reported an error
     stage_rows: list[int] = field(default_factory=list)   # batch sizes run, per stage run
 
 
 class DvaPipeline:
     def __init__(self, cfg: DvaConfig, runner: StageRunner,
-                 on_exit: Callable[[Any, float], None], clock: Callable[[], float]):
+                 on_exit: Callable[[Any, float], None], clock: Callable[[], float],
+                 on_error: Callable[[Any, str], None] | None = None,
+                 on_join: Callable[[Any, int, int, int], None] | None = None):
+        """``on_exit(q, now)``: ``q`` left (its rows are in its pair's last boundary
+        buffer, or the boundary it left at). ``on_error(q, why)``: a stage run holding
+        ``q`` failed (its rows still flow; ``on_exit`` still comes). ``on_join(q, pair,
+        row, seq_len)``: ``q`` was given row ``row`` of pair ``pair`` in a batch padded to
+        ``seq_len`` (new or stretch) -- where a runner moving real data gathers its
+        inputs."""
         self.cfg, self.runner, self.on_exit, self.clock = cfg, runner, on_exit, clock
+        self.on_error, self.on_join = on_error, on_join
+        self._run_at = getattr(runner, "run_at", None)
         self.table = BatchTable(cfg.n_stages, cfg.bs_max)
         # One batch uses rows 0..bs_max-1 of its pair (children at offsets inside).
         self.pool = BufferPool(cfg.n_stages, cfg.pairs, cfg.bs_max)
@@ -123,6 +142,23 @@ class DvaPipeline:
         self._form(now)
         self._kick(now)
 
+    def flush(self, now: float) -> None:
+        """Every waiting query into a batch as soon as a pair is free, without waiting
+        for the window (the daemon drains)."""
+        self._window_start = -float("inf")
+        self.poll(now)
+
+    def withdraw(self, keep: Callable[[Any], bool]) -> list[Any]:
+        """Take the waiting queries (not in a batch yet) for which ``keep`` is False
+        out of the pipeline and return them (their client went away)."""
+        gone = [q for q in self.waiting if not keep(q)]
+        if gone:
+            self.waiting = [q for q in self.waiting if keep(q)]
+            self.in_flight -= len(gone)
+            if not self.waiting:
+                self._window_start = None
+        return gone
+
     def deadline(self) -> float | None:
         """When the open batching window closes (None: no query waits, or no buffer
         pair is free: a batch leaving calls :meth:`poll` itself)."""
@@ -144,6 +180,8 @@ class DvaPipeline:
         start = row.bs
         self.table.stretch(row.id, [q], row.seq_len, busy=self.executors[0].current)
         self.pool.load_inputs(row.pair, row.row0 + start, 1)
+        if self.on_join is not None:
+            self.on_join(q, row.pair, row.row0 + start, row.seq_len)
         self.stats.stretch += 1
         return True
 
@@ -182,6 +220,9 @@ class DvaPipeline:
             row = self.table.new(group, now, pair, seq_len=bucket)
             self.pool.claim(pair, row.id)
             self.pool.load_inputs(pair, row.row0, row.bs)
+            if self.on_join is not None:
+                for k, q in enumerate(row.queries):
+                    self.on_join(q, pair, row.row0 + k, row.seq_len)
             self.stats.new += 1
             # The rest of the window's queries are due at once (their window closed).
             self._kick(now)
@@ -220,12 +261,22 @@ class DvaPipeline:
         if row.seq_len:
             st.padded_tokens += sum(row.seq_len - q.seq_len
                                     for q in row.queries[item.start:item.start + item.num])
-        self.runner.run(ex.stage, item.num, row.seq_len,
-                        lambda: self._done(ex, row, item, acc))
+        def done(error: str | None = None) -> None:
+            self._done(ex, row, item, acc, error)
+        if self._run_at is not None:
+            self._run_at(ex.stage, row.pair, row.row0 + item.start, item.num, row.seq_len, done)
+        else:
+            self.runner.run(ex.stage, item.num, row.seq_len, done)
 
-    def _done(self, ex: Executor, row: BatchRow, item: QueueItem, acc: Access) -> None:
+    def _done(self, ex: Executor, row: BatchRow, item: QueueItem, acc: Access,
+              error: str | None = None) -> None:
         now = self.clock()
         acc.t1 = now
+        if error is not None:
+            self.stats.failed_runs += 1
+            if self.on_error is not None:
+                for q in row.queries[item.start:item.start + item.num]:
+                    self.on_error(q, error)
         ex.state, ex.current = "idle", None
         stage = ex.stage
         self.pool.end_stage(row.pair, stage, row.row0 + item.start, item.num)
@@ -255,7 +306,8 @@ class DvaPipeline:
             return
         sizes = [row.bs]
         if self.cfg.split:
-            sizes = split_sizes(row.bs, lambda b: self.cfg.t_remain(stage, b, row.seq_len))
+            sizes = split_sizes(row.bs, lambda b: self.cfg.t_remain(stage, b, row.seq_len),
+                                self.cfg.split_factor)
         if len(sizes) == 1:
             self.table.forward(row.id, stage)
             return

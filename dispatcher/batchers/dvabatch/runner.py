@@ -6,9 +6,13 @@ use, and a run of ``num`` rows of a batch is a job of the ``num``-row variant on
 rows' offset in the batch's buffers -- so the late rows of a stretched batch catch up
 in the same buffers with the smaller variant, and the children of a split run the
 variant of their own size. The dispatcher's policy orders the kernels of the stages'
-jobs among themselves and among other models' jobs; each job gets its own streams from
-the dispatcher's stream pool (the executor's "own stream": stages of different batches
-never wait on one another's streams).
+jobs among themselves and among other models' jobs.
+
+Streams: with ``own_streams`` (the paper's design) every stage executor is bound to a
+real stream of its own, reserved under ``f"{name}/s{stage}"``
+(:meth:`~paella.dispatcher.core.Dispatcher.stream_named`): a stage's runs follow one
+another in that stream's FIFO order, and no other work lands on it. Without, each job
+takes free streams from the dispatcher's pool, like any job.
 """
 from __future__ import annotations
 
@@ -28,8 +32,9 @@ class DispatcherStageRunner:
 
     def __init__(self, disp: Any, name: str,
                  make_adaptor: Callable[[int, int, int], JobAdaptor], client_id: int = 0,
-                 profile_runs: int = 0):
+                 profile_runs: int = 0, own_streams: bool = False):
         self.disp, self.name, self.make_adaptor = disp, name, make_adaptor
+        self.own_streams = own_streams
         self.client_id, self.profile_runs = client_id, profile_runs
         self.model_ids: dict[tuple[int, int, int], int] = {}
         self._io: dict[int, np.ndarray] = {}
@@ -56,7 +61,12 @@ class DispatcherStageRunner:
                 self.failed.append(f"{self.name} stage {stage}: {err}")
             done()
         req = Request(self._next, self.client_id, mid, self._io[mid], on_complete=complete)
-        self.disp.submit_group([req], self._io[mid], model_id=mid)
+        self.disp.submit_group([req], self._io[mid], model_id=mid,
+                               stream=self.stream_name(stage) if self.own_streams else None)
+
+    def stream_name(self, stage: int) -> str:
+        """The name of stage ``stage``'s own stream."""
+        return f"{self.name}/s{stage}"
 
 
 __all__ = ["DispatcherStageRunner"]

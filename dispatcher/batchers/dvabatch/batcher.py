@@ -1,0 +1,279 @@
+"""DVABatch as a daemon batcher: ``[batching] batcher = "dvabatch"`` in a model's
+``config.toml``, for a bundle compiled with ``paella compile --stages N``.
+
+A scheduler plug-in (:class:`~paella.dispatcher.batchers.base.SchedulerBatcher`): it
+drives its own jobs through the stage's context. Per model it keeps one
+:class:`~.pipeline.DvaPipeline` (batch table, buffer pairs, the three policies) and
+moves real data through it (:mod:`.stage_io`):
+
+* a request joins a batch (*new* or *stretch*): its inputs are copied into row ``k`` of
+  its pair's boundary 0 (``on_join``);
+* a stage run of ``n`` rows at row ``k`` is one job per piece of ``n``'s cover by the
+  compiled batch sizes, each on the variant of its size, its ins copied from boundary
+  ``s`` and its outs back to boundary ``s + 1`` at the piece's rows; with ``own_streams``
+  every stage's jobs go to that stage's own stream;
+* a request leaves with its rows (multi-exit): its outputs are copied from the last
+  boundary into its io region and it is answered then, whatever its batch-mates do.
+
+Hostile cases: a client that goes away leaves its rows in their batch (the batch's
+shape does not change under the others), its answer is dropped (the stage answers it
+cancelled at once); a waiting request of it is withdrawn. A stage job that fails fails
+the requests whose rows it ran, with the job's reason, at once; the rows go on so the
+batch's other rows are not held up. On a drain every request is run to its exit.
+"""
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import numpy as np
+
+from paella import rings
+from paella.bundle import split_rows
+from paella.shapes import layout as request_layout
+
+from ..base import BatcherError, ModelVariants, RequestRefused, SchedulerBatcher
+from ..registry import register_batcher
+from .pipeline import DvaConfig, DvaPipeline
+from .stage_io import PairData, StageModel, StageVariant, gather_request, scatter_request
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(eq=False)
+class _Query:
+    """One request in the pipeline (the pipeline's query: it reads ``seq_len``)."""
+    req: Any
+    seq_len: int
+    slots: tuple
+    pair: int = -1
+    row: int = -1
+    bucket: int = 0               # the length its batch is padded to
+    answered: bool = False        # failed, or its client left: nothing more to send
+
+
+@dataclass
+class DvaStats:
+    """What the batcher did (``paella status``'s ``batcher`` entry of the model)."""
+    requests: int = 0
+    exited: int = 0
+    failed: int = 0
+    dropped: int = 0              # rows run for a client that had left
+    jobs: int = 0
+    gathered_bytes: int = 0
+
+
+@register_batcher("dvabatch")
+class DvaBatcher(SchedulerBatcher):
+    """Options (``[batching]`` keys):
+
+    * ``pairs``            buffer pairs (1: stages serial; 2+: pipelined), default 2;
+    * ``bs_max``           most queries in a batch (0: the largest compiled batch size);
+    * ``window_us``        batching window before a *new* batch, default 0;
+    * ``stretch``          policy III on/off; ``t_comp_wait_us`` its bound (0: none);
+    * ``stretch_idle_only`` stretch only when the first stage can start the catch-up now;
+    * ``split``            policy II on/off; ``split_factor`` its test
+                           ``T_remain(bs) >= split_factor x T_remain(bs/2)`` (the paper: 2);
+    * ``own_streams``      each stage executor on a real stream of its own (the paper's).
+    """
+
+    name = "dvabatch"
+    # Built at load time, so a bad option fails before the bundle is warmed; the stage
+    # variants' profiled times (policy II) are read in start(), after registration.
+    needs_costs = False
+
+    def __init__(self, model: ModelVariants, pairs: int = 2, bs_max: int = 0,
+                 window_us: float = 0.0, stretch: bool = True, t_comp_wait_us: float = 0.0,
+                 stretch_idle_only: bool = False, split: bool = True, split_factor: float = 2.0,
+                 own_streams: bool = True):
+        super().__init__(model)
+        if not any(v.stage >= 0 for v in model.variants):
+            raise BatcherError(f"batcher 'dvabatch' needs a model cut into stages; "
+                               f"{model.name} has whole-model variants only: compile it with "
+                               f"`paella compile MODEL --stages N --batch-sizes 1,2,4,...`")
+        if type(pairs) is not int or not 1 <= pairs <= 8:
+            raise BatcherError(f"pairs must be an integer 1..8 (buffer pairs: 1 runs the "
+                               f"stages serially, 2 pipelines them), got {pairs!r}")
+        if type(bs_max) is not int or not 0 <= bs_max <= 1024:
+            raise BatcherError(f"bs_max must be an integer 0..1024 (0: the largest compiled "
+                               f"batch size), got {bs_max!r}")
+        for key, val in (("window_us", window_us), ("t_comp_wait_us", t_comp_wait_us)):
+            if isinstance(val, bool) or not isinstance(val, (int, float)) or \
+                    not 0 <= val < math.inf:
+                raise BatcherError(f"{key} must be a number of microseconds >= 0, got {val!r}")
+        if isinstance(split_factor, bool) or not isinstance(split_factor, (int, float)) or \
+                not 0 <= split_factor < math.inf:
+            raise BatcherError(f"split_factor must be a number >= 0 (the paper's 2: split when "
+                               f"the remaining stages at batch b take at least twice their "
+                               f"time at b/2), got {split_factor!r}")
+        self.pairs, self.bs_max = pairs, bs_max
+        self.window = window_us * 1e-6
+        self.t_comp_wait = t_comp_wait_us * 1e-6 if t_comp_wait_us else math.inf
+        self.stretch, self.stretch_idle_only = bool(stretch), bool(stretch_idle_only)
+        self.split, self.split_factor = bool(split), float(split_factor)
+        self.own_streams = bool(own_streams)
+        self.stats = DvaStats()
+        self.closed = False
+        self._at: dict[tuple[int, int], _Query] = {}     # (pair, row) -> its query
+
+    # -- hooks -------------------------------------------------------------------------------
+    def start(self, ctx: Any) -> None:
+        super().start(ctx)
+        variants = [StageVariant(k, sv.spec.stage, sv.spec.rows, sv.spec.seq_len,
+                                 sv.layout.inputs, sv.layout.outputs, sv.layout.io_bytes,
+                                 sv.spec.cost_s)
+                    for k, sv in ctx.variants.items() if sv.spec.stage >= 0]
+        self.stages = sm = StageModel(ctx.name, variants)
+        self.model_ids = {k: sv.model_id for k, sv in ctx.variants.items()}
+        bs_max = self.bs_max or sm.max_rows
+        self.data = PairData(sm, self.pairs, bs_max)
+        split = self.split
+        if split and not any(v.cost_s > 0 for v in variants):
+            log.warning("dvabatch %s: the stage variants are not profiled ([policy] "
+                        "profile_runs = 0): policy II (split) is off", ctx.name)
+            split = False
+        cfg = DvaConfig(sm.n_stages, sm.stage_time, pairs=self.pairs, bs_max=bs_max,
+                        window=self.window, stretch=self.stretch, t_comp_wait=self.t_comp_wait,
+                        stretch_idle_only=self.stretch_idle_only, split=split,
+                        split_factor=self.split_factor,
+                        length_buckets=sm.buckets if sm.buckets != (0,) else ())
+        self.pipe = DvaPipeline(cfg, self, self._exit, ctx.now, on_error=self._failed,
+                                on_join=self._join)
+        self._free: dict[int, list[np.ndarray]] = {}
+        self._client_layouts: dict[int, tuple] = {}
+        log.info("dvabatch %s: %d stages, batch sizes %s, %d pair(s) of %d rows (%.1f KB of "
+                 "boundary buffers per length bucket)", ctx.name, sm.n_stages, list(sm.sizes),
+                 self.pairs, bs_max, sum(nb for b in range(sm.n_stages + 1)
+                                         for _, nb in sm.boundaries[(b, sm.buckets[0])])
+                 * bs_max * self.pairs / 1024)
+
+    def add(self, req: Any, now: float) -> None:
+        if req.rows != 1:
+            raise RequestRefused(f"dvabatch serves one row per request (a query is one row "
+                                 f"of a batch); this one has {req.rows}: send the rows as "
+                                 f"separate requests")
+        sm = self.stages
+        try:
+            bucket = sm.bucket(req.seq_len) if sm.buckets != (0,) else 0
+        except BatcherError as e:
+            raise RequestRefused(str(e)) from None
+        slots = tuple(req.layout) if req.layout is not None else self._whole_layout(bucket)
+        self.stats.requests += 1
+        self.pipe.add(_Query(req, req.seq_len if bucket else 0, slots), now)
+        self.pipe.poll(now)
+
+    def poll(self, now: float) -> None:
+        self.pipe.poll(now)
+
+    def deadline(self) -> float | None:
+        return self.pipe.deadline()
+
+    def remove_client(self, client_id: int) -> None:
+        self.pipe.withdraw(lambda q: q.req.client_id != client_id)
+        for q in self._at.values():
+            if q.req.client_id == client_id and not q.answered:
+                q.answered = True          # its rows go on; the stage answers it cancelled
+                self.stats.dropped += 1
+
+    def close(self) -> None:
+        self.closed = True
+
+    @property
+    def pending(self) -> int:
+        return len(self.pipe.waiting) if hasattr(self, "pipe") else 0
+
+    def stats_dict(self) -> dict:
+        """Counters for ``paella status`` (the pipeline's meta-operations included)."""
+        p = self.pipe.stats if hasattr(self, "pipe") else None
+        out = dict(vars(self.stats))
+        if p is not None:
+            out.update(new=p.new, stretch=p.stretch, split=p.split, stage_runs=p.stage_runs,
+                       rows_run=p.rows_run, failed_runs=p.failed_runs)
+        return out
+
+    # -- the pipeline's callbacks ------------------------------------------------------------
+    def _join(self, q: _Query, pair: int, row: int, seq_len: int) -> None:
+        q.pair, q.row, q.bucket = pair, row, seq_len
+        self._at[(pair, row)] = q
+        self.stats.gathered_bytes += gather_request(self.data, self.stages,
+                                                    _Req(q.req.io, q.slots), pair, row, seq_len)
+
+    def _exit(self, q: _Query, now: float) -> None:
+        self._at.pop((q.pair, q.row), None)
+        if q.answered:
+            return
+        q.answered = True
+        scatter_request(self.data, self.stages, _Req(q.req.io, q.slots), q.pair, q.row,
+                        q.bucket)
+        self.stats.exited += 1
+        self.ctx.complete(q.req)
+
+    def _failed(self, q: _Query, why: str) -> None:
+        if q.answered:
+            return
+        q.answered = True
+        self.stats.failed += 1
+        self.ctx.complete(q.req, rings.E_FAILED, why)
+
+    # -- the runner (the pipeline's StageRunner) --------------------------------------------
+    def run(self, stage: int, rows: int, seq_len: int, done: Callable[..., None]) -> None:
+        raise RuntimeError("dvabatch runs stages with run_at (it moves real rows)")
+
+    def run_at(self, stage: int, pair: int, row: int, rows: int, seq_len: int,
+               done: Callable[..., None]) -> None:
+        """Rows ``row .. row+rows`` of ``pair`` through stage ``stage``: one job per piece
+        of the cover of ``rows`` by the compiled sizes; ``done`` once all pieces ended."""
+        if self.closed:
+            return                       # the daemon abandons us: nothing runs any more
+        sm = self.stages
+        pieces = split_rows(row, rows, sm.sizes)
+        left = [len(pieces), None]       # pieces in flight, first error
+        clients = sorted({q.req.client_id for k in range(row, row + rows)
+                          if (q := self._at.get((pair, k))) is not None}) or [0]
+        for at, size in pieces:
+            v = sm.variant(stage, size, seq_len)
+            io = self._staging(v)
+            sm.load(self.data, v, pair, at, io)
+
+            def piece_done(status: int, err: str | None, v: StageVariant = v,
+                           io: np.ndarray = io, at: int = at) -> None:
+                if status == rings.OK:
+                    sm.store(self.data, v, pair, at, io)
+                elif status != rings.E_CANCELLED and left[1] is None:
+                    left[1] = (f"{self.ctx.name}: stage {stage} of {sm.n_stages} failed on rows "
+                               f"{at}..{at + v.rows - 1} of its batch (variant {v.index}): {err}")
+                self._free.setdefault(v.index, []).append(io)
+                left[0] -= 1
+                if left[0] == 0:
+                    done(left[1])
+            self.stats.jobs += 1
+            self.ctx.submit(self.model_ids[v.index], io, clients, piece_done,
+                            stream=f"s{stage}" if self.own_streams else None)
+
+    def _staging(self, v: StageVariant) -> np.ndarray:
+        free = self._free.get(v.index)
+        return free.pop() if free else np.zeros(v.io_bytes, np.uint8)
+
+    def _whole_layout(self, bucket: int) -> tuple:
+        """The io slots of a whole-variant request (no shape given): the client-visible
+        batch-1 variant's (stage 0's inputs, the last stage's outputs)."""
+        lay = self._client_layouts.get(bucket)
+        if lay is None:
+            sm = self.stages
+            first, last = sm.variant(0, 1, bucket), sm.variant(sm.n_stages - 1, 1, bucket)
+            tensors = [(t.name, t.shape, t.dtype) for t in (*first.inputs, *last.outputs)]
+            lay = self._client_layouts[bucket] = tuple(request_layout(tensors, 1, bucket, 1,
+                                                                      bucket)[0])
+        return lay
+
+
+@dataclass
+class _Req:
+    """What gather/scatter read of a request: its io and its slots."""
+    io: np.ndarray
+    layout: tuple
+
+
+__all__ = ["DvaBatcher", "DvaStats"]

@@ -1,0 +1,214 @@
+"""DVABatch served by the daemon's execution path, in one process and virtual time:
+the stage bundle's variants registered as the daemon registers them
+(``DispatcherExecutor.register_variants``, real bundle adaptors on the simulated GPU),
+the ``dvabatch`` batcher on the scheduler interface, requests with real bytes. Every
+answer equals the whole model's CPU build for its own row; stretch and split happen;
+a client leaving mid-batch and a failing stage job cost the others nothing."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from paella import rings, shapes
+from paella.bundle import load_bundle
+from paella.dispatcher.core import Request
+from paella.dispatcher.daemon.bundles import FunctionalCache, bundle_adaptor, model_info_from_bundle
+from paella.dispatcher.daemon.config import DaemonConfig
+from paella.dispatcher.daemon.executors import DispatcherExecutor
+from paella.dispatcher.daemon.model_config import ModelConfig
+from paella.dispatcher.devices.base import DeviceError
+from paella.dispatcher.devices.sim import SimDevice
+
+from dvabatch_bundle import query, reference, staged_bert
+
+
+@pytest.fixture(scope="module")
+def bundle(tmp_path_factory):
+    return load_bundle(staged_bert(tmp_path_factory.mktemp("dva") / "bert"))
+
+
+class Served:
+    """The model behind a DispatcherExecutor; ``send`` makes a request of one row."""
+
+    def __init__(self, bundle, **options):
+        self.bundle = bundle
+        self.dev = SimDevice("t4", seed=1)
+        self.ex = DispatcherExecutor(None, self.dev, DaemonConfig())
+        cache = FunctionalCache()
+        ads = [bundle_adaptor(bundle, "bert#1", self.dev, cache, k)
+               for k in range(len(bundle.variants))]
+        self.ex.register_variants(1, "bert", "bert#1", bundle, ads, None, 1,
+                                  config=ModelConfig(batcher="dvabatch", batcher_options=options))
+        self.info = model_info_from_bundle(1, bundle, "bert")
+        self.batcher = self.ex.stage.models[1].batcher
+        self.rng = np.random.default_rng(0)
+        self.done: dict[int, tuple[int, str | None]] = {}
+        self.reqs: list[Request] = []
+
+    def send(self, client: int = 1, seq_len: int = 8, rows: int = 1) -> Request:
+        slots, need = shapes.request_layout(self.info.variants, rows, seq_len)
+        io = np.zeros(need, np.uint8)
+        x, mask = query(self.rng)
+        x, mask = x[:, :seq_len], mask[:, :seq_len]
+        for s, a in zip(slots, (x, mask)):
+            io[s.offset:s.offset + a.nbytes] = a.view(np.uint8).reshape(-1)[:s.nbytes]
+        req = Request(len(self.reqs), client, 1, io, rows=rows, seq_len=seq_len,
+                      layout=tuple(slots), on_complete=self._complete)
+        # A shorter row runs padded to the bucket (zeros, masked out): the whole model's
+        # answer on the padded row, cut to the row's length.
+        pad_x, pad_m = np.zeros((1, 8, 16), np.float32), np.zeros((1, 8), np.float32)
+        pad_x[:, :seq_len], pad_m[:, :seq_len] = x, mask
+        req.want = reference(self.bundle, pad_x, pad_m)[:, :seq_len]
+        self.reqs.append(req)
+        self.ex.submit(req)
+        return req
+
+    def _complete(self, req, status, err):
+        assert req.req_id not in self.done, f"request {req.req_id} answered twice"
+        self.done[req.req_id] = (status, err)
+
+    def advance(self, seconds: float) -> None:
+        end = self.dev.now() + seconds
+        while self.dev.now() < end:
+            self.ex.step()
+            self.dev.run_until(min(end, self.dev.now() + 10e-6))
+
+    def output(self, req) -> np.ndarray:
+        s = req.layout[2]
+        return req.io[s.offset:s.offset + s.nbytes].view(np.float32).reshape(s.shape)
+
+
+def test_every_row_gets_the_whole_models_answer_through_stretch_and_split(bundle):
+    from paella.dispatcher.instruments import Instrument
+
+    class Streams(Instrument):
+        seen: list = []
+
+        def op_released(self, op, t):
+            self.seen.append((op.job.model.name, op.stream))
+    m = Served(bundle, pairs=2, split_factor=0.0, t_comp_wait_us=400.0)
+    m.ex.disp.instruments.add(Streams())
+    for i in range(16):
+        m.send(client=1 + i % 3)
+        m.advance(15e-6)                     # arrivals spread over the first batches
+    m.ex.stage.run_until_idle()
+    assert m.done == {r.req_id: (rings.OK, None) for r in m.reqs}
+    for r in m.reqs:
+        np.testing.assert_allclose(m.output(r), r.want, rtol=1e-5, atol=1e-5)
+    st = m.batcher.stats_dict()
+    assert st["stretch"] > 0 and st["split"] > 0 and st["new"] > 0
+    assert st["exited"] == 16 and st["failed"] == 0
+    # runs of 3 rows (a stretched batch) ran as pieces of the compiled sizes 2 + 1
+    assert st["jobs"] > st["stage_runs"]
+    # one stream per stage executor: every op of stage s's jobs on stage s's stream
+    own = [m.ex.disp.stream_named(f"bert/s{s}") for s in range(2)]
+    assert len(set(own)) == 2
+    by_stage = {}
+    for name, stream in Streams.seen:           # variants are "bert#1/s{stage}_b{rows}_l8"
+        by_stage.setdefault(int(name.split("/s")[1][0]), set()).add(stream)
+    assert by_stage == {0: {own[0]}, 1: {own[1]}}
+
+
+def test_a_client_leaving_mid_batch_is_answered_once_and_the_others_complete(bundle):
+    m = Served(bundle, pairs=1, split=False, t_comp_wait_us=1000.0)
+    mine = [m.send(client=1), m.send(client=2), m.send(client=1), m.send(client=2)]
+    m.advance(20e-6)                         # in their batch, stage 0 running
+    assert not m.done
+    m.ex.cancel_client(2)
+    m.ex.stage.run_until_idle()
+    for r in mine:
+        status, err = m.done[r.req_id]
+        if r.client_id == 2:
+            assert status == rings.E_CANCELLED and "client 2 disconnected" in err
+        else:
+            assert status == rings.OK
+            np.testing.assert_allclose(m.output(r), r.want, rtol=1e-5, atol=1e-5)
+    assert m.batcher.stats_dict()["dropped"] == 2
+    later = m.send(client=1)                 # and the model serves on
+    m.ex.stage.run_until_idle()
+    assert m.done[later.req_id] == (rings.OK, None)
+
+
+def test_waiting_rows_of_a_leaving_client_are_withdrawn_and_short_rows_are_padded(bundle):
+    """One pair, no stretch: the first row's batch holds the pair, the others wait; the
+    client of two waiting ones leaves (withdrawn, answered once); rows shorter than the
+    length bucket come back at their own length; a request of 2 rows is refused."""
+    m = Served(bundle, pairs=1, stretch=False, split=False)
+    first = m.send(client=1, seq_len=5)
+    waiting = [m.send(client=2), m.send(client=3, seq_len=3), m.send(client=2)]
+    refused = m.send(client=1, rows=2)
+    assert m.done[refused.req_id][0] == rings.E_OPTIONS
+    assert "dvabatch serves one row per request" in m.done[refused.req_id][1]
+    m.advance(5e-6)
+    m.ex.cancel_client(2)
+    assert [m.done.get(r.req_id, (None,))[0] for r in waiting] == \
+        [rings.E_CANCELLED, None, rings.E_CANCELLED]
+    m.ex.stage.run_until_idle()
+    for r in (first, waiting[1]):
+        assert m.done[r.req_id] == (rings.OK, None)
+        np.testing.assert_allclose(m.output(r), r.want, rtol=1e-5, atol=1e-5)
+    assert m.batcher.stats_dict()["new"] == 2 and m.batcher.stats_dict()["dropped"] == 0
+
+
+def test_a_failing_stage_job_fails_its_rows_with_the_reason_and_the_others_go_on(bundle):
+    m = Served(bundle, pairs=2, split=False, stretch=False)
+    s1 = m.ex.disp.stream_named("bert/s1")
+    real = m.dev.launch
+    fail = [1]
+
+    def launch(func, grid, block, stream, *a, **kw):
+        if stream == s1 and fail[0]:        # the device refuses stage 1's next kernel
+            fail[0] -= 1
+            raise DeviceError("injected: launch refused")
+        return real(func, grid, block, stream, *a, **kw)
+    m.dev.launch = launch
+    hit = m.send(client=1)              # a batch of its own: its stage 1 job fails
+    others = [m.send(client=2), m.send(client=3)]      # the next batches
+    m.ex.stage.run_until_idle()
+    assert fail == [0]
+    status, err = m.done[hit.req_id]
+    assert status == rings.E_FAILED
+    assert "bert: stage 1 of 2 failed on rows 0..0 of its batch" in err
+    assert "injected: launch refused" in err
+    for r in others:
+        assert m.done[r.req_id] == (rings.OK, None)
+        np.testing.assert_allclose(m.output(r), r.want, rtol=1e-5, atol=1e-5)
+    assert m.batcher.stats_dict()["failed_runs"] == 1
+
+
+def test_the_model_is_described_to_clients_as_the_whole_model(bundle):
+    info = model_info_from_bundle(1, bundle, "bert")
+    assert [(v.batch, [t.name for t in v.inputs], [t.name for t in v.outputs])
+            for v in info.variants] == [(b, ["x", "mask"], ["output0"]) for b in (1, 2, 4)]
+    assert info.variants[0].outputs[0].shape == (1, 8, 16)
+
+
+def test_a_three_stage_unet_with_skips_across_stages(tmp_path):
+    """U-Net-like (``unet_small`` of the zoo) cut into 3 stages: its skip connections
+    pass through the middle stage (``cut1.1`` -> ``cut2.2``); every row through stretch
+    and split gets the whole model's CPU-build answer."""
+    from paella.compiler_pass.build import compile_bundle
+    from paella.models import zoo
+    bundle = load_bundle(compile_bundle([zoo.get("unet_small", batch=b) for b in (1, 2, 4)],
+                                        str(tmp_path / "unet"), stages=3))
+    assert bundle.n_stages == 3
+    m = Served(bundle, pairs=2, split_factor=0.0, t_comp_wait_us=400.0)
+    v = m.info.variants[0]
+    sent = []
+    for i in range(8):
+        x = m.rng.standard_normal(v.inputs[0].shape).astype(np.float32)
+        slots, need = shapes.request_layout(m.info.variants, 1, 0)
+        io = np.zeros(need, np.uint8)
+        io[slots[0].offset:slots[0].offset + x.nbytes] = x.view(np.uint8).reshape(-1)
+        req = Request(i, 1 + i % 2, 1, io, rows=1, layout=tuple(slots), on_complete=m._complete)
+        m.ex.submit(req)
+        sent.append((req, bundle.run_cpu_model({"x": x}, 1)["output0"]))
+        m.advance(10e-6)
+    m.ex.stage.run_until_idle()
+    for req, want in sent:
+        assert m.done[req.req_id] == (rings.OK, None)
+        s = req.layout[1]
+        got = req.io[s.offset:s.offset + s.nbytes].view(np.float32).reshape(s.shape)
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+    st = m.batcher.stats_dict()
+    assert st["stretch"] > 0 and st["split"] > 0 and st["stage_runs"] >= 3 * st["new"]
