@@ -55,3 +55,48 @@ def test_a_launch_without_the_operands_has_no_effect():
     dev = SimDevice("gtx1660s", n_streams=4)
     out, seen, _ = run(dev, lambda src, dst: (7,))        # its own argument only
     assert seen == [] and not out.any()
+
+
+def test_real_time_h2d_lands_at_submission_only_when_nothing_in_flight_could_see_it():
+    """The real-time simulator moves an H2D's bytes when the copy is submitted (a speed
+    trick) only while no op in flight touches device memory at its completion; stream
+    order holds either way: a D2H queued before an H2D to the same buffer reads the
+    old bytes. (A clock at 1/10,000 of the wall's: the D2H stays in flight while the
+    test submits the H2D behind it, however loaded the machine.)"""
+    dev = SimDevice("t4", realtime=True, speed=1e-4)
+    buf = dev.alloc(16)
+    x1, x2 = np.arange(4, dtype=np.float32), np.arange(4, dtype=np.float32) + 10
+    dev.memcpy_htod(buf, x1.view(np.uint8), 0)
+    assert np.array_equal(dev.memory.view(buf, 16).view(np.float32), x1)   # landed already
+    dev.synchronize()
+    out = np.zeros(4, np.float32)
+    dev.memcpy_dtoh(out.view(np.uint8), buf, 0)                  # in flight: reads at its end
+    dev.memcpy_htod(buf, x2.view(np.uint8), 0)                   # so this one lands late
+    assert np.array_equal(dev.memory.view(buf, 16).view(np.float32), x1)
+    dev.synchronize()
+    assert np.array_equal(out, x1)
+    assert np.array_equal(dev.memory.view(buf, 16).view(np.float32), x2)
+    assert dev._pending_access == 0
+
+
+def test_an_effect_in_flight_keeps_a_later_h2d_from_landing_early():
+    """A kernel whose effect reads its input at completion, then an H2D overwriting that
+    input on the same stream: the effect sees the first input. (A slow clock, as above.)"""
+    dev = SimDevice("t4", realtime=True, speed=1e-3)
+    seen = []
+
+    def compute(inputs):
+        seen.append(inputs["x"].copy())
+        return {"y": inputs["x"] * 2 + 1}
+    f = dev.load_module(ModuleImage("m2", [KernelInfo("k", 16, duration=200e-6)],
+                                    effects={"k": model_effect([T("x", 4)], [T("y", 4)],
+                                                               compute, own_args=0)}))["k"]
+    src, dst = dev.alloc(16), dev.alloc(16)
+    x1 = np.full(4, 3, np.float32)
+    dev.memcpy_htod(src, x1.view(np.uint8), 0)
+    dev.launch(f, 1, 32, 0, 9, args=(src, dst), instrumented=False)
+    dev.memcpy_htod(src, np.zeros(4, np.float32).view(np.uint8), 0)
+    assert seen == [] and np.array_equal(dev.memory.view(src, 16).view(np.float32), x1)
+    dev.synchronize()
+    assert len(seen) == 1 and np.array_equal(seen[0], x1)
+    assert not dev.memory.view(src, 16).any()

@@ -1,0 +1,253 @@
+"""Benchmark (not a test): one request at a time through the dispatcher on the real-time
+simulated GPU, in this process, against the time the simulated GPU itself takes.
+
+    .venv/bin/python -m paella.experiments.bench_realtime [--models resnet18,squeezenet1_1,googlenet]
+        [--requests 200] [--lookahead 3] [--policy paella] [--profile FILE] [--fifo]
+        [--pause] [--gap 0.02] [--daemon | --daemon-only] [--daemon-args "--idle spin"]
+
+No daemon, no client, no rings: the in-process core of ``paella demo``'s critical path.
+Each model (a zoo bundle, compiled and cached like the demo's) is served through the
+daemon's own adaptor (``bundle_adaptor``: the plan, the CPU build's answer as the last
+kernel's functional effect, through the functional cache) by a ``Dispatcher`` on a
+``SimDevice(realtime=True)``, stepped back to back (a spin: no sleep can overshoot).
+Per request:
+
+* **latency**: wall time from ``submit`` to the request's completion callback;
+* **isolated**: the same request on the *virtual-time* simulated GPU (its H2D, kernels
+  and D2H alone on the device): what the GPU would take, the floor;
+* **extra**: latency minus isolated, the host's cost on the critical path.
+
+Reported: medians over ``--requests`` requests after warm-up, the ratio latency /
+isolated, the extra per kernel, and the CPU per request (``--profile FILE`` writes
+cProfile's stats of the timed requests). ``--fifo`` runs under SCHED_FIFO when allowed
+(the daemon does by default, see docs/service.md).
+
+``--pause`` sleeps ``--gap`` seconds before each request instead of serving them back to
+back: ``paella demo``'s spacing (20 requests/s per client), after which this machine's
+caches no longer hold the loop's code and data. ``--daemon`` (``--daemon-only``) then
+(only) sends the same kind of requests through the real daemon from one client process
+pinned away from the daemon's core, one at a time, ``--gap`` apart on average: the demo's
+critical path without its queueing.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+from typing import Any
+
+import numpy as np
+
+from paella.dispatcher.core import Dispatcher, Request
+from paella.dispatcher.daemon.bundles import FunctionalCache, bundle_adaptor
+from paella.dispatcher.daemon.system import freeze_new_objects as freeze_heap
+from paella.dispatcher.devices.sim import SimDevice
+
+DEFAULT_MODELS = ["resnet18", "squeezenet1_1", "googlenet"]
+
+
+def serve_one(disp: Dispatcher, model_id: int, io: np.ndarray, req_id: int) -> float:
+    """Submit one request and step the dispatcher until it completes: its wall latency."""
+    done = []
+    req = Request(req_id, 0, model_id, io, on_complete=lambda r, st, err: done.append(st))
+    perf = time.perf_counter
+    t0 = perf()
+    disp.submit(req)
+    step = disp.step
+    while not done:
+        step()
+    t = perf() - t0
+    if done[0] != 0:
+        raise RuntimeError(f"request {req_id} failed: {req.error}")
+    return t
+
+
+def isolated_seconds(bundle, name: str, io: np.ndarray, policy: str, lookahead: int) -> float:
+    """The request alone on the virtual-time simulated T4, submit to completion."""
+    dev = SimDevice("t4")
+    disp = Dispatcher(dev, policy, lookahead=lookahead)
+    mid = disp.register_model(name, bundle_adaptor(bundle, name, dev, FunctionalCache()))
+    times = []
+    for i in range(3):
+        req = Request(i, 0, mid, io)
+        disp.submit(req)
+        disp.run_until_idle()
+        times.append(req.t_done - req.t_submit)
+    return statistics.median(times)
+
+
+def bench_model(bundle, name: str, n: int, policy: str, lookahead: int,
+                profiler: Any = None, gap: float = 0.0) -> dict:
+    dev = SimDevice("t4", realtime=True)
+    disp = Dispatcher(dev, policy, lookahead=lookahead)
+    adaptor = bundle_adaptor(bundle, name, dev, FunctionalCache())
+    adaptor.warm()
+    mid = disp.register_model(name, adaptor)
+    v = bundle.variants[0]
+    io = np.zeros(v.io_bytes, np.uint8)
+    rng = np.random.default_rng(0)
+    for t in v.inputs:
+        io[t.offset:t.offset + t.nbytes] = rng.standard_normal(t.shape).astype(t.dtype) \
+            .view(np.uint8).reshape(-1)
+    iso = isolated_seconds(bundle, name, io, policy, lookahead)
+    for i in range(10):                       # warm-up: the CPU build runs once here
+        serve_one(disp, mid, io, i)
+    freeze_heap()                             # as the daemon does once its models are loaded
+    lat = []
+    cpu0 = time.process_time()
+    if profiler is not None:
+        profiler.enable()
+    for i in range(n):
+        if gap:
+            time.sleep(gap)
+        lat.append(serve_one(disp, mid, io, 100 + i))
+    if profiler is not None:
+        profiler.disable()
+    cpu = (time.process_time() - cpu0) / n     # (the sleeps take none)
+    p50 = statistics.median(lat)
+    kernels = sum(1 for op in adaptor.plan.ops if op.kind == "launch")
+    return {"model": name, "kernels": kernels, "isolated_ms": iso * 1e3, "p50_ms": p50 * 1e3,
+            "p90_ms": float(np.percentile(lat, 90)) * 1e3, "ratio": p50 / iso,
+            "extra_us": (p50 - iso) * 1e6, "extra_per_kernel_us": (p50 - iso) * 1e6 / kernels,
+            "cpu_ms_per_request": cpu * 1e3}
+
+
+def engine_seconds(bundle, n: int = 300, repeat: int = 3) -> float:
+    """The simulated GPU's own CPU per request: the plan's kernels launched on one stream
+    of a virtual-time SimDevice and run to the end (placements, re-timing, notifQ words;
+    no dispatcher), the best of ``repeat`` runs of ``n`` requests (thread CPU time)."""
+    from paella.dispatcher.adaptor import plan_from_bundle
+    from paella.experiments.zoo import module_image
+    dev = SimDevice("t4")
+    funcs = dev.load_module(module_image(bundle))
+    kernels = [(funcs[op.kernel], op.grid, op.block) for op in plan_from_bundle(bundle, 0).ops
+               if op.kind == "launch"]
+    best = float("inf")
+    for _ in range(repeat):
+        spent = 0.0
+        for _ in range(n):
+            for i, (f, grid, block) in enumerate(kernels):
+                dev.launch(f, grid, block, 0, i + 1, instrumented=True)
+            t = time.thread_time()
+            dev.run()
+            spent += time.thread_time() - t
+            dev.notifq[:] = 0                # (nobody reads it here)
+        best = min(best, spent / n)
+    return best
+
+
+def bench_daemon(bundles: dict, n: int, policy: str, lookahead: int, gap: float,
+                 extra: tuple[str, ...] = ()) -> list[dict]:
+    """The same requests through ``paella serve`` (the real daemon, on the real-time
+    simulated T4) from one client process, one at a time, ``gap`` seconds apart on
+    average (uniform in [0.5, 1.5] x gap: the demo's load without its queueing)."""
+    import shutil
+    import tempfile
+    from pathlib import Path
+
+    from paella.client import connect
+    from paella.experiments.bench_roundtrip import start_daemon, stop_daemon
+    repo = Path(tempfile.mkdtemp(prefix="paella-bench-rt-"))
+    for name, b in bundles.items():
+        os.symlink(b.path.resolve(), repo / name)
+    proc, sock, tmp = start_daemon("--models", str(repo), "--backend", "sim", "--gpu", "t4",
+                                   "--policy", policy, "--lookahead", str(lookahead), *extra,
+                                   timeout=300)
+    from paella.experiments.bench_roundtrip import client_core
+    client_core()                             # this client away from the daemon's core
+    rng = np.random.default_rng(0)
+    lat: dict[str, list[float]] = {name: [] for name in bundles}
+    try:
+        with connect(sock) as c:
+            inputs = {}
+            for name, b in bundles.items():
+                inputs[name] = {t.name: rng.standard_normal(t.shape).astype(t.dtype) for t in b.inputs}
+                for _ in range(5):
+                    c.infer(name, inputs[name])
+            names = list(bundles)
+            perf = time.perf_counter
+            for i in range(n * len(names)):
+                name = names[i % len(names)]
+                time.sleep(gap * rng.uniform(0.5, 1.5))
+                t0 = perf()
+                c.infer(name, inputs[name])
+                lat[name].append(perf() - t0)
+    finally:
+        code = stop_daemon(proc)
+        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.rmtree(repo, ignore_errors=True)
+    if code != 0:
+        raise RuntimeError(f"the daemon exited {code}")
+    return [{"model": name, "p50_ms": statistics.median(v) * 1e3,
+             "p90_ms": float(np.percentile(v, 90)) * 1e3} for name, v in lat.items()]
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="bench_realtime", description=__doc__.split("\n")[0])
+    ap.add_argument("--models", default=",".join(DEFAULT_MODELS))
+    ap.add_argument("--requests", type=int, default=200)
+    ap.add_argument("--lookahead", type=int, default=3)
+    ap.add_argument("--policy", default="paella")
+    ap.add_argument("--profile", help="write cProfile stats of the timed requests here")
+    ap.add_argument("--fifo", action="store_true", help="run under SCHED_FIFO if allowed")
+    ap.add_argument("--json", help="write the results here")
+    ap.add_argument("--daemon", action="store_true",
+                    help="also through the daemon, from one client process, one at a time")
+    ap.add_argument("--gap", type=float, default=0.02,
+                    help="seconds between requests: --daemon's mean; in process with --pause")
+    ap.add_argument("--pause", action="store_true",
+                    help="in process: sleep --gap between requests (the demo's spacing) instead "
+                         "of serving them back to back")
+    ap.add_argument("--daemon-only", action="store_true", help="only the --daemon part")
+    ap.add_argument("--daemon-args", default="", help="--daemon: more options for paella serve")
+    ap.add_argument("--engine", action="store_true",
+                    help="also the simulated GPU's own CPU per request (no dispatcher)")
+    args = ap.parse_args(argv)
+    from paella.experiments.zoo import DEFAULT_ZOO_DIR, ensure_bundles
+    if args.fifo:
+        try:
+            os.sched_setscheduler(0, os.SCHED_FIFO, os.sched_param(1))
+        except OSError as e:
+            print(f"(SCHED_FIFO refused: {e})")
+    names = args.models.split(",")
+    bundles = ensure_bundles(names, DEFAULT_ZOO_DIR)
+    profiler = None
+    if args.profile:
+        import cProfile
+        profiler = cProfile.Profile()
+    rows = [] if args.daemon_only else [
+        bench_model(bundles[n], n, args.requests, args.policy, args.lookahead, profiler,
+                    args.gap if args.pause else 0.0)
+        for n in names]
+    print(f"{'model':<15}{'kernels':>8}{'isolated':>10}{'p50':>9}{'p90':>9}{'ratio':>7}"
+          f"{'extra':>9}{'/kernel':>9}{'cpu/req':>9}")
+    for r in rows:
+        print(f"{r['model']:<15}{r['kernels']:>8}{r['isolated_ms']:>8.3f}ms{r['p50_ms']:>7.3f}ms"
+              f"{r['p90_ms']:>7.3f}ms{r['ratio']:>6.2f}x{r['extra_us']:>7.0f}us"
+              f"{r['extra_per_kernel_us']:>7.1f}us{r['cpu_ms_per_request']:>7.3f}ms")
+    if args.engine:
+        freeze_heap()
+        print("the simulated GPU's own CPU per request (virtual time, no dispatcher):")
+        for n in names:
+            cpu = engine_seconds(bundles[n])
+            print(f"{n:<15}{cpu * 1e6:8.0f} us CPU")
+            rows.append({"model": n, "path": "engine", "engine_cpu_us": cpu * 1e6})
+    if args.daemon or args.daemon_only:
+        drows = bench_daemon(bundles, args.requests, args.policy, args.lookahead, args.gap,
+                             tuple(args.daemon_args.split()))
+        print(f"through the daemon, one client, one request at a time (mean gap {args.gap * 1e3:g} ms):")
+        for r in drows:
+            print(f"{r['model']:<15}p50 {r['p50_ms']:.3f} ms  p90 {r['p90_ms']:.3f} ms")
+        rows += [dict(r, path="daemon") for r in drows]
+    if profiler is not None:
+        profiler.dump_stats(args.profile)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
