@@ -87,6 +87,13 @@ class OrcaScheduler(SchedulerBatcher):
             self.engine = GenerationEngine(ctx, self.cfg, max_bs=self.max_bs,
                                            n_slots=self.n_slots, weights=self.weights,
                                            name="iteration", **self.options)
+        except (OSError, MemoryError) as e:   # the KV cache does not fit
+            per_slot = self.cfg.kv_bytes_per_slot()
+            need = self.n_slots * per_slot
+            raise RuntimeError(f"the KV cache of n_slots = {self.n_slots} ({need / 2**30:.3g} GiB"
+                               f", {per_slot} bytes per slot) cannot be "
+                               f"allocated ({type(e).__name__}: {e}); lower n_slots in "
+                               f"config.toml") from None
         except RuntimeError as e:        # (a device without a host view of its memory)
             raise RuntimeError(f"orca computes its tokens as the simulated GPU's functional "
                                f"effects; serve it with --backend sim ({e})") from None

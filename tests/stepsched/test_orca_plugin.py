@@ -3,6 +3,7 @@ path without the daemon: tests/service/test_generation.py has that): requests la
 as clients lay them out, tokens checked against the from-scratch reference, progress
 reports in order, a client leaving, a reload while generations run."""
 import numpy as np
+import pytest
 
 from paella import rings
 from paella.dispatcher.batchers import ModelVariants, VariantSpec, get_batcher, make_batcher
@@ -119,3 +120,10 @@ def test_bad_requests_are_refused_alone():
     assert [g.done[0][0] for g in bad] == [rings.E_OPTIONS] * 3
     assert "outside the vocabulary" in bad[0].done[0][1]
     assert good.done == [(rings.OK, None)] and good.tokens == generate_reference(CFG, W, [2, 3], 4)
+
+
+def test_a_kv_cache_that_cannot_be_allocated_names_n_slots():
+    """Load time: the simulated device cannot map 48 TiB; the error says what to change."""
+    disp = Dispatcher(SimDevice("t4", n_streams=8, seed=0), "paella", profile_runs=0)
+    with pytest.raises(Exception, match=r"KV cache of n_slots = 100000000000 .*lower n_slots"):
+        orca(BatchingStage(disp), n_slots=10 ** 11)
