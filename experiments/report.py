@@ -541,7 +541,7 @@ SECTIONS: list[tuple[str, str, str, Callable[[dict], list[str]]]] = [
      "paella experiment nimble --json docs/figures/nimble.json --plot docs/figures/nimble.png",
      _nimble),
     ("cellular", "Cellular batching: BatchMaker's LSTM (Figures 8 and 11)",
-     "paella experiment cellular --quick --json docs/figures/cellular.json --plot docs/figures/cellular.png",
+     "paella experiment cellular --json docs/figures/cellular.json --plot docs/figures/cellular.png",
      _cellular),
     ("orca", "Iteration-level scheduling: Orca (Figure 4.8)",
      "paella experiment orca --quick --json docs/figures/orca.json --plot docs/figures/orca.png", _orca),
