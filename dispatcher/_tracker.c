@@ -260,31 +260,58 @@ static PyObject *Tracker_flow_ok(Tracker *self, PyObject *arg)
    plus this launch that the free resources cannot hold now, estimated on GPU-wide totals,
    must stay within B. A launch past that goes only when nothing else waits: with B > 0
    at once (a kernel larger than the GPU runs in waves), with B = 0 only on an idle GPU,
-   so that at B = 0 no kernel ever waits in a hardware queue behind resident work. */
+   so that at B = 0 no kernel ever waits in a hardware queue behind resident work.
+   `pd` (may be NULL): a launch in flight on the candidate's own stream, which the
+   candidate cannot start before: its resources, resident or still unplaced, count as
+   free and its blocks as no longer waiting (admits_after). */
+static int admits_rule(Tracker *self, Demand *dm, Demand *pd)
+{
+    if (!flow_ok(self, dm->entries))
+        return 0;
+    int64_t n = dm->blocks, p = pd != NULL ? pd->blocks : 0;
+    int64_t need[4] = {n, n * dm->warps, n * dm->regs, n * dm->smem};
+    int64_t credit[4] = {p, pd != NULL ? p * pd->warps : 0, pd != NULL ? p * pd->regs : 0,
+                         pd != NULL ? p * pd->smem : 0};
+    double excess = 0.0;
+    for (int k = 0; k < 4; k++) {
+        int64_t d = self->demand[k] + need[k];
+        if (d) {
+            double frac = (double)(d - (self->cap[k] - self->used[k] + credit[k])) / (double)d;
+            if (frac > excess)
+                excess = frac;
+        }
+    }
+    int64_t u = self->demand[B] - p;
+    if (u < 0)
+        u = 0;
+    if ((double)(u + n) * excess <= (double)self->extra_blocks)
+        return 1;
+    if (u == 0 && (self->extra_blocks > 0 || self->used[B] - p <= 0))
+        return 1;
+    return 0;
+}
+
 static PyObject *Tracker_admits(Tracker *self, PyObject *arg)
 {
     Demand *dm = as_demand(arg);
     if (!ready(self) || dm == NULL)
         return NULL;
-    if (!flow_ok(self, dm->entries))
-        Py_RETURN_FALSE;
-    int64_t n = dm->blocks;
-    int64_t need[4] = {n, n * dm->warps, n * dm->regs, n * dm->smem};
-    double excess = 0.0;
-    for (int k = 0; k < 4; k++) {
-        int64_t d = self->demand[k] + need[k];
-        if (d) {
-            double frac = (double)(d - (self->cap[k] - self->used[k])) / (double)d;
-            if (frac > excess)
-                excess = frac;
-        }
+    return PyBool_FromLong(admits_rule(self, dm, NULL));
+}
+
+static PyObject *Tracker_admits_after(Tracker *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "admits_after(demand, predecessor_demand)");
+        return NULL;
     }
-    int64_t u = self->demand[B];
-    if ((double)(u + n) * excess <= (double)self->extra_blocks)
-        Py_RETURN_TRUE;
-    if (u == 0 && (self->extra_blocks > 0 || self->used[B] == 0))
-        Py_RETURN_TRUE;
-    Py_RETURN_FALSE;
+    Demand *dm = as_demand(args[0]);
+    if (dm == NULL)
+        return NULL;
+    Demand *pd = as_demand(args[1]);
+    if (!ready(self) || pd == NULL)
+        return NULL;
+    return PyBool_FromLong(admits_rule(self, dm, pd));
 }
 
 /* Do `k` blocks of the launch fit in the resources that are neither resident nor claimed
@@ -701,6 +728,8 @@ static PyMethodDef Tracker_methods[] = {
      "drain(now, on_done, on_start=None) -> entries consumed; on_start(token) per launch "
      "whose first block was placed, then on_done(token, t_first) per finished launch"},
     {"admits", (PyCFunction)Tracker_admits, METH_O, "admits(demand): +B rule, flow control"},
+    {"admits_after", (PyCFunction)(void (*)(void))Tracker_admits_after, METH_FASTCALL,
+     "admits_after(demand, pred): the +B rule once the same-stream launch pred has ended"},
     {"flow_ok", (PyCFunction)Tracker_flow_ok, METH_O,
      "flow_ok(demand): may it launch without a notifQ overrun?"},
     {"starts_now", (PyCFunction)Tracker_starts_now, METH_O,

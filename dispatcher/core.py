@@ -230,7 +230,13 @@ class Dispatcher:
             # Lookahead: a kernel released while its stream predecessor is still in flight
             # goes behind it, on its real stream (it needs no free one).
             behind = ahead > 1 and op.pred is not None and op.pred.state == RELEASED
-            if not admits(k.demand) or (pool and not free and not behind and job.pin < 0):
+            if behind and policy.gated:
+                # It cannot start before its predecessor ends: admitted against the
+                # resources that predecessor frees (without this credit, lookahead held a
+                # large kernel's successor until the loop saw the predecessor complete).
+                if not tracker.admits_after(k.demand, op.pred.launch.demand):
+                    return
+            elif not admits(k.demand) or (pool and not free and not behind and job.pin < 0):
                 return
             ready.popleft()
             job.in_policy = False

@@ -41,6 +41,10 @@ else is unplaced and then runs in waves, holding further releases back until its
 unplaced blocks fall below B. :meth:`starts_now` (would one block be placed at once?)
 lets a policy keep B's slack from reordering its choices (``paella``'s order rule).
 
+:meth:`admits_after` (``demand``, ``pred``) is the same rule for a launch queued behind
+``pred`` on its stream (the dispatcher's lookahead): it cannot start before ``pred``
+ends, so ``pred``'s resources count as free and its blocks as no longer unplaced.
+
 **Flow control.** A launch of n blocks posts at most ``2*ceil(n/g)`` entries. The
 tracker admits a launch only while the entries not yet consumed, plus the new ones,
 fit in the ring, so the device can never overrun an unread slot. Launch ids carry a
@@ -48,7 +52,7 @@ counter-pair slot in their low bits (``paella.protocol``'s region layout), taken
 free list, so no two launches in flight share a counter pair.
 
 **Where the work is done.** What runs per notification and per release (``drain``,
-``admits``, ``flow_ok``, ``fits_now``, ``starts_now``, ``release``, ``unrelease``) is the C type
+``admits``, ``admits_after``, ``flow_ok``, ``fits_now``, ``starts_now``, ``release``, ``unrelease``) is the C type
 :class:`paella.dispatcher._tracker.TrackerCore` (``dispatcher/_tracker.c``), which keeps
 each launch in flight in arrays indexed by its counter pair: in Python these cost
 about 1.5 us per kernel in attribute reads and integer boxing. :class:`Tracker`, its

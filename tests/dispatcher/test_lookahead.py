@@ -71,3 +71,40 @@ def test_lookahead_keeps_every_job_correct_under_load(make):
 def test_lookahead_must_be_at_least_one(make):
     with pytest.raises(ValueError, match="lookahead must be an int >= 1"):
         make("paella", lookahead=0)
+
+
+def test_a_kernel_that_fills_the_gpu_has_its_successor_queued_behind_it(make):
+    """Each kernel of the chain fills every SM of the simulated T4 (80 blocks of 1,024
+    threads: two per SM), so the plain +B rule refuses the next one while it runs. Queued
+    behind it on its stream, the next cannot start before it ends: it is admitted against
+    the resources its predecessor frees (Tracker.admits_after), and released before the
+    predecessor ends."""
+    dev, d = make("paella", lookahead=3, instruments=[fl := Flight()])
+    mid = d.register_model("wide", chain("wide", 4, grid=80, block=1024))
+    fl.log.clear()
+    req = Request(1, 1, mid, np.zeros(d.models[mid].adaptor.io_bytes, np.uint8))
+    d.submit(req)
+    d.run_until_idle()
+    assert req.status == STATUS_OK
+    rel = {r[2]: r[4] for r in fl.log if r[0] == "rel" and r[1] == KERNEL}
+    end = {r[2]: r[4] for r in fl.log if r[0] == "end" and r[1] == KERNEL}
+    for i in range(1, 4):
+        assert rel[f"wide_k{i}"] < end[f"wide_k{i - 1}"]
+    assert fl.most == 3
+
+
+def test_admits_after_credits_only_the_predecessor(make):
+    """The rule itself: a GPU-filling launch is refused while an equal one is resident,
+    admitted once that one's resources are credited, refused again when the credit is a
+    launch too small to make room."""
+    dev, d = make("paella", lookahead=3)
+    d.register_model("wide", chain("wide", 1, grid=80, block=1024))
+    t = d.tracker
+    k = next(kl for kl in d._launches.values() if kl.blocks == 80)
+    small = t.demand(k.fp, 1)
+    t.release(k.demand, object())
+    assert not t.admits(k.demand)
+    assert t.admits_after(k.demand, k.demand)
+    assert not t.admits_after(k.demand, small)
+    with pytest.raises(TypeError):
+        t.admits_after(k.demand)

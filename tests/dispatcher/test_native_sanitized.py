@@ -43,6 +43,12 @@ for _ in range(40000):
     if rng.random() < 0.001:
         h.shift(0.5)
 h.clear()
+import numpy as np
+from paella.gpus import preset
+tt = tracker.Tracker(preset("t4"), np.zeros(1024, np.uint64), extra_blocks=0, group=1)
+dd, tiny = tracker.Demand(80, 32, 32768, 0, 160), tracker.Demand(1, 1, 1024, 0, 2)
+tt.release(dd, object())
+assert not tt.admits(dd) and tt.admits_after(dd, dd) and not tt.admits_after(dd, tiny)
 from paella.experiments import bench_dispatcher as b
 b.measure_alone(300, "paella", window=100)
 b.measure_whole(200, "paella")
