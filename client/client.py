@@ -526,12 +526,6 @@ class Client:
             nbytes = shapes.request_layout(m.variants, rows, seq_len)[1]
         if set(inputs) != set(names):
             raise ValueError(f"{m.name} takes inputs {sorted(names)}, got {sorted(inputs)}")
-        # Wake a sleeping daemon now, not after the inputs are written: its wake-up (an
-        # epoll return and a scheduler switch, 80-280 us here) then overlaps the copy, and
-        # predict() finds it awake (no second KICK). A daemon that falls asleep again
-        # before the push is kicked there as before.
-        if self._requests.daemon_sleeping():
-            self._send(wire.KICK_FRAME)
         off = self._alloc.alloc(nbytes)
         orphaned = False
         try:
