@@ -499,11 +499,9 @@ def _legit_submit(c, ref: Reference, rng) -> dict:
         ins["prompt"][...] = 0
         ins["prompt"][:len(prompt)] = prompt
         ins["lengths"][...] = (len(prompt), max_tokens)
-        for o in outs.values():
-            o.view(np.uint8)[...] = 0xA5
-        return {c.predict(ref.name, v.io_bytes, off): (ref, off, expected)}
-    (name,) = ins
-    ins[name][...] = x.reshape(ins[name].shape)
+    else:
+        (name,) = ins
+        ins[name][...] = x.reshape(ins[name].shape)
     for o in outs.values():
         o.view(np.uint8)[...] = 0xA5                  # a stale answer cannot pass
     return {c.predict(ref.name, v.io_bytes, off): (ref, off, expected)}
