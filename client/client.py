@@ -120,6 +120,9 @@ class Client:
         self._stash: dict[int, tuple[int, str]] = {}   # read by wait(), not yet returned
         #: Streaming requests: req id -> outputs valid so far (the last progress entry).
         self._progress: dict[int, int] = {}
+        #: Requests a generate() call reads: their progress count outlives their final
+        #: entry (a failed generation still yields the tokens announced before it failed).
+        self._streaming: set[int] = set()
         #: Requests whose ``infer`` timed out: req id -> io offset, freed (and the result
         #: dropped) when the completion arrives; the daemon may write the region till then.
         self._orphans: dict[int, int] = {}
@@ -250,7 +253,8 @@ class Client:
         return msg["status"]   # type: ignore[index]
 
     # -- §5.1: predict ---------------------------------------------------------------------
-    def predict(self, model: str | int, length: int, io_offset: int, options: int = 0) -> int:
+    def predict(self, model: str | int, length: int, io_offset: int, options: int = 0,
+                _track: bool = False) -> int:
         """Submit a request whose io region is ``arena[io_offset:io_offset+length]``.
 
         Returns its request id. The daemon validates every field; a bad request still
@@ -272,11 +276,14 @@ class Client:
             # Counted before the push, so a reader never sees more completions than
             # submissions (it would otherwise wait on a request it already got).
             self._submitted += 1
+            if _track:              # generate(): before any entry of it can be read
+                self._streaming.add(req_id)
             if not self._requests.push(req_id, model_id, io_offset, length, options):
                 try:
                     self._wait_for_room(req_id, model_id, io_offset, length, options)
                 except PaellaError:
                     self._submitted -= 1
+                    self._streaming.discard(req_id)
                     raise
             self._next_id += 1
             if self._requests.daemon_sleeping():
@@ -373,8 +380,8 @@ class Client:
                 return None
             if got[1] != rings.PROGRESS:
                 self._completed += 1
-                if self._progress:               # (its count is of no use any more)
-                    self._progress.pop(got[0], None)
+                if self._progress and got[0] not in self._streaming:
+                    self._progress.pop(got[0], None)     # (its count is of no use any more)
                 return got      # type: ignore[return-value]
             if got[0] not in self._orphans:
                 self._progress[got[0]] = max(self._progress.get(got[0], 0), got[2])  # type: ignore[arg-type]
@@ -595,7 +602,7 @@ class Client:
             views_in["prompt"][prompt.size:] = 0
             views_in["lengths"][:] = (prompt.size, max_tokens)
             views_out["n_tokens"][:] = 0
-            req_id = self.predict(m.model_id, v.io_bytes, off, wire.STREAM)
+            req_id = self.predict(m.model_id, v.io_bytes, off, wire.STREAM, _track=True)
             tokens, seen = views_out["tokens"], 0
             while True:
                 with self._recv_lock:
@@ -616,12 +623,14 @@ class Client:
                     self._result(*end)
                     return
         finally:
+            with self._recv_lock:
+                self._streaming.discard(req_id)
+                self._progress.pop(req_id, None)
+                if not (done or req_id is None):
+                    # in flight still (a timeout, or the caller stopped iterating)
+                    self._orphans[req_id] = off
             if done or req_id is None:
                 self._alloc.free(off)
-            else:       # in flight still (a timeout, or the caller stopped iterating)
-                with self._recv_lock:
-                    self._progress.pop(req_id, None)
-                    self._orphans[req_id] = off
 
     @property
     def in_flight(self) -> int:

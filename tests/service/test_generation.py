@@ -48,7 +48,7 @@ def model_repository(root: Path) -> Path:
     models = root / "models"
     for name, body in {"gpt-tiny": "max_bs = 4\nn_slots = 256\n",
                        "gpt-tight": "max_bs = 2\nn_slots = 64\n",
-                       "gpt-bad": None}.items():
+                       "gpt-bad": None, "gpt-bad2": None}.items():
         (models / name).mkdir(parents=True)
         batcher = "orca-raising" if body is None else "orca"
         (models / name / "config.toml").write_text(
@@ -271,6 +271,32 @@ def test_a_raising_scheduler_answers_its_requests_and_the_rest_is_served(daemon)
             generate_reference(CFG, W, [1, 2, 3], 4)
     log = daemon.log()
     assert "Traceback" in log and "plug-in bug at the third token" in log
+
+
+def test_tokens_announced_before_a_failure_read_in_one_drain_are_still_yielded(daemon):
+    """The reader is held off (another thread holds the receive lock) until the progress
+    entries and the failure are all on the ring: generate() then reads them in one drain,
+    and still yields the two tokens announced before the scheduler broke."""
+    import threading
+    with connect(daemon.socket) as c:
+        held, release = threading.Event(), threading.Event()
+
+        def hold():
+            with c._recv_lock:
+                held.set()
+                release.wait(20)
+        t = threading.Thread(target=hold)
+        t.start()
+        held.wait(5)
+        got = []
+        it = c.generate("gpt-bad2", [1, 2, 3], 10, timeout=20)
+        threading.Timer(1.0, release.set).start()    # the iterations take ~20 ms each
+        with pytest.raises(RequestFailed, match="plug-in bug at the third token"):
+            for tok in it:
+                got.append(tok)
+        t.join()
+        assert got == generate_reference(CFG, W, [1, 2, 3], 2)
+        assert not c._progress and not c._streaming     # nothing kept for it
 
 
 @pytest.mark.parametrize("drain", ["10", "0"])

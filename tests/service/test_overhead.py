@@ -63,13 +63,16 @@ def test_real_daemon_breakdown_adds_up(tiny_bundle):
     data = ov.run(tiny_bundle, setting, progress=lambda m: None, untraced=False)
     assert {k: c["n"] for k, c in data["cases"].items()} == {"back_to_back": 30, "after_idle": 5,
                                                                    "spin_back_to_back": 5}
-    for case in data["cases"].values():
+    for name, case in data["cases"].items():
         st = case["stats_us"]
         for k in ("comm_in", "sched_start", "sched_gaps", "sched_completion", "device_busy", "e2e"):
             assert st[k]["min"] > 0, k
         # The daemon's finish instrument stamps just after the completion is pushed, so a
-        # client spinning on its ring can read it a fraction of a microsecond earlier.
-        assert st["comm_out"]["min"] > -5.0 and st["comm_out"]["mean"] > 0
+        # client spinning on its ring can read it a microsecond or so earlier: every one of
+        # the spinning case's samples can be that little below zero (seen in CI).
+        assert st["comm_out"]["min"] > -5.0, name
+        if name != "spin_back_to_back":
+            assert st["comm_out"]["mean"] > 0, name
         for k in ("sim_cpu_idle", "functional_cpu_idle"):
             assert st[k]["min"] >= 0, k
         assert max(abs(st["residual"]["min"]), abs(st["residual"]["max"])) < 0.01
