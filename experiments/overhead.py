@@ -5,11 +5,13 @@ real-time simulated T4) from a real client process (this one), and its end-to-en
 latency, predict() to wait() returning, is split into:
 
 * **communication**: client to daemon (push on the request ring, the daemon taking
-  it) plus daemon to client (completion on the ring, the client's wake-up and poll);
+  it) plus daemon to client (the completion's push on the ring and wake-up frame, the
+  client's wake-up and poll);
 * **scheduling and framework**: the dispatcher's share of the daemon's window while
   the simulated GPU is idle: job start (admission, greenlet, adaptor, first copy
   issued), the gaps between the job's device operations (notifications read, kernels
-  released), and completion (last copy noticed, job finished, completion pushed);
+  released), and completion (last copy noticed, job finished: its completion is about
+  to be pushed);
 * **device**: the simulated GPU's busy time for the request (union of its copies'
   and kernels' intervals on the device clock, first H2D start to last D2H end minus
   idle gaps), plus the simulator's own CPU time that falls in the GPU's idle gaps.
@@ -29,7 +31,7 @@ Timestamps: the client, the daemon and the simulated device all read CLOCK_MONOT
 so intervals from the three can be compared. The daemon is the real one
 (``paella.dispatcher.daemon.main``) started through :func:`traced_daemon`, which hands
 it an instrument (:mod:`paella.dispatcher.instruments`: each request's admission by the
-dispatcher, its wake-up sent, its completion delivered to the client's ring) and a traced
+dispatcher, its wake-up sent, its job finished just before the completion is pushed) and a traced
 simulator (:func:`traced_sim`, the simulated GPU timing its own public methods and
 recording each operation's device interval through the ``on_complete`` callbacks of the
 device interface); it writes what it saw when it exits. Nothing patches the daemon's or
@@ -100,7 +102,17 @@ class _Trace(Instrument):
 
     # -- the instruments: a request's admission, wake-up and delivered completion --------
     def request_admitted(self, req: Any) -> None:
-        self.open[(req.client_id, req.req_id)] = [time.perf_counter(), math.nan]
+        self.open[(req.client_id, req.req_id)] = [time.perf_counter(), math.nan, math.nan]
+
+    def job_finished(self, job: Any) -> None:
+        """Just before the job's completions are pushed: the end of the daemon's share.
+        (A stamp after the push, in request_finished, can come later than a client
+        spinning on its ring reads the entry.)"""
+        t = time.perf_counter()
+        for req in job.requests:
+            rec = self.open.get((req.client_id, req.req_id))
+            if rec is not None:
+                rec[2] = t
 
     def request_woken(self, req: Any) -> None:
         rec = self.open.get((req.client_id, req.req_id))
@@ -110,7 +122,8 @@ class _Trace(Instrument):
     def request_finished(self, req: Any) -> None:
         rec = self.open.pop((req.client_id, req.req_id), None)
         if rec is not None:
-            self.requests.append((req.client_id, req.req_id, rec[0], rec[1], time.perf_counter()))
+            push = rec[2] if not math.isnan(rec[2]) else time.perf_counter()
+            self.requests.append((req.client_id, req.req_id, rec[0], rec[1], push))
 
     def timed(self, fn: Callable, sink: array) -> Callable:
         """``fn``, with its outermost calls recorded in ``sink`` while a request is open."""

@@ -65,14 +65,11 @@ def test_real_daemon_breakdown_adds_up(tiny_bundle):
                                                                    "spin_back_to_back": 5}
     for name, case in data["cases"].items():
         st = case["stats_us"]
-        for k in ("comm_in", "sched_start", "sched_gaps", "sched_completion", "device_busy", "e2e"):
-            assert st[k]["min"] > 0, k
-        # The daemon's finish instrument stamps just after the completion is pushed, so a
-        # client spinning on its ring can read it a microsecond or so earlier: every one of
-        # the spinning case's samples can be that little below zero (seen in CI).
-        assert st["comm_out"]["min"] > -5.0, name
-        if name != "spin_back_to_back":
-            assert st["comm_out"]["mean"] > 0, name
+        # comm_out too: the daemon's share ends just before the completion is pushed
+        # (job_finished), so no client, however fast it spins, can read it earlier.
+        for k in ("comm_in", "comm_out", "sched_start", "sched_gaps", "sched_completion",
+                  "device_busy", "e2e"):
+            assert st[k]["min"] > 0, (name, k)
         for k in ("sim_cpu_idle", "functional_cpu_idle"):
             assert st[k]["min"] >= 0, k
         assert max(abs(st["residual"]["min"]), abs(st["residual"]["max"])) < 0.01
