@@ -28,6 +28,8 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
+from paella.parent_death import end_with_parent
+
 DAEMON = (sys.executable, "-c",
           "import sys; from paella.dispatcher.daemon import main; sys.exit(main())")
 
@@ -54,7 +56,8 @@ def start_daemon(*extra: str, timeout: float = 60.0,
     notify.bind(notify_path)
     notify.settimeout(timeout)
     proc = subprocess.Popen([*command, "--socket", sock, "--log-level", "warning", *extra],
-                            env=dict(os.environ, NOTIFY_SOCKET=notify_path))
+                            env=dict(os.environ, NOTIFY_SOCKET=notify_path),
+                            preexec_fn=end_with_parent())
     try:
         while b"READY=1" not in notify.recv(4096):
             pass

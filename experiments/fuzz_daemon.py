@@ -58,6 +58,7 @@ import numpy as np
 from paella.client import (NONBLOCK, DaemonGone, DaemonUnavailable, PaellaError, RequestFailed,
                            connect)
 from paella.experiments import fuzz_attacks
+from paella.parent_death import end_with_parent
 
 #: The daemon alone (not every ``paella`` sub-command), with a stack dump on fatal
 #: signals: a SIGBUS or our SIGABRT of a stuck daemon then says where it was.
@@ -178,7 +179,7 @@ class DaemonUnderTest:
             self.proc = subprocess.Popen(
                 [*DAEMON, "--socket", self.socket, *self.args], stdout=logf, stderr=logf,
                 stdin=subprocess.DEVNULL, close_fds=True,
-                env=dict(os.environ, NOTIFY_SOCKET=notify_path))
+                env=dict(os.environ, NOTIFY_SOCKET=notify_path), preexec_fn=end_with_parent())
         finally:
             os.close(logf)
         self.starts += 1

@@ -17,6 +17,8 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 
+from paella.parent_death import end_with_parent
+
 #: ``paella serve`` without the other sub-commands (so another component's broken
 #: import cannot fail these tests). Not ``-m``: that would make a second copy of the
 #: module whose CLIError the real one's handler would not catch.
@@ -113,7 +115,8 @@ def start_daemon(*args: str, ready: bool = True, polite: bool = True,
     cmd = [*PAELLA, "--socket", sock,
            *(POLITE if polite else ()), *args]
     with open(log_path, "w") as logf:
-        proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, env=env)
+        proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, env=env,
+                                preexec_fn=end_with_parent())
     dp = DaemonProc(proc, sock, d, log_path, notify)
     if ready:
         deadline = time.monotonic() + 30

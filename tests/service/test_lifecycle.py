@@ -273,3 +273,43 @@ def test_demo_counts_only_its_own_daemons_segments(tmp_path, fresh_daemon):
     text = "".join(out)
     assert "leaked shared-memory segments: 0; processes left running: 0" in text, text
     assert "demo: OK" in text
+
+
+# -- a benchmark that dies does not leave its daemon behind ---------------------------------
+LAUNCHER = '''
+import sys, time
+from paella.experiments.bench_roundtrip import start_daemon
+proc, sock, d = start_daemon("--backend", "sim", "--cpu", "none", "--rt-priority", "0")
+print(proc.pid, sock, flush=True)
+time.sleep(60)
+'''
+
+
+def test_a_launcher_killed_with_sigkill_takes_its_daemon_with_it():
+    """start_daemon's child gets SIGTERM when its launcher dies (PR_SET_PDEATHSIG), so
+    it drains, removes its segments and exits instead of serving (or spinning) forever."""
+    launcher = subprocess.Popen([sys.executable, "-c", LAUNCHER], stdout=subprocess.PIPE,
+                                text=True)
+    try:
+        pid, sock = launcher.stdout.readline().split()
+        pid = int(pid)
+        assert os.path.exists(f"/proc/{pid}") and os.path.exists(sock)
+        launcher.kill()
+        launcher.wait(10)
+        deadline = time.monotonic() + 20
+        while os.path.exists(f"/proc/{pid}") and not _zombie(pid):
+            assert time.monotonic() < deadline, "the daemon outlived its launcher"
+            time.sleep(0.05)
+        assert not [n for n in os.listdir("/dev/shm") if n.startswith(f"paella.{pid}.")]
+        assert not os.path.exists(sock)          # a clean stop (SIGTERM), not a kill
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+
+
+def _zombie(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0] == b"Z"
+    except OSError:
+        return True
