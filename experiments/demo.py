@@ -38,6 +38,9 @@ INPUTS_PER_MODEL = 3
 #: behind the one running, so the host's reaction to a completion (tens of us in this
 #: Python loop) is not GPU time lost between dependent kernels (docs/dispatcher.md).
 DEFAULT_LOOKAHEAD = 3
+#: Issue 21's real-time target: each model's p50 within this factor of its isolated time
+#: on the simulated GPU (``paella profile``) plus the measured round trip.
+TARGET_FACTOR = 1.5
 
 
 def make_inputs(bundle, n: int, seed: int) -> list[dict[str, np.ndarray]]:
@@ -101,37 +104,63 @@ def client_main(idx: int, sock: str, work: dict, seconds: float, rate: float, si
     results.put(None)
 
 
+def round_trips(sock: str, n_b2b: int, n_paced: int, rate: float, sigma: float,
+                seed: int) -> dict[str, float]:
+    """p50 round trip (us) of the built-in echo model (the service path alone, no GPU
+    work): back to back (the floor: daemon and client warm) and with the clients' gaps
+    (lognormal, mean 1/rate), where both sleep between requests as in the timed phase."""
+    from paella.client import connect
+    x = {"x": np.ones(256, np.float32)}
+    rng = np.random.default_rng(seed + 999)
+    mu = math.log(1.0 / rate) - sigma * sigma / 2
+    out = {}
+    with connect(sock) as c:
+        for _ in range(20):
+            c.infer("echo", x)
+        for key, n in (("back_to_back", n_b2b), ("paced", n_paced)):
+            lat = []
+            for _ in range(n):
+                if key == "paced":
+                    time.sleep(min(rng.lognormal(mu, sigma), 1.0))
+                t0 = time.perf_counter()
+                c.infer("echo", x)
+                lat.append(time.perf_counter() - t0)
+            out[key] = float(np.median(lat)) * 1e6
+    return out
+
+
 def run(models: list[str], clients: int, seconds: float, rate: float, sigma: float, seed: int,
         gpu: str, policy: str, lookahead: int = 1) -> dict:
     from paella.experiments.bench_roundtrip import start_daemon, stop_daemon
+    from paella.dispatcher.devices.sim.bundle_profile import plan_time
     from paella.experiments.zoo import DEFAULT_ZOO_DIR, ensure_bundles
 
-    print(f"[1/6] compiling {', '.join(models)} (cached in {DEFAULT_ZOO_DIR})", flush=True)
+    print(f"[1/7] compiling {', '.join(models)} (cached in {DEFAULT_ZOO_DIR})", flush=True)
     bundles = ensure_bundles(models, DEFAULT_ZOO_DIR)
     repo = Path(tempfile.mkdtemp(prefix="paella-demo-models-"))
     for name, b in bundles.items():
         os.symlink(b.path.resolve(), repo / name)
 
-    print(f"[2/6] computing CPU references ({INPUTS_PER_MODEL} inputs per model)", flush=True)
+    print(f"[2/7] computing CPU references ({INPUTS_PER_MODEL} inputs per model)", flush=True)
     work = {}
     for i, (name, b) in enumerate(bundles.items()):
         ins = make_inputs(b, INPUTS_PER_MODEL, seed + 100 * i)
         work[name] = [(x, b.run_cpu(x)) for x in ins]
 
-    print(f"[3/6] starting the daemon: paella serve --backend sim --gpu {gpu} --policy {policy} "
+    print(f"[3/7] starting the daemon: paella serve --backend sim --gpu {gpu} --policy {policy} "
           f"--lookahead {lookahead}", flush=True)
     proc, sock, tmp = start_daemon("--models", str(repo), "--backend", "sim", "--gpu", gpu,
                                    "--policy", policy, "--lookahead", str(lookahead), timeout=300)
     try:
         from paella.client import connect
         with connect(sock) as c:
-            print("[4/6] warm-up: every input once, checked against its reference", flush=True)
+            print("[4/7] warm-up: every input once, checked against its reference", flush=True)
             for name, pairs in work.items():
                 for x, ref in pairs:
                     if not check(c.infer(name, x), ref):
                         raise SystemExit(f"demo: {name}'s output differs from the CPU reference")
 
-        print(f"[5/6] {clients} clients, {rate:g} requests/s each (lognormal, sigma {sigma}), "
+        print(f"[5/7] {clients} clients, {rate:g} requests/s each (lognormal, sigma {sigma}), "
               f"for {seconds:g} s", flush=True)
         ctx = mp.get_context("spawn")
         results = ctx.Queue()
@@ -163,8 +192,12 @@ def run(models: list[str], clients: int, seconds: float, rate: float, sigma: flo
         for p in procs:
             p.join()
         elapsed = time.monotonic() - t0
+        n_paced = max(30, int(3 * rate))
+        print(f"[6/7] round trip: the echo model (no GPU work) 300 times back to back, then "
+              f"{n_paced} times at a client's pacing", flush=True)
+        rtt = round_trips(sock, 300, n_paced, rate, sigma, seed)
     finally:
-        print("[6/6] stopping the daemon (SIGTERM)", flush=True)
+        print("[7/7] stopping the daemon (SIGTERM)", flush=True)
         children = children_of(proc.pid)
         code = stop_daemon(proc)
         shutil.rmtree(tmp, ignore_errors=True)
@@ -174,10 +207,16 @@ def run(models: list[str], clients: int, seconds: float, rate: float, sigma: flo
     table = {}
     for name, v in lat.items():
         a = np.array(v) * 1e3
-        table[name] = {"requests": len(v), "p50_ms": float(np.percentile(a, 50)) if len(a) else float("nan"),
+        p50 = float(np.percentile(a, 50)) if len(a) else float("nan")
+        alone = plan_time(bundles[name], gpu) * 1e3
+        target = {k: TARGET_FACTOR * (alone + us / 1e3) for k, us in rtt.items()}
+        table[name] = {"requests": len(v), "p50_ms": p50,
                        "p99_ms": float(np.percentile(a, 99)) if len(a) else float("nan"),
-                       "throughput": len(v) / elapsed}
-    return {"models": table, "mismatches": bad, "daemon_exit": code, "leaked_segments": leaked,
+                       "throughput": len(v) / elapsed, "isolated_ms": alone,
+                       "target_ms": target["back_to_back"], "met": p50 <= target["back_to_back"],
+                       "target_paced_ms": target["paced"], "met_paced": p50 <= target["paced"]}
+    return {"models": table, "round_trip_us": rtt, "target_factor": TARGET_FACTOR,
+            "mismatches": bad, "daemon_exit": code, "leaked_segments": leaked,
             "left_running": running,
             "seconds": elapsed, "clients": clients, "rate_per_client": rate, "gpu": gpu, "policy": policy,
             "lookahead": lookahead}
@@ -203,9 +242,16 @@ def main(args: argparse.Namespace) -> int:
     import json
     data = run([m for m in args.models.split(",") if m], args.clients, args.seconds, args.rate,
                args.sigma, args.seed, args.gpu, args.policy, args.lookahead)
-    print(f"\n{'model':<15}{'requests':>9}{'p50 ms':>9}{'p99 ms':>9}{'req/s':>8}")
+    rtt = data["round_trip_us"]
+    print(f"\nround trip (echo, p50): {rtt['back_to_back']:.0f} us back to back, "
+          f"{rtt['paced']:.0f} us at the clients' pacing; target: p50 <= "
+          f"{data['target_factor']:g} x (alone + round trip)")
+    print(f"{'model':<15}{'requests':>9}{'p50 ms':>9}{'p99 ms':>9}{'req/s':>8}{'alone ms':>10}"
+          f"{'target':>8}{'met':>5}{'paced':>8}{'met':>5}")
     for name, m in data["models"].items():
-        print(f"{name:<15}{m['requests']:>9}{m['p50_ms']:>9.2f}{m['p99_ms']:>9.2f}{m['throughput']:>8.1f}")
+        print(f"{name:<15}{m['requests']:>9}{m['p50_ms']:>9.2f}{m['p99_ms']:>9.2f}{m['throughput']:>8.1f}"
+              f"{m['isolated_ms']:>10.2f}{m['target_ms']:>8.2f}{'yes' if m['met'] else 'no':>5}"
+              f"{m['target_paced_ms']:>8.2f}{'yes' if m['met_paced'] else 'no':>5}")
     ok = (data["mismatches"] == 0 and data["daemon_exit"] == 0 and not data["leaked_segments"]
           and not data["left_running"])
     print(f"outputs checked against the CPU reference: {data['mismatches']} mismatches; daemon exit "

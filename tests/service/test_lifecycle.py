@@ -3,6 +3,7 @@ SIGKILL, signals during model loading, bad bundles at start-up, reloads off the 
 and ``paella demo``'s leak check beside another daemon."""
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -254,14 +255,15 @@ def test_demo_counts_only_its_own_daemons_segments(tmp_path, fresh_daemon):
     in /dev/shm meanwhile) is not the demo's leak."""
     demo = subprocess.Popen(
         [sys.executable, "-c", "import sys; from paella.cli import main; sys.exit(main())",
-         "demo", "--models", "tiny_mlp", "--clients", "1", "--seconds", "1", "--rate", "5"],
+         "demo", "--models", "tiny_mlp", "--clients", "1", "--seconds", "1", "--rate", "5",
+         "--json", str(tmp_path / "demo.json")],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         env=dict(os.environ, PAELLA_ZOO_DIR=str(tmp_path / "zoo")))
     out = []
     try:
         for line in demo.stdout:
             out.append(line)
-            if line.startswith("[4/6]"):
+            if line.startswith("[4/7]"):
                 break
         other = fresh_daemon("--sim-mode", "process")
         assert [n for n in os.listdir("/dev/shm") if n.startswith("paella") and str(other.pid) in n]
@@ -273,6 +275,17 @@ def test_demo_counts_only_its_own_daemons_segments(tmp_path, fresh_daemon):
     text = "".join(out)
     assert "leaked shared-memory segments: 0; processes left running: 0" in text, text
     assert "demo: OK" in text
+    # Issue 21's figure, computed by the demo itself: p50 against 1.5 x (the model alone on
+    # the simulated GPU + the echo round trip measured in the same run).
+    data = json.loads((tmp_path / "demo.json").read_text())
+    rtt = data["round_trip_us"]
+    assert 0 < rtt["back_to_back"] and 0 < rtt["paced"] and data["target_factor"] == 1.5
+    m = data["models"]["tiny_mlp"]
+    assert m["isolated_ms"] > 0
+    assert m["target_ms"] == pytest.approx(1.5 * (m["isolated_ms"] + rtt["back_to_back"] / 1e3))
+    assert m["target_paced_ms"] == pytest.approx(1.5 * (m["isolated_ms"] + rtt["paced"] / 1e3))
+    assert m["met"] == (m["p50_ms"] <= m["target_ms"])
+    assert "round trip (echo, p50)" in text
 
 
 # -- a benchmark that dies does not leave its daemon behind ---------------------------------
