@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import configparser
 import os
+import tomllib
 import shutil
 import subprocess
 import sys
@@ -69,6 +70,26 @@ def test_example_config_loads_and_agrees_with_the_client():
     default = DaemonConfig()
     for name in ("backend", "idle_spin_us", "max_clients", "arena_bytes", "ring_slots"):
         assert getattr(cfg, name) == getattr(default, name), name
+
+
+def test_example_config_lists_every_key_and_option():
+    """docs/service.md says dist/paella.toml lists every key: each section's keys are
+    set in it, and its header names each one's command-line option."""
+    import re
+    from paella.dispatcher.daemon.config import SECTIONS
+    text = (DIST / "paella.toml").read_text()
+    data = tomllib.loads(text)
+    header = text.split("[daemon]")[0]
+    for section, keys in SECTIONS.items():
+        assert set(data[section]) == set(keys), section
+    import argparse
+    from paella.dispatcher.daemon import register
+    sub = argparse.ArgumentParser().add_subparsers()
+    register(sub)
+    serve = sub.choices["serve"]
+    parser_options = {o[2:] for a in serve._actions for o in a.option_strings
+                      if o.startswith("--") and not o.startswith("--no-")} - {"help", "config"}
+    assert parser_options == set(re.findall(r"--(?:\[no-\])?([a-z-]+)", header)) - {"config"}
 
 
 @pytest.mark.parametrize("text, msg", [
