@@ -38,6 +38,14 @@ INPUTS_PER_MODEL = 3
 #: behind the one running, so the host's reaction to a completion (tens of us in this
 #: Python loop) is not GPU time lost between dependent kernels (docs/dispatcher.md).
 DEFAULT_LOOKAHEAD = 3
+#: The daemon's idle mode here: its loop polls on its own core, as the paper's dispatcher
+#: does, at normal priority (SCHED_FIFO spinning without pause is throttled by the kernel
+#: for 50 ms a second), and the demo's clients stay off that core. The daemon's own default
+#: (``--idle adaptive``: sleep 200 us after the last work) suits a shared machine; here each
+#: request would wake a sleeping core and find the loop's code and data out of the caches:
+#: p50 +0.4-0.6 ms per request (docs/simulator.md, "Real time"). ``--daemon-args ""``
+#: restores it.
+DEFAULT_DAEMON_ARGS = ("--idle", "spin", "--rt-priority", "0")
 #: Issue 21's real-time target: each model's p50 within this factor of its isolated time
 #: on the simulated GPU (``paella profile``) plus the measured round trip.
 TARGET_FACTOR = 1.5
@@ -81,10 +89,20 @@ def check(outputs: dict[str, np.ndarray], ref: dict[str, np.ndarray]) -> bool:
     return all(np.allclose(outputs[k], ref[k], rtol=1e-4, atol=1e-5) for k in ref)
 
 
+def off_daemon_core() -> None:
+    """Keep this process off the core the daemon's loop is pinned to (``--cpu auto``: the
+    last allowed one), as a deployment keeps clients off the dispatcher's core: a
+    client scheduled there would take turns with the loop."""
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) >= 2:
+        os.sched_setaffinity(0, cores[:-1])
+
+
 def client_main(idx: int, sock: str, work: dict, seconds: float, rate: float, sigma: float,
                 seed: int, results: mp.Queue) -> None:
     """One client process: lognormal gaps, a random model and input per request."""
     from paella.client import connect
+    off_daemon_core()
     rng = np.random.default_rng(seed + idx)
     names = sorted(work)
     mu = math.log(1.0 / rate) - sigma * sigma / 2
@@ -130,7 +148,7 @@ def round_trips(sock: str, n_b2b: int, n_paced: int, rate: float, sigma: float,
 
 
 def run(models: list[str], clients: int, seconds: float, rate: float, sigma: float, seed: int,
-        gpu: str, policy: str, lookahead: int = 1) -> dict:
+        gpu: str, policy: str, lookahead: int = 1, daemon_args: tuple[str, ...] = ()) -> dict:
     from paella.experiments.bench_roundtrip import start_daemon, stop_daemon
     from paella.dispatcher.devices.sim.bundle_profile import plan_time
     from paella.experiments.zoo import DEFAULT_ZOO_DIR, ensure_bundles
@@ -147,10 +165,10 @@ def run(models: list[str], clients: int, seconds: float, rate: float, sigma: flo
         ins = make_inputs(b, INPUTS_PER_MODEL, seed + 100 * i)
         work[name] = [(x, b.run_cpu(x)) for x in ins]
 
-    print(f"[3/7] starting the daemon: paella serve --backend sim --gpu {gpu} --policy {policy} "
-          f"--lookahead {lookahead}", flush=True)
-    proc, sock, tmp = start_daemon("--models", str(repo), "--backend", "sim", "--gpu", gpu,
-                                   "--policy", policy, "--lookahead", str(lookahead), timeout=300)
+    serve_args = ("--backend", "sim", "--gpu", gpu, "--policy", policy, "--lookahead", str(lookahead),
+                  *daemon_args)
+    print(f"[3/7] starting the daemon: paella serve {' '.join(serve_args)}", flush=True)
+    proc, sock, tmp = start_daemon("--models", str(repo), *serve_args, timeout=300)
     try:
         from paella.client import connect
         with connect(sock) as c:
@@ -219,7 +237,7 @@ def run(models: list[str], clients: int, seconds: float, rate: float, sigma: flo
             "mismatches": bad, "daemon_exit": code, "leaked_segments": leaked,
             "left_running": running,
             "seconds": elapsed, "clients": clients, "rate_per_client": rate, "gpu": gpu, "policy": policy,
-            "lookahead": lookahead}
+            "lookahead": lookahead, "daemon_args": list(daemon_args)}
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -233,6 +251,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--policy", default="paella")
     p.add_argument("--lookahead", type=int, default=DEFAULT_LOOKAHEAD,
                    help="the daemon's --lookahead: kernels of a job's stream released ahead")
+    p.add_argument("--daemon-args", default=" ".join(DEFAULT_DAEMON_ARGS),
+                   help="more options for the daemon (paella serve); default "
+                        f"\"{' '.join(DEFAULT_DAEMON_ARGS)}\", \"\" for the daemon's own defaults")
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--json", metavar="FILE")
     p.set_defaults(func=main)
@@ -241,7 +262,8 @@ def register(sub: argparse._SubParsersAction) -> None:
 def main(args: argparse.Namespace) -> int:
     import json
     data = run([m for m in args.models.split(",") if m], args.clients, args.seconds, args.rate,
-               args.sigma, args.seed, args.gpu, args.policy, args.lookahead)
+               args.sigma, args.seed, args.gpu, args.policy, args.lookahead,
+               tuple(args.daemon_args.split()))
     rtt = data["round_trip_us"]
     print(f"\nround trip (echo, p50): {rtt['back_to_back']:.0f} us back to back, "
           f"{rtt['paced']:.0f} us at the clients' pacing; target: p50 <= "
