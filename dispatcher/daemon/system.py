@@ -46,12 +46,17 @@ def sd_notify(message: str) -> bool:
     if addr[0] == "@":
         addr = "\0" + addr[1:]      # abstract namespace
     try:
-        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC) as s:
+        # Non-blocking: a manager that does not read its socket (its queue holds
+        # net.unix.max_dgram_qlen datagrams, 10 by default) must not stop the loop; the
+        # message is dropped and said so. Serving clients matters more than telling it.
+        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC
+                           | socket.SOCK_NONBLOCK) as s:
             s.connect(addr)
-            s.sendall(message.encode())
+            s.send(message.encode())
     except OSError as e:
-        # The service manager went away; serving clients matters more than telling it.
-        log.warning("sd_notify %r to %s failed: %s", message.split("\n")[0], addr, e)
+        why = "its queue is full (the manager does not read it)" \
+            if isinstance(e, BlockingIOError) else str(e)
+        log.warning("sd_notify %r to %s dropped: %s", message.split("\n")[0], addr, why)
         return False
     return True
 

@@ -326,3 +326,19 @@ def _zombie(pid: int) -> bool:
             return f.read().rsplit(b")", 1)[1].split()[0] == b"Z"
     except OSError:
         return True
+
+
+def test_a_service_manager_that_never_reads_its_socket_cannot_stop_the_loop(fresh_daemon):
+    """sd_notify sends without blocking: after READY=1 nothing reads NOTIFY_SOCKET, 15
+    reloads each notify twice (more than the datagram queue holds), and the daemon still
+    serves, then stops on SIGTERM, saying what it dropped."""
+    from paella.client import connect
+    dp = fresh_daemon()
+    for _ in range(15):
+        dp.proc.send_signal(signal.SIGHUP)
+        time.sleep(0.1)
+    with connect(dp.socket) as c:
+        x = np.arange(256, dtype=np.float32)
+        np.testing.assert_array_equal(c.infer("echo", {"x": x}, timeout=10)["y"], x)
+    assert dp.stop(15) == 0
+    assert "dropped: its queue is full" in dp.log()
