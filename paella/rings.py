@@ -64,6 +64,8 @@ MAGIC = 0x4C454150  # b"PAEL" little-endian
 VERSION = 1
 
 HEADER_BYTES = 384
+#: The largest data arena a segment may have (offsets and lengths are checked against it).
+MAX_ARENA_BYTES = 1 << 40
 SLEEPING = 64 // 8       # uint64 word indices into the header
 REQ_HEAD = 128 // 8
 REQ_TAIL = 192 // 8
@@ -114,7 +116,7 @@ class Layout:
             v = getattr(self, name)
             if v < 2 or v & (v - 1) or v > (1 << 20):
                 raise ValueError(f"{name} must be a power of two in 2..2**20, got {v}")
-        if not 0 < self.arena_bytes <= (1 << 40):
+        if not 0 < self.arena_bytes <= MAX_ARENA_BYTES:
             raise ValueError(f"arena_bytes must be in 1..2**40, got {self.arena_bytes}")
 
     @property

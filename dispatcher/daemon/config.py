@@ -21,6 +21,11 @@ class ConfigError(ValueError):
     """A bad setting: the message names the setting and what it accepts."""
 
 
+#: The longest a time setting may be (a day): longer ones overflow epoll's timeout or
+#: make a stop that never ends.
+MAX_SECONDS = 86400.0
+
+
 # --- configuration -------------------------------------------------------------------
 @dataclass
 class DaemonConfig:
@@ -68,9 +73,13 @@ class DaemonConfig:
             raise ConfigError(f"cpu must be auto, none or a core number, got {self.cpu!r}")
         if not 0 <= self.rt_priority <= 99:
             raise ConfigError(f"rt_priority must be 0..99, got {self.rt_priority}")
-        if not self.drain_seconds >= 0:                   # (also refuses nan)
-            raise ConfigError(f"drain_seconds must be >= 0 (seconds in-flight jobs get to "
-                              f"finish after SIGTERM), got {self.drain_seconds}")
+        if not 0 <= self.drain_seconds <= MAX_SECONDS:     # (also refuses nan and inf)
+            raise ConfigError(f"drain_seconds must be 0..{MAX_SECONDS} (seconds in-flight jobs "
+                              f"get to finish after SIGTERM), got {self.drain_seconds}")
+        if not 0 < self.handshake_seconds <= MAX_SECONDS:
+            raise ConfigError(f"handshake_seconds must be in (0, {MAX_SECONDS}] (a connection "
+                              f"that sends no HELLO by then is closed), got "
+                              f"{self.handshake_seconds}")
         if type(self.lookahead) is not int or self.lookahead < 1:
             raise ConfigError(f"lookahead must be an int >= 1 (kernels of one stream released "
                               f"and not completed; 1 releases a kernel when its predecessor "
@@ -83,7 +92,7 @@ class DaemonConfig:
         if not 0 <= self.socket_mode <= 0o777:
             raise ConfigError(f"socket_mode must be a file mode 0000..0777, got {self.socket_mode:#o}")
         for name in ("max_clients", "max_inflight_per_client", "arena_bytes", "max_arena_bytes",
-                     "max_clients_per_uid", "handshake_seconds"):
+                     "max_clients_per_uid"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
         if self.arena_bytes > self.max_arena_bytes:
@@ -93,6 +102,9 @@ class DaemonConfig:
             rings.Layout(self.ring_slots, self.ring_slots, self.arena_bytes)
         except ValueError as e:
             raise ConfigError(str(e)) from None
+        if self.max_arena_bytes > rings.MAX_ARENA_BYTES:
+            raise ConfigError(f"max_arena_bytes must be at most 2**40 (the ring layout's "
+                              f"largest arena), got {self.max_arena_bytes}")
         self.check_policy()
 
     def check_policy(self) -> None:
@@ -103,8 +115,9 @@ class DaemonConfig:
         except PolicyError as e:
             raise ConfigError(str(e)) from None
         extra = self.policy_params.get("extra_blocks")
-        if extra is not None and extra < 0:
-            raise ConfigError(f"policy parameter extra_blocks must be >= 0, got {extra}")
+        if extra is not None and not 0 <= extra < 2 ** 31:
+            raise ConfigError(f"policy parameter extra_blocks must be >= 0 (and below 2**31), "
+                              f"got {extra}")
 
 
 SECTIONS = {
