@@ -29,6 +29,11 @@ from .base import Batch, Batcher, BatcherError, ModelVariants
 from .registry import register_batcher
 
 
+#: Bounds of the options (the queues are scanned per batch; a delay past a day is none).
+MAX_PRIORITY_LEVELS = 64
+MAX_DELAY_US = 86400e6
+
+
 @register_batcher("dynamic")
 class DynamicBatcher(Batcher):
     def __init__(self, model: ModelVariants, max_batch_size: int = 0,
@@ -43,11 +48,13 @@ class DynamicBatcher(Batcher):
                 raise BatcherError(f"preferred_batch_sizes must be integers in "
                                    f"1..{self.max_batch_size} (max_batch_size), got {p!r}")
         self.preferred = frozenset(prefs)
-        if not max_queue_delay_us >= 0:
-            raise BatcherError(f"max_queue_delay_us must be >= 0, got {max_queue_delay_us}")
+        if not 0 <= max_queue_delay_us <= MAX_DELAY_US:     # (nan and inf too)
+            raise BatcherError(f"max_queue_delay_us must be 0..{MAX_DELAY_US:.0f} (a day), "
+                               f"got {max_queue_delay_us}")
         self.delay = max_queue_delay_us * 1e-6
-        if priority_levels < 0:
-            raise BatcherError(f"priority_levels must be >= 0, got {priority_levels}")
+        if not 0 <= priority_levels <= MAX_PRIORITY_LEVELS:
+            raise BatcherError(f"priority_levels must be 0..{MAX_PRIORITY_LEVELS} (one queue "
+                               f"each, all looked at per batch), got {priority_levels}")
         self.levels = priority_levels
         default = default_priority_level or (priority_levels + 1) // 2
         if priority_levels and not 1 <= default <= priority_levels:

@@ -34,6 +34,7 @@ CONFIG = "config.toml"
 TOP_KEYS = ("version", "batching", "policy", "memory")
 ALLOCATORS = ("sets", "chunked")
 POLICY_KEYS = {"profile_runs": int}
+MAX_PROFILE_RUNS = 20
 
 
 class ModelConfigError(ValueError):
@@ -93,9 +94,12 @@ def load_model_config(folder: str | Path) -> ModelConfig:
             raise ModelConfigError(f"{path}: unknown key {key!r} in [policy]; valid keys: "
                                    f"{', '.join(POLICY_KEYS)} (the scheduling policy itself "
                                    f"is the daemon's: [policy] of paella.toml)")
-        if not isinstance(value, POLICY_KEYS[key]) or isinstance(value, bool) or value < 0:
-            raise ModelConfigError(f"{path}: [policy] {key} must be an integer >= 0, "
-                                   f"got {value!r}")
+        if not isinstance(value, POLICY_KEYS[key]) or isinstance(value, bool) \
+                or not 0 <= value <= MAX_PROFILE_RUNS:
+            # Bounded: the runs are whole jobs on the device, in the loop, at every
+            # (re)load of the model (2000 stalled every client for half a second).
+            raise ModelConfigError(f"{path}: [policy] {key} must be an integer "
+                                   f"0..{MAX_PROFILE_RUNS}, got {value!r}")
     cfg.profile_runs = policy.get("profile_runs")
     memory = _table(data, "memory", path)
     for key, value in memory.items():

@@ -26,7 +26,7 @@ import logging
 import os
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
 log = logging.getLogger("paella.repository")
@@ -155,6 +155,10 @@ def scan(path: str, known: dict[str, tuple], make_adaptor: Callable[[Any, str, i
                     raise ValueError("the folder has a config.toml but no bundle (no "
                                      "manifest.json in it or in a version subfolder)")
                 continue                          # not a model folder
+            if getattr(get_batcher(cfg.batcher), "standalone", False):
+                raise ValueError(f"batcher {cfg.batcher!r} serves a model of its own (its io, "
+                                 f"no bundle), but this folder holds a bundle: remove the "
+                                 f"bundle, or choose a batcher for bundles")
             bdir, version = found
             model = d
             if model.lower() in seen:
@@ -172,8 +176,14 @@ def scan(path: str, known: dict[str, tuple], make_adaptor: Callable[[Any, str, i
                           for k, v in enumerate(bundle.variants))
             # A batcher planning by cost is built once the variants are profiled
             # (Executors.register_variants); the others now, so a bad option fails here.
-            batcher = (None if get_batcher(cfg.batcher).needs_costs else
-                       make_batcher(cfg.batcher, ModelVariants(model, specs), cfg.batcher_options))
+            # One that plans by cost is built here too, on placeholder costs, only to check
+            # its options: a bad value must fail before any variant is registered (each
+            # reload would otherwise register and profile them again, and keep them).
+            batcher = make_batcher(cfg.batcher, ModelVariants(
+                model, specs if not get_batcher(cfg.batcher).needs_costs else
+                tuple(replace(v, cost_s=1e-3) for v in specs)), cfg.batcher_options)
+            if get_batcher(cfg.batcher).needs_costs:
+                batcher = None
             label = f"{model}#{next(_generations)}"
             adaptors = []
             for k in range(len(bundle.variants)):

@@ -33,6 +33,13 @@ def test_registry_names_errors_and_options():
         make_batcher("dynamic", MODEL, {"max_batch_size": "8"})
     with pytest.raises(BatcherError, match="identity.*no option .max_batch_size.; valid options: none"):
         make_batcher("identity", MODEL, {"max_batch_size": 4})
+    # Bounded: 1e8 levels once took the daemon's memory (a queue each); an infinite delay
+    # never answered a lone request.
+    with pytest.raises(BatcherError, match=r"priority_levels must be 0..64 \(one queue each"):
+        make_batcher("dynamic", MODEL, {"priority_levels": 100_000_000})
+    for bad in (float("inf"), float("nan"), -1.0):
+        with pytest.raises(BatcherError, match=r"max_queue_delay_us must be 0..86400000000 \(a day\)"):
+            make_batcher("dynamic", MODEL, {"max_queue_delay_us": bad})
 
 
 def test_dynamic_forms_max_and_preferred_batches_at_once():

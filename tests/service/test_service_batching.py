@@ -201,6 +201,14 @@ CONFIG_ERRORS = [
      "[memory] allocator must be one of 'sets', 'chunked', got 'arena'"),
     ("turbo-unprofiled", "[batching]\nbatcher = 'turbo-dp'\n[policy]\nprofile_runs = 0\n",
      "[policy] profile_runs in config.toml must be at least 1"),
+    # Checked before any variant is registered and profiled (once, each reload did it again).
+    ("turbo-bad-option", "[batching]\nbatcher = 'turbo-dp'\ntrigger = 'bogus'\n",
+     "trigger must be one of hungry, lazy"),
+    ("profile-runs-huge", "[policy]\nprofile_runs = 1000000\n",
+     "[policy] profile_runs must be an integer 0..20, got 1000000"),
+    ("orca-beside-a-bundle", "[batching]\nbatcher = 'orca'\nconfig = 'tiny'\n",
+     "batcher 'orca' serves a model of its own (its io, no bundle), but this folder holds a "
+     "bundle"),
 ]
 
 
@@ -221,6 +229,8 @@ def test_config_toml_errors_are_clean(tmp_path, repo, case, text, expected):
     assert "paella: error: no bundle of the model repository" in r.stderr
     assert expected in r.stderr
     assert not (tmp_path / "p.sock").exists()
+    if case == "turbo-bad-option":       # refused by the scan, not after registering
+        assert "cannot be served" not in r.stderr
 
 
 def test_a_folder_named_like_a_built_in_model_is_refused(tmp_path, repo, fresh_daemon):
