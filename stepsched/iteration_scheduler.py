@@ -14,7 +14,9 @@ Beyond Orca (each off by default, so the defaults are Algorithm 2 exactly):
 - **priorities**: the pool is ordered by (priority, arrival) instead of arrival;
 - **fairness**: deficit counters per user, Paella's rule (docs/policies.md): serving a
   request of user u lowers u's deficit by 1 - 1/#users and raises every other active
-  user's by 1/#users; a user whose deficit passes ``fairness_threshold`` goes first;
+  user's by 1/#users; a user whose deficit passes ``fairness_threshold`` goes first; a
+  user's counter goes when its last request leaves the pool (an emptied queue's in
+  deficit round robin);
 - **preemption that keeps the place in line**: when the first request in that order cannot
   get its slots, requests *behind* it that hold slots give them up (the last in line
   first) until it fits. A preempted request keeps its arrival time, so it resumes ahead
@@ -132,7 +134,8 @@ class IterationScheduler:
                              f"cache ({self.n_slots} slots); it could never be admitted")
         req.seq = next(self._seq)
         self.pool.append(req)
-        self.deficit.setdefault(req.user, 0.0)
+        if self.fairness_threshold is not None:
+            self.deficit.setdefault(req.user, 0.0)
 
     def cancel(self, req: GenRequest) -> None:
         """Its client went away: it leaves the pool and its slots return now, unless an
@@ -140,6 +143,7 @@ class IterationScheduler:
         if req not in self.pool:
             return
         self.pool.remove(req)
+        self._left(req.user)
         if req.state != RUNNING and self._holds_slots(req):
             self.n_rsrv -= req.max_tokens
         req.state = "cancelled" if req.state != RUNNING else "cancelled-running"
@@ -246,9 +250,17 @@ class IterationScheduler:
             if r.finished:
                 self.n_rsrv -= r.max_tokens
                 self.pool.remove(r)
+                self._left(r.user)
                 r.state = "finished"
                 done.append(r)
         return done
+
+    def _left(self, user: int) -> None:
+        """A request of ``user`` left the pool: with none left, so does its deficit
+        counter, as an emptied queue's in deficit round robin (a user is a client
+        connection: counters kept for every one that ever generated would only grow)."""
+        if user in self.deficit and all(r.user != user for r in self.pool):
+            del self.deficit[user]
 
     def task_done(self, it: Iteration, now: float = 0.0) -> list[GenRequest]:
         return self.returned(it, now)

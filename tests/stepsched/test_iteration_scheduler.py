@@ -178,8 +178,13 @@ def test_fairness_deficits_let_a_starved_user_in():
         it = s.select()
         served += names(it)
         s.returned(it)
+        if served == ["f0"]:
+            assert s.deficit == {0: -0.5, 1: 0.5}      # per user in the pool
+        if "late" in served:
+            assert 1 not in s.deficit                  # its last request left: so did it
     # each iteration of user 0 raises user 1's deficit by 1/2: after 5, it is 2.5 > 2
     assert served.index("late") == 5
+    assert s.deficit == {}
     plain = IterationScheduler(max_bs=1, n_slots=1000)
     for r in [req(f"f{i}", out=3, user=0) for i in range(6)] + [req("late", out=1, arrival=0.1, user=1)]:
         plain.add(r)
