@@ -407,7 +407,8 @@ MOVES: list[tuple[str, str, list, str, str]] = [
      "a shorter GPU time and a cheaper simulator (real time: it varies with the host's load)",
      "the redesign (issue 13): the CPU build runs as the simulated device's effect, plans are issued whole"),
     ("overhead", "Figure 10: simulator CPU per request (us)", ["summary", "simulator_cpu_us"],
-     "the engine in C; still about twice the GPU time it simulates, mostly the Python calls into it",
+     "the engine in C; then about twice the GPU time it simulates, mostly the Python calls into it "
+     "(real time: it varies with the host's load)",
      "now includes the CPU build (the device's functional effect)"),
     ("mix", "Figure 11: sustained load, paella over ms-jbj (per-model SLO)", ["summary", "load_ratio_vs_ms_jbj"],
      "2,000 requests per point (was 300), one seed for every load, only contiguous passing loads, "
