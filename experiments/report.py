@@ -253,7 +253,9 @@ def _overhead(d: dict) -> list[str]:
         "",
         "The paper's bars are in a figure whose values the text does not give, so only its ordering can be "
         f"compared. Communication, {med['communication']:.0f} us, is the shared-memory rings plus a "
-        f"socket wake-up (the echo model's whole round trip: {d['echo']['e2e_p50_us']:.0f} us p50)"
+        f"socket wake-up, and the daemon pushing the completion and its wake-up frame (the daemon's "
+        f"share ends just before that push) (the echo model's whole round trip: "
+        f"{d['echo']['e2e_p50_us']:.0f} us p50)"
         + (f"; with `--idle spin` it is {spin['communication']['p50']:.0f} us: the adaptive loop sleeps "
            "once nothing has been in flight for `idle_spin_us` (200 us), and a request arriving after "
            "that pays a KICK and an epoll wake-up; on this loaded 2-core machine the client's own "
