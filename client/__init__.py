@@ -27,9 +27,18 @@ def default_client() -> Client:
         return _default
 
 
-def predict(model: str | int, length: int, io_offset: int, options: int = 0) -> int:
+def predict(model: str | int, length: int, io_offset: int, options: int = 0, *,
+            priority: int = 0) -> int:
     """§5.1 ``paella.predict`` on the default connection."""
-    return default_client().predict(model, length, io_offset, options)
+    return default_client().predict(model, length, io_offset, options, priority=priority)
+
+
+def infer(model: str | int, inputs, variant: int = 0, timeout: float | None = None, *,
+          rows: int | None = None, seq_len: int = 0, priority: int = 0) -> dict:
+    """One request on the default connection, inputs in, outputs back
+    (:meth:`Client.infer`): ``paella.infer("resnet18", {"x": x})``."""
+    return default_client().infer(model, inputs, variant, timeout, rows=rows, seq_len=seq_len,
+                                  priority=priority)
 
 
 def read_result(options: int = 0, timeout: float | None = None) -> int:
@@ -37,13 +46,14 @@ def read_result(options: int = 0, timeout: float | None = None) -> int:
     return default_client().read_result(options, timeout)
 
 
-def generate(model: str | int, prompt_ids, max_tokens: int, timeout: float | None = None):
+def generate(model: str | int, prompt_ids, max_tokens: int, timeout: float | None = None, *,
+             priority: int = 0):
     """Stream the tokens of one generation on the default connection
     (:meth:`Client.generate`)."""
-    return default_client().generate(model, prompt_ids, max_tokens, timeout)
+    return default_client().generate(model, prompt_ids, max_tokens, timeout, priority=priority)
 
 
-__all__ = ["Client", "generate", "connect", "default_socket", "DEFAULT_SOCKET", "default_client", "predict", "read_result",
+__all__ = ["Client", "generate", "infer", "connect", "default_socket", "DEFAULT_SOCKET", "default_client", "predict", "read_result",
            "NONBLOCK", "PaellaError", "DaemonUnavailable", "DaemonGone", "DaemonError",
            "UnknownModel", "NothingInFlight", "RingFull", "ArenaFull", "RequestFailed",
            "ResultTimeout"]

@@ -254,11 +254,14 @@ class Client:
 
     # -- §5.1: predict ---------------------------------------------------------------------
     def predict(self, model: str | int, length: int, io_offset: int, options: int = 0,
-                _track: bool = False) -> int:
+                _track: bool = False, *, priority: int = 0) -> int:
         """Submit a request whose io region is ``arena[io_offset:io_offset+length]``.
 
         Returns its request id. The daemon validates every field; a bad request still
         gets an id, and its read_result raises :class:`RequestFailed` with the reason.
+        ``priority``: 0 (none: the batcher's default level) or 1 (highest) .. 255, for
+        batchers that order by priority (``priority_levels`` of ``dynamic``; ``orca``
+        with ``priorities``); others ignore it.
         """
         if isinstance(model, str):
             m = self.models.get(model)
@@ -267,10 +270,14 @@ class Client:
             model_id = m.model_id   # type: ignore[union-attr]
         else:
             model_id = model
-        if not (0 <= model_id <= rings.U32 and 0 <= length <= rings.U64
+        if not (0 <= model_id <= rings.U32 and 0 <= length <= wire.LENGTH_MASK
                 and 0 <= io_offset <= rings.U64 and 0 <= options <= rings.U32):
             raise ValueError(f"predict fields out of range: model {model_id}, length {length}, "
                              f"offset {io_offset}, options {options}")
+        if type(priority) is not int or not 0 <= priority <= wire.MAX_PRIORITY:
+            raise ValueError(f"priority must be an int 0..{wire.MAX_PRIORITY} (0: none, 1: the "
+                             f"highest), got {priority!r}")
+        length |= priority << wire.PRIORITY_SHIFT
         with self._submit_lock:
             req_id = self._next_id
             # Counted before the push, so a reader never sees more completions than
@@ -499,17 +506,18 @@ class Client:
         return ({t.name: view(t) for t in slots[:n_in]},
                 {t.name: view(t) for t in slots[n_in:]}, nbytes)
 
-    def predict_shaped(self, model: str | int, offset: int, rows: int, seq_len: int = 0) -> int:
+    def predict_shaped(self, model: str | int, offset: int, rows: int, seq_len: int = 0,
+                       *, priority: int = 0) -> int:
         """Submit a request of ``rows`` rows (length ``seq_len``) laid out as
         :meth:`shaped_views` says, at ``offset``; returns its id."""
         m = self.model(model)
         _, nbytes = shapes.request_layout(m.variants, rows, seq_len)
         return self.predict(m.model_id, nbytes, offset,
-                            shapes.RequestShape(rows, seq_len).options())
+                            shapes.RequestShape(rows, seq_len).options(), priority=priority)
 
     def infer(self, model: str | int, inputs: Mapping[str, np.ndarray],
               variant: int = 0, timeout: float | None = None, *, rows: int | None = None,
-              seq_len: int = 0) -> dict[str, np.ndarray]:
+              seq_len: int = 0, priority: int = 0) -> dict[str, np.ndarray]:
         """Run one request: place inputs, predict, wait, return copies of the outputs.
 
         Inputs must match the variant's names and shapes exactly (values are cast to
@@ -521,6 +529,7 @@ class Client:
         :meth:`predict_shaped`) and :meth:`wait` yourself. ``timeout`` (seconds, default
         no limit) raises :class:`ResultTimeout` when the answer has not come by then; the
         request's arena region stays reserved until its completion arrives.
+        ``priority`` as for :meth:`predict`.
         """
         m = self.model(model)
         if rows is None:
@@ -546,8 +555,9 @@ class Client:
                     raise ValueError(f"{m.name} input {name!r} must have shape {view.shape} "
                                      f"({view.dtype}), got {a.shape}")
                 view[...] = a
-            req_id = (self.predict(m.model_id, nbytes, off, variant) if rows is None else
-                      self.predict_shaped(m.model_id, off, rows, seq_len))
+            req_id = (self.predict(m.model_id, nbytes, off, variant, priority=priority)
+                      if rows is None else
+                      self.predict_shaped(m.model_id, off, rows, seq_len, priority=priority))
             try:
                 self.wait(req_id, timeout)
             except ResultTimeout:
@@ -560,7 +570,7 @@ class Client:
                 self._alloc.free(off)
 
     def generate(self, model: str | int, prompt_ids, max_tokens: int,
-                 timeout: float | None = None) -> Iterator[int]:
+                 timeout: float | None = None, *, priority: int = 0) -> Iterator[int]:
         """Generate up to ``max_tokens`` tokens after ``prompt_ids`` with a generative
         model (one served by a streaming scheduler such as ``orca``): yields each token
         id as the iteration that made it completes, over the rings (progress entries).
@@ -572,7 +582,8 @@ class Client:
         any token. ``timeout`` (seconds, the whole generation; default no limit) raises
         :class:`ResultTimeout`; as with :meth:`infer`, the request's region then stays
         reserved until its completion arrives, and so it does if the caller stops
-        iterating early (the generation runs to its end in the daemon)."""
+        iterating early (the generation runs to its end in the daemon). ``priority`` as
+        for :meth:`predict` (``orca`` orders by it with ``priorities = true``)."""
         m = self.model(model)
         v = m.variants[0]
         ins = {t.name: t for t in v.inputs}
@@ -602,7 +613,8 @@ class Client:
             views_in["prompt"][prompt.size:] = 0
             views_in["lengths"][:] = (prompt.size, max_tokens)
             views_out["n_tokens"][:] = 0
-            req_id = self.predict(m.model_id, v.io_bytes, off, wire.STREAM, _track=True)
+            req_id = self.predict(m.model_id, v.io_bytes, off, wire.STREAM, _track=True,
+                                  priority=priority)
             tokens, seen = views_out["tokens"], 0
             while True:
                 with self._recv_lock:

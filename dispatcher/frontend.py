@@ -668,7 +668,8 @@ class Frontend:
                 return i         # the rest of the batch stays in the ring, unread
             req_id, mo, off, ln = reqs.pop()   # type: ignore[union-attr]
             if admit:
-                self._admit(c, req_id, mo & rings.U32, mo >> 32, off, ln)
+                self._admit(c, req_id, mo & rings.U32, mo >> 32, off, ln & wire.LENGTH_MASK,
+                            ln >> wire.PRIORITY_SHIFT)
             else:
                 self._reject(c, req_id, rings.E_CANCELLED, "the daemon is shutting down")
         return k
@@ -677,7 +678,7 @@ class Frontend:
         self._fatal(c, "ring_corrupt", str(e))
 
     def _admit(self, c: ClientConn, req_id: int, model_id: int, options: int, off: int,
-               ln: int) -> None:
+               ln: int, priority: int = 0) -> None:
         """Validate every field of one entry; start the job or complete it with an error."""
         self.stats["requests"] += 1
         shape = shapes.RequestShape.from_options(options)
@@ -720,6 +721,7 @@ class Frontend:
         req = Request(req_id, c.cid, model_id, c.seg.arena[off:off + ln],  # type: ignore[union-attr]
                       variant, self._woken, self._completed, rows=rows, seq_len=seq_len,
                       layout=slots)
+        req.priority = priority
         if options & wire.STREAM and shape is None:
             req.on_progress = self._progressed
         self.executor.submit(req)   # type: ignore[union-attr]

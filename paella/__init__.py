@@ -3,6 +3,7 @@
 The client API of the paper is available at the top level::
 
     import paella
+    out = paella.infer("resnet18", {"x": x})  # inputs in, outputs back, default connection
     client = paella.connect()                  # or paella.predict(...) on a default connection
     req = client.predict("resnet18", length, io_offset)
     done = client.read_result()                # or read_result(paella.NONBLOCK) -> -EAGAIN
@@ -15,7 +16,7 @@ from __future__ import annotations
 
 __version__ = "0.1.0"
 
-_CLIENT_API = {"connect", "predict", "read_result", "generate", "NONBLOCK", "Client", "default_client",
+_CLIENT_API = {"connect", "predict", "read_result", "infer", "generate", "NONBLOCK", "Client", "default_client",
                "PaellaError", "DaemonUnavailable", "DaemonGone", "DaemonError", "UnknownModel",
                "NothingInFlight", "RingFull", "ArenaFull", "RequestFailed", "ResultTimeout"}
 

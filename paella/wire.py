@@ -290,3 +290,13 @@ VARIANT_MASK = 0xFFFF
 SHAPED = 1 << 31
 STREAM = 1 << 30
 KNOWN_OPTIONS = VARIANT_MASK | STREAM
+
+#: Request priority: the top 8 bits of a ring entry's length word (an io region is at
+#: most 2**40 bytes, the largest arena). 0: none (the batcher's default level); 1 is the
+#: highest and larger numbers are lower, as Triton's priority levels. Batchers that
+#: order by priority read ``Request.priority`` (``dynamic`` with ``priority_levels``,
+#: ``orca`` with ``priorities = true``); the others, and the kernel policies, ignore it.
+#: A daemon older than priorities refuses a length with these bits (E_RANGE).
+PRIORITY_SHIFT = 56
+MAX_PRIORITY = 255
+LENGTH_MASK = (1 << PRIORITY_SHIFT) - 1

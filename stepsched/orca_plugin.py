@@ -40,6 +40,13 @@ from .generation import GenerationEngine, GenerationError, Stream
 CONFIGS = {"tiny": GPTConfig.tiny, "gpt2-small": GPTConfig.gpt2_small}
 
 
+def orca_priority(level: int) -> int:
+    """The wire's priority (``paella.wire``: 1 the highest, 255 the lowest, 0 none) as
+    the iteration scheduler's (larger goes first); none ranks as the middle level, as a
+    Triton request without a priority takes the default level."""
+    return wire.MAX_PRIORITY + 1 - (level or (wire.MAX_PRIORITY + 1) // 2)
+
+
 def generation_io(cfg: GPTConfig) -> wire.VariantInfo:
     """The io region of one generation request (each tensor 64-byte aligned)."""
     n = cfg.n_ctx
@@ -114,7 +121,7 @@ class OrcaScheduler(SchedulerBatcher):
         prompt = io[prompt_t.offset:prompt_t.offset + 4 * plen].view(np.int32).tolist()
         try:
             s = self.engine.submit(prompt, max_tokens, user=req.client_id,    # type: ignore[union-attr]
-                                   priority=req.priority,
+                                   priority=orca_priority(req.priority),
                                    on_token=lambda tok: self._token(req, tok),
                                    on_end=lambda status: self._end(req, status))
         except GenerationError as e:

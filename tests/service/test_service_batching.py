@@ -296,3 +296,48 @@ def test_length_buckets_batch_requests_of_different_lengths(tmp_path, fresh_daem
             np.testing.assert_allclose(outs["output0"], ref, rtol=1e-4, atol=1e-4)
         with pytest.raises(ValueError, match="sequence length 9: the model takes 1..8"):
             c.shaped_views("enc", 0, 1, 9)
+
+
+PRIORITY_CONFIG = """
+[batching]
+batcher = "dynamic"
+max_queue_delay_us = 300000
+priority_levels = 2
+"""
+
+
+@pytest.mark.parametrize("high", [True, False])
+def test_a_request_priority_travels_the_wire_to_the_batcher(tmp_path, repo, fresh_daemon, high):
+    """3 rows wait for a fuller batch (300 ms of delay); then 2 rows arrive. At the same
+    level the 3 rows go first (the 2 do not fit beside them) and the 2 then wait out the
+    delay; with priority 1 (the highest), the 2 rows go at once and the 3 wait instead."""
+    models = tmp_path / "models"
+    shutil.copytree(os.path.join(repo, "mlp"), models / "mlp")
+    (models / "mlp" / "config.toml").write_text(PRIORITY_CONFIG)
+    dp = fresh_daemon("--models", str(models), "--no-noop")
+    with connect(dp.socket) as c:
+        rng = np.random.default_rng(5)
+        regions, order = {}, []
+        for rows, prio in ((3, 2), (2, 1 if high else 2)):
+            ins, _, nbytes = c.shaped_views("mlp", 0, rows)    # (the layout only)
+            off = c.alloc(nbytes)
+            ins, outs, _ = c.shaped_views("mlp", off, rows)
+            x = rng.standard_normal((rows, 16)).astype(np.float32)
+            ins["x"][...] = x
+            rid = c.predict_shaped("mlp", off, rows, priority=prio)
+            regions[rid] = (x, outs, rows)
+            time.sleep(0.05)                 # the 3 rows are queued before the 2 arrive
+        for _ in regions:
+            order.append(c.read_result(timeout=10))
+        for rid, (x, outs, rows) in regions.items():
+            np.testing.assert_allclose(outs["output0"], reference(repo, x), rtol=1e-5, atol=1e-6)
+        first_rows = regions[order[0]][2]
+        assert first_rows == (2 if high else 3), order
+    assert dp.stop() == 0
+
+
+def test_a_bad_priority_is_refused_by_the_client(served):
+    with connect(served.socket) as c:
+        for bad in (-1, 256, 1.0):
+            with pytest.raises(ValueError, match=r"priority must be an int 0..255"):
+                c.infer("mlp", {"x": np.zeros((1, 16), np.float32)}, rows=1, priority=bad)

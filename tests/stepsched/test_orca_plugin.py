@@ -127,3 +127,11 @@ def test_a_kv_cache_that_cannot_be_allocated_names_n_slots():
     disp = Dispatcher(SimDevice("t4", n_streams=8, seed=0), "paella", profile_runs=0)
     with pytest.raises(Exception, match=r"KV cache of n_slots = 100000000000 .*lower n_slots"):
         orca(BatchingStage(disp), n_slots=10 ** 11)
+
+
+def test_the_wire_priority_maps_to_the_iteration_schedulers_order():
+    """The wire's 1 is the highest (Triton's levels); the iteration scheduler serves larger
+    values first; a request without one ranks as the middle level."""
+    from paella.stepsched.orca_plugin import orca_priority
+    assert orca_priority(1) > orca_priority(2) > orca_priority(255) >= 1
+    assert orca_priority(0) == orca_priority(128)
