@@ -32,7 +32,7 @@ import numpy as np
 
 from paella.wire import MAX_DEPTH, json_depth
 
-from .service import VERSION, InferenceService, ModelSpec
+from .service import VERSION, InferenceService, ModelSpec, request_priority
 from .tensors import InferError, check_input, from_bytes, from_json_data, to_json_data
 
 log = logging.getLogger("paella.kserve")
@@ -182,7 +182,8 @@ class _Handler(BaseHTTPRequestHandler):
             header, binary = body, memoryview(b"")
         req = parse_json(header)
         inputs = read_inputs(m, req, binary)
-        outputs = self.server.service.infer(m, inputs)
+        priority = request_priority(_params(req, "request").get("priority"))
+        outputs = self.server.service.infer(m, inputs, priority)
         return encode_response(m, req, outputs)
 
 

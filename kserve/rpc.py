@@ -15,7 +15,7 @@ import grpc
 import numpy as np
 
 from . import grpc_predict_v2_pb2 as pb
-from .service import VERSION, InferenceService, ModelSpec
+from .service import VERSION, InferenceService, ModelSpec, request_priority
 from .tensors import InferError, check_input, from_bytes
 
 log = logging.getLogger("paella.kserve")
@@ -65,7 +65,10 @@ class Servicer:
     def ModelInfer(self, req: pb.ModelInferRequest, ctx) -> pb.ModelInferResponse:
         m = self.svc.model(req.model_name, req.model_version)
         inputs = read_inputs(m, req)
-        outputs = self.svc.infer(m, inputs)
+        p = req.parameters["priority"] if "priority" in req.parameters else None
+        kind = p.WhichOneof("parameter_choice") if p is not None else None
+        priority = request_priority(getattr(p, kind) if kind else None)
+        outputs = self.svc.infer(m, inputs, priority)
         names = [o.name for o in req.outputs] or [t.name for t in m.outputs]
         by_name = {t.name: t for t in m.outputs}
         resp = pb.ModelInferResponse(model_name=m.name, model_version=VERSION, id=req.id)

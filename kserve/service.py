@@ -164,15 +164,17 @@ class InferenceService:
         return m
 
     # -- inference -------------------------------------------------------------------
-    def infer(self, m: ModelSpec, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-        """Run ``inputs`` (checked against ``m`` by the caller) through the daemon."""
+    def infer(self, m: ModelSpec, inputs: Mapping[str, np.ndarray],
+              priority: int = 0) -> dict[str, np.ndarray]:
+        """Run ``inputs`` (checked against ``m`` by the caller) through the daemon, at
+        ``priority`` (the request's ``priority`` parameter; see :func:`request_priority`)."""
         missing = [t.name for t in m.inputs if t.name not in inputs]
         if missing:
             raise InferError(400, f"model {m.name!r} needs the input(s) {', '.join(missing)}")
         c = self._take()
         broken = False
         try:
-            return c.infer(m.name, inputs, timeout=self.timeout)
+            return c.infer(m.name, inputs, timeout=self.timeout, priority=priority)
         except ResultTimeout:
             raise InferError(504, f"model {m.name!r} did not answer within {self.timeout} s") \
                 from None
@@ -185,3 +187,14 @@ class InferenceService:
             raise InferError(503, f"{type(e).__name__}: {e}") from None
         finally:
             self._give(c, broken)
+
+
+def request_priority(value: object) -> int:
+    """The ``priority`` request parameter (Triton's KServe extension: 1 is the highest
+    level, 0 or absent none), checked: what Client.infer takes (``paella.wire``)."""
+    if value is None:
+        return 0
+    if type(value) is not int or not 0 <= value <= wire.MAX_PRIORITY:
+        raise InferError(400, f"parameter priority must be an integer 0..{wire.MAX_PRIORITY} "
+                              f"(1 the highest, 0 none), got {str(value)[:20]!r}")
+    return value

@@ -53,7 +53,7 @@ def test_tritonclient_http(kserve, binary):
     inp = tritonhttp.InferInput("x", [256], "FP32")
     inp.set_data_from_numpy(X, binary_data=binary)
     out = c.infer("echo", [inp], outputs=[tritonhttp.InferRequestedOutput("y", binary_data=binary)],
-                  request_id="r1")
+                  request_id="r1", priority=1)           # (Triton's parameter, passed on)
     assert np.array_equal(out.as_numpy("y"), X) and out.get_response()["id"] == "r1"
     noop = tritonhttp.InferInput("x", [64], "UINT8")
     noop.set_data_from_numpy(np.zeros(64, np.uint8), binary_data=binary)
@@ -68,7 +68,7 @@ def test_tritonclient_grpc(kserve):
     assert md["inputs"] == [{"name": "x", "datatype": "FP32", "shape": ["256"]}]
     inp = tritongrpc.InferInput("x", [256], "FP32")
     inp.set_data_from_numpy(X)
-    out = c.infer("echo", [inp], outputs=[tritongrpc.InferRequestedOutput("y")])
+    out = c.infer("echo", [inp], outputs=[tritongrpc.InferRequestedOutput("y")], priority=2)
     assert np.array_equal(out.as_numpy("y"), X)
     bad = tritongrpc.InferInput("x", [255], "FP32")
     bad.set_data_from_numpy(X[:255])
@@ -105,6 +105,12 @@ HOSTILE = [
     ("binary-size-too-large", b"", {"binary": 1}, 400, "exceeds the"),
     ("unknown-output", json.dumps({"inputs": json.loads(_infer_body())["inputs"],
                                    "outputs": [{"name": "q"}]}).encode(), {}, 400, "asked for q"),
+    ("priority-out-of-range", json.dumps({"inputs": json.loads(_infer_body())["inputs"],
+                                          "parameters": {"priority": 300}}).encode(), {}, 400,
+     "parameter priority must be an integer 0..255"),
+    ("priority-not-an-integer", json.dumps({"inputs": json.loads(_infer_body())["inputs"],
+                                            "parameters": {"priority": "high"}}).encode(), {}, 400,
+     "parameter priority must be an integer 0..255"),
 ]
 
 
