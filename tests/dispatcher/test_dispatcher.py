@@ -14,7 +14,7 @@ from paella.occupancy import OccupancyError
 
 from dispatch_helpers import Recorder, TwoStreams, chain
 
-ALL = ["paella", "fifo", "ms-jbj", "ms-kbk", "sjf", "rr"]
+ALL = ["paella", "fifo", "ms-jbj", "ms-kbk", "sjf", "rr", "priority"]
 
 
 def submit_mix(d, rec, models, n, seed=0):
@@ -243,3 +243,29 @@ def test_copy_the_device_refuses_fails_only_its_request(make):
     d.run_until_idle()
     assert rec.done[0][0] == STATUS_ERROR and "outside every allocation" in rec.done[0][1]
     assert rec.done[1][0] == STATUS_OK
+
+
+def test_the_priority_policy_runs_an_urgent_long_job_ahead_of_short_ones(make):
+    """Eight short jobs at the default level and one long urgent job (priority 1), all
+    submitted together, each kernel filling the GPU. SRPT (paella) runs the long job
+    last. The priority policy runs its chain back to back: a less urgent kernel is held
+    while an urgent one runs, so none slips into the gap between two of them (only
+    short jobs whose first kernel went before the urgent job's input had arrived may
+    finish first)."""
+    def latencies(policy):
+        dev, d = make(policy)
+        short = d.register_model("short", chain("short", 3, grid=160))
+        long_ = d.register_model("long", chain("long", 12, grid=160))
+        rec = Recorder()
+        for i in range(8):
+            d.submit(rec.request(i, short, d.models[short].adaptor.io_bytes, client=i))
+        urgent = rec.request(8, long_, d.models[long_].adaptor.io_bytes, client=9)
+        urgent.priority = 1
+        d.submit(urgent)
+        d.run_until_idle()
+        assert len(rec.done) == 9
+        return {r: v[2] for r, v in rec.done.items()}      # (same submit time)
+    srpt, prio = latencies("paella"), latencies("priority")
+    assert srpt[8] == max(srpt.values())                   # SRPT: the long job last
+    assert prio[8] < 0.7 * srpt[8], (prio[8], srpt[8])
+    assert sum(v < prio[8] for r, v in prio.items() if r != 8) <= 2, prio

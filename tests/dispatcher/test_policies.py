@@ -50,6 +50,43 @@ def arrive(policy, *jobs):
         policy.kernel_ready(j)
 
 
+def test_priority_serves_the_most_urgent_level_first_then_srpt():
+    """1 is the most urgent level; a job without a priority counts as the middle one
+    (128); within a level the least remaining work goes first, ties to arrival."""
+    p = get_policy("priority")()
+
+    def job(remaining, *levels):
+        j = FakeJob(remaining)
+        j.requests = [types.SimpleNamespace(priority=lv) for lv in levels]
+        return j
+    batch_work = job(1.0, 200)            # short but unimportant
+    plain = job(9.0, 0)                   # no priority: level 128
+    urgent_long, urgent_short = job(50.0, 1), job(5.0, 1)
+    mixed = job(20.0, 250, 2)             # a batch with one level-2 request: level 2
+    arrive(p, batch_work, plain, urgent_long, urgent_short, mixed)
+    order = []
+    while (j := p.pick()) is not None:
+        order.append(j)
+        p.released(j, None)
+        p.kernel_completed(j, None)
+    assert order == [urgent_short, urgent_long, mixed, plain, batch_work]
+    # The hold: while an urgent kernel is on the device, a less urgent job waits even
+    # with nothing urgent ready; once it completes (or its job ends), it goes.
+    urgent, low = job(3.0, 1), job(1.0, 9)
+    arrive(p, urgent, low)
+    assert p.pick() is urgent
+    p.released(urgent, None)
+    assert p.pick() is None
+    p.kernel_completed(urgent, None)
+    assert p.pick() is low
+    p.released(low, None)
+    p.kernel_ready(urgent)
+    assert p.pick() is urgent               # urgent is never held behind a lower level
+    p.released(urgent, None)
+    p.job_finished(urgent)                  # (a cancelled job's kernels may not report)
+    assert p.level_on_device == {9: 1} and urgent not in p.on_device
+
+
 def test_srpt_picks_the_least_remaining_work():
     p = Paella(fairness_threshold=1e9)
     a, b, c = FakeJob(5.0), FakeJob(1.0), FakeJob(3.0)
@@ -224,7 +261,8 @@ def test_larger_thresholds_move_monotonically_from_fifo_to_srpt():
     assert inv == sorted(inv) and inv[0] < inv[-1]
 
 
-@pytest.mark.parametrize("name", ["fifo", "ms-jbj", "ms_jbj", "MS-KBK", "sjf", "rr", "paella"])
+@pytest.mark.parametrize("name", ["fifo", "ms-jbj", "ms_jbj", "MS-KBK", "sjf", "rr", "paella",
+                                  "priority"])
 def test_registry_finds_builtin_policies(name):
     assert get_policy(name).name == name.lower().replace("_", "-")
 

@@ -17,7 +17,8 @@ PAELLA_CLI = (sys.executable, "-c", "import sys; from paella.cli import main; sy
 CASES = [
     # (id, command-line arguments, config file text or None, expected text)
     ("unknown-policy", ["--policy", "nope"], None,
-     "unknown scheduling policy 'nope'; known policies: fifo, ms-jbj, ms-kbk, paella, rr, sjf"),
+     "unknown scheduling policy 'nope'; known policies: fifo, ms-jbj, ms-kbk, paella, priority, "
+     "rr, sjf"),
     ("unknown-policy-parameter", ["--policy-param", "bogus=1"], None,
      "policy 'paella' has no parameter 'bogus'; valid parameters: extra_blocks, "
      "fairness_threshold, fairness_unit, hold_factor"),
