@@ -253,8 +253,8 @@ class Client:
         return msg["status"]   # type: ignore[index]
 
     # -- §5.1: predict ---------------------------------------------------------------------
-    def predict(self, model: str | int, length: int, io_offset: int, options: int = 0,
-                _track: bool = False, *, priority: int = 0) -> int:
+    def predict(self, model: str | int, length: int, io_offset: int, options: int = 0, *,
+                priority: int = 0, _track: bool = False) -> int:
         """Submit a request whose io region is ``arena[io_offset:io_offset+length]``.
 
         Returns its request id. The daemon validates every field; a bad request still

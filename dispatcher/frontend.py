@@ -720,8 +720,7 @@ class Frontend:
         c.inflight[req_id] = False
         req = Request(req_id, c.cid, model_id, c.seg.arena[off:off + ln],  # type: ignore[union-attr]
                       variant, self._woken, self._completed, rows=rows, seq_len=seq_len,
-                      layout=slots)
-        req.priority = priority
+                      layout=slots, priority=priority)
         if options & wire.STREAM and shape is None:
             req.on_progress = self._progressed
         self.executor.submit(req)   # type: ignore[union-attr]

@@ -293,10 +293,14 @@ KNOWN_OPTIONS = VARIANT_MASK | STREAM
 
 #: Request priority: the top 8 bits of a ring entry's length word (an io region is at
 #: most 2**40 bytes, the largest arena). 0: none (the batcher's default level); 1 is the
-#: highest and larger numbers are lower, as Triton's priority levels. Batchers that
-#: order by priority read ``Request.priority`` (``dynamic`` with ``priority_levels``,
-#: ``orca`` with ``priorities = true``); the others, and the kernel policies, ignore it.
+#: highest and larger numbers are lower, as Triton's priority levels. What orders by it
+#: reads ``Request.priority``: the ``dynamic`` batcher with ``priority_levels``, ``orca``
+#: with ``priorities = true``, the ``priority`` kernel policy; the rest ignore it.
 #: A daemon older than priorities refuses a length with these bits (E_RANGE).
 PRIORITY_SHIFT = 56
 MAX_PRIORITY = 255
 LENGTH_MASK = (1 << PRIORITY_SHIFT) - 1
+#: Where a request without a priority ranks among 1..255 where no configuration says
+#: otherwise (orca, the ``priority`` policy): the middle, as a Triton request without one
+#: takes the default level. (``dynamic`` has its own ``default_priority_level``.)
+DEFAULT_PRIORITY = (MAX_PRIORITY + 1) // 2

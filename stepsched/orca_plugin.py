@@ -44,7 +44,7 @@ def orca_priority(level: int) -> int:
     """The wire's priority (``paella.wire``: 1 the highest, 255 the lowest, 0 none) as
     the iteration scheduler's (larger goes first); none ranks as the middle level, as a
     Triton request without a priority takes the default level."""
-    return wire.MAX_PRIORITY + 1 - (level or (wire.MAX_PRIORITY + 1) // 2)
+    return wire.MAX_PRIORITY + 1 - (level or wire.DEFAULT_PRIORITY)
 
 
 def generation_io(cfg: GPTConfig) -> wire.VariantInfo:

@@ -134,7 +134,9 @@ def scan(path: str, known: dict[str, tuple], make_adaptor: Callable[[Any, str, i
         try:
             cfg = load_model_config(folder)
             found = bundle_folder(folder, cfg.version)
-            if found is None and getattr(get_batcher(cfg.batcher), "standalone", False):
+            kind = get_batcher(cfg.batcher)
+            standalone = getattr(kind, "standalone", False)
+            if found is None and standalone:
                 model = d
                 if model.lower() in seen:
                     raise ValueError(f"model name {model!r} is already taken by "
@@ -155,7 +157,7 @@ def scan(path: str, known: dict[str, tuple], make_adaptor: Callable[[Any, str, i
                     raise ValueError("the folder has a config.toml but no bundle (no "
                                      "manifest.json in it or in a version subfolder)")
                 continue                          # not a model folder
-            if getattr(get_batcher(cfg.batcher), "standalone", False):
+            if standalone:
                 raise ValueError(f"batcher {cfg.batcher!r} serves a model of its own (its io, "
                                  f"no bundle), but this folder holds a bundle: remove the "
                                  f"bundle, or choose a batcher for bundles")
@@ -174,15 +176,15 @@ def scan(path: str, known: dict[str, tuple], make_adaptor: Callable[[Any, str, i
                 continue
             specs = tuple(VariantSpec(k, v.rows, v.seq_len, v.name, stage=v.stage)
                           for k, v in enumerate(bundle.variants))
-            # A batcher planning by cost is built once the variants are profiled
-            # (Executors.register_variants); the others now, so a bad option fails here.
-            # One that plans by cost is built here too, on placeholder costs, only to check
-            # its options: a bad value must fail before any variant is registered (each
-            # reload would otherwise register and profile them again, and keep them).
-            batcher = make_batcher(cfg.batcher, ModelVariants(
-                model, specs if not get_batcher(cfg.batcher).needs_costs else
-                tuple(replace(v, cost_s=1e-3) for v in specs)), cfg.batcher_options)
-            if get_batcher(cfg.batcher).needs_costs:
+            # Built now, so a bad option fails here, before any variant is registered
+            # (each reload would otherwise register and profile them again, and keep
+            # them). One that plans by cost is built on placeholder costs only to check
+            # its options; the real one once the variants are profiled
+            # (Executors.register_variants).
+            if kind.needs_costs:
+                specs = tuple(replace(v, cost_s=1e-3) for v in specs)
+            batcher = make_batcher(cfg.batcher, ModelVariants(model, specs), cfg.batcher_options)
+            if kind.needs_costs:
                 batcher = None
             label = f"{model}#{next(_generations)}"
             adaptors = []

@@ -20,11 +20,11 @@ from __future__ import annotations
 
 from typing import Any
 
+from paella.wire import DEFAULT_PRIORITY as DEFAULT_LEVEL
+
 from .base import HeapPolicy
 from .registry import register_policy
 
-#: The level of a request without a priority (the wire's 0): the middle of 1..255.
-DEFAULT_LEVEL = 128
 #: Levels are apart by more than any job's remaining seconds, so one float orders both.
 _LEVEL_SPAN = 1e9
 
