@@ -125,25 +125,25 @@ def client_main(idx: int, sock: str, work: dict, seconds: float, rate: float, si
 def round_trips(sock: str, n_b2b: int, n_paced: int, rate: float, sigma: float,
                 seed: int) -> dict[str, float]:
     """p50 round trip (us) of the built-in echo model (the service path alone, no GPU
-    work): back to back (the floor: daemon and client warm) and with the clients' gaps
-    (lognormal, mean 1/rate), where both sleep between requests as in the timed phase."""
+    work), predict to read_result as ``bench_roundtrip`` times it: back to back (the
+    floor: daemon and client warm), and with the clients' gaps (lognormal, mean 1/rate),
+    where both sleep between requests as in the timed phase."""
     from paella.client import connect
-    x = {"x": np.ones(256, np.float32)}
+    from paella.experiments.bench_roundtrip import measure
+    out = {"back_to_back": measure(sock, "echo", "hybrid", n_b2b, warmup=20).p50_us}
     rng = np.random.default_rng(seed + 999)
     mu = math.log(1.0 / rate) - sigma * sigma / 2
-    out = {}
     with connect(sock) as c:
-        for _ in range(20):
-            c.infer("echo", x)
-        for key, n in (("back_to_back", n_b2b), ("paced", n_paced)):
-            lat = []
-            for _ in range(n):
-                if key == "paced":
-                    time.sleep(min(rng.lognormal(mu, sigma), 1.0))
-                t0 = time.perf_counter()
-                c.infer("echo", x)
-                lat.append(time.perf_counter() - t0)
-            out[key] = float(np.median(lat)) * 1e6
+        nbytes = c.models["echo"].variants[0].io_bytes
+        off = c.alloc(nbytes)
+        lat = []
+        for _ in range(n_paced):
+            time.sleep(min(rng.lognormal(mu, sigma), 1.0))
+            t0 = time.perf_counter()
+            c.predict("echo", nbytes, off)
+            c.read_result()
+            lat.append(time.perf_counter() - t0)
+    out["paced"] = float(np.median(lat)) * 1e6
     return out
 
 
