@@ -201,7 +201,7 @@ class Dispatcher:
         streams = self.streams
         pool = streams.mode == "pool"
         free, busy = streams.free, streams.busy
-        launch, group, now = self.device.launch, self.group, self.now
+        launch, group, now = self.device.launch_checked, self.group, self.now
         instr = self.instruments
         hooked = "op_released" in instr      # Speed: one lookup per pass, not per kernel
         ahead = self.lookahead
@@ -266,8 +266,7 @@ class Dispatcher:
             op.t_release = now
             self._progress += 1
             try:
-                launch(k.func, k.grid, k.block, s, lid, dyn_smem=k.dyn_smem, args=op.args,
-                       instrumented=True, group=group)
+                launch(k, s, lid, op.args, group)
             except DeviceError as e:
                 tracker.unrelease(lid)
                 self._device_refused(op, e)

@@ -59,8 +59,8 @@ from paella.models.synthetic import figure2_job
 
 _clock = time.thread_time
 _inner = time.perf_counter
-_DEVICE_METHODS = ("launch", "memcpy_htod", "memcpy_dtoh", "record_event", "event_query")
-_DEVICE_METHODS = ("launch", "memcpy_htod", "memcpy_dtoh", "record_event", "event_query")
+_DEVICE_METHODS = ("launch", "launch_checked", "memcpy_htod", "memcpy_dtoh", "record_event",
+                   "event_query")
 
 
 class MeteredSim(SimDevice):
@@ -79,7 +79,8 @@ class MeteredSim(SimDevice):
         self.per_call = 0.0
         self.per_call = self._calibrate()
         for name in _DEVICE_METHODS:
-            setattr(self, name, self._timed(getattr(self, name), name == "launch"))
+            setattr(self, name, self._timed(getattr(self, name),
+                                            name in ("launch", "launch_checked")))
         self.seconds = self.total = 0.0
 
     def _timed(self, fn: Callable, count: bool) -> Callable:
@@ -141,6 +142,15 @@ class InstantDevice(SimDevice):
                **kw: Any) -> None:
         if not self.instant:
             return super().launch(func, grid, block, stream, launch_id, **kw)
+        self._post(launch_id)
+
+    def launch_checked(self, k: Any, stream: int, launch_id: int, *a: Any, **kw: Any) -> None:
+        if not self.instant:
+            return super().launch_checked(k, stream, launch_id, *a, **kw)
+        self._post(launch_id)
+
+    def _post(self, launch_id: int) -> None:
+        """The launch's placement and completion, at once."""
         t = self._tail
         self._ring[t & self._mask] = self._placed | launch_id
         self._ring[(t + 1) & self._mask] = self._completed | launch_id

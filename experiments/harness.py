@@ -134,7 +134,8 @@ class DeviceMeter:
     whatever the two reads cost outside the span is charged to the dispatcher, 1-2
     times per kernel; the spans are microseconds, too short for preemption to matter."""
 
-    METHODS = ("launch", "memcpy_htod", "memcpy_dtoh", "record_event", "event_query")
+    METHODS = ("launch", "launch_checked", "memcpy_htod", "memcpy_dtoh", "record_event",
+               "event_query")
 
     def __init__(self, dev: SimDevice, call_cost: float):
         self.seconds = 0.0          # simulator time minus the charged call cost
@@ -144,7 +145,7 @@ class DeviceMeter:
 
     def _timed(self, name: str, fn: Callable, call_cost: float) -> Callable:
         clock = time.perf_counter
-        is_launch = name == "launch"
+        is_launch = name in ("launch", "launch_checked")
 
         def timed(*args: Any, **kw: Any) -> Any:
             c0 = clock()

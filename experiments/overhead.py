@@ -164,7 +164,8 @@ def traced_sim(trace: _Trace, gpu: str) -> Any:
             super().__init__(gpu, realtime=True)
             # Device time + offset = perf_counter time (the real-time clock at speed 1).
             self.offset = time.perf_counter() - self.now()
-            for name in ("poll", "launch", "memcpy_htod", "memcpy_dtoh", "record_event"):
+            for name in ("poll", "launch", "launch_checked", "memcpy_htod", "memcpy_dtoh",
+                         "record_event"):
                 setattr(self, name, trace.timed(getattr(self, name), trace.sim))
 
         def _op(self, kind: int, then: Any) -> tuple[list, Any]:
@@ -183,6 +184,11 @@ def traced_sim(trace: _Trace, gpu: str) -> Any:
         def launch(self, *a: Any, on_complete: Any = None, **k: Any) -> None:
             cell, done = self._op(KERNEL, on_complete)
             super().launch(*a, on_complete=done, **k)
+            cell[0] = self.loop.now
+
+        def launch_checked(self, *a: Any, on_complete: Any = None, **k: Any) -> None:
+            cell, done = self._op(KERNEL, on_complete)
+            super().launch_checked(*a, on_complete=done, **k)
             cell[0] = self.loop.now
 
         def memcpy_htod(self, dst: int, src: np.ndarray, stream: int, on_complete: Any = None) -> None:

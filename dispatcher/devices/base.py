@@ -9,6 +9,10 @@ Completion is learned in two ways, as on a real GPU:
   a numpy ``uint64`` ring that the caller polls and clears (see ``paella.protocol``);
 * everything else (copies, uninstrumented kernels) is observed through events
   (:meth:`record_event` / :meth:`event_query`) or :meth:`stream_query`.
+
+The dispatcher launches through :meth:`launch_checked`, with a launch record it checked
+once per shape; it reaches the same ``_launch`` hook unless a backend overrides it for
+speed (the simulator does).
 """
 from __future__ import annotations
 
@@ -162,6 +166,16 @@ class Device:
         fp = self.block_footprint(func, b, dyn_smem)
         self._launch(func, g, b, fp, dyn_smem, tuple(args), stream, launch_id, instrumented, group,
                      on_complete)
+
+    def launch_checked(self, k: Any, stream: int, launch_id: int, args: Sequence[Any] = (),
+                       group: int = protocol.DEFAULT_GROUP, on_complete: Callback = None) -> None:
+        """The dispatcher's launch, once per kernel: ``k`` is a checked launch record
+        (``paella.dispatcher.ops.KernelLaunch``: ``func``, dims, ``fp``, ``dyn_smem``,
+        ``blocks``) made through :meth:`block_footprint`, and the dispatcher's own
+        bookkeeping guarantees the stream, the launch id and the group, so :meth:`launch`'s
+        checks are skipped. Instrumented. A backend may override it for speed."""
+        self._launch(k.func, k.grid, k.block, k.fp, k.dyn_smem, tuple(args), stream, launch_id,
+                     True, group, on_complete)
 
     # -- memory ----------------------------------------------------------------
     def alloc(self, nbytes: int) -> int:

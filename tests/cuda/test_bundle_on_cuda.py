@@ -48,12 +48,12 @@ def gpu():
     drv = FakeDriver()
     dev = CudaDevice(driver=drv, n_streams=4, notifq_slots=256, counter_pairs=PAIRS)
     ids = []
-    launch = dev.launch
+    launch = dev.launch_checked              # (the dispatcher's launch)
 
-    def recording_launch(func, grid, block, stream, launch_id, **kw):
+    def recording_launch(k, stream, launch_id, *a, **kw):
         ids.append(launch_id)
-        return launch(func, grid, block, stream, launch_id, **kw)
-    dev.launch = recording_launch
+        return launch(k, stream, launch_id, *a, **kw)
+    dev.launch_checked = recording_launch
     yield drv, dev, ids
     dev.close()
 

@@ -22,7 +22,7 @@ class RecordingSim(SimDevice):
         super().__init__(*a, **kw)
         self.launches: list[tuple[str, tuple, list[bool]]] = []
 
-    def _launch(self, func, grid, block, fp, dyn_smem, args, *rest):
+    def _record(self, func, args):
         live = []
         for a in args:
             if type(a) is int:
@@ -31,8 +31,15 @@ class RecordingSim(SimDevice):
                     live.append(True)
                 except DeviceError:
                     live.append(False)
-        self.launches.append((func.name, args, live))
+        self.launches.append((func.name, tuple(args), live))
+
+    def _launch(self, func, grid, block, fp, dyn_smem, args, *rest):
+        self._record(func, args)
         super()._launch(func, grid, block, fp, dyn_smem, args, *rest)
+
+    def launch_checked(self, k, stream, launch_id, args=(), *rest, **kw):
+        self._record(k.func, args)           # (the dispatcher's launch)
+        super().launch_checked(k, stream, launch_id, args, *rest, **kw)
 
 
 @pytest.fixture(scope="module")

@@ -153,15 +153,15 @@ def test_waiting_rows_of_a_leaving_client_are_withdrawn_and_short_rows_are_padde
 def test_a_failing_stage_job_fails_its_rows_with_the_reason_and_the_others_go_on(bundle):
     m = Served(bundle, pairs=2, split=False, stretch=False)
     s1 = m.ex.disp.stream_named("bert/s1")
-    real = m.dev.launch
+    real = m.dev.launch_checked             # (the dispatcher's launch)
     fail = [1]
 
-    def launch(func, grid, block, stream, *a, **kw):
+    def launch(k, stream, *a, **kw):
         if stream == s1 and fail[0]:        # the device refuses stage 1's next kernel
             fail[0] -= 1
             raise DeviceError("injected: launch refused")
-        return real(func, grid, block, stream, *a, **kw)
-    m.dev.launch = launch
+        return real(k, stream, *a, **kw)
+    m.dev.launch_checked = launch
     hit = m.send(client=1)              # a batch of its own: its stage 1 job fails
     others = [m.send(client=2), m.send(client=3)]      # the next batches
     m.ex.stage.run_until_idle()

@@ -8,7 +8,7 @@ daemon can run against it with no thread or process of its own.
 """
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
@@ -58,6 +58,8 @@ class SimDevice(Device):
         #: Ops submitted and not completed that touch device memory at their completion
         #: (copies landing then, kernels with a functional effect): see _memcpy_htod.
         self._pending_access = 0
+        #: Launch records (the dispatcher's KernelLaunch) -> what the engine needs of them.
+        self._prepared: dict[Any, tuple] = {}
 
     @property
     def resources(self) -> SMView:
@@ -109,17 +111,37 @@ class SimDevice(Device):
     def _launch(self, func: Function, grid: Dim3, block: Dim3, fp: Footprint, dyn_smem: int,
                 args: tuple, stream: int, launch_id: int, instrumented: bool, group: int,
                 on_complete: Callback) -> None:
+        info = func.info
+        self._submit_kernel((self._shapes[fp], grid[0] * grid[1] * grid[2], info.flops,
+                             info.bytes, info.duration, func.handle), args, stream, launch_id,
+                            instrumented, group, on_complete)
+
+    def launch_checked(self, k: Any, stream: int, launch_id: int, args: Sequence[Any] = (),
+                       group: int = protocol.DEFAULT_GROUP, on_complete: Callback = None) -> None:
+        # Speed (a trick, labelled): what the engine needs of a launch record (its shape id,
+        # block count, work and functional effect) is looked up once per record, by
+        # identity (KernelLaunch compares by identity), instead of hashing its Footprint
+        # (a dataclass, hashed in Python) and multiplying its grid at every launch.
+        p = self._prepared.get(k)
+        if p is None:
+            info = k.func.info
+            p = self._prepared[k] = (self._shapes[k.fp], k.blocks, info.flops, info.bytes,
+                                     info.duration, k.func.handle)
+        self._submit_kernel(p, args, stream, launch_id, True, group, on_complete)
+
+    def _submit_kernel(self, p: tuple, args: Sequence[Any], stream: int, launch_id: int,
+                       instrumented: bool, group: int, on_complete: Callback) -> None:
+        shape, blocks, flops, nbytes, duration, effect = p
         self._launches += 1
         if self.lose_after is not None and self._launches > self.lose_after:
             raise DeviceLost(f"simulated sticky error after {self.lose_after} launches (fault "
                              f"injection, PAELLA_SIM_LOSE_DEVICE_AFTER)")
         self.loop.sync()
-        info = func.info
-        if func.handle is not None:          # its functional effect, when it completes
-            on_complete = _with_effect(func.handle, self.memory.view, args, on_complete, self)
-        self.gpu.launch(self._shapes[fp], grid[0] * grid[1] * grid[2], info.flops, info.bytes,
-                        info.duration, stream, launch_id, instrumented, group, on_complete)
-        if func.handle is not None:
+        if effect is not None:               # its functional effect, when it completes
+            on_complete = _with_effect(effect, self.memory.view, tuple(args), on_complete, self)
+        self.gpu.launch(shape, blocks, flops, nbytes, duration, stream, launch_id, instrumented,
+                        group, on_complete)
+        if effect is not None:
             self._pending_access += 1        # (once submitted: its completion undoes it)
 
     # -- memory ---------------------------------------------------------------------
@@ -133,18 +155,20 @@ class SimDevice(Device):
         target = self.memory.view(dst, src.size)      # checks the range now, not at completion
         self.loop.sync()
         if self.realtime and not self._pending_access:
-            # Speed (a trick, labelled): the bytes move now, at the submission, and the
-            # simulated copy only keeps time. The host has nothing else to do while a
+            # Speed (a trick, labelled): the bytes move just after the submission, while
+            # the simulated copy keeps time. The host has nothing else to do while a
             # request's input crosses the simulated PCIe bus (its kernels wait for it), so
             # the memcpy (602 KB for an ImageNet image: 15 us warm, 60-100 us with cold
-            # caches) hides in the copy's own GPU time instead of following it. A DMA
-            # reads its source at some time during the copy; the submission is one. Only
-            # while nothing in flight reads or writes device memory at its completion (a
-            # D2H, a functional effect, an H2D landing late): in stream order they all
-            # come before this copy, so none of them may see its bytes early or
-            # overwrite them later. Otherwise, and in virtual time, they land at the end.
-            target[:] = src
+            # caches) overlaps the copy's own GPU time instead of preceding or following
+            # it. Nobody can see the copy complete before this returns: the engine moves
+            # only when this thread polls it. A DMA reads its source at some time during
+            # the copy. Only while nothing in flight reads or writes device memory at its
+            # completion (a D2H, a functional effect, an H2D landing late): in stream
+            # order they all come before this copy, so none of them may see its bytes
+            # early or overwrite them later. Otherwise, and in virtual time, they land at
+            # the end.
             self.gpu.copy(H2D, stream, src.size, None, on_complete)
+            target[:] = src
             return
 
         def land() -> None:
