@@ -4,6 +4,7 @@ simulated GPU, in this process, against the time the simulated GPU itself takes.
     .venv/bin/python -m paella.experiments.bench_realtime [--models resnet18,squeezenet1_1,googlenet]
         [--requests 200] [--lookahead 3] [--policy paella] [--profile FILE] [--fifo]
         [--pause] [--gap 0.02] [--daemon | --daemon-only] [--daemon-args "--idle spin"]
+        [--engine] [--virtual]
 
 No daemon, no client, no rings: the in-process core of ``paella demo``'s critical path.
 Each model (a zoo bundle, compiled and cached like the demo's) is served through the
@@ -64,18 +65,36 @@ def serve_one(disp: Dispatcher, model_id: int, io: np.ndarray, req_id: int) -> f
     return t
 
 
-def isolated_seconds(bundle, name: str, io: np.ndarray, policy: str, lookahead: int) -> float:
-    """The request alone on the virtual-time simulated T4, submit to completion."""
+def serve_virtual(bundle, name: str, io: np.ndarray, policy: str, lookahead: int,
+                  n: int) -> list[float]:
+    """``n`` requests, one at a time, on the virtual-time simulated T4: each one's time
+    from submit to completion (the GPU's alone; the host costs nothing here)."""
     dev = SimDevice("t4")
     disp = Dispatcher(dev, policy, lookahead=lookahead)
     mid = disp.register_model(name, bundle_adaptor(bundle, name, dev, FunctionalCache()))
     times = []
-    for i in range(3):
+    for i in range(n):
         req = Request(i, 0, mid, io)
         disp.submit(req)
         disp.run_until_idle()
         times.append(req.t_done - req.t_submit)
-    return statistics.median(times)
+    return times
+
+
+def isolated_seconds(bundle, name: str, io: np.ndarray, policy: str, lookahead: int) -> float:
+    """The request alone on the virtual-time simulated T4, submit to completion."""
+    return statistics.median(serve_virtual(bundle, name, io, policy, lookahead, 3))
+
+
+def request_io(bundle) -> np.ndarray:
+    """An io buffer for the bundle's first variant, its inputs filled (seeded)."""
+    v = bundle.variants[0]
+    io = np.zeros(v.io_bytes, np.uint8)
+    rng = np.random.default_rng(0)
+    for t in v.inputs:
+        io[t.offset:t.offset + t.nbytes] = rng.standard_normal(t.shape).astype(t.dtype) \
+            .view(np.uint8).reshape(-1)
+    return io
 
 
 def bench_model(bundle, name: str, n: int, policy: str, lookahead: int,
@@ -85,12 +104,7 @@ def bench_model(bundle, name: str, n: int, policy: str, lookahead: int,
     adaptor = bundle_adaptor(bundle, name, dev, FunctionalCache())
     adaptor.warm()
     mid = disp.register_model(name, adaptor)
-    v = bundle.variants[0]
-    io = np.zeros(v.io_bytes, np.uint8)
-    rng = np.random.default_rng(0)
-    for t in v.inputs:
-        io[t.offset:t.offset + t.nbytes] = rng.standard_normal(t.shape).astype(t.dtype) \
-            .view(np.uint8).reshape(-1)
+    io = request_io(bundle)
     iso = isolated_seconds(bundle, name, io, policy, lookahead)
     for i in range(10):                       # warm-up: the CPU build runs once here
         serve_one(disp, mid, io, i)
@@ -204,6 +218,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--daemon-args", default="", help="--daemon: more options for paella serve")
     ap.add_argument("--engine", action="store_true",
                     help="also the simulated GPU's own CPU per request (no dispatcher)")
+    ap.add_argument("--virtual", action="store_true",
+                    help="only serve --requests requests on the virtual-time T4, one at a time "
+                         "(the same code without wall-clock waits: for instruction counts "
+                         "under callgrind)")
     args = ap.parse_args(argv)
     from paella.experiments.zoo import DEFAULT_ZOO_DIR, ensure_bundles
     if args.fifo:
@@ -213,6 +231,12 @@ def main(argv: list[str] | None = None) -> int:
             print(f"(SCHED_FIFO refused: {e})")
     names = args.models.split(",")
     bundles = ensure_bundles(names, DEFAULT_ZOO_DIR)
+    if args.virtual:
+        for n in names:
+            t = serve_virtual(bundles[n], n, request_io(bundles[n]), args.policy, args.lookahead,
+                              args.requests)
+            print(f"{n}: {len(t)} requests on the virtual-time T4, p50 {statistics.median(t) * 1e3:.3f} ms")
+        return 0
     profiler = None
     if args.profile:
         import cProfile
