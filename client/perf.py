@@ -32,6 +32,7 @@ from typing import Callable
 import numpy as np
 
 from paella.client.client import connect, default_socket
+from paella import wire
 from paella.client.errors import PaellaError
 
 KSERVE_DTYPES = {"BOOL": "bool", "UINT8": "uint8", "UINT16": "uint16", "UINT32": "uint32",
@@ -79,7 +80,8 @@ class Sender:
 
 
 # --- targets --------------------------------------------------------------------------
-def local_target(socket: str, model: str, timeout: float, mode: str = "socket") -> Sender:
+def local_target(socket: str, model: str, timeout: float, mode: str = "socket",
+                 priority: int = 0) -> Sender:
     """Requests over the rings, one connection per worker, in wait ``mode``. The default
     is ``socket``: the workers are threads of one process, and a hybrid or polling waiter
     spins on its ring holding the GIL, so the other workers wait for the interpreter's
@@ -100,12 +102,12 @@ def local_target(socket: str, model: str, timeout: float, mode: str = "socket") 
     def make() -> Callable[[], None]:
         c = connect(socket, mode=mode)
         sender.closers.append(c.close)
-        return lambda: c.infer(model, inputs, timeout=timeout) and None
+        return lambda: c.infer(model, inputs, timeout=timeout, priority=priority) and None
     sender.make = make
     return sender
 
 
-def kserve_target(address: str, model: str, timeout: float) -> Sender:
+def kserve_target(address: str, model: str, timeout: float, priority: int = 0) -> Sender:
     """Requests to a KServe v2 REST endpoint, binary tensors, a connection per worker."""
     host, _, port = address.rpartition(":")
     if not port.isdigit():
@@ -130,7 +132,10 @@ def kserve_target(address: str, model: str, timeout: float) -> Sender:
         header.append({"name": t["name"], "datatype": t["datatype"], "shape": t["shape"],
                        "parameters": {"binary_data_size": a.nbytes}})
         raw += a.tobytes()
-    head = json.dumps({"inputs": header, "parameters": {"binary_data_output": True}}).encode()
+    params: dict = {"binary_data_output": True}
+    if priority:
+        params["priority"] = priority        # (Triton's request parameter)
+    head = json.dumps({"inputs": header, "parameters": params}).encode()
     payload = head + raw
     headers = {"Inference-Header-Content-Length": str(len(head)),
                "Content-Type": "application/octet-stream"}
@@ -334,6 +339,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--workers", type=int, default=16,
                    help="open loop: requests in flight at most (default 16)")
     p.add_argument("--timeout", type=float, default=30.0, help="per request, seconds")
+    p.add_argument("--priority", type=int, default=0,
+                   help=f"every request's priority, 1 (most urgent) .. {wire.MAX_PRIORITY}; "
+                        "default none (the batchers' and the priority policy's middle level)")
     p.add_argument("--wait-mode", choices=("socket", "hybrid", "polling"), default="socket",
                    help="local rings: how workers wait (default socket: they are threads of "
                         "one process, and a spinning waiter holds the GIL)")
@@ -350,12 +358,16 @@ def _perf(args: argparse.Namespace) -> int:
             and args.timeout > 0):
         raise CLIError("--seconds, --workers, --sigma and --timeout must be positive, "
                        "--warmup >= 0")
+    if not 0 <= args.priority <= wire.MAX_PRIORITY:
+        raise CLIError(f"--priority must be 1 (most urgent) .. {wire.MAX_PRIORITY}, or 0 for "
+                       f"none; got {args.priority}")
     try:
         if args.kserve:
-            sender, transport = kserve_target(args.kserve, args.model, args.timeout), "kserve-http"
+            sender = kserve_target(args.kserve, args.model, args.timeout, args.priority)
+            transport = "kserve-http"
         else:
             sock = args.socket or default_socket()
-            sender = local_target(sock, args.model, args.timeout, args.wait_mode)
+            sender = local_target(sock, args.model, args.timeout, args.wait_mode, args.priority)
             transport = "local-rings"
         points = _sweep(args, sender)
     except PerfError as e:
@@ -374,7 +386,8 @@ def _perf(args: argparse.Namespace) -> int:
     result = {"model": args.model, "transport": transport,
               "arrivals": None if args.rate is None else args.arrivals,
               "sigma": args.sigma if args.arrivals == "lognormal" and args.rate else None,
-              "seconds": args.seconds, "points": [asdict(p) for p in points]}
+              "seconds": args.seconds, "priority": args.priority or None,
+              "points": [asdict(p) for p in points]}
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)

@@ -64,6 +64,13 @@ def test_over_kserve(daemon, tmp_path):
         assert p["requests"] > 0 and p["errors"] == 0
         r = perf("nope", "--kserve", f"127.0.0.1:{hp}", "-q")
         assert r.returncode == 2 and "unknown model 'nope'" in r.stderr
+        # Triton's priority request parameter, accepted by the front end and the daemon
+        r = perf("echo", "--kserve", f"127.0.0.1:{hp}", "--concurrency", "1", "--seconds",
+                 "0.5", "--warmup", "0", "--priority", "2", "--json", str(tmp_path / "q.json"),
+                 "-q")
+        assert r.returncode == 0, r.stderr
+        res = json.loads((tmp_path / "q.json").read_text())
+        assert res["priority"] == 2 and res["points"][0]["errors"] == 0
     finally:
         proc.terminate()
         proc.wait(15)
@@ -77,6 +84,19 @@ def test_bad_targets_are_clear_errors(daemon, tmp_path):
     r = perf("echo", "--socket", daemon.socket, "--rate", "0")
     assert r.returncode == 2 and "positive numbers" in r.stderr
     assert "Traceback" not in r.stderr
+    for bad in ("256", "-1"):
+        r = perf("echo", "--socket", daemon.socket, "--priority", bad, "-q")
+        assert r.returncode == 2 and "--priority must be 1 (most urgent) .. 255" in r.stderr
+        assert "Traceback" not in r.stderr
+
+
+def test_a_priority_over_the_rings(daemon, tmp_path):
+    r = perf("echo", "--socket", daemon.socket, "--concurrency", "2", "--seconds", "0.5",
+             "--warmup", "0", "--priority", "1", "--json", str(tmp_path / "p.json"), "-q")
+    assert r.returncode == 0, r.stderr
+    res = json.loads((tmp_path / "p.json").read_text())
+    assert res["priority"] == 1 and res["points"][0]["requests"] > 0
+    assert res["points"][0]["errors"] == 0
 
 
 @pytest.mark.parametrize("arrivals,cv", [("poisson", 1.0), ("lognormal", np.sqrt(np.e - 1)),
