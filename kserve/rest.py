@@ -6,6 +6,8 @@
     GET  /v2/models/NAME[/versions/V]               model metadata
     GET  /v2/models/NAME[/versions/V]/ready         200 if served, else 404
     POST /v2/models/NAME[/versions/V]/infer         inference (JSON, binary-tensor extension)
+    POST /v2/models/NAME[/versions/V]/generate      a generation, all its tokens at once
+    POST /v2/models/NAME[/versions/V]/generate_stream   ... each token as a server-sent event
 
 Errors are KServe error bodies, ``{"error": "..."}``, with a 4xx/5xx status. A hostile
 body costs its own connection at most: the length must be declared and within
@@ -19,9 +21,20 @@ is N carries N bytes of JSON and then the raw tensors, in input order, of the in
 whose ``parameters.binary_data_size`` says how many bytes are theirs. Outputs are sent
 raw the same way when the request asks (``binary_data`` on an output, or
 ``binary_data_output`` on the request), else as JSON ``data``.
+
+The generate extension (Triton's ``generate`` and ``generate_stream``, for the daemon's
+generative models): the body is JSON, ``{"prompt_ids": [ids], "max_tokens": N,
+"parameters": {"priority": P}}`` (``max_tokens`` may also be a parameter). ``generate``
+answers ``{"model_name", "model_version", "token_ids"}``; ``generate_stream`` answers
+``text/event-stream``, one ``data: {"model_name", "model_version", "token_id",
+"index"}`` event per token as the daemon makes it, then ``data: {"model_name",
+"model_version", "done": true, "n_tokens"}``, and closes the connection. A request the
+daemon refuses before its first token gets an error status as ``infer``'s; a failure
+after it is a last event ``data: {"error": "..."}``.
 """
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import re
@@ -38,7 +51,9 @@ from .tensors import InferError, check_input, from_bytes, from_json_data, to_jso
 log = logging.getLogger("paella.kserve")
 
 HEADER_LENGTH = "Inference-Header-Content-Length"
-_MODEL = re.compile(r"^/v2/models/([^/]+)(?:/versions/([^/]+))?(/ready|/infer)?/?$")
+_MODEL = re.compile(r"^/v2/models/([^/]+)(?:/versions/([^/]+))?"
+                    r"(/ready|/infer|/generate|/generate_stream)?/?$")
+_POSTS = ("/infer", "/generate", "/generate_stream")
 
 
 class KServeHTTPServer(ThreadingHTTPServer):
@@ -116,7 +131,7 @@ class _Handler(BaseHTTPRequestHandler):
             self._json(200, svc.server_metadata())
         else:
             m = _MODEL.match(path)
-            if m is None or m.group(3) == "/infer":
+            if m is None or m.group(3) in _POSTS:
                 raise InferError(404, f"no such endpoint: GET {path[:200]}")
             name, version, what = m.group(1), m.group(2) or "", m.group(3)
             if what == "/ready":
@@ -134,13 +149,16 @@ class _Handler(BaseHTTPRequestHandler):
     def _post(self) -> None:
         path = self.path.split("?", 1)[0]
         m = _MODEL.match(path)
-        if m is None or m.group(3) != "/infer":
+        if m is None or m.group(3) not in _POSTS:
             self._discard_body()
             raise InferError(404, f"no such endpoint: POST {path[:200]}")
         body = self._read_body()
         model = self.server.service.model(m.group(1), m.group(2) or "")
-        status, payload, headers = self._infer(model, body)
-        self._send(status, payload, headers=headers)
+        if m.group(3) == "/infer":
+            status, payload, headers = self._infer(model, body)
+            self._send(status, payload, headers=headers)
+        else:
+            self._generate(model, body, stream=m.group(3) == "/generate_stream")
 
     # -- bodies ----------------------------------------------------------------------
     def _read_body(self) -> bytes:
@@ -185,6 +203,59 @@ class _Handler(BaseHTTPRequestHandler):
         priority = request_priority(_params(req, "request").get("priority"))
         outputs = self.server.service.infer(m, inputs, priority)
         return encode_response(m, req, outputs)
+
+
+    # -- the generate extension ------------------------------------------------------
+    def _generate(self, m: ModelSpec, body: bytes, stream: bool) -> None:
+        req = parse_json(body)
+        params = _params(req, "request")
+        prompt, max_tokens = generate_args(req, params)
+        tokens = self.server.service.generate(m, prompt, max_tokens,
+                                              request_priority(params.get("priority")))
+        head = {"model_name": m.name, "model_version": VERSION}
+        try:
+            first = next(tokens, None)           # a refusal raises here: an error status
+            if not stream:
+                out = [] if first is None else [first, *tokens]
+                self._json(200, {**head, "token_ids": out})
+                return
+            self.close_connection = True         # the stream ends with the connection
+            self.send_response(200)
+            self.send_header("Content-Type", "text/event-stream")
+            self.send_header("Cache-Control", "no-cache")
+            self.send_header("Connection", "close")
+            self.end_headers()
+            n = 0
+            try:
+                for tok in itertools.chain([] if first is None else [first], tokens):
+                    self._event({**head, "token_id": tok, "index": n})
+                    n += 1
+            except InferError as e:              # after the first token: a last event
+                self._event({"error": str(e)})
+                return
+            self._event({**head, "done": True, "n_tokens": n})
+        finally:
+            tokens.close()                       # (the daemon's connection goes back)
+
+    def _event(self, obj: dict) -> None:
+        self.wfile.write(b"data: " + json.dumps(obj).encode() + b"\n\n")
+        self.wfile.flush()
+
+
+def generate_args(req: dict, params: dict) -> tuple[list[int], int]:
+    """A generate request's prompt ids and token budget, checked (400 otherwise)."""
+    prompt = req.get("prompt_ids")
+    if (not isinstance(prompt, list) or len(prompt) > 1 << 20
+            or any(type(t) is not int for t in prompt)):
+        raise InferError(400, "a generate request needs \"prompt_ids\": a list of integer "
+                              "token ids")
+    if any(not 0 <= t < 2 ** 31 for t in prompt):
+        raise InferError(400, "prompt_ids must be token ids in 0..2**31-1")
+    max_tokens = req.get("max_tokens", params.get("max_tokens"))
+    if type(max_tokens) is not int or not 0 <= max_tokens < 2 ** 31:
+        raise InferError(400, f"a generate request needs \"max_tokens\": an integer in "
+                              f"0..2**31-1, got {str(max_tokens)[:20]!r}")
+    return prompt, max_tokens
 
 
 def parse_json(data: bytes) -> dict:

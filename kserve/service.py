@@ -13,7 +13,7 @@ import queue
 import threading
 import time
 from dataclasses import dataclass
-from typing import Mapping
+from typing import Iterator, Mapping
 
 import numpy as np
 
@@ -28,7 +28,7 @@ log = logging.getLogger("paella.kserve")
 #: The one version every model has: the daemon serves one version of each at a time.
 VERSION = "1"
 #: Protocol extensions served (names as Triton reports them).
-EXTENSIONS = ["binary_tensor_data"]
+EXTENSIONS = ["binary_tensor_data", "generate"]
 
 
 @dataclass(frozen=True)
@@ -184,6 +184,36 @@ class InferenceService:
             broken = True
             raise InferError(503, f"lost the paella daemon: {e}") from None
         except PaellaError as e:        # unknown model (reloaded away), arena full, ...
+            raise InferError(503, f"{type(e).__name__}: {e}") from None
+        finally:
+            self._give(c, broken)
+
+
+    def generate(self, m: ModelSpec, prompt_ids: list[int], max_tokens: int,
+                 priority: int = 0) -> Iterator[int]:
+        """The tokens of a generation by a generative model (one served by a streaming
+        scheduler such as ``orca``), as the daemon streams them (``Client.generate``).
+        A refusal before the first token raises :class:`InferError` from the first
+        ``next()``, so a stream can still answer with an error status; a failure later
+        raises it mid-stream. The connection is held until the iterator is exhausted
+        or closed (a caller that stops early: the daemon finishes the generation and
+        the client library drops what remains)."""
+        c = self._take()
+        broken = False
+        try:
+            yield from c.generate(m.name, prompt_ids, max_tokens, timeout=self.timeout,
+                                  priority=priority)
+        except ValueError as e:                  # not a generative model, a bad prompt
+            raise InferError(400, str(e)) from None
+        except ResultTimeout:
+            raise InferError(504, f"model {m.name!r} did not finish within {self.timeout} s") \
+                from None
+        except RequestFailed as e:
+            raise InferError(500, f"model {m.name!r} failed: {e.reason}") from None
+        except (DaemonGone, DaemonUnavailable) as e:
+            broken = True
+            raise InferError(503, f"lost the paella daemon: {e}") from None
+        except PaellaError as e:
             raise InferError(503, f"{type(e).__name__}: {e}") from None
         finally:
             self._give(c, broken)

@@ -48,7 +48,7 @@ def model_repository(root: Path) -> Path:
     models = root / "models"
     for name, body in {"gpt-tiny": "max_bs = 4\nn_slots = 256\n",
                        "gpt-tight": "max_bs = 2\nn_slots = 64\n",
-                       "gpt-bad": None, "gpt-bad2": None}.items():
+                       "gpt-bad": None, "gpt-bad2": None, "gpt-bad3": None}.items():
         (models / name).mkdir(parents=True)
         batcher = "orca-raising" if body is None else "orca"
         (models / name / "config.toml").write_text(
@@ -413,3 +413,74 @@ def test_a_client_corrupting_its_ring_mid_stream_is_dropped_and_its_slots_come_b
     with connect(daemon.socket) as other:
         assert list(other.generate("gpt-tight", [4, 3, 2, 1], 56, timeout=20)) == \
             generate_reference(CFG, W, [4, 3, 2, 1], 56)
+
+
+def _post(port: int, path: str, body: object) -> tuple[int, str, bytes]:
+    import http.client
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    try:
+        conn.request("POST", path, body=json.dumps(body).encode(),
+                     headers={"Content-Type": "application/json"})
+        r = conn.getresponse()
+        return r.status, r.getheader("Content-Type", ""), r.read()
+    finally:
+        conn.close()
+
+
+def _events(data: bytes) -> list[dict]:
+    """Server-sent events: one ``data: JSON`` line and a blank line each."""
+    chunks = data.decode().split("\n\n")
+    assert chunks[-1] == ""
+    assert all(c.startswith("data: ") for c in chunks[:-1]), chunks
+    return [json.loads(c[len("data: "):]) for c in chunks[:-1]]
+
+
+def test_kserve_generate_and_generate_stream(daemon):
+    """Triton's generate extension over the KServe front end: the reference tokens, all
+    at once and as one event each; refusals as error statuses; a failure after the
+    first token as the stream's last event; the front end serves on."""
+    from service_daemon import start_kserve
+    proc, hp, _gp, log = start_kserve(daemon.socket)
+    try:
+        want = generate_reference(CFG, W, [3, 1, 4], 12)
+        st, ctype, body = _post(hp, "/v2/models/gpt-tiny/generate",
+                                {"prompt_ids": [3, 1, 4], "max_tokens": 12})
+        assert st == 200 and json.loads(body) == {"model_name": "gpt-tiny", "model_version": "1",
+                                                  "token_ids": want}
+        st, ctype, body = _post(hp, "/v2/models/gpt-tiny/generate_stream",
+                                {"prompt_ids": [3, 1, 4], "parameters": {"max_tokens": 12,
+                                                                         "priority": 1}})
+        assert st == 200 and ctype == "text/event-stream"
+        ev = _events(body)
+        assert [e["token_id"] for e in ev[:-1]] == want
+        assert [e["index"] for e in ev[:-1]] == list(range(12))
+        assert ev[-1] == {"model_name": "gpt-tiny", "model_version": "1", "done": True,
+                          "n_tokens": 12}
+        # refused before any token: a status, no stream
+        for req, status, text in (
+                ({"prompt_ids": "1 2", "max_tokens": 3}, 400, "prompt_ids"),
+                ({"prompt_ids": [1, True], "max_tokens": 3}, 400, "prompt_ids"),
+                ({"prompt_ids": [1], "max_tokens": -1}, 400, "max_tokens"),
+                ({"prompt_ids": [1]}, 400, "max_tokens"),
+                ({"prompt_ids": [1] * 65, "max_tokens": 1}, 400, "at most 64"),
+                ({"prompt_ids": [1], "max_tokens": 2, "parameters": {"priority": 300}}, 400,
+                 "priority"),
+                ({"prompt_ids": [CFG.vocab + 5], "max_tokens": 2}, 500, "failed")):
+            st, ctype, body = _post(hp, "/v2/models/gpt-tiny/generate_stream", req)
+            assert st == status and ctype == "application/json", (req, st, body)
+            assert text in json.loads(body)["error"], (req, body)
+        st, _, body = _post(hp, "/v2/models/echo/generate", {"prompt_ids": [1], "max_tokens": 1})
+        assert st == 400 and "not a generative model" in json.loads(body)["error"]
+        # a scheduler that raises at its third token: two events, then the error
+        st, ctype, body = _post(hp, "/v2/models/gpt-bad3/generate_stream",
+                                {"prompt_ids": [1, 2, 3], "max_tokens": 10})
+        ev = _events(body)
+        assert st == 200 and [e.get("token_id") for e in ev[:-1]] == \
+            generate_reference(CFG, W, [1, 2, 3], 2)
+        assert "plug-in bug at the third token" in ev[-1]["error"], ev[-1]
+        st, _, body = _post(hp, "/v2/models/gpt-tiny/generate",
+                            {"prompt_ids": [2], "max_tokens": 4})
+        assert st == 200 and json.loads(body)["token_ids"] == generate_reference(CFG, W, [2], 4)
+    finally:
+        proc.terminate()
+        proc.wait(15)
