@@ -135,8 +135,19 @@ class Client:
     def _dial(path: str, timeout: float) -> socket.socket:
         s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         s.settimeout(timeout)
+        deadline = time.monotonic() + timeout
         try:
-            s.connect(path)
+            while True:
+                try:
+                    s.connect(path)
+                    break
+                except BlockingIOError:
+                    # A Unix socket refuses a connection at once (EAGAIN) while the
+                    # daemon's accept backlog is full, as under a burst of connections:
+                    # wait for room until the timeout, as a TCP connect would.
+                    if time.monotonic() >= deadline:
+                        raise
+                    time.sleep(0.001)
         except (FileNotFoundError, ConnectionRefusedError) as e:
             s.close()
             raise DaemonUnavailable(f"no paella daemon listens on {path} ({e.strerror}); "

@@ -54,6 +54,10 @@ RESOURCE_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENO
                              errno.ENOSPC})
 
 
+#: Connections the kernel holds for the loop to accept (capped by net.core.somaxconn):
+#: a client dialling while it is full is refused at once (EAGAIN) on a Unix socket.
+LISTEN_BACKLOG = min(socket.SOMAXCONN, 4096)
+
 class FrontendError(RuntimeError):
     """The front end cannot start (socket in use, bad configuration)."""
 
@@ -302,7 +306,7 @@ class Frontend:
         s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         s.bind(path)
         os.chmod(path, self.cfg.socket_mode)
-        s.listen(128)
+        s.listen(LISTEN_BACKLOG)
         s.setblocking(False)
         self.listener = s
         self.sel.register(s, selectors.EVENT_READ, None)

@@ -35,6 +35,46 @@ def test_connect_to_a_socket_that_never_answers_times_out():
         os.rmdir(d)
 
 
+def test_a_full_accept_backlog_is_waited_for_until_the_timeout():
+    """A Unix socket refuses a connect at once (EAGAIN) while its backlog is full: the
+    client waits for room (here: the server accepts one after 0.2 s), and gives up with
+    DaemonUnavailable only at its timeout."""
+    import threading
+    from paella.client.client import Client
+    d = tempfile.mkdtemp(prefix="plt", dir="/tmp")
+    path = os.path.join(d, "busy.sock")
+    srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    srv.bind(path)
+    srv.listen(0)
+    queued = []
+    try:
+        while True:                       # fill the backlog
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            s.setblocking(False)
+            try:
+                s.connect(path)
+            except BlockingIOError:
+                s.close()
+                break
+            queued.append(s)
+        t0 = time.monotonic()
+        with pytest.raises(paella.DaemonUnavailable, match="Resource temporarily unavailable"):
+            Client._dial(path, 0.3)
+        assert 0.25 < time.monotonic() - t0 < 3          # waited, then gave up
+        timer = threading.Timer(0.2, lambda: srv.accept()[0].close())
+        timer.start()
+        t0 = time.monotonic()
+        Client._dial(path, 5.0).close()                   # room made meanwhile: connected
+        assert 0.15 < time.monotonic() - t0 < 3
+        timer.join()
+    finally:
+        for s in queued:
+            s.close()
+        srv.close()
+        os.unlink(path)
+        os.rmdir(d)
+
+
 @pytest.mark.parametrize("mode", ["hybrid", "polling", "socket"])
 def test_infer_and_read_result_time_out_on_a_stopped_daemon(fresh_daemon, mode):
     dp = fresh_daemon("--no-noop")
