@@ -22,6 +22,7 @@ import csv
 import http.client
 import json
 import math
+import os
 import queue
 import sys
 import threading
@@ -313,8 +314,8 @@ def _numbers(text: str, kind: type) -> list:
         vals = [kind(x) for x in text.split(",") if x.strip()]
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}")
-    if not vals or any(v <= 0 for v in vals):
-        raise argparse.ArgumentTypeError(f"expected positive numbers, got {text!r}")
+    if not vals or any(not 0 < v < 1e9 for v in vals):     # (also refuses nan and inf)
+        raise argparse.ArgumentTypeError(f"expected positive numbers (below 1e9), got {text!r}")
     return vals
 
 
@@ -354,10 +355,14 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def _perf(args: argparse.Namespace) -> int:
     from paella.cli import CLIError
-    if not (args.seconds > 0 and args.warmup >= 0 and args.workers >= 1 and args.sigma > 0
-            and args.timeout > 0):
+    if not (0 < args.seconds <= 1e6 and 0 <= args.warmup <= 1e6 and 1 <= args.workers <= 4096
+            and 0 < args.sigma <= 100 and 0 < args.timeout <= 1e6):    # (nan and inf too)
         raise CLIError("--seconds, --workers, --sigma and --timeout must be positive, "
-                       "--warmup >= 0")
+                       "--warmup >= 0 (all finite; at most 4096 workers)")
+    for opt in ("csv", "json", "plot"):         # (checked now, not after the whole run)
+        out = getattr(args, opt)
+        if out and (os.path.isdir(out) or not os.path.isdir(os.path.dirname(os.path.abspath(out)))):
+            raise CLIError(f"--{opt} {out}: not a file in an existing directory")
     if not 0 <= args.priority <= wire.MAX_PRIORITY:
         raise CLIError(f"--priority must be 1 (most urgent) .. {wire.MAX_PRIORITY}, or 0 for "
                        f"none; got {args.priority}")
@@ -388,11 +393,14 @@ def _perf(args: argparse.Namespace) -> int:
               "sigma": args.sigma if args.arrivals == "lognormal" and args.rate else None,
               "seconds": args.seconds, "priority": args.priority or None,
               "points": [asdict(p) for p in points]}
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=1)
-    if args.csv:
-        write_csv(args.csv, points)
+    try:
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(result, f, indent=1)
+        if args.csv:
+            write_csv(args.csv, points)
+    except OSError as e:
+        raise CLIError(f"cannot write {e.filename}: {e.strerror}") from None
     if args.plot:
         try:
             plot(args.plot, points, f"paella perf {args.model} ({transport}"

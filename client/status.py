@@ -91,6 +91,8 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def _status(args: argparse.Namespace) -> int:
     from paella.cli import CLIError
+    if not 0 < args.timeout <= 86400:            # (also refuses nan and inf)
+        raise CLIError(f"--timeout must be a number of seconds in (0, 86400], got {args.timeout}")
     try:
         st = daemon_status(args.socket, args.timeout)
     except (DaemonUnavailable, DaemonError) as e:

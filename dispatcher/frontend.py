@@ -28,8 +28,10 @@ import logging
 import mmap
 import os
 import pwd
+import re
 import selectors
 import socket
+import stat
 import struct
 import time
 from collections import deque
@@ -57,6 +59,8 @@ RESOURCE_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENO
 #: Connections the kernel holds for the loop to accept (capped by net.core.somaxconn):
 #: a client dialling while it is full is refused at once (EAGAIN) on a Unix socket.
 LISTEN_BACKLOG = min(socket.SOMAXCONN, 4096)
+#: What a lock file may hold: nothing (new) or a daemon's pid.
+_LOCK_CONTENT = re.compile(rb"(?:[0-9]{1,10}\n?)?")
 
 class FrontendError(RuntimeError):
     """The front end cannot start (socket in use, bad configuration)."""
@@ -183,11 +187,11 @@ class ModelTable:
 
 def _resolve_id(name: str | int, lookup, field: str, what: str) -> int:
     """A user or group name (or number) as its numeric id; unknown names are errors."""
-    if isinstance(name, int) or str(name).isdigit():
+    if isinstance(name, int) or (str(name).isascii() and str(name).isdigit()):
         return int(name)
     try:
         return getattr(lookup(name), field)
-    except KeyError:
+    except (KeyError, ValueError, TypeError):
         raise FrontendError(f"allowed {what} {name!r} does not exist") from None
 
 
@@ -290,18 +294,50 @@ class Frontend:
         """Take the socket path: refuse clearly if another daemon holds it."""
         path = self.cfg.socket_path
         lock_path = path + ".lock"
-        fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+        # The daemon often runs as root: it replaces or deletes only what is its own (a
+        # socket, a lock file holding a pid), never follows a symlink, and refuses
+        # anything else at those paths rather than clobber it.
+        flags = os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC
+        created = False
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            other = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
+            try:
+                fd = os.open(lock_path, flags | os.O_CREAT | os.O_EXCL, 0o644)
+                created = True
+            except FileExistsError:
+                fd = os.open(lock_path, flags)
+        except OSError as e:
+            raise FrontendError(f"cannot open the lock file {lock_path}: {e.strerror}"
+                                f"{' (a symlink: refused)' if e.errno == errno.ELOOP else ''}; "
+                                f"remove it or choose another --socket") from None
+        try:
+            st = os.fstat(fd)
+            held = os.pread(fd, 64, 0)
+            if not stat.S_ISREG(st.st_mode) or not _LOCK_CONTENT.fullmatch(held):
+                raise FrontendError(f"{lock_path} exists and is not a paella daemon's lock "
+                                    f"file (a pid); refusing to overwrite it: remove it or "
+                                    f"choose another --socket")
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                other = held.decode(errors="replace").strip() or "?"
+                raise FrontendError(f"another paella daemon (pid {other}) is already serving "
+                                    f"{path}; stop it first or choose another --socket") from None
+            try:
+                old = os.lstat(path)
+            except FileNotFoundError:
+                old = None
+            if old is not None and not stat.S_ISSOCK(old.st_mode):
+                raise FrontendError(f"{path} exists and is not a socket; refusing to replace "
+                                    f"it: remove it or choose another --socket")
+        except BaseException:
+            if created:                      # (the lock file is ours: made just now)
+                os.unlink(lock_path)
             os.close(fd)
-            raise FrontendError(f"another paella daemon (pid {other}) is already serving "
-                                f"{path}; stop it first or choose another --socket") from None
+            raise
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
         self._lock_fd = fd
-        if os.path.exists(path):
+        if old is not None:
             os.unlink(path)   # we hold the lock, so this is a dead daemon's socket
         s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         s.bind(path)
@@ -322,8 +358,9 @@ class Frontend:
             self.sel.unregister(self.listener)
             self.listener.close()
             self.listener = None
-            try:
-                os.unlink(self.cfg.socket_path)
+            try:                             # (only a socket: never someone's file)
+                if stat.S_ISSOCK(os.lstat(self.cfg.socket_path).st_mode):
+                    os.unlink(self.cfg.socket_path)
             except FileNotFoundError:
                 pass  # someone removed it for us
         self.accepting = False
@@ -897,8 +934,10 @@ class Frontend:
             os.close(self._spare_fd)
             self._spare_fd = None
         if self._lock_fd is not None:
-            try:
-                os.unlink(self.cfg.socket_path + ".lock")
+            lock_path = self.cfg.socket_path + ".lock"
+            try:                             # only if the path still names our lock file
+                if os.path.samestat(os.lstat(lock_path), os.fstat(self._lock_fd)):
+                    os.unlink(lock_path)
             except FileNotFoundError:
                 pass  # same
             os.close(self._lock_fd)

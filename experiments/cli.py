@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import math
 
 #: Experiment modules; each exposes ``register(subparsers)``.
 EXPERIMENTS = [
@@ -30,6 +31,29 @@ def register(sub: argparse._SubParsersAction) -> None:
     esub = p.add_subparsers(dest="experiment", metavar="NAME", required=True)
     for mod in EXPERIMENTS:
         importlib.import_module(mod).register(esub)
+    for parser in esub.choices.values():
+        func = parser.get_default("func")
+        if func is not None:
+            parser.set_defaults(func=_checked(parser, func))
+
+
+def _checked(parser: argparse.ArgumentParser, func):
+    """``func`` behind a check of the numeric options (every experiment's): finite, not
+    negative, and positive where the default is (counts, rates, SLOs), so a bad value is
+    a ``paella: error:`` naming the option rather than a traceback from deep inside."""
+    def run(args: argparse.Namespace):
+        from paella.cli import CLIError
+        for a in parser._actions:
+            v = getattr(args, a.dest, None)
+            if a.dest == "seed" or type(v) not in (int, float):
+                continue
+            d = a.default
+            floor_ok = isinstance(d, (int, float)) and not isinstance(d, bool) and d == 0
+            if not (math.isfinite(v) and (v >= 0 if floor_ok else v > 0)):
+                raise CLIError(f"{a.option_strings[0]} must be a finite number "
+                               f"{'>= 0' if floor_ok else '> 0'}, got {v}")
+        return func(args)
+    return run
 
 
 def add_common(p: argparse.ArgumentParser) -> None:

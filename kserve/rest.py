@@ -40,13 +40,14 @@ import logging
 import re
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
+from urllib.parse import unquote
 
 import numpy as np
 
 from paella.wire import MAX_DEPTH, json_depth
 
 from .service import VERSION, InferenceService, ModelSpec, request_priority
-from .tensors import InferError, check_input, from_bytes, from_json_data, to_json_data
+from .tensors import InferError, TensorSpec, check_input, from_bytes, from_json_data, to_json_data
 
 log = logging.getLogger("paella.kserve")
 
@@ -54,6 +55,8 @@ HEADER_LENGTH = "Inference-Header-Content-Length"
 _MODEL = re.compile(r"^/v2/models/([^/]+)(?:/versions/([^/]+))?"
                     r"(/ready|/infer|/generate|/generate_stream)?/?$")
 _POSTS = ("/infer", "/generate", "/generate_stream")
+#: A length header: ASCII digits (str.isdigit also takes "²"), at most 18 of them.
+_LENGTH = re.compile(r"[0-9]{1,18}")
 
 
 class KServeHTTPServer(ThreadingHTTPServer):
@@ -99,6 +102,13 @@ class _Handler(BaseHTTPRequestHandler):
         self._json(status, {"error": message})
 
     # -- routing ---------------------------------------------------------------------
+    def _path(self) -> str:
+        """The request's path without its query; the server read it as Latin-1, so raw
+        UTF-8 (a model named in another script) is recovered (percent-encoding is
+        decoded per segment, after matching)."""
+        raw = self.path.split("?", 1)[0]
+        return raw.encode("latin-1", "replace").decode("utf-8", "replace")
+
     def do_GET(self) -> None:
         self._guard(self._get)
 
@@ -122,7 +132,7 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _get(self) -> None:
         svc = self.server.service
-        path = self.path.split("?", 1)[0]
+        path = self._path()
         if path == "/v2/health/live":
             self._send(200)
         elif path == "/v2/health/ready":
@@ -133,7 +143,7 @@ class _Handler(BaseHTTPRequestHandler):
             m = _MODEL.match(path)
             if m is None or m.group(3) in _POSTS:
                 raise InferError(404, f"no such endpoint: GET {path[:200]}")
-            name, version, what = m.group(1), m.group(2) or "", m.group(3)
+            name, version, what = unquote(m.group(1)), unquote(m.group(2) or ""), m.group(3)
             if what == "/ready":
                 try:
                     svc.model(name, version)
@@ -147,13 +157,13 @@ class _Handler(BaseHTTPRequestHandler):
                 self._json(200, svc.model(name, version).metadata())
 
     def _post(self) -> None:
-        path = self.path.split("?", 1)[0]
+        path = self._path()
         m = _MODEL.match(path)
         if m is None or m.group(3) not in _POSTS:
             self._discard_body()
             raise InferError(404, f"no such endpoint: POST {path[:200]}")
         body = self._read_body()
-        model = self.server.service.model(m.group(1), m.group(2) or "")
+        model = self.server.service.model(unquote(m.group(1)), unquote(m.group(2) or ""))
         if m.group(3) == "/infer":
             status, payload, headers = self._infer(model, body)
             self._send(status, payload, headers=headers)
@@ -166,7 +176,7 @@ class _Handler(BaseHTTPRequestHandler):
             self.close_connection = True
             raise InferError(411, "chunked bodies are not accepted: send Content-Length")
         text = self.headers.get("Content-Length")
-        if text is None or not text.isdigit():
+        if text is None or not _LENGTH.fullmatch(text):
             self.close_connection = True
             raise InferError(411, "a request body needs a Content-Length")
         n = int(text)
@@ -182,7 +192,7 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _discard_body(self) -> None:
         text = self.headers.get("Content-Length", "0")
-        n = int(text) if text.isdigit() else -1
+        n = int(text) if _LENGTH.fullmatch(text) else -1
         if 0 <= n <= self.server.max_body:
             self.rfile.read(n)
         else:
@@ -192,7 +202,7 @@ class _Handler(BaseHTTPRequestHandler):
     def _infer(self, m: ModelSpec, body: bytes) -> tuple[int, bytes, dict[str, str]]:
         hlen = self.headers.get(HEADER_LENGTH)
         if hlen is not None:
-            if not hlen.isdigit() or int(hlen) > len(body):
+            if not _LENGTH.fullmatch(hlen) or int(hlen) > len(body):
                 raise InferError(400, f"{HEADER_LENGTH} {hlen[:20]!r} is not a length within "
                                       f"the body's {len(body)} bytes")
             header, binary = body[:int(hlen)], memoryview(body)[int(hlen):]
@@ -200,9 +210,10 @@ class _Handler(BaseHTTPRequestHandler):
             header, binary = body, memoryview(b"")
         req = parse_json(header)
         inputs = read_inputs(m, req, binary)
+        wanted = requested_outputs(m, req)       # (checked before the daemon runs it)
         priority = request_priority(_params(req, "request").get("priority"))
         outputs = self.server.service.infer(m, inputs, priority)
-        return encode_response(m, req, outputs)
+        return encode_response(m, req, wanted, outputs)
 
 
     # -- the generate extension ------------------------------------------------------
@@ -309,25 +320,30 @@ def read_inputs(m: ModelSpec, req: dict, binary: memoryview) -> dict[str, np.nda
     return out
 
 
-def encode_response(m: ModelSpec, req: dict, outputs: dict[str, np.ndarray]
-                    ) -> tuple[int, bytes, dict[str, str]]:
-    """The response body: JSON, then the raw outputs that were asked for in binary."""
+def requested_outputs(m: ModelSpec, req: dict) -> list[tuple[TensorSpec, bool]]:
+    """The outputs a request asks for (all by default), each with whether it goes raw."""
     binary_all = bool(_params(req, "request").get("binary_data_output", False))
     asked = req.get("outputs")
     if asked is None:
-        wanted = [(t, binary_all) for t in m.outputs]
-    else:
-        if not isinstance(asked, list):
-            raise InferError(400, "\"outputs\" must be an array")
-        by_name = {t.name: t for t in m.outputs}
-        wanted = []
-        for o in asked:
-            if not isinstance(o, dict) or o.get("name") not in by_name:
-                raise InferError(400, f"model {m.name!r} has outputs "
-                                      f"{', '.join(by_name)}; asked for "
-                                      f"{str(o.get('name') if isinstance(o, dict) else o)[:40]}")
-            p = _params(o, f"output {o['name']!r}")
-            wanted.append((by_name[o["name"]], bool(p.get("binary_data", binary_all))))
+        return [(t, binary_all) for t in m.outputs]
+    if not isinstance(asked, list):
+        raise InferError(400, "\"outputs\" must be an array")
+    by_name = {t.name: t for t in m.outputs}
+    wanted = []
+    for o in asked:
+        name = o.get("name") if isinstance(o, dict) else None
+        if type(name) is not str or name not in by_name:
+            raise InferError(400, f"model {m.name!r} has outputs "
+                                  f"{', '.join(by_name)}; asked for "
+                                  f"{str(name if isinstance(o, dict) else o)[:40]}")
+        p = _params(o, f"output {name!r}")
+        wanted.append((by_name[name], bool(p.get("binary_data", binary_all))))
+    return wanted
+
+
+def encode_response(m: ModelSpec, req: dict, wanted: list[tuple[TensorSpec, bool]],
+                    outputs: dict[str, np.ndarray]) -> tuple[int, bytes, dict[str, str]]:
+    """The response body: JSON, then the raw outputs that were asked for in binary."""
     desc, chunks = [], []
     for spec, binary in wanted:
         a = np.ascontiguousarray(outputs[spec.name], dtype=spec.dtype.newbyteorder("<"))

@@ -317,6 +317,13 @@ def check_variant(v: Variant) -> None:
     ids = [b.id for b in v.buffers]
     if ids != list(range(len(ids))):
         raise bad("buffer ids must be 0..n-1 in order")
+    for k in v.kernels:
+        # Work the simulator times a kernel by: a real number, finite and >= 0 (an
+        # infinite one never completes; a string fails deep in the cost model).
+        for what in ("flops", "bytes"):
+            x = getattr(k, what)
+            if type(x) not in (int, float) or not 0 <= x < 1e30:
+                raise bad(f"kernel {k.name!r} has {what} {x!r}; it must be a finite number >= 0")
     for b in v.buffers:
         if b.kind not in BUFFER_KINDS or b.nbytes < 0:
             raise bad(f"buffer {b.id} has kind {b.kind!r} / size {b.nbytes}")
@@ -620,6 +627,9 @@ def load_bundle(path: str | Path) -> Bundle:
         d = json.loads(mpath.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise BundleError(f"{mpath} is not valid JSON ({e}); the bundle is corrupt, recompile it") from None
+    except RecursionError:
+        raise BundleError(f"{mpath} is not a manifest (JSON nested too deeply to read); the "
+                          f"bundle is corrupt, recompile it") from None
     try:
         m = manifest_from_dict(d)
         for key, name in [*m.files.items(), *(kv for v in m.variants for kv in v.files.items())]:

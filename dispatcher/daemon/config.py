@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import re
 import tomllib
 from dataclasses import dataclass, field
 from typing import Any
@@ -27,6 +28,11 @@ MAX_SECONDS = 86400.0
 
 
 # --- configuration -------------------------------------------------------------------
+#: A core number or numeric id: ASCII digits only (str.isdigit also takes "²"), at most 9.
+_ASCII_DIGITS = re.compile(r"[0-9]{1,9}")
+#: A user or group name as NSS takes it (no NUL, slash, colon or whitespace) or an id.
+_NAME = re.compile(r"[^\x00-\x20/:\x7f]{1,256}")
+
 @dataclass
 class DaemonConfig:
     # [daemon]
@@ -69,8 +75,14 @@ class DaemonConfig:
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
                 raise ConfigError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
-        if self.cpu not in ("auto", "none") and not str(self.cpu).isdigit():
+        if self.cpu not in ("auto", "none") and not _ASCII_DIGITS.fullmatch(str(self.cpu)):
             raise ConfigError(f"cpu must be auto, none or a core number, got {self.cpu!r}")
+        for name in ("allowed_users", "allowed_groups"):
+            for v in getattr(self, name):
+                if not ((type(v) is int and v >= 0)
+                        or (type(v) is str and _NAME.fullmatch(v))):
+                    raise ConfigError(f"{name} must list user or group names or numeric "
+                                      f"ids, got {v!r}")
         if not 0 <= self.rt_priority <= 99:
             raise ConfigError(f"rt_priority must be 0..99, got {self.rt_priority}")
         if not 0 <= self.drain_seconds <= MAX_SECONDS:     # (also refuses nan and inf)

@@ -52,6 +52,13 @@ CASES = [
     ("policy-name-type", [], "[policy]\nname = 3\n", "[policy] name must be a string, got 3"),
     ("metrics-port", ["--metrics-port", "70000"], None,
      "metrics_port must be a TCP port 1..65535 (0: no metrics), got 70000"),
+    # str.isdigit() takes these; int() did not (a traceback at pinning)
+    ("cpu-superscript", ["--cpu", "\u00b2"], None, "cpu must be auto, none or a core number"),
+    ("allowed-groups-nested", [], "[access]\nallowed_groups = [[]]\n",
+     "allowed_groups must list user or group names or numeric ids, got []"),
+    ("allowed-users-nul", [], '[access]\nallowed_users = ["a\\u0000b"]\n',
+     "allowed_users must list user or group names or numeric ids"),
+    ("allow-user-unknown", ["--allow-user", "\u00b2"], None, "allowed user '\u00b2' does not exist"),
 ]
 
 
@@ -77,6 +84,30 @@ def assert_clean_error(r: subprocess.CompletedProcess, sock: str, expected: str)
 def test_a_bad_setting_is_a_clean_error(tmp_path, args, config, expected):
     r, sock = serve(tmp_path, args, config)
     assert_clean_error(r, sock, expected)
+
+
+def test_what_is_not_the_daemons_own_is_never_replaced(tmp_path):
+    """The daemon often runs as root: a file at the socket path, a symlink or someone's
+    file at the lock path are refused, and left as they were."""
+    sock = tmp_path / "p.sock"
+    sock.write_text("precious")
+    r, _ = serve(tmp_path, [], socket=str(sock))
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    assert f"{sock} exists and is not a socket; refusing to replace it" in r.stderr
+    assert sock.read_text() == "precious" and not os.path.exists(f"{sock}.lock")
+    sock.unlink()
+    victim = tmp_path / "victim.txt"
+    victim.write_text("keep me")
+    os.symlink(victim, f"{sock}.lock")
+    r, _ = serve(tmp_path, [], socket=str(sock))
+    assert r.returncode == 2 and "(a symlink: refused)" in r.stderr, r.stderr
+    assert victim.read_text() == "keep me" and os.path.islink(f"{sock}.lock")
+    os.unlink(f"{sock}.lock")
+    (tmp_path / "p.sock.lock").write_text("not a pid at all\n")
+    r, _ = serve(tmp_path, [], socket=str(sock))
+    assert r.returncode == 2 and "is not a paella daemon's lock file" in r.stderr, r.stderr
+    assert (tmp_path / "p.sock.lock").read_text() == "not a pid at all\n"
+    assert not sock.exists()
 
 
 def test_a_missing_socket_directory_is_a_clean_error(tmp_path):

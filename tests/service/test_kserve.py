@@ -105,6 +105,11 @@ HOSTILE = [
     ("binary-size-too-large", b"", {"binary": 1}, 400, "exceeds the"),
     ("unknown-output", json.dumps({"inputs": json.loads(_infer_body())["inputs"],
                                    "outputs": [{"name": "q"}]}).encode(), {}, 400, "asked for q"),
+    ("output-name-not-a-string", json.dumps({"inputs": json.loads(_infer_body())["inputs"],
+                                             "outputs": [{"name": [1]}]}).encode(), {}, 400,
+     "asked for [1]"),
+    ("header-length-not-ascii-digits", _infer_body(), {"Inference-Header-Content-Length": "\u00b2"},
+     400, "Inference-Header-Content-Length"),
     ("priority-out-of-range", json.dumps({"inputs": json.loads(_infer_body())["inputs"],
                                           "parameters": {"priority": 300}}).encode(), {}, 400,
      "parameter priority must be an integer 0..255"),
@@ -127,6 +132,24 @@ def test_hostile_bodies_fail_cleanly_and_it_keeps_serving(kserve, case):
     # and it keeps serving
     ok, _, data = raw(kserve[0], "POST", "/v2/models/echo/infer", _infer_body())
     assert ok == 200 and json.loads(data)["outputs"][0]["data"] == X.tolist()
+
+
+@pytest.mark.parametrize("length", ["\u00b2", "9" * 5000])
+def test_a_content_length_that_is_not_a_length_is_a_client_error(kserve, length):
+    """str.isdigit() takes "²" and int() takes 5000 digits: both used to be a 500 with a
+    traceback in the log."""
+    s = socket.create_connection(("127.0.0.1", kserve[0]), timeout=15)
+    try:
+        s.sendall(b"POST /v2/models/echo/infer HTTP/1.1\r\nHost: x\r\nContent-Length: "
+                  + length.encode("latin-1") + b"\r\n\r\n")
+        reply = b""
+        while chunk := s.recv(65536):
+            reply += chunk
+    finally:
+        s.close()
+    assert reply.startswith(b"HTTP/1.1 411"), reply[:200]
+    ok, _, data = raw(kserve[0], "POST", "/v2/models/ech%6F/infer", _infer_body())  # (percent-
+    assert ok == 200 and json.loads(data)["model_name"] == "echo"               # encoded name)
 
 
 def test_huge_body_is_refused_without_reading_it(kserve):

@@ -88,6 +88,23 @@ def test_bad_targets_are_clear_errors(daemon, tmp_path):
         r = perf("echo", "--socket", daemon.socket, "--priority", bad, "-q")
         assert r.returncode == 2 and "--priority must be 1 (most urgent) .. 255" in r.stderr
         assert "Traceback" not in r.stderr
+    # found by review: tracebacks after (or instead of) the whole run
+    for args, text in ((["--rate", "nan"], "expected positive numbers"),
+                       (["--rate", "inf"], "expected positive numbers"),
+                       (["--seconds", "nan"], "must be positive"),
+                       (["--csv", str(tmp_path / "no" / "x.csv")], "not a file in an existing"),
+                       (["--json", str(tmp_path)], "not a file in an existing directory")):
+        r = perf("echo", "--socket", daemon.socket, *args, "-q")
+        assert r.returncode == 2 and text in r.stderr and "Traceback" not in r.stderr, r.stderr
+    for t in ("nan", "-1"):
+        r = subprocess.run([PAELLA, "status", "--socket", daemon.socket, "--timeout", t],
+                           capture_output=True, text=True, timeout=60)
+        assert r.returncode == 2 and "--timeout must be a number of seconds" in r.stderr
+    for args in (["hol", "--jobs", "-1"], ["hol", "--sigma", "nan"], ["mix", "--requests", "0"]):
+        r = subprocess.run([PAELLA, "experiment", *args], capture_output=True, text=True,
+                           timeout=60)
+        assert r.returncode == 2 and "must be a finite number" in r.stderr, r.stderr
+        assert "Traceback" not in r.stderr
 
 
 def test_a_priority_over_the_rings(daemon, tmp_path):

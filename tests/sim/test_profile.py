@@ -48,3 +48,41 @@ def test_bad_input_is_a_clear_error(bundle_dir, args, msg, capsys):
     assert main(["profile", *args]) == 2
     err = capsys.readouterr().err
     assert err.startswith("paella: error:") and msg in err
+
+
+def _corrupt(src, dst, edit) -> str:
+    import shutil
+    shutil.copytree(src, dst)
+    m = json.loads((dst / "manifest.json").read_text())
+    edit(m)
+    (dst / "manifest.json").write_text(json.dumps(m))
+    return str(dst)
+
+
+def test_corrupt_or_huge_bundles_are_clear_errors(bundle_dir, tmp_path, capsys):
+    """Found by review: an infinite flops count hung the daemon's profiling run (60 s, at
+    start-up and at SIGHUP), a legal grid of 2**31 blocks kept ``paella profile`` busy
+    for hours, and a deeply nested manifest was a RecursionError traceback."""
+    def kernel(m):
+        return m["variants"][0]["kernels"][0]
+
+    def grid(m):
+        kernel(m)["grid"] = [2 ** 31 - 1, 1, 1]
+        for op in m["variants"][0]["plan"]:
+            if op["op"] == "launch" and op["kernel"] == kernel(m)["name"]:
+                op["grid"] = [2 ** 31 - 1, 1, 1]
+    cases = [(lambda m: kernel(m).update(flops=float("inf")), "has flops inf; it must be a finite"),
+             (lambda m: kernel(m).update(bytes="lots"), "has bytes 'lots'; it must be a finite"),
+             (grid, "notifQ entries exceed the daemon's ring")]
+    for i, (edit, msg) in enumerate(cases):
+        assert main(["profile", _corrupt(bundle_dir, tmp_path / f"b{i}", edit)]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("paella: error:") and msg in err, err
+    import shutil
+    deep = tmp_path / "deep"
+    shutil.copytree(bundle_dir, deep)
+    (deep / "manifest.json").write_text("[" * 100000 + "]" * 100000)
+    assert main(["profile", str(deep)]) == 2
+    assert "nested too deeply" in capsys.readouterr().err
+    assert main(["profile", str(bundle_dir), "--json", str(tmp_path / "no" / "x.json")]) == 2
+    assert "not a file in an existing directory" in capsys.readouterr().err

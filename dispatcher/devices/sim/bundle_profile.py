@@ -21,6 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
+from paella import protocol
 from paella.bundle import Bundle, BundleError, load_bundle
 from paella.dispatcher.devices.base import KernelInfo, ModuleImage
 from paella.gpus import PRESETS, preset
@@ -38,10 +39,25 @@ def _image(bundle: Bundle, variant: int) -> ModuleImage:
                                                  float(k.bytes)) for k in v.kernels])
 
 
+def check_servable(bundle: Bundle, variant: int) -> None:
+    """Refuse a launch the daemon would refuse for its size (its notifQ entries at the
+    default group exceed the default ring), before simulating it: a legal grid of 2**31
+    blocks would otherwise keep the simulator busy for hours."""
+    for op in bundle.variants[variant].plan:
+        if op.op == "launch":
+            blocks = int(np.prod(op.grid, dtype=np.int64))
+            need = 2 * -(-blocks // protocol.DEFAULT_GROUP)
+            if need > protocol.DEFAULT_NOTIFQ_SLOTS:
+                raise ValueError(f"kernel {op.kernel!r} launches {blocks} blocks, whose "
+                                 f"{need} notifQ entries exceed the daemon's ring of "
+                                 f"{protocol.DEFAULT_NOTIFQ_SLOTS}: the daemon would refuse it")
+
+
 def run_plan(bundle: Bundle, gpu: str, cost: CostModel | None = None, variant: int = 0,
              record: bool = False) -> tuple[float, list[tuple]]:
     """One request of ``bundle`` alone, its plan on one stream: (seconds, the engine's
     per-kernel records in plan order if ``record``)."""
+    check_servable(bundle, variant)
     dev = SimDevice(gpu, cost=cost)
     funcs = dev.load_module(_image(bundle, variant))
     plan = bundle.variants[variant].plan
@@ -149,9 +165,15 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def main(args: argparse.Namespace) -> int:
     from paella.cli import CLIError
+    if args.json:
+        out = Path(args.json)
+        if out.is_dir() or not out.parent.is_dir():
+            raise CLIError(f"--json {args.json}: not a file in an existing directory")
     try:
         preset(args.gpu)
         bundle = load_bundle(_resolve(args.bundle))
+        for vi in range(len(bundle.variants)):
+            check_servable(bundle, vi)
         data = profile(bundle, args.gpu)
     except (ValueError, BundleError, OccupancyError, FileNotFoundError) as e:
         raise CLIError(str(e)) from None
@@ -160,5 +182,8 @@ def main(args: argparse.Namespace) -> int:
               f"on {args.gpu} ({preset(args.gpu).sm_name})")
     _print(data)
     if args.json:
-        Path(args.json).write_text(json.dumps(data, indent=1))
+        try:
+            Path(args.json).write_text(json.dumps(data, indent=1))
+        except OSError as e:
+            raise CLIError(f"--json {args.json}: {e.strerror}") from None
     return 0
