@@ -84,7 +84,7 @@ OK = 0
 E_MODEL = 1        # unknown model id
 E_RANGE = 2        # [offset, offset + length) not inside the client's arena
 E_LENGTH = 3       # length differs from the model's io size
-E_OPTIONS = 4      # unknown option bits
+E_OPTIONS = 4      # refused as asked: unknown option bits, a bad shape or variant, bad values
 E_DUPLICATE = 5    # request id already in flight for this client
 E_FAILED = 6       # the job failed while running
 E_CANCELLED = 7    # the daemon cancelled the job (shutdown deadline)
@@ -92,7 +92,7 @@ E_INTERNAL = 8     # a daemon bug; the text says what
 PROGRESS = 9       # not a completion: n outputs valid so far (n in the text-length word)
 
 STATUS_NAMES = {OK: "OK", E_MODEL: "unknown model", E_RANGE: "io region outside the arena",
-                E_LENGTH: "wrong io length", E_OPTIONS: "unknown options",
+                E_LENGTH: "wrong io length", E_OPTIONS: "refused (bad options or values)",
                 E_DUPLICATE: "duplicate request id", E_FAILED: "job failed",
                 E_CANCELLED: "cancelled", E_INTERNAL: "internal error", PROGRESS: "progress"}
 
