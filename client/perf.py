@@ -32,8 +32,8 @@ from typing import Callable
 
 import numpy as np
 
-from paella.client.client import connect, default_socket
 from paella import wire
+from paella.client.client import connect, default_socket
 from paella.client.errors import PaellaError
 
 KSERVE_DTYPES = {"BOOL": "bool", "UINT8": "uint8", "UINT16": "uint16", "UINT32": "uint32",
@@ -111,7 +111,7 @@ def local_target(socket: str, model: str, timeout: float, mode: str = "socket",
 def kserve_target(address: str, model: str, timeout: float, priority: int = 0) -> Sender:
     """Requests to a KServe v2 REST endpoint, binary tensors, a connection per worker."""
     host, _, port = address.rpartition(":")
-    if not port.isdigit():
+    if not (port.isascii() and port.isdigit() and int(port) < 65536):
         raise PerfError(f"--kserve wants HOST:PORT, got {address!r}")
     conn = http.client.HTTPConnection(host, int(port), timeout=timeout)
     try:

@@ -62,6 +62,7 @@ LISTEN_BACKLOG = min(socket.SOMAXCONN, 4096)
 #: What a lock file may hold: nothing (new) or a daemon's pid.
 _LOCK_CONTENT = re.compile(rb"(?:[0-9]{1,10}\n?)?")
 
+
 class FrontendError(RuntimeError):
     """The front end cannot start (socket in use, bad configuration)."""
 

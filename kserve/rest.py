@@ -215,7 +215,6 @@ class _Handler(BaseHTTPRequestHandler):
         outputs = self.server.service.infer(m, inputs, priority)
         return encode_response(m, req, wanted, outputs)
 
-
     # -- the generate extension ------------------------------------------------------
     def _generate(self, m: ModelSpec, body: bytes, stream: bool) -> None:
         req = parse_json(body)

@@ -12,6 +12,7 @@ import logging
 import queue
 import threading
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Iterator, Mapping
 
@@ -164,19 +165,19 @@ class InferenceService:
         return m
 
     # -- inference -------------------------------------------------------------------
-    def infer(self, m: ModelSpec, inputs: Mapping[str, np.ndarray],
-              priority: int = 0) -> dict[str, np.ndarray]:
-        """Run ``inputs`` (checked against ``m`` by the caller) through the daemon, at
-        ``priority`` (the request's ``priority`` parameter; see :func:`request_priority`)."""
-        missing = [t.name for t in m.inputs if t.name not in inputs]
-        if missing:
-            raise InferError(400, f"model {m.name!r} needs the input(s) {', '.join(missing)}")
+    @contextmanager
+    def _session(self, m: ModelSpec, what: str) -> Iterator[Client]:
+        """A connection for one request of ``m``, given back after it; the client
+        library's errors as KServe statuses (``what``: the model did not ``what`` in
+        time)."""
         c = self._take()
         broken = False
         try:
-            return c.infer(m.name, inputs, timeout=self.timeout, priority=priority)
+            yield c
+        except ValueError as e:                  # the request's own arguments
+            raise InferError(400, str(e)) from None
         except ResultTimeout:
-            raise InferError(504, f"model {m.name!r} did not answer within {self.timeout} s") \
+            raise InferError(504, f"model {m.name!r} did not {what} within {self.timeout} s") \
                 from None
         except RequestFailed as e:
             raise InferError(500, f"model {m.name!r} failed: {e.reason}") from None
@@ -188,6 +189,15 @@ class InferenceService:
         finally:
             self._give(c, broken)
 
+    def infer(self, m: ModelSpec, inputs: Mapping[str, np.ndarray],
+              priority: int = 0) -> dict[str, np.ndarray]:
+        """Run ``inputs`` (checked against ``m`` by the caller) through the daemon, at
+        ``priority`` (the request's ``priority`` parameter; see :func:`request_priority`)."""
+        missing = [t.name for t in m.inputs if t.name not in inputs]
+        if missing:
+            raise InferError(400, f"model {m.name!r} needs the input(s) {', '.join(missing)}")
+        with self._session(m, "answer") as c:
+            return c.infer(m.name, inputs, timeout=self.timeout, priority=priority)
 
     def generate(self, m: ModelSpec, prompt_ids: list[int], max_tokens: int,
                  priority: int = 0) -> Iterator[int]:
@@ -198,25 +208,9 @@ class InferenceService:
         raises it mid-stream. The connection is held until the iterator is exhausted
         or closed (a caller that stops early: the daemon finishes the generation and
         the client library drops what remains)."""
-        c = self._take()
-        broken = False
-        try:
+        with self._session(m, "finish") as c:
             yield from c.generate(m.name, prompt_ids, max_tokens, timeout=self.timeout,
                                   priority=priority)
-        except ValueError as e:                  # not a generative model, a bad prompt
-            raise InferError(400, str(e)) from None
-        except ResultTimeout:
-            raise InferError(504, f"model {m.name!r} did not finish within {self.timeout} s") \
-                from None
-        except RequestFailed as e:
-            raise InferError(500, f"model {m.name!r} failed: {e.reason}") from None
-        except (DaemonGone, DaemonUnavailable) as e:
-            broken = True
-            raise InferError(503, f"lost the paella daemon: {e}") from None
-        except PaellaError as e:
-            raise InferError(503, f"{type(e).__name__}: {e}") from None
-        finally:
-            self._give(c, broken)
 
 
 def request_priority(value: object) -> int:

@@ -25,13 +25,13 @@ class ConfigError(ValueError):
 #: The longest a time setting may be (a day): longer ones overflow epoll's timeout or
 #: make a stop that never ends.
 MAX_SECONDS = 86400.0
-
-
-# --- configuration -------------------------------------------------------------------
 #: A core number or numeric id: ASCII digits only (str.isdigit also takes "²"), at most 9.
 _ASCII_DIGITS = re.compile(r"[0-9]{1,9}")
 #: A user or group name as NSS takes it (no NUL, slash, colon or whitespace) or an id.
 _NAME = re.compile(r"[^\x00-\x20/:\x7f]{1,256}")
+
+
+# --- configuration -------------------------------------------------------------------
 
 @dataclass
 class DaemonConfig:

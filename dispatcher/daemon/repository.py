@@ -181,11 +181,13 @@ def scan(path: str, known: dict[str, tuple], make_adaptor: Callable[[Any, str, i
             # them). One that plans by cost is built on placeholder costs only to check
             # its options; the real one once the variants are profiled
             # (Executors.register_variants).
-            if kind.needs_costs:
-                specs = tuple(replace(v, cost_s=1e-3) for v in specs)
-            batcher = make_batcher(cfg.batcher, ModelVariants(model, specs), cfg.batcher_options)
-            if kind.needs_costs:
+            if kind.needs_costs:                  # (the options checked, the batcher dropped)
+                make_batcher(cfg.batcher, ModelVariants(
+                    model, tuple(replace(v, cost_s=1e-3) for v in specs)), cfg.batcher_options)
                 batcher = None
+            else:
+                batcher = make_batcher(cfg.batcher, ModelVariants(model, specs),
+                                       cfg.batcher_options)
             label = f"{model}#{next(_generations)}"
             adaptors = []
             for k in range(len(bundle.variants)):

@@ -96,6 +96,8 @@ def test_bad_targets_are_clear_errors(daemon, tmp_path):
                        (["--json", str(tmp_path)], "not a file in an existing directory")):
         r = perf("echo", "--socket", daemon.socket, *args, "-q")
         assert r.returncode == 2 and text in r.stderr and "Traceback" not in r.stderr, r.stderr
+    r = perf("echo", "--kserve", "127.0.0.1:\u00b2", "-q")      # str.isdigit takes "²"
+    assert r.returncode == 2 and "--kserve wants HOST:PORT" in r.stderr, r.stderr
     for t in ("nan", "-1"):
         r = subprocess.run([PAELLA, "status", "--socket", daemon.socket, "--timeout", t],
                            capture_output=True, text=True, timeout=60)
