@@ -12,7 +12,8 @@ Contract with the daemon:
 * ``submit(Request)`` (a job serving that one request) or ``submit_group(requests, io)``
   (one job serving several requests of one model: the seam for batchers); each
   request's ``on_almost_finished(req)`` fires when the op its job marked (before the
-  last D2H copy, for plans) is released, or at the latest just before completion;
+  last D2H copy, for plans) is released, when the job's estimated unreleased work first
+  drops to ``wake_lead`` seconds (if set), or at the latest just before completion;
   ``on_complete(req, status, error)`` once, with ``STATUS_OK``, ``STATUS_ERROR`` (the
   job failed: ``error`` says why) or ``STATUS_CANCELLED``;
 * ``step() -> bool`` (True while anything is in flight), ``cancel_client(id)``,
@@ -113,14 +114,22 @@ class Dispatcher:
                  counter_pairs: int = protocol.DEFAULT_COUNTER_PAIRS,
                  policy_options: dict[str, Any] | None = None, profile_runs: int = 2,
                  instruments: "list[Instrument] | tuple[Instrument, ...]" = (),
-                 lookahead: int = 1, compiled_replay: bool = True):
+                 lookahead: int = 1, compiled_replay: bool = True, wake_lead: float = 0.0):
         if type(lookahead) is not int or lookahead < 1:
             raise ValueError(f"lookahead must be an int >= 1 (kernels of one stream released "
                              f"and not completed), got {lookahead!r}")
+        if type(wake_lead) not in (int, float) or not 0.0 <= wake_lead <= 1.0:
+            raise ValueError(f"wake_lead must be 0..1 seconds (the client's wake-up goes out "
+                             f"when a job's estimated unreleased work drops to it; 0: only at "
+                             f"the op the job marked), got {wake_lead!r}")
         self.device = device
         #: Kernels of one job's stream that may be released and not yet completed (1: a
         #: kernel goes when its predecessor has completed; see "Lookahead" in the docs).
         self.lookahead = lookahead
+        #: The "almost finished" wake-up goes out, at the latest, at the release that brings
+        #: a profiled job's estimated unreleased work down to this (seconds; 0: only at the
+        #: op the job marked, the paper's rule). See "Wake-up lead" in docs/dispatcher.md.
+        self.wake_lead = float(wake_lead)
         #: Plans replay through the compiled waitlist (paella.dispatcher.replay); False: the
         #: reference path, for comparison.
         self.compiled_replay = compiled_replay
@@ -205,6 +214,7 @@ class Dispatcher:
         instr = self.instruments
         hooked = "op_released" in instr      # Speed: one lookup per pass, not per kernel
         ahead = self.lookahead
+        lead = self.wake_lead
         while self._queued:
             try:
                 job = policy.pick()
@@ -244,7 +254,8 @@ class Dispatcher:
             key = op.key
             kcount = job.kcount
             c = kcount.get(key, 0)
-            job.remaining = round(job.remaining - job.model.profile.charge(key, c), ESTIMATE_DIGITS)
+            job.remaining = left = round(job.remaining - job.model.profile.charge(key, c),
+                                         ESTIMATE_DIGITS)
             kcount[key] = c + 1
             try:
                 policy.released(job, op)
@@ -271,7 +282,8 @@ class Dispatcher:
                 tracker.unrelease(lid)
                 self._device_refused(op, e)
             else:
-                if op.almost_finished:
+                # The op the job marked, or the wake-up lead reached (docs/dispatcher.md).
+                if op.almost_finished or (lead and left <= lead and job.estimate > 0.0):
                     self._almost_finished(job)
                 op.state = RELEASED
                 if job.waitlist.eager:

@@ -43,9 +43,12 @@ DEFAULT_LOOKAHEAD = 3
 #: for 50 ms a second), and the demo's clients stay off that core. The daemon's own default
 #: (``--idle adaptive``: sleep 200 us after the last work) suits a shared machine; here each
 #: request would wake a sleeping core and find the loop's code and data out of the caches:
-#: p50 +0.4-0.6 ms per request (docs/simulator.md, "Real time"). ``--daemon-args ""``
-#: restores it.
-DEFAULT_DAEMON_ARGS = ("--idle", "spin", "--rt-priority", "0")
+#: p50 +0.4-0.6 ms per request (docs/simulator.md, "Real time"). The clients (hybrid, the
+#: default mode) are woken when 300 us of their job's estimated work is left, not just
+#: before its last copy: a client sleeping in recv on this VM takes longer to wake than
+#: that copy lasts (docs/dispatcher.md, "Wake-up lead"). ``--daemon-args ""`` restores
+#: the daemon's own defaults.
+DEFAULT_DAEMON_ARGS = ("--idle", "spin", "--rt-priority", "0", "--wake-lead-us", "300")
 #: Issue 21's real-time target: each model's p50 within this factor of its isolated time
 #: on the simulated GPU (``paella profile``) plus the measured round trip.
 TARGET_FACTOR = 1.5

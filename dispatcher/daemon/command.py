@@ -44,6 +44,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--drain-seconds", type=float, dest="drain_seconds")
     p.add_argument("--lookahead", type=int, help="kernels of a job's stream released before "
                    "their predecessor completes, queued behind it (default 1: none)")
+    p.add_argument("--wake-lead-us", type=int, dest="wake_lead_us",
+                   help="wake a hybrid client when its job's estimated work left drops to "
+                   "this many microseconds (default 0: just before the job's last copy)")
     p.add_argument("--echo", action=argparse.BooleanOptionalAction, default=None,
                    help="serve the built-in echo model")
     p.add_argument("--noop", action=argparse.BooleanOptionalAction, default=None,

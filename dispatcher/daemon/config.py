@@ -47,6 +47,7 @@ class DaemonConfig:
     idle_spin_us: int = 200             # adaptive: spin this long after the last work
     drain_seconds: float = 10.0         # SIGTERM: how long in-flight jobs may finish
     lookahead: int = 1                  # kernels of a job's stream released ahead (1: none)
+    wake_lead_us: int = 0               # hybrid clients' wake-up this far ahead (0: at the mark)
     echo: bool = True                   # serve the built-in "echo" model (host)
     noop: bool = True                   # serve the built-in "noop" model (sim backend)
     log_level: str = "info"
@@ -96,6 +97,10 @@ class DaemonConfig:
             raise ConfigError(f"lookahead must be an int >= 1 (kernels of one stream released "
                               f"and not completed; 1 releases a kernel when its predecessor "
                               f"has completed), got {self.lookahead!r}")
+        if type(self.wake_lead_us) is not int or not 0 <= self.wake_lead_us <= 1_000_000:
+            raise ConfigError(f"wake_lead_us must be an int 0..1000000 (microseconds of "
+                              f"estimated work left when a hybrid client is woken; 0: only "
+                              f"before the job's last copy), got {self.wake_lead_us!r}")
         if self.idle_spin_us < 0:
             raise ConfigError(f"idle_spin_us must be >= 0 (microseconds), got {self.idle_spin_us}")
         if not 0 <= self.metrics_port <= 65535:
@@ -134,7 +139,7 @@ class DaemonConfig:
 
 SECTIONS = {
     "daemon": ("socket", "models", "backend", "gpu", "sim_mode", "cpu", "rt_priority", "idle",
-               "idle_spin_us", "drain_seconds", "lookahead", "echo", "noop", "log_level", "metrics_port",
+               "idle_spin_us", "drain_seconds", "lookahead", "wake_lead_us", "echo", "noop", "log_level", "metrics_port",
                "metrics_addr"),
     "access": ("allowed_users", "allowed_groups", "socket_mode"),
     "limits": ("max_clients", "max_inflight_per_client", "arena_bytes", "max_arena_bytes",

@@ -144,7 +144,8 @@ class DispatcherExecutor:
         try:
             self.disp = Dispatcher(device, cfg.policy, extra_blocks=extra,
                                    fairness_threshold=fair, policy_options=params or None,
-                                   instruments=instruments, lookahead=cfg.lookahead)
+                                   instruments=instruments, lookahead=cfg.lookahead,
+                                   wake_lead=cfg.wake_lead_us * 1e-6)
         except PolicyError as e:           # the policy refused its parameters
             raise ConfigError(str(e)) from None
         except Exception as e:  # noqa: BLE001 - a plug-in's __init__ may raise anything
