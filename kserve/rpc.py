@@ -113,7 +113,16 @@ def read_inputs(m: ModelSpec, req: pb.ModelInferRequest) -> dict[str, np.ndarray
 
 
 def _unary(fn: Callable, req_cls: Any, resp_cls: Any) -> grpc.RpcMethodHandler:
-    def call(req, ctx):
+    # The body is decoded here, not by grpcio: a deserializer that raises makes grpcio
+    # answer INTERNAL ("Exception deserializing request!"), which blames the server for
+    # the client's bytes. Here they get INVALID_ARGUMENT naming the message expected.
+    def call(body: bytes, ctx):
+        try:
+            req = req_cls.FromString(body)
+        except Exception as e:  # noqa: BLE001 - DecodeError, or protobuf's own limits
+            ctx.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                      f"the request is not a valid inference.{req_cls.__name__} message "
+                      f"({type(e).__name__}: {e}); send one encoded as grpc_predict_v2.proto says")
         try:
             return fn(req, ctx)
         except InferError as e:
@@ -122,7 +131,7 @@ def _unary(fn: Callable, req_cls: Any, resp_cls: Any) -> grpc.RpcMethodHandler:
         except Exception as e:  # noqa: BLE001 - a bug fails this call only
             log.exception("KServe gRPC %s failed", fn.__name__)
             ctx.abort(grpc.StatusCode.INTERNAL, f"internal error: {type(e).__name__}: {e}")
-    return grpc.unary_unary_rpc_method_handler(call, request_deserializer=req_cls.FromString,
+    return grpc.unary_unary_rpc_method_handler(call,
                                                response_serializer=resp_cls.SerializeToString)
 
 

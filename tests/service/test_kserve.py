@@ -82,6 +82,21 @@ def test_tritonclient_grpc(kserve):
         c.infer("echo", [wrong])
 
 
+@pytest.mark.parametrize("body", [b"\xff\xff\xff\xff", b"\x0a\x05ab", b"\x0a\x02\xc3\x28"],
+                         ids=["garbage", "truncated", "bad-utf8-name"])
+def test_grpc_bytes_that_are_not_the_message_are_invalid_argument(kserve, body):
+    """The client's bytes are the client's fault: INVALID_ARGUMENT naming the message
+    expected (grpcio's own deserializer said INTERNAL), and the server serves on."""
+    import grpc
+    with grpc.insecure_channel(f"127.0.0.1:{kserve[1]}") as ch:
+        infer = ch.unary_unary("/inference.GRPCInferenceService/ModelInfer")
+        with pytest.raises(grpc.RpcError) as e:
+            infer(body, timeout=15)
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "not a valid inference.ModelInferRequest message" in e.value.details()
+    assert tritongrpc.InferenceServerClient(f"127.0.0.1:{kserve[1]}").is_server_live()
+
+
 def _infer_body(**over) -> bytes:
     req = {"inputs": [{"name": "x", "shape": [256], "datatype": "FP32", "data": X.tolist()}]}
     req["inputs"][0].update(over)
