@@ -51,6 +51,9 @@ def _staged_model_info(model_id: int, bundle, name: str | None) -> wire.ModelInf
 
 #: Bytes of an input the cache's key samples (a strided sample; see FunctionalCache).
 KEY_SAMPLE_BYTES = 4096
+#: Distinct inputs kept under one key (see FunctionalCache): a lookup compares at most
+#: this many whole inputs.
+MAX_PER_KEY = 4
 
 
 class FunctionalCache:
@@ -68,7 +71,9 @@ class FunctionalCache:
     is a digest of a strided sample of ``KEY_SAMPLE_BYTES`` bytes (7 us) and the hit is
     confirmed by comparing the whole input with the one cached (memcmp speed, 20 us), so
     an answer is never another input's: inputs that share a sample are separate
-    entries under one key.
+    entries under one key, at most ``MAX_PER_KEY`` of them (the oldest goes first). A
+    client that knows the sample could otherwise send inputs that differ only between
+    sampled bytes and make every lookup under that key compare hundreds of inputs.
     """
 
     def __init__(self, max_bytes: int = 256 << 20):
@@ -121,6 +126,9 @@ class FunctionalCache:
         with self._lock:
             same = self._entries.setdefault(key, [])
             if size <= self.max_bytes and not any(self._same(inputs, c) for c, _ in same):
+                if len(same) >= MAX_PER_KEY:
+                    i, o = same.pop(0)
+                    self._bytes -= _nbytes(i) + _nbytes(o)
                 same.append((inputs, outs))
                 self._bytes += size
                 self._entries.move_to_end(key)

@@ -72,3 +72,26 @@ def test_inputs_sharing_the_sampled_key_are_told_apart():
     np.testing.assert_array_equal(cache.outputs("m", b, {"x": x1.copy()})["y"], x1 * 2)
     np.testing.assert_array_equal(cache.outputs("m", b, {"x": x2.copy()})["y"], x2 * 2)
     assert b.runs == 2 and cache.hits == 2
+
+
+def test_one_key_holds_a_bounded_number_of_inputs():
+    """Inputs crafted to share the sampled key (they differ only between sampled bytes)
+    cannot grow one key's list without bound, which would make every lookup under it
+    compare them all: past MAX_PER_KEY the oldest goes, and the byte count follows."""
+    from paella.dispatcher.daemon.bundles import MAX_PER_KEY
+    cache, b = FunctionalCache(), CountingBundle()
+    xs = []
+    for i in range(3 * MAX_PER_KEY):
+        x = np.zeros(1 << 16, dtype=np.float32)
+        x[1] = i + 1.0                               # between two samples: one key
+        xs.append(x)
+        cache.outputs("m", b, {"x": x})
+    assert len({cache._key("m", {"x": x}) for x in xs}) == 1
+    (chain,) = cache._entries.values()
+    assert len(chain) == MAX_PER_KEY
+    assert cache._bytes == MAX_PER_KEY * 2 * xs[0].nbytes
+    runs = b.runs
+    np.testing.assert_array_equal(cache.outputs("m", b, {"x": xs[-1].copy()})["y"], xs[-1] * 2)
+    assert b.runs == runs                            # the newest: still cached
+    np.testing.assert_array_equal(cache.outputs("m", b, {"x": xs[0].copy()})["y"], xs[0] * 2)
+    assert b.runs == runs + 1                        # the oldest: gone, computed again
