@@ -283,7 +283,8 @@ class Dispatcher:
                 self._device_refused(op, e)
             else:
                 # The op the job marked, or the wake-up lead reached (docs/dispatcher.md).
-                if op.almost_finished or (lead and left <= lead and job.estimate > 0.0):
+                if op.almost_finished or (lead and left <= lead and not job.almost_sent
+                                          and job.estimate > 0.0):
                     self._almost_finished(job)
                 op.state = RELEASED
                 if job.waitlist.eager:
