@@ -101,6 +101,15 @@ typedef struct {
     int64_t cap[4], used[4], demand[4];   /* demand: released, not yet placed */
     int nsm;
     int64_t *sm;                 /* nsm x 4 */
+    /* Per launch (counter pair) and SM, blocks its placement entries attributed to that SM
+     * and not yet taken off it (npairs x nsm), and their sum per launch. An entry names
+     * only its posting block's SM, so a group's placement and completion can name two
+     * SMs: a completion takes blocks off its own SM only up to what the launch put there,
+     * and whatever is left comes off when the launch's last block completes. Per-SM usage
+     * is then exact at group 1, never negative, and back to zero with nothing in flight
+     * (subtracting every completion from its SM drifted without bound). */
+    int64_t *slot_sm;
+    int64_t *resid;
     /* the notification word's layout (paella.protocol) */
     int kind_shift, sm_shift, count_shift, placement, completion;
     uint64_t launch_mask;
@@ -176,9 +185,10 @@ static int Tracker_init(Tracker *self, PyObject *args, PyObject *kwds)
     self->tok = PyMem_Calloc(npairs, sizeof(PyObject *));
     self->t_first = PyMem_Calloc(npairs, sizeof(double));
     self->freeq = PyMem_Calloc(npairs, sizeof(int32_t));
+    self->slot_sm = PyMem_Calloc((size_t)npairs * nsm, sizeof(int64_t));
     int64_t **arrays[] = {&self->lid, &self->gen, &self->blocks, &self->fw, &self->fr,
-                          &self->fs, &self->entries, &self->placed, &self->ended};
-    int ok = self->sm && self->tok && self->t_first && self->freeq;
+                          &self->fs, &self->entries, &self->placed, &self->ended, &self->resid};
+    int ok = self->sm && self->tok && self->t_first && self->freeq && self->slot_sm;
     for (size_t i = 0; i < sizeof arrays / sizeof arrays[0]; i++) {
         *arrays[i] = PyMem_Calloc(npairs, sizeof(int64_t));
         ok = ok && *arrays[i];
@@ -240,8 +250,9 @@ static void Tracker_dealloc(Tracker *self)
     PyMem_Free(self->tok);
     PyMem_Free(self->t_first);
     PyMem_Free(self->freeq);
+    PyMem_Free(self->slot_sm);
     int64_t *arrays[] = {self->lid, self->gen, self->blocks, self->fw, self->fr, self->fs,
-                         self->entries, self->placed, self->ended};
+                         self->entries, self->placed, self->ended, self->resid};
     for (size_t i = 0; i < sizeof arrays / sizeof arrays[0]; i++)
         PyMem_Free(arrays[i]);
     Py_TYPE(self)->tp_free((PyObject *)self);
@@ -337,6 +348,22 @@ static PyObject *Tracker_fits_now(Tracker *self, PyObject *arg)
 static PyObject *Tracker_starts_now(Tracker *self, PyObject *arg)
 {
     return fits(self, arg, 0);
+}
+
+/* A launch's last block completed: the blocks its placements attributed to SMs that its
+ * completions did not name come off those SMs now. */
+static void take_rest(Tracker *self, int slot)
+{
+    int64_t *c = self->slot_sm + (size_t)slot * self->nsm;
+    int64_t fp[4] = {1, self->fw[slot], self->fr[slot], self->fs[slot]};
+    for (int sm = 0; sm < self->nsm; sm++) {
+        if (c[sm]) {
+            for (int r = 0; r < 4; r++)
+                self->sm[4 * sm + r] -= c[sm] * fp[r];
+            c[sm] = 0;
+        }
+    }
+    self->resid[slot] = 0;
 }
 
 static void finish_slot(Tracker *self, int slot)
@@ -559,6 +586,7 @@ static PyObject *Tracker_drain(Tracker *self, PyObject *const *args, Py_ssize_t 
         }
         int64_t d[4] = {n, n * self->fw[slot], n * self->fr[slot], n * self->fs[slot]};
         int64_t *usm = self->sm + 4 * sm;
+        int64_t *here = self->slot_sm + (size_t)slot * self->nsm + sm;
         if (placing) {
             if (!self->placed[slot]) {
                 self->t_first[slot] = now;
@@ -566,17 +594,25 @@ static PyObject *Tracker_drain(Tracker *self, PyObject *const *args, Py_ssize_t 
                     keep_error(&et, &ev, &etb);
             }
             self->placed[slot] += n;
+            *here += n;
+            self->resid[slot] += n;
             for (int r = 0; r < 4; r++) {
                 self->used[r] += d[r];
                 usm[r] += d[r];
                 self->demand[r] -= d[r];
             }
         } else {
+            int64_t k = n < *here ? n : *here;   /* what this launch put on this SM */
+            *here -= k;
+            self->resid[slot] -= k;
+            int64_t dk[4] = {k, k * self->fw[slot], k * self->fr[slot], k * self->fs[slot]};
             for (int r = 0; r < 4; r++) {
                 self->used[r] -= d[r];
-                usm[r] -= d[r];
+                usm[r] -= dk[r];
             }
             if ((self->ended[slot] += n) == self->blocks[slot]) {
+                if (self->resid[slot])
+                    take_rest(self, slot);
                 double t0 = self->t_first[slot];
                 PyObject *tok = self->tok[slot];
                 finish_slot(self, slot);                 /* its reference is ours now */

@@ -59,6 +59,8 @@ for plans in ([t.random_plan(1), t.event_plan(streams=True)], [t.random_plan(7)]
         assert t.run(plans, policy, True, ahead, 2) == t.run(plans, policy, False, ahead, 2)
 t.test_the_graph_and_the_run_refuse_what_does_not_fit()
 t.test_a_compiled_job_drops_its_ops_when_done()
+import test_tracker
+assert test_tracker.serve_uneven_conv(16, requests=2) == (0, {0})
 print("sanitized run ok")
 '''
 
