@@ -65,19 +65,30 @@ class JobMetrics(Instrument):
     per-kernel release counts), so the loop pays one call per job, not one per request
     event or per kernel (per-request and per-kernel hooks cost the loop 10-20% in
     ``bench_metrics``). Durations on the device clock: request = submitted -> done,
-    queue = submitted -> job started, compute = job started -> done."""
+    queue = submitted -> job started, compute = job started -> done.
+
+    Counted under each request's own model id, the one its client named: a compiled
+    model's jobs run as one dispatcher model per variant, under internal ids the clients
+    never see. The execution and its kernels count for its first request's model. The
+    dispatcher's profiling runs at registration (client id -1) are nobody's requests and
+    are not counted."""
 
     def __init__(self, counts: MetricsCounts):
         self.counts = counts
 
     def job_finished(self, job: Any) -> None:
-        m = self.counts.model(job.model.model_id)
+        reqs = [req for req in job.requests if req.client_id >= 0]
+        if not reqs:
+            return
+        counts = self.counts
+        first = counts.model(reqs[0].model_id)
+        first.exec_count += 1
+        first.kernels += sum(job.kcount.values())
         now = job.host.now
-        m.exec_count += 1
-        m.kernels += sum(job.kcount.values())
         ok = job.error is None
         t_start = job.t_start
-        for req in job.requests:
+        for req in reqs:
+            m = first if req.model_id == reqs[0].model_id else counts.model(req.model_id)
             m.count += 1
             if ok and not req.cancelled:
                 m.success += 1

@@ -140,3 +140,33 @@ def test_curl_shows_the_metrics(metrics_daemon):
     assert r.returncode == 0
     assert "\nnv_inference_request_success{model=\"echo\",version=\"1\"} " in r.stdout
     assert "paella_sm_occupancy{sm=\"0\"}" in r.stdout
+
+
+def test_metrics_name_compiled_models_and_skip_profiling_runs(tmp_path):
+    """A compiled model runs as dispatcher models of its own (one per variant, internal
+    ids): its requests are still counted under the name its clients use. The profiling
+    runs at start-up are nobody's requests: a fresh daemon reports none."""
+    from bundles_for_tests import tiny_mlp
+    from service_daemon import cleanup, free_port, start_daemon
+    repo = tmp_path / "models"
+    tiny_mlp(repo / "tiny_mlp")
+    port = free_port()
+    dp = start_daemon("--models", str(repo), "--metrics-port", str(port))
+    try:
+        m = lambda d, name, model: d.get((name, (("model", model), ("version", "1"))), 0.0)  # noqa: E731
+        fresh = scrape(port)
+        assert m(fresh, "nv_inference_request_success", "noop") == 0
+        assert m(fresh, "nv_inference_exec_count", "tiny_mlp") == 0
+        with paella.connect(dp.socket) as c:
+            spec = c.models["tiny_mlp"].variants[0].inputs
+            x = {t.name: np.ones(t.shape, t.dtype) for t in spec}
+            for _ in range(3):
+                c.infer("tiny_mlp", x, timeout=30)
+        after = scrape(port)
+        assert m(after, "nv_inference_request_success", "tiny_mlp") == 3
+        assert m(after, "nv_inference_count", "tiny_mlp") == 3
+        assert 1 <= m(after, "nv_inference_exec_count", "tiny_mlp") <= 3
+        assert m(after, "paella_kernel_releases_total", "tiny_mlp") == 3 * 4   # 4 kernels each
+        assert m(after, "nv_inference_request_duration_us", "tiny_mlp") > 0
+    finally:
+        cleanup(dp)
