@@ -31,6 +31,7 @@ import numpy as np
 from paella import rings
 
 from paella.dispatcher.core import Request
+from paella.dispatcher.instruments import Instruments
 
 from .base import Batch, Batcher, BatcherError, ModelVariants, RequestRefused, VariantSpec
 from .gather import IoLayout, gather, in_place, scatter_one
@@ -107,8 +108,12 @@ class BatchStats:
 class BatchingStage:
     """Batchers of the models served through ``disp`` (a Dispatcher)."""
 
-    def __init__(self, disp: Any):
+    def __init__(self, disp: Any, instruments: Instruments | None = None):
         self.disp = disp
+        #: Hooks on the requests this stage answers itself, without a job of the
+        #: dispatcher (a scheduler plug-in's completions, refusals): ``request_finished``
+        #: only. A request answered by a job goes through the dispatcher's own hooks.
+        self.instruments = instruments if instruments is not None else Instruments()
         self.models: dict[int, ServedModel] = {}   # by the clients' model id
         self.stats = BatchStats()
         self._queued = 0
@@ -361,6 +366,8 @@ class BatchingStage:
         req.status, req.error = status, err
         if req.on_complete is not None:
             req.on_complete(req, status, err)
+        if "request_finished" in self.instruments:
+            self.instruments.call("request_finished", req)
 
 
 def submit_job(disp: Any, model_id: int, io: np.ndarray, clients: list[int], done: Any,

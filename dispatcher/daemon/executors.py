@@ -12,6 +12,7 @@ from paella.dispatcher.batchers import ModelVariants, VariantSpec, make_batcher
 from paella.dispatcher.batchers.stage import BatchingStage, ServedModel, ServedVariant, layout_of
 from paella.dispatcher.core import Request
 from paella.dispatcher.frontend import Frontend
+from paella.dispatcher.instruments import Instruments
 from paella.dispatcher.policies import PolicyError
 
 from .builtin_models import HostModel
@@ -24,7 +25,6 @@ class HostExecutor:
     """Runs host models in the loop: wake-up, compute, complete, one per request."""
 
     def __init__(self, front: Frontend, models: dict[int, HostModel], instruments: Any = None):
-        from paella.dispatcher.instruments import Instruments
         self.front = front
         self.models = models
         self.queue: deque[Request] = deque()
@@ -134,7 +134,8 @@ class DispatcherExecutor:
     #: Dispatcher model ids of compiled variants start here (the clients' ids are small).
     VARIANT_IDS = 1 << 20
 
-    def __init__(self, front: Frontend, device, cfg: DaemonConfig, instruments: Any = ()):
+    def __init__(self, front: Frontend, device, cfg: DaemonConfig, instruments: Any = (),
+                 stage_instruments: Any = ()):
         from paella.dispatcher.core import Dispatcher
         params = dict(cfg.policy_params)
         extra = params.pop("extra_blocks", None)
@@ -155,7 +156,7 @@ class DispatcherExecutor:
                               f"{type(e).__name__}: {e}; fix the plug-in or choose another "
                               f"policy (--policy, [policy] name)") from None
         self._next_event = getattr(device, "next_event_time", None)
-        self.stage = BatchingStage(self.disp)
+        self.stage = BatchingStage(self.disp, Instruments(stage_instruments))
         self._next_vid = self.VARIANT_IDS
         self.stage.new_model_id = self._new_vid      # schedulers' internal models
 

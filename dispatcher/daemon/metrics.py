@@ -54,9 +54,10 @@ class MetricsCounts:
             m = self.models[model_id] = ModelCounts()
         return m
 
-    def instruments(self) -> tuple["JobMetrics", "HostMetrics"]:
-        """The instrument of the dispatcher path, and the one of host models."""
-        return JobMetrics(self), HostMetrics(self)
+    def instruments(self) -> tuple["JobMetrics", "HostMetrics", "StageMetrics"]:
+        """The instruments of the dispatcher path, of host models and of the batching
+        stage."""
+        return JobMetrics(self), HostMetrics(self), StageMetrics(self)
 
 
 class JobMetrics(Instrument):
@@ -122,6 +123,25 @@ class HostMetrics(Instrument):
             us = (time.monotonic() - t0) * 1e6
             m.request_us += us
             m.compute_us += us
+
+
+class StageMetrics(Instrument):
+    """Requests the batching stage answers itself, with no job of theirs: those a
+    scheduler plug-in completes (``orca``'s generations; its iterations are jobs of
+    internal requests, which no client sees) and those refused before any job. Counted
+    when answered; with no job, they have no queue or compute time, and their duration
+    is not measured."""
+
+    def __init__(self, counts: MetricsCounts):
+        self.counts = counts
+
+    def request_finished(self, req: Any) -> None:
+        m = self.counts.model(req.model_id)
+        m.count += 1
+        if req.status == 0:
+            m.success += 1
+        else:
+            m.failure += 1
 
 
 class DaemonCollector:

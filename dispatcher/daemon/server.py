@@ -119,12 +119,14 @@ class Daemon:
         self.metrics = None
         self._metrics_server = None
         host_instruments = list(self.instruments)
+        self._stage_instruments: list[Any] = []
         if cfg.metrics_port:
             from .metrics import MetricsCounts
             self.metrics = MetricsCounts()
-            job_metrics, host_metrics = self.metrics.instruments()
+            job_metrics, host_metrics, stage_metrics = self.metrics.instruments()
             self.instruments.append(job_metrics)          # the dispatcher path's
             host_instruments.append(host_metrics)
+            self._stage_instruments.append(stage_metrics)  # what the batching stage answers
         self.open_device = open_device or open_device_for
         self.table = ModelTable()
         fcfg = FrontendConfig(
@@ -273,7 +275,7 @@ class Daemon:
         if self.dispatcher is None:
             self.device = self.open_device(self.cfg)
             self.dispatcher = DispatcherExecutor(self.front, self.device, self.cfg,
-                                                 self.instruments)
+                                                 self.instruments, self._stage_instruments)
             self.router.paths.append(self.dispatcher)
             for cid, arena in self._arenas.items():     # clients that came first
                 self._pin_arena(cid, arena)

@@ -484,3 +484,31 @@ def test_kserve_generate_and_generate_stream(daemon):
     finally:
         proc.terminate()
         proc.wait(15)
+
+
+def test_generations_are_counted_in_the_metrics(tmp_path):
+    """A scheduler plug-in answers its requests itself (no job of theirs: its iterations
+    are jobs of internal requests): they are counted under the model's name all the
+    same, successes and refusals."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+    from service_daemon import free_port
+    port = free_port()
+    dp = serve(tmp_path, "--metrics-port", str(port))
+    try:
+        with connect(dp.socket) as c:
+            for n in (3, 5):
+                assert list(c.generate("gpt-tiny", [1, 2], n, timeout=20)) == \
+                    generate_reference(CFG, W, [1, 2], n)
+            with pytest.raises(RequestFailed):
+                list(c.generate("gpt-tiny", [1, 64], 2, timeout=20))
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+            text = r.read().decode()
+        got = {(s.name, s.labels.get("model")): s.value
+               for fam in text_string_to_metric_families(text) for s in fam.samples}
+        assert got[("nv_inference_request_success", "gpt-tiny")] == 2
+        assert got[("nv_inference_request_failure", "gpt-tiny")] == 1
+        assert got[("nv_inference_count", "gpt-tiny")] == 3
+    finally:
+        cleanup(dp)
