@@ -11,6 +11,9 @@ Every hook is called synchronously from the dispatcher loop, with the device clo
   (``on_almost_finished`` returned);
 * ``request_finished(req)``     its completion was delivered (``on_complete`` returned);
   ``req.status`` and ``req.error`` say how it ended;
+* ``request_retried(req)``      its job failed and the batching stage runs it again, alone
+  (its batch's failure is not its answer): called by the stage before the new job, from
+  the failed job's completion, whose ``request_finished`` still follows;
 * ``job_finished(job)``         a job ended, just before its requests' completions;
   ``job.model`` is the model, ``job.kcount`` how often it released each kernel (one
   call per job where ``op_released`` is one per op: per-model kernel counts for free);
@@ -36,7 +39,7 @@ from typing import Any, Iterable
 log = logging.getLogger(__name__)
 
 HOOKS = ("request_admitted", "request_started", "request_woken", "request_finished",
-         "job_finished", "op_issued", "op_released", "op_started", "op_ended")
+         "request_retried", "job_finished", "op_issued", "op_released", "op_started", "op_ended")
 
 
 class Instrument:
@@ -53,6 +56,9 @@ class Instrument:
 
     def request_finished(self, req: Any) -> None:
         """``req``'s completion was delivered."""
+
+    def request_retried(self, req: Any) -> None:
+        """``req``'s job failed; the batching stage runs it again, alone."""
 
     def job_finished(self, job: Any) -> None:
         """``job`` ended (completed, failed or cancelled)."""

@@ -108,12 +108,14 @@ class BatchStats:
 class BatchingStage:
     """Batchers of the models served through ``disp`` (a Dispatcher)."""
 
-    def __init__(self, disp: Any, instruments: Instruments | None = None):
+    def __init__(self, disp: Any, instruments: Any = ()):
         self.disp = disp
         #: Hooks on the requests this stage answers itself, without a job of the
-        #: dispatcher (a scheduler plug-in's completions, refusals): ``request_finished``
-        #: only. A request answered by a job goes through the dispatcher's own hooks.
-        self.instruments = instruments if instruments is not None else Instruments()
+        #: dispatcher (a scheduler plug-in's completions, refusals): ``request_finished``;
+        #: and ``request_retried`` when it runs a failed batch's request again. A request
+        #: answered by a job goes through the dispatcher's own hooks.
+        self.instruments = (instruments if isinstance(instruments, Instruments)
+                            else Instruments(instruments or ()))
         self.models: dict[int, ServedModel] = {}   # by the clients' model id
         self.stats = BatchStats()
         self._queued = 0
@@ -358,6 +360,8 @@ class BatchingStage:
     def _retry(self, m: ServedModel, req: Any) -> None:
         """Re-run one request of a failed batch alone (isolating the failure)."""
         self.stats.retried += 1
+        if "request_retried" in self.instruments:
+            self.instruments.call("request_retried", req)
         req.status, req.error = -1, None
         v = m.variants.fit(req.rows, req.seq_len)
         self._run(m, Batch([req], v, t_formed=self.disp.now), retry=False, own=False)

@@ -47,6 +47,9 @@ class MetricsCounts:
 
     def __init__(self) -> None:
         self.models: dict[int, ModelCounts] = {}
+        #: Kernels released by every job, the profiling runs' included (the policy's
+        #: decisions; per model, ``kernels`` counts the clients' jobs only).
+        self.kernels = 0
 
     def model(self, model_id: int) -> ModelCounts:
         m = self.models.get(model_id)
@@ -78,13 +81,15 @@ class JobMetrics(Instrument):
         self.counts = counts
 
     def job_finished(self, job: Any) -> None:
+        counts = self.counts
+        kernels = sum(job.kcount.values())
+        counts.kernels += kernels
         reqs = [req for req in job.requests if req.client_id >= 0]
         if not reqs:
             return
-        counts = self.counts
         first = counts.model(reqs[0].model_id)
         first.exec_count += 1
-        first.kernels += sum(job.kcount.values())
+        first.kernels += kernels
         now = job.host.now
         ok = job.error is None
         t_start = job.t_start
@@ -143,6 +148,14 @@ class StageMetrics(Instrument):
         else:
             m.failure += 1
 
+    def request_retried(self, req: Any) -> None:
+        """Its batch's job failed and :class:`JobMetrics` counted it failed; it runs
+        again and its next answer is its answer: the failed attempt's count goes (its
+        time stays in the durations: it did pass)."""
+        m = self.counts.model(req.model_id)
+        m.count -= 1
+        m.failure -= 1
+
 
 class DaemonCollector:
     """A prometheus-client collector reading a running daemon at scrape time.
@@ -199,7 +212,7 @@ class DaemonCollector:
         disp = st.get("dispatcher")
         if disp is None:
             return
-        disp["decisions"] = sum(c.kernels for c in list(self.counts.models.values()))
+        disp["decisions"] = self.counts.kernels
         occ = GaugeMetricFamily("paella_sm_occupancy",
                                 "Resident warps over the SM's maximum, per SM (from the "
                                 "notifQ)", labels=["sm"])

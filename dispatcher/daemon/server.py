@@ -119,7 +119,7 @@ class Daemon:
         self.metrics = None
         self._metrics_server = None
         host_instruments = list(self.instruments)
-        self._stage_instruments: list[Any] = []
+        self._stage_instruments: list[Any] = list(self.instruments)
         if cfg.metrics_port:
             from .metrics import MetricsCounts
             self.metrics = MetricsCounts()

@@ -223,3 +223,37 @@ def test_a_wrong_batcher_loses_and_repeats_no_request(name):
         np.testing.assert_array_equal(c.outputs[i], c.expect[i])
     if name == "raises-in-poll":                         # fell back to identity
         assert stage.models[100].batcher.name == "identity"
+
+
+def test_metrics_count_each_request_once_through_retries_and_refusals():
+    """A failed batch's requests run again alone: the daemon's metrics count each request
+    once, by its final answer (the failed batch's tally is taken back when the stage
+    retries), and a request the stage refuses before any job is counted too."""
+    from paella.dispatcher.daemon.metrics import MetricsCounts
+    disp, stage = serve(batcher="dynamic", options={"max_queue_delay_us": 100}, greenlet=True)
+    counts = MetricsCounts()
+    job_metrics, _, stage_metrics = counts.instruments()
+    disp.instruments.add(job_metrics)
+    stage.instruments.add(stage_metrics)
+    c = Client()
+    for i in range(4):
+        stage.submit(c.request(i, 1, first=POISON if i == 1 else None))
+    stage.submit(c.request(9, 9))                     # larger than every variant: refused
+    stage.run_until_idle()
+    assert stage.stats.retried == 4 and c.done[1][0] == rings.E_FAILED
+    m = counts.models[c.model_id]
+    assert (m.count, m.success, m.failure) == (5, 3, 2)
+    assert m.exec_count == 1 + 4                      # the batch, then each alone
+    assert counts.kernels >= m.kernels > 0
+
+
+def test_the_stage_takes_its_instruments_as_a_list_too():
+    from paella.dispatcher.batchers.stage import BatchingStage
+    from paella.dispatcher.daemon.metrics import MetricsCounts
+    from paella.dispatcher.instruments import Instruments
+    disp, _ = serve()
+    probe = MetricsCounts().instruments()[2]
+    for given in ([probe], (probe,), Instruments([probe])):
+        st = BatchingStage(disp, given)
+        assert "request_finished" in st.instruments and "request_retried" in st.instruments
+    assert not BatchingStage(disp).instruments
