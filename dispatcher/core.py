@@ -660,6 +660,12 @@ class Dispatcher:
                                       compiled=self.compiled_replay)
         self.models[model_id] = model
         runs = self.profile_runs if profile_runs is None else profile_runs
+        if model.replay is not None and model.replay.refusal is not None:
+            # A plan that can never run here is registered all the same, and each of its
+            # requests fails with the reason (docs/dispatcher.md): nothing to profile.
+            log.warning("model %r is registered but cannot run on this dispatcher: %s",
+                        name, model.replay.refusal)
+            runs = 0
         for i in range(runs):
             failed = []
             req = Request(-1 - i, -1, model.model_id, np.zeros(adaptor.io_bytes, np.uint8),
@@ -667,6 +673,7 @@ class Dispatcher:
             self.submit(req)
             self.run_until_idle()
             if failed:
+                del self.models[model_id]    # not registered: its name and id stay free
                 raise RuntimeError(f"profiling run of model {name!r} failed: {failed[0]}")
         return model.model_id
 

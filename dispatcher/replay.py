@@ -93,7 +93,7 @@ class ReplayPlan:
                 try:
                     launch = kernel_launch(funcs[op.kernel], op.grid, op.block, op.dyn_smem)
                 except ValueError as e:          # too large for this dispatcher's notifQ
-                    self.refusal = self.refusal or f"ValueError: {e}"
+                    self.refusal = self.refusal or str(e)
                     launch = None
                 steps.append(ReplayStep(KERNEL, op.stream, i == almost, launch))
             else:

@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import math
+from typing import Any
 
 #: Experiment modules; each exposes ``register(subparsers)``.
 EXPERIMENTS = [
@@ -37,6 +38,11 @@ def register(sub: argparse._SubParsersAction) -> None:
             parser.set_defaults(func=_checked(parser, func))
 
 
+#: Numeric options where 0 means something whatever their default: ``--cpu-scale 0`` is a
+#: free dispatcher in every experiment (cellular's default, 1, charges its measured CPU).
+ZERO_MEANS_SOMETHING = {"cpu_scale"}
+
+
 def _checked(parser: argparse.ArgumentParser, func):
     """``func`` behind a check of the numeric options (every experiment's): finite, not
     negative, and positive where the default is (counts, rates, SLOs), so a bad value is
@@ -48,7 +54,8 @@ def _checked(parser: argparse.ArgumentParser, func):
             if a.dest == "seed" or type(v) not in (int, float):
                 continue
             d = a.default
-            floor_ok = isinstance(d, (int, float)) and not isinstance(d, bool) and d == 0
+            floor_ok = a.dest in ZERO_MEANS_SOMETHING or (
+                isinstance(d, (int, float)) and not isinstance(d, bool) and d == 0)
             if not (math.isfinite(v) and (v >= 0 if floor_ok else v > 0)):
                 raise CLIError(f"{a.option_strings[0]} must be a finite number "
                                f"{'>= 0' if floor_ok else '> 0'}, got {v}")
@@ -82,12 +89,25 @@ def finish(data: dict, args: argparse.Namespace, plot, t0: float) -> int:
     return 0
 
 
+def strict_json(value: Any) -> Any:
+    """``value`` with every NaN or infinite float replaced by None, so the file is JSON
+    that strict parsers read (``json.dump`` writes bare ``NaN`` and ``Infinity``): a
+    statistic of a class that got no request after warm-up, a ratio of two zeros."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: strict_json(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [strict_json(v) for v in value]
+    return value
+
+
 def save_outputs(data: dict, args: argparse.Namespace, plot) -> None:
     """Write ``--json`` and ``--plot`` when asked (every experiment ends this way)."""
     import json
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(data, f, indent=1)
+            json.dump(strict_json(data), f, indent=1, allow_nan=False)
     if args.plot:
         plot(data, args.plot)
 

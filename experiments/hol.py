@@ -82,6 +82,14 @@ class AwareDriver:
         self.release()
 
 
+def _ratio(a: float, b: float) -> float:
+    """Goodput ``a`` over ``b``: infinite when only ``b`` is 0, undefined (NaN: null in the
+    JSON) when both are (an SLO nothing meets)."""
+    if b:
+        return a / b
+    return float("inf") if a else float("nan")
+
+
 def run_point(mode: str, rate: float, n_jobs: int, sigma: float, seed: int) -> dict:
     """Simulate ``n_jobs`` arrivals at ``rate`` jobs/s; the first 10% are warm-up."""
     job = figure2_job()
@@ -143,7 +151,7 @@ def run(rates: list[float], n_jobs: int, sigma: float, seed: int, slo_ms: float,
                     "sigma": sigma, "jobs_per_point": n_jobs, "slo_ms": slo_ms, "seed": seed},
         "results": results,
         "goodput": good,
-        "goodput_ratio": good["aware"] / good["naive"] if good["naive"] else float("inf"),
+        "goodput_ratio": _ratio(good["aware"], good["naive"]),
         "naive_peak_resident_blocks": peak_naive,
         "aware_peak_resident_blocks": max(p["resident_blocks"] for p in results["aware"]),
         "possible_resident_blocks": possible,
@@ -179,7 +187,7 @@ def run_dispatcher(rates: list[float], n_jobs: int, sigma: float, seed: int, slo
                     "kernel_releases_to_fill_gpu_per_s": 8 * 22 / 300e-6},
         "results": results,
         "goodput": good,
-        "goodput_ratio": good[policies[0]] / base if base else float("inf"),
+        "goodput_ratio": _ratio(good[policies[0]], base),
         "cpu_per_iteration_us": {p: [pt["cpu_per_iteration_us"] for pt in pts]
                                  for p, pts in results.items()},
     }

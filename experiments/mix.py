@@ -32,7 +32,7 @@ needs a per-model bound: one overall p99 bound is set by the longest model alone
 overall p99 is almost always one of its requests) and says nothing about the short
 models, which are what an SRPT scheduler protects and what a FIFO queue hurts. 10x is
 the multiple ``hol`` uses. A policy *sustains* a load when every model meets its SLO
-and it is not saturated (throughput >= 90% of the offered load,
+and it is not saturated (throughput >= 90% of the rate the load's arrivals had,
 :func:`paella.experiments.harness.saturated`) at that load and at every lower load of
 the grid (a load counts only if the loads below it passed too). ``summary.load_ratio_vs_ms_jbj``
 is paella's highest sustained load over ms-jbj's, the smaller over the sigmas run (the

@@ -33,3 +33,26 @@ def test_the_committed_figures_render():
     for name, title, _, _ in report.SECTIONS:
         assert title in text
         assert (figures / f"{name}.json").is_file(), f"docs/figures/{name}.json is missing"
+
+
+def test_saturation_follows_the_arrivals_a_point_had():
+    """A run whose lognormal arrivals came at 0.85x the nominal rate and were all served
+    is not saturated; one served at half the rate its arrivals had is."""
+    from paella.experiments.harness import saturated
+    assert not saturated({"offered": 100.0, "arrival_rate": 85.0, "throughput": 84.0})
+    assert saturated({"offered": 100.0, "arrival_rate": 150.0, "throughput": 100.0})
+    assert saturated({"offered": 100.0, "throughput": 85.0})       # (older JSON: nominal)
+
+
+def test_experiment_json_is_strict(tmp_path):
+    """NaN and infinities (a class with no request after warm-up, a ratio of two zeros)
+    are written as null: strict JSON parsers read the file."""
+    import math
+    from types import SimpleNamespace
+
+    from paella.experiments.cli import save_outputs
+    out = tmp_path / "x.json"
+    save_outputs({"a": float("nan"), "b": [1.0, float("inf")], "c": {"d": -math.inf}, "e": 2},
+                 SimpleNamespace(json=str(out), plot=None), None)
+    assert json.loads(out.read_text(), parse_constant=lambda c: 1 / 0) == \
+        {"a": None, "b": [1.0, None], "c": {"d": None}, "e": 2}

@@ -160,13 +160,32 @@ def test_small_notifq_never_overruns(make):
     assert len(rec.done) == 30 and all(v[0] == STATUS_OK for v in rec.done.values())
 
 
-def test_kernel_posting_more_entries_than_the_ring_is_refused(make):
+@pytest.mark.parametrize("profile_runs", [0, 2])
+def test_kernel_posting_more_entries_than_the_ring_is_refused(make, profile_runs):
+    """The model registers (with or without profiling runs: a plan that cannot run has
+    nothing to profile) and each request fails with the reason, named once."""
     dev, d = make("paella", notifq_slots=64, group=1)
-    mid = d.register_model("big", chain("big", 1, grid=40), profile_runs=0)
+    mid = d.register_model("big", chain("big", 1, grid=40), profile_runs=profile_runs)
     rec = Recorder()
     d.submit(rec.request(0, mid, 512))
     d.run_until_idle()
     assert "notifQ" in rec.done[0][1] and "notifq_slots" in rec.done[0][1]
+    assert rec.done[0][1].count("ValueError") == 1, rec.done[0][1]
+
+
+def test_a_model_whose_profiling_fails_is_not_left_registered(make):
+    """register_model raises, and the name and id stay free for a corrected model."""
+    from dispatch_helpers import TwoStreams
+
+    class Failing(TwoStreams):
+        def run(self, io):
+            raise RuntimeError("broken model")
+
+    dev, d = make("paella")
+    with pytest.raises(RuntimeError, match="profiling run of model 'fork' failed: .*broken model"):
+        d.register_model("fork", Failing(), model_id=7)
+    assert 7 not in d.models
+    assert d.register_model("fork", TwoStreams(), model_id=7) == 7
 
 
 def kernel_op(spec, blocks, threads=128, regs=32, group=16):
