@@ -59,9 +59,13 @@ __device__ __forceinline__ bool paella_is_leader() {
   return threadIdx.x == 0 && threadIdx.y == 0 && threadIdx.z == 0;
 }
 
-// Append one entry: slot = atomicAdd(tail, 1) & slot_mask, then one 64-bit volatile
-// store (a reader sees INVALID or the whole entry), then a system-wide fence so the
-// host, polling pinned memory, sees it without waiting for the kernel to end.
+// Append one entry: slot = atomicAdd(tail, 1) & slot_mask, a system-wide fence, then one
+// 64-bit volatile store (a reader sees INVALID or the whole entry). The fence comes
+// BEFORE the store: whatever this block did before (its outputs, written by every thread
+// before the exit barrier, and the launch's counter, updated just now) is visible to the
+// host, and to work the dispatcher releases on another stream, by the time the entry is.
+// (PTX fences are cumulative: the barrier makes the other threads' stores this thread's
+// to order.) A fence after the store would order nothing the host relies on.
 __device__ __forceinline__ void paella_post(unsigned char* q, unsigned int kind,
                                             unsigned int count, unsigned int launch_id) {
   unsigned int slot_mask = *(volatile unsigned int*)(q + PAELLA_NOTIFQ_SLOT_MASK_OFFSET);
@@ -74,8 +78,8 @@ __device__ __forceinline__ void paella_post(unsigned char* q, unsigned int kind,
       (unsigned long long)(launch_id & PAELLA_LAUNCH_MASK);
   volatile unsigned long long* slots =
       (volatile unsigned long long*)(q + PAELLA_NOTIFQ_HEADER_BYTES);
-  slots[slot] = word;
   __threadfence_system();
+  slots[slot] = word;
 }
 
 // Count this block in the launch's [started|ended] counter and post when the rule says.

@@ -65,12 +65,18 @@ _NOT_READY = CUresult.CUDA_ERROR_NOT_READY
 #: Results the driver documents as leaving the process "in an inconsistent state": any
 #: further CUDA work returns the same error and the process must be restarted. A test
 #: checks this set against the installed binding's own documentation.
-STICKY = frozenset(getattr(CUresult, n) for n in (
+#: (A name an older binding lacks is skipped, not an import error.) CUDA_ERROR_ASSERT is
+#: documented in other words ("the context cannot be used anymore, and must be destroyed")
+#: but means the same: every later call fails.
+STICKY = frozenset(r for r in (getattr(CUresult, n, None) for n in (
     "CUDA_ERROR_CONTAINED", "CUDA_ERROR_ILLEGAL_ADDRESS", "CUDA_ERROR_LAUNCH_TIMEOUT",
     "CUDA_ERROR_HARDWARE_STACK_ERROR", "CUDA_ERROR_ILLEGAL_INSTRUCTION",
     "CUDA_ERROR_MISALIGNED_ADDRESS", "CUDA_ERROR_INVALID_ADDRESS_SPACE", "CUDA_ERROR_INVALID_PC",
     "CUDA_ERROR_LAUNCH_FAILED", "CUDA_ERROR_TENSOR_MEMORY_LEAK", "CUDA_ERROR_MPS_CLIENT_TERMINATED",
-    "CUDA_ERROR_EXTERNAL_DEVICE"))
+    "CUDA_ERROR_EXTERNAL_DEVICE", "CUDA_ERROR_ASSERT")) if r is not None)
+
+#: No kernel has more: 32 KB of parameters (CUDA 12.1's limit) of at least 4 bytes each.
+MAX_KERNEL_PARAMS = 8192
 
 #: cubin load failures after which the PTX is JIT-compiled instead.
 _CUBIN_NOT_FOR_THIS_GPU = frozenset((CUresult.CUDA_ERROR_NO_BINARY_FOR_GPU,
@@ -439,14 +445,44 @@ class CudaDevice(Device):
                      "memory, the manifest %d and %d B; using the driver's", info.name, regs, smem,
                      info.regs_per_thread, info.static_smem)
             info = replace(info, regs_per_thread=regs, static_smem=smem)
-        n = int(self._call(drv.cuFuncGetParamCount(fn), f"cuFuncGetParamCount({info.name})"))
-        sizes = [int(self._call(drv.cuFuncGetParamInfo(fn, i), f"cuFuncGetParamInfo({info.name}, {i})")[1])
-                 for i in range(n)]
+        sizes = self._param_sizes(fn, info.name)
+        n = len(sizes)
         pack = _ParamPack(info.name, sizes)
         kern = _Kernel(fn, info.name, pack, smem, max_dyn)
         if kern.instrumentable:
-            pack.set(n - 2, self._region_dptr_int)     # written once; launches set the id only
+            pack.set(n - 2, self._region_dptr_int)     # (set again at every instrumented launch)
         return Function(info, kern)
+
+    def _param_sizes(self, fn: Any, name: str) -> list[int]:
+        """The byte size of each of a kernel's parameters. ``cuFuncGetParamInfo`` is CUDA
+        12.4's; ``cuFuncGetParamCount`` only CUDA 13.2's driver has (an older binding lacks
+        the name; a newer binding on an older driver raises its own "function not found"
+        RuntimeError): without it, parameters are asked for one by one until the driver
+        says there is no such index."""
+        drv = self.drv
+        count = getattr(drv, "cuFuncGetParamCount", None)
+        n = None
+        if count is not None:
+            try:
+                res = count(fn)
+            except RuntimeError as e:            # the driver predates the call (not a CUresult)
+                log.debug("cuFuncGetParamCount is not available (%s); counting parameters "
+                          "with cuFuncGetParamInfo", e)
+            else:
+                n = int(self._call(res, f"cuFuncGetParamCount({name})"))
+        sizes: list[int] = []
+        i = 0
+        while n is None or i < n:
+            res = drv.cuFuncGetParamInfo(fn, i)
+            if n is None and (res[0] if isinstance(res, tuple) else res) == \
+                    CUresult.CUDA_ERROR_INVALID_VALUE:
+                break                            # past the last parameter
+            sizes.append(int(self._call(res, f"cuFuncGetParamInfo({name}, {i})")[1]))
+            i += 1
+            if i > MAX_KERNEL_PARAMS:
+                raise DeviceError(f"kernel {name!r}: the driver reports more than "
+                                  f"{MAX_KERNEL_PARAMS} parameters")
+        return sizes
 
     def _launch(self, func: Function, grid: Dim3, block: Dim3, fp: Footprint, dyn_smem: int,
                 args: tuple, stream: int, launch_id: int, instrumented: bool, group: int,
@@ -478,6 +514,9 @@ class CudaDevice(Device):
                     "launches in flight; the dispatcher must bound them")
             counters[0] = 0
             counters[1] = 0
+            # The region too, not only at load: an uninstrumented launch of the same kernel
+            # (its caller's own value in that slot) may have overwritten it since.
+            pack.set(own, self._region_dptr_int)
             pack.set(own + 1, launch_id)
         self._call(self.drv.cuLaunchKernel(k.fn, grid[0], grid[1], grid[2], block[0], block[1],
                                            block[2], dyn_smem, self._streams[stream], pack.address, 0),
@@ -625,6 +664,10 @@ class CudaDevice(Device):
         self._closed = True
         drv = self.drv
         steps: list[tuple[str, Callable[[], Any]]] = []
+        if self._ctx is not None and self.context_lost is None:
+            # First let every kernel and DMA still running finish: freeing the notifQ or
+            # unregistering an arena under them would let them write freed memory.
+            steps.append(("cuCtxSynchronize", lambda: drv.cuCtxSynchronize()))
         steps += [("cuStreamDestroy", lambda s=s: drv.cuStreamDestroy(s)) for s in self._streams]
         steps += [("cuEventDestroy", lambda e=e: drv.cuEventDestroy(e)) for e in self._all_events]
         steps += [("cuMemHostUnregister", lambda a=a: drv.cuMemHostUnregister(a)) for a in self._registered]

@@ -103,6 +103,11 @@ def test_header_compiles_and_ptx_has_the_protocol(tmp_path, arch):
     assert re.search(r"atom\.global\.add\.u32", text)                 # tail and counters
     assert len(re.findall(r"st\.volatile\.global\.u64", text)) == 2    # one 64-bit store per post site
     assert re.search(r"membar\.sys|fence\.sc\.sys", text)              # __threadfence_system
+    # ... BEFORE each entry's store (the block's outputs and counter are visible to the
+    # host by the time the entry is), never only after it:
+    for store in re.finditer(r"st\.volatile\.global\.u64", text):
+        before = text[:store.start()].rsplit("atom.global.add", 1)[-1]
+        assert re.search(r"membar\.sys|fence\.sc\.sys", before), text[max(0, store.start() - 600):store.end()]
     assert re.search(r"bar\.sync\s+0|barrier\.sync", text)             # the epilogue barrier
 
 

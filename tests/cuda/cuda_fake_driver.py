@@ -648,9 +648,13 @@ _STICKY_CACHE: frozenset | None = None
 
 
 def _STICKY_NAMES_OF_REAL() -> frozenset:
-    """CUresults the binding documents as leaving the process in an inconsistent state."""
+    """CUresults the binding documents as leaving the process in an inconsistent state
+    ("terminated and relaunched"), or its context unusable ("cannot be used anymore":
+    CUDA_ERROR_ASSERT)."""
     global _STICKY_CACHE
     if _STICKY_CACHE is None:
-        _STICKY_CACHE = frozenset(m for m in CUresult
-                                  if "terminated and relaunched" in " ".join((m.__doc__ or "").split()))
+        _STICKY_CACHE = frozenset(
+            m for m in CUresult
+            if any(phrase in " ".join((m.__doc__ or "").split())
+                   for phrase in ("terminated and relaunched", "cannot be used anymore")))
     return _STICKY_CACHE

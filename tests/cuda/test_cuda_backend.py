@@ -143,6 +143,41 @@ def test_missing_kernel_name_is_named(dev):
         dev.load_module(bad)
 
 
+class PreCuda132Driver(FakeDriver):
+    """A driver before CUDA 13.2: cuFuncGetParamCount is missing. ``binding="new"``: the
+    binding knows the name and raises its RuntimeError when called (cuda-python 13.x on
+    an older driver); ``"old"``: the binding does not have the name at all (12.x)."""
+
+    def __init__(self, binding: str):
+        super().__init__()
+        self.binding = binding
+
+    def __getattribute__(self, name):
+        if name == "cuFuncGetParamCount":
+            if object.__getattribute__(self, "binding") == "old":
+                raise AttributeError(name)
+            def missing(*a):
+                raise RuntimeError('Function "cuFuncGetParamCount" not found')
+            return missing
+        return super().__getattribute__(name)
+
+
+@pytest.mark.parametrize("binding", ["new", "old"])
+def test_kernels_load_on_drivers_without_cuFuncGetParamCount(binding):
+    """CUDA 12.4-13.1 drivers: parameters are counted with cuFuncGetParamInfo alone, up to
+    the index the driver refuses, and the kernels load and launch as on a newer one."""
+    drv = PreCuda132Driver(binding)
+    dev = CudaDevice(driver=drv, n_streams=4, notifq_slots=SLOTS, counter_pairs=PAIRS)
+    try:
+        funcs = dev.load_module(image())
+        assert [len(funcs[k].handle.params.sizes) for k in ("add1", "plain", "mixed")] == [4, 1, 4]
+        x = dev.alloc(4 * 8)
+        dev.launch(funcs["add1"], 3, 64, stream=2, launch_id=7, args=(x, 8))
+        assert drv.launches[-1].args == [x, 8, int(dev.region_dptr), 7]
+    finally:
+        dev.close()
+
+
 # --- launches ---------------------------------------------------------------------------------
 
 def test_instrumented_launch_passes_own_args_then_region_pointer_then_launch_id(drv, dev):
@@ -160,6 +195,22 @@ def test_uninstrumented_launch_passes_only_its_own_args(drv, dev):
     f = dev.load_module(image())["plain"]
     dev.launch(f, 1, 32, stream=0, launch_id=5, args=(0x1234,), instrumented=False)
     assert drv.launches[-1].args == [0x1234]
+
+
+def test_an_instrumented_launch_after_an_uninstrumented_one_posts_to_the_notifq(drv, dev):
+    """An uninstrumented launch of an instrumentable kernel puts its caller's value in the
+    notifQ pointer's slot; the next instrumented launch passes the region again."""
+    f = dev.load_module(image())["add1"]
+    x = dev.alloc(4 * 8)
+    other = CudaDevice(driver=drv, n_streams=1, notifq_slots=SLOTS, counter_pairs=PAIRS)
+    try:
+        theirs = int(other.region_dptr)              # (another mapped region: the caller's)
+        dev.launch(f, 1, 32, stream=0, launch_id=0, args=(x, 8, theirs, 1), instrumented=False)
+        dev.launch(f, 1, 32, stream=0, launch_id=9, args=(x, 8))
+        assert drv.launches[-2].args == [x, 8, theirs, 1]
+        assert drv.launches[-1].args == [x, 8, int(dev.region_dptr), 9]
+    finally:
+        other.close()
 
 
 def test_instrumented_launch_of_a_kernel_without_the_pass_is_refused(drv, dev):
