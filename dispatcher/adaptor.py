@@ -138,6 +138,10 @@ class Plan:
     #: Functional effects by kernel name, for a device that runs no code (the simulator:
     #: :mod:`paella.dispatcher.devices.sim.functional`); see :meth:`with_effect`.
     effects: dict[str, Any] = field(default_factory=dict)
+    #: The blocks per notification the device code was compiled with (the bundle's
+    #: ``group``; 0: compiled without the Paella pass; None: not known, e.g. a synthetic
+    #: plan). A real GPU's kernels post by it, so the dispatcher must read by it too.
+    notif_group: int | None = None
 
     def __post_init__(self) -> None:
         names = {k.name for k in self.kernels}
@@ -485,8 +489,10 @@ def plan_from_bundle(bundle: Any, variant: int = 0, *, name: str | None = None,
     files = {**bundle.manifest.files, **v.files}
     code = {key: bundle.file(key, variant).read_bytes() if key in files else None
             for key in ("cubin", "ptx")}
+    m = bundle.manifest
     return Plan(name or bundle.model, kernels, ops, {str(b.id): b.nbytes for b in v.buffers},
-                v.io_bytes, params=params, cubin=code["cubin"], ptx=code["ptx"])
+                v.io_bytes, params=params, cubin=code["cubin"], ptx=code["ptx"],
+                notif_group=m.group if m.instrumented else 0)
 
 
 def synthetic_plan(name: str, kernels: Sequence[tuple[str, int, int, int, float]],

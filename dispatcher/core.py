@@ -653,6 +653,17 @@ class Dispatcher:
             model_id = max(self.models, default=-1) + 1
         elif type(model_id) is not int or model_id < 0:
             raise ValueError(f"model {name!r}: model_id must be an int >= 0, got {model_id!r}")
+        plan = adaptor.plan
+        if (plan is not None and plan.notif_group is not None and plan.notif_group != self.group
+                and self.device.backend != "sim"):
+            # Its kernels post one notification per notif_group blocks (or none): read in
+            # groups of self.group, the notifQ's flow control would be wrong and entries
+            # overwritten. (The simulator runs no device code: it posts by self.group.)
+            how = (f"with --group {plan.notif_group}" if plan.notif_group else
+                   "without the Paella pass (--no-instrument)")
+            raise ValueError(f"model {name!r} was compiled {how}, and this dispatcher reads "
+                             f"notifications in groups of {self.group}: recompile it with "
+                             f"`paella compile` and the default group")
         adaptor.init(self.device)
         model = Model(model_id, name, adaptor, pool=adaptor.buffer_pool)
         if adaptor.plan is not None:         # a plan is replayed, never run() in a greenlet

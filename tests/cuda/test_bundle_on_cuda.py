@@ -157,6 +157,24 @@ def test_a_bundle_whose_kernels_disagree_with_the_compiled_ones_is_refused(bundl
     assert not drv.launches
 
 
+@pytest.mark.parametrize("edit,why", [({"group": 4}, "compiled with --group 4"),
+                                      ({"instrumented": False}, r"without the Paella pass \(--no-instrument\)")])
+def test_a_bundle_posting_by_another_group_is_refused_at_registration(bundle, gpu, edit, why):
+    """Its kernels post one notification per 4 blocks (or none); the dispatcher reads by
+    16 and reserves notifQ room by 16: refused with the fix, before any launch."""
+    import json
+    drv, dev, _ = gpu
+    path = bundle.path / "manifest.json"
+    m = json.loads(path.read_text())
+    m.update(edit)
+    path.write_text(json.dumps(m))
+    d = Dispatcher(dev, "paella", counter_pairs=PAIRS, profile_runs=0)
+    with pytest.raises(ValueError, match=f"{why}, and this dispatcher reads notifications in "
+                                         f"groups of 16: recompile it"):
+        d.register_model("tiny", PlanAdaptor.from_bundle(load_bundle(bundle.path)))
+    assert not drv.launches and not d.models
+
+
 def test_the_daemon_pins_client_arenas_on_the_device(gpu, tmp_path):
     from paella.dispatcher.daemon import Daemon, DaemonConfig
     drv, dev, _ = gpu
