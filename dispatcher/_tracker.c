@@ -574,12 +574,15 @@ static PyObject *Tracker_drain(Tracker *self, PyObject *const *args, Py_ssize_t 
             break;
         }
         int placing = kind == self->placement;
-        if (sm >= self->nsm || (!placing && kind != self->completion) || n < 1 ||
-            n > self->group) {
-            bad = w, why = "is malformed (unknown kind, an SM the device does not have, or a "
-                           "block count outside 1..group)";
+        if ((!placing && kind != self->completion) || n < 1 || n > self->group) {
+            bad = w, why = "is malformed (unknown kind, or a block count outside 1..group)";
             break;
         }
+        /* %smid need not be contiguous, nor below the SM count (PTX ISA: %nsmid "may be
+         * larger than the physical number of SMs"): an id past the count is a real SM all
+         * the same, and only the per-SM figures, approximate anyway, fold it in. */
+        if (sm >= self->nsm)
+            sm %= self->nsm;
         if ((placing ? self->placed[slot] : self->ended[slot]) + n > self->blocks[slot]) {
             bad = w, why = "counts more blocks than its launch has";
             break;

@@ -122,6 +122,13 @@ class Dispatcher:
             raise ValueError(f"wake_lead must be 0..1 seconds (the client's wake-up goes out "
                              f"when a job's estimated unreleased work drops to it; 0: only at "
                              f"the op the job marked), got {wake_lead!r}")
+        device_pairs = getattr(device, "counter_pairs", None)
+        if device_pairs is not None and counter_pairs > device_pairs:
+            # Two launches in flight on pairs p and p + device_pairs would share the
+            # device's counters and mix their block counts.
+            raise ValueError(f"the dispatcher's counter_pairs ({counter_pairs}) exceed the "
+                             f"device's notifQ counter pairs ({device_pairs}): give both the "
+                             f"same value")
         self.device = device
         #: Kernels of one job's stream that may be released and not yet completed (1: a
         #: kernel goes when its predecessor has completed; see "Lookahead" in the docs).

@@ -404,6 +404,13 @@ class CudaDevice(Device):
         return region[protocol.NOTIFQ_HEADER_BYTES:cstart].view(np.uint64)
 
     @property
+    def counter_pairs(self) -> int:
+        """Launch counter pairs in the notifQ region: a launch uses pair
+        ``launch_id & (counter_pairs - 1)``, so a dispatcher may number its launches in
+        flight over at most this many pairs (it checks)."""
+        return self._counter_pairs
+
+    @property
     def notifq_tail(self) -> int:
         """The device's writer index (total entries ever posted, modulo 2**32)."""
         return int(self.region[:4].view(np.uint32)[0])

@@ -497,3 +497,13 @@ def test_the_stand_in_refuses_host_pointers_as_notifq(drv, dev):
     pack.set(1, 1)
     with pytest.raises(Violation, match="not a device pointer"):
         drv.cuLaunchKernel(f.handle.fn, 1, 1, 1, 32, 1, 1, 0, dev._streams[0], pack.address, 0)
+
+
+def test_a_dispatcher_numbering_more_counter_pairs_than_the_device_has_is_refused(dev):
+    """Launches on pairs p and p + PAIRS would share the device's counters."""
+    from paella.dispatcher.core import Dispatcher
+    assert dev.counter_pairs == PAIRS
+    with pytest.raises(ValueError, match=rf"counter_pairs \({2 * PAIRS}\) exceed the device's "
+                                         rf"notifQ counter pairs \({PAIRS}\)"):
+        Dispatcher(dev, "paella", counter_pairs=2 * PAIRS)
+    assert Dispatcher(dev, "paella", counter_pairs=PAIRS).tracker is not None

@@ -240,8 +240,9 @@ def test_fits_now_counts_what_is_released_and_not_yet_placed():
 
 
 def test_malformed_notifq_entries_are_refused_with_the_reason():
-    """An unknown kind or an SM the device does not have is consumed and named, and
-    the tracker's totals are not touched by it."""
+    """An unknown kind is consumed and named, and the tracker's totals are not touched by
+    it. An SM id past the SM count is not malformed (%smid need not be contiguous): it
+    counts, and the per-SM figures fold it in."""
     spec = preset("gtx1660s")
     ring = np.zeros(64, np.uint64)
     t = Tracker(spec, ring, extra_blocks=10, group=2)
@@ -250,12 +251,13 @@ def test_malformed_notifq_entries_are_refused_with_the_reason():
     ring[0] = (3 << protocol.KIND_SHIFT) | (1 << protocol.COUNT_SHIFT) | lid     # kind 3
     with pytest.raises(RuntimeError, match="malformed"):
         t.drain(0.0, lambda op, t0: None)
-    ring[1] = protocol.encode(protocol.PLACEMENT, spec.sm_count, 1, lid)        # SM 22 of 0..21
-    with pytest.raises(RuntimeError, match="malformed"):
-        t.drain(0.0, lambda op, t0: None)
-    assert t.head == 2 and not ring[:2].any() and t.blocks == 0 and t.unplaced == 2
-    ring[2] = protocol.encode(protocol.PLACEMENT, 0, 2, lid)                   # still served
-    assert t.drain(1.0, lambda op, t0: None) == 1 and t.blocks == 2 and t.progress(lid)[0] == 2
+    assert t.head == 1 and not ring[:1].any() and t.blocks == 0 and t.unplaced == 2
+    ring[1] = protocol.encode(protocol.PLACEMENT, spec.sm_count + 3, 1, lid)    # SM 25 of 0..21
+    ring[2] = protocol.encode(protocol.PLACEMENT, 0, 1, lid)
+    assert t.drain(1.0, lambda op, t0: None) == 2 and t.blocks == 2 and t.progress(lid)[0] == 2
+    assert t.sm_blocks[3] == 1 and t.sm_blocks[0] == 1 and sum(t.sm_blocks) == 2
+    ring[3] = protocol.encode(protocol.COMPLETION, 255, 2, lid)                # ends: all back
+    assert t.drain(2.0, lambda op, t0: None) == 1 and t.blocks == 0 and set(t.sm_blocks) == {0}
 
 
 def test_a_raising_completion_callback_loses_no_state():
