@@ -316,6 +316,7 @@ class CudaDevice(Device):
             raise ValueError(f"notifQ counter pairs must be a power of two, got {counter_pairs}")
         self.drv = drv = _drv if driver is None else driver
         self.context_lost: CudaContextLost | None = None
+        self._next_health = 0.0                  # when poll() next asks the driver
         self._closed = False
         self._ctx = None
         self._streams: list[Any] = []
@@ -647,12 +648,34 @@ class CudaDevice(Device):
 
     def poll(self) -> None:
         """Retire completed copies and callbacks. Work in a stream completes in order,
-        so only the oldest pending operation of each stream is queried."""
+        so only the oldest pending operation of each stream is queried. Every
+        ``HEALTH_SECONDS`` it also asks the driver about the context (below)."""
         for q in self._pending:
             while q and self._event_query(q[0][0]):
                 _, _, cb = q.popleft()
                 if cb is not None:
                     cb()
+        now = time.monotonic()
+        if now >= self._next_health:
+            self._next_health = now + self.HEALTH_SECONDS
+            self._health_check()
+
+    #: How often :meth:`poll` makes a driver call while nothing else would: see
+    #: :meth:`_health_check`.
+    HEALTH_SECONDS = 0.01
+
+    def _health_check(self) -> None:
+        """An instrumented kernel reports through the notifQ, not through an event, so a
+        kernel that faults (an illegal address, a device-side assert) posts nothing
+        more, and with only such kernels in flight no driver call would ever return the
+        sticky error: the loop would wait for their COMPLETIONs forever. A query of a
+        stream returns that error, and :meth:`_call` turns it into
+        :class:`CudaContextLost` (the daemon fails the requests in flight and exits for
+        a restart). One cheap call every 10 ms."""
+        res = self.drv.cuStreamQuery(self._streams[0])
+        err = res[0] if isinstance(res, tuple) else res
+        if err != _SUCCESS and err != _NOT_READY:
+            self._call(res, "cuStreamQuery (health check)")
 
     def _synchronize(self) -> None:
         self._call(self.drv.cuCtxSynchronize(), "cuCtxSynchronize")

@@ -507,3 +507,18 @@ def test_a_dispatcher_numbering_more_counter_pairs_than_the_device_has_is_refuse
                                          rf"notifQ counter pairs \({PAIRS}\)"):
         Dispatcher(dev, "paella", counter_pairs=2 * PAIRS)
     assert Dispatcher(dev, "paella", counter_pairs=PAIRS).tracker is not None
+
+
+def test_a_faulting_instrumented_kernel_surfaces_through_poll(drv, dev, monkeypatch):
+    """An instrumented kernel posts through the notifQ, not an event: when it faults and
+    nothing else is in flight, poll()'s periodic query of the driver still returns the
+    sticky error, as CudaContextLost (the daemon then fails its requests and exits)."""
+    f = dev.load_module(image())["add1"]
+    x = dev.alloc(4 * 8)
+    dev.launch(f, 3, 64, stream=2, launch_id=1, args=(x, 8))
+    dev.poll()                                            # healthy: nothing raised
+    drv.sticky = R.CUDA_ERROR_ILLEGAL_ADDRESS             # the kernel faulted on the GPU
+    monkeypatch.setattr(dev, "_next_health", 0.0)
+    with pytest.raises(CudaContextLost, match="cuStreamQuery \\(health check\\)"):
+        dev.poll()
+    assert dev.context_lost is not None
