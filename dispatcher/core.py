@@ -662,7 +662,7 @@ class Dispatcher:
             raise ValueError(f"model {name!r}: model_id must be an int >= 0, got {model_id!r}")
         plan = adaptor.plan
         if (plan is not None and plan.notif_group is not None and plan.notif_group != self.group
-                and self.device.backend != "sim"):
+                and self.device.posts_by_compiled_group):
             # Its kernels post one notification per notif_group blocks (or none): read in
             # groups of self.group, the notifQ's flow control would be wrong and entries
             # overwritten. (The simulator runs no device code: it posts by self.group.)

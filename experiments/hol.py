@@ -36,7 +36,8 @@ import numpy as np
 from paella.dispatcher.devices.base import KernelInfo, ModuleImage
 from paella.dispatcher.devices.sim import SimDevice
 from paella.experiments.cli import finish, save_figure
-from paella.experiments.workload import goodput, latency_summary, lognormal_arrivals
+from paella.experiments.workload import (arrival_rate, goodput, latency_summary,
+                                          lognormal_arrivals)
 from paella.models.synthetic import SyntheticJob, figure2_job
 
 GPU = "gtx1660s"
@@ -130,7 +131,8 @@ def run_point(mode: str, rate: float, n_jobs: int, sigma: float, seed: int) -> d
     dev.run()
     lat = done[warm:] - arrivals[warm:]
     span = np.nanmax(done[warm:]) - arrivals[warm]
-    return {"mode": mode, "offered": rate, "throughput": float(len(lat) / span),
+    return {"mode": mode, "offered": rate, "arrival_rate": arrival_rate(arrivals[warm:], rate),
+            "throughput": float(len(lat) / span),
             "resident_blocks": float(resident), **latency_summary(lat)}
 
 

@@ -56,3 +56,13 @@ def test_experiment_json_is_strict(tmp_path):
                  SimpleNamespace(json=str(out), plot=None), None)
     assert json.loads(out.read_text(), parse_constant=lambda c: 1 / 0) == \
         {"a": None, "b": [1.0, None], "c": {"d": None}, "e": 2}
+
+
+def test_arrival_rate_is_the_rate_the_arrivals_had():
+    import numpy as np
+
+    from paella.experiments.workload import arrival_rate, lognormal_arrivals
+    assert arrival_rate(np.array([1.0, 1.5, 2.0, 3.0]), 99.0) == 1.5      # 3 gaps in 2 s
+    assert arrival_rate(np.array([1.0]), 99.0) == 99.0
+    a = lognormal_arrivals(100.0, 2.5, 200, 9)
+    assert arrival_rate(a, 100.0) > 1.3 * 100.0                          # the heavy-tailed draw: 1.32x

@@ -156,7 +156,7 @@ class DispatcherExecutor:
                               f"{type(e).__name__}: {e}; fix the plug-in or choose another "
                               f"policy (--policy, [policy] name)") from None
         self._next_event = getattr(device, "next_event_time", None)
-        self.stage = BatchingStage(self.disp, Instruments(stage_instruments))
+        self.stage = BatchingStage(self.disp, stage_instruments)
         self._next_vid = self.VARIANT_IDS
         self.stage.new_model_id = self._new_vid      # schedulers' internal models
 

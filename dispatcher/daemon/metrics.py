@@ -71,9 +71,9 @@ class JobMetrics(Instrument):
     ``bench_metrics``). Durations on the device clock: request = submitted -> done,
     queue = submitted -> job started, compute = job started -> done.
 
-    Counted under each request's own model id, the one its client named: a compiled
-    model's jobs run as one dispatcher model per variant, under internal ids the clients
-    never see. The execution and its kernels count for its first request's model. The
+    Counted under the requests' model id, the one their clients named (a job's requests
+    share it: ``submit_group``), not the job's: a compiled model's jobs run as one
+    dispatcher model per variant, under internal ids the clients never see. The
     dispatcher's profiling runs at registration (client id -1) are nobody's requests and
     are not counted."""
 
@@ -87,14 +87,13 @@ class JobMetrics(Instrument):
         reqs = [req for req in job.requests if req.client_id >= 0]
         if not reqs:
             return
-        first = counts.model(reqs[0].model_id)
-        first.exec_count += 1
-        first.kernels += kernels
+        m = counts.model(reqs[0].model_id)
+        m.exec_count += 1
+        m.kernels += kernels
         now = job.host.now
         ok = job.error is None
         t_start = job.t_start
         for req in reqs:
-            m = first if req.model_id == reqs[0].model_id else counts.model(req.model_id)
             m.count += 1
             if ok and not req.cancelled:
                 m.success += 1

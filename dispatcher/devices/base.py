@@ -117,6 +117,10 @@ class Device:
 
     #: Backend name, as the configuration spells it.
     backend = "base"
+    #: Whether the kernels themselves post the notifQ entries, by the group compiled into
+    #: them (a real GPU), rather than the device by the ``group`` of each launch (the
+    #: simulator): then a dispatcher must read by the group the code was compiled with.
+    posts_by_compiled_group = False
 
     def __init__(self, props: GpuSpec, n_streams: int, notifq_slots: int):
         if notifq_slots <= 0 or notifq_slots & (notifq_slots - 1):

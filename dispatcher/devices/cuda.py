@@ -135,6 +135,12 @@ class CudaContextLost(CudaError, DeviceLost):
                      "restart the process",)
 
 
+def _code(result: Any) -> Any:
+    """The CUresult of a binding call's return (a bare result, or a (result, *outputs)
+    tuple)."""
+    return result[0] if isinstance(result, tuple) else result
+
+
 def check(result: Any, call: str) -> Any:
     """Unwrap a cuda-python result: ``(CUresult, *outputs)`` or a bare CUresult.
 
@@ -308,6 +314,7 @@ class CudaDevice(Device):
     """
 
     backend = "cuda"
+    posts_by_compiled_group = True
 
     def __init__(self, device: int = 0, *, n_streams: int | None = None,
                  notifq_slots: int = protocol.DEFAULT_NOTIFQ_SLOTS,
@@ -422,7 +429,7 @@ class CudaDevice(Device):
         mod = None
         if image.cubin is not None:
             res = drv.cuModuleLoadData(image.cubin)
-            err = res[0] if isinstance(res, tuple) else res
+            err = _code(res)
             if err in _CUBIN_NOT_FOR_THIS_GPU and image.ptx is not None:
                 log.info("module %s: the cubin is not for %s (%s); JIT-compiling its PTX",
                          image.name, self.props.sm_name, err.name)
@@ -482,8 +489,7 @@ class CudaDevice(Device):
         i = 0
         while n is None or i < n:
             res = drv.cuFuncGetParamInfo(fn, i)
-            if n is None and (res[0] if isinstance(res, tuple) else res) == \
-                    CUresult.CUDA_ERROR_INVALID_VALUE:
+            if n is None and _code(res) == CUresult.CUDA_ERROR_INVALID_VALUE:
                 break                            # past the last parameter
             sizes.append(int(self._call(res, f"cuFuncGetParamInfo({name}, {i})")[1]))
             i += 1
@@ -623,7 +629,7 @@ class CudaDevice(Device):
         if event.done:
             return True
         res = self.drv.cuEventQuery(event.handle)
-        err = res[0] if isinstance(res, tuple) else res
+        err = _code(res)
         if err == _NOT_READY:
             return False
         self._call(res, "cuEventQuery")
@@ -634,7 +640,7 @@ class CudaDevice(Device):
 
     def _stream_query(self, stream: int) -> bool:
         res = self.drv.cuStreamQuery(self._streams[stream])
-        err = res[0] if isinstance(res, tuple) else res
+        err = _code(res)
         if err == _NOT_READY:
             return False
         self._call(res, "cuStreamQuery")
@@ -673,7 +679,7 @@ class CudaDevice(Device):
         :class:`CudaContextLost` (the daemon fails the requests in flight and exits for
         a restart). One cheap call every 10 ms."""
         res = self.drv.cuStreamQuery(self._streams[0])
-        err = res[0] if isinstance(res, tuple) else res
+        err = _code(res)
         if err != _SUCCESS and err != _NOT_READY:
             self._call(res, "cuStreamQuery (health check)")
 
