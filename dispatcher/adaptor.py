@@ -442,13 +442,18 @@ class PlanAdaptor(JobAdaptor):
         return bound
 
     def close(self, device: Device) -> None:
-        if self.buffer_pool is not None:
-            self.buffer_pool.close()
-            if self.buffer_pool.shared is not None:
-                self._free_set(self.buffer_pool.shared)
-        for ptr in self.buffers.values():
+        """Free the parameters and the idle buffer sets (sets still in use go when their
+        job releases them) and unload the kernels. Once is enough; again does nothing."""
+        pool, self.buffer_pool = self.buffer_pool, None
+        if pool is not None:
+            pool.close()
+            if pool.shared is not None:
+                self._free_set(pool.shared)
+        buffers, self.buffers = self.buffers, {}
+        for ptr in buffers.values():
             device.free(ptr)
-        self.buffers = {}
+        funcs, self.funcs = self.funcs, {}
+        device.unload_module(funcs)
 
 
 def plan_from_bundle(bundle: Any, variant: int = 0, *, name: str | None = None,

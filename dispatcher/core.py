@@ -105,6 +105,10 @@ class Model:
     replay: ReplayPlan | None = None
     # The adaptor's per-request buffer sets (adaptor.BufferPool), if it has any.
     pool: Any = None
+    # Its jobs not yet finished (waiting for a buffer set included).
+    jobs: int = 0
+    # Taken out of service (Dispatcher.retire_model): removed once ``jobs`` is 0.
+    retired: bool = False
 
 
 class Dispatcher:
@@ -554,6 +558,10 @@ class Dispatcher:
                 req.on_complete(req, req.status, req.error)
             if "request_finished" in instr:
                 instr.call("request_finished", req)
+        model = job.model                    # (after the callbacks: a retry they submit
+        model.jobs -= 1                      # to the same model keeps it)
+        if model.retired and model.jobs == 0:
+            self._remove_model(model)
 
     def _almost_finished(self, job: Job) -> None:
         if not job.almost_sent:
@@ -672,6 +680,7 @@ class Dispatcher:
                              f"notifications in groups of {self.group}: recompile it with "
                              f"`paella compile` and the default group")
         adaptor.init(self.device)
+        old = self.models.get(model_id)
         model = Model(model_id, name, adaptor, pool=adaptor.buffer_pool)
         if adaptor.plan is not None:         # a plan is replayed, never run() in a greenlet
             model.replay = ReplayPlan(adaptor.plan, adaptor.funcs, self.kernel_launch,
@@ -691,9 +700,55 @@ class Dispatcher:
             self.submit(req)
             self.run_until_idle()
             if failed:
-                del self.models[model_id]    # not registered: its name and id stay free
+                self.models.pop(model_id)    # not registered: its name stays free, the
+                if old is not None:          # id serves the previous model
+                    self.models[model_id] = old
+                self._close_adaptor(model)
                 raise RuntimeError(f"profiling run of model {name!r} failed: {failed[0]}")
+        if old is not None:
+            self.retire_model(old)           # its running jobs finish on it, then it goes
         return model.model_id
+
+    def retire_model(self, model: int | Model) -> None:
+        """Take a model (its id, or the :class:`Model`) out of service: once it has no
+        job left (running, or waiting for a buffer set) it is removed and its adaptor
+        closed (its device memory freed, its kernels unloaded); now, if it has none. Its
+        owner submits nothing more to it but the retries of a failed job's requests,
+        which a callback of that job submits (they keep it a while longer). A daemon
+        that reloads a changed model retires the old one: a long-lived dispatcher would
+        otherwise keep every version it ever served."""
+        if not isinstance(model, Model):
+            found = self.models.get(model)
+            if found is None:
+                raise ValueError(f"unknown model id {model!r}; nothing to retire")
+            model = found
+        if model.retired:
+            return
+        model.retired = True
+        if model.jobs == 0:
+            self._remove_model(model)
+
+    def _remove_model(self, model: Model) -> None:
+        """A retired model's last job ended: forget it and close its adaptor."""
+        if self.models.get(model.model_id) is model:
+            del self.models[model.model_id]
+        funcs = {id(f) for f in getattr(model.adaptor, "funcs", {}).values()}
+        for key in [k for k in self._launches if id(k[0]) in funcs]:
+            del self._launches[key]
+        model.replay = None
+        self._close_adaptor(model)
+        if "model_removed" in self.instruments:
+            self.instruments.call("model_removed", model)
+
+    def _close_adaptor(self, model: Model) -> None:
+        try:
+            model.adaptor.close(self.device)
+        except DeviceLost:
+            raise
+        except Exception as e:  # noqa: BLE001 - a plug-in's adaptor: the rest goes on
+            log.error("model %r: its adaptor's close() raised %s: %s; what it holds on the "
+                      "device may be lost until the daemon restarts", model.name,
+                      type(e).__name__, e)
 
     def submit(self, req: Request) -> None:
         """Accept a request; its job (serving it alone) starts in the next :meth:`step`.
@@ -713,6 +768,7 @@ class Dispatcher:
         self._seq += 1
         job = Job(self, model, [req], io, self._seq)
         self.jobs.add(job)
+        model.jobs += 1
         self.in_flight += 1
         self._arrivals.append(job)
 
@@ -770,6 +826,7 @@ class Dispatcher:
         if stream is not None:
             job.pin = self.stream_named(stream)
         self.jobs.add(job)
+        job.model.jobs += 1
         self.in_flight += len(requests)
         self._arrivals.append(job)
 
@@ -819,6 +876,7 @@ class Dispatcher:
             job.state = FINISHED
             job.io = None
             self.jobs.discard(job)
+            job.model.jobs -= 1              # (the device closes next: nothing to free)
             self.in_flight -= len(job.requests)
             for req in job.requests:
                 n += 1

@@ -24,7 +24,9 @@ Every hook is called synchronously from the dispatcher loop, with the device clo
   recorded before it on its stream, seen complete at ``t`` (such events are recorded
   only while someone listens to this hook);
 * ``op_ended(op, t)``           the op completed on the device, as seen at ``t``
-  (a kernel's last COMPLETION notification, a copy's event).
+  (a kernel's last COMPLETION notification, a copy's event);
+* ``model_removed(model)``      a retired model (``Dispatcher.retire_model``: a reload
+  replaced it) had no job left and was removed, its adaptor closed.
 
 Cost when unused (Trio's rule): the dispatcher tests ``"hook" in instruments``, one dict
 lookup, before it builds any argument; an :class:`Instruments` maps a hook name only
@@ -39,7 +41,8 @@ from typing import Any, Iterable
 log = logging.getLogger(__name__)
 
 HOOKS = ("request_admitted", "request_started", "request_woken", "request_finished",
-         "request_retried", "job_finished", "op_issued", "op_released", "op_started", "op_ended")
+         "request_retried", "job_finished", "op_issued", "op_released", "op_started", "op_ended",
+         "model_removed")
 
 
 class Instrument:
@@ -62,6 +65,9 @@ class Instrument:
 
     def job_finished(self, job: Any) -> None:
         """``job`` ended (completed, failed or cancelled)."""
+
+    def model_removed(self, model: Any) -> None:
+        """A retired model's last job ended; its adaptor is closed (Dispatcher.retire_model)."""
 
     def op_issued(self, op: Any) -> None:
         """A job issued ``op`` into its waitlist."""

@@ -139,10 +139,38 @@ class BatchingStage:
                 model.ctx.shut("", rings.E_INTERNAL)   # (frees what it allocated)
                 raise
         self.models[model_id] = model
-        if old is not None and old.ctx is not None:
+        if old is not None:
+            self._retire(old)
+
+    def remove_model(self, model_id: int) -> None:
+        """Serve ``model_id`` no more (its folder left the repository): what its batcher
+        holds starts now, and the model goes once its last job has finished."""
+        old = self.models.pop(model_id, None)
+        if old is not None:
+            self._retire(old)
+
+    def _retire(self, old: ServedModel) -> None:
+        """A model replaced or removed: its requests finish on it, then the dispatcher
+        frees its variants (``retire_model``)."""
+        if old.ctx is not None:
             old.ctx.retire()                     # its requests finish on it, then it closes
-        elif old is not None and old.waiting:
+            return
+        if old.waiting:
             self._start(old, self._guarded(old, "flush", old.batcher.flush, self.disp.now))
+            self._run_alone(old)                 # anything the batcher kept back
+        self.retire_variants({sv.model_id for sv in old.served.values()})
+
+    def retire_variants(self, model_ids: set[int]) -> None:
+        """Have the dispatcher free these models of a replaced one once their jobs end,
+        all but those a model served now still runs (a replacement may reuse them)."""
+        live = set()
+        for m in self.models.values():
+            live.update(sv.model_id for sv in m.served.values())
+            if m.ctx is not None:
+                live.update(m.ctx._own_models)
+        for mid in model_ids - live:
+            if mid in self.disp.models:
+                self.disp.retire_model(mid)
 
     # -- requests ----------------------------------------------------------------------------
     def submit(self, req: Any) -> None:
@@ -561,8 +589,11 @@ class StageContext:
     def _close_if_done(self) -> None:
         if not self.model.waiting and not self.jobs and not self.closed:
             self.shut("", rings.E_CANCELLED)
-        if self.closed and not self.jobs and self.model in self.stage._retired:
-            self.stage._retired.remove(self.model)
+        if self.closed and not self.jobs:
+            if self.model in self.stage._retired:
+                self.stage._retired.remove(self.model)
+            own, self._own_models = self._own_models, set()
+            self.stage.retire_variants(own)      # its variants and what it registered
 
     def _release_if_idle(self) -> None:
         """Device memory goes back once no job of the scheduler can touch it."""

@@ -8,10 +8,12 @@ import logging
 import threading
 import time
 from collections import OrderedDict
+from typing import Callable
 
 import numpy as np
 
 from paella import wire
+from paella.dispatcher.adaptor import PlanAdaptor
 
 log = logging.getLogger("paella.daemon")
 
@@ -171,7 +173,7 @@ def functional_adaptor(bundle, name: str, cache: FunctionalCache | None = None,
     output buffers, which the plan's D2H copies then bring back. The dispatcher replays
     the plan as on any backend (the path the benchmarks measure).
     """
-    from paella.dispatcher.adaptor import BufferArg, PlanAdaptor, plan_from_bundle
+    from paella.dispatcher.adaptor import BufferArg, plan_from_bundle
     from paella.dispatcher.devices.sim.functional import model_effect
 
     v = bundle.variants[variant]
@@ -183,18 +185,31 @@ def functional_adaptor(bundle, name: str, cache: FunctionalCache | None = None,
                           len(last.args))
     operands = [BufferArg(str(t.buffer), t.buffer_offset) for t in (*v.inputs, *v.outputs)]
 
-    class FunctionalBundleAdaptor(PlanAdaptor):
-        """The plan with the CPU build as its last kernel's effect (replayed like any plan)."""
+    def warm() -> None:
+        zeros = np.zeros(plan.io_bytes, np.uint8)
+        cache.outputs(key, bundle, {t.name: zeros[t.offset:t.offset + t.nbytes].view(
+            t.dtype).reshape(t.shape) for t in v.inputs},
+            where="while loading, off the dispatcher loop", variant=variant)
 
-        def warm(self) -> None:
-            """Off the loop, before registration: load the CPU build and answer the
-            profiling runs' input (zeros), so that registering costs the loop no CPU run."""
-            zeros = np.zeros(self.io_bytes, np.uint8)
-            cache.outputs(key, bundle, {t.name: zeros[t.offset:t.offset + t.nbytes].view(
-                t.dtype).reshape(t.shape) for t in v.inputs},
-                where="while loading, off the dispatcher loop", variant=variant)
+    return FunctionalBundleAdaptor(plan.with_effect(effect, operands), warm)
 
-    return FunctionalBundleAdaptor(plan.with_effect(effect, operands))
+
+class FunctionalBundleAdaptor(PlanAdaptor):
+    """The plan with the CPU build as its last kernel's effect (replayed like any plan).
+
+    One class for every model, holding its model's parts in closures: a class made per
+    model would be a reference cycle around the bundle (its weights, its CPU build),
+    which only the cyclic collector frees, and the daemon freezes its heap after a
+    reload (system.freeze_new_objects), so a retired version would never go."""
+
+    def __init__(self, plan, warm: Callable[[], None]):
+        super().__init__(plan)
+        self._warm = warm
+
+    def warm(self) -> None:
+        """Off the loop, before registration: load the CPU build and answer the
+        profiling runs' input (zeros), so that registering costs the loop no CPU run."""
+        self._warm()
 
 
 def bundle_adaptor(bundle, name: str, device, cache: FunctionalCache | None = None,

@@ -201,6 +201,11 @@ class DispatcherExecutor:
                                    config.batcher_options)
         self.stage.add_model(model_id, ServedModel(name, batcher.model, served, batcher))
 
+    def remove_model(self, model_id: int) -> None:
+        """Serve ``model_id`` no more (its folder left the repository): its requests
+        finish, then its variants are freed."""
+        self.stage.remove_model(model_id)
+
     def submit(self, req: Request) -> None:
         if req.model_id in self.stage.models:
             self.stage.submit(req)

@@ -221,7 +221,12 @@ class DaemonCollector:
         for name, doc, key in (
                 ("paella_notifq_depth", "notifQ entries reserved and not yet consumed",
                  "notifq_depth"),
-                ("paella_resident_blocks", "Blocks resident on the GPU", "resident_blocks")):
+                ("paella_resident_blocks", "Blocks resident on the GPU", "resident_blocks"),
+                ("paella_device_memory_bytes", "Device memory the daemon holds (params, "
+                 "buffer sets, schedulers' allocations)", "device_memory_bytes"),
+                ("paella_dispatcher_models", "Models registered with the dispatcher "
+                 "(variants and internal models; retired ones until their last job ends)",
+                 "models")):
             g = GaugeMetricFamily(name, doc)
             g.add_metric([], disp[key])
             yield g

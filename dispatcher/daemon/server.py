@@ -250,6 +250,8 @@ class Daemon:
             for model, sb in list(self._served.items()):
                 if sb.directory not in current:
                     del self._served[model]          # its directory is gone
+                    if self.dispatcher is not None:  # (its requests finish, then it goes)
+                        self.dispatcher.remove_model(sb.info.model_id)
             for d, why in sorted(failed.items()):
                 old = next((m for m, sb in self._served.items() if sb.directory == d), None)
                 log.error("bundle %s not served: %s%s", d, why,
@@ -319,6 +321,7 @@ class Daemon:
         spec = tracker.spec
         warps = tracker.sm_warps
         return {"policy": disp.policy.name, "gpu": spec.name, "sm_count": spec.sm_count,
+                "models": len(disp.models), "device_memory_bytes": disp.device.allocated_bytes,
                 "sm_occupancy": [round(w / spec.max_warps_per_sm, 4) for w in warps],
                 "resident_blocks": tracker.blocks, "resident_warps": tracker.warps,
                 "notifq_depth": tracker.pending_entries, "notifications": tracker.notifications,

@@ -29,8 +29,10 @@ def freeze_new_objects() -> int:
     """After a reload: collect and freeze only what was allocated since the last freeze
     (the new models, the loop's own objects). Unfreezing first, as :func:`freeze_heap`
     does, would walk the whole ~100k-object heap (46-124 ms of stalled loop measured
-    after a reload) to free nothing: the dispatcher keeps every registered version of a
-    model (jobs may still run the old one), so a reload drops no model. Returns the
+    after a reload). A replaced version frozen earlier still goes: the dispatcher
+    retires it once its jobs end, and its objects (adaptor, bundle, CPU build) hold no
+    reference cycle, so reference counting frees them without the collector
+    (tests/service/test_service_bundles.py). Returns the
     garbage objects collected. (Not ``gc.get_freeze_count()``: it walks the frozen
     heap, 8-12 ms.)"""
     n = gc.collect()

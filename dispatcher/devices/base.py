@@ -89,6 +89,9 @@ class Function:
     """A loaded kernel. ``handle`` is the backend's own (a CUfunction for ``cuda``)."""
     info: KernelInfo
     handle: Any = None
+    #: The backend's module it was loaded from (a CUmodule for ``cuda``; None when the
+    #: backend keeps no module), what :meth:`Device.unload_module` gives back.
+    module: Any = None
     _footprints: dict = field(default_factory=dict, repr=False)
 
     @property
@@ -130,11 +133,20 @@ class Device:
         self.props = props
         self.streams: list[int] = list(range(n_streams))
         self.notifq: np.ndarray = self._alloc_notifq(notifq_slots)
+        self._sizes: dict[int, int] = {}     # live allocations: pointer -> bytes
+        self._allocated = 0                  # their sum (read by the metrics thread)
 
     # -- kernels ---------------------------------------------------------------
     def load_module(self, image: ModuleImage) -> dict[str, Function]:
         """Load a module's kernels; returns them by name."""
         return self._load_module(image)
+
+    def unload_module(self, funcs: dict[str, Function]) -> None:
+        """Give back what :meth:`load_module` returned (a model's adaptor, when the model
+        is removed): the caller launches none of ``funcs`` again. A long-running daemon
+        reloads changed models; without this every reload would keep the old code."""
+        if funcs:
+            self._unload_module(funcs)
 
     def block_footprint(self, func: Function, block: Dim3, dyn_smem: int) -> Footprint:
         """The rounded per-block demand of ``func`` at this block size (cached)."""
@@ -185,10 +197,20 @@ class Device:
     def alloc(self, nbytes: int) -> int:
         if nbytes <= 0:
             raise ValueError(f"allocation size must be positive, got {nbytes}")
-        return self._alloc(nbytes)
+        ptr = self._alloc(nbytes)
+        self._sizes[ptr] = nbytes
+        self._allocated += nbytes
+        return ptr
 
     def free(self, ptr: int) -> None:
         self._free(ptr)
+        self._allocated -= self._sizes.pop(ptr, 0)
+
+    @property
+    def allocated_bytes(self) -> int:
+        """Device memory allocated through :meth:`alloc` and not freed (bytes): what
+        ``paella status`` reports, and how a leak shows."""
+        return self._allocated
 
     def memcpy_htod(self, dst: int, src: np.ndarray, stream: int, on_complete: Callback = None) -> None:
         """Asynchronous host-to-device copy of ``src``'s bytes to ``dst``."""
@@ -245,6 +267,9 @@ class Device:
     # -- hooks a backend fills in ------------------------------------------------
     def _load_module(self, image: ModuleImage) -> dict[str, Function]:
         raise NotImplementedError("need load_module")
+
+    def _unload_module(self, funcs: dict[str, Function]) -> None:
+        """Backends that hold something per loaded kernel give it back here."""
 
     def _launch(self, func: Function, grid: Dim3, block: Dim3, fp: Footprint, dyn_smem: int,
                 args: tuple, stream: int, launch_id: int, instrumented: bool, group: int,

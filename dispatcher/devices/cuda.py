@@ -441,8 +441,25 @@ class CudaDevice(Device):
                                   f"{self.props.sm_name}: rebuild the bundle")
             ptx = image.ptx if image.ptx.endswith(b"\0") else image.ptx + b"\0"
             mod = self._call(drv.cuModuleLoadData(ptx), f"cuModuleLoadData({image.name} PTX)")
+        try:
+            funcs = {k.name: self._load_function(mod, k) for k in image.kernels}
+        except BaseException:
+            try:                             # a half-loaded module goes too
+                self._call(drv.cuModuleUnload(mod), "cuModuleUnload")
+            except CudaError as e:
+                log.warning("module %s: unloading it after the failed load: %s", image.name, e)
+            raise
         self._modules.append(mod)
-        return {k.name: self._load_function(mod, k) for k in image.kernels}
+        return funcs
+
+    def _unload_module(self, funcs: dict[str, Function]) -> None:
+        mods = {id(f.module): f.module for f in funcs.values() if f.module is not None}
+        for mod in mods.values():
+            kept = [m for m in self._modules if m is not mod]
+            if len(kept) == len(self._modules):
+                continue                     # not loaded here, or unloaded already
+            self._modules = kept
+            self._call(self.drv.cuModuleUnload(mod), "cuModuleUnload")
 
     def _load_function(self, mod: Any, info: KernelInfo) -> Function:
         drv, F = self.drv, self.drv.CUfunction_attribute
@@ -466,7 +483,7 @@ class CudaDevice(Device):
         kern = _Kernel(fn, info.name, pack, smem, max_dyn)
         if kern.instrumentable:
             pack.set(n - 2, self._region_dptr_int)     # (set again at every instrumented launch)
-        return Function(info, kern)
+        return Function(info, kern, mod)
 
     def _param_sizes(self, fn: Any, name: str) -> list[int]:
         """The byte size of each of a kernel's parameters. ``cuFuncGetParamInfo`` is CUDA

@@ -193,3 +193,23 @@ def test_the_daemon_pins_client_arenas_on_the_device(gpu, tmp_path):
     assert not drv.registered and not daemon._arenas
     os.close(daemon._sig_r)
     os.close(daemon._sig_w)
+
+
+def test_a_retired_model_frees_its_memory_and_unloads_its_module(bundle, gpu):
+    """What a reload does to the model it replaces (Dispatcher.retire_model): once its
+    last request is done, its params and buffer sets are freed and its module unloaded."""
+    drv, dev, _ = gpu
+    d = Dispatcher(dev, "paella", counter_pairs=PAIRS, profile_runs=0)
+    before = dict(drv.device_mem)           # (the notifQ's own, if any)
+    mid = d.register_model("tiny", PlanAdaptor.from_bundle(bundle))
+    done = {}
+    submit(bundle, d, mid, 0, done)
+    d.step()                                 # in flight: retiring waits for it
+    d.retire_model(mid)
+    assert "cuModuleUnload" not in drv.names()
+    drive(d, drv)
+    assert done == {0: (STATUS_OK, None)}
+    assert mid not in d.models
+    assert drv.modules == {} and drv.names().count("cuModuleUnload") == 1
+    assert dev.allocated_bytes == 0 and dev._allocs == {}
+    assert drv.device_mem.keys() == before.keys()

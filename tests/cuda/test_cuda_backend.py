@@ -143,6 +143,38 @@ def test_missing_kernel_name_is_named(dev):
         dev.load_module(bad)
 
 
+def test_a_missing_kernel_does_not_leave_its_module_loaded(drv, dev):
+    bad = ModuleImage("m", [KernelInfo("add1", 24), KernelInfo("nope", 8)],
+                      cubin=fake_cubin(75, KERNELS))
+    with pytest.raises(CudaError, match="cuModuleGetFunction"):
+        dev.load_module(bad)
+    assert drv.modules == {} and dev._modules == []
+    assert [n for n, _ in drv.calls if n == "cuModuleUnload"] == ["cuModuleUnload"]
+
+
+def test_unload_module_unloads_once_and_keeps_the_others(drv, dev):
+    a = dev.load_module(image())
+    b = dev.load_module(image())
+    assert len(drv.modules) == 2
+    dev.unload_module(a)
+    dev.unload_module(a)                     # again: nothing more to unload
+    assert len(drv.modules) == 1 and len(dev._modules) == 1
+    assert [n for n, _ in drv.calls].count("cuModuleUnload") == 1
+    assert b["add1"].module is dev._modules[0]
+    dev.close()                              # the rest at close, with no double unload
+    assert drv.modules == {}
+
+
+def test_allocated_bytes_follow_alloc_and_free(dev):
+    p = dev.alloc(1000)
+    q = dev.alloc(24)
+    assert dev.allocated_bytes == 1024
+    dev.free(p)
+    assert dev.allocated_bytes == 24
+    dev.free(q)
+    assert dev.allocated_bytes == 0
+
+
 class PreCuda132Driver(FakeDriver):
     """A driver before CUDA 13.2: cuFuncGetParamCount is missing. ``binding="new"``: the
     binding knows the name and raises its RuntimeError when called (cuda-python 13.x on

@@ -347,6 +347,7 @@ def test_sighup_with_a_changed_config_serves_the_new_and_loses_nothing(tmp_path)
     dp = serve(tmp_path)
     try:
         with connect(dp.socket, mode="polling") as c:
+            models = c.status()["dispatcher"]["models"]
             rid, off, tokens = stream_raw(c, "gpt-tiny", [4, 4], 50)
             while not c._completions.ready():
                 pass                                      # it runs
@@ -363,6 +364,10 @@ def test_sighup_with_a_changed_config_serves_the_new_and_loses_nothing(tmp_path)
                 time.sleep(0.05)
             assert list(c.generate("gpt-tiny", [4, 4], 5, timeout=20)) == \
                 generate_reference(CFG, W, [4, 4], 5)
+            # The old scheduler's internal models went with it (retired, then freed).
+            while c.status()["dispatcher"]["models"] != models:
+                assert time.monotonic() < deadline, c.status()["dispatcher"]
+                time.sleep(0.05)
         log = dp.log()
         assert "1 new or changed" in log and "registered gpt-tiny" in log
         assert dp.stop() == 0

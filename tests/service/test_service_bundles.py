@@ -170,3 +170,104 @@ def test_sighup_picks_up_a_new_bundle(repo):
     finally:
         cleanup(dp)
         shutil.rmtree(extra, ignore_errors=True)
+
+
+def _settled(c, dp, models: int, memory: int | None, timeout: float = 20.0) -> dict:
+    """The daemon's status once the dispatcher holds ``models`` models (and ``memory``
+    bytes of device memory, if given)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        st = c.status()["dispatcher"]
+        if st["models"] == models and memory in (None, st["device_memory_bytes"]):
+            return st
+        assert time.monotonic() < deadline, (st, dp.log())
+        time.sleep(0.05)
+
+
+def test_reloads_free_the_versions_they_replace_and_remove(repo):
+    """A changed bundle reloaded again and again, each time with requests in flight:
+    every request is answered once, and the daemon ends up holding one version's
+    device memory and dispatcher models, not one per reload. Removing the folder frees
+    the last one."""
+    extra = tempfile.mkdtemp(prefix="plrepo3")
+    folder = os.path.join(extra, "tiny_mlp")
+    shutil.copytree(os.path.join(repo, "tiny_mlp"), folder)
+    dp = start_daemon("--models", extra, "--no-echo", "--no-noop")
+    try:
+        with connect(dp.socket) as c:
+            first = _settled(c, dp, 1, None)
+            held = first["device_memory_bytes"]
+            assert held > 0
+            n = c.models["tiny_mlp"].variants[0].io_bytes
+            offs = [c.alloc(n) for _ in range(8)]
+            for k in range(4):
+                for o in offs:
+                    c.arena[o:o + 128].view(np.float32)[:] = k
+                    c.predict("tiny_mlp", n, o)
+                manifest = os.path.join(folder, "manifest.json")
+                os.utime(manifest, (time.time() + 10 * (k + 1),) * 2)   # a changed bundle
+                reads = dp.log().count("SIGHUP: repository read")
+                dp.proc.send_signal(signal.SIGHUP)
+                assert all(c.read_result(timeout=20) > 0 for _ in offs)
+                deadline = time.monotonic() + 30
+                while dp.log().count("SIGHUP: repository read") == reads:
+                    assert time.monotonic() < deadline, dp.log()
+                    time.sleep(0.05)
+                _settled(c, dp, 1, held)             # the old version is gone
+            x = np.ones((2, 16), np.float32)
+            assert c.infer("tiny_mlp", {"x": x})["output0"].shape == (2, 8)
+            shutil.rmtree(folder)
+            dp.proc.send_signal(signal.SIGHUP)
+            _settled(c, dp, 0, 0)
+        assert dp.log().count("registered tiny_mlp") == 5
+        assert dp.stop() == 0
+    finally:
+        cleanup(dp)
+        shutil.rmtree(extra, ignore_errors=True)
+
+
+def test_a_retired_bundle_is_freed_by_reference_counting_alone(repo):
+    """The daemon freezes its heap after a reload, so a replaced version whose objects
+    form a reference cycle would never be collected: its adaptor, its bundle (weights,
+    CPU build) and its dispatcher model must go by reference counting once the last
+    request on it is done."""
+    import gc
+    import weakref
+    from paella.bundle import load_bundle
+    from paella.dispatcher.core import Dispatcher, Request
+    from paella.dispatcher.daemon.bundles import FunctionalCache, bundle_adaptor
+    from paella.dispatcher.devices.sim import SimDevice
+
+    dev = SimDevice("t4")
+    disp = Dispatcher(dev, "paella", profile_runs=1)
+    cache = FunctionalCache()
+
+    def register(k):
+        b = load_bundle(os.path.join(repo, "tiny_mlp"))
+        ad = bundle_adaptor(b, f"tiny#{k}", dev, cache)
+        ad.warm()
+        disp.register_model(f"tiny#{k}/v", ad, model_id=5)
+        return [weakref.ref(ad), weakref.ref(b), weakref.ref(disp.models[5])]
+
+    def serve(n):
+        for i in range(n):
+            disp.submit(Request(i, 0, 5, np.zeros(disp.models[5].adaptor.io_bytes, np.uint8)))
+            disp.run_until_idle()
+
+    old = register(1)
+    serve(3)
+    gc.collect()
+    gc.freeze()
+    gc.disable()
+    try:
+        register(2)                          # retires #1, idle: removed now
+        # (the policy's arrival-order heap lets go of finished jobs lazily, bounded)
+        serve(200)
+        assert [r() is None for r in old] == [True, True, True]
+        assert dev.allocated_bytes == sum(
+            nb for name, nb in disp.models[5].adaptor.plan.buffers.items()
+            if name in disp.models[5].adaptor.plan.params) + \
+            sum(disp.models[5].adaptor.plan.request_buffers.values())
+    finally:
+        gc.enable()
+        gc.unfreeze()

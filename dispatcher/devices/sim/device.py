@@ -108,6 +108,13 @@ class SimDevice(Device):
         # A kernel's functional effect (ModuleImage.effects) is its handle here.
         return {k.name: Function(k, image.effects.get(k.name)) for k in image.kernels}
 
+    def _unload_module(self, funcs: dict[str, Function]) -> None:
+        # The launch records prepared for these kernels hold their effects (and through
+        # them a model's CPU build): forgotten with the module.
+        gone = {id(f) for f in funcs.values()}
+        for k in [k for k in self._prepared if id(k.func) in gone]:
+            del self._prepared[k]
+
     def _launch(self, func: Function, grid: Dim3, block: Dim3, fp: Footprint, dyn_smem: int,
                 args: tuple, stream: int, launch_id: int, instrumented: bool, group: int,
                 on_complete: Callback) -> None:
