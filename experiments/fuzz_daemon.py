@@ -26,7 +26,9 @@ daemon's log (exception and innermost frame; the root causes already known from
 issue 12 are named), the daemon's leftover segments are counted and removed, and a
 new daemon takes the same socket. At the end, after every client left, it counts
 what the daemon kept: file descriptors (``/proc/PID/fd``), client mappings
-(``/proc/PID/maps``) and named segments (``/dev/shm``), against the daemon at READY.
+(``/proc/PID/maps``) and named segments (``/dev/shm``), against the daemon at READY, and
+(``--reload-every S``: SIGHUP with both models changed, every S seconds, throughout)
+the dispatcher models ``paella status`` reports (and its device memory, beside READY's).
 
 Run: ``python -m paella.experiments.fuzz_daemon --seconds 600 [--json F]`` (the long
 mode); the test suite runs :func:`run_fuzz` for a few seconds
@@ -87,6 +89,14 @@ class FuzzConfig:
     turn_seconds: float = 0.5
     #: the daemon's descriptor limit (None: as inherited), to attack it near EMFILE
     nofile: int | None = None
+    #: SIGHUP the daemon this often (seconds; 0: never), each time with both bundled
+    #: models changed (newer mtimes), so every reload replaces them while the attacks
+    #: and the honest clients go on; at the end the daemon must hold the dispatcher
+    #: models it held at READY (a reload frees what it replaced). Its device memory is
+    #: reported beside READY's; the reloaded models' return to it exactly
+    #: (tests/service/test_service_bundles.py), the built-in noop's pool keeps the sets
+    #: a flood of it made (its per-model budget bounds them)
+    reload_seconds: float = 0.0
     #: most connections one "no_hello" episode holds (kept small when attackers share
     #: the legitimate clients' uid: then they are the same tenant, see docs/service.md)
     hog_limit: int | None = None
@@ -201,6 +211,27 @@ class DaemonUnderTest:
                 if time.monotonic() > end:
                     self.proc.kill()
                     raise RuntimeError(f"the daemon was not ready after {timeout} s")
+        finally:
+            notify.close()
+            os.unlink(notify_path)
+
+    def reload(self, timeout: float = 60.0) -> bool:
+        """SIGHUP, and wait for the READY=1 that follows the swap (on this incarnation's
+        notify path, listened on again); False if none came within ``timeout``."""
+        notify_path = os.path.join(self.dir, f"notify.{self.starts - 1}")
+        notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        notify.bind(notify_path)
+        try:
+            os.kill(self.pid, signal.SIGHUP)
+            end = time.monotonic() + timeout
+            while time.monotonic() < end and self.alive():
+                notify.settimeout(0.2)
+                try:
+                    if b"READY=1" in notify.recv(4096):
+                        return True
+                except socket.timeout:
+                    pass  # not yet
+            return False
         finally:
             notify.close()
             os.unlink(notify_path)
@@ -680,6 +711,9 @@ def run_fuzz(cfg: FuzzConfig, progress=None) -> dict:
     daemon = DaemonUnderTest(workdir, args, cfg.nofile)
     daemon.start()
     base = holdings(daemon.pid)
+    held_at_ready = _held(daemon.socket)
+    reloads = 0
+    next_reload = time.monotonic() + cfg.reload_seconds
     board = Board(cfg.attackers, cfg.legit, len(fuzz_attacks.FAMILIES))
     board.set("daemon_pid", daemon.pid)
     t0 = time.monotonic()
@@ -725,6 +759,11 @@ def run_fuzz(cfg: FuzzConfig, progress=None) -> dict:
             else:
                 daemon.rotate_log()
                 respawned += _respawn(attack_pids, spawn_attacker)
+                if cfg.reload_seconds and model_args and time.monotonic() >= next_reload:
+                    reloads += 1
+                    _change_models(model_args[1], reloads)
+                    os.kill(daemon.pid, signal.SIGHUP)
+                    next_reload = time.monotonic() + cfg.reload_seconds
                 continue
             daemon.start()
             board.set("daemon_pid", daemon.pid)
@@ -736,6 +775,16 @@ def run_fuzz(cfg: FuzzConfig, progress=None) -> dict:
         legit_killed = _stop_children(legit_pids, cfg.deadline + 10.0)
         final = _final_check(daemon, cfg, crashed)
         leaks = _leaks(daemon, base, cfg) if daemon.alive() else {"measured": False}
+        if daemon.alive() and daemon.starts == 1:     # (a restarted daemon holds anew)
+            if cfg.reload_seconds and model_args:
+                # One more reload with nobody left: the daemon then holds fresh versions,
+                # as at READY, plus whatever the replaced ones failed to give back (the
+                # versions that served grew their buffer pools, which a fresh one has not).
+                reloads += 1
+                _change_models(model_args[1], reloads)
+                leaks["last_reload_ready"] = daemon.reload()
+            leaks.update(_held_leaks(daemon.socket, held_at_ready, cfg))
+        leaks["reloads"] = reloads
         stop_status = daemon.stop()
         left_after_stop = segment_names(daemon.pid)
     finally:
@@ -811,6 +860,36 @@ def _probe(sock: str) -> None:
             os._exit(3)
 
 
+def _change_models(repo: str, n: int) -> None:
+    """Make every model of the repository look changed to a reload (newer mtimes)."""
+    t = time.time() + n
+    for name in ("tiny_mlp/manifest.json", "gpt_tiny/config.toml"):
+        os.utime(os.path.join(repo, name), (t, t))
+
+
+def _held(sock: str) -> tuple[int, int]:
+    """The dispatcher's models and the device memory the daemon holds (paella status)."""
+    with connect(sock, timeout=5) as c:
+        d = c.status()["dispatcher"] or {}
+    return d.get("models", 0), d.get("device_memory_bytes", 0)
+
+
+def _held_leaks(sock: str, at_ready: tuple[int, int], cfg: FuzzConfig) -> dict:
+    """Models and device memory beyond the daemon's at READY, once every client left
+    and the last reload is done (waiting up to ``settle_seconds`` for the replaced
+    versions' cancelled jobs to end)."""
+    end = time.monotonic() + cfg.settle_seconds
+    while True:
+        now = _held(sock)
+        if now[0] <= at_ready[0] or time.monotonic() > end:
+            break
+        time.sleep(0.1)
+    return {"models_leaked": max(0, now[0] - at_ready[0]),
+            "device_bytes_beyond_ready": now[1] - at_ready[1],
+            "models_at_ready": at_ready[0], "models_at_end": now[0],
+            "device_bytes_at_ready": at_ready[1], "device_bytes_at_end": now[1]}
+
+
 def _leaks(daemon: DaemonUnderTest, base: Holdings, cfg: FuzzConfig) -> dict:
     """What the daemon still holds once every client left, against itself at READY
     (waiting up to ``settle_seconds`` for cancelled jobs to let go)."""
@@ -857,6 +936,9 @@ def _report(cfg, uid, cross, board, crashes, events, leaks, final, base, wall, d
         "maps_leaked": leaks.get("maps_leaked", 0),
         "segments_leaked": leaks.get("segments_leaked", 0)
                            + sum(c.leftover_segments for c in crashes) + len(left_after_stop),
+        "models_leaked": leaks.get("models_leaked", 0),
+        "device_bytes_beyond_ready": leaks.get("device_bytes_beyond_ready", 0),
+        "reloads": leaks.get("reloads", 0),
         "legit_requests": board.legit_total("requests"),
         "legit_ok": board.legit_total("ok"),
         "seconds": round(wall, 1),
@@ -907,7 +989,7 @@ def _event_examples(events: list[dict], per_kind: int = 10) -> dict[str, list[di
 
 #: Summary keys whose non-zero value fails the run.
 FAILURES = ("crashes", "lost", "wrong", "refused", "breaches", "fds_leaked", "maps_leaked",
-            "segments_leaked")
+            "segments_leaked", "models_leaked")
 
 
 def failures(report: dict) -> dict[str, int]:
@@ -922,6 +1004,8 @@ def _argv_of(cfg: FuzzConfig) -> list[str]:
         out.append("--no-bundle")
     if cfg.nofile:
         out += ["--nofile", str(cfg.nofile)]
+    if cfg.reload_seconds:
+        out += ["--reload-every", f"{cfg.reload_seconds:g}"]
     return out
 
 
@@ -949,6 +1033,10 @@ def format_report(r: dict) -> str:
                "leaks not measured (the daemon died at the end); named segments "
                f"{s['segments_leaked']} ")
               + f"(left by crashes {r['segments_left_by_crashes']})",
+              f"reloads (SIGHUP, models changed): {s['reloads']}; dispatcher models held beyond "
+              f"READY: {s['models_leaked']}; device bytes: {s['device_bytes_beyond_ready']:+d} "
+              f"(not a failure: the built-in noop, never reloaded, keeps the 64-byte buffer sets "
+              f"a flood of it made)",
               f"final check: {r['final_check']}; daemon stop status {r['stop_status']}; "
               f"daemon log {r['daemon_log_bytes']} bytes; attacker errors {r['attacker_errors']}"]
     bad = failures(r)
@@ -974,6 +1062,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--log-level", default="warning", help="the daemon's log level")
     p.add_argument("--nofile", type=int,
                    help="lower the daemon's descriptor limit to this (attack it near EMFILE)")
+    p.add_argument("--reload-every", type=float, default=0.0, metavar="S",
+                   help="SIGHUP the daemon every S seconds with its models changed (default: never)")
     p.add_argument("--daemon-arg", action="append", default=[], metavar="ARG",
                    help="extra daemon option (repeatable), e.g. --daemon-arg=--max-clients=64")
     a = p.parse_args(argv)
@@ -984,7 +1074,8 @@ def main(argv: list[str] | None = None) -> int:
     cfg = FuzzConfig(seconds=a.seconds, seed=a.seed, attackers=a.attackers, legit=a.legit,
                      families=families, attacker_uid=os.geteuid() if a.same_uid else None,
                      deadline=a.deadline, bundle=a.bundle, log_level=a.log_level,
-                     daemon_args=tuple(a.daemon_arg), nofile=a.nofile)
+                     daemon_args=tuple(a.daemon_arg), nofile=a.nofile,
+                     reload_seconds=a.reload_every)
     report = run_fuzz(cfg, progress=lambda m: print(m, file=sys.stderr, flush=True))
     print(format_report(report))
     if a.json:

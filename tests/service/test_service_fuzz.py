@@ -204,8 +204,10 @@ def test_fuzzer_finds_no_fault():
     # One attacker per family, each starting on its own: every family is tried even when
     # a slow episode (a no_hello one holds its connections up to the handshake deadline)
     # outlasts its turn on a loaded machine.
+    # The models are reloaded (SIGHUP, changed) every 2 s throughout: a reload under
+    # attack loses nothing, and frees every version it replaced.
     cfg = FuzzConfig(seconds=10, attackers=len(fuzz_attacks.FAMILIES), legit=2, deadline=8.0,
-                     seed=12)
+                     seed=12, reload_seconds=2.0)
     report = run_fuzz(cfg)
     print(format_report(report))
     tails = "\n\n".join(f"{sig}:\n{d['log_tail']}" for sig, d in report["crash_causes"].items())
@@ -213,6 +215,7 @@ def test_fuzzer_finds_no_fault():
     assert failures(report) == {}, format_report(report) + "\n" + json.dumps(
         {k: report[k] for k in ("events", "leaks", "breach_examples")}, indent=1, default=str)
     assert report["final_check"] == "answers" and report["stop_status"] == 0
+    assert report["summary"]["reloads"] >= 4 and report["leaks"]["last_reload_ready"]
     # the fuzzer really attacked, with every family, and the honest clients really worked
     for family, n in report["inputs_by_family"].items():
         assert n > 0, f"family {family} tried nothing: {format_report(report)}"
