@@ -75,6 +75,10 @@ def format_status(st: dict) -> str:
                      f"notifQ depth {d['notifq_depth']}, {d['policy_fallbacks']} policy "
                      f"fallback(s)")
         lines.append("  per-SM occupancy: " + " ".join(f"{x:.0%}" for x in occ))
+        if "models" in d:                    # (daemons before session 10 lack these)
+            lines.append(f"  {d['models']} dispatcher model(s) (variants, internal models, "
+                         f"replaced ones still finishing), device memory "
+                         f"{d['device_memory_bytes'] / 2**20:.1f} MiB")
     return "\n".join(lines)
 
 

@@ -173,6 +173,7 @@ class Dispatcher:
         self._progress = 0
         self._queued = 0                     # jobs announced to the policy (job.in_policy)
         self._launches: dict[tuple, KernelLaunch] = {}   # checked launch records, by shape
+        self._top_id = -1                    # the largest model id ever registered
         self._held_since = 0.0               # when pick() began holding an idle device back
         self._held_iter = -2                 # ... the iteration that last saw it do so
 
@@ -665,9 +666,10 @@ class Dispatcher:
         if any(m.name == name for m in self.models.values()):
             raise ValueError(f"model {name!r} is already registered")
         if model_id is None:
-            model_id = max(self.models, default=-1) + 1
+            model_id = self.new_model_id()
         elif type(model_id) is not int or model_id < 0:
             raise ValueError(f"model {name!r}: model_id must be an int >= 0, got {model_id!r}")
+        self._top_id = max(self._top_id, model_id)
         plan = adaptor.plan
         if (plan is not None and plan.notif_group is not None and plan.notif_group != self.group
                 and self.device.posts_by_compiled_group):
@@ -701,13 +703,18 @@ class Dispatcher:
             self.run_until_idle()
             if failed:
                 self.models.pop(model_id)    # not registered: its name stays free, the
-                if old is not None:          # id serves the previous model
+                if old is not None and not old.retired:     # id serves the previous model
                     self.models[model_id] = old
                 self._close_adaptor(model)
                 raise RuntimeError(f"profiling run of model {name!r} failed: {failed[0]}")
         if old is not None:
             self.retire_model(old)           # its running jobs finish on it, then it goes
         return model.model_id
+
+    def new_model_id(self) -> int:
+        """An id no model of this dispatcher ever had: a removed model's id is not handed
+        out again, since a finished job's retry or a stale reference may still name it."""
+        return max(self._top_id, max(self.models, default=-1)) + 1
 
     def retire_model(self, model: int | Model) -> None:
         """Take a model (its id, or the :class:`Model`) out of service: once it has no

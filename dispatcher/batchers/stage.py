@@ -51,7 +51,7 @@ class ServedVariant:
         return self.free.pop() if self.free else np.zeros(self.layout.io_bytes, np.uint8)
 
 
-@dataclass
+@dataclass(eq=False)
 class ServedModel:
     name: str
     variants: ModelVariants
@@ -62,6 +62,11 @@ class ServedModel:
     waiting: dict[int, Any] = field(default_factory=dict)
     #: A scheduler's context (None: a plain batcher, the stage forms the jobs).
     ctx: "StageContext | None" = None
+    #: Its batches in flight (retries included): a replaced model's variants are freed
+    #: once none is left, since a failed batch's requests retry on its smallest variant.
+    running: int = 0
+    #: Replaced or removed (a plain batcher; a scheduler's context says it itself).
+    retired: bool = False
 
 
 @dataclass(eq=False)
@@ -121,7 +126,7 @@ class BatchingStage:
         self._queued = 0
         #: Dispatcher model ids for schedulers' internal models (the daemon hands out
         #: ids clear of the clients'); default: the next free one.
-        self.new_model_id = lambda: max(disp.models, default=-1) + 1
+        self.new_model_id = disp.new_model_id
         #: Replaced models whose scheduler still holds requests: served to the end.
         self._retired: list[ServedModel] = []
 
@@ -155,16 +160,21 @@ class BatchingStage:
         if old.ctx is not None:
             old.ctx.retire()                     # its requests finish on it, then it closes
             return
+        old.retired = True
         if old.waiting:
             self._start(old, self._guarded(old, "flush", old.batcher.flush, self.disp.now))
             self._run_alone(old)                 # anything the batcher kept back
-        self.retire_variants({sv.model_id for sv in old.served.values()})
+        if old.running:
+            self._retired.append(old)            # (its batches' retries may need any variant)
+        else:
+            self.retire_variants({sv.model_id for sv in old.served.values()})
 
     def retire_variants(self, model_ids: set[int]) -> None:
         """Have the dispatcher free these models of a replaced one once their jobs end,
-        all but those a model served now still runs (a replacement may reuse them)."""
+        all but those a model still served or still finishing runs (a replacement may
+        reuse them)."""
         live = set()
-        for m in self.models.values():
+        for m in self._served_models():
             live.update(sv.model_id for sv in m.served.values())
             if m.ctx is not None:
                 live.update(m.ctx._own_models)
@@ -363,6 +373,7 @@ class BatchingStage:
             req.on_complete = (lambda q, status, err, i=i, orig=orig:
                                self._done(run, i, q, status, err, orig))
         self.disp.submit_group(reqs, io, model_id=sv.model_id)
+        m.running += 1
 
     def _done(self, run: _Running, i: int, req: Any, status: int, err: str | None,
               orig: Any) -> None:
@@ -384,6 +395,12 @@ class BatchingStage:
                 self._guarded(m, "batch_done", m.batcher.batch_done, run.batch, self.disp.now)
                 if m.waiting:
                     self._start(m, self._guarded(m, "poll", m.batcher.poll, self.disp.now))
+        if run.left == 0:
+            m = run.model
+            m.running -= 1                       # (after any retry it started)
+            if m.retired and m.running == 0 and m.ctx is None and m in self._retired:
+                self._retired.remove(m)
+                self.retire_variants({sv.model_id for sv in m.served.values()})
 
     def _retry(self, m: ServedModel, req: Any) -> None:
         """Re-run one request of a failed batch alone (isolating the failure)."""

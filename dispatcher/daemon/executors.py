@@ -182,24 +182,31 @@ class DispatcherExecutor:
         ``config`` (its ModelConfig) once the variants are profiled (a batcher that plans
         with their costs, e.g. ``turbo-dp``)."""
         served = {}
-        for k, (v, adaptor) in enumerate(zip(bundle.variants if bundle is not None else (),
-                                             adaptors)):
-            vid = self._new_vid()
-            self.disp.register_model(f"{label}/{v.name}", adaptor, model_id=vid,
-                                     profile_runs=profile_runs)
-            # The variant's time as the profiling runs measured it (its kernels alone):
-            # the cost table of batchers that plan by cost.
-            cost = self.disp.models[vid].profile.total
-            served[k] = ServedVariant(VariantSpec(k, v.rows, v.seq_len, f"{label}/{v.name}",
-                                                  cost_s=cost, stage=getattr(v, "stage", -1)),
-                                      vid, layout_of(v.inputs, v.outputs, v.io_bytes))
-        if batcher is None:
-            if config is None:
-                raise ValueError(f"model {name!r}: no batcher and no config to build one")
-            batcher = make_batcher(config.batcher,
-                                   ModelVariants(name, tuple(s.spec for s in served.values())),
-                                   config.batcher_options)
-        self.stage.add_model(model_id, ServedModel(name, batcher.model, served, batcher))
+        try:
+            for k, (v, adaptor) in enumerate(zip(bundle.variants if bundle is not None else (),
+                                                 adaptors)):
+                vid = self._new_vid()
+                self.disp.register_model(f"{label}/{v.name}", adaptor, model_id=vid,
+                                         profile_runs=profile_runs)
+                # The variant's time as the profiling runs measured it (its kernels
+                # alone): the cost table of batchers that plan by cost.
+                cost = self.disp.models[vid].profile.total
+                served[k] = ServedVariant(VariantSpec(k, v.rows, v.seq_len, f"{label}/{v.name}",
+                                                      cost_s=cost, stage=getattr(v, "stage", -1)),
+                                          vid, layout_of(v.inputs, v.outputs, v.io_bytes))
+            if batcher is None:
+                if config is None:
+                    raise ValueError(f"model {name!r}: no batcher and no config to build one")
+                batcher = make_batcher(config.batcher,
+                                       ModelVariants(name, tuple(s.spec for s in served.values())),
+                                       config.batcher_options)
+            self.stage.add_model(model_id, ServedModel(name, batcher.model, served, batcher))
+        except BaseException:
+            # Not served (the previous version stays): what it registered goes, or every
+            # SIGHUP that tries this bundle again would leave another copy behind.
+            for sv in served.values():
+                self.disp.retire_model(sv.model_id)
+            raise
 
     def remove_model(self, model_id: int) -> None:
         """Serve ``model_id`` no more (its folder left the repository): its requests

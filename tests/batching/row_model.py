@@ -75,18 +75,24 @@ def serve(sizes=(1, 2, 4, 8), batcher="identity", options=None, policy="fifo", m
     dev = SimDevice("t4", n_streams=64, seed=1)
     disp = Dispatcher(dev, policy, profile_runs=1)
     stage = BatchingStage(disp)
+    stage.add_model(model_id, served_model(disp, sizes, "rows", batcher, options, greenlet))
+    return disp, stage
+
+
+def served_model(disp, sizes, tag="rows", batcher="identity", options=None,
+                 greenlet=False) -> ServedModel:
+    """The row model's variants registered with ``disp`` as ``tag@rows`` (a version of
+    it: a reload registers another), behind ``batcher``."""
     served = {}
     for i, b in enumerate(sizes):
         ad, layout = variant_adaptor(b)
         if greenlet:
             ad = RowAdaptor(b, layout)
-        mid = disp.register_model(f"rows@{b}", ad)
-        served[i] = ServedVariant(VariantSpec(i, b, 0, f"rows@{b}"), mid, layout)
+        mid = disp.register_model(f"{tag}@{b}", ad)
+        served[i] = ServedVariant(VariantSpec(i, b, 0, f"{tag}@{b}"), mid, layout)
         assert ad.io_bytes == layout.io_bytes
     variants = ModelVariants("rows", tuple(s.spec for s in served.values()))
-    stage.add_model(model_id, ServedModel("rows", variants, served,
-                                          make_batcher(batcher, variants, options)))
-    return disp, stage
+    return ServedModel("rows", variants, served, make_batcher(batcher, variants, options))
 
 
 class Client:

@@ -12,7 +12,7 @@ from paella import rings
 from paella.dispatcher.batchers import (BatcherError, ModelVariants, VariantSpec, batcher_names,
                                         make_batcher)
 
-from row_model import POISON, Client, serve
+from row_model import POISON, Client, serve, served_model
 
 MODEL = ModelVariants("m", tuple(VariantSpec(i, b) for i, b in enumerate((1, 2, 4, 8))))
 
@@ -263,9 +263,8 @@ def test_a_replaced_model_runs_what_its_batcher_held_then_its_variants_are_freed
     """A reload replaces a model whose batcher holds requests and gives none of them
     back on flush (a plug-in may): they still run, alone, on the old variants, and
     those are freed once their jobs end (Dispatcher.retire_model)."""
-    from paella.dispatcher.batchers import Batcher, ModelVariants, make_batcher
-    from paella.dispatcher.batchers.stage import ServedModel, ServedVariant
-    from row_model import variant_adaptor
+    from paella.dispatcher.batchers import Batcher
+    from paella.dispatcher.batchers.stage import ServedModel
 
     class Hoards(Batcher):
         def add(self, req, now):
@@ -289,13 +288,7 @@ def test_a_replaced_model_runs_what_its_batcher_held_then_its_variants_are_freed
         disp.step()
         stage.step()
     assert c.done == {} and stage.queued == 3     # (they stay with the batcher)
-    served = {}
-    for i, b in enumerate((1, 2)):           # the new version's variants
-        ad, layout = variant_adaptor(b)
-        mid = disp.register_model(f"rows2@{b}", ad)
-        served[i] = ServedVariant(VariantSpec(i, b, 0, f"rows2@{b}"), mid, layout)
-    variants = ModelVariants("rows", tuple(s.spec for s in served.values()))
-    stage.add_model(100, ServedModel("rows", variants, served, make_batcher("identity", variants)))
+    stage.add_model(100, served_model(disp, (1, 2), "rows2"))   # the new version
     stage.submit(c.request(3, 2, client=3))
     for _ in range(10_000):                  # (bounded: a request lost here would make
         if len(c.done) == 4:                 # stage.run_until_idle spin for ever)
@@ -312,3 +305,92 @@ def test_a_replaced_model_runs_what_its_batcher_held_then_its_variants_are_freed
     assert all(m.name.startswith("rows2@") for m in disp.models.values())
     stage.remove_model(100)
     assert disp.models == {} and dev.allocated_bytes == 0 < base_bytes
+
+
+def _drive(disp, stage, done, n=20_000):
+    """Step in virtual time until ``done()`` (bounded, unlike stage.run_until_idle)."""
+    dev = disp.device
+    for _ in range(n):
+        if done():
+            return
+        disp.step()
+        stage.step()
+        if disp.idle:
+            d = stage.deadline()
+            t = min(dev.next_event_time(), float("inf") if d is None else d)
+            if t != float("inf"):
+                dev.run_until(max(t, dev.now()))
+
+
+def test_a_failed_batch_of_a_replaced_model_retries_on_its_own_variants():
+    """The swap flushes the old batcher: one batch of 4 on the old 4-row variant, which
+    fails (a poisoned row), and its requests retry alone on the old 1-row variant. That
+    variant had no job at the swap; it must still be there (it was freed at once, and
+    the retry's ValueError took the daemon's loop down)."""
+    disp, stage = serve(batcher="dynamic", options={"max_queue_delay_us": 10_000_000},
+                        greenlet=True)
+    c = Client()
+    for i in range(4):
+        stage.submit(c.request(i, 1, client=i, first=POISON if i == 1 else None))
+    for _ in range(3):
+        disp.step()
+        stage.step()
+    assert stage.queued == 4 and c.done == {}
+    stage.add_model(100, served_model(disp, (1, 2, 4, 8), "v2", greenlet=True))
+    _drive(disp, stage, lambda: len(c.done) == 4)
+    assert c.done[1][0] == rings.E_FAILED
+    for i in (0, 2, 3):
+        assert c.done[i] == (rings.OK, None)
+        np.testing.assert_array_equal(c.outputs[i], c.expect[i])
+    assert sorted(m.name for m in disp.models.values()) == ["v2@1", "v2@2", "v2@4", "v2@8"]
+
+
+def test_a_retired_scheduler_keeps_the_variants_it_still_needs():
+    """A scheduler holding requests is replaced by a model on the same variant ids, and
+    that one is then removed: the variants stay until the scheduler's requests ran."""
+    from paella.dispatcher.batchers.base import SchedulerBatcher
+    from paella.dispatcher.batchers.stage import ServedModel
+
+    class Later(SchedulerBatcher):
+        name = "later"
+
+        def start(self, ctx):
+            super().start(ctx)
+            self.held, self.at = [], 0.0
+
+        def add(self, req, now):
+            self.held.append(req)
+            self.at = now + 1e-3
+
+        def deadline(self):
+            return self.at if self.held else None
+
+        def poll(self, now):
+            for req in self.held:
+                self.ctx.submit(self.ctx.variants[0].model_id, req.io, [req.client_id],
+                                lambda st, err, req=req: self.ctx.complete(req, st, err))
+            self.held = []
+
+    disp, stage = serve(sizes=(1, 2))
+    m = stage.models[100]
+    stage.add_model(100, ServedModel("rows", m.variants, m.served, Later(m.variants)))
+    c = Client()
+    for i in range(2):
+        stage.submit(c.request(i, 1, client=i))
+    stage.add_model(100, ServedModel("rows", m.variants, m.served,
+                                     make_batcher("identity", m.variants)))
+    stage.remove_model(100)
+    assert len(disp.models) == 2             # the retired scheduler still needs them
+    _drive(disp, stage, lambda: len(c.done) == 2)
+    assert c.done == {0: (rings.OK, None), 1: (rings.OK, None)}
+    _drive(disp, stage, lambda: not disp.models, n=100)
+    assert disp.models == {} and disp.device.allocated_bytes == 0
+
+
+def test_removed_model_ids_are_never_handed_out_again():
+    disp, stage = serve(sizes=(1, 2))
+    before = set(disp.models)
+    stage.remove_model(100)
+    assert disp.models == {}
+    v = served_model(disp, (1,), "v2")
+    assert not {sv.model_id for sv in v.served.values()} & before

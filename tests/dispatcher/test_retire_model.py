@@ -141,3 +141,42 @@ def test_an_adaptor_whose_close_raises_is_logged_and_the_loop_goes_on(caplog):
     run(disp, rec, other, [1], ad.io_bytes)
     disp.run_until_idle()
     assert rec.done[1][0] == STATUS_OK
+
+
+def test_a_retired_model_is_not_put_back_by_a_failed_registration_of_its_id():
+    dev, disp, seen = setup()
+    old = chain("old", 3, grid=40)
+    mid = disp.register_model("old", old)
+    rec = Recorder()
+    disp.submit(rec.request(0, mid, old.io_bytes))
+    disp.step()
+    disp.retire_model(mid)                   # its job still runs, through the profiling
+    with pytest.raises(RuntimeError, match="profiling run"):
+        disp.register_model("new", FailsToRun(), model_id=mid)
+    assert mid not in disp.models and seen.models == ["old"]
+    assert rec.done[0][0] == STATUS_OK and dev.allocated_bytes == 0
+
+
+def test_a_variant_set_that_fails_part_way_leaves_nothing_registered():
+    """The daemon's register_variants: the second variant's profiling fails, so the
+    bundle is not served (the previous version stays) and the first, registered
+    already, must go too: a failing bundle is tried again at every SIGHUP."""
+    from types import SimpleNamespace as NS
+    from paella.dispatcher.daemon.config import DaemonConfig
+    from paella.dispatcher.daemon.executors import DispatcherExecutor
+
+    dev = SimDevice("t4")
+    ex = DispatcherExecutor(None, dev, DaemonConfig())
+
+    def variant(b):
+        return NS(name=f"b{b}", rows=b, seq_len=0, inputs=[], outputs=[], io_bytes=256)
+    good = chain("v1", 2)
+    ex.register_variants(7, "m", "m#1", NS(variants=[variant(1)]), [good], None, 1,
+                         config=NS(batcher="identity", batcher_options={}))
+    models, held = set(ex.disp.models), dev.allocated_bytes
+    with pytest.raises(RuntimeError, match="profiling run"):
+        ex.register_variants(7, "m", "m#2", NS(variants=[variant(1), variant(2)]),
+                             [chain("v2", 2), FailsToRun()], None, 1,
+                             config=NS(batcher="identity", batcher_options={}))
+    assert set(ex.disp.models) == models and dev.allocated_bytes == held
+    assert [sv.model_id for sv in ex.stage.models[7].served.values()] == sorted(models)

@@ -61,6 +61,9 @@ def test_status_lists_models_clients_and_occupancy(metrics_daemon):
     assert c.client_id in [x["id"] for x in st["clients"]]
     assert st["stats"]["requests"] >= 1
     assert "echo" in text and "per-SM occupancy" in text and "policy paella" in text
+    # noop is the one dispatcher model; its 64-byte input buffer set at least
+    assert st["dispatcher"]["models"] == 1 and st["dispatcher"]["device_memory_bytes"] >= 64
+    assert "1 dispatcher model(s)" in text and "device memory" in text
 
 
 def test_status_of_no_daemon_is_a_clear_error(tmp_path):
@@ -131,6 +134,8 @@ def test_metrics_count_requests_kernels_and_occupancy(metrics_daemon):
     assert len(occupancy) == 40
     assert ("paella_notifq_depth", ()) in after and ("paella_policy_fallbacks_total", ()) in after
     assert after[("paella_policy", (("policy", "paella"),))] == 1
+    assert after[("paella_dispatcher_models", ())] == 1
+    assert after[("paella_device_memory_bytes", ())] >= 64
 
 
 @pytest.mark.skipif(shutil.which("curl") is None, reason="curl is not installed")
