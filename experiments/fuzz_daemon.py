@@ -775,7 +775,10 @@ def run_fuzz(cfg: FuzzConfig, progress=None) -> dict:
         legit_killed = _stop_children(legit_pids, cfg.deadline + 10.0)
         final = _final_check(daemon, cfg, crashed)
         leaks = _leaks(daemon, base, cfg) if daemon.alive() else {"measured": False}
-        if daemon.alive() and daemon.starts == 1:     # (a restarted daemon holds anew)
+        # (A restarted daemon holds anew: the models check is for one that never crashed;
+        # a crash fails the run already.)
+        leaks["models_measured"] = daemon.alive() and daemon.starts == 1
+        if leaks["models_measured"]:
             if cfg.reload_seconds and model_args:
                 # One more reload with nobody left: the daemon then holds fresh versions,
                 # as at READY, plus whatever the replaced ones failed to give back (the
@@ -939,6 +942,9 @@ def _report(cfg, uid, cross, board, crashes, events, leaks, final, base, wall, d
         "models_leaked": leaks.get("models_leaked", 0),
         "device_bytes_beyond_ready": leaks.get("device_bytes_beyond_ready", 0),
         "reloads": leaks.get("reloads", 0),
+        # the reload after the attacks never reached READY (the models check then
+        # measured the versions before it)
+        "reload_not_ready": int(leaks.get("last_reload_ready") is False),
         "legit_requests": board.legit_total("requests"),
         "legit_ok": board.legit_total("ok"),
         "seconds": round(wall, 1),
@@ -989,7 +995,7 @@ def _event_examples(events: list[dict], per_kind: int = 10) -> dict[str, list[di
 
 #: Summary keys whose non-zero value fails the run.
 FAILURES = ("crashes", "lost", "wrong", "refused", "breaches", "fds_leaked", "maps_leaked",
-            "segments_leaked", "models_leaked")
+            "segments_leaked", "models_leaked", "reload_not_ready")
 
 
 def failures(report: dict) -> dict[str, int]:
@@ -1033,10 +1039,13 @@ def format_report(r: dict) -> str:
                "leaks not measured (the daemon died at the end); named segments "
                f"{s['segments_leaked']} ")
               + f"(left by crashes {r['segments_left_by_crashes']})",
-              f"reloads (SIGHUP, models changed): {s['reloads']}; dispatcher models held beyond "
-              f"READY: {s['models_leaked']}; device bytes: {s['device_bytes_beyond_ready']:+d} "
-              f"(not a failure: the built-in noop, never reloaded, keeps the 64-byte buffer sets "
-              f"a flood of it made)",
+              (f"reloads (SIGHUP, models changed): {s['reloads']}; dispatcher models held beyond "
+               f"READY: {s['models_leaked']}; device bytes: {s['device_bytes_beyond_ready']:+d} "
+               f"(not a failure: the built-in noop, never reloaded, keeps the 64-byte buffer "
+               f"sets a flood of it made)" if r["leaks"].get("models_measured") else
+               f"reloads (SIGHUP, models changed): {s['reloads']}; dispatcher models not "
+               f"measured (the daemon restarted or died)")
+              + (" - the last reload never reached READY" if s["reload_not_ready"] else ""),
               f"final check: {r['final_check']}; daemon stop status {r['stop_status']}; "
               f"daemon log {r['daemon_log_bytes']} bytes; attacker errors {r['attacker_errors']}"]
     bad = failures(r)

@@ -127,8 +127,11 @@ class BatchingStage:
         #: Dispatcher model ids for schedulers' internal models (the daemon hands out
         #: ids clear of the clients'); default: the next free one.
         self.new_model_id = disp.new_model_id
-        #: Replaced models whose scheduler still holds requests: served to the end.
+        #: Replaced models whose scheduler still holds requests, or whose batches still
+        #: run: served to the end.
         self._retired: list[ServedModel] = []
+        #: abandon() was called: the daemon stops, a failed batch's requests keep its answer.
+        self.abandoned = False
 
     # -- models ----------------------------------------------------------------------------
     def add_model(self, model_id: int, model: ServedModel) -> None:
@@ -142,6 +145,8 @@ class BatchingStage:
                 model.batcher.start(model.ctx)  # raises: the model is not served
             except BaseException:
                 model.ctx.shut("", rings.E_INTERNAL)   # (frees what it allocated)
+                own, model.ctx._own_models = model.ctx._own_models, set()
+                self.retire_variants(own)      # and what it registered
                 raise
         self.models[model_id] = model
         if old is not None:
@@ -245,6 +250,8 @@ class BatchingStage:
                         self._queued -= 1
                         self._complete(req, rings.E_CANCELLED, f"cancelled: client "
                                                                f"{client_id} disconnected")
+                if m.ctx is not None and m.ctx.retired:
+                    m.ctx._close_if_done()       # (a replaced scheduler left with nothing)
         self.disp.cancel_client(client_id)
 
     def flush(self) -> None:
@@ -259,6 +266,7 @@ class BatchingStage:
         """The daemon stops now: every scheduler is closed and what it still holds is
         answered with ``status`` and ``reason`` (their jobs are the dispatcher's to
         abandon)."""
+        self.abandoned = True                    # (failed batches are not retried now)
         for m in self._served_models():
             if m.ctx is not None:
                 m.ctx.shut(reason, status)
@@ -382,8 +390,13 @@ class BatchingStage:
         if status == rings.OK and run.staging is not None and req.io is not None:
             self.stats.scattered_bytes += scatter_one(req, run.rows0[i], run.served.layout,
                                                       run.staging)
-        if status == rings.E_FAILED and run.retry and not req.cancelled:
-            self._retry(run.model, req)
+        if status == rings.E_FAILED and run.retry and not req.cancelled and not self.abandoned:
+            try:
+                self._retry(run.model, req)
+            except Exception as e:  # noqa: BLE001 - the request gets its batch's answer
+                log.error("request %s of %s not retried alone: %s: %s", req.req_id,
+                          run.model.name, type(e).__name__, e)
+                self._complete(req, status, err)
         elif orig is not None:
             orig(req, status, err)
         if run.left == 0 and run.staging is not None:

@@ -205,7 +205,8 @@ class DispatcherExecutor:
             # Not served (the previous version stays): what it registered goes, or every
             # SIGHUP that tries this bundle again would leave another copy behind.
             for sv in served.values():
-                self.disp.retire_model(sv.model_id)
+                if sv.model_id in self.disp.models:
+                    self.disp.retire_model(sv.model_id)
             raise
 
     def remove_model(self, model_id: int) -> None:

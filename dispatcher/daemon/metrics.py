@@ -225,7 +225,8 @@ class DaemonCollector:
                 ("paella_device_memory_bytes", "Device memory the daemon holds (params, "
                  "buffer sets, schedulers' allocations)", "device_memory_bytes"),
                 ("paella_dispatcher_models", "Models registered with the dispatcher "
-                 "(variants and internal models; retired ones until their last job ends)",
+                 "(variants, internal and built-in models; retired ones until their last "
+                 "job ends)",
                  "models")):
             g = GaugeMetricFamily(name, doc)
             g.add_metric([], disp[key])

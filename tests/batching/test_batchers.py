@@ -12,6 +12,7 @@ from paella import rings
 from paella.dispatcher.batchers import (BatcherError, ModelVariants, VariantSpec, batcher_names,
                                         make_batcher)
 
+from paella.dispatcher.batchers.base import SchedulerBatcher
 from row_model import POISON, Client, serve, served_model
 
 MODEL = ModelVariants("m", tuple(VariantSpec(i, b) for i, b in enumerate((1, 2, 4, 8))))
@@ -345,31 +346,35 @@ def test_a_failed_batch_of_a_replaced_model_retries_on_its_own_variants():
     assert sorted(m.name for m in disp.models.values()) == ["v2@1", "v2@2", "v2@4", "v2@8"]
 
 
+class Later(SchedulerBatcher):
+    """Holds each request for 1 ms of device time, then runs it on the 1-row variant."""
+    name = "later"
+
+    def start(self, ctx):
+        super().start(ctx)
+        self.held, self.at = [], 0.0
+
+    def add(self, req, now):
+        self.held.append(req)
+        self.at = now + 1e-3
+
+    def deadline(self):
+        return self.at if self.held else None
+
+    def remove_client(self, client_id):
+        self.held = [r for r in self.held if r.client_id != client_id]
+
+    def poll(self, now):
+        for req in self.held:
+            self.ctx.submit(self.ctx.variants[0].model_id, req.io, [req.client_id],
+                            lambda st, err, req=req: self.ctx.complete(req, st, err))
+        self.held = []
+
+
 def test_a_retired_scheduler_keeps_the_variants_it_still_needs():
     """A scheduler holding requests is replaced by a model on the same variant ids, and
     that one is then removed: the variants stay until the scheduler's requests ran."""
-    from paella.dispatcher.batchers.base import SchedulerBatcher
     from paella.dispatcher.batchers.stage import ServedModel
-
-    class Later(SchedulerBatcher):
-        name = "later"
-
-        def start(self, ctx):
-            super().start(ctx)
-            self.held, self.at = [], 0.0
-
-        def add(self, req, now):
-            self.held.append(req)
-            self.at = now + 1e-3
-
-        def deadline(self):
-            return self.at if self.held else None
-
-        def poll(self, now):
-            for req in self.held:
-                self.ctx.submit(self.ctx.variants[0].model_id, req.io, [req.client_id],
-                                lambda st, err, req=req: self.ctx.complete(req, st, err))
-            self.held = []
 
     disp, stage = serve(sizes=(1, 2))
     m = stage.models[100]
@@ -394,3 +399,35 @@ def test_removed_model_ids_are_never_handed_out_again():
     assert disp.models == {}
     v = served_model(disp, (1,), "v2")
     assert not {sv.model_id for sv in v.served.values()} & before
+
+
+def test_a_retired_scheduler_whose_client_left_closes_and_frees_its_variants():
+    from paella.dispatcher.batchers.stage import ServedModel
+    disp, stage = serve(sizes=(1, 2))
+    m = stage.models[100]
+    stage.add_model(100, ServedModel("rows", m.variants, m.served, Later(m.variants)))
+    sched = stage.models[100]
+    c = Client()
+    stage.submit(c.request(0, 1, client=9))
+    stage.add_model(100, served_model(disp, (1, 2), "v2"))     # held, no job yet
+    stage.cancel_client(9)
+    assert c.done[0][0] == rings.E_CANCELLED
+    assert sched.ctx.closed and stage._retired == []
+    assert sorted(x.name for x in disp.models.values()) == ["v2@1", "v2@2"]
+
+
+def test_an_abandoned_batch_is_answered_with_its_failure_not_retried():
+    """The daemon's lost-GPU path: every request of a running batch is completed with
+    E_FAILED by abandon_all, and gets that answer (a retry submitted into the
+    dispatcher being abandoned was dropped: no answer at all)."""
+    disp, stage = serve(batcher="dynamic", options={"max_queue_delay_us": 1000})
+    m = stage.models[100]
+    c = Client()
+    for i in range(3):
+        stage.submit(c.request(i, 1, client=i))
+    _drive(disp, stage, lambda: m.running > 0)
+    stage.flush()
+    stage.abandon("lost", rings.E_FAILED)
+    assert disp.abandon_all("the GPU failed", rings.E_FAILED) == 3
+    assert c.done == {i: (rings.E_FAILED, "the GPU failed") for i in range(3)}
+    assert m.running == 0 and disp.in_flight == 0

@@ -180,3 +180,33 @@ def test_a_variant_set_that_fails_part_way_leaves_nothing_registered():
                              config=NS(batcher="identity", batcher_options={}))
     assert set(ex.disp.models) == models and dev.allocated_bytes == held
     assert [sv.model_id for sv in ex.stage.models[7].served.values()] == sorted(models)
+
+
+def test_a_scheduler_whose_start_fails_leaves_no_model_registered():
+    """A standalone scheduler (orca's kind) registers an internal model in start() and
+    then fails (orca: its KV cache does not fit): tried again at every SIGHUP, it must
+    leave nothing behind."""
+    from paella.dispatcher.batchers import ModelVariants, VariantSpec
+    from paella.dispatcher.batchers.base import SchedulerBatcher
+    from paella.dispatcher.daemon.config import DaemonConfig
+    from paella.dispatcher.daemon.executors import DispatcherExecutor
+
+    class Fails(SchedulerBatcher):
+        name = "fails"
+
+        def start(self, ctx):
+            super().start(ctx)
+            ctx.register_model("iteration", chain("it", 2))
+            raise RuntimeError("the KV cache does not fit")
+
+        def add(self, req, now):
+            pass
+
+    dev = SimDevice("t4")
+    ex = DispatcherExecutor(None, dev, DaemonConfig())
+    for k in range(3):
+        with pytest.raises(RuntimeError, match="KV cache"):
+            ex.register_variants(5, "gen", f"gen#{k}", None, [],
+                                 Fails(ModelVariants("gen", (VariantSpec(0, 1, 0, "gen"),))), 1)
+        assert ex.disp.models == {} and dev.allocated_bytes == 0
+    assert ex.stage.models == {}
