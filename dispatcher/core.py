@@ -714,7 +714,7 @@ class Dispatcher:
     def new_model_id(self) -> int:
         """An id no model of this dispatcher ever had: a removed model's id is not handed
         out again, since a finished job's retry or a stale reference may still name it."""
-        return max(self._top_id, max(self.models, default=-1)) + 1
+        return self._top_id + 1
 
     def retire_model(self, model: int | Model) -> None:
         """Take a model (its id, or the :class:`Model`) out of service: once it has no

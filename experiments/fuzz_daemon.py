@@ -54,6 +54,7 @@ import tempfile
 import time
 import traceback
 from dataclasses import asdict, dataclass, field
+from typing import Callable
 
 import numpy as np
 
@@ -178,10 +179,42 @@ class DaemonUnderTest:
     def pid(self) -> int:
         return self.proc.pid
 
-    def start(self, timeout: float = 60.0) -> None:
-        notify_path = os.path.join(self.dir, f"notify.{self.starts}")
+    def _notify_path(self, start: int) -> str:
+        """The NOTIFY_SOCKET of the ``start``-th incarnation (sd_notify's READY=1)."""
+        return os.path.join(self.dir, f"notify.{start}")
+
+    def _ready(self, notify_path: str, timeout: float, act: Callable[[], None]) -> bool:
+        """Listen on ``notify_path``, ``act()``, then wait for READY=1 while the daemon
+        lives; False if it exited or ``timeout`` passed first."""
         notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
         notify.bind(notify_path)
+        notify.settimeout(0.2)
+        try:
+            act()
+            end = time.monotonic() + timeout
+            while time.monotonic() < end and self.alive():
+                try:
+                    if b"READY=1" in notify.recv(4096):
+                        return True
+                except socket.timeout:
+                    pass  # not yet
+            return False
+        finally:
+            notify.close()
+            os.unlink(notify_path)
+
+    def start(self, timeout: float = 60.0) -> None:
+        notify_path = self._notify_path(self.starts)
+        if not self._ready(notify_path, timeout, lambda: self._spawn(notify_path)):
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"the daemon exited with {self.proc.returncode} at "
+                                   f"start:\n{self.log_text()[-3000:]}")
+            self.proc.kill()
+            raise RuntimeError(f"the daemon was not ready after {timeout} s")
+        if self.nofile:                      # after start-up, which may open many files
+            resource.prlimit(self.pid, resource.RLIMIT_NOFILE, (self.nofile, self.nofile))
+
+    def _spawn(self, notify_path: str) -> None:
         self.rotate_log(force=True)
         self.log_from = os.path.getsize(self.log_path) if os.path.exists(self.log_path) else 0
         logf = os.open(self.log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
@@ -193,48 +226,12 @@ class DaemonUnderTest:
         finally:
             os.close(logf)
         self.starts += 1
-        end = time.monotonic() + timeout
-        try:
-            while True:
-                notify.settimeout(0.2)
-                try:
-                    if b"READY=1" in notify.recv(4096):
-                        if self.nofile:     # after start-up, which may open many files
-                            resource.prlimit(self.pid, resource.RLIMIT_NOFILE,
-                                             (self.nofile, self.nofile))
-                        return
-                except socket.timeout:
-                    pass  # not yet
-                if self.proc.poll() is not None:
-                    raise RuntimeError(f"the daemon exited with {self.proc.returncode} at "
-                                       f"start:\n{self.log_text()[-3000:]}")
-                if time.monotonic() > end:
-                    self.proc.kill()
-                    raise RuntimeError(f"the daemon was not ready after {timeout} s")
-        finally:
-            notify.close()
-            os.unlink(notify_path)
 
     def reload(self, timeout: float = 60.0) -> bool:
         """SIGHUP, and wait for the READY=1 that follows the swap (on this incarnation's
         notify path, listened on again); False if none came within ``timeout``."""
-        notify_path = os.path.join(self.dir, f"notify.{self.starts - 1}")
-        notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-        notify.bind(notify_path)
-        try:
-            os.kill(self.pid, signal.SIGHUP)
-            end = time.monotonic() + timeout
-            while time.monotonic() < end and self.alive():
-                notify.settimeout(0.2)
-                try:
-                    if b"READY=1" in notify.recv(4096):
-                        return True
-                except socket.timeout:
-                    pass  # not yet
-            return False
-        finally:
-            notify.close()
-            os.unlink(notify_path)
+        return self._ready(self._notify_path(self.starts - 1), timeout,
+                           lambda: os.kill(self.pid, signal.SIGHUP))
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
@@ -1080,6 +1077,8 @@ def main(argv: list[str] | None = None) -> int:
     unknown = set(families) - set(fuzz_attacks.FAMILIES)
     if unknown:
         p.error(f"unknown families {sorted(unknown)}")
+    if not a.reload_every >= 0:
+        p.error(f"--reload-every must be >= 0 seconds (0: never), got {a.reload_every}")
     cfg = FuzzConfig(seconds=a.seconds, seed=a.seed, attackers=a.attackers, legit=a.legit,
                      families=families, attacker_uid=os.geteuid() if a.same_uid else None,
                      deadline=a.deadline, bundle=a.bundle, log_level=a.log_level,

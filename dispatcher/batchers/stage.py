@@ -172,7 +172,11 @@ class BatchingStage:
         if old.running:
             self._retired.append(old)            # (its batches' retries may need any variant)
         else:
-            self.retire_variants({sv.model_id for sv in old.served.values()})
+            self._release(old)
+
+    def _release(self, old: ServedModel) -> None:
+        """A replaced plain model has no batch left: its variants can go."""
+        self.retire_variants({sv.model_id for sv in old.served.values()})
 
     def retire_variants(self, model_ids: set[int]) -> None:
         """Have the dispatcher free these models of a replaced one once their jobs end,
@@ -411,9 +415,9 @@ class BatchingStage:
         if run.left == 0:
             m = run.model
             m.running -= 1                       # (after any retry it started)
-            if m.retired and m.running == 0 and m.ctx is None and m in self._retired:
+            if m.retired and m.running == 0:     # (then it waits in _retired)
                 self._retired.remove(m)
-                self.retire_variants({sv.model_id for sv in m.served.values()})
+                self._release(m)
 
     def _retry(self, m: ServedModel, req: Any) -> None:
         """Re-run one request of a failed batch alone (isolating the failure)."""

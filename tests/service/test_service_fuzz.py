@@ -18,6 +18,7 @@ import struct
 import time
 
 import numpy as np
+import pytest
 
 from paella import rings, wire
 from paella.client import RequestFailed, connect
@@ -243,3 +244,12 @@ def test_fuzzer_names_the_cause_of_a_crash(tmp_path):
             os.unlink(os.path.join("/dev/shm", name))
     assert signature.startswith("Bus error in "), (signature, tail)
     assert "item 1" in cause
+
+
+@pytest.mark.parametrize("value", ["-1", "nan"])
+def test_a_negative_reload_period_is_refused(value, capsys):
+    from paella.experiments.fuzz_daemon import main
+    with pytest.raises(SystemExit) as e:
+        main(["--reload-every", value])
+    assert e.value.code == 2
+    assert "--reload-every must be >= 0 seconds" in capsys.readouterr().err
