@@ -546,6 +546,7 @@ class Dispatcher:
         instr = self.instruments
         if "job_finished" in instr:
             instr.call("job_finished", job)
+        raised = None
         for req in job.requests:
             if req.cancelled:
                 req.status, req.error = STATUS_CANCELLED, req.error or "cancelled"
@@ -556,13 +557,19 @@ class Dispatcher:
                 req.error = job.error
             req.t_done = now
             if req.on_complete is not None:
-                req.on_complete(req, req.status, req.error)
+                try:
+                    req.on_complete(req, req.status, req.error)
+                except Exception as e:       # the caller's bug: its batch-mates are still
+                    raised = raised or e     # answered and the model's count kept, then
+                                             # it propagates (below)
             if "request_finished" in instr:
                 instr.call("request_finished", req)
         model = job.model                    # (after the callbacks: a retry they submit
         model.jobs -= 1                      # to the same model keeps it)
         if model.retired and model.jobs == 0:
             self._remove_model(model)
+        if raised is not None:
+            raise raised
 
     def _almost_finished(self, job: Job) -> None:
         if not job.almost_sent:
@@ -877,6 +884,7 @@ class Dispatcher:
         copy in flight; a cancelled request's outputs are undefined."""
         jobs = sorted(self.jobs, key=lambda j: j.seq)
         n = 0
+        raised = None
         for job in jobs:
             if job.glet is not None and not job.glet.dead:
                 job.glet.throw(greenlet.GreenletExit)
@@ -889,9 +897,14 @@ class Dispatcher:
                 n += 1
                 req.status, req.error, req.t_done = status, reason, self.now
                 if req.on_complete is not None:
-                    req.on_complete(req, status, reason)
+                    try:
+                        req.on_complete(req, status, reason)
+                    except Exception as e:   # as in _finish: the others are answered
+                        raised = raised or e
         self._arrivals.clear()
         self._resume.clear()
+        if raised is not None:
+            raise raised
         return n
 
     def run_until_idle(self, timeout: float = 60.0) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 
+import numpy as np
 import pytest
 
 from paella.dispatcher.adaptor import JobAdaptor
@@ -210,3 +211,44 @@ def test_a_scheduler_whose_start_fails_leaves_no_model_registered():
                                  Fails(ModelVariants("gen", (VariantSpec(0, 1, 0, "gen"),))), 1)
         assert ex.disp.models == {} and dev.allocated_bytes == 0
     assert ex.stage.models == {}
+
+
+def test_a_raising_callback_still_lets_its_batch_mates_finish_and_the_model_go():
+    dev, disp, seen = setup()
+    ad = chain("m", 3, grid=20)
+    mid = disp.register_model("m", ad)
+    rec = Recorder()
+    reqs = [rec.request(i, mid, ad.io_bytes) for i in range(3)]
+
+    def boom(req, status, error):
+        raise RuntimeError("the caller's bug")
+    reqs[0].on_complete = boom
+    io = np.zeros(max(ad.io_bytes, 1), np.uint8)
+    disp.submit_group(reqs, io)
+    disp.retire_model(mid)
+    with pytest.raises(RuntimeError, match="the caller's bug"):
+        disp.run_until_idle()
+    assert sorted(rec.done) == [1, 2]        # answered although the first callback raised
+    assert all(st == STATUS_OK for st, _, _ in rec.done.values())
+    assert mid not in disp.models and seen.models == ["m"]
+    assert dev.allocated_bytes == 0
+
+
+def test_abandon_all_answers_everyone_before_a_raising_callback_propagates():
+    dev, disp, seen = setup()
+    ad = chain("m", 3, grid=20)
+    mid = disp.register_model("m", ad)
+    rec = Recorder()
+    reqs = [rec.request(i, mid, ad.io_bytes) for i in range(4)]
+
+    def boom(req, status, error):
+        raise RuntimeError("the caller's bug")
+    reqs[1].on_complete = boom
+    for r in reqs:
+        disp.submit(r)
+    disp.step()
+    with pytest.raises(RuntimeError, match="the caller's bug"):
+        disp.abandon_all("gpu lost")
+    assert sorted(rec.done) == [0, 2, 3]
+    assert all(err == "gpu lost" for _, err, _ in rec.done.values())
+    assert disp.in_flight == 0 and not disp.jobs
