@@ -213,16 +213,22 @@ def test_a_scheduler_whose_start_fails_leaves_no_model_registered():
     assert ex.stage.models == {}
 
 
-def test_a_raising_callback_still_lets_its_batch_mates_finish_and_the_model_go():
+def one_raising_callback(n, bad):
+    """A model "m" and ``n`` requests for it, request ``bad``'s on_complete raising."""
     dev, disp, seen = setup()
     ad = chain("m", 3, grid=20)
     mid = disp.register_model("m", ad)
     rec = Recorder()
-    reqs = [rec.request(i, mid, ad.io_bytes) for i in range(3)]
+    reqs = [rec.request(i, mid, ad.io_bytes) for i in range(n)]
 
     def boom(req, status, error):
         raise RuntimeError("the caller's bug")
-    reqs[0].on_complete = boom
+    reqs[bad].on_complete = boom
+    return dev, disp, seen, ad, mid, rec, reqs
+
+
+def test_a_raising_callback_still_lets_its_batch_mates_finish_and_the_model_go():
+    dev, disp, seen, ad, mid, rec, reqs = one_raising_callback(3, 0)
     io = np.zeros(max(ad.io_bytes, 1), np.uint8)
     disp.submit_group(reqs, io)
     disp.retire_model(mid)
@@ -235,15 +241,7 @@ def test_a_raising_callback_still_lets_its_batch_mates_finish_and_the_model_go()
 
 
 def test_abandon_all_answers_everyone_before_a_raising_callback_propagates():
-    dev, disp, seen = setup()
-    ad = chain("m", 3, grid=20)
-    mid = disp.register_model("m", ad)
-    rec = Recorder()
-    reqs = [rec.request(i, mid, ad.io_bytes) for i in range(4)]
-
-    def boom(req, status, error):
-        raise RuntimeError("the caller's bug")
-    reqs[1].on_complete = boom
+    dev, disp, seen, ad, mid, rec, reqs = one_raising_callback(4, 1)
     for r in reqs:
         disp.submit(r)
     disp.step()
