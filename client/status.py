@@ -76,9 +76,14 @@ def format_status(st: dict) -> str:
                      f"fallback(s)")
         lines.append("  per-SM occupancy: " + " ".join(f"{x:.0%}" for x in occ))
         if "models" in d:                    # (daemons before session 10 lack these)
+            total = d.get("device_memory_total_bytes")
             lines.append(f"  {d['models']} dispatcher model(s) (variants, internal models, "
                          f"replaced ones still finishing), device memory "
-                         f"{d['device_memory_bytes'] / 2**20:.1f} MiB")
+                         f"{d['device_memory_bytes'] / 2**20:.1f} MiB"
+                         + (f" of {total / 2**30:.1f} GiB" if total else ""))
+        if d.get("memory_waits") or d.get("memory_failures"):
+            lines.append(f"  device memory full: {d['memory_waits']} job(s) waited for "
+                         f"memory, {d['memory_failures']} request(s) failed for want of it")
     return "\n".join(lines)
 
 

@@ -335,6 +335,15 @@ class BufferPool:
         else:
             self.free.append(b)
 
+    def trim(self) -> int:
+        """Free the idle sets (the device's memory is full); returns the bytes freed.
+        The pool grows again on demand."""
+        n = len(self.free)
+        while self.free:
+            self._destroy(self.free.pop())
+        self.created -= n
+        return n * self.set_bytes
+
     def close(self) -> None:
         """Free the idle sets now; sets still in use are freed when released. Call it
         only once the model takes no more requests."""

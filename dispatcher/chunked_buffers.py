@@ -112,6 +112,10 @@ class ChunkedMemory:
         self.in_use -= 1
         self._close_if_done()
 
+    def trim(self) -> int:
+        """Free the chunks no job uses (the device's memory is full); returns bytes."""
+        return self.allocator.trim() if self.allocator is not None else 0
+
     def view_closed(self) -> None:
         self.views -= 1
         if self.views == 0:
@@ -157,12 +161,22 @@ class ChunkedView:
 
     def acquire(self) -> ChunkBufferSet | None:
         token = self.memory.take()
-        return None if token is None else self._bind(token)
+        return None if token is None else self._bind_or_give_back(token)
 
     def rebind(self, b: Any) -> ChunkBufferSet:
         """A set freed by another job (perhaps of another variant), placed for this one."""
         self.memory.allocator.release_job(b.token)
-        return self._bind(b.token)
+        return self._bind_or_give_back(b.token)
+
+    def _bind_or_give_back(self, token: object) -> ChunkBufferSet:
+        try:
+            return self._bind(token)
+        except Exception:                   # a chunk did not fit (OutOfMemory): what
+            self.memory.give_back(token)    # was placed goes, and the job's slot
+            raise
+
+    def trim(self) -> int:
+        return self.memory.trim()
 
     def release(self, b: ChunkBufferSet) -> None:
         self.memory.give_back(b.token)

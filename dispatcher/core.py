@@ -42,7 +42,8 @@ import greenlet
 import numpy as np
 
 from paella import protocol, rings
-from paella.dispatcher.devices.base import H2D, KERNEL, Device, DeviceError, DeviceLost, Function, dim3
+from paella.dispatcher.devices.base import (H2D, KERNEL, Device, DeviceError, DeviceLost, Function,
+                                            OutOfMemory, dim3)
 
 from .adaptor import JobAdaptor
 from .instruments import Instrument, Instruments
@@ -167,6 +168,11 @@ class Dispatcher:
         self.idle = True                     # the last step() changed nothing
         self._arrivals: deque[Job] = deque()
         self._resume: list[Job] = []
+        #: Jobs that found the device's memory full: they try again as a job ends.
+        self._memory_waiting: deque[Job] = deque()
+        #: Times a job waited for device memory, and requests failed for want of it.
+        self.memory_waits = 0
+        self.memory_failures = 0
         self._copies: deque[Op] = deque()    # active copies, released ahead of kernels
         self._copy_events: dict[int, deque] = {}
         self._seq = 0
@@ -466,7 +472,12 @@ class Dispatcher:
             job = arrivals.popleft()
             pool = job.model.pool
             if pool is not None and job.bindings is None:
-                bindings = pool.acquire()
+                try:
+                    bindings = pool.acquire()
+                except OutOfMemory as e:     # rare: the GPU is full
+                    bindings = self._out_of_memory(job, pool, e)
+                    if bindings is None:     # it waits for memory, or failed
+                        continue
                 if bindings is None:         # every buffer set in use: wait for one
                     pool.waiting.append(job)
                     continue
@@ -490,6 +501,42 @@ class Dispatcher:
                     job.fail(e)
                 job.returned = True
             self._after_run(job)
+
+    def _out_of_memory(self, job: Job, pool: Any, exc: OutOfMemory) -> Any:
+        """``job``'s buffers do not fit in device memory: free every model's idle buffers
+        and try again. Still full: the job waits while any job holds memory it will give
+        back (each one's end retries the waiting), or fails, with the device's reason,
+        when none does. Returns the job's buffer set, or None (it waits or failed)."""
+        if self.reclaim_idle_memory():
+            try:
+                return pool.acquire()
+            except OutOfMemory as e:
+                exc = e
+        if any(j is not job and ((j.bindings is not None and j.bindings is not j.model.pool.shared)
+                                 or j.allocations) for j in self.jobs):
+            self._memory_waiting.append(job)
+            self.memory_waits += 1
+            return None
+        self.memory_failures += len(job.requests)
+        job.left_policy = True               # never announced to the policy
+        job.error = (f"{exc}; the model needs more device memory than is free with nothing "
+                     f"else running: serve fewer or smaller models on this GPU, or give "
+                     f"this one a smaller batch or length")
+        job.returned = True
+        self._progress += 1
+        self._finish(job)
+        return None
+
+    def reclaim_idle_memory(self) -> int:
+        """Free the buffers no job holds (idle buffer sets, unused chunks) of every
+        model; returns the bytes freed. The dispatcher calls it when the device's memory
+        is full; pools then grow again on demand."""
+        freed = 0
+        for model in list(self.models.values()):
+            trim = getattr(model.pool, "trim", None)
+            if trim is not None:
+                freed += trim()
+        return freed
 
     def _resume_jobs(self) -> None:
         # A snapshot (Trio's rule): jobs woken while these run wait for the next pass.
@@ -531,10 +578,16 @@ class Dispatcher:
             pool = job.model.pool
             if pool.waiting:                 # straight to the oldest job waiting for one
                 nxt = pool.waiting.popleft()
-                nxt.bindings = nxt.model.pool.rebind(bindings)   # (variants may share a pool)
+                try:                         # (variants may share a pool)
+                    nxt.bindings = nxt.model.pool.rebind(bindings)
+                except OutOfMemory:          # the set went back: nxt acquires anew
+                    pass
                 self._arrivals.append(nxt)
             else:
                 pool.release(bindings)
+        if self._memory_waiting:             # what this job held may now be reclaimed
+            self._arrivals.extend(self._memory_waiting)
+            self._memory_waiting.clear()
         ok = job.error is None
         if ok:
             job.model.profile.record_job(job.kcount)
@@ -688,7 +741,12 @@ class Dispatcher:
             raise ValueError(f"model {name!r} was compiled {how}, and this dispatcher reads "
                              f"notifications in groups of {self.group}: recompile it with "
                              f"`paella compile` and the default group")
-        adaptor.init(self.device)
+        try:
+            adaptor.init(self.device)
+        except OutOfMemory:
+            if not self.reclaim_idle_memory():
+                raise
+            adaptor.init(self.device)        # (an init that failed cleans up after itself)
         old = self.models.get(model_id)
         model = Model(model_id, name, adaptor, pool=adaptor.buffer_pool)
         if adaptor.plan is not None:         # a plan is replayed, never run() in a greenlet
@@ -867,6 +925,9 @@ class Dispatcher:
             elif job in parked:              # waiting for a buffer set
                 parked.remove(job)
                 job.left_policy = True
+            elif job in self._memory_waiting:
+                self._memory_waiting.remove(job)
+                job.left_policy = True
             self._abort(job, reason, cancelled=True)
             if job.waitlist.pending == 0:
                 self._finish(job)
@@ -903,6 +964,7 @@ class Dispatcher:
                         raised = raised or e
         self._arrivals.clear()
         self._resume.clear()
+        self._memory_waiting.clear()
         if raised is not None:
             raise raised
         return n

@@ -138,7 +138,7 @@ class Job:
         # dispatcher before the job starts and returned when it finishes.
         self.bindings: Any = None
         self.t_arrival = requests[0].t_submit
-        self.t_start = 0.0
+        self.t_start = float("nan")        # (never started: cancelled or failed waiting)
         #: The real stream its ops go to (-1: the dispatcher's stream map chooses);
         #: set by ``Dispatcher.submit_group(stream=...)``.
         self.pin = -1

@@ -142,10 +142,11 @@ class _Device:
         self.stats = stats if stats is not None else AllocatorStats()
 
     def alloc(self, nbytes: int) -> int:
-        self.stats.allocated(nbytes)
         if self._alloc is not None:
-            return self._alloc(nbytes)
-        ptr, self._next = self._next, self._next + nbytes + 256
+            ptr = self._alloc(nbytes)        # (first: one that fails counts nothing)
+        else:
+            ptr, self._next = self._next, self._next + nbytes + 256
+        self.stats.allocated(nbytes)
         return ptr
 
     def free(self, ptr: int, nbytes: int) -> None:
@@ -231,6 +232,20 @@ class ChunkAllocator:
             else:
                 kept.append(c)
         self.chunks = kept
+
+    def trim(self) -> int:
+        """Free every chunk no live tensor uses, at once (not after ``max_idle``
+        placements); returns the bytes freed."""
+        freed = 0
+        kept = []
+        for c in self.chunks:
+            if c.records:
+                kept.append(c)
+            else:
+                self._device.free(c.ptr, c.size)
+                freed += c.size
+        self.chunks = kept
+        return freed
 
     def close(self) -> None:
         for c in self.chunks:

@@ -31,6 +31,7 @@ import numpy as np
 
 from paella import rings, wire
 from paella.dispatcher.batchers.base import ModelVariants, RequestRefused, SchedulerBatcher
+from paella.dispatcher.devices.base import OutOfMemory
 from paella.models.base import DEFAULT_SEED
 from paella.models.gpt import GPTConfig, gpt_weights
 from paella.shapes import align
@@ -94,7 +95,7 @@ class OrcaScheduler(SchedulerBatcher):
             self.engine = GenerationEngine(ctx, self.cfg, max_bs=self.max_bs,
                                            n_slots=self.n_slots, weights=self.weights,
                                            name="iteration", **self.options)
-        except (OSError, MemoryError) as e:   # the KV cache does not fit
+        except (OSError, MemoryError, OutOfMemory) as e:   # the KV cache does not fit
             per_slot = self.cfg.kv_bytes_per_slot()
             need = self.n_slots * per_slot
             raise RuntimeError(f"the KV cache of n_slots = {self.n_slots} ({need / 2**30:.3g} GiB"

@@ -68,6 +68,7 @@ class DaemonConfig:
     ring_slots: int = 1024
     max_clients_per_uid: int = 64       # connections of one uid, handshaking or ready
     handshake_seconds: float = 5.0      # a connection must send HELLO within this
+    device_memory: int = 0              # bytes of GPU memory the daemon may use (0: all)
 
     def check(self) -> None:
         choices = {"backend": ("auto", "sim", "cuda"), "idle": ("adaptive", "spin"),
@@ -112,6 +113,9 @@ class DaemonConfig:
                      "max_clients_per_uid"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
+        if type(self.device_memory) is not int or self.device_memory < 0:
+            raise ConfigError(f"device_memory must be a number of bytes >= 0 (the GPU memory "
+                              f"the daemon may use; 0: all of it), got {self.device_memory!r}")
         if self.arena_bytes > self.max_arena_bytes:
             raise ConfigError(f"arena_bytes ({self.arena_bytes}) exceeds max_arena_bytes "
                               f"({self.max_arena_bytes})")
@@ -143,7 +147,7 @@ SECTIONS = {
                "metrics_addr"),
     "access": ("allowed_users", "allowed_groups", "socket_mode"),
     "limits": ("max_clients", "max_inflight_per_client", "arena_bytes", "max_arena_bytes",
-               "ring_slots", "max_clients_per_uid", "handshake_seconds"),
+               "ring_slots", "max_clients_per_uid", "handshake_seconds", "device_memory"),
 }
 
 

@@ -93,6 +93,8 @@ class JobMetrics(Instrument):
         now = job.host.now
         ok = job.error is None
         t_start = job.t_start
+        if t_start != t_start:               # never started (cancelled or failed while it
+            t_start = now                    # waited for memory): all of it was queueing
         for req in reqs:
             m.count += 1
             if ok and not req.cancelled:
@@ -224,6 +226,8 @@ class DaemonCollector:
                 ("paella_resident_blocks", "Blocks resident on the GPU", "resident_blocks"),
                 ("paella_device_memory_bytes", "Device memory the daemon holds (params, "
                  "buffer sets, schedulers' allocations)", "device_memory_bytes"),
+                ("paella_device_memory_total_bytes", "The GPU's memory (the driver's total; "
+                 "the simulator's preset)", "device_memory_total_bytes"),
                 ("paella_dispatcher_models", "Models registered with the dispatcher "
                  "(variants, internal and built-in models; retired ones until their last "
                  "job ends)",
@@ -236,7 +240,11 @@ class DaemonCollector:
                 ("paella_policy_decisions", "Kernels the policy picked and the dispatcher "
                                             "released", "decisions"),
                 ("paella_policy_fallbacks", "Times a failing policy was replaced by fifo",
-                 "policy_fallbacks")):
+                 "policy_fallbacks"),
+                ("paella_memory_waits", "Times a job waited for device memory that "
+                 "running jobs would give back", "memory_waits"),
+                ("paella_memory_failures", "Requests failed because their buffers could "
+                 "never fit in device memory", "memory_failures")):
             c = CounterMetricFamily(name, doc)
             c.add_metric([], disp[key])
             yield c

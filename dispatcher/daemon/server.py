@@ -69,6 +69,7 @@ def open_device_for(cfg: DaemonConfig):
         dev = open_device(cfg.backend, gpu=cfg.gpu, **options)
     except (NoDriverError, ValueError) as e:
         raise ConfigError(str(e)) from None
+    dev.memory_limit = cfg.device_memory
     if dev.backend == "cuda":
         log.info("cuda device %d: %s (%s), %d SMs", dev.ordinal, dev.props.name,
                  dev.props.sm_name, dev.props.sm_count)
@@ -322,6 +323,8 @@ class Daemon:
         warps = tracker.sm_warps
         return {"policy": disp.policy.name, "gpu": spec.name, "sm_count": spec.sm_count,
                 "models": len(disp.models), "device_memory_bytes": disp.device.allocated_bytes,
+                "device_memory_total_bytes": disp.device.memory_capacity,
+                "memory_waits": disp.memory_waits, "memory_failures": disp.memory_failures,
                 "sm_occupancy": [round(w / spec.max_warps_per_sm, 4) for w in warps],
                 "resident_blocks": tracker.blocks, "resident_warps": tracker.warps,
                 "notifq_depth": tracker.pending_entries, "notifications": tracker.notifications,

@@ -47,6 +47,12 @@ class DeviceLost(DeviceError):
     """
 
 
+class OutOfMemory(DeviceError):
+    """The device has no room for an allocation. Not a fault of the work that asked: the
+    dispatcher frees idle buffers and retries, or lets the job wait until running jobs
+    give memory back, and fails a request only when nothing it holds ever could."""
+
+
 class NotifQOverrun(DeviceError):
     """The device wrote into a notifQ slot the dispatcher had not consumed yet.
 
@@ -135,6 +141,9 @@ class Device:
         self.notifq: np.ndarray = self._alloc_notifq(notifq_slots)
         self._sizes: dict[int, int] = {}     # live allocations: pointer -> bytes
         self._allocated = 0                  # their sum (read by the metrics thread)
+        #: Bytes this process may allocate (0: as much as the GPU has): a daemon sharing
+        #: its GPU with other processes keeps to its share (``[limits] device_memory``).
+        self.memory_limit = 0
 
     # -- kernels ---------------------------------------------------------------
     def load_module(self, image: ModuleImage) -> dict[str, Function]:
@@ -197,6 +206,10 @@ class Device:
     def alloc(self, nbytes: int) -> int:
         if nbytes <= 0:
             raise ValueError(f"allocation size must be positive, got {nbytes}")
+        limit = self.memory_limit
+        if limit and self._allocated + nbytes > limit:
+            raise OutOfMemory(f"out of device memory: {nbytes} B asked, {self._allocated} of "
+                              f"the {limit} B this process may use (device_memory) in use")
         ptr = self._alloc(nbytes)
         self._sizes[ptr] = nbytes
         self._allocated += nbytes
@@ -205,6 +218,15 @@ class Device:
     def free(self, ptr: int) -> None:
         self._free(ptr)
         self._allocated -= self._sizes.pop(ptr, 0)
+
+    @property
+    def memory_capacity(self) -> int:
+        """The bytes this process may allocate: its ``memory_limit``, or the GPU's
+        memory (0: not known)."""
+        total, limit = self.props.mem_bytes, self.memory_limit
+        if limit and total:
+            return min(limit, total)
+        return limit or total
 
     @property
     def allocated_bytes(self) -> int:

@@ -52,7 +52,7 @@ from cuda.bindings import driver as _drv
 
 from paella import protocol
 from paella.dispatcher.devices.base import (Callback, Device, DeviceError, DeviceLost, Dim3,
-                                            Function, KernelInfo, ModuleImage)
+                                            Function, KernelInfo, ModuleImage, OutOfMemory)
 from paella.gpus import GpuSpec
 from paella.occupancy import Footprint
 
@@ -122,6 +122,10 @@ class CudaError(DeviceError):
         super().__init__(msg)
 
 
+class CudaOutOfMemory(CudaError, OutOfMemory):
+    """``CUDA_ERROR_OUT_OF_MEMORY``: the dispatcher's reclaim-and-wait path handles it."""
+
+
 class CudaContextLost(CudaError, DeviceLost):
     """A sticky error: the CUDA context is gone and every later call fails the same way.
 
@@ -154,6 +158,8 @@ def check(result: Any, call: str) -> Any:
     if err != _SUCCESS:
         if err in STICKY:
             raise CudaContextLost(call, err)
+        if err == CUresult.CUDA_ERROR_OUT_OF_MEMORY:
+            raise CudaOutOfMemory(call, err)
         raise CudaError(call, err)
     if not out:
         return None
@@ -210,6 +216,7 @@ def device_spec(drv: Any, dev: Any) -> GpuSpec:
         hw_queues=queues,
         peak_flops=2.0 * lanes * sms * clock_khz * 1e3,
         mem_bw=2.0 * mem_khz * 1e3 * bus_bits / 8,   # DDR: two transfers per clock
+        mem_bytes=int(check(drv.cuDeviceTotalMem(dev), "cuDeviceTotalMem")),
     )
 
 

@@ -250,6 +250,11 @@ class FakeDriver:
             return e
         return (OK, (b"Fake " + self.spec.name.encode() + b"\0" * length)[:length])
 
+    def cuDeviceTotalMem(self, dev):
+        if (e := self._enter("cuDeviceTotalMem", (dev,), 1, needs_ctx=False)):
+            return e
+        return (OK, self.spec.mem_bytes)
+
     def cuDeviceGetAttribute(self, attrib, dev):
         if (e := self._enter("cuDeviceGetAttribute", (attrib, dev), 1, needs_ctx=False)):
             return e
@@ -352,6 +357,8 @@ class FakeDriver:
             return e
         if bytesize == 0:
             return (CUresult.CUDA_ERROR_INVALID_VALUE, None)
+        if self.spec.mem_bytes and sum(map(len, self.device_mem.values())) + bytesize > self.spec.mem_bytes:
+            return (CUresult.CUDA_ERROR_OUT_OF_MEMORY, None)
         d = self._next_dev
         self._next_dev += -(-bytesize // 256) * 256 + 256
         self.device_mem[d] = bytearray(bytesize)

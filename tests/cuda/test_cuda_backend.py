@@ -13,7 +13,7 @@ from cuda_fake_driver import (REAL_DRIVER_PRESENT, FakeDriver, Violation, _STICK
                               fake_cubin, kernel_spec)
 
 from paella import protocol
-from paella.dispatcher.devices.base import DeviceError, KernelInfo, ModuleImage
+from paella.dispatcher.devices.base import DeviceError, KernelInfo, ModuleImage, OutOfMemory
 from paella.dispatcher.devices.cuda import (STICKY, CudaContextLost, CudaDevice, CudaError, check)
 from paella.gpus import preset
 
@@ -173,6 +173,24 @@ def test_allocated_bytes_follow_alloc_and_free(dev):
     assert dev.allocated_bytes == 24
     dev.free(q)
     assert dev.allocated_bytes == 0
+
+
+
+def test_the_memory_size_comes_from_the_driver_and_a_full_gpu_raises_out_of_memory():
+    drv = FakeDriver(preset("t4").with_(mem_bytes=4096))
+    dev = CudaDevice(driver=drv, n_streams=2, notifq_slots=SLOTS, counter_pairs=PAIRS)
+    try:
+        assert dev.props.mem_bytes == 4096   # cuDeviceTotalMem
+        p = dev.alloc(4000)
+        with pytest.raises(OutOfMemory, match=r"cuMemAlloc\(200 B\) failed: "
+                                              r"CUDA_ERROR_OUT_OF_MEMORY.*fix:") as e:
+            dev.alloc(200)
+        assert isinstance(e.value, CudaError) and not dev.context_lost   # not sticky
+        assert dev.allocated_bytes == 4000
+        dev.free(p)
+        dev.free(dev.alloc(200))             # the device goes on
+    finally:
+        dev.close()
 
 
 class PreCuda132Driver(FakeDriver):
@@ -420,7 +438,7 @@ def test_on_complete_callbacks_fire_from_poll_in_stream_order(drv, dev):
 # --- errors -------------------------------------------------------------------------------------------
 
 STARTUP_CALLS = ["cuInit", "cuDeviceGetCount", "cuDeviceGet", "cuDevicePrimaryCtxRetain", "cuCtxSetCurrent",
-                 "cuDeviceGetAttribute", "cuDeviceGetName", "cuMemHostAlloc", "cuMemHostGetDevicePointer",
+                 "cuDeviceGetAttribute", "cuDeviceGetName", "cuDeviceTotalMem", "cuMemHostAlloc", "cuMemHostGetDevicePointer",
                  "cuStreamCreate"]
 
 

@@ -271,3 +271,48 @@ def test_a_retired_bundle_is_freed_by_reference_counting_alone(repo):
     finally:
         gc.enable()
         gc.unfreeze()
+
+
+def test_a_daemon_kept_to_its_device_memory_makes_requests_wait_and_refuses_what_never_fits(repo):
+    """``--device-memory``: a burst that needs more buffer sets than fit waits for
+    memory, every request is answered right; a model whose weights do not fit is not
+    served, with the reason in the log, and the daemon serves the rest."""
+    from paella.bundle import load_bundle
+    from paella.dispatcher.adaptor import plan_from_bundle
+    b = load_bundle(os.path.join(repo, "tiny_mlp"))
+    plan = plan_from_bundle(b)
+    params = sum(plan.buffers[n] for n in plan.params)
+    one_set = sum(plan.request_buffers.values())
+    limit = 64 + params + 2 * one_set        # noop's set, the weights, two requests' sets
+    dp = start_daemon("--models", repo, "--device-memory", str(limit))
+    try:
+        rng = np.random.default_rng(5)
+        xs = [rng.standard_normal((2, 16)).astype(np.float32) for _ in range(24)]
+        with connect(dp.socket) as c:
+            n = c.models["tiny_mlp"].variants[0].io_bytes
+            offs = [c.alloc(n) for _ in xs]
+            for off, x in zip(offs, xs):
+                c.io_views("tiny_mlp", off)[0]["x"][...] = x
+            ids = [c.predict("tiny_mlp", n, off) for off in offs]   # all at once
+            for rid, off, x in zip(ids, offs, xs):
+                c.wait(rid, timeout=30)
+                got = c.io_views("tiny_mlp", off)[1]["output0"]
+                np.testing.assert_allclose(got, b.run_cpu({"x": x})["output0"], rtol=1e-6,
+                                           atol=1e-6)
+            st = c.status()["dispatcher"]
+        assert st["device_memory_total_bytes"] == limit
+        assert st["device_memory_bytes"] <= limit
+        assert st["memory_waits"] >= 1 and st["memory_failures"] == 0
+    finally:
+        cleanup(dp)
+    # Weights that do not fit: the repository's only bundle cannot be served, which
+    # start-up refuses (exit 2) with the reason.
+    dp = start_daemon("--models", repo, "--device-memory", str(64 + params // 2), ready=False)
+    try:
+        assert dp.proc.wait(timeout=60) == 2
+        log = dp.log()
+        assert "no bundle of the model repository" in log
+        assert "OutOfMemory: out of device memory" in log and "(device_memory)" in log
+        assert "Traceback" not in log
+    finally:
+        cleanup(dp)

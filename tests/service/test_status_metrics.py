@@ -63,7 +63,9 @@ def test_status_lists_models_clients_and_occupancy(metrics_daemon):
     assert "echo" in text and "per-SM occupancy" in text and "policy paella" in text
     # noop is the one dispatcher model; its 64-byte input buffer set at least
     assert st["dispatcher"]["models"] == 1 and st["dispatcher"]["device_memory_bytes"] >= 64
-    assert "1 dispatcher model(s)" in text and "device memory" in text
+    assert st["dispatcher"]["device_memory_total_bytes"] == 16 << 30   # the T4's 16 GB
+    assert st["dispatcher"]["memory_waits"] == st["dispatcher"]["memory_failures"] == 0
+    assert "1 dispatcher model(s)" in text and "device memory" in text and "of 16.0 GiB" in text
 
 
 def test_status_of_no_daemon_is_a_clear_error(tmp_path):
@@ -136,6 +138,8 @@ def test_metrics_count_requests_kernels_and_occupancy(metrics_daemon):
     assert after[("paella_policy", (("policy", "paella"),))] == 1
     assert after[("paella_dispatcher_models", ())] == 1
     assert after[("paella_device_memory_bytes", ())] >= 64
+    assert after[("paella_device_memory_total_bytes", ())] == 16 << 30
+    assert after[("paella_memory_waits_total", ())] == after[("paella_memory_failures_total", ())] == 0
 
 
 @pytest.mark.skipif(shutil.which("curl") is None, reason="curl is not installed")

@@ -50,7 +50,7 @@ class SimDevice(Device):
         self.gpu = build_engine(spec, self.cost, len(self.streams), self.notifq, seed, jitter)
         self._shapes = Shapes(self.gpu)
         self.loop: EventLoop = RealTimeLoop(self.gpu, speed) if realtime else EventLoop(self.gpu)
-        self.memory = SimMemory()
+        self.memory = SimMemory(self.props.mem_bytes, self.props.name)
         # Fault injection: after this many launches the device is "lost", as a GPU is after
         # a sticky error, so the daemon's handling of that case can be tested.
         self.lose_after = lose_after

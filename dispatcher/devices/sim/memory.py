@@ -11,7 +11,7 @@ import mmap
 
 import numpy as np
 
-from paella.dispatcher.devices.base import DeviceError
+from paella.dispatcher.devices.base import DeviceError, OutOfMemory
 
 ALIGN = 256
 BASE = 0x7000_0000_0000
@@ -32,12 +32,23 @@ def _zeros(nbytes: int) -> np.ndarray:
 
 
 class SimMemory:
-    def __init__(self) -> None:
+    """The simulated GPU's DRAM: ``capacity`` bytes (the preset's ``mem_bytes``; 0: no
+    limit). An allocation beyond it raises :class:`OutOfMemory`, as ``cuMemAlloc`` does,
+    so that the dispatcher's handling of a full GPU is exercised here too."""
+
+    def __init__(self, capacity: int = 0, gpu: str = "the simulated GPU") -> None:
+        self.capacity = capacity
+        self._gpu = gpu
         self._next = BASE
         self._bases: list[int] = []
         self._arrays: dict[int, np.ndarray] = {}
+        self._used = 0
 
     def alloc(self, nbytes: int) -> int:
+        if self.capacity and self._used + nbytes > self.capacity:
+            raise OutOfMemory(f"out of device memory: {nbytes} B asked, {self._used} of "
+                              f"{self.capacity} B in use on {self._gpu}")
+        self._used += nbytes
         ptr = self._next
         self._next += -(-nbytes // ALIGN) * ALIGN + ALIGN   # a guard gap between buffers
         bisect.insort(self._bases, ptr)
@@ -47,7 +58,7 @@ class SimMemory:
     def free(self, ptr: int) -> None:
         if ptr not in self._arrays:
             raise DeviceError(f"free of {ptr:#x}: not the start of a live allocation")
-        del self._arrays[ptr]
+        self._used -= self._arrays.pop(ptr).size
         self._bases.remove(ptr)
 
     def view(self, ptr: int, nbytes: int) -> np.ndarray:
@@ -64,4 +75,4 @@ class SimMemory:
 
     @property
     def allocated(self) -> int:
-        return sum(a.size for a in self._arrays.values())
+        return self._used

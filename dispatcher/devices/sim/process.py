@@ -68,7 +68,7 @@ class SimProcessDevice(Device):
         super().__init__(spec, n_streams or spec.hw_queues, notifq_slots)
         self.speed = speed
         self.cost = cost or CostModel()
-        self.memory = SimMemory()
+        self.memory = SimMemory(self.props.mem_bytes, self.props.name)
         self._t0 = time.perf_counter()
         self._pending: dict[int, _Pending] = {}
         self._per_stream = [0] * len(self.streams)

@@ -1,0 +1,181 @@
+"""Device memory is finite (docs/dispatcher.md, "When the GPU's memory is full"): the
+simulated GPU refuses an allocation beyond its preset's memory, as cuMemAlloc does, and
+the dispatcher frees idle buffers, makes jobs wait for memory that running jobs will
+give back, and fails a request only when nothing could ever make room; it never stops
+serving the others."""
+from __future__ import annotations
+
+from dataclasses import replace
+
+import numpy as np
+import pytest
+
+from paella.dispatcher.adaptor import PlanAdaptor, synthetic_plan
+from paella.dispatcher.chunked_buffers import ChunkedMemory
+from paella.dispatcher.core import STATUS_CANCELLED, STATUS_ERROR, STATUS_OK, Dispatcher
+from paella.dispatcher.devices.base import OutOfMemory
+from paella.dispatcher.devices.sim import SimDevice
+from paella.gpus import PRESETS, preset
+
+from dispatch_helpers import Recorder
+
+KIB = 1024
+
+
+def model(name: str, set_kib: int, param_kib: int = 0, kernels: int = 3) -> PlanAdaptor:
+    """A chain whose request buffers take ``set_kib`` KiB (input and output halves) and
+    whose parameters take ``param_kib``."""
+    half = set_kib * KIB // 2
+    plan = synthetic_plan(name, [(f"{name}_k{i}", 40, 128, 32, 100e-6) for i in range(kernels)],
+                          in_bytes=half, out_bytes=half)
+    if param_kib:
+        plan = replace(plan, buffers={**plan.buffers, "w": param_kib * KIB},
+                       params={"w": b""})
+    return PlanAdaptor(plan)
+
+
+def setup(capacity_kib: int):
+    dev = SimDevice(preset("t4").with_(mem_bytes=capacity_kib * KIB))
+    return dev, Dispatcher(dev, "paella", profile_runs=1)
+
+
+def submit(disp, rec, mid, ad, ids, client=0):
+    for i in ids:
+        disp.submit(rec.request(i, mid, ad.io_bytes, client))
+
+
+def test_every_preset_has_its_data_sheet_memory_and_the_simulator_enforces_it():
+    assert all(spec.mem_bytes > 0 for spec in PRESETS.values())
+    assert PRESETS["t4"].mem_bytes == 16 << 30 and PRESETS["a100"].mem_bytes == 40 << 30
+    dev = SimDevice(preset("t4").with_(mem_bytes=4 * KIB))
+    p = dev.alloc(3 * KIB)
+    with pytest.raises(OutOfMemory, match=r"out of device memory: 2048 B asked, 3072 of "
+                                          r"4096 B in use on t4"):
+        dev.alloc(2 * KIB)
+    assert dev.allocated_bytes == 3 * KIB    # the refused one counts nothing
+    dev.free(p)
+    dev.free(dev.alloc(4 * KIB))
+
+
+def test_idle_buffer_sets_of_other_models_are_freed_for_a_new_model_and_its_requests():
+    dev, disp = setup(100)
+    a = model("a", 20)
+    ma = disp.register_model("a", a)
+    rec = Recorder()
+    submit(disp, rec, ma, a, range(4))       # four sets at once: 80 of 100 KiB
+    disp.run_until_idle()
+    assert a.buffer_pool.created == 4 and dev.allocated_bytes == 80 * KIB
+    b = model("b", 20, param_kib=40)         # its params need a's idle sets freed
+    mb = disp.register_model("b", b)
+    submit(disp, rec, mb, b, range(10, 12))
+    submit(disp, rec, ma, a, range(20, 22))
+    disp.run_until_idle()
+    assert sorted(rec.done) == [0, 1, 2, 3, 10, 11, 20, 21]
+    assert all(st == STATUS_OK for st, _, _ in rec.done.values())
+    assert dev.allocated_bytes <= 100 * KIB
+    assert disp.memory_failures == 0
+
+
+def test_jobs_wait_for_memory_that_running_jobs_give_back():
+    dev, disp = setup(100)
+    a, b = model("a", 30), model("b", 30)
+    ma, mb = disp.register_model("a", a), disp.register_model("b", b)
+    rec = Recorder()
+    submit(disp, rec, ma, a, range(4))
+    submit(disp, rec, mb, b, range(10, 14))  # 8 x 30 KiB wanted at once, 3 fit
+    disp.step()
+    assert disp.memory_waits > 0 and dev.allocated_bytes <= 100 * KIB
+    disp.run_until_idle()
+    assert sorted(rec.done) == [0, 1, 2, 3, 10, 11, 12, 13]
+    assert all(st == STATUS_OK for st, _, _ in rec.done.values())
+    assert disp.memory_failures == 0 and not disp._memory_waiting
+
+
+def test_a_request_that_can_never_fit_fails_with_the_reason_and_the_rest_is_served():
+    dev, disp = setup(100)
+    small = model("small", 10)
+    big = model("big", 120)                  # larger than the GPU: its sets never fit
+    ms, mbig = disp.register_model("small", small), disp.register_model("big", big, profile_runs=0)
+    rec = Recorder()
+    submit(disp, rec, mbig, big, [0])
+    submit(disp, rec, ms, small, [1, 2])
+    disp.run_until_idle()
+    st, err, _ = rec.done[0]
+    assert st == STATUS_ERROR
+    assert "out of device memory" in err and "serve fewer or smaller models" in err
+    assert [rec.done[i][0] for i in (1, 2)] == [STATUS_OK, STATUS_OK]
+    assert disp.memory_failures == 1 and disp.in_flight == 0 and not disp.jobs
+    submit(disp, rec, ms, small, [3])        # and it goes on
+    disp.run_until_idle()
+    assert rec.done[3][0] == STATUS_OK
+
+
+def test_a_job_waiting_for_memory_can_be_cancelled_and_retirement_still_frees_everything():
+    dev, disp = setup(100)
+    a, b = model("a", 60), model("b", 60)
+    ma, mb = disp.register_model("a", a), disp.register_model("b", b)
+    rec = Recorder()
+    submit(disp, rec, ma, a, [0], client=1)
+    submit(disp, rec, mb, b, [1], client=2)
+    disp.step()
+    assert len(disp._memory_waiting) == 1
+    waiting = disp._memory_waiting[0].requests[0].req_id
+    assert disp.cancel_client(1 + waiting) == 1
+    assert rec.done[waiting][0] == STATUS_CANCELLED and not disp._memory_waiting
+    disp.run_until_idle()
+    assert sorted(rec.done) == [0, 1]
+    disp.retire_model(ma)
+    disp.retire_model(mb)
+    assert dev.allocated_bytes == 0
+
+
+def test_abandon_all_answers_the_jobs_waiting_for_memory():
+    dev, disp = setup(100)
+    a = model("a", 60)
+    ma = disp.register_model("a", a)
+    rec = Recorder()
+    submit(disp, rec, ma, a, [0, 1])
+    disp.step()
+    assert len(disp._memory_waiting) == 1
+    assert disp.abandon_all("gpu lost") == 2
+    assert sorted(rec.done) == [0, 1] and not disp._memory_waiting
+
+
+def test_chunked_memory_gives_its_slot_back_when_a_chunk_does_not_fit():
+    dev = SimDevice(preset("t4").with_(mem_bytes=100 * KIB))
+    disp = Dispatcher(dev, "paella", profile_runs=0)
+    shared = ChunkedMemory("m", limit=4, chunk_size=8 * KIB)
+    ad = model("m", 40)
+    ad.memory = shared
+    mid = disp.register_model("m", ad)
+    blocker = dev.alloc(90 * KIB)
+    with pytest.raises(OutOfMemory):
+        ad.buffer_pool.acquire()
+    assert shared.in_use == 0                # the job's slot went back
+    dev.free(blocker)
+    rec = Recorder()
+    disp.submit(rec.request(0, mid, ad.io_bytes))
+    disp.run_until_idle()
+    assert rec.done[0][0] == STATUS_OK
+    assert disp.reclaim_idle_memory() > 0    # its chunk, idle now
+    assert dev.allocated_bytes == 0
+
+
+def test_a_request_failed_before_its_job_started_counts_as_queueing_in_the_metrics():
+    from paella.dispatcher.daemon.metrics import MetricsCounts
+    counts = MetricsCounts()
+    jobs, _, _ = counts.instruments()
+    dev = SimDevice(preset("t4").with_(mem_bytes=100 * KIB))
+    disp = Dispatcher(dev, "paella", profile_runs=0, instruments=[jobs])
+    small, big = model("small", 10), model("big", 120)
+    ms, mid = disp.register_model("small", small), disp.register_model("big", big)
+    rec = Recorder()
+    disp.submit(rec.request(1, ms, small.io_bytes))
+    disp.run_until_idle()                    # the clock is past 0 now
+    assert disp.now > 0
+    disp.submit(rec.request(0, mid, big.io_bytes))
+    disp.run_until_idle()
+    assert rec.done[0][0] == STATUS_ERROR
+    m = counts.model(mid)
+    assert m.failure == 1 and m.exec_count == 1
+    assert m.queue_us >= 0 and m.compute_us == 0 and m.request_us == m.queue_us
