@@ -867,14 +867,16 @@ def _change_models(repo: str, n: int) -> None:
         os.utime(os.path.join(repo, name), (t, t))
 
 
-def _held(sock: str) -> tuple[int, int]:
-    """The dispatcher's models and the device memory the daemon holds (paella status)."""
+def _held(sock: str) -> tuple[int, int, int, int]:
+    """The dispatcher's models, the device memory the daemon holds, the jobs that waited
+    for device memory and the requests failed for want of it (paella status)."""
     with connect(sock, timeout=5) as c:
         d = c.status()["dispatcher"] or {}
-    return d.get("models", 0), d.get("device_memory_bytes", 0)
+    return (d.get("models", 0), d.get("device_memory_bytes", 0), d.get("memory_waits", 0),
+            d.get("memory_failures", 0))
 
 
-def _held_leaks(sock: str, at_ready: tuple[int, int], cfg: FuzzConfig) -> dict:
+def _held_leaks(sock: str, at_ready: tuple[int, ...], cfg: FuzzConfig) -> dict:
     """Models and device memory beyond the daemon's at READY, once every client left
     and the last reload is done (waiting up to ``settle_seconds`` for the replaced
     versions' cancelled jobs to end)."""
@@ -887,7 +889,8 @@ def _held_leaks(sock: str, at_ready: tuple[int, int], cfg: FuzzConfig) -> dict:
     return {"models_leaked": max(0, now[0] - at_ready[0]),
             "device_bytes_beyond_ready": now[1] - at_ready[1],
             "models_at_ready": at_ready[0], "models_at_end": now[0],
-            "device_bytes_at_ready": at_ready[1], "device_bytes_at_end": now[1]}
+            "device_bytes_at_ready": at_ready[1], "device_bytes_at_end": now[1],
+            "memory_waits": now[2], "memory_failures": now[3]}
 
 
 def _leaks(daemon: DaemonUnderTest, base: Holdings, cfg: FuzzConfig) -> dict:
@@ -938,6 +941,9 @@ def _report(cfg, uid, cross, board, crashes, events, leaks, final, base, wall, d
                            + sum(c.leftover_segments for c in crashes) + len(left_after_stop),
         "models_leaked": leaks.get("models_leaked", 0),
         "device_bytes_beyond_ready": leaks.get("device_bytes_beyond_ready", 0),
+        # (with --daemon-arg=--device-memory: a full GPU's waits, and requests failed)
+        "memory_waits": leaks.get("memory_waits", 0),
+        "memory_failures": leaks.get("memory_failures", 0),
         "reloads": leaks.get("reloads", 0),
         # the reload after the attacks never reached READY (the models check then
         # measured the versions before it)
@@ -1042,7 +1048,10 @@ def format_report(r: dict) -> str:
                f"sets a flood of it made)" if r["leaks"].get("models_measured") else
                f"reloads (SIGHUP, models changed): {s['reloads']}; dispatcher models not "
                f"measured (the daemon restarted or died)")
-              + (" - the last reload never reached READY" if s["reload_not_ready"] else ""),
+              + (" - the last reload never reached READY" if s["reload_not_ready"] else "")
+              + (f"; device memory full: {s['memory_waits']} job(s) waited, "
+                 f"{s['memory_failures']} request(s) failed for want of it"
+                 if s["memory_waits"] or s["memory_failures"] else ""),
               f"final check: {r['final_check']}; daemon stop status {r['stop_status']}; "
               f"daemon log {r['daemon_log_bytes']} bytes; attacker errors {r['attacker_errors']}"]
     bad = failures(r)
