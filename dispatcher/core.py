@@ -45,7 +45,7 @@ from paella import protocol, rings
 from paella.dispatcher.devices.base import (H2D, KERNEL, Device, DeviceError, DeviceLost, Function,
                                             OutOfMemory, dim3)
 
-from .adaptor import JobAdaptor
+from .adaptor import JobAdaptor, PlanAdaptor
 from .instruments import Instrument, Instruments
 from .job import FINISHED, Job
 from .ops import KernelLaunch, Op
@@ -110,6 +110,10 @@ class Model:
     jobs: int = 0
     # Taken out of service (Dispatcher.retire_model): removed once ``jobs`` is 0.
     retired: bool = False
+
+
+def _by_seq(job: Job) -> int:
+    return job.seq
 
 
 class Dispatcher:
@@ -180,6 +184,9 @@ class Dispatcher:
         self._queued = 0                     # jobs announced to the policy (job.in_policy)
         self._launches: dict[tuple, KernelLaunch] = {}   # checked launch records, by shape
         self._top_id = -1                    # the largest model id ever registered
+        #: Every model not removed yet: those in ``models``, and replaced or retired ones
+        #: whose jobs still run (their idle buffers can be reclaimed too).
+        self._live: set[Model] = set()
         self._held_since = 0.0               # when pick() began holding an idle device back
         self._held_iter = -2                 # ... the iteration that last saw it do so
 
@@ -452,7 +459,15 @@ class Dispatcher:
         return rec
 
     def alloc(self, nbytes: int) -> int:
-        return self.device.alloc(nbytes)
+        """Device memory for a job's code (``cudart.malloc``) or a scheduler's own use:
+        on a full GPU, every model's idle buffers are freed first and it tries once more
+        (then the ``OutOfMemory`` goes to the caller: a job fails, a scheduler says so)."""
+        try:
+            return self.device.alloc(nbytes)
+        except OutOfMemory:
+            if not self.reclaim_idle_memory():
+                raise
+            return self.device.alloc(nbytes)
 
     def free(self, ptr: int) -> None:
         self.device.free(ptr)
@@ -515,7 +530,9 @@ class Dispatcher:
         if any(j is not job and ((j.bindings is not None and j.bindings is not j.model.pool.shared)
                                  or j.allocations) for j in self.jobs):
             self._memory_waiting.append(job)
-            self.memory_waits += 1
+            if not job.waited_memory:
+                job.waited_memory = True
+                self.memory_waits += 1
             return None
         self.memory_failures += len(job.requests)
         job.left_policy = True               # never announced to the policy
@@ -532,7 +549,7 @@ class Dispatcher:
         model; returns the bytes freed. The dispatcher calls it when the device's memory
         is full; pools then grow again on demand."""
         freed = 0
-        for model in list(self.models.values()):
+        for model in list(self._live):
             trim = getattr(model.pool, "trim", None)
             if trim is not None:
                 freed += trim()
@@ -576,7 +593,14 @@ class Dispatcher:
         if bindings is not None:             # its released ops have all completed
             job.bindings = None
             pool = job.model.pool
-            if pool.waiting:                 # straight to the oldest job waiting for one
+            if pool.waiting and self._memory_waiting:
+                # Jobs wait for memory: the set goes back, to be reclaimed if one of them
+                # is older (below), instead of straight to this model's queue, which
+                # would starve them under a steady load of this model.
+                pool.release(bindings)
+                self._memory_waiting.extend(pool.waiting)
+                pool.waiting.clear()
+            elif pool.waiting:               # straight to the oldest job waiting for one
                 nxt = pool.waiting.popleft()
                 try:                         # (variants may share a pool)
                     nxt.bindings = nxt.model.pool.rebind(bindings)
@@ -585,9 +609,10 @@ class Dispatcher:
                 self._arrivals.append(nxt)
             else:
                 pool.release(bindings)
-        if self._memory_waiting:             # what this job held may now be reclaimed
-            self._arrivals.extend(self._memory_waiting)
+        if self._memory_waiting:             # what this job held may now be reclaimed:
+            waiting = sorted(self._memory_waiting, key=_by_seq)  # all try, oldest first
             self._memory_waiting.clear()
+            self._arrivals.extend(waiting)
         ok = job.error is None
         if ok:
             job.model.profile.record_job(job.kcount)
@@ -744,15 +769,18 @@ class Dispatcher:
         try:
             adaptor.init(self.device)
         except OutOfMemory:
-            if not self.reclaim_idle_memory():
+            # (a plan's init that failed has cleaned up after itself; another adaptor's
+            # may not have, and is not tried again)
+            if not isinstance(adaptor, PlanAdaptor) or not self.reclaim_idle_memory():
                 raise
-            adaptor.init(self.device)        # (an init that failed cleans up after itself)
+            adaptor.init(self.device)
         old = self.models.get(model_id)
         model = Model(model_id, name, adaptor, pool=adaptor.buffer_pool)
         if adaptor.plan is not None:         # a plan is replayed, never run() in a greenlet
             model.replay = ReplayPlan(adaptor.plan, adaptor.funcs, self.kernel_launch,
                                       compiled=self.compiled_replay)
         self.models[model_id] = model
+        self._live.add(model)
         runs = self.profile_runs if profile_runs is None else profile_runs
         if model.replay is not None and model.replay.refusal is not None:
             # A plan that can never run here is registered all the same, and each of its
@@ -770,6 +798,7 @@ class Dispatcher:
                 self.models.pop(model_id)    # not registered: its name stays free, the
                 if old is not None and not old.retired:     # id serves the previous model
                     self.models[model_id] = old
+                self._live.discard(model)
                 self._close_adaptor(model)
                 raise RuntimeError(f"profiling run of model {name!r} failed: {failed[0]}")
         if old is not None:
@@ -804,6 +833,7 @@ class Dispatcher:
         """A retired model's last job ended: forget it and close its adaptor."""
         if self.models.get(model.model_id) is model:
             del self.models[model.model_id]
+        self._live.discard(model)
         funcs = {id(f) for f in getattr(model.adaptor, "funcs", {}).values()}
         for key in [k for k in self._launches if id(k[0]) in funcs]:
             del self._launches[key]

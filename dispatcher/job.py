@@ -99,7 +99,7 @@ class Job:
                  "in_policy", "left_policy", "policy_state", "estimate", "remaining", "kcount",
                  "glet", "state", "returned", "error", "wait_op", "wait_all", "blocked",
                  "almost_sent", "almost_next", "cancelled", "allocations", "bindings",
-                 "t_arrival", "t_start", "pin", "__weakref__")
+                 "t_arrival", "t_start", "pin", "waited_memory", "__weakref__")
 
     def __init__(self, host: JobHost, model: Any, requests: list[Any], io: np.ndarray,
                  seq: int):
@@ -138,6 +138,7 @@ class Job:
         # dispatcher before the job starts and returned when it finishes.
         self.bindings: Any = None
         self.t_arrival = requests[0].t_submit
+        self.waited_memory = False          # it found the device's memory full once
         self.t_start = float("nan")        # (never started: cancelled or failed waiting)
         #: The real stream its ops go to (-1: the dispatcher's stream map chooses);
         #: set by ``Dispatcher.submit_group(stream=...)``.

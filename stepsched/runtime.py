@@ -114,7 +114,7 @@ class DispatcherHost:
         self._part_ids = submit_job(self.disp, model_id, io, clients, on_done, self._part_ids)
 
     def alloc(self, nbytes: int) -> int:
-        return self.device.alloc(nbytes)
+        return self.disp.alloc(nbytes)      # (reclaims idle buffers when full)
 
     def free(self, ptr: int) -> None:
         self.device.free(ptr)

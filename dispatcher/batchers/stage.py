@@ -519,7 +519,7 @@ class StageContext:
             self._close_if_done()
 
     def alloc(self, nbytes: int) -> int:
-        ptr = self.stage.disp.device.alloc(nbytes)
+        ptr = self.stage.disp.alloc(nbytes)      # (reclaims idle buffers when full)
         self._ptrs.add(ptr)
         return ptr
 

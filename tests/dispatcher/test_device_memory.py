@@ -179,3 +179,71 @@ def test_a_request_failed_before_its_job_started_counts_as_queueing_in_the_metri
     m = counts.model(mid)
     assert m.failure == 1 and m.exec_count == 1
     assert m.queue_us >= 0 and m.compute_us == 0 and m.request_us == m.queue_us
+
+
+def test_a_steady_load_of_one_model_does_not_starve_another_waiting_for_memory():
+    dev, disp = setup(100)
+    a, b = PlanAdaptor(model("a", 30).plan, max_buffer_sets=3), model("b", 30)
+    ma, mb = disp.register_model("a", a), disp.register_model("b", b)
+    order = []
+    rec = Recorder()
+    done = rec._complete
+    rec._complete = lambda r, st, err: (order.append(r.req_id), done(r, st, err))
+    submit(disp, rec, ma, a, range(3))       # a holds 90 of 100 KiB
+    submit(disp, rec, mb, b, [100])          # then b, which does not fit
+    submit(disp, rec, ma, a, range(3, 40))   # then a's backlog
+    disp.run_until_idle()
+    assert len(order) == 41 and all(st == STATUS_OK for st, _, _ in rec.done.values())
+    assert order.index(100) <= 4             # in its turn, not after a's whole backlog
+    assert disp.memory_waits <= 38           # jobs that waited, each counted once
+
+
+def test_a_jobs_own_allocation_and_a_schedulers_reclaim_idle_buffers_first():
+    from paella.dispatcher import cudart as cuda
+    from paella.dispatcher.adaptor import JobAdaptor
+    from paella.dispatcher.devices.base import KernelInfo, ModuleImage
+    from paella.stepsched.runtime import DispatcherHost
+
+    class Scratch(JobAdaptor):               # a job that mallocs 40 KiB of scratch
+        name, io_bytes = "scratch", 64
+
+        def init(self, device):
+            infos = [KernelInfo("s_k", 32, duration=40e-6)]
+            self.k = device.load_module(ModuleImage("scratch", infos))["s_k"]
+
+        def run(self, io):
+            cuda.malloc(40 * KIB)
+            cuda.launch(self.k, 4, 64)
+            cuda.device_synchronize()
+
+    dev, disp = setup(100)
+    a = model("a", 20)
+    ma = disp.register_model("a", a)
+    rec = Recorder()
+    submit(disp, rec, ma, a, range(4))
+    disp.run_until_idle()                    # 80 KiB of a's sets, idle
+    ms = disp.register_model("scratch", Scratch(), profile_runs=0)
+    disp.submit(rec.request(99, ms, 64))
+    disp.run_until_idle()
+    assert rec.done[99][0] == STATUS_OK
+    submit(disp, rec, ma, a, range(4, 8))    # a's sets again
+    disp.run_until_idle()
+    ptr = DispatcherHost(disp).alloc(60 * KIB)   # a scheduler's own (orca's KV cache)
+    assert dev.allocated_bytes <= 100 * KIB
+    dev.free(ptr)
+
+
+def test_a_reload_on_a_full_gpu_reclaims_the_old_versions_idle_sets():
+    dev, disp = setup(100)
+    a = model("a", 20)
+    ma = disp.register_model("a", a)
+    rec = Recorder()
+    submit(disp, rec, ma, a, range(5))
+    disp.run_until_idle()
+    assert dev.allocated_bytes == 100 * KIB  # all of it, idle sets of the old version
+    new = model("a_v2", 20)                  # its profiling run needs a set
+    assert disp.register_model("a_v2", new, model_id=ma) == ma
+    submit(disp, rec, ma, new, range(10, 13))
+    disp.run_until_idle()
+    assert all(rec.done[i][0] == STATUS_OK for i in range(10, 13))
+    assert disp.memory_failures == 0 and list(disp.models.values())[0].adaptor is new
