@@ -33,10 +33,11 @@ keeps returning None while jobs are ready and the device has nothing to do (for
 from __future__ import annotations
 
 import logging
+import operator
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, TypeVar
 
 import greenlet
 import numpy as np
@@ -112,8 +113,9 @@ class Model:
     retired: bool = False
 
 
-def _by_seq(job: Job) -> int:
-    return job.seq
+_T = TypeVar("_T")
+#: Jobs in arrival order (their ``seq``).
+_BY_SEQ = operator.attrgetter("seq")
 
 
 class Dispatcher:
@@ -462,12 +464,7 @@ class Dispatcher:
         """Device memory for a job's code (``cudart.malloc``) or a scheduler's own use:
         on a full GPU, every model's idle buffers are freed first and it tries once more
         (then the ``OutOfMemory`` goes to the caller: a job fails, a scheduler says so)."""
-        try:
-            return self.device.alloc(nbytes)
-        except OutOfMemory:
-            if not self.reclaim_idle_memory():
-                raise
-            return self.device.alloc(nbytes)
+        return self._reclaiming(lambda: self.device.alloc(nbytes))
 
     def free(self, ptr: int) -> None:
         self.device.free(ptr)
@@ -488,11 +485,10 @@ class Dispatcher:
             pool = job.model.pool
             if pool is not None and job.bindings is None:
                 try:
-                    bindings = pool.acquire()
+                    bindings = self._reclaiming(pool.acquire)
                 except OutOfMemory as e:     # rare: the GPU is full
-                    bindings = self._out_of_memory(job, pool, e)
-                    if bindings is None:     # it waits for memory, or failed
-                        continue
+                    self._wait_for_memory(job, e)
+                    continue
                 if bindings is None:         # every buffer set in use: wait for one
                     pool.waiting.append(job)
                     continue
@@ -517,23 +513,27 @@ class Dispatcher:
                 job.returned = True
             self._after_run(job)
 
-    def _out_of_memory(self, job: Job, pool: Any, exc: OutOfMemory) -> Any:
-        """``job``'s buffers do not fit in device memory: free every model's idle buffers
-        and try again. Still full: the job waits while any job holds memory it will give
-        back (each one's end retries the waiting), or fails, with the device's reason,
-        when none does. Returns the job's buffer set, or None (it waits or failed)."""
-        if self.reclaim_idle_memory():
-            try:
-                return pool.acquire()
-            except OutOfMemory as e:
-                exc = e
+    def _reclaiming(self, attempt: Callable[[], _T]) -> _T:
+        """``attempt()``; on a full GPU, free every model's idle buffers and attempt once
+        more. ``OutOfMemory`` again, or nothing to free: it goes to the caller."""
+        try:
+            return attempt()
+        except OutOfMemory:
+            if not self.reclaim_idle_memory():
+                raise
+            return attempt()
+
+    def _wait_for_memory(self, job: Job, exc: OutOfMemory) -> None:
+        """``job``'s buffers do not fit even after reclaiming: it waits while any job
+        holds memory it will give back (each one's end retries the waiting), or fails,
+        with the device's reason, when none does."""
         if any(j is not job and ((j.bindings is not None and j.bindings is not j.model.pool.shared)
                                  or j.allocations) for j in self.jobs):
             self._memory_waiting.append(job)
             if not job.waited_memory:
                 job.waited_memory = True
                 self.memory_waits += 1
-            return None
+            return
         self.memory_failures += len(job.requests)
         job.left_policy = True               # never announced to the policy
         job.error = (f"{exc}; the model needs more device memory than is free with nothing "
@@ -542,18 +542,12 @@ class Dispatcher:
         job.returned = True
         self._progress += 1
         self._finish(job)
-        return None
 
     def reclaim_idle_memory(self) -> int:
         """Free the buffers no job holds (idle buffer sets, unused chunks) of every
         model; returns the bytes freed. The dispatcher calls it when the device's memory
         is full; pools then grow again on demand."""
-        freed = 0
-        for model in list(self._live):
-            trim = getattr(model.pool, "trim", None)
-            if trim is not None:
-                freed += trim()
-        return freed
+        return sum(m.pool.trim() for m in list(self._live) if m.pool is not None)
 
     def _resume_jobs(self) -> None:
         # A snapshot (Trio's rule): jobs woken while these run wait for the next pass.
@@ -610,7 +604,7 @@ class Dispatcher:
             else:
                 pool.release(bindings)
         if self._memory_waiting:             # what this job held may now be reclaimed:
-            waiting = sorted(self._memory_waiting, key=_by_seq)  # all try, oldest first
+            waiting = sorted(self._memory_waiting, key=_BY_SEQ)  # all try, oldest first
             self._memory_waiting.clear()
             self._arrivals.extend(waiting)
         ok = job.error is None
@@ -726,7 +720,7 @@ class Dispatcher:
         self.policy_fallbacks += 1
         self.streams.set_mode(policy.stream_mode)
         self._queued = 0
-        for job in sorted(self.jobs, key=lambda j: j.seq):
+        for job in sorted(self.jobs, key=_BY_SEQ):
             job.waitlist.eager = policy.eager
             job.policy_state = None          # the failed policy's; the new one starts afresh
             job.in_policy = False
@@ -766,13 +760,11 @@ class Dispatcher:
             raise ValueError(f"model {name!r} was compiled {how}, and this dispatcher reads "
                              f"notifications in groups of {self.group}: recompile it with "
                              f"`paella compile` and the default group")
-        try:
-            adaptor.init(self.device)
-        except OutOfMemory:
-            # (a plan's init that failed has cleaned up after itself; another adaptor's
-            # may not have, and is not tried again)
-            if not isinstance(adaptor, PlanAdaptor) or not self.reclaim_idle_memory():
-                raise
+        # A plan's init that failed has cleaned up after itself, so it may try again;
+        # another adaptor's may not have, and is tried once.
+        if isinstance(adaptor, PlanAdaptor):
+            self._reclaiming(lambda: adaptor.init(self.device))
+        else:
             adaptor.init(self.device)
         old = self.models.get(model_id)
         model = Model(model_id, name, adaptor, pool=adaptor.buffer_pool)
@@ -973,7 +965,7 @@ class Dispatcher:
         bookkeeping (occupancy, streams, device buffers) is not valid afterwards and it
         must not be stepped again. The clients' io regions may still be written by a
         copy in flight; a cancelled request's outputs are undefined."""
-        jobs = sorted(self.jobs, key=lambda j: j.seq)
+        jobs = sorted(self.jobs, key=_BY_SEQ)
         n = 0
         raised = None
         for job in jobs:
