@@ -52,6 +52,14 @@ def daemon_status(path: str | None = None, timeout: float = 5.0) -> dict:
         s.close()
 
 
+def _size(nbytes: int) -> str:
+    """Bytes in the largest binary unit that keeps a leading digit (2.0 MiB, 64 B)."""
+    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if nbytes >= 1 << shift:
+            return f"{nbytes / (1 << shift):.1f} {unit}"
+    return f"{nbytes} B"
+
+
 def format_status(st: dict) -> str:
     """The human-readable report of ``paella status``."""
     lines = [f"daemon pid {st['pid']} on {st['socket']}, up {st['uptime_s']:.0f} s, backend "
@@ -60,8 +68,10 @@ def format_status(st: dict) -> str:
              f"accepted since start, {st['stats'].get('rejected', 0)} rejected",
              f"models ({len(st['models'])}):"]
     for m in st["models"]:
+        mem = m.get("device_memory_bytes")      # (daemons before session 12 lack it)
         lines.append(f"  {m['id']:>3} {m['name']:<24} {m['variants']} variant(s), "
-                     f"{m.get('in_flight', 0)} in flight")
+                     f"{m.get('in_flight', 0)} in flight"
+                     + (f", {_size(mem)} on the GPU" if mem else ""))
     lines.append(f"clients ({len(st['clients'])}):")
     for c in st["clients"]:
         lines.append(f"  {c['id']:>3} pid {c['pid']:<8} uid {c['uid']:<6} {c['mode']:<8} "

@@ -335,6 +335,16 @@ class BufferPool:
         else:
             self.free.append(b)
 
+    @property
+    def owner(self) -> "BufferPool":
+        """What holds this pool's memory (a chunked view answers its shared memory)."""
+        return self
+
+    @property
+    def held_bytes(self) -> int:
+        """Device bytes of the sets this pool holds, in use or idle."""
+        return self.created * self.set_bytes
+
     def trim(self) -> int:
         """Free the idle sets (the device's memory is full); returns the bytes freed.
         The pool grows again on demand."""

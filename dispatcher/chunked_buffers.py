@@ -175,6 +175,16 @@ class ChunkedView:
             self.memory.give_back(token)    # was placed goes, and the job's slot
             raise
 
+    @property
+    def owner(self) -> ChunkedMemory:
+        """What holds this pool's memory: the model's chunks, shared by its variants."""
+        return self.memory
+
+    @property
+    def held_bytes(self) -> int:
+        """Device bytes of the model's chunks (every variant's: count them once)."""
+        return self.memory.stats.held_bytes
+
     def trim(self) -> int:
         return self.memory.trim()
 

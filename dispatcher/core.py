@@ -111,6 +111,8 @@ class Model:
     jobs: int = 0
     # Taken out of service (Dispatcher.retire_model): removed once ``jobs`` is 0.
     retired: bool = False
+    # Device bytes its adaptor's init allocated (params, constants).
+    weights_bytes: int = 0
 
 
 _T = TypeVar("_T")
@@ -543,6 +545,22 @@ class Dispatcher:
         self._progress += 1
         self._finish(job)
 
+    def device_memory_by_model(self) -> dict[int, int]:
+        """Device bytes each model id holds: its weights and its buffer sets or chunks,
+        idle or in use (a replaced or retired version still running counts under its id).
+        Memory a greenlet job or a scheduler allocates itself (``alloc``) is in the
+        device's total only. Safe from another thread (one C-level copy of the set)."""
+        held: dict[int, int] = {}
+        counted: set[int] = set()
+        for m in list(self._live):
+            n = m.weights_bytes
+            pool = m.pool
+            if pool is not None and id(pool.owner) not in counted:   # variants share chunks
+                counted.add(id(pool.owner))
+                n += pool.held_bytes
+            held[m.model_id] = held.get(m.model_id, 0) + n
+        return held
+
     def reclaim_idle_memory(self) -> int:
         """Free the buffers no job holds (idle buffer sets, unused chunks) of every
         model; returns the bytes freed. The dispatcher calls it when the device's memory
@@ -762,12 +780,16 @@ class Dispatcher:
                              f"`paella compile` and the default group")
         # A plan's init that failed has cleaned up after itself, so it may try again;
         # another adaptor's may not have, and is tried once.
-        if isinstance(adaptor, PlanAdaptor):
-            self._reclaiming(lambda: adaptor.init(self.device))
-        else:
-            adaptor.init(self.device)
+        dev = self.device
+
+        def init() -> int:                   # the bytes it allocated, measured per attempt
+            before = dev.allocated_bytes     # (a reclaim in between frees others' memory)
+            adaptor.init(dev)
+            return dev.allocated_bytes - before
+
+        weights = self._reclaiming(init) if isinstance(adaptor, PlanAdaptor) else init()
         old = self.models.get(model_id)
-        model = Model(model_id, name, adaptor, pool=adaptor.buffer_pool)
+        model = Model(model_id, name, adaptor, pool=adaptor.buffer_pool, weights_bytes=weights)
         if adaptor.plan is not None:         # a plan is replayed, never run() in a greenlet
             model.replay = ReplayPlan(adaptor.plan, adaptor.funcs, self.kernel_launch,
                                       compiled=self.compiled_replay)

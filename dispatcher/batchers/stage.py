@@ -478,8 +478,19 @@ class StageContext:
         self.retired = False                 # replaced by a reload: no new requests
         self.jobs = 0                        # its jobs in flight
         self._own_models: set[int] = {sv.model_id for sv in model.served.values()}
-        self._ptrs: set[int] = set()
+        self._ptrs: dict[int, int] = {}      # its scheduler's allocations: ptr -> bytes
         self._part_ids = 0
+
+    @property
+    def own_models(self) -> frozenset[int]:
+        """The dispatcher models this context holds: its variants and those its scheduler
+        registered (one C-level copy: safe from the metrics thread)."""
+        return frozenset(self._own_models)
+
+    @property
+    def held_bytes(self) -> int:
+        """Device bytes its scheduler allocated itself (``alloc``), e.g. orca's KV cache."""
+        return sum(list(self._ptrs.values()))
 
     # -- the scheduler's side -------------------------------------------------------------
     def now(self) -> float:
@@ -520,12 +531,11 @@ class StageContext:
 
     def alloc(self, nbytes: int) -> int:
         ptr = self.stage.disp.alloc(nbytes)      # (reclaims idle buffers when full)
-        self._ptrs.add(ptr)
+        self._ptrs[ptr] = nbytes
         return ptr
 
     def free(self, ptr: int) -> None:
-        if ptr in self._ptrs:
-            self._ptrs.discard(ptr)
+        if self._ptrs.pop(ptr, None) is not None:
             self.stage.disp.device.free(ptr)
 
     def view(self, ptr: int, nbytes: int) -> np.ndarray:

@@ -203,6 +203,13 @@ class DaemonCollector:
                      "compute_us")
         yield family(CounterMetricFamily, "paella_kernel_releases",
                      "Kernels the dispatcher released to the GPU, per model", "kernels")
+        mem = GaugeMetricFamily("paella_model_device_memory_bytes",
+                                "Device memory a model holds: its weights and its per-request "
+                                "buffers, idle or in use", labels=labels)
+        for m in st["models"]:
+            if "device_memory_bytes" in m:
+                mem.add_metric([m["name"], "1"], m["device_memory_bytes"])
+        yield mem
         inflight = GaugeMetricFamily("paella_requests_in_flight",
                                      "Requests accepted and not yet completed")
         inflight.add_metric([], st["in_flight"])

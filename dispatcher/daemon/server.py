@@ -295,6 +295,7 @@ class Daemon:
                   backend=self.device.backend if self.device is not None else "none",
                   draining=self.draining)
         per_model: dict[int, int] = {}
+        memory: dict[int, int] = {}              # device bytes per client model id
         ex = self.dispatcher
         if ex is not None:
             # A batched model runs as one dispatcher model per variant: count its jobs (and
@@ -304,11 +305,19 @@ class Daemon:
                 per_model[cid] = len(served.waiting)
                 for sv in list(served.served.values()):
                     client_id[sv.model_id] = cid
+                if served.ctx is not None:       # a scheduler's own models and memory
+                    for mid in served.ctx.own_models:
+                        client_id[mid] = cid
+                    memory[cid] = served.ctx.held_bytes
             for job in list(ex.disp.jobs):
                 mid = client_id.get(job.model.model_id, job.model.model_id)
                 per_model[mid] = per_model.get(mid, 0) + len(job.requests)
+            for mid, n in ex.disp.device_memory_by_model().items():
+                cid = client_id.get(mid, mid)
+                memory[cid] = memory.get(cid, 0) + n
         for m in st["models"]:
             m["in_flight"] = per_model.get(m["id"], 0)
+            m["device_memory_bytes"] = memory.get(m["id"], 0)
             served = ex.stage.models.get(m["id"]) if ex is not None else None
             stats = getattr(served.batcher, "stats_dict", None) if served is not None else None
             if stats is not None:                 # a batcher's own counters (dvabatch's)

@@ -247,3 +247,39 @@ def test_a_reload_on_a_full_gpu_reclaims_the_old_versions_idle_sets():
     disp.run_until_idle()
     assert all(rec.done[i][0] == STATUS_OK for i in range(10, 13))
     assert disp.memory_failures == 0 and list(disp.models.values())[0].adaptor is new
+
+
+def test_each_model_reports_the_memory_it_holds_weights_sets_and_shared_chunks_once():
+    dev, disp = setup(1000)
+    a, b = model("a", 20, param_kib=30), model("b", 10)
+    ma, mb = disp.register_model("a", a), disp.register_model("b", b)
+    rec = Recorder()
+    submit(disp, rec, ma, a, range(3))       # three of a's sets at once
+    submit(disp, rec, mb, b, range(10, 11))
+    disp.run_until_idle()
+    held = disp.device_memory_by_model()
+    assert held[ma] == (30 + 3 * 20) * KIB and held[mb] == 10 * KIB
+    assert sum(held.values()) == dev.allocated_bytes
+    disp.reclaim_idle_memory()               # the idle sets go, the weights stay
+    assert disp.device_memory_by_model() == {ma: 30 * KIB, mb: 0}
+    # Two variants over one model's chunks (one client model, two dispatcher models):
+    # the chunks count once, under one of the two.
+    shared = ChunkedMemory("c", limit=4, chunk_size=8 * KIB)
+    v1, v2 = model("c1", 16), model("c2", 16)
+    v1.memory = v2.memory = shared
+    m1, m2 = disp.register_model("c1", v1), disp.register_model("c2", v2)
+    submit(disp, rec, m1, v1, range(20, 22))
+    submit(disp, rec, m2, v2, range(30, 32))
+    disp.run_until_idle()
+    held = disp.device_memory_by_model()
+    assert held[m1] + held[m2] == shared.stats.held_bytes > 0
+    assert sum(held.values()) == dev.allocated_bytes
+    # A replaced version still running counts under its id until it goes.
+    a2 = model("a2", 20, param_kib=50)
+    submit(disp, rec, ma, a, range(40, 41))
+    disp.step()
+    disp.register_model("a-v2", a2, model_id=ma, profile_runs=0)
+    assert disp.device_memory_by_model()[ma] >= (30 + 50) * KIB
+    disp.run_until_idle()
+    assert disp.device_memory_by_model()[ma] == 50 * KIB
+    assert all(st == STATUS_OK for st, _, _ in rec.done.values()) and len(rec.done) == 9

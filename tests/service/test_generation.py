@@ -517,3 +517,13 @@ def test_generations_are_counted_in_the_metrics(tmp_path):
         assert got[("nv_inference_count", "gpt-tiny")] == 3
     finally:
         cleanup(dp)
+
+
+def test_status_counts_the_kv_cache_under_the_model_clients_name(daemon):
+    per_slot = CFG.kv_bytes_per_slot()
+    with connect(daemon.socket) as c:
+        list(c.generate("gpt-tiny", [1, 2, 3], 4, timeout=30))
+        st = c.status()
+    mem = {m["name"]: m["device_memory_bytes"] for m in st["models"]}
+    assert mem["gpt-tiny"] >= 256 * per_slot and mem["gpt-tight"] >= 64 * per_slot
+    assert sum(mem.values()) <= st["dispatcher"]["device_memory_bytes"]

@@ -299,9 +299,15 @@ def test_a_daemon_kept_to_its_device_memory_makes_requests_wait_and_refuses_what
                 got = c.io_views("tiny_mlp", off)[1]["output0"]
                 np.testing.assert_allclose(got, b.run_cpu({"x": x})["output0"], rtol=1e-6,
                                            atol=1e-6)
-            st = c.status()["dispatcher"]
+            full = c.status()
+            st = full["dispatcher"]
         assert st["device_memory_total_bytes"] == limit
         assert st["device_memory_bytes"] <= limit
+        # each model's share: its weights and the sets it holds (a variant's, under the
+        # name clients use); noop's idle set may have been freed to make room
+        mem = {m["name"]: m["device_memory_bytes"] for m in full["models"]}
+        assert mem["tiny_mlp"] >= params + one_set and mem["noop"] in (0, 64)
+        assert sum(mem.values()) == st["device_memory_bytes"]
         assert st["memory_waits"] >= 1 and st["memory_failures"] == 0
     finally:
         cleanup(dp)

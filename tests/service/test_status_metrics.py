@@ -66,6 +66,10 @@ def test_status_lists_models_clients_and_occupancy(metrics_daemon):
     assert st["dispatcher"]["device_memory_total_bytes"] == 16 << 30   # the T4's 16 GB
     assert st["dispatcher"]["memory_waits"] == st["dispatcher"]["memory_failures"] == 0
     assert "1 dispatcher model(s)" in text and "device memory" in text and "of 16.0 GiB" in text
+    # per model: noop holds all of it (its buffer set), echo (a host model) nothing
+    mem = {m["name"]: m["device_memory_bytes"] for m in st["models"]}
+    assert mem == {"echo": 0, "noop": st["dispatcher"]["device_memory_bytes"]}
+    assert " B on the GPU" in text.split("noop", 1)[1].splitlines()[0]
 
 
 def test_status_of_no_daemon_is_a_clear_error(tmp_path):
@@ -138,6 +142,9 @@ def test_metrics_count_requests_kernels_and_occupancy(metrics_daemon):
     assert after[("paella_policy", (("policy", "paella"),))] == 1
     assert after[("paella_dispatcher_models", ())] == 1
     assert after[("paella_device_memory_bytes", ())] >= 64
+    assert m(after, "paella_model_device_memory_bytes", "noop") == \
+        after[("paella_device_memory_bytes", ())]
+    assert m(after, "paella_model_device_memory_bytes", "echo") == 0
     assert after[("paella_device_memory_total_bytes", ())] == 16 << 30
     assert after[("paella_memory_waits_total", ())] == after[("paella_memory_failures_total", ())] == 0
 
