@@ -178,6 +178,8 @@ class Dispatcher:
         self._resume: list[Job] = []
         #: Jobs that found the device's memory full: they try again as a job ends.
         self._memory_waiting: deque[Job] = deque()
+        #: Greenlet jobs whose own malloc found the device full: resumed as a job ends.
+        self._memory_blocked: list[Job] = []
         #: Times a job waited for device memory, and requests failed for want of it.
         self.memory_waits = 0
         self.memory_failures = 0
@@ -465,7 +467,8 @@ class Dispatcher:
     def alloc(self, nbytes: int) -> int:
         """Device memory for a job's code (``cudart.malloc``) or a scheduler's own use:
         on a full GPU, every model's idle buffers are freed first and it tries once more
-        (then the ``OutOfMemory`` goes to the caller: a job fails, a scheduler says so)."""
+        (then the ``OutOfMemory`` goes to the caller: a job's ``malloc`` may wait, see
+        :meth:`memory_blocked`; a scheduler says so)."""
         return self._reclaiming(lambda: self.device.alloc(nbytes))
 
     def free(self, ptr: int) -> None:
@@ -529,12 +532,9 @@ class Dispatcher:
         """``job``'s buffers do not fit even after reclaiming: it waits while any job
         holds memory it will give back (each one's end retries the waiting), or fails,
         with the device's reason, when none does."""
-        if any(j is not job and ((j.bindings is not None and j.bindings is not j.model.pool.shared)
-                                 or j.allocations) for j in self.jobs):
+        if self._others_hold_memory(job):
             self._memory_waiting.append(job)
-            if not job.waited_memory:
-                job.waited_memory = True
-                self.memory_waits += 1
+            self._count_memory_wait(job)
             return
         self.memory_failures += len(job.requests)
         job.left_policy = True               # never announced to the policy
@@ -545,11 +545,35 @@ class Dispatcher:
         self._progress += 1
         self._finish(job)
 
+    def memory_blocked(self, job: Job) -> bool:
+        """JobHost: ``job``'s own ``malloc`` (a greenlet job's) found the device full
+        after reclaiming. It waits, like a synchronize, while another job holds memory it
+        will give back (every job's end resumes it to try again); with none, it fails.
+        Jobs waiting this way do not count as holders: the last of them to find no other
+        holder fails and frees what it holds, so they cannot wait on each other forever."""
+        if not self._others_hold_memory(job):
+            return False
+        self._memory_blocked.append(job)
+        self._count_memory_wait(job)
+        return True
+
+    def _others_hold_memory(self, job: Job) -> bool:
+        """Does a job other than ``job``, not itself waiting for memory, hold memory that
+        it gives back when it ends (a buffer set of its own, its allocations)?"""
+        return any(j is not job and not j.waiting_memory and (
+            (j.bindings is not None and j.bindings is not j.model.pool.shared) or j.allocations)
+            for j in self.jobs)
+
+    def _count_memory_wait(self, job: Job) -> None:
+        if not job.waited_memory:
+            job.waited_memory = True
+            self.memory_waits += 1
+
     def device_memory_by_model(self) -> dict[int, int]:
         """Device bytes each model id holds: its weights and its buffer sets or chunks,
         idle or in use (a replaced or retired version still running counts under its id).
         Memory a greenlet job or a scheduler allocates itself (``alloc``) is in the
-        device's total only. Safe from another thread (one C-level copy of the set)."""
+        device's total only (the daemon's status adds a scheduler's under its model). Safe from another thread (one C-level copy of the set)."""
         held: dict[int, int] = {}
         counted: set[int] = set()
         for m in list(self._live):
@@ -625,6 +649,9 @@ class Dispatcher:
             waiting = sorted(self._memory_waiting, key=_BY_SEQ)  # all try, oldest first
             self._memory_waiting.clear()
             self._arrivals.extend(waiting)
+        if self._memory_blocked:             # greenlets in malloc try again, oldest first
+            self._resume.extend(sorted(self._memory_blocked, key=_BY_SEQ))
+            self._memory_blocked.clear()
         ok = job.error is None
         if ok:
             job.model.profile.record_job(job.kcount)
@@ -691,6 +718,8 @@ class Dispatcher:
         """Stop a job from the loop: kill its greenlet, drop its unreleased ops."""
         job.cancelled = cancelled
         job.error = job.error or error
+        if job.waiting_memory and job in self._memory_blocked:
+            self._memory_blocked.remove(job)
         if job.glet is not None and not job.glet.dead:
             job.glet.throw(greenlet.GreenletExit)
         job.returned = True
@@ -1009,6 +1038,7 @@ class Dispatcher:
         self._arrivals.clear()
         self._resume.clear()
         self._memory_waiting.clear()
+        self._memory_blocked.clear()
         if raised is not None:
             raise raised
         return n

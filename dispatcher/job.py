@@ -30,7 +30,7 @@ from typing import Any, Protocol, Sequence
 import greenlet
 import numpy as np
 
-from paella.dispatcher.devices.base import D2H, H2D, KERNEL, Function, dim3
+from paella.dispatcher.devices.base import D2H, H2D, KERNEL, Function, OutOfMemory, dim3
 
 from .instruments import Instruments
 from .ops import KernelLaunch, Op
@@ -76,6 +76,11 @@ class JobHost(Protocol):
     def free(self, ptr: int) -> None:
         """Free what :meth:`alloc` returned."""
 
+    def memory_blocked(self, job: "Job") -> bool:
+        """``job``'s own allocation found the device full: True if it is to wait (another
+        job holds memory it will give back; the host resumes it to try again), False if
+        it is to fail (nothing running could make room)."""
+
     def op_active(self, op: Node) -> None:
         """The waitlist callback: ``op`` has no unmet dependency left."""
 
@@ -99,7 +104,8 @@ class Job:
                  "in_policy", "left_policy", "policy_state", "estimate", "remaining", "kcount",
                  "glet", "state", "returned", "error", "wait_op", "wait_all", "blocked",
                  "almost_sent", "almost_next", "cancelled", "allocations", "bindings",
-                 "t_arrival", "t_start", "pin", "waited_memory", "__weakref__")
+                 "t_arrival", "t_start", "pin", "waited_memory", "waiting_memory",
+                 "__weakref__")
 
     def __init__(self, host: JobHost, model: Any, requests: list[Any], io: np.ndarray,
                  seq: int):
@@ -139,6 +145,7 @@ class Job:
         self.bindings: Any = None
         self.t_arrival = requests[0].t_submit
         self.waited_memory = False          # it found the device's memory full once
+        self.waiting_memory = False         # its greenlet waits in malloc for memory
         self.t_start = float("nan")        # (never started: cancelled or failed waiting)
         #: The real stream its ops go to (-1: the dispatcher's stream map chooses);
         #: set by ``Dispatcher.submit_group(stream=...)``.
@@ -245,8 +252,21 @@ class Job:
             self.wait_all = False
 
     def malloc(self, nbytes: int) -> int:
-        """Device memory for this job, freed when the job ends."""
-        ptr = self.host.alloc(nbytes)
+        """Device memory for this job, freed when the job ends. On a full device it
+        waits, like a synchronize, while other jobs hold memory they will give back;
+        with none, the ``OutOfMemory`` fails the job (docs/dispatcher.md)."""
+        while True:
+            try:
+                ptr = self.host.alloc(nbytes)
+                break
+            except OutOfMemory:
+                if greenlet.getcurrent() is not self.glet or not self.host.memory_blocked(self):
+                    raise
+                self.waiting_memory = True
+                try:
+                    self._yield()
+                finally:
+                    self.waiting_memory = False
         self.allocations.append(ptr)
         return ptr
 

@@ -283,3 +283,86 @@ def test_each_model_reports_the_memory_it_holds_weights_sets_and_shared_chunks_o
     disp.run_until_idle()
     assert disp.device_memory_by_model()[ma] == 50 * KIB
     assert all(st == STATUS_OK for st, _, _ in rec.done.values()) and len(rec.done) == 9
+
+
+def _scratch_adaptor(name: str, first_kib: int, then_kib: int = 0, order: list | None = None):
+    """A greenlet job: mallocs ``first_kib``, runs a kernel, then mallocs ``then_kib``
+    more and runs another (``order`` records when each job got its memory)."""
+    from paella.dispatcher import cudart as cuda
+    from paella.dispatcher.adaptor import JobAdaptor
+    from paella.dispatcher.devices.base import KernelInfo, ModuleImage
+
+    class Scratch(JobAdaptor):
+        io_bytes = 64
+
+        def init(self, device):
+            infos = [KernelInfo(f"{name}_k", 32, duration=200e-6)]
+            self.k = device.load_module(ModuleImage(name, infos))[f"{name}_k"]
+
+        def run(self, io):
+            cuda.malloc(first_kib * KIB)
+            if order is not None:
+                order.append((name, "first"))
+            cuda.launch(self.k, 4, 64)
+            cuda.device_synchronize()
+            if then_kib:
+                cuda.malloc(then_kib * KIB)
+                if order is not None:
+                    order.append((name, "then"))
+                cuda.launch(self.k, 4, 64)
+                cuda.device_synchronize()
+
+    ad = Scratch()
+    ad.name = name
+    return ad
+
+
+def test_a_greenlet_jobs_malloc_waits_for_memory_another_job_gives_back():
+    dev, disp = setup(100)
+    order: list = []
+    ma = disp.register_model("a", _scratch_adaptor("a", 70, order=order), profile_runs=0)
+    mb = disp.register_model("b", _scratch_adaptor("b", 60, order=order), profile_runs=0)
+    rec = Recorder()
+    disp.submit(rec.request(1, ma, 64))
+    disp.step()                              # a holds 70 of 100 KiB, its kernel runs
+    disp.submit(rec.request(2, mb, 64))      # b's 60 KiB wait for a's end
+    disp.run_until_idle()
+    assert rec.done[1][0] == rec.done[2][0] == STATUS_OK, rec.done
+    assert order == [("a", "first"), ("b", "first")]
+    assert disp.memory_waits == 1 and disp.memory_failures == 0
+    assert dev.allocated_bytes == 0          # both jobs' scratch freed at their end
+
+
+def test_greenlet_jobs_that_would_wait_on_each_other_fail_one_and_the_other_goes_on():
+    # Each takes 40 KiB, then wants 40 more: the second to find nothing else running
+    # that could give memory back fails (freeing its 40), and the first then fits.
+    dev, disp = setup(100)
+    order: list = []
+    ma = disp.register_model("a", _scratch_adaptor("a", 40, 40, order), profile_runs=0)
+    mb = disp.register_model("b", _scratch_adaptor("b", 40, 40, order), profile_runs=0)
+    rec = Recorder()
+    disp.submit(rec.request(1, ma, 64))
+    disp.submit(rec.request(2, mb, 64))
+    disp.run_until_idle()
+    statuses = sorted(st for st, _, _ in rec.done.values())
+    assert statuses == [STATUS_OK, STATUS_ERROR], rec.done
+    failed = next(err for st, err, _ in rec.done.values() if st == STATUS_ERROR)
+    assert "OutOfMemory" in failed
+    assert dev.allocated_bytes == 0 and not disp.jobs
+
+
+def test_a_greenlet_job_cancelled_while_waiting_for_memory_is_answered_once():
+    dev, disp = setup(100)
+    ma = disp.register_model("a", _scratch_adaptor("a", 70), profile_runs=0)
+    mb = disp.register_model("b", _scratch_adaptor("b", 60), profile_runs=0)
+    rec = Recorder()
+    disp.submit(rec.request(1, ma, 64, client=1))
+    disp.step()
+    disp.submit(rec.request(2, mb, 64, client=2))
+    disp.step()
+    assert disp.memory_waits == 1
+    assert disp.cancel_client(2) == 1
+    disp.run_until_idle()
+    assert rec.done[1][0] == STATUS_OK and rec.done[2][0] == STATUS_CANCELLED
+    assert len(rec.done) == 2                # (the recorder refuses a second answer)
+    assert dev.allocated_bytes == 0 and not disp.jobs
