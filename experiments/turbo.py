@@ -370,7 +370,9 @@ def report_section(d: dict) -> list[str]:
         f"not part of this system, so that column is not run.",
         f"- DP over no batching at 2-100: ours gains {more(short, p_short['dp_over_nobatch'])} "
         f"the paper's because our batch-1 kernels are further from the GPU's peak than Turbo's "
-        f"(TVM's untuned default schedules, DLight, timed by the simulator: one short request "
+        f"(TVM's untuned default schedules, DLight, and per-call transposes of the weights, "
+        f"43% of the kernel time at batch 1 and length 25, which a deployment folds at load "
+        f"time: docs/simulator.md; timed by the simulator, one short request "
         f"alone takes {b1:.1f} ms, Turbo's hand-written kernels about 3.7 ms on the real RTX "
         f"2060, Table 4), so batching recovers more; unbatched we serve "
         f"{sat['2-100']['nobatch'] / p_short['nobatch']:.2f}x the paper's rate, batched with "
