@@ -23,6 +23,7 @@ vanished client's requests and its parts of running jobs.
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -35,6 +36,9 @@ from paella.dispatcher.instruments import Instruments
 
 from .base import Batch, Batcher, BatcherError, ModelVariants, RequestRefused, VariantSpec
 from .gather import IoLayout, gather, in_place, scatter_one
+
+#: Hooks of a plain batcher that return the batches it forms (a list of Batch).
+BATCH_HOOKS = frozenset({"add", "poll", "flush"})
 
 log = logging.getLogger(__name__)
 
@@ -222,6 +226,13 @@ class BatchingStage:
                     polled = self._guarded(m, "poll", m.batcher.poll, now)
                     if m.ctx is None:
                         self._start(m, polled)
+                        if not polled and m.waiting and not m.running:
+                            d = self._guarded(m, "deadline", m.batcher.deadline)
+                            if d is not None and d <= now:   # it would be polled forever
+                                self._batcher_failed(m, "poll", BatcherError(
+                                    f"poll() at its deadline released none of the "
+                                    f"{len(m.waiting)} request(s) it holds, with no batch "
+                                    f"in flight, and its deadline has passed"))
         return self._queued > 0
 
     def _served_models(self) -> list[ServedModel]:
@@ -233,11 +244,12 @@ class BatchingStage:
         for m in self._served_models():
             if m.waiting:
                 d = self._guarded(m, "deadline", m.batcher.deadline)
-                if d is None and m.ctx is not None and m.ctx.jobs == 0 and m.waiting:
+                if d is None and m.waiting and not (m.ctx.jobs if m.ctx is not None else m.running):
                     # Nothing would ever call it again for them: a stall, not a wait.
-                    m.ctx.fail("deadline", RuntimeError(
-                        f"it holds {len(m.waiting)} request(s) with no job in flight and "
-                        f"no deadline"))
+                    self._batcher_failed(m, "deadline", BatcherError(
+                        f"it holds {len(m.waiting)} request(s) with no "
+                        f"{'job' if m.ctx is not None else 'batch'} in flight and no deadline"))
+                    d = None
                 if d is not None and (best is None or d < best):
                     best = d
         return best
@@ -284,19 +296,34 @@ class BatchingStage:
         """Call a batcher hook. One that raises is logged, the model falls back to the
         identity batcher, and every request its batcher held runs alone: none is lost."""
         try:
-            return fn(*args)
+            result = fn(*args)
+            if hook == "deadline":
+                if result is not None and (isinstance(result, bool) or not isinstance(
+                        result, (int, float)) or math.isnan(result)):
+                    raise BatcherError(f"deadline() must return a device time (a number) "
+                                       f"or None, got {result!r:.80}")
+            elif m.ctx is None and hook in BATCH_HOOKS and not (
+                    type(result) is list and all(isinstance(b, Batch) for b in result)):
+                raise BatcherError(f"{hook}() must return a list of Batch, got {result!r:.80}")
+            return result
         except Exception as e:  # noqa: BLE001 - a plug-in may raise anything
-            if m.ctx is not None:
-                m.ctx.fail(hook, e)
-                return None
-            failed = m.batcher
-            log.error("batcher %r of model %s raised in %s(); the model falls back to the "
-                      "identity batcher, its %d queued request(s) run alone", failed.name,
-                      m.name, hook, len(m.waiting), exc_info=e)
-            from .identity import IdentityBatcher
-            m.batcher = IdentityBatcher(m.variants)
-            self._run_alone(m)
+            self._batcher_failed(m, hook, e)
             return None if hook == "deadline" else []
+
+    def _batcher_failed(self, m: ServedModel, hook: str, e: Exception) -> None:
+        """A batcher hook raised or broke its contract: a scheduler's context fails (it
+        answers what it holds); a plain batcher is logged, the model falls back to the
+        identity batcher, and every request its batcher held runs alone: none is lost."""
+        if m.ctx is not None:
+            m.ctx.fail(hook, e)
+            return
+        failed = m.batcher
+        log.error("batcher %r of model %s failed in %s(); the model falls back to the "
+                  "identity batcher, its %d queued request(s) run alone", failed.name,
+                  m.name, hook, len(m.waiting), exc_info=e)
+        from .identity import IdentityBatcher
+        m.batcher = IdentityBatcher(m.variants)
+        self._run_alone(m)
 
     def _run_alone(self, m: ServedModel) -> None:
         for req in list(m.waiting.values()):
@@ -315,6 +342,8 @@ class BatchingStage:
                 return
             if disp.idle and not disp._arrivals:
                 d = self.deadline()
+                if disp._arrivals:            # deadline() answered a stalled batcher's
+                    continue
                 t = min(dev.next_event_time(), float("inf") if d is None else d)
                 if t == float("inf"):
                     if self._queued:          # held back (max_inflight) with nothing running

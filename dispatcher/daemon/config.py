@@ -161,8 +161,10 @@ def load_config(path: str | None) -> DaemonConfig:
             data = tomllib.load(f)
     except OSError as e:
         raise ConfigError(f"cannot read config {path}: {e.strerror}") from None
-    except tomllib.TOMLDecodeError as e:
-        raise ConfigError(f"config {path} is not valid TOML: {e}") from None
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
+        raise ConfigError(f"config {path} is not valid TOML (UTF-8 text): {e}") from None
+    except RecursionError:
+        raise ConfigError(f"config {path} is not valid TOML: nested too deeply to read") from None
     for section, table in data.items():
         if not isinstance(table, dict):
             raise ConfigError(f"{path}: top-level key {section!r} must be a [section]")

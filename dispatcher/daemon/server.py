@@ -35,7 +35,7 @@ from typing import Any, Callable
 import numpy as np
 
 from paella import rings, segments, wire
-from paella.dispatcher.devices.base import DeviceLost
+from paella.dispatcher.devices.base import DeviceError, DeviceLost
 from paella.dispatcher.frontend import Frontend, FrontendConfig, ModelTable
 
 from . import repository
@@ -269,7 +269,11 @@ class Daemon:
             log.info("built-in model noop not served: its kernel exists only on the "
                      "simulated GPU (--backend sim)")
             return None
-        ex.register(mid, "noop", noop_adaptor())
+        try:
+            ex.register(mid, "noop", noop_adaptor())
+        except (DeviceError, RuntimeError) as e:   # e.g. a device_memory below its buffers
+            raise ConfigError(f"the built-in model noop cannot be served ({e}); raise "
+                              f"device_memory or serve without it (--no-noop)") from None
         self.router.by_model[mid] = ex
         return noop_info(mid)
 
@@ -440,10 +444,13 @@ class Daemon:
             raise ConfigError(f"the directory of the socket {self.cfg.socket} does not exist; "
                               f"create {sock_dir} (the systemd unit's RuntimeDirectory=paella "
                               f"makes /run/paella) or choose another --socket")
+        if len(os.fsencode(self.cfg.socket)) > 107:      # sockaddr_un's sun_path
+            raise ConfigError(f"the socket path {self.cfg.socket} is longer than a Unix "
+                              f"socket's limit of 107 bytes; choose a shorter --socket")
         try:
             self.front.listen()      # raises FrontendError if another daemon holds it
         except OSError as e:
-            raise ConfigError(f"cannot listen on {self.cfg.socket}: {e.strerror}") from None
+            raise ConfigError(f"cannot listen on {self.cfg.socket}: {e.strerror or e}") from None
         if self.metrics is not None:
             from .metrics import start_metrics_server
             self._metrics_server = start_metrics_server(

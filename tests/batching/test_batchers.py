@@ -201,6 +201,28 @@ def _register_broken():
         def poll(self, now):
             raise RuntimeError("plug-in bug")
 
+    def holder(name, result=(), deadline=None, poll=()):
+        """Holds every request; ``add`` returns ``result``, ``deadline`` and ``poll``
+        their own wrong answers."""
+        class Holder(Batcher):
+            def add(self, req, now):
+                return list(result) if isinstance(result, tuple) else result
+
+            def deadline(self):
+                return deadline
+
+            def poll(self, now):
+                return list(poll)
+        register_batcher(name)(Holder)
+
+    holder("add-returns-text", result="batches")
+    holder("add-returns-none", result=None)
+    holder("add-returns-ints", result=[1, 2])
+    holder("holds-no-deadline")
+    holder("deadline-nan", deadline=float("nan"))
+    holder("deadline-text", deadline="soon")
+    holder("deadline-always-past", deadline=0.0)
+
     @register_batcher("repeats")
     class Repeats(Batcher):
         """Returns every request twice, and a batch with no variant."""
@@ -210,7 +232,9 @@ def _register_broken():
                     Batch([req], None)]
 
 
-@pytest.mark.parametrize("name", ["raises-in-poll", "repeats"])
+@pytest.mark.parametrize("name", ["raises-in-poll", "repeats", "add-returns-text",
+                                  "add-returns-none", "add-returns-ints", "holds-no-deadline",
+                                  "deadline-nan", "deadline-text", "deadline-always-past"])
 def test_a_wrong_batcher_loses_and_repeats_no_request(name):
     _register_broken()
     disp, stage = serve(batcher=name)
@@ -222,7 +246,7 @@ def test_a_wrong_batcher_loses_and_repeats_no_request(name):
     for i in range(4):
         assert c.done[i] == (rings.OK, None)
         np.testing.assert_array_equal(c.outputs[i], c.expect[i])
-    if name == "raises-in-poll":                         # fell back to identity
+    if name != "repeats":                                # fell back to identity
         assert stage.models[100].batcher.name == "identity"
 
 

@@ -147,3 +147,22 @@ def test_models_pointed_at_a_bundle_names_the_repository_to_use(tmp_path):
     r, sock = serve(tmp_path, ["--models", str(bundle)])
     assert_clean_error(r, sock, f"--models {bundle} is a bundle, not a model repository")
     assert f"point --models at the directory that holds it ({tmp_path / 'repo'})" in r.stderr
+
+
+def test_unreadable_config_text_a_tiny_device_memory_and_a_long_socket_are_clean_errors(tmp_path):
+    conf = tmp_path / "bad.toml"
+    conf.write_bytes(b"[daemon]\nlog_level = \"\xff\xfe\"\n")          # not UTF-8
+    sock = str(tmp_path / "p.sock")
+    cmd = [*PAELLA_CLI, "serve", "--socket", sock, "--cpu", "none", "--rt-priority", "0"]
+    r = subprocess.run([*cmd, "--config", str(conf)], capture_output=True, text=True, timeout=120)
+    assert_clean_error(r, sock, f"config {conf} is not valid TOML (UTF-8 text)")
+    conf.write_text("a = " + "[" * 3000 + "]" * 3000 + "\n")            # nested too deeply
+    r = subprocess.run([*cmd, "--config", str(conf)], capture_output=True, text=True, timeout=120)
+    assert_clean_error(r, sock, "nested too deeply to read")
+    r, sock = serve(tmp_path, ["--device-memory", "1"])    # below noop's one buffer set
+    assert_clean_error(r, sock, "the built-in model noop cannot be served")
+    assert "raise device_memory or serve without it (--no-noop)" in r.stderr
+    long_dir = tmp_path / ("d" * 100)
+    long_dir.mkdir()
+    r, sock = serve(tmp_path, [], socket=str(long_dir / "paella.sock"))
+    assert_clean_error(r, sock, "longer than a Unix socket's limit of 107 bytes")
