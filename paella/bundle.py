@@ -40,6 +40,35 @@ NUMERIC_KINDS = "biufc"
 STREAM_DEFAULT = 0
 
 
+def check_shared_object(path: str) -> None:
+    """Refuse a shared object that is not a whole 64-bit little-endian ELF file before
+    the dynamic loader maps it: a truncated one (a copy cut short) is mapped all the
+    same, and the first touch of a page past the file's end is a SIGBUS that kills the
+    whole process, the daemon serving every other model included. Checked: the header,
+    the program and section header tables, and every loadable segment's file bytes."""
+    import struct
+    size = os.path.getsize(path)
+    with open(path, "rb") as f:
+        head = f.read(64)
+        if len(head) < 64 or head[:4] != b"\x7fELF" or head[4] != 2 or head[5] != 1:
+            raise BundleError(f"{path} is not a 64-bit little-endian ELF shared object; "
+                              f"compile the bundle again (paella compile)")
+        phoff, shoff = struct.unpack_from("<QQ", head, 32)
+        phentsize, phnum, shentsize, shnum = struct.unpack_from("<HHHH", head, 54)
+        ends = [phoff + phentsize * phnum, shoff + shentsize * shnum]
+        if ends[0] <= size and phentsize >= 56:
+            f.seek(phoff)
+            table = f.read(phentsize * phnum)
+            for i in range(phnum):
+                p_type, _, p_offset = struct.unpack_from("<IIQ", table, i * phentsize)
+                p_filesz = struct.unpack_from("<Q", table, i * phentsize + 32)[0]
+                if p_type == 1:                  # PT_LOAD
+                    ends.append(p_offset + p_filesz)
+    if max(ends) > size:
+        raise BundleError(f"{path} is truncated ({size} bytes, its ELF headers need "
+                          f"{max(ends)}); copy or compile the bundle again (paella compile)")
+
+
 class BundleError(Exception):
     """A bundle that is missing, of an unknown format, or inconsistent."""
 
@@ -491,6 +520,8 @@ class Bundle:
         lib_path = str(self.file("cpu_lib", variant))
         vm = self._vm.get(lib_path)
         if vm is None:
+            if lib_path.endswith(".so"):
+                check_shared_object(lib_path)
             lib = tvm.runtime.load_module(lib_path)
             vm = self._vm[lib_path] = relax.VirtualMachine(lib, tvm.cpu())
         p = self.params(variant)

@@ -166,3 +166,16 @@ def test_unreadable_config_text_a_tiny_device_memory_and_a_long_socket_are_clean
     long_dir.mkdir()
     r, sock = serve(tmp_path, [], socket=str(long_dir / "paella.sock"))
     assert_clean_error(r, sock, "longer than a Unix socket's limit of 107 bytes")
+
+
+def test_a_bundle_whose_cpu_build_is_cut_short_is_refused_not_a_crash(tmp_path):
+    """A truncated shared object is mapped by the dynamic loader all the same, and the
+    first touch past its end is a SIGBUS that killed the daemon with no message."""
+    repo = tmp_path / "models"
+    repo.mkdir()
+    b = tiny_mlp(repo / "tiny_mlp")
+    so = next(b.glob("cpu*.so"))
+    with open(so, "r+b") as f:
+        f.truncate(1000)
+    r, sock = serve(tmp_path, ["--models", str(repo)])
+    assert_clean_error(r, sock, f"{so} is truncated (1000 bytes, its ELF headers need")
