@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import os
 import sys
 from importlib.util import find_spec
 
@@ -124,6 +125,11 @@ def run_command(args: argparse.Namespace) -> int:
     except CLIError as e:
         print(f"paella: error: {e}", file=sys.stderr)
         return 2
+    except BrokenPipeError:
+        # The reader went away (`paella status | head -3`): what it wanted it has. Point
+        # stdout at /dev/null so that the interpreter's final flush does not raise again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141                           # 128 + SIGPIPE, as a shell reports it
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -186,3 +186,16 @@ def test_metrics_name_compiled_models_and_skip_profiling_runs(tmp_path):
         assert m(after, "nv_inference_request_duration_us", "tiny_mlp") > 0
     finally:
         cleanup(dp)
+
+
+def test_status_into_a_pipe_its_reader_closed_is_no_traceback(metrics_daemon):
+    """`paella status | head -1`: the reader is gone before the report is written."""
+    import os
+    r, w = os.pipe()
+    os.close(r)
+    try:
+        p = subprocess.run([PAELLA, "status", "--socket", metrics_daemon.socket], stdout=w,
+                           stderr=subprocess.PIPE, text=True, timeout=60)
+    finally:
+        os.close(w)
+    assert p.returncode == 141 and "Traceback" not in p.stderr, p.stderr
