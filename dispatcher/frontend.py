@@ -280,6 +280,10 @@ class Frontend:
         self._refusal_log = LogThrottle(cfg.log_interval)
         #: Client arrivals and departures: logged, but a loop of them is only counted.
         self._session_log = LogThrottle(cfg.log_interval, burst=SESSION_LOG_BURST)
+        # Bad messages and rejections are throttled per client and, for clients that
+        # each send one and leave (a new throttle per connection), daemon-wide too.
+        self._message_log = LogThrottle(cfg.log_interval, burst=SESSION_LOG_BURST)
+        self._reject_log = LogThrottle(cfg.log_interval, burst=SESSION_LOG_BURST)
         self.allowed_uids = {_resolve_id(u, pwd.getpwnam, 'pw_uid', 'user')
                              for u in cfg.allowed_users} | {os.geteuid(), 0}
         self.allowed_gids = {_resolve_id(g, grp.getgrnam, 'gr_gid', 'group')
@@ -520,6 +524,8 @@ class Frontend:
     def _bad_message(self, c: ClientConn, e: wire.WireError, fatal: bool) -> None:
         self.stats["bad_messages"] += 1
         held = c.message_log.admit()
+        if held is not None and self._message_log.admit() is None:
+            held = None
         if held is None:
             self.stats["messages_not_logged"] += 1
         else:
@@ -770,6 +776,8 @@ class Frontend:
     def _reject(self, c: ClientConn, req_id: int, status: int, reason: str) -> None:
         self.stats["rejected"] += 1
         held = c.reject_log.admit()
+        if held is not None and self._reject_log.admit() is None:
+            held = None
         if held is None:
             self.stats["rejections_not_logged"] += 1
         else:

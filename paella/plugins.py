@@ -76,7 +76,8 @@ class PluginRegistry:
                 if not (isinstance(cls, type) and issubclass(cls, self.base)):
                     raise self.error(f"{ep.value} is not a {self.base.__name__} subclass")
                 self.register(ep.name)(cls)
-            except Exception as e:  # noqa: BLE001 - a broken plug-in must not break the others
+            except (Exception, SystemExit) as e:  # noqa: BLE001 - a broken plug-in must not
+                # break the others (nor end the process: sys.exit() at import is SystemExit)
                 self.broken[key] = f"{where} failed to load: {type(e).__name__}: {e}"
                 log.warning("%s plug-in skipped: %s", self.kind, self.broken[key])
 

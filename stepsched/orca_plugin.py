@@ -103,8 +103,9 @@ class OrcaScheduler(SchedulerBatcher):
                                f"allocated ({type(e).__name__}: {e}); lower n_slots in "
                                f"config.toml") from None
         except RuntimeError as e:        # (a device without a host view of its memory)
+            fix = "" if "--sim-mode" in str(e) else "; serve it with --backend sim"
             raise RuntimeError(f"orca computes its tokens as the simulated GPU's functional "
-                               f"effects; serve it with --backend sim ({e})") from None
+                               f"effects{fix} ({e})") from None
         self.engine.keep_streams = False
 
     # -- requests ---------------------------------------------------------------------------

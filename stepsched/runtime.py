@@ -66,6 +66,13 @@ class StepAdaptor(JobAdaptor):
         self._modules: dict[str, dict] = {}
 
     def init(self, device: Device) -> None:
+        if device.late_effects:
+            # The step's results are its last kernel's effect, read when the job ends,
+            # which the notifQ can show before the effect arrives (a crash before this).
+            raise RuntimeError(f"step model {self.name!r} reads its kernels' functional "
+                               f"effects as they complete, which this simulator applies "
+                               f"later (--sim-mode process); serve it with the simulator "
+                               f"stepped in the loop (--sim-mode stepped, the default)")
         self.device = device
 
     def _funcs(self, sk: StepKernels) -> dict:

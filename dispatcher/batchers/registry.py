@@ -59,6 +59,6 @@ def make_batcher(name: str, model: Any, options: dict[str, Any] | None = None) -
         return cls(model, **opts)
     except BatcherError:
         raise
-    except Exception as e:  # noqa: BLE001 - a plug-in may raise anything on bad values
+    except (Exception, SystemExit) as e:  # noqa: BLE001 - a plug-in may raise anything
         raise BatcherError(f"batcher {cls.name!r} refused its options for model "
                            f"{getattr(model, 'name', model)!r}: {type(e).__name__}: {e}") from None

@@ -149,7 +149,7 @@ class DispatcherExecutor:
                                    wake_lead=cfg.wake_lead_us * 1e-6)
         except PolicyError as e:           # the policy refused its parameters
             raise ConfigError(str(e)) from None
-        except Exception as e:  # noqa: BLE001 - a plug-in's __init__ may raise anything
+        except (Exception, SystemExit) as e:  # noqa: BLE001 - a plug-in's __init__ may raise anything
             # Start-up refuses (nothing is served yet, so nothing is lost, and the
             # operator sees the cause at once); mid-service a failing policy falls back.
             raise ConfigError(f"scheduling policy {cfg.policy!r} failed to start: "

@@ -201,7 +201,7 @@ def scan(path: str, known: dict[str, tuple], make_adaptor: Callable[[Any, str, i
                 memory = ChunkedMemory(model, limit=limit)
                 for a in adaptors:
                     a.memory = memory
-        except Exception as e:  # noqa: BLE001 - a bad model fails alone, with its reason
+        except (Exception, SystemExit) as e:  # noqa: BLE001 - a bad model fails alone, with its reason
             plain = isinstance(e, (BundleError, ModelConfigError, BatcherError, ValueError))
             out.failed[folder] = str(e) if plain else f"{type(e).__name__}: {e}"
             continue

@@ -130,6 +130,11 @@ class Device:
     #: them (a real GPU), rather than the device by the ``group`` of each launch (the
     #: simulator): then a dispatcher must read by the group the code was compiled with.
     posts_by_compiled_group = False
+    #: Whether a kernel's functional effect (``ModuleImage.effects``) may be applied
+    #: after its notifications are visible (the simulator in its own process applies it
+    #: when the completion reaches the parent): work ordered behind the kernel on the
+    #: device sees it, a host reading it at the notifications may not.
+    late_effects = False
 
     def __init__(self, props: GpuSpec, n_streams: int, notifq_slots: int):
         if notifq_slots <= 0 or notifq_slots & (notifq_slots - 1):

@@ -34,6 +34,14 @@ def test_registry_names_errors_and_options():
         make_batcher("dynamic", MODEL, {"max_batch_size": "8"})
     with pytest.raises(BatcherError, match="identity.*no option .max_batch_size.; valid options: none"):
         make_batcher("identity", MODEL, {"max_batch_size": 4})
+    from paella.dispatcher.batchers import Batcher, register_batcher
+    if "exits-in-init" not in batcher_names():
+        @register_batcher("exits-in-init")
+        class ExitsInInit(Batcher):          # sys.exit() in a plug-in: an error, not an exit
+            def __init__(self, model):
+                raise SystemExit(5)
+    with pytest.raises(BatcherError, match="'exits-in-init' refused its options .* SystemExit: 5"):
+        make_batcher("exits-in-init", MODEL)
     # Bounded: 1e8 levels once took the daemon's memory (a queue each); an infinite delay
     # never answered a lone request.
     with pytest.raises(BatcherError, match=r"priority_levels must be 0..64 \(one queue each"):

@@ -95,3 +95,14 @@ def test_one_key_holds_a_bounded_number_of_inputs():
     assert b.runs == runs                            # the newest: still cached
     np.testing.assert_array_equal(cache.outputs("m", b, {"x": xs[0].copy()})["y"], xs[0] * 2)
     assert b.runs == runs + 1                        # the oldest: gone, computed again
+
+
+def test_a_stream_of_new_inputs_writes_a_bounded_log(caplog):
+    """A client sending a new input each time: each costs a CPU run, but the log gets a
+    few lines per interval, the rest counted (before: 3 MB in 10 s)."""
+    cache, b = FunctionalCache(), CountingBundle()
+    with caplog.at_level("INFO", logger="paella.daemon"):
+        for i in range(200):
+            cache.outputs("m", b, {"x": np.full(8, i, np.float32)})
+    lines = [r for r in caplog.records if "computed reference outputs" in r.getMessage()]
+    assert b.runs == 200 and 1 <= len(lines) <= 6, len(lines)

@@ -63,12 +63,13 @@ def model_repository(root: Path) -> Path:
     return models
 
 
-def serve(root: Path, *args: str, env: dict[str, str] | None = None):
+def serve(root: Path, *args: str, env: dict[str, str] | None = None, ready: bool = True):
     models = model_repository(root)
     env = {"PYTHONPATH": os.pathsep.join(filter(None, [str(root / "plugin"),
                                                        os.environ.get("PYTHONPATH")])),
            **(env or {})}
-    return start_daemon("--backend", "sim", "--models", str(models), *args, env=env)
+    return start_daemon("--backend", "sim", "--models", str(models), *args, env=env,
+                        ready=ready)
 
 
 @pytest.fixture(scope="module")
@@ -527,3 +528,17 @@ def test_status_counts_the_kv_cache_under_the_model_clients_name(daemon):
     mem = {m["name"]: m["device_memory_bytes"] for m in st["models"]}
     assert mem["gpt-tiny"] >= 256 * per_slot and mem["gpt-tight"] >= 64 * per_slot
     assert sum(mem.values()) <= st["dispatcher"]["device_memory_bytes"]
+
+
+def test_orca_on_the_simulator_in_its_own_process_is_refused_with_the_reason(tmp_path):
+    """The child process applies a kernel's effect when its completion arrives, after the
+    notifQ showed it: a step's tokens were read before they existed (KeyError, and the
+    daemon died at the first generation). Now the model is not served, with the fix."""
+    dp = serve(tmp_path, "--sim-mode", "process", ready=False)
+    try:
+        assert dp.proc.wait(timeout=120) == 2    # its every model is orca: nothing to serve
+        log = dp.log()
+    finally:
+        cleanup(dp)
+    assert "reads its kernels' functional effects as they complete" in log
+    assert "--sim-mode stepped, the default" in log and "Traceback" not in log

@@ -493,6 +493,21 @@ def test_a_connect_loop_writes_a_bounded_log(daemon):
     assert lines >= 10                                 # ... but sessions are still logged
 
 
+def test_one_bad_frame_per_connection_in_a_loop_writes_a_bounded_log(daemon):
+    """Each connection's bad message is its first (a per-client throttle starts fresh):
+    the daemon-wide throttle bounds them all (before: 55,119 lines in 10 s)."""
+    from paella.dispatcher.frontend import SESSION_LOG_BURST
+    before = daemon.log().count("sent a bad message")
+    for _ in range(400):
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.connect(daemon.socket)
+        s.sendall(wire.HEADER.pack(99, 0, 0))           # an unknown message type
+        s.close()
+    echo_works(daemon.socket)
+    lines = daemon.log().count("sent a bad message") - before
+    assert 1 <= lines <= SESSION_LOG_BURST + 2, lines
+
+
 def test_log_throttle_allows_a_burst_then_counts():
     from paella.dispatcher.frontend import LogThrottle
     t = LogThrottle(interval=3600.0, burst=3)

@@ -37,6 +37,11 @@ class RaisingInit(Fifo):
         raise RuntimeError("plug-in bug in __init__")
 
 
+class ExitingInit(Fifo):
+    def __init__(self, dispatcher=None, **options):
+        raise SystemExit(7)
+
+
 class NeverPicks(Fifo):
     def pick(self):
         return None
@@ -52,12 +57,14 @@ TEST_POLICIES = """
     [paella.policies]
     not-a-job = paella_test_policies:NotAJob
     raising-init = paella_test_policies:RaisingInit
+    exiting-init = paella_test_policies:ExitingInit
     never-picks = paella_test_policies:NeverPicks
     arrival = paella_test_policies:Arrival
 """
 BROKEN = """
     [paella.policies]
     broken = paella_missing_module:Policy
+    exits = paella_exiting_module:Policy
 """
 
 
@@ -81,6 +88,7 @@ def plugin_path(tmp_path_factory) -> str:
 def broken_path(tmp_path_factory) -> str:
     """A second site directory with a distribution whose module does not exist."""
     root = tmp_path_factory.mktemp("broken")
+    (root / "paella_exiting_module.py").write_text("import sys\nsys.exit(1)\n")
     install(root, "paella-broken-plugin", "0.1", BROKEN)
     return str(root)
 
@@ -122,6 +130,14 @@ def test_a_policy_raising_in_init_fails_start_up_cleanly(plugin_path, tmp_path):
         "paella: error: scheduling policy 'raising-init' failed to start: RuntimeError: plug-in "
         "bug in __init__; fix the plug-in or choose another policy (--policy, [policy] name)")
     assert not os.path.exists(sock) and not os.path.exists(sock + ".lock")
+    # sys.exit() in __init__ is the same error, not the daemon's silent exit
+    r = subprocess.run([*PAELLA, "--socket", sock, "--cpu", "none", "--rt-priority", "0",
+                        "--policy", "exiting-init"], capture_output=True, text=True, timeout=60,
+                       env=dict(os.environ, **env_with(plugin_path)))
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    assert r.stderr.strip().splitlines()[-1] == (
+        "paella: error: scheduling policy 'exiting-init' failed to start: SystemExit: 7; fix "
+        "the plug-in or choose another policy (--policy, [policy] name)")
 
 
 def test_a_policy_that_never_picks_does_not_hang_start_up(plugin_path, fresh_daemon):
@@ -143,6 +159,8 @@ def test_a_broken_distribution_does_not_break_the_other_plugins(plugin_path, bro
     assert "scheduling policy plug-in skipped: entry point broken = 'paella_missing_module:" \
            "Policy' of distribution paella-broken-plugin 0.1 failed to load: " \
            "ModuleNotFoundError: No module named 'paella_missing_module'" in log
+    assert "entry point exits = 'paella_exiting_module:Policy' of distribution " \
+           "paella-broken-plugin 0.1 failed to load: SystemExit: 1" in log
     assert "falling back" not in log
     # Asked for by name, the broken one is a clean error that says why.
     sock = str(tmp_path / "p.sock")

@@ -53,6 +53,7 @@ class _Pending:
 
 class SimProcessDevice(Device):
     backend = "sim"
+    late_effects = True                      # applied as the child's completions arrive
 
     def __init__(self, props: GpuSpec | str = "t4", *, n_streams: int | None = None,
                  notifq_slots: int = protocol.DEFAULT_NOTIFQ_SLOTS, seed: int = 0,
