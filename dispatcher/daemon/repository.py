@@ -63,7 +63,17 @@ class Prepared:
 
         from .bundles import model_info_from_bundle
         if self.bundle is None:
-            return wire.ModelInfo(model_id, self.model, tuple(self.batcher.client_variants()))
+            variants = self.batcher.client_variants()
+            try:                             # what every client's HELLO will carry
+                info = wire.ModelInfo(model_id, self.model, tuple(variants))
+                wire.ModelInfo.from_dict(info.to_dict())
+                if not variants or not all(isinstance(v, wire.VariantInfo) for v in variants):
+                    raise TypeError("not a non-empty list of them")
+            except Exception as e:  # noqa: BLE001 - a plug-in may return anything
+                raise ValueError(f"scheduler {self.config.batcher!r}: client_variants() must "
+                                 f"return a list of wire.VariantInfo, got {variants!r:.120} "
+                                 f"({type(e).__name__}: {e})") from None
+            return info
         return model_info_from_bundle(model_id, self.bundle, self.model)
 
 

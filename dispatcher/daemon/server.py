@@ -230,6 +230,7 @@ class Daemon:
                 mid = self.table.id_for(p.model)
                 t0 = time.monotonic()
                 try:
+                    info = p.model_info(mid)           # (a plug-in's io is checked first)
                     ex.register_variants(mid, p.model, p.label, p.bundle, p.adaptors,
                                          p.batcher, p.config.profile_runs,  # init + profiling
                                          config=p.config)
@@ -239,7 +240,7 @@ class Daemon:
                     failed[p.directory] = f"cannot be served: {type(e).__name__}: {e}"
                     continue
                 self.router.by_model[mid] = ex
-                self._served[p.model] = ServedBundle(p.directory, p.key, p.model_info(mid))
+                self._served[p.model] = ServedBundle(p.directory, p.key, info)
                 log.info("registered %s%s (%d variant(s): %s; batcher %s): read in %.2f s, "
                          "registered in %.3f s", p.model,
                          f" version {p.version}" if p.version else "", len(p.variant_names),

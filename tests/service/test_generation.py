@@ -41,6 +41,14 @@ class RaisingOrca(OrcaScheduler):
         if len(self._streams[id(req)].tokens) == 3:
             raise RuntimeError("plug-in bug at the third token")
         super()._token(req, tok)
+
+
+class GarbageVariants(OrcaScheduler):
+    """Describes its io to clients as something no client can read."""
+    name = "orca-garbage"
+
+    def client_variants(self):
+        return ["not a variant"]
 '''
 
 
@@ -59,7 +67,8 @@ def model_repository(root: Path) -> Path:
     info.mkdir()
     (info / "METADATA").write_text("Metadata-Version: 2.1\nName: paella-test-orca\nVersion: 1.0\n")
     (info / "entry_points.txt").write_text(
-        "[paella.batchers]\norca-raising = paella_test_orca:RaisingOrca\n")
+        "[paella.batchers]\norca-raising = paella_test_orca:RaisingOrca\n"
+        "orca-garbage = paella_test_orca:GarbageVariants\n")
     return models
 
 
@@ -542,3 +551,23 @@ def test_orca_on_the_simulator_in_its_own_process_is_refused_with_the_reason(tmp
         cleanup(dp)
     assert "reads its kernels' functional effects as they complete" in log
     assert "--sim-mode stepped, the default" in log and "Traceback" not in log
+
+
+def test_a_scheduler_describing_its_io_wrongly_is_not_served_and_the_rest_is(tmp_path):
+    """Its client_variants() went into every client's HELLO reply: every connection
+    failed, for every model. Now that model is refused at load, with the reason."""
+    models = model_repository(tmp_path)
+    (models / "gpt-garbage").mkdir()
+    (models / "gpt-garbage" / "config.toml").write_text(
+        '[batching]\nbatcher = "orca-garbage"\nconfig = "tiny"\n')
+    env = {"PYTHONPATH": os.pathsep.join(filter(None, [str(tmp_path / "plugin"),
+                                                       os.environ.get("PYTHONPATH")]))}
+    dp = start_daemon("--backend", "sim", "--models", str(models), env=env)
+    try:
+        with connect(dp.socket) as c:
+            assert "gpt-garbage" not in c.models and "gpt-tiny" in c.models
+            assert list(c.generate("gpt-tiny", [3, 7, 1], 5, timeout=30)) == \
+                generate_reference(CFG, W, [3, 7, 1], 5)
+        assert "client_variants() must return a list of wire.VariantInfo" in dp.log()
+    finally:
+        cleanup(dp)
