@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import math
+import os
 from typing import Any
 
 #: Experiment modules; each exposes ``register(subparsers)``.
@@ -59,6 +60,13 @@ def _checked(parser: argparse.ArgumentParser, func):
             if not (math.isfinite(v) and (v >= 0 if floor_ok else v > 0)):
                 raise CLIError(f"{a.option_strings[0]} must be a finite number "
                                f"{'>= 0' if floor_ok else '> 0'}, got {v}")
+        for opt in ("json", "plot"):         # before the run, not after minutes of it
+            out = getattr(args, opt, None)
+            if isinstance(out, str) and out:
+                folder = os.path.dirname(os.path.abspath(out))
+                if not os.path.isdir(folder) or not os.access(folder, os.W_OK):
+                    raise CLIError(f"--{opt} {out}: cannot write into {folder} (no such "
+                                   f"directory, or not writable)")
         return func(args)
     return run
 

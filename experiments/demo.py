@@ -264,7 +264,17 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def main(args: argparse.Namespace) -> int:
     import json
-    data = run([m for m in args.models.split(",") if m], args.clients, args.seconds, args.rate,
+
+    from paella.cli import CLIError
+    from paella.models.zoo import names as zoo_names
+    models = [m for m in args.models.split(",") if m]
+    if args.clients < 1:
+        raise CLIError(f"--clients must be at least 1, got {args.clients}")
+    unknown = [m for m in models if m not in zoo_names()]
+    if unknown or not models:                # before the daemon starts, not from inside it
+        raise CLIError(f"--models: unknown zoo model(s) {', '.join(unknown) or '(none given)'}; "
+                       f"zoo models: {', '.join(zoo_names())}")
+    data = run(models, args.clients, args.seconds, args.rate,
                args.sigma, args.seed, args.gpu, args.policy, args.lookahead,
                tuple(args.daemon_args.split()))
     rtt = data["round_trip_us"]

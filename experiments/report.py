@@ -26,7 +26,14 @@ FIGURES = Path("docs/figures")
 
 def _load(name: str, figures: Path) -> dict | None:
     path = figures / f"{name}.json"
-    return json.loads(path.read_text()) if path.is_file() else None
+    if not path.is_file():
+        return None
+    try:
+        return json.loads(path.read_text())
+    except (ValueError, UnicodeDecodeError) as e:
+        from paella.cli import CLIError
+        raise CLIError(f"{path} is not an experiment's JSON ({e}); run the experiment again "
+                       f"with --json {path}") from None
 
 
 def _calibrate(d: dict) -> list[str]:

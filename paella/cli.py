@@ -130,6 +130,12 @@ def run_command(args: argparse.Namespace) -> int:
         # stdout at /dev/null so that the interpreter's final flush does not raise again.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 141                           # 128 + SIGPIPE, as a shell reports it
+    except OSError as e:
+        # A path the user named that cannot be read or written (compile -o /proc/x, a
+        # report's input): the system's reason and the path, not a traceback.
+        where = f": {e.filename}" if e.filename else ""
+        print(f"paella: error: {e.strerror or e}{where}", file=sys.stderr)
+        return 2
 
 
 def main(argv: list[str] | None = None) -> int:

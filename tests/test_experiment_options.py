@@ -25,3 +25,33 @@ def test_cpu_scale_0_is_a_free_dispatcher_whatever_the_default():
         run(p.parse_args(["--rate", "0"]))
     with pytest.raises(CLIError, match="--rate must be a finite number > 0, got nan"):
         run(p.parse_args(["--rate", "nan"]))
+
+
+def _paella(*args: str):
+    import subprocess
+    import sys
+    return subprocess.run([sys.executable, "-c", "import sys; from paella.cli import main; "
+                           "sys.exit(main())", *args], capture_output=True, text=True, timeout=120)
+
+
+@pytest.mark.parametrize("args, expected", [
+    (["experiment", "hol", "--quick", "--json", "/nonexistent/x.json"],
+     "--json /nonexistent/x.json: cannot write into /nonexistent"),
+    (["demo", "--models", "nosuch"], "--models: unknown zoo model(s) nosuch; zoo models: "),
+    (["demo", "--clients", "-1"], "--clients must be at least 1, got -1"),
+])
+def test_bad_paths_and_names_are_refused_before_anything_runs(args, expected):
+    r = _paella(*args)
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    assert r.stderr.strip().splitlines()[-1].startswith(f"paella: error: {expected}")
+
+
+def test_a_report_over_a_corrupt_figure_or_into_an_unwritable_file_is_a_clean_error(tmp_path):
+    (tmp_path / "hol.json").write_text("{not json")
+    r = _paella("experiment", "report", "--figures", str(tmp_path), "-o", str(tmp_path / "r.md"))
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    assert f"{tmp_path}/hol.json is not an experiment's JSON" in r.stderr
+    (tmp_path / "hol.json").unlink()
+    r = _paella("experiment", "report", "--figures", str(tmp_path), "-o", "/proc/nope/r.md")
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    assert r.stderr.strip().splitlines()[-1].startswith("paella: error: ")
