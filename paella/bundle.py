@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import zipfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -473,8 +474,12 @@ class Bundle:
         """Param buffer contents keyed by buffer name (what the device uploads once)."""
         path = self.file("params", variant)
         if str(path) not in self._params:
-            with np.load(path, allow_pickle=False) as z:
-                self._params[str(path)] = {k: z[k] for k in z.files}
+            try:
+                with np.load(path, allow_pickle=False) as z:
+                    self._params[str(path)] = {k: z[k] for k in z.files}
+            except (ValueError, OSError, EOFError, zipfile.BadZipFile) as e:
+                raise BundleError(f"{path} cannot be read ({type(e).__name__}: {e}); copy or "
+                                  f"compile the bundle again (paella compile)") from None
         return self._params[str(path)]
 
     def param_bytes(self, variant: int = 0) -> dict[int, bytes]:
@@ -525,7 +530,12 @@ class Bundle:
             lib = tvm.runtime.load_module(lib_path)
             vm = self._vm[lib_path] = relax.VirtualMachine(lib, tvm.cpu())
         p = self.params(variant)
-        order = json.loads(self.file("cpu_params", variant).read_text())
+        order_path = self.file("cpu_params", variant)
+        try:
+            order = json.loads(order_path.read_text())
+        except ValueError as e:
+            raise BundleError(f"{order_path} is not JSON ({e}); copy or compile the bundle "
+                              f"again (paella compile)") from None
         dev = tvm.cpu()
         args = [tvm.runtime.tensor(a, dev) for a in arrays] + [tvm.runtime.tensor(p[n], dev) for n in order]
         out = vm["main"](*args)

@@ -184,7 +184,11 @@ def functional_adaptor(bundle, name: str, cache: FunctionalCache | None = None,
     v = bundle.variants[variant]
     cache = cache or FunctionalCache()
     plan = plan_from_bundle(bundle, variant, name=f"{name}/{v.name}")
-    last = [op for op in plan.ops if op.kind == "launch"][-1]
+    launches = [op for op in plan.ops if op.kind == "launch"]
+    if not launches:                         # (nothing to carry the reference outputs)
+        raise ValueError(f"model {name!r}, variant {v.name!r}: its plan launches no kernel, "
+                         f"so the simulator has none to compute its outputs; recompile it")
+    last = launches[-1]
     key = f"{name}/{v.name}"
     effect = model_effect(v.inputs, v.outputs, lambda x: cache.outputs(key, bundle, x, variant=variant),
                           len(last.args))

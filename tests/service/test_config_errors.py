@@ -179,3 +179,17 @@ def test_a_bundle_whose_cpu_build_is_cut_short_is_refused_not_a_crash(tmp_path):
         f.truncate(1000)
     r, sock = serve(tmp_path, ["--models", str(repo)])
     assert_clean_error(r, sock, f"{so} is truncated (1000 bytes, its ELF headers need")
+
+
+@pytest.mark.parametrize("damage, expected", [
+    ("cpu_params", "is not JSON"),
+    ("params", "cannot be read"),
+])
+def test_a_bundle_with_a_damaged_file_is_refused_naming_the_file(tmp_path, damage, expected):
+    repo = tmp_path / "models"
+    repo.mkdir()
+    b = tiny_mlp(repo / "tiny_mlp")
+    target = next(b.glob("cpu_params*.json") if damage == "cpu_params" else b.glob("params*.npz"))
+    target.write_bytes(target.read_bytes()[:max(1, target.stat().st_size // 3)])
+    r, sock = serve(tmp_path, ["--models", str(repo)])
+    assert_clean_error(r, sock, f"{target} {expected}")
