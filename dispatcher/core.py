@@ -43,6 +43,7 @@ import greenlet
 import numpy as np
 
 from paella import protocol, rings
+from paella.plugins import PLUGIN_ERRORS
 from paella.dispatcher.devices.base import (H2D, KERNEL, Device, DeviceError, DeviceLost, Function,
                                             OutOfMemory, dim3)
 
@@ -51,6 +52,7 @@ from .instruments import Instrument, Instruments
 from .job import FINISHED, Job
 from .ops import KernelLaunch, Op
 from .policies import Policy, PolicyError, get_policy
+from .policies.base import check_declared
 from .profile import ESTIMATE_DIGITS, ModelProfile
 from .replay import ReplayPlan
 from .streams import StreamMap
@@ -164,6 +166,7 @@ class Dispatcher:
             opts["fairness_threshold"] = fairness_threshold
         cls = get_policy(policy) if isinstance(policy, str) else policy
         self.policy: Policy = cls(self, **opts)
+        check_declared(self.policy)
         self._bind_policy()
         self.streams = StreamMap(len(device.streams), self.policy.stream_mode)
         self.models: dict[int, Model] = {}   # by model id
@@ -249,7 +252,7 @@ class Dispatcher:
         while self._queued:
             try:
                 job = policy.pick()
-            except Exception as e:
+            except PLUGIN_ERRORS as e:
                 self._policy_failed("pick", e)
                 policy = self.policy
                 admits = tracker.admits if policy.gated else tracker.flow_ok
@@ -290,7 +293,7 @@ class Dispatcher:
             kcount[key] = c + 1
             try:
                 policy.released(job, op)
-            except Exception as e:
+            except PLUGIN_ERRORS as e:
                 self._policy_failed("released", e)
                 policy = self.policy
                 admits = tracker.admits if policy.gated else tracker.flow_ok
@@ -394,7 +397,7 @@ class Dispatcher:
             if self._kernel_completed is not None:
                 try:
                     self._kernel_completed(job, op)
-                except Exception as e:
+                except PLUGIN_ERRORS as e:
                     self._policy_failed("kernel_completed", e)
         if "op_ended" in self.instruments:
             self.instruments.call("op_ended", op, self.now)
@@ -430,7 +433,7 @@ class Dispatcher:
                 self._queued += 1
                 try:
                     self.policy.kernel_ready(job)
-                except Exception as e:
+                except PLUGIN_ERRORS as e:
                     self._policy_failed("kernel_ready", e)
         else:
             self._copies.append(op)
@@ -440,7 +443,7 @@ class Dispatcher:
         self._queued += 1
         try:
             self.policy.kernel_ready(job)
-        except Exception as e:
+        except PLUGIN_ERRORS as e:
             self._policy_failed("kernel_ready", e)   # the fallback re-queues every job
 
     # -- the rest of JobHost ------------------------------------------------------------------
@@ -500,7 +503,7 @@ class Dispatcher:
                 job.bindings = bindings
             try:
                 self.policy.job_arrived(job)
-            except Exception as e:
+            except PLUGIN_ERRORS as e:
                 self._policy_failed("job_arrived", e)
             self._progress += 1
             job.t_start = self.now
@@ -616,7 +619,7 @@ class Dispatcher:
             job.in_policy = False
             try:
                 self.policy.job_finished(job)
-            except Exception as e:
+            except PLUGIN_ERRORS as e:
                 self._policy_failed("job_finished", e)
 
     def _finish(self, job: Job) -> None:
@@ -753,7 +756,7 @@ class Dispatcher:
         kc = self.policy.kernel_completed
         self._kernel_completed = None if type(self.policy).kernel_completed is Policy.kernel_completed else kc
 
-    def _policy_failed(self, hook: str, exc: Exception) -> None:
+    def _policy_failed(self, hook: str, exc: BaseException) -> None:
         """A policy hook raised: log it, switch to fifo, re-queue every job, go on."""
         failed = self.policy
         if failed.name == FALLBACK_POLICY and type(failed) is get_policy(FALLBACK_POLICY):

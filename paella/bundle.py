@@ -25,6 +25,9 @@ from typing import Any
 
 import numpy as np
 
+from paella.protocol import MAX_GROUP
+from paella.rings import MAX_ARENA_BYTES
+
 #: Where the compiled model zoo lives (override with $PAELLA_ZOO_DIR): `make zoo` fills it,
 #: the experiments read it, `paella profile NAME` finds a model there by name.
 DEFAULT_ZOO_DIR = Path(os.environ.get("PAELLA_ZOO_DIR", Path.home() / ".cache" / "paella" / "zoo"))
@@ -327,9 +330,13 @@ def manifest_from_dict(d: dict) -> Manifest:
         raise BundleError(f"manifest: malformed entry ({e}); recompile the bundle") from None
     if not variants:
         raise BundleError("manifest: no variants; a bundle holds at least one compiled variant")
+    group = _require(d, "group", "manifest")
+    if type(group) is not int or not 1 <= group <= MAX_GROUP:
+        raise BundleError(f"manifest: group {group!r:.40} is not 1..{MAX_GROUP} (thread blocks "
+                          f"per notification); recompile the bundle")
     return Manifest(model=_require(d, "model", "manifest"), arch=_require(d, "arch", "manifest"),
                     instrumented=bool(_require(d, "instrumented", "manifest")),
-                    group=int(_require(d, "group", "manifest")), variants=variants,
+                    group=group, variants=variants,
                     files=dict(_require(d, "files", "manifest")), cache_key=d.get("cache_key", ""),
                     tvm_version=d.get("tvm_version", ""),
                     compile_seconds=float(d.get("compile_seconds", 0.0)), format_version=version)
@@ -376,6 +383,9 @@ def check_variant(v: Variant) -> None:
         end = t.offset + t.nbytes
     if end > v.io_bytes:
         raise bad(f"io_bytes {v.io_bytes} is smaller than the tensors need ({end})")
+    if v.io_bytes > MAX_ARENA_BYTES:
+        raise bad(f"io_bytes {v.io_bytes} is larger than any client's arena can be "
+                  f"(2**40 bytes): no request could carry it")
     kernels = {k.name: k for k in v.kernels}
     written = {b.id for b in v.buffers if b.kind == "param"}
     recorded: set[int] = set()

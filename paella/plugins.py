@@ -29,6 +29,24 @@ from typing import Any, Callable
 log = logging.getLogger(__name__)
 
 
+#: Where the plug-ins loaded from entry points live: the top-level package of each class's
+#: module (its full module name when that package is ``paella`` itself). The daemon's
+#: watchdog (:mod:`paella.dispatcher.daemon.watchdog`) interrupts only code from these.
+PLUGIN_PACKAGES: set[str] = set()
+
+
+#: What a call into a plug-in may raise and the daemon survives: any exception, and
+#: ``sys.exit()`` (``SystemExit``), which must not end a daemon other clients use. (Free
+#: on the hot path: an ``except`` clause costs nothing until something is raised.)
+PLUGIN_ERRORS: tuple[type[BaseException], ...] = (Exception, SystemExit)
+
+
+def plugin_package(module: str) -> str:
+    """What :data:`PLUGIN_PACKAGES` holds for a class defined in ``module``."""
+    top = module.partition(".")[0]
+    return module if top == "paella" else top
+
+
 def norm(name: str) -> str:
     return name.strip().lower().replace("_", "-")
 
@@ -76,6 +94,7 @@ class PluginRegistry:
                 if not (isinstance(cls, type) and issubclass(cls, self.base)):
                     raise self.error(f"{ep.value} is not a {self.base.__name__} subclass")
                 self.register(ep.name)(cls)
+                PLUGIN_PACKAGES.add(plugin_package(cls.__module__))
             except (Exception, SystemExit) as e:  # noqa: BLE001 - a broken plug-in must not
                 # break the others (nor end the process: sys.exit() at import is SystemExit)
                 self.broken[key] = f"{where} failed to load: {type(e).__name__}: {e}"

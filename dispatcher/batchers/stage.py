@@ -30,6 +30,7 @@ from typing import Any
 import numpy as np
 
 from paella import rings
+from paella.plugins import PLUGIN_ERRORS
 
 from paella.dispatcher.core import Request
 from paella.dispatcher.instruments import Instruments
@@ -306,7 +307,7 @@ class BatchingStage:
                     type(result) is list and all(isinstance(b, Batch) for b in result)):
                 raise BatcherError(f"{hook}() must return a list of Batch, got {result!r:.80}")
             return result
-        except Exception as e:  # noqa: BLE001 - a plug-in may raise anything
+        except PLUGIN_ERRORS as e:  # a plug-in may raise anything, sys.exit() included
             self._batcher_failed(m, hook, e)
             return None if hook == "deadline" else []
 
@@ -615,13 +616,13 @@ class StageContext:
         except RequestRefused as e:
             if id(req) in self.model.waiting:
                 self.complete(req, rings.E_OPTIONS, f"{self.name}: {e}")
-        except Exception as e:  # noqa: BLE001 - a plug-in may raise anything
+        except PLUGIN_ERRORS as e:  # a plug-in may raise anything, sys.exit() included
             self.fail("add", e)
 
     def _call(self, hook: str, fn: Any, *args: Any) -> Any:
         try:
             return fn(*args)
-        except Exception as e:  # noqa: BLE001 - a plug-in may raise anything
+        except PLUGIN_ERRORS as e:  # a plug-in may raise anything, sys.exit() included
             self.fail(hook, e)
             return None
 

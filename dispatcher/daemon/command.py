@@ -42,6 +42,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--idle", choices=("adaptive", "spin"), help="idle mode (default adaptive)")
     p.add_argument("--idle-spin-us", type=int, dest="idle_spin_us")
     p.add_argument("--drain-seconds", type=float, dest="drain_seconds")
+    p.add_argument("--plugin-timeout-seconds", type=float, dest="plugin_timeout_seconds",
+                   help="interrupt a plug-in's call (policy, batcher) that runs longer than "
+                   "this (default 10; 0: never)")
     p.add_argument("--lookahead", type=int, help="kernels of a job's stream released before "
                    "their predecessor completes, queued behind it (default 1: none)")
     p.add_argument("--wake-lead-us", type=int, dest="wake_lead_us",

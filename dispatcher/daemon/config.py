@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from paella import rings
+from paella.gpus import preset
 from paella.dispatcher.policies import PolicyError, check_options
 
 
@@ -25,6 +26,11 @@ class ConfigError(ValueError):
 #: The longest a time setting may be (a day): longer ones overflow epoll's timeout or
 #: make a stop that never ends.
 MAX_SECONDS = 86400.0
+#: The shortest handshake_seconds: a client's HELLO takes about a millisecond, on a
+#: loaded machine tens of them; below this, every connection would be closed.
+MIN_HANDSHAKE_SECONDS = 0.1
+#: The smallest arena (one page): a client's inputs and outputs live in it.
+MIN_ARENA_BYTES = 4096
 #: A core number or numeric id: ASCII digits only (str.isdigit also takes "²"), at most 9.
 _ASCII_DIGITS = re.compile(r"[0-9]{1,9}")
 #: A user or group name as NSS takes it (no NUL, slash, colon or whitespace) or an id.
@@ -46,6 +52,7 @@ class DaemonConfig:
     idle: str = "adaptive"              # adaptive | spin
     idle_spin_us: int = 200             # adaptive: spin this long after the last work
     drain_seconds: float = 10.0         # SIGTERM: how long in-flight jobs may finish
+    plugin_timeout_seconds: float = 10.0  # a plug-in call running longer is interrupted (0: never)
     lookahead: int = 1                  # kernels of a job's stream released ahead (1: none)
     wake_lead_us: int = 0               # hybrid clients' wake-up this far ahead (0: at the mark)
     echo: bool = True                   # serve the built-in "echo" model (host)
@@ -77,6 +84,11 @@ class DaemonConfig:
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
                 raise ConfigError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
+        if self.backend != "cuda":           # (auto may end on the simulator)
+            try:
+                preset(self.gpu)
+            except ValueError as e:
+                raise ConfigError(f"gpu: {e} (the simulated GPU; --gpu, [daemon] gpu)") from None
         if self.cpu not in ("auto", "none") and not _ASCII_DIGITS.fullmatch(str(self.cpu)):
             raise ConfigError(f"cpu must be auto, none or a core number, got {self.cpu!r}")
         for name in ("allowed_users", "allowed_groups"):
@@ -90,9 +102,15 @@ class DaemonConfig:
         if not 0 <= self.drain_seconds <= MAX_SECONDS:     # (also refuses nan and inf)
             raise ConfigError(f"drain_seconds must be 0..{MAX_SECONDS} (seconds in-flight jobs "
                               f"get to finish after SIGTERM), got {self.drain_seconds}")
-        if not 0 < self.handshake_seconds <= MAX_SECONDS:
-            raise ConfigError(f"handshake_seconds must be in (0, {MAX_SECONDS}] (a connection "
-                              f"that sends no HELLO by then is closed), got "
+        if not (self.plugin_timeout_seconds == 0
+                or 0.1 <= self.plugin_timeout_seconds <= MAX_SECONDS):
+            raise ConfigError(f"plugin_timeout_seconds must be 0 (never interrupt) or in "
+                              f"[0.1, {MAX_SECONDS}] (a plug-in call running longer is "
+                              f"interrupted), got {self.plugin_timeout_seconds}")
+        if not MIN_HANDSHAKE_SECONDS <= self.handshake_seconds <= MAX_SECONDS:
+            raise ConfigError(f"handshake_seconds must be in [{MIN_HANDSHAKE_SECONDS}, "
+                              f"{MAX_SECONDS}] (a connection that sends no HELLO by then is "
+                              f"closed; less would close every client's), got "
                               f"{self.handshake_seconds}")
         if type(self.lookahead) is not int or self.lookahead < 1:
             raise ConfigError(f"lookahead must be an int >= 1 (kernels of one stream released "
@@ -109,10 +127,14 @@ class DaemonConfig:
                               f"got {self.metrics_port}")
         if not 0 <= self.socket_mode <= 0o777:
             raise ConfigError(f"socket_mode must be a file mode 0000..0777, got {self.socket_mode:#o}")
-        for name in ("max_clients", "max_inflight_per_client", "arena_bytes", "max_arena_bytes",
-                     "max_clients_per_uid"):
+        for name in ("max_clients", "max_inflight_per_client", "max_clients_per_uid"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
+        for name in ("arena_bytes", "max_arena_bytes"):
+            if getattr(self, name) < MIN_ARENA_BYTES:
+                raise ConfigError(f"{name} must be at least {MIN_ARENA_BYTES} (one page; a "
+                                  f"client's tensors live in its arena), got "
+                                  f"{getattr(self, name)}")
         if type(self.device_memory) is not int or self.device_memory < 0:
             raise ConfigError(f"device_memory must be a number of bytes >= 0 (the GPU memory "
                               f"the daemon may use; 0: all of it), got {self.device_memory!r}")
@@ -143,7 +165,7 @@ class DaemonConfig:
 
 SECTIONS = {
     "daemon": ("socket", "models", "backend", "gpu", "sim_mode", "cpu", "rt_priority", "idle",
-               "idle_spin_us", "drain_seconds", "lookahead", "wake_lead_us", "echo", "noop", "log_level", "metrics_port",
+               "idle_spin_us", "drain_seconds", "plugin_timeout_seconds", "lookahead", "wake_lead_us", "echo", "noop", "log_level", "metrics_port",
                "metrics_addr"),
     "access": ("allowed_users", "allowed_groups", "socket_mode"),
     "limits": ("max_clients", "max_inflight_per_client", "arena_bytes", "max_arena_bytes",

@@ -24,6 +24,7 @@ from __future__ import annotations
 import itertools
 import logging
 import os
+import re
 import threading
 import time
 from dataclasses import dataclass, field, replace
@@ -93,23 +94,34 @@ class Scan:
         return len(self.prepared) + len(self.kept) + len(self.failed)
 
 
+#: A version subfolder's name: ASCII digits (str.isdigit also takes "²", which int() refuses).
+_VERSION = re.compile(r"[0-9]{1,18}")
+
+
 def bundle_folder(folder: str, pinned: int | None) -> tuple[str, str] | None:
     """The bundle a model folder serves and its version: the folder itself if it holds a
     bundle, else its latest numbered subfolder holding one (or ``pinned``); None if the
     folder has no bundle at all (not a model)."""
     if pinned is None and os.path.isfile(os.path.join(folder, "manifest.json")):
         return folder, ""
-    versions = sorted(int(d) for d in os.listdir(folder) if d.isdigit()
-                      and os.path.isfile(os.path.join(folder, d, "manifest.json")))
+    named: dict[int, str] = {}               # version -> its subfolder's name
+    for d in sorted(os.listdir(folder)):
+        if not (_VERSION.fullmatch(d) and os.path.isfile(os.path.join(folder, d, "manifest.json"))):
+            continue
+        other = named.setdefault(int(d), d)
+        if other != d:
+            raise ValueError(f"subfolders {other} and {d} are both version {int(d)}; "
+                             f"rename or remove one")
+    versions = sorted(named)
     if pinned is not None:
         if pinned not in versions:
             raise ValueError(f"config.toml pins version {pinned}, but the folder has "
                              f"{'versions ' + ', '.join(map(str, versions)) if versions else 'no version subfolders'}; "
                              f"fix the pin or add the version")
-        return os.path.join(folder, str(pinned)), str(pinned)
+        return os.path.join(folder, named[pinned]), str(pinned)
     if not versions:
         return None
-    return os.path.join(folder, str(versions[-1])), str(versions[-1])
+    return os.path.join(folder, named[versions[-1]]), str(versions[-1])
 
 
 def scan(path: str, known: dict[str, tuple], make_adaptor: Callable[[Any, str, int], Any],
@@ -214,6 +226,10 @@ def scan(path: str, known: dict[str, tuple], make_adaptor: Callable[[Any, str, i
         except (Exception, SystemExit) as e:  # noqa: BLE001 - a bad model fails alone, with its reason
             plain = isinstance(e, (BundleError, ModelConfigError, BatcherError, ValueError))
             out.failed[folder] = str(e) if plain else f"{type(e).__name__}: {e}"
+            if isinstance(e, MemoryError):
+                out.failed[folder] += (" (the host has not the memory this bundle asks for: "
+                                       "check io_bytes and the buffers' nbytes in its "
+                                       "manifest.json)")
             continue
         out.prepared.append(Prepared(folder, model, key, bundle, adaptors, label,
                                      time.monotonic() - t1, cfg, batcher, version))

@@ -44,6 +44,7 @@ from .bundles import FunctionalCache, bundle_adaptor
 from .config import ConfigError, DaemonConfig
 from .executors import DispatcherExecutor, HostExecutor, Router
 from .system import freeze_heap, freeze_new_objects, pin_and_prioritize, sd_notify
+from .watchdog import PluginHung, Watchdog
 
 log = logging.getLogger("paella.daemon")
 
@@ -92,6 +93,8 @@ _EPOLL_TICK = 1e-3
 
 #: Exit status after a lost device (sticky GPU error): the unit restarts the daemon.
 EXIT_DEVICE_LOST = 3
+#: Exit status after a plug-in call that could not be interrupted (see ``watchdog``).
+EXIT_PLUGIN_HUNG = 4
 
 
 class StartupInterrupted(Exception):
@@ -418,12 +421,17 @@ class Daemon:
     def serve(self) -> int:
         """Start, run the loop until drained, clean up. Returns the exit status."""
         self._install_signals()
+        watchdog = Watchdog(self.cfg.plugin_timeout_seconds)
+        watchdog.start()
         try:
             return self._serve()
         except StartupInterrupted:
             log.info("SIGTERM during start-up: stopped before serving")
             return 0
+        except PluginHung as e:
+            return self._plugin_hung(e)
         finally:
+            watchdog.stop()
             if self._metrics_server is not None:
                 self._metrics_server.shutdown()
                 self._metrics_server.server_close()
@@ -496,6 +504,18 @@ class Daemon:
         self.router.abandon_all(f"the GPU failed ({exc}); the daemon is restarting", rings.E_FAILED)
         self.front.poll_io(0)                 # deliver the completions' wake-ups
         return EXIT_DEVICE_LOST
+
+    def _plugin_hung(self, exc: PluginHung) -> int:
+        """A plug-in call would not stop (see :mod:`.watchdog`): the loop's state is
+        unknown after it unwound, so answer every accepted request and exit non-zero for
+        the service manager to restart the daemon."""
+        n = self.router.in_flight
+        log.critical("%s; failing %d in-flight request(s) and exiting with status %d: fix or "
+                     "remove that plug-in", exc, n, EXIT_PLUGIN_HUNG)
+        sd_notify(f"STATUS=a plug-in hung: {exc}")
+        self.router.abandon_all(f"the daemon stopped: {exc}", rings.E_FAILED)
+        self.front.poll_io(0)
+        return EXIT_PLUGIN_HUNG
 
     def run(self) -> None:
         """The dispatcher loop. This while loop right here is the daemon.

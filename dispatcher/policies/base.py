@@ -29,6 +29,17 @@ class PolicyError(ValueError):
     """An unknown policy name, a duplicate registration or a bad policy option."""
 
 
+def check_declared(policy: "Policy") -> None:
+    """What a built policy declares to the dispatcher is of the right type: a plug-in's
+    ``gated = "no"`` would otherwise be taken as true. (Its ``stream_mode`` is checked
+    by :class:`~paella.dispatcher.streams.StreamMap`.)"""
+    for attr in ("gated", "eager"):
+        value = getattr(policy, attr)
+        if type(value) is not bool:
+            raise PolicyError(f"policy {policy.name!r} declares {attr} = {value!r:.60}; it "
+                              f"must be True or False")
+
+
 class Policy:
     name = "base"
     gated = True

@@ -231,6 +231,11 @@ def _register_broken():
     holder("deadline-text", deadline="soon")
     holder("deadline-always-past", deadline=0.0)
 
+    @register_batcher("exits-in-add")
+    class ExitsInAdd(Batcher):
+        def add(self, req, now):
+            raise SystemExit(3)              # sys.exit() must not end a shared daemon
+
     @register_batcher("repeats")
     class Repeats(Batcher):
         """Returns every request twice, and a batch with no variant."""
@@ -240,7 +245,7 @@ def _register_broken():
                     Batch([req], None)]
 
 
-@pytest.mark.parametrize("name", ["raises-in-poll", "repeats", "add-returns-text",
+@pytest.mark.parametrize("name", ["raises-in-poll", "exits-in-add", "repeats", "add-returns-text",
                                   "add-returns-none", "add-returns-ints", "holds-no-deadline",
                                   "deadline-nan", "deadline-text", "deadline-always-past"])
 def test_a_wrong_batcher_loses_and_repeats_no_request(name):

@@ -140,6 +140,22 @@ def test_loader_refuses_wrong_sizes(bundle_copy):
         load_bundle(bundle_copy)
 
 
+def test_loader_refuses_an_io_buffer_no_client_could_send(bundle_copy):
+    """2**45 bytes used to fail later, in an allocation, with a MemoryError naming no file."""
+    _edit(bundle_copy, lambda m: m["variants"][0].update(io_bytes=2 ** 45))
+    with pytest.raises(BundleError, match="io_bytes 35184372088832 is larger than any "
+                                          "client's arena can be"):
+        load_bundle(bundle_copy)
+
+
+@pytest.mark.parametrize("group", [0, -1, 1.5, "1", 1 << 40])
+def test_loader_refuses_a_notification_group_out_of_range(bundle_copy, group):
+    _edit(bundle_copy, lambda m: m.update(group=group))
+    with pytest.raises(BundleError, match=r"manifest: group .* is not 1\.\.\d+ \(thread blocks "
+                                          r"per notification\)"):
+        load_bundle(bundle_copy)
+
+
 def test_loader_refuses_bad_kernel_args(bundle_copy):
     _edit(bundle_copy, lambda m: m["variants"][0]["plan"][1]["args"].pop())
     with pytest.raises(BundleError, match="passes 3 args"):

@@ -287,6 +287,23 @@ def test_bad_policy_options_raise():
         get_policy("rr")(None, bogus=1)
 
 
+@pytest.mark.parametrize("attr,value", [("gated", "no"), ("eager", 1), ("gated", None)])
+def test_a_policy_declaring_a_non_bool_release_mode_is_refused(attr, value):
+    """``gated = "no"`` would be taken as true: refused when the dispatcher builds it."""
+    from paella.dispatcher.core import Dispatcher
+    from paella.dispatcher.devices.sim import SimDevice
+
+    class Declares(HeapPolicy):
+        name = "declares"
+
+        def key(self, job):
+            return job.seq
+    setattr(Declares, attr, value)
+    with pytest.raises(PolicyError, match=f"policy 'declares' declares {attr} = "
+                                          f"{value!r}; it must be True or False"):
+        Dispatcher(SimDevice("t4"), Declares)
+
+
 class Exploding(HeapPolicy):
     """A plug-in that works for a while, then raises in pick()."""
     calls = 0

@@ -11,16 +11,20 @@ from __future__ import annotations
 import os
 import subprocess
 import textwrap
+import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 from paella.client import connect
+from paella.client.errors import RequestFailed
 from service_daemon import PAELLA
 
 PLUGINS = '''
 """Policies that are wrong in the ways a plug-in can be."""
+import time
+
 from paella.dispatcher.policies import HeapPolicy
 from paella.dispatcher.policies.fifo import Fifo
 
@@ -47,6 +51,42 @@ class NeverPicks(Fifo):
         return None
 
 
+class ExitsInPick(Fifo):
+    """Right for the start-up profiling runs, then calls sys.exit() in a client's pick."""
+    def pick(self):
+        job = super().pick()
+        if job is not None and job.client_id >= 0:
+            raise SystemExit(3)
+        return job
+
+
+class LoopsInPick(Fifo):
+    """Right for the start-up profiling runs, then never returns from a client's pick."""
+    def pick(self):
+        job = super().pick()
+        while job is not None and job.client_id >= 0:
+            pass
+        return job
+
+
+class SwallowsInPick(Fifo):
+    """Like LoopsInPick, and keeps every exception it is given."""
+    def pick(self):
+        job = super().pick()
+        while job is not None and job.client_id >= 0:
+            try:
+                time.sleep(0.01)
+            except Exception:
+                pass
+        return job
+
+
+class LoopsInInit(Fifo):
+    def __init__(self, dispatcher=None, **options):
+        while True:
+            time.sleep(0.05)
+
+
 class Arrival(HeapPolicy):
     """A correct plug-in: arrival order, gated by the +B rule."""
     def key(self, job):
@@ -60,6 +100,10 @@ TEST_POLICIES = """
     exiting-init = paella_test_policies:ExitingInit
     never-picks = paella_test_policies:NeverPicks
     arrival = paella_test_policies:Arrival
+    loops-in-pick = paella_test_policies:LoopsInPick
+    exits-in-pick = paella_test_policies:ExitsInPick
+    swallows-in-pick = paella_test_policies:SwallowsInPick
+    loops-in-init = paella_test_policies:LoopsInInit
 """
 BROKEN = """
     [paella.policies]
@@ -117,6 +161,16 @@ def test_pick_returning_a_non_job_falls_back_to_fifo_mid_service(plugin_path, fr
     assert dp.proc.poll() is None
 
 
+def test_sys_exit_in_pick_mid_service_falls_back_and_does_not_end_the_daemon(plugin_path,
+                                                                           fresh_daemon):
+    dp = fresh_daemon("--policy", "exits-in-pick", env=env_with(plugin_path))
+    noop_requests(dp.socket, 20)
+    assert "scheduling policy 'exits-in-pick' raised in pick(); falling back to 'fifo'" \
+        in dp.log()
+    assert dp.proc.poll() is None
+    assert dp.stop() == 0
+
+
 def test_a_policy_raising_in_init_fails_start_up_cleanly(plugin_path, tmp_path):
     """Decision: start-up refuses (nothing is served yet, so nothing is lost, and the
     operator sees the cause at once), exit 2 with the plug-in's error; no traceback."""
@@ -172,3 +226,57 @@ def test_a_broken_distribution_does_not_break_the_other_plugins(plugin_path, bro
         "paella: error: scheduling policy 'broken' is unavailable: entry point broken = "
         "'paella_missing_module:Policy' of distribution paella-broken-plugin 0.1 failed to load: "
         "ModuleNotFoundError: No module named 'paella_missing_module'"), r.stderr
+
+
+def test_a_pick_that_never_returns_is_interrupted_and_the_daemon_goes_on(plugin_path,
+                                                                        fresh_daemon):
+    """The watchdog interrupts the plug-in call after plugin_timeout_seconds; the policy
+    falls back to fifo, the requests waiting behind it are served, and SIGTERM works."""
+    dp = fresh_daemon("--policy", "loops-in-pick", "--plugin-timeout-seconds", "0.5",
+                      env=env_with(plugin_path))
+    t0 = time.monotonic()
+    noop_requests(dp.socket, 20)
+    assert time.monotonic() - t0 > 0.4                # they did wait for the interruption
+    log = dp.log()
+    assert "the plug-in call paella_test_policies.LoopsInPick.pick" in log
+    assert "without returning (an endless loop?): interrupting it" in log
+    assert "scheduling policy 'loops-in-pick' raised in pick(); falling back to 'fifo'" in log
+    assert "PluginTimeout" in log      # (the log's traceback shows where the plug-in looped)
+    noop_requests(dp.socket, 20)
+    assert dp.stop() == 0
+    assert dp.segments() == []
+
+
+def test_a_plugin_that_swallows_the_interruption_stops_the_daemon_cleanly(plugin_path,
+                                                                          fresh_daemon):
+    """Interrupted twice and still running: the daemon answers the request it holds,
+    exits 4 naming the plug-in (the unit restarts it) and leaves nothing behind."""
+    dp = fresh_daemon("--policy", "swallows-in-pick", "--plugin-timeout-seconds", "0.3",
+                      env=env_with(plugin_path))
+    with connect(dp.socket) as c:
+        off = c.alloc(64)
+        rid = c.predict("noop", 64, off)
+        with pytest.raises(RequestFailed) as err:
+            c.read_result(timeout=20)
+        assert "the daemon stopped" in str(err.value) and "SwallowsInPick.pick" in str(err.value)
+        assert rid is not None
+    assert dp.proc.wait(20) == 4
+    log = dp.log()
+    assert "kept running after 2 interruptions" in log and "Traceback" not in log, log
+    assert not os.path.exists(dp.socket)
+    assert dp.segments() == []
+
+
+def test_a_policy_init_that_never_returns_fails_start_up(plugin_path, tmp_path):
+    sock = str(tmp_path / "p.sock")
+    r = subprocess.run([*PAELLA, "--socket", sock, "--cpu", "none", "--rt-priority", "0",
+                        "--policy", "loops-in-init", "--plugin-timeout-seconds", "0.5"],
+                       capture_output=True, text=True, timeout=60,
+                       env=dict(os.environ, **env_with(plugin_path)))
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    last = r.stderr.strip().splitlines()[-1]
+    assert last.startswith("paella: error: scheduling policy 'loops-in-init' failed to start: "
+                           "PluginTimeout: the plug-in call paella_test_policies.LoopsInInit."
+                           "__init__"), last
+    assert "ran for more than 0.5 s without returning (plugin_timeout_seconds)" in last
+    assert not os.path.exists(sock)

@@ -183,6 +183,23 @@ def test_versions_latest_or_pinned(tmp_path, fresh_daemon):
     assert dp.stop() == 0
 
 
+def test_version_folders_are_read_by_number_and_two_names_of_one_version_refused(tmp_path):
+    """A folder named "01" is version 1 (it was looked for as "1" and not found); "1" and
+    "01" together are ambiguous; a non-ASCII digit ("²") is not a version."""
+    from paella.dispatcher.daemon.repository import bundle_folder
+    model = tmp_path / "m"
+    for name in ("01", "²", "10"):
+        (model / name).mkdir(parents=True)
+        (model / name / "manifest.json").write_text("{}")
+    assert bundle_folder(str(model), None) == (str(model / "10"), "10")
+    assert bundle_folder(str(model), 1) == (str(model / "01"), "1")
+    (model / "1").mkdir()
+    (model / "1" / "manifest.json").write_text("{}")
+    with pytest.raises(ValueError, match="subfolders 01 and 1 are both version 1; rename or "
+                                         "remove one"):
+        bundle_folder(str(model), None)
+
+
 CONFIG_ERRORS = [
     ("unknown-top-key", "batcher = 'dynamic'\n",
      "config.toml: unknown key 'batcher'; valid keys: version, batching, policy, memory"),
