@@ -59,6 +59,8 @@ RESOURCE_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENO
 #: Connections the kernel holds for the loop to accept (capped by net.core.somaxconn):
 #: a client dialling while it is full is refused at once (EAGAIN) on a Unix socket.
 LISTEN_BACKLOG = min(socket.SOMAXCONN, 4096)
+#: The control frames a client may send; any other kind is refused "unexpected".
+CLIENT_SENDS = frozenset({wire.KICK, wire.HELLO, wire.LIST_MODELS, wire.STATUS})
 #: What a lock file may hold: nothing (new) or a daemon's pid.
 _LOCK_CONTENT = re.compile(rb"(?:[0-9]{1,10}\n?)?")
 
@@ -513,6 +515,9 @@ class Frontend:
             if raw is None:
                 return
             try:
+                if raw[0] not in CLIENT_SENDS:   # before its body is read: a frame of a
+                    raise wire.WireError(        # kind only the daemon sends is refused
+                        "unexpected", f"a client may not send {wire.NAMES[raw[0]]}")
                 self._handle(c, raw[0], wire.decode_payload(raw[0], raw[1]))
             except wire.WireError as e:
                 self._bad_message(c, e, fatal=False)
@@ -546,8 +551,6 @@ class Frontend:
             self.send(c, wire.encode(wire.MODELS, {"models": self.models.describe()}))
         elif kind == wire.STATUS:
             self.send(c, self._status_frame())
-        else:
-            raise wire.WireError("unexpected", f"a client may not send {wire.NAMES[kind]}")
 
     #: Seconds a built STATUS reply is reused: a client sending STATUS in a loop costs
     #: the dispatcher loop one build per interval, not one per frame.

@@ -301,6 +301,8 @@ HOSTILE_FRAMES = {
     "NaN": (frame(wire.HELLO, b'{"version":1,"arena_bytes":NaN}'), "bad_field"),
     "field in LIST_MODELS": (wire.encode(wire.LIST_MODELS, {"all": True}), "bad_field"),
     "too large": (frame(wire.HELLO, b" " * (wire.MAX_CLIENT_PAYLOAD + 1)), "too_large"),
+    "ERROR from a client": (frame(wire.ERROR, b"\xff not JSON"), "unexpected"),
+    "MODELS from a client": (wire.encode(wire.MODELS, {"models": []}), "unexpected"),
 }
 
 
