@@ -365,12 +365,31 @@ class Frontend:
             self.sel.unregister(self.listener)
             self.listener.close()
             self.listener = None
-            try:                             # (only a socket: never someone's file)
-                if stat.S_ISSOCK(os.lstat(self.cfg.socket_path).st_mode):
-                    os.unlink(self.cfg.socket_path)
-            except FileNotFoundError:
-                pass  # someone removed it for us
+            self._unlink_socket()
         self.accepting = False
+
+    def _unlink_socket(self) -> None:
+        try:                                 # (only a socket: never someone's file)
+            if stat.S_ISSOCK(os.lstat(self.cfg.socket_path).st_mode):
+                os.unlink(self.cfg.socket_path)
+        except FileNotFoundError:
+            pass  # someone removed it for us
+
+    def _unlink_lock(self) -> None:
+        lock_path = self.cfg.socket_path + ".lock"
+        try:                                 # only if the path still names our lock file
+            if os.path.samestat(os.lstat(lock_path), os.fstat(self._lock_fd)):
+                os.unlink(lock_path)
+        except FileNotFoundError:
+            pass  # same
+
+    def unlink_paths(self) -> None:
+        """Remove the socket file and the lock file, and nothing else: what a process that
+        must exit at once (the watchdog's last resort, from its own thread) leaves tidy."""
+        if self.listener is not None:
+            self._unlink_socket()
+        if self._lock_fd is not None:
+            self._unlink_lock()
 
     # -- the socket side -----------------------------------------------------------
     def poll_io(self, timeout: float | None = 0) -> int:
@@ -946,12 +965,7 @@ class Frontend:
             os.close(self._spare_fd)
             self._spare_fd = None
         if self._lock_fd is not None:
-            lock_path = self.cfg.socket_path + ".lock"
-            try:                             # only if the path still names our lock file
-                if os.path.samestat(os.lstat(lock_path), os.fstat(self._lock_fd)):
-                    os.unlink(lock_path)
-            except FileNotFoundError:
-                pass  # same
+            self._unlink_lock()
             os.close(self._lock_fd)
             self._lock_fd = None
         self.sel.close()

@@ -31,6 +31,7 @@ import greenlet
 import numpy as np
 
 from paella.dispatcher.devices.base import D2H, H2D, KERNEL, Function, OutOfMemory, dim3
+from paella.plugins import PLUGIN_ERRORS
 
 from .instruments import Instruments
 from .ops import KernelLaunch, Op
@@ -173,11 +174,11 @@ class Job:
     def _main(self) -> None:
         try:
             self.model.adaptor.run(self.io)
-        except Exception as e:   # the adaptor's failure fails this job only
+        except PLUGIN_ERRORS as e:   # the adaptor's failure (sys.exit() too) fails this job only
             self.fail(e)
         self.returned = True
 
-    def fail(self, exc: Exception) -> None:
+    def fail(self, exc: BaseException) -> None:
         """The job's code (or its plan's checks) raised: fail it, through the host."""
         self.error = f"{type(exc).__name__}: {exc}"
         self.host.job_failed(self)

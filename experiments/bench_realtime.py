@@ -3,7 +3,7 @@ simulated GPU, in this process, against the time the simulated GPU itself takes.
 
     .venv/bin/python -m paella.experiments.bench_realtime [--models resnet18,squeezenet1_1,googlenet]
         [--requests 200] [--lookahead 3] [--policy paella] [--profile FILE] [--fifo]
-        [--pause] [--gap 0.02] [--daemon | --daemon-only] [--daemon-args "--idle spin"]
+        [--pause [--spin]] [--gap 0.02] [--daemon | --daemon-only] [--daemon-args "--idle spin"]
         [--engine] [--virtual]
 
 No daemon, no client, no rings: the in-process core of ``paella demo``'s critical path.
@@ -23,9 +23,9 @@ isolated, the extra per kernel, and the CPU per request (``--profile FILE`` writ
 cProfile's stats of the timed requests). ``--fifo`` runs under SCHED_FIFO when allowed
 (the daemon does by default, see docs/service.md).
 
-``--pause`` sleeps ``--gap`` seconds before each request instead of serving them back to
-back: ``paella demo``'s spacing (20 requests/s per client), after which this machine's
-caches no longer hold the loop's code and data. ``--daemon`` (``--daemon-only``) then
+``--pause`` sleeps (``--spin``: busy-waits) ``--gap`` seconds before each request
+instead of serving them back to back: ``paella demo``'s spacing (20 requests/s per
+client), after which this machine's caches no longer hold the loop's code and data. ``--daemon`` (``--daemon-only``) then
 (only) sends the same kind of requests through the real daemon from one client process
 pinned away from the daemon's core, one at a time, ``--gap`` apart on average: the demo's
 critical path without its queueing.
@@ -37,7 +37,7 @@ import json
 import os
 import statistics
 import time
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -97,8 +97,17 @@ def request_io(bundle) -> np.ndarray:
     return io
 
 
+def spin_wait(seconds: float) -> None:
+    """Busy-wait (``--spin``): the core stays ours, as the daemon's ``--idle spin``
+    keeps it, so what a pause still costs is not the sleep's wake-up."""
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass
+
+
 def bench_model(bundle, name: str, n: int, policy: str, lookahead: int,
-                profiler: Any = None, gap: float = 0.0) -> dict:
+                profiler: Any = None, gap: float = 0.0,
+                wait: Callable[[float], None] = time.sleep) -> dict:
     dev = SimDevice("t4", realtime=True)
     disp = Dispatcher(dev, policy, lookahead=lookahead)
     adaptor = bundle_adaptor(bundle, name, dev, FunctionalCache())
@@ -115,7 +124,7 @@ def bench_model(bundle, name: str, n: int, policy: str, lookahead: int,
         profiler.enable()
     for i in range(n):
         if gap:
-            time.sleep(gap)
+            wait(gap)
         lat.append(serve_one(disp, mid, io, 100 + i))
     if profiler is not None:
         profiler.disable()
@@ -214,6 +223,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--pause", action="store_true",
                     help="in process: sleep --gap between requests (the demo's spacing) instead "
                          "of serving them back to back")
+    ap.add_argument("--spin", action="store_true",
+                    help="with --pause: busy-wait the gap instead of sleeping")
     ap.add_argument("--daemon-only", action="store_true", help="only the --daemon part")
     ap.add_argument("--daemon-args", default="", help="--daemon: more options for paella serve")
     ap.add_argument("--engine", action="store_true",
@@ -243,7 +254,7 @@ def main(argv: list[str] | None = None) -> int:
         profiler = cProfile.Profile()
     rows = [] if args.daemon_only else [
         bench_model(bundles[n], n, args.requests, args.policy, args.lookahead, profiler,
-                    args.gap if args.pause else 0.0)
+                    args.gap if args.pause else 0.0, spin_wait if args.spin else time.sleep)
         for n in names]
     print(f"{'model':<15}{'kernels':>8}{'isolated':>10}{'p50':>9}{'p90':>9}{'ratio':>7}"
           f"{'extra':>9}{'/kernel':>9}{'cpu/req':>9}")

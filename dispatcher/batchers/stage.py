@@ -645,7 +645,7 @@ class StageContext:
             self.closed = True
             try:
                 self.model.batcher.close()
-            except Exception as e:  # noqa: BLE001 - it is going anyway
+            except PLUGIN_ERRORS as e:  # it is going anyway
                 log.error("scheduler %r of %s raised in close(): %s: %s",
                           self.model.batcher.name, self.name, type(e).__name__, e)
         for req in list(self.model.waiting.values()):

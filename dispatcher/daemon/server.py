@@ -421,7 +421,7 @@ class Daemon:
     def serve(self) -> int:
         """Start, run the loop until drained, clean up. Returns the exit status."""
         self._install_signals()
-        watchdog = Watchdog(self.cfg.plugin_timeout_seconds)
+        watchdog = Watchdog(self.cfg.plugin_timeout_seconds, self._last_resort)
         watchdog.start()
         try:
             return self._serve()
@@ -502,8 +502,17 @@ class Daemon:
                      EXIT_DEVICE_LOST)
         sd_notify(f"STATUS=device lost: {exc}")
         self.router.abandon_all(f"the GPU failed ({exc}); the daemon is restarting", rings.E_FAILED)
-        self.front.poll_io(0)                 # deliver the completions' wake-ups
+        self._refuse_rings()
         return EXIT_DEVICE_LOST
+
+    def _refuse_rings(self) -> None:
+        """The daemon is going: what clients pushed and it never admitted is refused
+        (each entry gets its one completion), then every wake-up is sent."""
+        self.admitting = False
+        for _ in range(self.cfg.ring_slots):          # bounded: a client may keep pushing
+            if not self.front.poll_rings(admit=False):
+                break
+        self.front.poll_io(0)
 
     def _plugin_hung(self, exc: PluginHung) -> int:
         """A plug-in call would not stop (see :mod:`.watchdog`): the loop's state is
@@ -514,8 +523,22 @@ class Daemon:
                      "remove that plug-in", exc, n, EXIT_PLUGIN_HUNG)
         sd_notify(f"STATUS=a plug-in hung: {exc}")
         self.router.abandon_all(f"the daemon stopped: {exc}", rings.E_FAILED)
-        self.front.poll_io(0)
+        self._refuse_rings()
         return EXIT_PLUGIN_HUNG
+
+    def _last_resort(self, what: str) -> None:
+        """From the watchdog's thread: the loop is stuck in a plug-in call that nothing
+        can unwind (it catches ``BaseException``, or sits in C). Exit now: no lock may be
+        taken (the loop may hold logging's), so the line goes straight to stderr; the
+        socket and lock files are removed, and a client sees the daemon gone."""
+        line = (f"paella[{os.getpid()}] CRITICAL {what}; exiting now with status "
+                f"{EXIT_PLUGIN_HUNG}, in-flight requests unanswered: fix or remove that "
+                f"plug-in\n")
+        try:
+            os.write(2, line.encode(errors="replace"))
+            self.front.unlink_paths()
+        finally:
+            os._exit(EXIT_PLUGIN_HUNG)
 
     def run(self) -> None:
         """The dispatcher loop. This while loop right here is the daemon.
@@ -589,10 +612,7 @@ class Daemon:
             self.router.abandon_all(f"cancelled: the daemon stopped (its drain deadline of "
                                     f"{self.cfg.drain_seconds:g} s passed) before the job "
                                     f"finished")
-            for _ in range(self.cfg.ring_slots):      # what is still in the rings: refused
-                if not self.front.poll_rings(admit=False):
-                    break
-            self.front.poll_io(0)                     # send the wake-ups
+            self._refuse_rings()                      # what is still in the rings
             return True
         return False
 

@@ -81,6 +81,18 @@ class SwallowsInPick(Fifo):
         return job
 
 
+class CatchesAll(Fifo):
+    """Like SwallowsInPick, and keeps BaseException too."""
+    def pick(self):
+        job = super().pick()
+        while job is not None and job.client_id >= 0:
+            try:
+                time.sleep(0.01)
+            except BaseException:
+                pass
+        return job
+
+
 class LoopsInInit(Fifo):
     def __init__(self, dispatcher=None, **options):
         while True:
@@ -104,6 +116,7 @@ TEST_POLICIES = """
     exits-in-pick = paella_test_policies:ExitsInPick
     swallows-in-pick = paella_test_policies:SwallowsInPick
     loops-in-init = paella_test_policies:LoopsInInit
+    catches-all = paella_test_policies:CatchesAll
 """
 BROKEN = """
     [paella.policies]
@@ -255,11 +268,14 @@ def test_a_plugin_that_swallows_the_interruption_stops_the_daemon_cleanly(plugin
                       env=env_with(plugin_path))
     with connect(dp.socket) as c:
         off = c.alloc(64)
-        rid = c.predict("noop", 64, off)
-        with pytest.raises(RequestFailed) as err:
-            c.read_result(timeout=20)
-        assert "the daemon stopped" in str(err.value) and "SwallowsInPick.pick" in str(err.value)
-        assert rid is not None
+        ids = {c.predict("noop", 64, off) for _ in range(4)}
+        answered = set()
+        for _ in ids:                        # each one answered, with the reason
+            with pytest.raises(RequestFailed) as err:
+                c.read_result(timeout=20)
+            answered.add(err.value.req_id)
+            assert "the daemon stopped" in str(err.value) or "shutting down" in str(err.value)
+        assert answered == ids
     assert dp.proc.wait(20) == 4
     log = dp.log()
     assert "kept running after 2 interruptions" in log and "Traceback" not in log, log
@@ -280,3 +296,20 @@ def test_a_policy_init_that_never_returns_fails_start_up(plugin_path, tmp_path):
                            "__init__"), last
     assert "ran for more than 0.5 s without returning (plugin_timeout_seconds)" in last
     assert not os.path.exists(sock)
+
+
+def test_a_plugin_that_catches_everything_ends_the_daemon_as_a_last_resort(plugin_path,
+                                                                          fresh_daemon):
+    """Nothing can unwind it: the watchdog's thread exits the process (status 4) after
+    STRIKES + 2 timeouts, removing the socket; the line goes to stderr, not through the
+    logging lock the loop may hold."""
+    dp = fresh_daemon("--policy", "catches-all", "--plugin-timeout-seconds", "0.3",
+                      env=env_with(plugin_path))
+    with connect(dp.socket) as c:
+        off = c.alloc(64)
+        c.predict("noop", 64, off)
+        assert dp.proc.wait(20) == 4
+    log = dp.log()
+    assert "CRITICAL the plug-in call paella_test_policies.CatchesAll.pick" in log
+    assert "could not be interrupted; exiting now with status 4" in log
+    assert not os.path.exists(dp.socket) and not os.path.exists(dp.socket + ".lock")
