@@ -16,10 +16,14 @@ refuses anything else with a :class:`BundleError` that names the cause and the f
 """
 from __future__ import annotations
 
+import functools
 import json
+import math
 import os
+import types
+import typing
 import zipfile
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields, is_dataclass
 from pathlib import Path
 from typing import Any
 
@@ -201,7 +205,7 @@ class CallSpec:
 
     @staticmethod
     def from_dict(d: dict) -> "CallSpec":
-        return CallSpec(d["primfunc"], [int(x) for x in d["launches"]],
+        return CallSpec(d["primfunc"], d["launches"],
                         [ViewSpec(**a) if a is not None else None for a in d["args"]])
 
 
@@ -295,6 +299,82 @@ def _require(d: dict, key: str, where: str) -> Any:
     return d[key]
 
 
+#: The most work one kernel may declare: 1e15 FLOPs is 50 s at an A100's FP32 peak
+#: (19.5 TFLOP/s), 1e14 bytes 50 s at its 2 TB/s. A bundle's kernels are far below
+#: (a batch-64 4096x4096 GEMM is 2e12 FLOPs).
+MAX_KERNEL_FLOPS = 1e15
+MAX_KERNEL_BYTES = 1e14
+#: The largest integer a manifest may hold (sizes, offsets, counts): far above any real
+#: one, and below what numpy's int64 arithmetic on them could overflow.
+MAX_MANIFEST_INT = 1 << 53
+
+
+def _check_types(obj: Any, where: str) -> None:
+    """Every field of the manifest record ``obj`` (a dataclass, nested ones included) has
+    its annotated JSON type: ``int`` an integer (not a bool, not 1.0) of at most
+    :data:`MAX_MANIFEST_INT` in size, ``float`` a finite number, ``str``/``bool``
+    exactly, lists and dicts of those. A wrong type would otherwise fail far from the
+    file, per request or in the middle of the daemon's swap of models (a variant named
+    null crashed it)."""
+    for name, hint in _hints(type(obj)):
+        _check_value(getattr(obj, name), hint, f"{where}: {name}")
+
+
+@functools.cache
+def _hints(cls: type) -> tuple[tuple[str, Any], ...]:
+    """A record's fields and their types (resolved once: ``get_type_hints`` evaluates the
+    annotations, 0.5 ms a call)."""
+    hints = typing.get_type_hints(cls)
+    return tuple((f.name, hints[f.name]) for f in fields(cls))
+
+
+def _check_value(value: Any, hint: Any, where: str) -> None:
+    origin = typing.get_origin(hint)
+    if origin in (types.UnionType, typing.Union):
+        errors = []
+        for h in typing.get_args(hint):
+            try:
+                return _check_value(value, h, where)
+            except BundleError as e:
+                errors.append(e)
+        raise errors[0]                      # (the first type named: not None)
+    if hint is type(None):
+        ok = value is None
+    elif hint is bool or hint is str:
+        ok = type(value) is hint
+    elif hint is int:
+        ok = type(value) is int and abs(value) <= MAX_MANIFEST_INT
+    elif hint is float:
+        ok = type(value) in (int, float) and math.isfinite(value) and abs(value) <= 1e30
+    elif origin is list:
+        if type(value) is not list:
+            raise BundleError(f"manifest: {where} must be a list, got {value!r:.60}")
+        (item,) = typing.get_args(hint)
+        for i, v in enumerate(value):
+            _check_value(v, item, f"{where}[{i}]")
+        return
+    elif origin is dict or hint is dict:
+        if type(value) is not dict:
+            raise BundleError(f"manifest: {where} must be an object, got {value!r:.60}")
+        if origin is dict:
+            kt, vt = typing.get_args(hint)
+            for k, v in value.items():
+                _check_value(k, kt, where)
+                _check_value(v, vt, f"{where}[{k!r:.40}]")
+        return
+    elif is_dataclass(hint):
+        if not isinstance(value, hint):
+            raise BundleError(f"manifest: {where} must be an object, got {value!r:.60}")
+        return _check_types(value, where)
+    else:
+        ok = True
+    if not ok:
+        name = getattr(hint, "__name__", str(hint))
+        raise BundleError(f"manifest: {where} must be {'an' if name == 'int' else 'a'} {name}"
+                          f"{' of at most 2**53' if name == 'int' else ''}, got {value!r:.60}; "
+                          f"the bundle is corrupt or from another tool: recompile it")
+
+
 def _variant_from_dict(d: dict) -> Variant:
     name = _require(d, "name", "variant")
     where = f"variant {name!r}"
@@ -304,15 +384,17 @@ def _variant_from_dict(d: dict) -> Variant:
         o = dict(o)
         o["args"] = [KernelArg(**a) for a in o.get("args", [])]
         plan.append(Op(**o))
-    return Variant(name=name, inputs=tensors("inputs"), outputs=tensors("outputs"),
-                   buffers=[BufferSpec(**b) for b in _require(d, "buffers", where)],
-                   kernels=[KernelSpec(**k) for k in _require(d, "kernels", where)],
-                   plan=plan, io_bytes=int(_require(d, "io_bytes", where)),
-                   batch=int(d.get("batch", 0)), seq_len=int(d.get("seq_len", 0)),
-                   files=dict(d.get("files", {})),
-                   calls=[CallSpec.from_dict(c) for c in d.get("calls", [])],
-                   stage=int(d.get("stage", -1)), cuts=[int(c) for c in d.get("cuts", [])],
-                   stage_seconds=float(d.get("stage_seconds", 0.0)))
+    v = Variant(name=name, inputs=tensors("inputs"), outputs=tensors("outputs"),
+                buffers=[BufferSpec(**b) for b in _require(d, "buffers", where)],
+                kernels=[KernelSpec(**k) for k in _require(d, "kernels", where)],
+                plan=plan, io_bytes=_require(d, "io_bytes", where),
+                batch=d.get("batch", 0), seq_len=d.get("seq_len", 0),
+                files=d.get("files", {}),
+                calls=[CallSpec.from_dict(c) for c in d.get("calls", [])],
+                stage=d.get("stage", -1), cuts=d.get("cuts", []),
+                stage_seconds=d.get("stage_seconds", 0.0))
+    _check_types(v, f"variant {name!r:.60}")
+    return v
 
 
 def manifest_from_dict(d: dict) -> Manifest:
@@ -357,10 +439,12 @@ def check_variant(v: Variant) -> None:
     for k in v.kernels:
         # Work the simulator times a kernel by: a real number, finite and >= 0 (an
         # infinite one never completes; a string fails deep in the cost model).
-        for what in ("flops", "bytes"):
+        for what, most in (("flops", MAX_KERNEL_FLOPS), ("bytes", MAX_KERNEL_BYTES)):
             x = getattr(k, what)
-            if type(x) not in (int, float) or not 0 <= x < 1e30:
-                raise bad(f"kernel {k.name!r} has {what} {x!r}; it must be a finite number >= 0")
+            if type(x) not in (int, float) or not 0 <= x <= most:
+                raise bad(f"kernel {k.name!r} has {what} {x!r}; it must be a number from 0 to "
+                          f"{most:g} (one kernel of a served model; more would run for minutes "
+                          f"on any GPU, and the daemon profiles every model at load)")
     for b in v.buffers:
         if b.kind not in BUFFER_KINDS or b.nbytes < 0:
             raise bad(f"buffer {b.id} has kind {b.kind!r} / size {b.nbytes}")

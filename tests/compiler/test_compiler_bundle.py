@@ -156,6 +156,42 @@ def test_loader_refuses_a_notification_group_out_of_range(bundle_copy, group):
         load_bundle(bundle_copy)
 
 
+def _set(path, value):
+    """An edit setting ``variants[0]`` field ``path`` (keys and indices) to ``value``."""
+    def edit(m):
+        d = m["variants"][0]
+        for k in path[:-1]:
+            d = d[k]
+        d[path[-1]] = value
+    return edit
+
+
+@pytest.mark.parametrize("path, value, expected", [
+    (("name",), None, "variant None: name must be a str, got None"),
+    (("name",), 0, "variant 0: name must be a str"),
+    (("plan", 0, "buffer_offset"), 0.0, "plan[0]: buffer_offset must be an int of at most "
+                                        "2**53, got 0.0"),
+    (("plan", 0, "io_offset"), 1.5, "plan[0]: io_offset must be"),
+    (("plan", 1, "grid"), ["x"], "plan[1]: grid[0] must be an int"),
+    (("plan", 1, "grid"), 3, "plan[1]: grid must be a list"),
+    (("plan", 1, "dyn_smem"), None, "plan[1]: dyn_smem must be an int"),
+    (("plan", 1, "args", 0, "offset"), "x", "plan[1]: args[0]: offset must be an int"),
+    (("io_bytes",), float("inf"), "io_bytes must be an int"),
+    (("inputs", 0, "shape", 0), 2 ** 70, "inputs[0]: shape[0] must be an int of at most 2**53"),
+    (("kernels", 0, "flops"), 2 ** 70, "has flops 1180591620717411303424; it must be a number "
+                                       "from 0 to 1e+15"),
+    (("batch",), True, "batch must be an int"),
+])
+def test_loader_refuses_a_field_of_the_wrong_type_naming_it(bundle_copy, path, value, expected):
+    """A variant named null crashed the daemon's swap of models (and a SIGHUP with it, a
+    serving daemon); a float offset hung its start-up; the others failed per request or
+    with a bare TypeError."""
+    _edit(bundle_copy, _set(path, value))
+    with pytest.raises(BundleError) as e:
+        load_bundle(bundle_copy)
+    assert expected in str(e.value)
+
+
 def test_loader_refuses_bad_kernel_args(bundle_copy):
     _edit(bundle_copy, lambda m: m["variants"][0]["plan"][1]["args"].pop())
     with pytest.raises(BundleError, match="passes 3 args"):
