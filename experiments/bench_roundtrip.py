@@ -20,6 +20,7 @@ import os
 import resource
 import signal
 import socket
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -54,17 +55,26 @@ def start_daemon(*extra: str, timeout: float = 60.0,
     sock, notify_path = os.path.join(d, "p.sock"), os.path.join(d, "notify")
     notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
     notify.bind(notify_path)
-    notify.settimeout(timeout)
+    notify.settimeout(0.2)                  # (to see a daemon that exits meanwhile)
     proc = subprocess.Popen([*command, "--socket", sock, "--log-level", "warning", *extra],
                             env=dict(os.environ, NOTIFY_SOCKET=notify_path),
                             preexec_fn=end_with_parent())
-    try:
-        while b"READY=1" not in notify.recv(4096):
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            if b"READY=1" in notify.recv(4096):
+                break
+        except socket.timeout:
             pass
-    except socket.timeout:
-        proc.kill()
-        notify.close()
-        raise RuntimeError("the daemon did not become ready") from None
+        code = proc.poll()
+        if code is not None or time.monotonic() > deadline:
+            proc.kill()
+            proc.wait()
+            notify.close()
+            shutil.rmtree(d, ignore_errors=True)
+            raise RuntimeError(f"the daemon exited with status {code} before it was ready "
+                               f"(its error is above)" if code is not None else
+                               f"the daemon did not become ready within {timeout:g} s")
     _notify_sockets[proc.pid] = notify      # kept open: the daemon reports STOPPING=1 too
     return proc, sock, d
 

@@ -25,6 +25,7 @@ import math
 import multiprocessing as mp
 import os
 import queue
+import shlex
 import shutil
 import tempfile
 import time
@@ -150,6 +151,10 @@ def round_trips(sock: str, n_b2b: int, n_paced: int, rate: float, sigma: float,
     return out
 
 
+class DaemonDidNotStart(RuntimeError):
+    """The demo's daemon exited (or hung) before it was ready; its error is on stderr."""
+
+
 def run(models: list[str], clients: int, seconds: float, rate: float, sigma: float, seed: int,
         gpu: str, policy: str, lookahead: int = 1, daemon_args: tuple[str, ...] = ()) -> dict:
     from paella.experiments.bench_roundtrip import start_daemon, stop_daemon
@@ -171,7 +176,12 @@ def run(models: list[str], clients: int, seconds: float, rate: float, sigma: flo
     serve_args = ("--backend", "sim", "--gpu", gpu, "--policy", policy, "--lookahead", str(lookahead),
                   *daemon_args)
     print(f"[3/7] starting the daemon: paella serve {' '.join(serve_args)}", flush=True)
-    proc, sock, tmp = start_daemon("--models", str(repo), *serve_args, timeout=300)
+    try:
+        proc, sock, tmp = start_daemon("--models", str(repo), *serve_args, timeout=300)
+    except RuntimeError as e:
+        shutil.rmtree(repo, ignore_errors=True)
+        raise DaemonDidNotStart(f"{e}; check --gpu, --policy, --lookahead and --daemon-args") \
+            from None
     try:
         from paella.client import connect
         with connect(sock) as c:
@@ -274,9 +284,25 @@ def main(args: argparse.Namespace) -> int:
     if unknown or not models:                # before the daemon starts, not from inside it
         raise CLIError(f"--models: unknown zoo model(s) {', '.join(unknown) or '(none given)'}; "
                        f"zoo models: {', '.join(zoo_names())}")
-    data = run(models, args.clients, args.seconds, args.rate,
-               args.sigma, args.seed, args.gpu, args.policy, args.lookahead,
-               tuple(args.daemon_args.split()))
+    for name, value, zero_ok, what in (("--seconds", args.seconds, False, "seconds of load"),
+                                       ("--rate", args.rate, False, "requests/s per client"),
+                                       ("--sigma", args.sigma, True, "the gaps' lognormal sigma")):
+        if not (math.isfinite(value) and (value > 0 or (zero_ok and value == 0))
+                and value <= 86400):
+            raise CLIError(f"{name} must be a finite number {'>= 0' if zero_ok else '> 0'} "
+                           f"({what}), got {value}")
+    try:
+        daemon_args = tuple(shlex.split(args.daemon_args))
+    except ValueError as e:
+        raise CLIError(f"--daemon-args: {e}") from None
+    if any(a == "--socket" or a.startswith("--socket=") for a in daemon_args):
+        raise CLIError("--daemon-args may not set --socket: the demo starts its daemon on a "
+                       "socket of its own")
+    try:
+        data = run(models, args.clients, args.seconds, args.rate,
+                   args.sigma, args.seed, args.gpu, args.policy, args.lookahead, daemon_args)
+    except DaemonDidNotStart as e:
+        raise CLIError(str(e)) from None
     rtt = data["round_trip_us"]
     print(f"\nround trip (echo, p50): {rtt['back_to_back']:.0f} us back to back, "
           f"{rtt['paced']:.0f} us at the clients' pacing; target: p50 <= "

@@ -39,6 +39,11 @@ def _paella(*args: str):
      "--json /nonexistent/x.json: cannot write into /nonexistent"),
     (["demo", "--models", "nosuch"], "--models: unknown zoo model(s) nosuch; zoo models: "),
     (["demo", "--clients", "-1"], "--clients must be at least 1, got -1"),
+    (["demo", "--rate", "0"], "--rate must be a finite number > 0"),
+    (["demo", "--sigma", "-1"], "--sigma must be a finite number >= 0"),
+    (["demo", "--seconds", "nan"], "--seconds must be a finite number > 0"),
+    (["demo", "--daemon-args", "--socket /tmp/x.sock"], "--daemon-args may not set --socket"),
+    (["demo", "--daemon-args", "'x"], "--daemon-args: No closing quotation"),
 ])
 def test_bad_paths_and_names_are_refused_before_anything_runs(args, expected):
     r = _paella(*args)
@@ -55,3 +60,15 @@ def test_a_report_over_a_corrupt_figure_or_into_an_unwritable_file_is_a_clean_er
     r = _paella("experiment", "report", "--figures", str(tmp_path), "-o", "/proc/nope/r.md")
     assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
     assert r.stderr.strip().splitlines()[-1].startswith("paella: error: ")
+
+
+def test_a_demo_whose_daemon_cannot_start_says_so_at_once():
+    """It waited 5 minutes for a READY that would never come."""
+    import time
+    t0 = time.monotonic()
+    r = _paella("demo", "--models", "squeezenet1_1", "--seconds", "1", "--policy", "nosuch")
+    assert time.monotonic() - t0 < 100
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    assert "unknown scheduling policy 'nosuch'" in r.stderr
+    assert r.stderr.strip().splitlines()[-1].startswith(
+        "paella: error: the daemon exited with status 2 before it was ready")

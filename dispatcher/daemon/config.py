@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import re
+import stat
 import tomllib
 from dataclasses import dataclass, field
 from typing import Any
@@ -179,6 +181,9 @@ def load_config(path: str | None) -> DaemonConfig:
     if path is None:
         return cfg
     try:
+        if not stat.S_ISREG(os.stat(path).st_mode):   # a fifo would block, /dev/zero fill memory
+            raise ConfigError(f"config {path} is not a regular file; give the path of a TOML "
+                              f"file (dist/paella.toml is an example)")
         with open(path, "rb") as f:
             data = tomllib.load(f)
     except OSError as e:
@@ -229,7 +234,7 @@ def _coerce(key: str, value: Any) -> Any:
             raise ConfigError(str(e)) from None
     if key == "cpu":
         return str(value)
-    if want is float and isinstance(value, int):
+    if want is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
     if not isinstance(value, want) or (want is int and isinstance(value, bool)):
         raise ConfigError(f"setting {key} must be {want.__name__}, got {value!r}")
