@@ -144,6 +144,11 @@ class DaemonConfig:
             raise ConfigError(f"arena_bytes ({self.arena_bytes}) exceeds max_arena_bytes "
                               f"({self.max_arena_bytes})")
         try:
+            rings.Layout(self.ring_slots, self.ring_slots, 4096)
+        except ValueError as e:              # (the layout names its own fields)
+            raise ConfigError(f"ring_slots (each client's request and completion rings): "
+                              f"{e}") from None
+        try:
             rings.Layout(self.ring_slots, self.ring_slots, self.arena_bytes)
         except ValueError as e:
             raise ConfigError(str(e)) from None

@@ -55,8 +55,11 @@ def load_model_config(folder: str | Path) -> ModelConfig:
     """``folder/config.toml`` (defaults if there is none)."""
     path = Path(folder) / CONFIG
     cfg = ModelConfig()
-    if not path.is_file():
+    if not path.exists():
         return cfg
+    if not path.is_file():                   # a fifo would block the load, a directory is
+        raise ModelConfigError(f"{path} is not a regular file; make it the model's TOML "
+                               f"settings or remove it")   # (was: its settings ignored)
     try:
         data = tomllib.loads(path.read_text())
     except (OSError, UnicodeDecodeError) as e:

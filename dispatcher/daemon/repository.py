@@ -102,11 +102,17 @@ def bundle_folder(folder: str, pinned: int | None) -> tuple[str, str] | None:
     """The bundle a model folder serves and its version: the folder itself if it holds a
     bundle, else its latest numbered subfolder holding one (or ``pinned``); None if the
     folder has no bundle at all (not a model)."""
-    if pinned is None and os.path.isfile(os.path.join(folder, "manifest.json")):
+    manifest = os.path.join(folder, "manifest.json")
+    if os.path.lexists(manifest) and not os.path.isfile(manifest):
+        raise ValueError(f"{manifest} is not a regular file")
+    if pinned is None and os.path.isfile(manifest):
         return folder, ""
     named: dict[int, str] = {}               # version -> its subfolder's name
     for d in sorted(os.listdir(folder)):
         if not (_VERSION.fullmatch(d) and os.path.isfile(os.path.join(folder, d, "manifest.json"))):
+            if d.isascii() and d.isdigit() and len(d) > 18:
+                raise ValueError(f"subfolder {d[:40]} is not a version number of at most 18 "
+                                 f"digits; rename it")
             continue
         other = named.setdefault(int(d), d)
         if other != d:
@@ -148,6 +154,11 @@ def scan(path: str, known: dict[str, tuple], make_adaptor: Callable[[Any, str, i
     for d in sorted(os.listdir(path)):
         folder = os.path.join(path, d)
         if d.startswith(".") or not os.path.isdir(folder):
+            continue
+        if not d.isprintable() or d != d.strip():
+            # (a newline in a model's name split the daemon's log lines; a blank name)
+            out.failed[folder] = (f"the folder name {d!r} is not a model name: it has "
+                                  f"control characters or surrounding spaces; rename it")
             continue
         if stop():
             out.interrupted = True

@@ -46,6 +46,9 @@ CASES = [
      "handshake_seconds must be in [0.1, 86400.0]"),
     ("gpu-unknown", ["--gpu", "nosuch", "--no-noop"], None,
      "gpu: unknown GPU preset 'nosuch'; known presets: "),
+    ("ring-slots", ["--ring-slots", "3"], None,
+     "ring_slots (each client's request and completion rings): req_slots must be a power of "
+     "two"),
     ("float-given-true", [], "[daemon]\ndrain_seconds = true\n",
      "setting drain_seconds must be float, got True"),
     ("config-not-a-file", ["--config", "/dev/zero"], None,

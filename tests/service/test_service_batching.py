@@ -200,6 +200,28 @@ def test_version_folders_are_read_by_number_and_two_names_of_one_version_refused
         bundle_folder(str(model), None)
 
 
+def test_model_folders_that_cannot_be_read_are_reported_not_skipped(tmp_path):
+    """A manifest.json that is a directory, a version number too long to be one, a
+    config.toml that is a fifo (it blocked the load, or its settings were ignored) and a
+    folder name with a newline (which split the log's lines): each is a model not
+    served, with its reason."""
+    from paella.dispatcher.daemon.repository import scan
+    repo = tmp_path / "models"
+    (repo / "dir_manifest" / "manifest.json").mkdir(parents=True)
+    (repo / "long_version" / ("9" * 26)).mkdir(parents=True)
+    (repo / "long_version" / ("9" * 26) / "manifest.json").write_text("{}")
+    (repo / "fifo_config").mkdir()
+    os.mkfifo(repo / "fifo_config" / "config.toml")
+    (repo / "new\nline").mkdir()
+    out = scan(str(repo), {}, lambda *a: None)
+    failed = {os.path.basename(k): v for k, v in out.failed.items()}
+    assert "manifest.json is not a regular file" in failed["dir_manifest"]
+    assert "is not a version number of at most 18 digits" in failed["long_version"]
+    assert "config.toml is not a regular file" in failed["fifo_config"]
+    assert "control characters or surrounding spaces" in failed["new\nline"]
+    assert not out.prepared
+
+
 CONFIG_ERRORS = [
     ("unknown-top-key", "batcher = 'dynamic'\n",
      "config.toml: unknown key 'batcher'; valid keys: version, batching, policy, memory"),
