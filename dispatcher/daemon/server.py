@@ -24,6 +24,7 @@ socket listens.
 """
 from __future__ import annotations
 
+import json
 import logging
 import math
 import os
@@ -90,6 +91,17 @@ def open_device_for(cfg: DaemonConfig):
 #: tick later (the rounding used to add as much); longer waits sleep in epoll for
 #: whole ticks, rounded down, and the remainder the same way.
 _EPOLL_TICK = 1e-3
+
+#: The most the model list may take: it travels in every client's WELCOME (and MODELS)
+#: frame, whose payload is at most ``wire.MAX_PAYLOAD``; the rest is room for the other
+#: fields. (6,000 variants passed the load and then every connection failed.)
+MODEL_LIST_BYTES = wire.MAX_PAYLOAD - 64 * 1024
+
+
+def _listed_bytes(info: wire.ModelInfo) -> int:
+    """What a model adds to the WELCOME frame's JSON."""
+    return len(json.dumps(info.to_dict())) + 2
+
 
 #: Exit status after a lost device (sticky GPU error): the unit restarts the daemon.
 EXIT_DEVICE_LOST = 3
@@ -229,11 +241,21 @@ class Daemon:
         if scan is not None:
             failed = dict(scan.failed)
             ex = self._dispatcher() if scan.prepared else None
+            replaced = {p.model for p in scan.prepared}
+            listed = sum(map(_listed_bytes, self._builtins)) + sum(
+                _listed_bytes(sb.info) for m, sb in self._served.items() if m not in replaced)
             for p in scan.prepared:
                 mid = self.table.id_for(p.model)
                 t0 = time.monotonic()
                 try:
                     info = p.model_info(mid)           # (a plug-in's io is checked first)
+                    need = _listed_bytes(info)
+                    if listed + need > MODEL_LIST_BYTES:
+                        raise ValueError(
+                            f"its entry in the model list ({need} bytes: {len(p.variant_names)} "
+                            f"variant(s)) would make the list every client receives at "
+                            f"connection exceed {MODEL_LIST_BYTES} bytes; serve fewer variants "
+                            f"or models")
                     ex.register_variants(mid, p.model, p.label, p.bundle, p.adaptors,
                                          p.batcher, p.config.profile_runs,  # init + profiling
                                          config=p.config)
@@ -242,6 +264,7 @@ class Daemon:
                 except Exception as e:  # noqa: BLE001 - this bundle only
                     failed[p.directory] = f"cannot be served: {type(e).__name__}: {e}"
                     continue
+                listed += need
                 self.router.by_model[mid] = ex
                 self._served[p.model] = ServedBundle(p.directory, p.key, info)
                 log.info("registered %s%s (%d variant(s): %s; batcher %s): read in %.2f s, "
