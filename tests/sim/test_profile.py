@@ -71,8 +71,11 @@ def test_corrupt_or_huge_bundles_are_clear_errors(bundle_dir, tmp_path, capsys):
         for op in m["variants"][0]["plan"]:
             if op["op"] == "launch" and op["kernel"] == kernel(m)["name"]:
                 op["grid"] = [2 ** 31 - 1, 1, 1]
-    cases = [(lambda m: kernel(m).update(flops=float("inf")), "has flops inf; it must be a finite"),
-             (lambda m: kernel(m).update(bytes="lots"), "has bytes 'lots'; it must be a finite"),
+    cases = [(lambda m: kernel(m).update(flops=float("inf")),
+              "kernels[0]: flops must be a float, got inf"),
+             (lambda m: kernel(m).update(bytes="lots"), "kernels[0]: bytes must be an int"),
+             (lambda m: kernel(m).update(flops=1e16), "has flops 1e+16; it must be a number "
+                                                      "from 0 to 1e+15"),
              (grid, "notifQ entries exceed the daemon's ring")]
     for i, (edit, msg) in enumerate(cases):
         assert main(["profile", _corrupt(bundle_dir, tmp_path / f"b{i}", edit)]) == 2
