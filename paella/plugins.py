@@ -95,7 +95,7 @@ class PluginRegistry:
                     raise self.error(f"{ep.value} is not a {self.base.__name__} subclass")
                 self.register(ep.name)(cls)
                 PLUGIN_PACKAGES.add(plugin_package(cls.__module__))
-            except (Exception, SystemExit) as e:  # noqa: BLE001 - a broken plug-in must not
+            except PLUGIN_ERRORS as e:  # a broken plug-in must not
                 # break the others (nor end the process: sys.exit() at import is SystemExit)
                 self.broken[key] = f"{where} failed to load: {type(e).__name__}: {e}"
                 log.warning("%s plug-in skipped: %s", self.kind, self.broken[key])

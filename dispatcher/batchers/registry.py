@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from paella.plugins import PluginRegistry
+from paella.plugins import PLUGIN_ERRORS, PluginRegistry
 
 from .base import Batcher, BatcherError
 
@@ -59,6 +59,6 @@ def make_batcher(name: str, model: Any, options: dict[str, Any] | None = None) -
         return cls(model, **opts)
     except BatcherError:
         raise
-    except (Exception, SystemExit) as e:  # noqa: BLE001 - a plug-in may raise anything
+    except PLUGIN_ERRORS as e:  # a plug-in may raise anything, sys.exit() included
         raise BatcherError(f"batcher {cls.name!r} refused its options for model "
                            f"{getattr(model, 'name', model)!r}: {type(e).__name__}: {e}") from None

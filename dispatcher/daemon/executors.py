@@ -14,6 +14,7 @@ from paella.dispatcher.core import Request
 from paella.dispatcher.frontend import Frontend
 from paella.dispatcher.instruments import Instruments
 from paella.dispatcher.policies import PolicyError
+from paella.plugins import PLUGIN_ERRORS
 
 from .builtin_models import HostModel
 from .config import ConfigError, DaemonConfig
@@ -149,7 +150,7 @@ class DispatcherExecutor:
                                    wake_lead=cfg.wake_lead_us * 1e-6)
         except PolicyError as e:           # the policy refused its parameters
             raise ConfigError(str(e)) from None
-        except (Exception, SystemExit) as e:  # noqa: BLE001 - a plug-in's __init__ may raise anything
+        except PLUGIN_ERRORS as e:  # a plug-in's __init__ may raise anything
             # Start-up refuses (nothing is served yet, so nothing is lost, and the
             # operator sees the cause at once); mid-service a failing policy falls back.
             raise ConfigError(f"scheduling policy {cfg.policy!r} failed to start: "

@@ -30,6 +30,8 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
+from paella.plugins import PLUGIN_ERRORS
+
 log = logging.getLogger("paella.repository")
 
 #: Generation numbers of registered bundles: a changed bundle registers under a new
@@ -234,7 +236,7 @@ def scan(path: str, known: dict[str, tuple], make_adaptor: Callable[[Any, str, i
                 memory = ChunkedMemory(model, limit=limit)
                 for a in adaptors:
                     a.memory = memory
-        except (Exception, SystemExit) as e:  # noqa: BLE001 - a bad model fails alone, with its reason
+        except PLUGIN_ERRORS as e:  # a bad model fails alone, with its reason
             plain = isinstance(e, (BundleError, ModelConfigError, BatcherError, ValueError))
             out.failed[folder] = str(e) if plain else f"{type(e).__name__}: {e}"
             if isinstance(e, MemoryError):

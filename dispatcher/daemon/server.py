@@ -100,7 +100,7 @@ MODEL_LIST_BYTES = wire.MAX_PAYLOAD - 64 * 1024
 
 def _listed_bytes(info: wire.ModelInfo) -> int:
     """What a model adds to the WELCOME frame's JSON."""
-    return len(json.dumps(info.to_dict())) + 2
+    return len(json.dumps(info.to_dict(), separators=(",", ":"))) + 1   # (as wire.encode; + a comma)
 
 
 #: Exit status after a lost device (sticky GPU error): the unit restarts the daemon.
