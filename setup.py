@@ -1,6 +1,7 @@
 """The compiled modules: the dispatcher's per-kernel data structures, in C, one per
 ``dispatcher/<name>.c`` (the occupancy tracker's hot half, the policies' indexed heap),
-and the simulated GPU's engine (``dispatcher/devices/sim/_engine.c``);
+the simulated GPU's engine (``dispatcher/devices/sim/_engine.c``) and its comparisons on a
+worker thread (``dispatcher/devices/sim/_compare.c``);
 ``paella.dispatcher.native.MODULES`` names them for ``paella doctor``. Everything else
 is configured in pyproject.toml."""
 from pathlib import Path
@@ -12,5 +13,6 @@ _FLAGS = ["-O2", "-Wall", "-Werror"]
 setup(ext_modules=[Extension(f"paella.dispatcher.{c.stem}", [f"dispatcher/{c.name}"],
                              extra_compile_args=_FLAGS)
                    for c in sorted(Path(__file__).parent.joinpath("dispatcher").glob("*.c"))]
-      + [Extension("paella.dispatcher.devices.sim._engine", ["dispatcher/devices/sim/_engine.c"],
-                   extra_compile_args=_FLAGS)])
+      + [Extension(f"paella.dispatcher.devices.sim.{name}", [f"dispatcher/devices/sim/{name}.c"],
+                   extra_compile_args=_FLAGS)
+         for name in ("_engine", "_compare")])

@@ -121,6 +121,14 @@ class PlanOp:
     event: int = 0
 
 
+def _with_operands(ops: list[PlanOp], i: int, operands: Sequence[BufferArg]) -> str:
+    """Append ``operands`` to launch ``ops[i]``'s arguments (in place); its kernel."""
+    op = ops[i]
+    ops[i] = PlanOp("launch", stream=op.stream, kernel=op.kernel, grid=op.grid, block=op.block,
+                    dyn_smem=op.dyn_smem, args=tuple(op.args) + tuple(operands))
+    return op.kernel
+
+
 @dataclass
 class Plan:
     """A launch plan. ``buffers``: name -> bytes. ``params``: name -> initial contents
@@ -216,12 +224,20 @@ class Plan:
         else:
             raise ValueError(f"{where} is a {type(a).__name__}; use BufferArg or ScalarArg")
 
-    def with_effect(self, effect: Any, operands: Sequence[BufferArg]) -> "Plan":
+    def with_effect(self, effect: Any, operands: Sequence[BufferArg],
+                    start: Callable[[int], Any] | None = None,
+                    start_operands: Sequence[BufferArg] = ()) -> "Plan":
         """This plan with ``effect`` on its last kernel launch, whose arguments get
         ``operands`` appended (the buffers the effect reads and writes, bound per
         request like every argument). That launch must come after every input copy and
         before every output copy in the plan's order of execution (:meth:`ancestors`:
-        stream order and events), which a single-stream plan always satisfies."""
+        stream order and events), which a single-stream plan always satisfies.
+
+        ``start`` (optional) makes an effect for the first launch that runs after every
+        input copy and before the last launch, given that launch's own argument count;
+        the effect goes on it, with ``start_operands`` appended, provided its kernel is
+        not the last launch's and carries no effect yet (otherwise the plan has no
+        ``start``; see :func:`paella.dispatcher.devices.sim.functional.model_effects`)."""
         launches = [i for i, op in enumerate(self.ops) if op.kind == "launch"]
         if not launches:
             raise ValueError(f"plan {self.name!r} launches no kernel to carry an effect")
@@ -233,12 +249,17 @@ class Plan:
                              f"ordered after every input copy and before every output copy, so it "
                              f"cannot carry the model's functional effect; order it with events")
         ops = list(self.ops)
-        op = ops[last]
-        ops[last] = PlanOp("launch", stream=op.stream, kernel=op.kernel, grid=op.grid,
-                           block=op.block, dyn_smem=op.dyn_smem,
-                           args=tuple(op.args) + tuple(operands))
+        effects = {**self.effects, _with_operands(ops, last, operands): effect}
+        if start is not None:
+            inputs = [i for i, op in enumerate(ops) if op.kind == "h2d"]
+            first = next((i for i in launches
+                          if anc[last] >> i & 1 and all(anc[i] >> j & 1 for j in inputs)
+                          and ops[i].kernel not in effects), None)
+            if first is not None:
+                own = len(ops[first].args)
+                effects[_with_operands(ops, first, start_operands)] = start(own)
         return Plan(self.name, self.kernels, ops, dict(self.buffers), self.io_bytes,
-                    dict(self.params), self.cubin, self.ptx, {**self.effects, op.kernel: effect})
+                    dict(self.params), self.cubin, self.ptx, effects)
 
     def ancestors(self) -> list[int]:
         """Per op, the bitset of the ops that complete before it starts, as replay issues

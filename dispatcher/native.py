@@ -12,8 +12,8 @@ import importlib
 from types import ModuleType
 
 #: The compiled modules (setup.py builds one per ``dispatcher/<name>.c``, and the
-#: simulator's engine, ``dispatcher/devices/sim/_engine.c``).
-MODULES = ("_tracker", "_pqueue", "_replay", "devices.sim._engine")
+#: simulator's engine and comparison thread, ``dispatcher/devices/sim/*.c``).
+MODULES = ("_tracker", "_pqueue", "_replay", "devices.sim._engine", "devices.sim._compare")
 
 
 def load(name: str) -> ModuleType:

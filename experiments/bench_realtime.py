@@ -107,10 +107,10 @@ def spin_wait(seconds: float) -> None:
 
 def bench_model(bundle, name: str, n: int, policy: str, lookahead: int,
                 profiler: Any = None, gap: float = 0.0,
-                wait: Callable[[float], None] = time.sleep) -> dict:
+                wait: Callable[[float], None] = time.sleep, early_lookup: bool = True) -> dict:
     dev = SimDevice("t4", realtime=True)
     disp = Dispatcher(dev, policy, lookahead=lookahead)
-    adaptor = bundle_adaptor(bundle, name, dev, FunctionalCache())
+    adaptor = bundle_adaptor(bundle, name, dev, FunctionalCache(), early_lookup=early_lookup)
     adaptor.warm()
     mid = disp.register_model(name, adaptor)
     io = request_io(bundle)
@@ -225,6 +225,10 @@ def main(argv: list[str] | None = None) -> int:
                          "of serving them back to back")
     ap.add_argument("--spin", action="store_true",
                     help="with --pause: busy-wait the gap instead of sleeping")
+    ap.add_argument("--late-lookup", action="store_true",
+                    help="in process: the functional cache's lookup all at the last kernel, "
+                         "on the loop (before session 14), instead of begun on the comparison "
+                         "thread at the first kernel")
     ap.add_argument("--daemon-only", action="store_true", help="only the --daemon part")
     ap.add_argument("--daemon-args", default="", help="--daemon: more options for paella serve")
     ap.add_argument("--engine", action="store_true",
@@ -254,7 +258,8 @@ def main(argv: list[str] | None = None) -> int:
         profiler = cProfile.Profile()
     rows = [] if args.daemon_only else [
         bench_model(bundles[n], n, args.requests, args.policy, args.lookahead, profiler,
-                    args.gap if args.pause else 0.0, spin_wait if args.spin else time.sleep)
+                    args.gap if args.pause else 0.0, spin_wait if args.spin else time.sleep,
+                    not args.late_lookup)
         for n in names]
     print(f"{'model':<15}{'kernels':>8}{'isolated':>10}{'p50':>9}{'p90':>9}{'ratio':>7}"
           f"{'extra':>9}{'/kernel':>9}{'cpu/req':>9}")

@@ -46,3 +46,26 @@ def run_driver(driver: str, *args: str) -> subprocess.CompletedProcess:
                UBSAN_OPTIONS="print_stacktrace=1", PYTHONMALLOC="malloc")
     return subprocess.run([sys.executable, "-c", driver, *args], env=env, capture_output=True,
                           text=True, timeout=600)
+
+
+def check_sim_module(name: str, driver: str, tmp_path: Path, done: str) -> None:
+    """Build ``dispatcher/devices/sim/<name>.c`` with both sanitizers, run ``driver`` with
+    the build's path as its argument, and require a clean exit that printed ``done``."""
+    sanitizer_libs()
+    out = build(ROOT / "dispatcher" / "devices" / "sim" / f"{name}.c", tmp_path, name)
+    r = run_driver(driver, str(out))
+    assert r.returncode == 0 and done in r.stdout, (r.stdout[-2000:], r.stderr[-6000:])
+
+
+def sim_module_preamble(name: str) -> str:
+    """Driver code that loads the build given as ``sys.argv[1]`` as
+    ``paella.dispatcher.devices.sim.<name>`` (as ``mod``), before anything imports it."""
+    return f'''
+import gc, importlib.util, random, sys
+import numpy as np
+name, path = "paella.dispatcher.devices.sim.{name}", sys.argv[1]
+spec = importlib.util.spec_from_file_location(name, path)
+mod = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(mod)
+sys.modules[name] = mod
+'''

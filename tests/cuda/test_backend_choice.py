@@ -112,7 +112,8 @@ def test_doctor_report_without_a_driver(no_driver):
     assert "NVIDIA driver : not usable (no NVIDIA driver found (libcuda.so.1" in text
     assert "backend auto  : sim (" in text
     assert "cuda-python   : 13." in text
-    assert "compiled      : _tracker, _pqueue, _replay, devices.sim._engine loaded" in text
+    assert ("compiled      : _tracker, _pqueue, _replay, devices.sim._engine, devices.sim._compare "
+            "loaded") in text
 
 
 def test_doctor_names_a_compiled_module_that_does_not_load(no_driver, monkeypatch):

@@ -106,3 +106,51 @@ def test_a_stream_of_new_inputs_writes_a_bounded_log(caplog):
             cache.outputs("m", b, {"x": np.full(8, i, np.float32)})
     lines = [r for r in caplog.records if "computed reference outputs" in r.getMessage()]
     assert b.runs == 200 and 1 <= len(lines) <= 6, len(lines)
+
+
+def test_a_lookup_begun_early_answers_from_the_comparison_thread():
+    """begin() starts comparing (the simulated device calls it once a request's input is
+    in device memory); outputs() with it answers the match without comparing again, the
+    answer of an equal input even when that entry was evicted in between."""
+    cache, b = FunctionalCache(max_bytes=4 * 8192), CountingBundle()
+    x1, x2 = np.full(1024, 1.0, np.float32), np.full(1024, 2.0, np.float32)
+    cache.outputs("m", b, {"x": x1})
+    cache.outputs("m", b, {"x": x2})
+    lookup = cache.begin("m", {"x": x1.copy()})
+    assert lookup.pending is not None and len(lookup.candidates) == 1
+    for i in range(3, 8):                              # evict x1's entry meanwhile
+        cache.outputs("m", b, {"x": np.full(1024, float(i), np.float32)})
+    runs, hits = b.runs, cache.hits
+    np.testing.assert_array_equal(cache.outputs("m", b, {"x": x1.copy()}, lookup=lookup)["y"],
+                                  x1 * 2)
+    assert b.runs == runs and cache.hits == hits + 1
+
+
+def test_a_lookup_that_found_nothing_looks_again_before_computing():
+    """No candidate when begin() ran, or none equal: outputs() looks the input up again
+    (another request may have cached it meanwhile), then computes."""
+    cache, b = FunctionalCache(), CountingBundle()
+    x = np.arange(4096, dtype=np.float32)
+    empty = cache.begin("m", {"x": x})
+    assert empty.pending is None and empty.candidates == []
+    cache.outputs("m", b, {"x": x.copy()})             # cached after begin()
+    np.testing.assert_array_equal(cache.outputs("m", b, {"x": x}, lookup=empty)["y"], x * 2)
+    assert b.runs == 1
+    other = x.copy()
+    other[5] = -1.0                                    # not sampled: same key, a candidate
+    lookup = cache.begin("m", {"x": other})
+    assert len(lookup.candidates) == 1 and lookup.pending.result() == -1
+    np.testing.assert_array_equal(cache.outputs("m", b, {"x": other}, lookup=lookup)["y"],
+                                  other * 2)
+    assert b.runs == 2
+
+
+def test_a_lookup_of_inputs_the_thread_cannot_take_is_compared_in_outputs():
+    cache, b = FunctionalCache(), CountingBundle()
+    x = np.arange(64, dtype=np.float32).reshape(8, 8)
+    cache.outputs("m", b, {"x": x[:, ::2]})            # not contiguous
+    lookup = cache.begin("m", {"x": x[:, ::2]})
+    assert lookup.pending is None and len(lookup.candidates) == 1
+    np.testing.assert_array_equal(cache.outputs("m", b, {"x": x[:, ::2]}, lookup=lookup)["y"],
+                                  x[:, ::2] * 2)
+    assert b.runs == 1 and cache.hits == 1

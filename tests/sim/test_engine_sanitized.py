@@ -11,16 +11,8 @@ import shutil
 import pytest
 
 import sanitized_build
-from sanitized_build import ROOT
 
-DRIVER = r'''
-import importlib.util, random, sys
-import numpy as np
-name, path = "paella.dispatcher.devices.sim._engine", sys.argv[1]
-spec = importlib.util.spec_from_file_location(name, path)
-mod = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(mod)
-sys.modules[name] = mod
+DRIVER = sanitized_build.sim_module_preamble("_engine") + r'''
 from paella.dispatcher.devices.base import KernelInfo, ModuleImage, NotifQOverrun
 from paella.dispatcher.devices.sim import SimDevice
 from paella import protocol
@@ -111,8 +103,4 @@ print("sanitized run ok")
 
 @pytest.mark.skipif(shutil.which("gcc") is None, reason="needs gcc to build the sanitized engine")
 def test_engine_is_clean_under_asan_and_ubsan(tmp_path):
-    sanitized_build.sanitizer_libs()
-    out = sanitized_build.build(ROOT / "dispatcher" / "devices" / "sim" / "_engine.c", tmp_path,
-                                "_engine")
-    r = sanitized_build.run_driver(DRIVER, str(out))
-    assert r.returncode == 0 and "sanitized run ok" in r.stdout, (r.stdout[-2000:], r.stderr[-4000:])
+    sanitized_build.check_sim_module("_engine", DRIVER, tmp_path, "sanitized run ok")
