@@ -1,7 +1,7 @@
 """The compiled modules: the dispatcher's per-kernel data structures, in C, one per
 ``dispatcher/<name>.c`` (the occupancy tracker's hot half, the policies' indexed heap),
 the simulated GPU's engine (``dispatcher/devices/sim/_engine.c``) and its comparisons on a
-worker thread (``dispatcher/devices/sim/_compare.c``);
+worker thread (``dispatcher/devices/sim/_offload.c``);
 ``paella.dispatcher.native.MODULES`` names them for ``paella doctor``. Everything else
 is configured in pyproject.toml."""
 from pathlib import Path
@@ -15,4 +15,4 @@ setup(ext_modules=[Extension(f"paella.dispatcher.{c.stem}", [f"dispatcher/{c.nam
                    for c in sorted(Path(__file__).parent.joinpath("dispatcher").glob("*.c"))]
       + [Extension(f"paella.dispatcher.devices.sim.{name}", [f"dispatcher/devices/sim/{name}.c"],
                    extra_compile_args=_FLAGS)
-         for name in ("_engine", "_compare")])
+         for name in ("_engine", "_offload")])

@@ -17,7 +17,7 @@ from paella.dispatcher.adaptor import PlanAdaptor
 from paella.dispatcher.frontend import LogThrottle
 
 log = logging.getLogger("paella.daemon")
-_compare = native.load("devices.sim._compare")
+_offload = native.load("devices.sim._offload")
 
 
 def model_info_from_bundle(model_id: int, bundle, name: str | None = None) -> wire.ModelInfo:
@@ -96,9 +96,9 @@ class FunctionalCache:
     def _key(name: str, inputs: dict[str, np.ndarray]) -> tuple:
         names = sorted(inputs)
         try:
-            digest = _compare.digest([inputs[k] for k in names], KEY_SAMPLE_BYTES)
+            digest = _offload.digest([inputs[k] for k in names], KEY_SAMPLE_BYTES)
         except (BufferError, ValueError):    # (not contiguous)
-            digest = _compare.digest([np.ascontiguousarray(inputs[k]) for k in names],
+            digest = _offload.digest([np.ascontiguousarray(inputs[k]) for k in names],
                                      KEY_SAMPLE_BYTES)
         return name, digest, tuple((k, inputs[k].dtype.str, inputs[k].shape) for k in names)
 
@@ -108,7 +108,7 @@ class FunctionalCache:
 
     def begin(self, name: str, inputs: dict[str, np.ndarray]) -> "Lookup":
         """Start comparing ``inputs`` with the cached inputs under their key, on the
-        comparison thread (:mod:`paella.dispatcher.devices.sim._compare`); pass the
+        comparison thread (:mod:`paella.dispatcher.devices.sim._offload`); pass the
         result to :meth:`outputs` once nothing can have changed ``inputs`` in between.
 
         Speed (a trick, labelled): the simulated device starts this when a request's
@@ -123,7 +123,7 @@ class FunctionalCache:
             return Lookup(key, candidates, None)
         names = sorted(inputs)
         try:
-            pending = _compare.start([inputs[k] for k in names],
+            pending = _offload.compare([inputs[k] for k in names],
                                      [[c[k] for k in names] for c, _ in candidates])
         except (BufferError, KeyError, RuntimeError, TypeError, ValueError):
             pending = None                   # (not contiguous: compared in outputs())

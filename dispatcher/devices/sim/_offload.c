@@ -1,25 +1,30 @@
 /*
- * Byte comparisons on a worker thread, for the simulator's functional answers.
+ * The simulator's functional answers' byte work on a thread of its own: whole-input
+ * comparisons, and the digest that keys them.
  *
  * The simulated GPU answers a request with the reference outputs of an input it has seen
  * before, after comparing the whole input with the one cached (paella.dispatcher.daemon.
  * bundles.FunctionalCache). With cold caches that compare costs 100-150 us of memory
  * traffic, on the request's critical path if the dispatcher's loop does it. Here it runs
- * on a thread of its own, which never takes the GIL: the loop starts it when the input
- * is in device memory (the plan's first kernel after its input copies completes) and
- * collects the answer when the last kernel completes, hundreds of microseconds later.
+ * on a worker thread that never takes the GIL: the loop starts it when the input is in
+ * device memory (the plan's first kernel after its input copies completes) and collects
+ * the answer when the last kernel completes, hundreds of microseconds later. (Waking the
+ * worker costs ~150 us of latency on the 2-core VMs this was measured on: work that must
+ * be done sooner, such as an input copy's memcpy, stays on the loop.)
  *
- *   pending = start(inputs, candidates)
+ *   pending = compare(inputs, candidates)
  *       inputs: a sequence of contiguous buffers (the request's input tensors);
  *       candidates: a sequence of sequences of as many buffers (cached inputs).
  *   pending.result() -> int   the index of the first candidate whose every buffer equals
  *                              the input's, or -1; waits without the GIL if not done.
  *   pending.done -> bool
+ *   digest(buffers, sample) -> 16 bytes (on the caller's thread; see digest()).
  *
- * A pending comparison holds its buffers (Py_buffer views) until it is collected, so
- * neither side can be freed under the worker. One worker thread per process, started on
- * first use and again in a child after fork (a comparison inherited by a child was never
- * run there: it is reported as no match, and the caller compares again itself).
+ * A pending comparison holds its buffers (Py_buffer views) until it is collected or
+ * dropped, so neither side can be freed under the worker; dropping it waits for the
+ * work. One worker thread per process, started on first use and again in a child after
+ * fork (a comparison inherited by a child was never run there: it is reported as no
+ * match, and the caller compares again itself).
  */
 #define _GNU_SOURCE
 #define PY_SSIZE_T_CLEAN
@@ -45,7 +50,7 @@ static pthread_cond_t done_cv = PTHREAD_COND_INITIALIZER;
 static Job *head, *tail, *current;
 static pid_t worker_pid;        /* the process whose worker runs (0: none) */
 
-static int compare(Job *j)
+static int compare_job(Job *j)
 {
     for (Py_ssize_t c = 0; c < j->n_cand; c++) {
         Py_ssize_t i = 0;
@@ -73,7 +78,7 @@ static void *worker(void *arg)
             tail = NULL;
         current = j;
         pthread_mutex_unlock(&mu);
-        int r = compare(j);
+        int r = compare_job(j);
         pthread_mutex_lock(&mu);
         if (current == j) {         /* (a fork in between leaves no job current here) */
             j->result = r;
@@ -158,18 +163,46 @@ typedef struct {
     Job *job;
 } Pending;
 
+/* Take j out of the queue if the worker has not begun it; under mu. */
+static int unqueue(Job *j)
+{
+    Job *prev = NULL;
+    for (Job *q = head; q != NULL; prev = q, q = q->next) {
+        if (q != j)
+            continue;
+        if (prev != NULL)
+            prev->next = j->next;
+        else
+            head = j->next;
+        if (tail == j)
+            tail = prev;
+        j->next = NULL;
+        return 1;
+    }
+    return 0;
+}
+
+/* Wait for j. One the worker has not begun is done here instead (with the GIL released):
+ * waking the worker can take longer than the work (~150 us across cores on the VMs this
+ * was measured on), and collecting then costs no more than comparing on the loop. */
 static void wait_done(Job *j)
 {
-    int done;
     pthread_mutex_lock(&mu);
-    done = j->done;
+    int done = j->done, mine = !done && unqueue(j);
     pthread_mutex_unlock(&mu);
     if (done)
         return;
     Py_BEGIN_ALLOW_THREADS
-    pthread_mutex_lock(&mu);
-    while (!j->done)
-        pthread_cond_wait(&done_cv, &mu);
+    if (mine) {
+        int r = compare_job(j);
+        pthread_mutex_lock(&mu);
+        j->result = r;
+        j->done = 1;
+    } else {
+        pthread_mutex_lock(&mu);
+        while (!j->done)
+            pthread_cond_wait(&done_cv, &mu);
+    }
     pthread_mutex_unlock(&mu);
     Py_END_ALLOW_THREADS
 }
@@ -218,17 +251,17 @@ static PyGetSetDef Pending_getset[] = {
 
 static PyTypeObject PendingType = {
     PyVarObject_HEAD_INIT(NULL, 0)
-    .tp_name = "paella.dispatcher.devices.sim._compare.Pending",
+    .tp_name = "paella.dispatcher.devices.sim._offload.Pending",
     .tp_basicsize = sizeof(Pending),
     .tp_dealloc = (destructor)Pending_dealloc,
     .tp_flags = Py_TPFLAGS_DEFAULT,
-    .tp_doc = "A comparison running on the worker thread (see start()).",
+    .tp_doc = "A comparison running on the worker thread (see compare()).",
     .tp_methods = Pending_methods,
     .tp_getset = Pending_getset,
 };
 
 /* Acquire the buffers of a sequence of n objects into bufs[0..n). */
-static int hold(PyObject *seq, Py_ssize_t n, Job *j, const char *what)
+static int hold(PyObject *seq, Py_ssize_t n, Job *j, const char *what, int flags)
 {
     PyObject *fast = PySequence_Fast(seq, what);
     if (fast == NULL)
@@ -242,7 +275,7 @@ static int hold(PyObject *seq, Py_ssize_t n, Job *j, const char *what)
     for (Py_ssize_t i = 0; i < n; i++) {
         /* PyBUF_SIMPLE: contiguous bytes, or BufferError (the caller compares itself) */
         if (PyObject_GetBuffer(PySequence_Fast_GET_ITEM(fast, i), &j->bufs[j->nbufs],
-                               PyBUF_SIMPLE) < 0) {
+                               flags) < 0) {
             Py_DECREF(fast);
             return -1;
         }
@@ -252,51 +285,42 @@ static int hold(PyObject *seq, Py_ssize_t n, Job *j, const char *what)
     return 0;
 }
 
-static PyObject *start(PyObject *mod, PyObject *args)
+static Job *new_job(Py_ssize_t n_in, Py_ssize_t n_cand)
 {
-    PyObject *inputs, *candidates;
-    if (!PyArg_ParseTuple(args, "OO:start", &inputs, &candidates))
-        return NULL;
-    Py_ssize_t n_in = PySequence_Size(inputs), n_cand = PySequence_Size(candidates);
-    if (n_in < 0 || n_cand < 0)
-        return NULL;
-    if (n_in > 1 << 16 || n_cand > 1 << 16) {
-        PyErr_SetString(PyExc_ValueError, "start: more than 65536 buffers or candidates");
+    Job *j = PyMem_Calloc(1, sizeof(Job));
+    if (j == NULL) {
+        PyErr_NoMemory();
         return NULL;
     }
-    Job *j = PyMem_Calloc(1, sizeof(Job));
-    if (j == NULL)
-        return PyErr_NoMemory();
     j->n_in = n_in;
     j->n_cand = n_cand;
     j->bufs = PyMem_Calloc((size_t)(n_in * (n_cand + 1)) + 1, sizeof(Py_buffer));
     if (j->bufs == NULL) {
         PyMem_Free(j);
-        return PyErr_NoMemory();
+        PyErr_NoMemory();
+        return NULL;
     }
-    if (hold(inputs, n_in, j, "start: inputs") < 0)
-        goto fail;
-    for (Py_ssize_t c = 0; c < n_cand; c++) {
-        PyObject *cand = PySequence_GetItem(candidates, c);
-        if (cand == NULL)
-            goto fail;
-        int r = hold(cand, n_in, j, "start: a candidate");
-        Py_DECREF(cand);
-        if (r < 0)
-            goto fail;
-    }
+    return j;
+}
+
+/* Queue j (its buffers held) for the worker; its Pending, or NULL (j freed). */
+static PyObject *enqueue(Job *j, int result)
+{
     Pending *p = PyObject_New(Pending, &PendingType);
-    if (p == NULL)
-        goto fail;
+    if (p == NULL) {
+        free_job(j);
+        return NULL;
+    }
     p->job = NULL;
     pthread_mutex_lock(&mu);
     if (ensure_worker() < 0) {
         pthread_mutex_unlock(&mu);
         Py_DECREF(p);
-        PyErr_SetString(PyExc_RuntimeError, "start: cannot start the comparison thread");
-        goto fail;
+        free_job(j);
+        PyErr_SetString(PyExc_RuntimeError, "_offload: cannot start the worker thread");
+        return NULL;
     }
-    j->result = -1;
+    j->result = result;
     if (tail != NULL)
         tail->next = j;
     else
@@ -306,6 +330,35 @@ static PyObject *start(PyObject *mod, PyObject *args)
     pthread_cond_signal(&work_cv);
     pthread_mutex_unlock(&mu);
     return (PyObject *)p;
+}
+
+static PyObject *compare(PyObject *mod, PyObject *args)
+{
+    PyObject *inputs, *candidates;
+    if (!PyArg_ParseTuple(args, "OO:compare", &inputs, &candidates))
+        return NULL;
+    Py_ssize_t n_in = PySequence_Size(inputs), n_cand = PySequence_Size(candidates);
+    if (n_in < 0 || n_cand < 0)
+        return NULL;
+    if (n_in > 1 << 16 || n_cand > 1 << 16) {
+        PyErr_SetString(PyExc_ValueError, "compare: more than 65536 buffers or candidates");
+        return NULL;
+    }
+    Job *j = new_job(n_in, n_cand);
+    if (j == NULL)
+        return NULL;
+    if (hold(inputs, n_in, j, "compare: inputs", PyBUF_SIMPLE) < 0)
+        goto fail;
+    for (Py_ssize_t c = 0; c < n_cand; c++) {
+        PyObject *cand = PySequence_GetItem(candidates, c);
+        if (cand == NULL)
+            goto fail;
+        int r = hold(cand, n_in, j, "compare: a candidate", PyBUF_SIMPLE);
+        Py_DECREF(cand);
+        if (r < 0)
+            goto fail;
+    }
+    return enqueue(j, -1);
 fail:
     free_job(j);
     return NULL;
@@ -373,24 +426,25 @@ static PyMethodDef module_methods[] = {
     {"digest", digest, METH_VARARGS,
      "digest(buffers, sample) -> bytes: a 16-byte key of each buffer's length and a "
      "strided sample of about `sample` of its bytes (not cryptographic)."},
-    {"start", start, METH_VARARGS,
-     "start(inputs, candidates) -> Pending: compare the input buffers with each "
+    {"compare", compare, METH_VARARGS,
+     "compare(inputs, candidates) -> Pending: compare the input buffers with each "
      "candidate's on the worker thread."},
+
     {NULL, NULL, 0, NULL},
 };
 
 static struct PyModuleDef module = {
-    PyModuleDef_HEAD_INIT, "paella.dispatcher.devices.sim._compare",
-    "Byte comparisons on a worker thread (the simulator's functional answers).", -1,
+    PyModuleDef_HEAD_INIT, "paella.dispatcher.devices.sim._offload",
+    "The functional answers' comparisons on a worker thread, and their digest.", -1,
     module_methods,
 };
 
-PyMODINIT_FUNC PyInit__compare(void)
+PyMODINIT_FUNC PyInit__offload(void)
 {
     static int registered;
     if (!registered) {
         if (pthread_atfork(NULL, NULL, after_fork_child) != 0) {
-            PyErr_SetString(PyExc_RuntimeError, "_compare: pthread_atfork failed");
+            PyErr_SetString(PyExc_RuntimeError, "_offload: pthread_atfork failed");
             return NULL;
         }
         registered = 1;

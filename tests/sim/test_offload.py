@@ -1,4 +1,4 @@
-"""The functional cache's comparison thread and sample digest (``devices/sim/_compare.c``):
+"""The functional cache's comparison thread and sample digest (``devices/sim/_offload.c``):
 the right candidate or none, for one or several buffers; refused arguments; buffers kept
 alive until collected; many comparisons at once; a child after fork never waits for a
 worker it does not have."""
@@ -11,7 +11,7 @@ import signal
 import numpy as np
 import pytest
 
-from paella.dispatcher.devices.sim import _compare
+from paella.dispatcher.devices.sim import _offload
 
 
 def test_the_result_is_the_first_equal_candidate_or_minus_one():
@@ -20,11 +20,11 @@ def test_the_result_is_the_first_equal_candidate_or_minus_one():
     same, last_differs, first_differs = x.copy(), x.copy(), x.copy()
     last_differs[-1] ^= 1
     first_differs[0] ^= 1
-    assert _compare.start([x], [[first_differs], [last_differs], [same], [same]]).result() == 2
-    assert _compare.start([x], [[first_differs], [last_differs]]).result() == -1
-    assert _compare.start([x], []).result() == -1
-    assert _compare.start([x], [[x[:-1]]]).result() == -1          # shorter: never equal
-    p = _compare.start([x], [[same]])
+    assert _offload.compare([x], [[first_differs], [last_differs], [same], [same]]).result() == 2
+    assert _offload.compare([x], [[first_differs], [last_differs]]).result() == -1
+    assert _offload.compare([x], []).result() == -1
+    assert _offload.compare([x], [[x[:-1]]]).result() == -1          # shorter: never equal
+    p = _offload.compare([x], [[same]])
     assert p.result() == 0 and p.done
 
 
@@ -32,30 +32,30 @@ def test_every_buffer_of_a_candidate_must_match():
     a, b = np.arange(64, dtype=np.float32), np.arange(7, dtype=np.int64)
     b2 = b.copy()
     b2[3] = -1
-    assert _compare.start([a, b], [[a.copy(), b2], [a.copy(), b.copy()]]).result() == 1
-    assert _compare.start([a, b], [[b.copy(), a.copy()]]).result() == -1   # order matters
+    assert _offload.compare([a, b], [[a.copy(), b2], [a.copy(), b.copy()]]).result() == 1
+    assert _offload.compare([a, b], [[b.copy(), a.copy()]]).result() == -1   # order matters
 
 
 def test_what_it_cannot_compare_is_refused_at_start():
     x = np.zeros((8, 8), np.uint8)
     with pytest.raises((BufferError, ValueError)):
-        _compare.start([x[:, ::2]], [])                 # not contiguous
+        _offload.compare([x[:, ::2]], [])                 # not contiguous
     with pytest.raises(ValueError, match="expected 1"):
-        _compare.start([x], [[x, x]])
+        _offload.compare([x], [[x, x]])
     with pytest.raises(TypeError):
-        _compare.start([x], [[object()]])
+        _offload.compare([x], [[object()]])
     with pytest.raises(TypeError):
-        _compare.start(5, [])
+        _offload.compare(5, [])
 
 
 def test_buffers_live_until_the_comparison_is_collected():
     x = np.full(1 << 20, 7, np.uint8)
-    p = _compare.start([x], [[np.full(1 << 20, 7, np.uint8)]])
+    p = _offload.compare([x], [[np.full(1 << 20, 7, np.uint8)]])
     del x                                               # only the pending one holds them
     gc.collect()
     assert p.result() == 0
     for _ in range(200):                                # dropped uncollected: no leak, no crash
-        _compare.start([np.ones(1000, np.uint8)], [[np.ones(1000, np.uint8)]])
+        _offload.compare([np.ones(1000, np.uint8)], [[np.ones(1000, np.uint8)]])
 
 
 def test_many_comparisons_in_flight_each_get_their_own_answer():
@@ -65,19 +65,19 @@ def test_many_comparisons_in_flight_each_get_their_own_answer():
     for i in range(500):
         x = inputs[i % 50]
         cands = [[inputs[(i + k) % 50]] for k in range(1, 4)] + [[x.copy()]]
-        pendings.append((_compare.start([x], cands), 3))
+        pendings.append((_offload.compare([x], cands), 3))
     assert [p.result() for p, _ in pendings] == [want for _, want in pendings]
 
 
 def test_a_child_after_fork_never_waits_for_a_worker_it_does_not_have():
     big = np.zeros(64 << 20, np.uint8)
-    p = _compare.start([big], [[big.copy()]] * 8)       # likely still running at the fork
+    p = _offload.compare([big], [[big.copy()]] * 8)       # likely still running at the fork
     pid = os.fork()
     if pid == 0:                                        # the child: an answer, or the fallback
         signal.alarm(20)
         try:
             r = p.result()
-            q = _compare.start([np.ones(10, np.uint8)], [[np.ones(10, np.uint8)]]).result()
+            q = _offload.compare([np.ones(10, np.uint8)], [[np.ones(10, np.uint8)]]).result()
             os._exit(0 if r in (-1, 0) and q == 0 else 1)
         except BaseException:
             os._exit(2)
@@ -88,19 +88,32 @@ def test_a_child_after_fork_never_waits_for_a_worker_it_does_not_have():
 
 def test_the_digest_sees_the_length_the_order_and_the_sampled_bytes():
     x = np.zeros(602_112, np.uint8)
-    d = _compare.digest([x], 4096)
-    assert len(d) == 16 and d == _compare.digest([x.copy()], 4096)
+    d = _offload.digest([x], 4096)
+    assert len(d) == 16 and d == _offload.digest([x.copy()], 4096)
     step = x.size // 4096
     y = x.copy()
     y[step * 10] = 1                                    # a sampled byte
-    assert _compare.digest([y], 4096) != d
-    assert _compare.digest([x[:-1]], 4096) != d         # the length
+    assert _offload.digest([y], 4096) != d
+    assert _offload.digest([x[:-1]], 4096) != d         # the length
     a, b = np.arange(5, dtype=np.uint8), np.arange(9, dtype=np.uint8)
-    assert _compare.digest([a, b], 4096) != _compare.digest([b, a], 4096)
+    assert _offload.digest([a, b], 4096) != _offload.digest([b, a], 4096)
     small = np.arange(100, dtype=np.uint8)
     for i in range(100):                                # a small input is sampled whole
         z = small.copy()
         z[i] ^= 0x80
-        assert _compare.digest([z], 4096) != _compare.digest([small], 4096)
+        assert _offload.digest([z], 4096) != _offload.digest([small], 4096)
     with pytest.raises(ValueError):
-        _compare.digest([x], 0)
+        _offload.digest([x], 0)
+
+
+def test_a_comparison_collected_before_the_worker_begins_it_is_done_by_the_caller():
+    """Behind a long comparison, a short one collected at once is taken out of the queue
+    and compared by the caller (its answer, and the long one's, still right)."""
+    big = np.zeros(32 << 20, np.uint8)
+    long_one = _offload.compare([big], [[big.copy()]] * 4)
+    x = np.arange(1000, dtype=np.uint16)
+    y = x.copy()
+    y[999] = 0
+    short = [_offload.compare([x], [[y], [x.copy()]]) for _ in range(20)]
+    assert [p.result() for p in reversed(short)] == [1] * 20
+    assert long_one.result() == 0 and all(p.done for p in short)

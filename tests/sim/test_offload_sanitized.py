@@ -1,4 +1,4 @@
-"""The comparison thread and digest (_compare.c) under AddressSanitizer and
+"""The comparison thread and digest (_offload.c) under AddressSanitizer and
 UndefinedBehaviorSanitizer: rebuilt with both, loaded in a subprocess in place of the
 installed build, and driven through many comparisons in flight, buffers dropped before
 and after their answers, refused arguments, digests of odd sizes and the functional
@@ -12,9 +12,9 @@ import pytest
 
 import sanitized_build
 
-DRIVER = sanitized_build.sim_module_preamble("_compare") + r'''
+DRIVER = sanitized_build.sim_module_preamble("_offload") + r'''
 from paella.dispatcher.daemon import bundles
-assert bundles._compare is mod
+assert bundles._offload is mod
 
 rng = random.Random(7)
 pool = [np.frombuffer(rng.randbytes(rng.choice([0, 1, 7, 8, 4095, 4096, 70001])), np.uint8)
@@ -23,7 +23,7 @@ held = []
 for i in range(3000):
     x = rng.choice(pool)
     cands = [[rng.choice(pool) if rng.random() < 0.7 else x.copy()] for _ in range(rng.randint(0, 5))]
-    p = mod.start([x], cands)
+    p = mod.compare([x], cands)
     if rng.random() < 0.5:
         held.append((p, x, cands))
     elif rng.random() < 0.5:
@@ -38,7 +38,7 @@ for i in range(3000):
     assert len(d) == 16
 for bad in ((5, []), ([np.zeros(4)], [[1]]), ([np.zeros((4, 4))[:, ::2]], [])):
     try:
-        mod.start(*bad)
+        mod.compare(*bad)
     except (TypeError, ValueError, BufferError):
         pass
     else:
@@ -62,4 +62,4 @@ print("compare ok")
 
 @pytest.mark.skipif(shutil.which("gcc") is None, reason="needs gcc to build the sanitized module")
 def test_compare_is_clean_under_asan_and_ubsan(tmp_path):
-    sanitized_build.check_sim_module("_compare", DRIVER, tmp_path, "compare ok")
+    sanitized_build.check_sim_module("_offload", DRIVER, tmp_path, "compare ok")
