@@ -424,11 +424,14 @@ MOVES: list[tuple[str, str, list, str, str]] = [
      "its isolated time under the timing model (was the fitted model's)", "-"),
     ("overhead", "Figure 10: end to end p50 (us)", ["summary", "e2e_p50_us"],
      "a shorter GPU time and a cheaper simulator (real time: it varies with the host's load)",
-     "the redesign (issue 13): the CPU build runs as the simulated device's effect, plans are issued whole"),
+     "the redesign (issue 13): the CPU build runs as the simulated device's effect, plans are issued whole; "
+     "session 14: the functional answer's input compare runs on a thread of its own "
+     "(1.82 -> 1.36 ms, on a quieter machine too)"),
     ("overhead", "Figure 10: simulator CPU per request (us)", ["summary", "simulator_cpu_us"],
      "the engine in C; then about twice the GPU time it simulates, mostly the Python calls into it "
      "(real time: it varies with the host's load)",
-     "now includes the CPU build (the device's functional effect)"),
+     "now includes the CPU build (the device's functional effect); session 14: its "
+     "input compare moved off the loop (540 -> 271 us)"),
     ("mix", "Figure 11: sustained load, paella over ms-jbj (per-model SLO)", ["summary", "load_ratio_vs_ms_jbj"],
      "2,000 requests per point (was 300), one seed for every load, only contiguous passing loads, "
      "models 3x faster alone", "none: the same sustained loads (p99 at ms-jbj's load 0.91x -> 0.94x, mean 0.98x -> 1.02x)"),
