@@ -122,6 +122,10 @@ _T = TypeVar("_T")
 _BY_SEQ = operator.attrgetter("seq")
 
 
+class RunInterrupted(RuntimeError):
+    """``run_until_idle``'s ``stop()`` returned True before the work drained."""
+
+
 class Dispatcher:
     def __init__(self, device: Device, policy: str | type[Policy] = "paella", *,
                  extra_blocks: int | None = None, fairness_threshold: float | None = None,
@@ -158,6 +162,9 @@ class Dispatcher:
         self.instruments = Instruments(instruments)
         self.group = group
         self.profile_runs = profile_runs
+        #: Its owner's: a profiling run (register_model) gives up when this returns True
+        #: (the daemon's: SIGTERM during start-up or a reload), as it does after 60 s.
+        self.profile_stop: Callable[[], bool] | None = None
         self.extra_blocks = device.props.sm_count if extra_blocks is None else extra_blocks
         self.tracker = Tracker(device.props, device.notifq, extra_blocks=self.extra_blocks,
                                group=group, counter_pairs=counter_pairs)
@@ -839,17 +846,39 @@ class Dispatcher:
             req = Request(-1 - i, -1, model.model_id, np.zeros(adaptor.io_bytes, np.uint8),
                           on_complete=lambda r, st, err: failed.append(err) if st else None)
             self.submit(req)
-            self.run_until_idle()
+            try:
+                self.run_until_idle(stop=self.profile_stop)
+            except (TimeoutError, RunInterrupted) as e:
+                failed.append(str(e))
+                self._abandon_profiling()
             if failed:
                 self.models.pop(model_id)    # not registered: its name stays free, the
                 if old is not None and not old.retired:     # id serves the previous model
                     self.models[model_id] = old
-                self._live.discard(model)
-                self._close_adaptor(model)
+                if model.jobs:               # (a profiling job that would not drain: the
+                    model.retired = True     # adaptor closes after it, never under it)
+                else:
+                    self._live.discard(model)
+                    self._close_adaptor(model)
                 raise RuntimeError(f"profiling run of model {name!r} failed: {failed[0]}")
         if old is not None:
             self.retire_model(old)           # its running jobs finish on it, then it goes
         return model.model_id
+
+    def _abandon_profiling(self, seconds: float = 5.0) -> None:
+        """Cancel the profiling job (client -1) and let what it released drain, for at
+        most ``seconds``: what still runs then keeps its model until it ends."""
+        self.cancel_client(-1)
+        deadline = time.monotonic() + seconds
+        while (any(r.client_id == -1 for j in self.jobs for r in j.requests)
+               and time.monotonic() < deadline):
+            self.step()
+            if self.idle and hasattr(self.device, "run_until") and not getattr(
+                    self.device, "realtime", False):
+                t = self.device.next_event_time()
+                if t == float("inf"):
+                    break
+                self.device.run_until(t)
 
     def new_model_id(self) -> int:
         """An id no model of this dispatcher ever had: a removed model's id is not handed
@@ -1046,12 +1075,18 @@ class Dispatcher:
             raise raised
         return n
 
-    def run_until_idle(self, timeout: float = 60.0) -> None:
+    def run_until_idle(self, timeout: float = 60.0,
+                       stop: Callable[[], bool] | None = None) -> None:
         """Step until nothing is in flight. On a virtual-time device the clock jumps to
-        the next device event whenever an iteration changes nothing."""
+        the next device event whenever an iteration changes nothing. ``timeout``
+        (seconds of wall time) raises TimeoutError; ``stop()`` returning True raises
+        :class:`RunInterrupted`; either leaves the work in flight."""
         virtual = hasattr(self.device, "next_event_time") and not getattr(self.device, "realtime", False)
         deadline = time.monotonic() + timeout
         while self.step() or self._arrivals:
+            if stop is not None and stop():
+                raise RunInterrupted(f"run_until_idle: stopped with {self.in_flight} "
+                                     f"requests in flight")
             if self.idle:
                 if virtual:
                     t = self.device.next_event_time()

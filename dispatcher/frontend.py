@@ -304,7 +304,7 @@ class Frontend:
         # The daemon often runs as root: it replaces or deletes only what is its own (a
         # socket, a lock file holding a pid), never follows a symlink, and refuses
         # anything else at those paths rather than clobber it.
-        flags = os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC
+        flags = os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK   # (a fifo: no wait)
         created = False
         try:
             try:
@@ -318,7 +318,7 @@ class Frontend:
                                 f"remove it or choose another --socket") from None
         try:
             st = os.fstat(fd)
-            held = os.pread(fd, 64, 0)
+            held = os.pread(fd, 64, 0) if stat.S_ISREG(st.st_mode) else b""   # (a fifo: ESPIPE)
             if not stat.S_ISREG(st.st_mode) or not _LOCK_CONTENT.fullmatch(held):
                 raise FrontendError(f"{lock_path} exists and is not a paella daemon's lock "
                                     f"file (a pid); refusing to overwrite it: remove it or "

@@ -67,6 +67,9 @@ def _checked(parser: argparse.ArgumentParser, func):
                 if not os.path.isdir(folder) or not os.access(folder, os.W_OK):
                     raise CLIError(f"--{opt} {out}: cannot write into {folder} (no such "
                                    f"directory, or not writable)")
+                if os.path.exists(out) and not os.path.isfile(out):
+                    raise CLIError(f"--{opt} {out}: not a regular file (a directory or a "
+                                   f"device such as /dev/full); name a file to write")
         return func(args)
     return run
 

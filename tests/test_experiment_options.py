@@ -37,6 +37,9 @@ def _paella(*args: str):
 @pytest.mark.parametrize("args, expected", [
     (["experiment", "hol", "--quick", "--json", "/nonexistent/x.json"],
      "--json /nonexistent/x.json: cannot write into /nonexistent"),
+    (["experiment", "hol", "--quick", "--json", "/dev/full"],        # (after the run, before)
+     "--json /dev/full: not a regular file"),
+    (["experiment", "hol", "--quick", "--plot", "/tmp"], "--plot /tmp: not a regular file"),
     (["demo", "--models", "nosuch"], "--models: unknown zoo model(s) nosuch; zoo models: "),
     (["demo", "--clients", "-1"], "--clients must be at least 1, got -1"),
     (["demo", "--rate", "0"], "--rate must be a finite number > 0"),

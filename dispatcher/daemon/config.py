@@ -85,20 +85,20 @@ class DaemonConfig:
                    "log_level": ("debug", "info", "warning", "error")}
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
-                raise ConfigError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
+                raise ConfigError(f"{name} must be one of {allowed}, got {shown(getattr(self, name))}")
         if self.backend != "cuda":           # (auto may end on the simulator)
             try:
                 preset(self.gpu)
             except ValueError as e:
                 raise ConfigError(f"gpu: {e} (the simulated GPU; --gpu, [daemon] gpu)") from None
         if self.cpu not in ("auto", "none") and not _ASCII_DIGITS.fullmatch(str(self.cpu)):
-            raise ConfigError(f"cpu must be auto, none or a core number, got {self.cpu!r}")
+            raise ConfigError(f"cpu must be auto, none or a core number, got {shown(self.cpu)}")
         for name in ("allowed_users", "allowed_groups"):
             for v in getattr(self, name):
                 if not ((type(v) is int and v >= 0)
                         or (type(v) is str and _NAME.fullmatch(v))):
                     raise ConfigError(f"{name} must list user or group names or numeric "
-                                      f"ids, got {v!r}")
+                                      f"ids, got {shown(v)}")
         if not 0 <= self.rt_priority <= 99:
             raise ConfigError(f"rt_priority must be 0..99, got {self.rt_priority}")
         if not 0 <= self.drain_seconds <= MAX_SECONDS:     # (also refuses nan and inf)
@@ -117,11 +117,11 @@ class DaemonConfig:
         if type(self.lookahead) is not int or self.lookahead < 1:
             raise ConfigError(f"lookahead must be an int >= 1 (kernels of one stream released "
                               f"and not completed; 1 releases a kernel when its predecessor "
-                              f"has completed), got {self.lookahead!r}")
+                              f"has completed), got {shown(self.lookahead)}")
         if type(self.wake_lead_us) is not int or not 0 <= self.wake_lead_us <= 1_000_000:
             raise ConfigError(f"wake_lead_us must be an int 0..1000000 (microseconds of "
                               f"estimated work left when a hybrid client is woken; 0: only "
-                              f"before the job's last copy), got {self.wake_lead_us!r}")
+                              f"before the job's last copy), got {shown(self.wake_lead_us)}")
         if self.idle_spin_us < 0:
             raise ConfigError(f"idle_spin_us must be >= 0 (microseconds), got {self.idle_spin_us}")
         if not 0 <= self.metrics_port <= 65535:
@@ -139,7 +139,7 @@ class DaemonConfig:
                                   f"{getattr(self, name)}")
         if type(self.device_memory) is not int or self.device_memory < 0:
             raise ConfigError(f"device_memory must be a number of bytes >= 0 (the GPU memory "
-                              f"the daemon may use; 0: all of it), got {self.device_memory!r}")
+                              f"the daemon may use; 0: all of it), got {shown(self.device_memory)}")
         if self.arena_bytes > self.max_arena_bytes:
             raise ConfigError(f"arena_bytes ({self.arena_bytes}) exceeds max_arena_bytes "
                               f"({self.max_arena_bytes})")
@@ -199,24 +199,31 @@ def load_config(path: str | None) -> DaemonConfig:
         raise ConfigError(f"config {path} is not valid TOML: nested too deeply to read") from None
     for section, table in data.items():
         if not isinstance(table, dict):
-            raise ConfigError(f"{path}: top-level key {section!r} must be a [section]")
+            raise ConfigError(f"{path}: top-level key {shown(section)} must be a [section]")
         if section == "policy":
             table = dict(table)
             if "name" in table:
                 cfg.policy = table.pop("name")
                 if not isinstance(cfg.policy, str):
-                    raise ConfigError(f"{path}: [policy] name must be a string, got {cfg.policy!r}")
+                    raise ConfigError(f"{path}: [policy] name must be a string, got {shown(cfg.policy)}")
             cfg.policy_params.update(table)
             continue
         if section not in SECTIONS:
-            raise ConfigError(f"{path}: unknown section [{section}] (known: daemon, policy, "
+            raise ConfigError(f"{path}: unknown section {shown(section)} (known: daemon, policy, "
                               f"access, limits)")
         for key, value in table.items():
             if key not in SECTIONS[section]:
-                raise ConfigError(f"{path}: unknown setting {key!r} in [{section}] "
+                raise ConfigError(f"{path}: unknown setting {shown(key)} in [{section}] "
                                   f"(known: {', '.join(SECTIONS[section])})")
             setattr(cfg, key, _coerce(key, value))
     return cfg
+
+
+def shown(value: Any, limit: int = 80) -> str:
+    """``value`` as an error message shows it: its repr, cut to ``limit`` characters (a
+    100 MB setting is not echoed whole into the log)."""
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
 
 
 def octal_mode(text: str) -> int:
@@ -226,13 +233,17 @@ def octal_mode(text: str) -> int:
     except ValueError:
         mode = -1
     if not 0 <= mode <= 0o777:
-        raise ValueError(f"socket_mode must be an octal file mode such as \"0660\", got {text!r}")
+        raise ValueError(f"socket_mode must be an octal file mode such as \"0660\", got {shown(text)}")
     return mode
 
 
 def _coerce(key: str, value: Any) -> Any:
     want = type(getattr(DaemonConfig(), key))
-    if key == "socket_mode" and isinstance(value, str):
+    if key == "socket_mode":
+        if not isinstance(value, str):       # TOML reads 0o660 and 432 alike: ambiguous
+            raise ConfigError(f"socket_mode must be a string holding an octal file mode, "
+                              f"such as \"0660\", got {shown(value)} (an integer cannot say "
+                              f"whether it was written in octal: 440 would mean 0o670)")
         try:
             return octal_mode(value)
         except ValueError as e:
@@ -242,7 +253,7 @@ def _coerce(key: str, value: Any) -> Any:
     if want is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
     if not isinstance(value, want) or (want is int and isinstance(value, bool)):
-        raise ConfigError(f"setting {key} must be {want.__name__}, got {value!r}")
+        raise ConfigError(f"setting {key} must be {want.__name__}, got {shown(value)}")
     return value
 
 

@@ -20,7 +20,9 @@ measured in docs/service.md ("Metrics").
 """
 from __future__ import annotations
 
+import errno
 import logging
+import socket
 import time
 from typing import Any, Callable
 
@@ -276,8 +278,12 @@ def start_metrics_server(port: int, addr: str, counts: MetricsCounts,
     try:
         server, _thread = start_http_server(port, addr=addr, registry=registry)
     except OSError as e:
-        from .config import ConfigError
-        raise ConfigError(f"cannot serve metrics on {addr}:{port}: {e.strerror}; choose "
+        from .config import ConfigError, shown
+        if isinstance(e, socket.gaierror) or e.errno == errno.EADDRNOTAVAIL:
+            raise ConfigError(f"cannot serve metrics on {shown(addr)}: {e.strerror}; "
+                              f"--metrics-addr must be an address of this machine, such as "
+                              f"127.0.0.1, ::1 or 0.0.0.0") from None
+        raise ConfigError(f"cannot serve metrics on {shown(addr)}:{port}: {e.strerror}; choose "
                           f"another --metrics-port") from None
     log.info("metrics on http://%s:%d/metrics", addr, server.server_port)
     return server

@@ -310,6 +310,9 @@ class Daemon:
             self.device = self.open_device(self.cfg)
             self.dispatcher = DispatcherExecutor(self.front, self.device, self.cfg,
                                                  self.instruments, self._stage_instruments)
+            # SIGTERM while a model's profiling runs: it gives up at once (it waited up to
+            # 60 s), the load reports the model as not served, and start-up stops.
+            self.dispatcher.disp.profile_stop = lambda: self.draining
             self.router.paths.append(self.dispatcher)
             for cid, arena in self._arenas.items():     # clients that came first
                 self._pin_arena(cid, arena)

@@ -372,3 +372,27 @@ def test_the_tracker_takes_only_a_demand_and_gives_the_token_back():
     started, done = [], []
     assert t.drain(2.5, lambda tok, t0: done.append((tok, t0)), started.append) == 2
     assert started == [token] and done == [(token, 2.5)]
+
+
+def test_a_profiling_run_its_owner_stops_gives_up_and_leaves_nothing_in_flight(make):
+    """The daemon's SIGTERM during start-up (``profile_stop``): the run gives up at the
+    next loop pass instead of waiting up to 60 s, its job is cancelled and drained, and
+    the model is not registered."""
+    from dispatch_helpers import TwoStreams
+
+    closed = []
+
+    class Watched(TwoStreams):
+        def close(self, dev):
+            closed.append(True)
+            super().close(dev)
+
+    dev, d = make("paella")
+    passes = []
+    d.profile_stop = lambda: passes.append(1) or len(passes) > 3
+    with pytest.raises(RuntimeError, match="profiling run of model 'fork' failed: "
+                                           "run_until_idle: stopped with 1 requests in flight"):
+        d.register_model("fork", Watched(), model_id=7)
+    assert 7 not in d.models and not d.jobs and d.in_flight == 0 and closed == [True]
+    d.profile_stop = None
+    assert d.register_model("fork", TwoStreams(), model_id=7) == 7

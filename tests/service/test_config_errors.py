@@ -4,6 +4,7 @@ traceback, and nothing left behind (no socket, no lock file)."""
 from __future__ import annotations
 
 import os
+import stat
 import subprocess
 import sys
 
@@ -86,6 +87,15 @@ CASES = [
     ("allowed-users-nul", [], '[access]\nallowed_users = ["a\\u0000b"]\n',
      "allowed_users must list user or group names or numeric ids"),
     ("allow-user-unknown", ["--allow-user", "\u00b2"], None, "allowed user '\u00b2' does not exist"),
+    # TOML reads 440 and 0o670 alike: an integer mode was taken as 0o670 (rw-rwx---).
+    ("socket-mode-int", [], "[access]\nsocket_mode = 440\n",
+     'socket_mode must be a string holding an octal file mode, such as "0660", got 440'),
+    # A huge value is not echoed whole (the check on every case: the line stays short).
+    ("log-level-huge", [], '[daemon]\nlog_level = "' + "x" * 200_000 + '"\n',
+     "log_level must be one of ('debug', 'info', 'warning', 'error'), got 'xxxx"),
+    ("metrics-addr", ["--metrics-port", "59999", "--metrics-addr", "not an addr"], None,
+     "cannot serve metrics on 'not an addr': Name or service not known; --metrics-addr must "
+     "be an address of this machine"),
 ]
 
 
@@ -104,6 +114,7 @@ def assert_clean_error(r: subprocess.CompletedProcess, sock: str, expected: str)
     assert "Traceback" not in r.stderr, r.stderr
     last = r.stderr.strip().splitlines()[-1]
     assert last.startswith("paella: error: ") and expected in last, r.stderr
+    assert len(r.stderr) < 4000, r.stderr[:4000]
     assert not os.path.exists(sock) and not os.path.exists(sock + ".lock")
 
 
@@ -134,6 +145,13 @@ def test_what_is_not_the_daemons_own_is_never_replaced(tmp_path):
     r, _ = serve(tmp_path, [], socket=str(sock))
     assert r.returncode == 2 and "is not a paella daemon's lock file" in r.stderr, r.stderr
     assert (tmp_path / "p.sock.lock").read_text() == "not a pid at all\n"
+    os.unlink(f"{sock}.lock")
+    os.mkfifo(f"{sock}.lock")                    # (it said "Illegal seek")
+    r, _ = serve(tmp_path, [], socket=str(sock))
+    assert r.returncode == 2 and "is not a paella daemon's lock file" in r.stderr, r.stderr
+    assert stat.S_ISFIFO(os.lstat(f"{sock}.lock").st_mode)
+    os.unlink(f"{sock}.lock")
+    (tmp_path / "p.sock.lock").write_text("not a pid at all\n")
     assert not sock.exists()
 
 
