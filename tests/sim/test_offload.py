@@ -117,3 +117,21 @@ def test_a_comparison_collected_before_the_worker_begins_it_is_done_by_the_calle
     short = [_offload.compare([x], [[y], [x.copy()]]) for _ in range(20)]
     assert [p.result() for p in reversed(short)] == [1] * 20
     assert long_one.result() == 0 and all(p.done for p in short)
+
+
+def test_two_threads_collecting_one_comparison_both_get_the_answer():
+    """One thread takes the queued comparison and does it; the other, waiting on it,
+    is woken (it waited forever before the broadcast)."""
+    import threading
+    big = np.zeros(32 << 20, np.uint8)
+    for _ in range(5):
+        long_one = _offload.compare([big], [[big.copy()]] * 4)
+        x = np.arange(1 << 16, dtype=np.uint8)
+        p = _offload.compare([x], [[x.copy()]])
+        got = []
+        threads = [threading.Thread(target=lambda: got.append(p.result())) for _ in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(20)
+        assert got == [0, 0] and long_one.result() == 0

@@ -198,6 +198,7 @@ static void wait_done(Job *j)
         pthread_mutex_lock(&mu);
         j->result = r;
         j->done = 1;
+        pthread_cond_broadcast(&done_cv);   /* (another thread may wait on the same one) */
     } else {
         pthread_mutex_lock(&mu);
         while (!j->done)
