@@ -857,7 +857,7 @@ class Dispatcher:
                     self.models[model_id] = old
                 if model.jobs:               # (a profiling job that would not drain: the
                     model.retired = True     # adaptor closes after it, never under it)
-                else:
+                else:                        # (never registered: no model_removed)
                     self._live.discard(model)
                     self._close_adaptor(model)
                 raise RuntimeError(f"profiling run of model {name!r} failed: {failed[0]}")
@@ -869,16 +869,10 @@ class Dispatcher:
         """Cancel the profiling job (client -1) and let what it released drain, for at
         most ``seconds``: what still runs then keeps its model until it ends."""
         self.cancel_client(-1)
-        deadline = time.monotonic() + seconds
-        while (any(r.client_id == -1 for j in self.jobs for r in j.requests)
-               and time.monotonic() < deadline):
-            self.step()
-            if self.idle and hasattr(self.device, "run_until") and not getattr(
-                    self.device, "realtime", False):
-                t = self.device.next_event_time()
-                if t == float("inf"):
-                    break
-                self.device.run_until(t)
+        try:
+            self.run_until_idle(timeout=seconds)
+        except (TimeoutError, RuntimeError):
+            pass
 
     def new_model_id(self) -> int:
         """An id no model of this dispatcher ever had: a removed model's id is not handed

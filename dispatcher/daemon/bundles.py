@@ -95,11 +95,8 @@ class FunctionalCache:
     @staticmethod
     def _key(name: str, inputs: dict[str, np.ndarray]) -> tuple:
         names = sorted(inputs)
-        try:
-            digest = _offload.digest([inputs[k] for k in names], KEY_SAMPLE_BYTES)
-        except (BufferError, ValueError):    # (not contiguous)
-            digest = _offload.digest([np.ascontiguousarray(inputs[k]) for k in names],
-                                     KEY_SAMPLE_BYTES)
+        digest = _offload.digest([np.ascontiguousarray(inputs[k]) for k in names],
+                                 KEY_SAMPLE_BYTES)
         return name, digest, tuple((k, inputs[k].dtype.str, inputs[k].shape) for k in names)
 
     @staticmethod
@@ -125,8 +122,8 @@ class FunctionalCache:
         try:
             pending = _offload.compare([inputs[k] for k in names],
                                      [[c[k] for k in names] for c, _ in candidates])
-        except (BufferError, KeyError, RuntimeError, TypeError, ValueError):
-            pending = None                   # (not contiguous: compared in outputs())
+        except (BufferError, ValueError, RuntimeError):
+            pending = None                   # (not contiguous, or no thread: outputs() compares)
         return Lookup(key, candidates, pending)
 
     def outputs(self, name: str, bundle, inputs: dict[str, np.ndarray],

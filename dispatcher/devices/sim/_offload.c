@@ -262,7 +262,7 @@ static PyTypeObject PendingType = {
 };
 
 /* Acquire the buffers of a sequence of n objects into bufs[0..n). */
-static int hold(PyObject *seq, Py_ssize_t n, Job *j, const char *what, int flags)
+static int hold(PyObject *seq, Py_ssize_t n, Job *j, const char *what)
 {
     PyObject *fast = PySequence_Fast(seq, what);
     if (fast == NULL)
@@ -276,7 +276,7 @@ static int hold(PyObject *seq, Py_ssize_t n, Job *j, const char *what, int flags
     for (Py_ssize_t i = 0; i < n; i++) {
         /* PyBUF_SIMPLE: contiguous bytes, or BufferError (the caller compares itself) */
         if (PyObject_GetBuffer(PySequence_Fast_GET_ITEM(fast, i), &j->bufs[j->nbufs],
-                               flags) < 0) {
+                               PyBUF_SIMPLE) < 0) {
             Py_DECREF(fast);
             return -1;
         }
@@ -348,13 +348,13 @@ static PyObject *compare(PyObject *mod, PyObject *args)
     Job *j = new_job(n_in, n_cand);
     if (j == NULL)
         return NULL;
-    if (hold(inputs, n_in, j, "compare: inputs", PyBUF_SIMPLE) < 0)
+    if (hold(inputs, n_in, j, "compare: inputs") < 0)
         goto fail;
     for (Py_ssize_t c = 0; c < n_cand; c++) {
         PyObject *cand = PySequence_GetItem(candidates, c);
         if (cand == NULL)
             goto fail;
-        int r = hold(cand, n_in, j, "compare: a candidate", PyBUF_SIMPLE);
+        int r = hold(cand, n_in, j, "compare: a candidate");
         Py_DECREF(cand);
         if (r < 0)
             goto fail;
