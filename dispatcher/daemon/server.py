@@ -92,6 +92,10 @@ def open_device_for(cfg: DaemonConfig):
 #: whole ticks, rounded down, and the remainder the same way.
 _EPOLL_TICK = 1e-3
 
+#: While work is in flight the loop looks at the sockets (new clients, control frames,
+#: signals, hang-ups) at most this often (seconds) instead of every pass: see run().
+_IO_PERIOD_BUSY = 100e-6
+
 #: The most the model list may take: it travels in every client's WELCOME (and MODELS)
 #: frame, whose payload is at most ``wire.MAX_PAYLOAD``; the rest is room for the other
 #: fields. (6,000 variants passed the load and then every connection failed.)
@@ -581,10 +585,23 @@ class Daemon:
         idle_spin = cfg.idle_spin_us / 1e6
         adaptive = cfg.idle == "adaptive"
         last_work = time.monotonic()
+        monotonic = time.monotonic
+        io_due = 0.0
         while True:
             taken = front.poll_rings(admit=self.admitting)
-            router.step()
-            front.poll_io(0)
+            if router.step():
+                # Work in flight: the sockets every _IO_PERIOD_BUSY, not every pass.
+                # Speed (a trick, labelled): nothing on them is urgent to the microsecond
+                # (handshakes, control requests, signals, a client's hang-up), while each
+                # look is an epoll_wait syscall plus the selector's Python, ~1.3 us; a
+                # request's kernels take one pass each, so looking every pass cost
+                # SqueezeNet ~50 us of loop time per request (docs/benchmarks.md, round 9).
+                t = monotonic()
+                if t >= io_due:
+                    io_due = t + _IO_PERIOD_BUSY
+                    front.poll_io(0)
+            else:
+                front.poll_io(0)
             if self.housekeeping:
                 self._housekeeping()
             if self.draining and self._drain_step():

@@ -249,6 +249,41 @@ def test_a_slow_reload_does_not_stall_the_loop(tmp_path, mlp, fresh_daemon):
     assert "in the background" in dp.log() and dp.log().count("registered tiny_mlp") == 2
 
 
+
+@pytest.mark.parametrize("idle", ["spin", "adaptive"])
+def test_the_sockets_are_served_while_a_job_runs(tmp_path, mlp, fresh_daemon, idle):
+    """While work is in flight the loop looks at its sockets only every ~100 us (not every
+    pass): during a 2 s job a new client still connects and `paella status` answers at
+    once, a client that hangs up mid-request is dropped, and SIGTERM still drains."""
+    from paella.client.status import daemon_status
+    repo = repo_with(tmp_path, mlp, "slow_mlp")
+    make_slow_running(repo / "slow_mlp", kernel_seconds=0.5)
+    dp = fresh_daemon("--models", str(repo), "--idle", idle, "--no-noop")
+    c = connect(dp.socket)
+    n = c.models["slow_mlp"].variants[0].io_bytes
+    busy = c.predict("slow_mlp", n, c.alloc(n))
+    end = time.monotonic() + 20
+    while not sum(m["in_flight"] for m in daemon_status(dp.socket)["models"]):
+        assert time.monotonic() < end, dp.log()
+        time.sleep(0.01)
+    t0 = time.monotonic()
+    took = []
+    for _ in range(5):                 # each: a connection, a handshake, a STATUS frame
+        t = time.monotonic()
+        assert sum(m["in_flight"] for m in daemon_status(dp.socket)["models"]) >= 1
+        took.append(time.monotonic() - t)
+    with connect(dp.socket) as other:
+        assert "slow_mlp" in other.models
+    quitter = connect(dp.socket)
+    quitter.predict("slow_mlp", n, quitter.alloc(n))
+    quitter._sock.close()              # vanishes with a request in flight
+    assert time.monotonic() - t0 < 1.0, "the sockets waited for the job"
+    assert max(took) < 0.3, took
+    dp.proc.send_signal(signal.SIGTERM)
+    assert dp.proc.wait(20) == 0, dp.log()
+    got = read_all(c)
+    assert list(got) == [busy] and len(got[busy]) == 1, got
+    c.close()
 # -- 14: paella demo beside another daemon ---------------------------------------------------
 def test_demo_counts_only_its_own_daemons_segments(tmp_path, fresh_daemon):
     """Another daemon that starts during the demo (its simulator's notifQ segment appears
