@@ -149,6 +149,8 @@ class Dispatcher:
                              f"device's notifQ counter pairs ({device_pairs}): give both the "
                              f"same value")
         self.device = device
+        #: The device's failed kernels (launch id -> reason; Device.faults), the same dict.
+        self._faults: dict[int, str] = getattr(device, "faults", {})
         #: Kernels of one job's stream that may be released and not yet completed (1: a
         #: kernel goes when its predecessor has completed; see "Lookahead" in the docs).
         self.lookahead = lookahead
@@ -401,6 +403,8 @@ class Dispatcher:
         job = op.job
         if op.kind == KERNEL:
             job.model.profile.record_kernel(op.key, self.now - t_first)
+            if self._faults and op.launch_id in self._faults:   # (one truth test per kernel)
+                self._kernel_fault(op)
             if self._kernel_completed is not None:
                 try:
                     self._kernel_completed(job, op)
@@ -710,6 +714,15 @@ class Dispatcher:
                     cb(req)
                 if "request_woken" in instr:
                     instr.call("request_woken", req)
+
+    def _kernel_fault(self, op: Op) -> None:
+        """The device reports that ``op`` completed without doing its work
+        (``Device.faults``: on the simulator, its functional effect raised): its job
+        fails with the reason; its released ops still complete, the rest are dropped."""
+        reason = self._faults.pop(op.launch_id)
+        job = op.job
+        if job.state != FINISHED and job.error is None:
+            self._abort(job, reason, cancelled=False)
 
     def _device_refused(self, op: Op, exc: DeviceError) -> None:
         """The device rejected a released op (a bad pointer, say): fail its job.

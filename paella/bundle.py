@@ -523,6 +523,7 @@ class Bundle:
         self.manifest = manifest
         self._params: dict[str, dict[str, np.ndarray]] = {}   # by params file
         self._vm: dict[str, Any] = {}                          # by CPU build file
+        self._orders: dict[str, list[str]] = {}                # by CPU params order file
 
     # shortcuts to variants[0]
     @property
@@ -613,6 +614,21 @@ class Bundle:
         arrays = [_checked_input(t, inputs) for t in self.variants[first].inputs]
         return self._cpu(first, arrays, self.variants[last].outputs)
 
+    def _cpu_order(self, variant: int) -> list[str]:
+        """The CPU build's parameter order, read once per file like the build and the
+        params: ``_cpu`` runs per request on the daemon's loop (the simulator's answers),
+        where opening a file could fail on a descriptor limit that hostile clients filled."""
+        order_path = self.file("cpu_params", variant)
+        order = self._orders.get(str(order_path))
+        if order is None:
+            try:
+                order = json.loads(order_path.read_text())
+            except ValueError as e:
+                raise BundleError(f"{order_path} is not JSON ({e}); copy or compile the bundle "
+                                  f"again (paella compile)") from None
+            self._orders[str(order_path)] = order
+        return order
+
     def _cpu(self, variant: int, arrays: list[np.ndarray], outputs: list[TensorSpec]) -> dict[str, np.ndarray]:
         import tvm
         from tvm import relax
@@ -624,12 +640,7 @@ class Bundle:
             lib = tvm.runtime.load_module(lib_path)
             vm = self._vm[lib_path] = relax.VirtualMachine(lib, tvm.cpu())
         p = self.params(variant)
-        order_path = self.file("cpu_params", variant)
-        try:
-            order = json.loads(order_path.read_text())
-        except ValueError as e:
-            raise BundleError(f"{order_path} is not JSON ({e}); copy or compile the bundle "
-                              f"again (paella compile)") from None
+        order = self._cpu_order(variant)
         dev = tvm.cpu()
         args = [tvm.runtime.tensor(a, dev) for a in arrays] + [tvm.runtime.tensor(p[n], dev) for n in order]
         out = vm["main"](*args)

@@ -14,7 +14,7 @@ import numpy as np
 from paella import wire
 from paella.dispatcher import native
 from paella.dispatcher.adaptor import PlanAdaptor
-from paella.dispatcher.frontend import LogThrottle
+from paella.log_throttle import LogThrottle
 
 log = logging.getLogger("paella.daemon")
 _offload = native.load("devices.sim._offload")

@@ -149,6 +149,13 @@ class Device:
         #: Bytes this process may allocate (0: as much as the GPU has): a daemon sharing
         #: its GPU with other processes keeps to its share (``[limits] device_memory``).
         self.memory_limit = 0
+        #: Kernels that failed without losing the device: launch id -> the reason. Only
+        #: the simulator fills it (a functional effect that raised: the kernel's outputs
+        #: could not be computed); on a GPU a faulting kernel is a sticky error
+        #: (:class:`DeviceLost`). The dispatcher pops an entry when it sees that kernel
+        #: complete and fails the kernel's job with the reason, so one request's failure
+        #: is not the daemon's.
+        self.faults: dict[int, str] = {}
 
     # -- kernels ---------------------------------------------------------------
     def load_module(self, image: ModuleImage) -> dict[str, Function]:

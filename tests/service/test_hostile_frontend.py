@@ -408,6 +408,38 @@ def test_fd_exhaustion_during_hello(fresh_daemon, spare):
     echo_works(dp.socket)
 
 
+def test_a_new_input_while_out_of_descriptors_is_answered(fresh_daemon, tmp_path):
+    """The fuzzer's finding (seed 11, --nofile 64): a compiled model's request with an
+    input the simulator had not seen, while the daemon's descriptor table was full (silent
+    connections of another tenant), killed the daemon: the simulator's CPU reference
+    re-read a file of the bundle on the loop, and the OSError unwound it, losing every
+    client's requests. The file is now read once, and a reference computation that fails
+    fails its own request only (tests/dispatcher/test_kernel_fault.py)."""
+    from bundles_for_tests import tiny_mlp
+    from paella.bundle import load_bundle
+    repo = tmp_path / "models"
+    repo.mkdir()
+    bundle = load_bundle(tiny_mlp(repo / "tiny_mlp"))
+    dp = fresh_daemon("--models", str(repo))
+    rng = np.random.default_rng(0)
+    with connect(dp.socket, timeout=5) as c:
+        x = {"x": rng.standard_normal((2, 16)).astype(np.float32)}
+        np.testing.assert_allclose(c.infer("tiny_mlp", x)["output0"],
+                                   bundle.run_cpu(x)["output0"], rtol=1e-5)
+        soft, hard = resource.prlimit(dp.pid, resource.RLIMIT_NOFILE)
+        resource.prlimit(dp.pid, resource.RLIMIT_NOFILE, (_fd_limit_allowing(dp.pid, 0), hard))
+        try:
+            for _ in range(3):                         # new inputs: computed on the CPU
+                x = {"x": rng.standard_normal((2, 16)).astype(np.float32)}
+                np.testing.assert_allclose(c.infer("tiny_mlp", x, timeout=30)["output0"],
+                                           bundle.run_cpu(x)["output0"], rtol=1e-5)
+            assert dp.proc.poll() is None, dp.log()[-3000:]
+        finally:
+            resource.prlimit(dp.pid, resource.RLIMIT_NOFILE, (soft, hard))
+    echo_works(dp.socket)
+    assert dp.stop() == 0, dp.log()[-3000:]
+
+
 # --- 13. silent connections, per-uid limit, log flooding ---------------------------------
 def test_silent_connections_cannot_lock_others_out(fresh_daemon):
     """Item 13: 256 connections that never send HELLO. The per-uid limit refuses
@@ -511,7 +543,7 @@ def test_one_bad_frame_per_connection_in_a_loop_writes_a_bounded_log(daemon):
 
 
 def test_log_throttle_allows_a_burst_then_counts():
-    from paella.dispatcher.frontend import LogThrottle
+    from paella.log_throttle import LogThrottle
     t = LogThrottle(interval=3600.0, burst=3)
     assert [t.admit() for _ in range(3)] == [0, 0, 0]
     assert [t.admit() for _ in range(5)] == [None] * 5

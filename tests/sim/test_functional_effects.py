@@ -100,3 +100,44 @@ def test_an_effect_in_flight_keeps_a_later_h2d_from_landing_early():
     dev.synchronize()
     assert len(seen) == 1 and np.array_equal(seen[0], x1)
     assert not dev.memory.view(src, 16).any()
+
+
+def _failing_run(dev):
+    def compute(inputs):
+        raise OSError(24, "Too many open files")
+    effect = model_effect([T("x", 4)], [T("y", 4)], compute, own_args=1)
+    f = dev.load_module(ModuleImage("m", [KernelInfo("k", 16, duration=20e-6)],
+                                    effects={"k": effect}))["k"]
+    src, dst = dev.alloc(16), dev.alloc(16)
+    done = []
+    dev.launch(f, 1, 32, 0, 77, args=(7, src, dst), instrumented=False,
+               on_complete=lambda: done.append("k"))
+    dev.synchronize()
+    return done
+
+
+def test_a_failing_effect_is_that_kernels_fault_in_the_stepped_simulator():
+    """Recorded in ``faults`` by launch id (the dispatcher fails the kernel's job); the
+    device keeps running, and the kernel still completes. A later launch with the same id
+    forgets the stale entry."""
+    dev = SimDevice("gtx1660s", n_streams=4)
+    assert _failing_run(dev) == ["k"]
+    assert "OSError: [Errno 24] Too many open files" in dev.faults[77]
+    out, seen, done = run(dev, lambda src, dst: (7, src, dst))    # launch id 1: unaffected
+    assert done == ["k", "d2h"] and out[1] == 3.0 and set(dev.faults) == {77}
+    f = dev.load_module(ModuleImage("n", [KernelInfo("k2", 16, duration=1e-6)]))["k2"]
+    dev.launch(f, 1, 32, 0, 77, instrumented=False)
+    assert 77 not in dev.faults
+
+
+def test_a_failing_effect_is_a_sticky_error_in_the_simulator_process():
+    """In its own process the effect runs after the kernel's notifications may have been
+    read: the device is lost (every request answered, the daemon restarted), not one
+    request answered with stale outputs."""
+    from paella.dispatcher.devices.base import DeviceLost
+    dev = SimProcessDevice("gtx1660s", n_streams=4)
+    try:
+        with pytest.raises(DeviceLost, match="could not compute the outputs of kernel launch 77"):
+            _failing_run(dev)
+    finally:
+        dev.close()

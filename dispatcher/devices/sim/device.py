@@ -8,6 +8,7 @@ daemon can run against it with no thread or process of its own.
 """
 from __future__ import annotations
 
+import logging
 from typing import Any, Callable, Sequence
 
 import numpy as np
@@ -16,12 +17,15 @@ from paella import protocol
 from paella.dispatcher.devices.base import (Callback, Device, DeviceError, DeviceLost, Dim3,
                                             Function, ModuleImage)
 from paella.gpus import GpuSpec, preset
+from paella.log_throttle import LogThrottle
 from paella.occupancy import Footprint
 
 from .clock import EventLoop, RealTimeLoop
 from .cost import CostModel
 from .hardware import D2H, H2D, Shapes, SMView, build_engine
 from .memory import SimMemory
+
+log = logging.getLogger(__name__)
 
 
 class Marker:
@@ -144,8 +148,11 @@ class SimDevice(Device):
             raise DeviceLost(f"simulated sticky error after {self.lose_after} launches (fault "
                              f"injection, PAELLA_SIM_LOSE_DEVICE_AFTER)")
         self.loop.sync()
+        if self.faults:                      # a stale entry of a reused id (Device.faults)
+            self.faults.pop(launch_id, None)
         if effect is not None:               # its functional effect, when it completes
-            on_complete = _with_effect(effect, self.memory.view, tuple(args), on_complete, self)
+            on_complete = _with_effect(effect, self.memory.view, tuple(args), on_complete, self,
+                                       launch_id)
         self.gpu.launch(shape, blocks, flops, nbytes, duration, stream, launch_id, instrumented,
                         group, on_complete)
         if effect is not None:
@@ -231,12 +238,33 @@ class SimDevice(Device):
                 "events": g.events, "notifications": g.tail, "mean_resident": g.mean_resident()}
 
 
-def _with_effect(effect, view, args: tuple, then: Callback, device: SimDevice) -> Callable[[], None]:
+#: At most this many functional-effect failures are logged with their traceback per
+#: minute (a client sending inputs that make the reference computation fail, in a loop,
+#: must not fill the log); the others are counted in the next logged line.
+_FAULT_LOG = LogThrottle(60.0, burst=3)
+
+
+def _with_effect(effect, view, args: tuple, then: Callback, device: SimDevice,
+                 launch_id: int) -> Callable[[], None]:
     """The completion of a kernel with a functional effect: the effect on device memory,
-    then the caller's callback."""
+    then the caller's callback. An effect that raises (the reference computation failed:
+    a hostile input, the host out of memory or descriptors) is that kernel's fault, not
+    the simulated device's: recorded in ``device.faults`` for the dispatcher, which fails
+    the kernel's job with the reason. It must not unwind the engine's poll, which is the
+    daemon's loop."""
     def done() -> None:
         device._pending_access -= 1
-        effect(view, args)
+        try:
+            effect(view, args)
+        except Exception as e:  # noqa: BLE001 - any failure of the stand-in computation
+            reason = (f"the simulated GPU could not compute this request's outputs "
+                      f"({type(e).__name__}: {str(e)[:300]})")
+            device.faults[launch_id] = reason
+            held = _FAULT_LOG.admit()
+            if held is not None:
+                log.warning("kernel launch %d: %s%s", launch_id, reason,
+                            f"; {held} more such failures since the last line" if held else "",
+                            exc_info=True)
         if then is not None:
             then()
     return done
