@@ -29,6 +29,7 @@ import mmap
 import os
 import pwd
 import re
+import resource
 import selectors
 import socket
 import stat
@@ -107,6 +108,20 @@ class FrontendConfig:
 
 #: Client arrivals/departures logged per ``log_interval`` before they are only counted.
 SESSION_LOG_BURST = 50
+
+#: Descriptors a ready client holds in the daemon: its socket and its segment's mapping
+#: (Python's mmap keeps a duplicate of the descriptor).
+FDS_PER_CLIENT = 2
+
+
+def _fd_share() -> int:
+    """The descriptors one uid may hold: half of the process's soft limit, read at each
+    accept (an operator may lower it while the daemon runs). Why: ``max_clients_per_uid``
+    counts connections, and under a low limit (64, say) one tenant's silent connections
+    filled the descriptor table under that count and every other tenant was refused
+    "resources" (the fuzzer, ``--nofile 64``: 814 refused legitimate connections)."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    return (1 << 30) if soft == resource.RLIM_INFINITY else soft // 2
 
 
 @dataclass(eq=False)
@@ -403,10 +418,18 @@ class Frontend:
             self._refuse(sock, "forbidden", f"uid {uid} (pid {pid}) is not in the daemon's "
                                             f"allowed users or groups")
             return
-        if self._per_uid.get(uid, 0) >= self.cfg.max_clients_per_uid:
+        held = self._per_uid.get(uid, 0)
+        if held >= self.cfg.max_clients_per_uid:
             self._refuse(sock, "too_many_connections",
                          f"uid {uid} already has {self.cfg.max_clients_per_uid} connections "
                          f"(max_clients_per_uid)")
+            return
+        share = _fd_share()
+        if FDS_PER_CLIENT * (held + 1) > share:
+            self._refuse(sock, "too_many_connections",
+                         f"uid {uid} already has {held} connections, half of what the "
+                         f"daemon's file-descriptor limit allows ({share} descriptors of "
+                         f"{2 * share}; raise LimitNOFILE, or lower max_clients_per_uid)")
             return
         if len(self.clients) >= self.cfg.max_clients:
             self._refuse(sock, "too_many_clients",

@@ -44,7 +44,8 @@ from .builtin_models import echo_model, noop_adaptor, noop_info
 from .bundles import FunctionalCache, bundle_adaptor
 from .config import ConfigError, DaemonConfig
 from .executors import DispatcherExecutor, HostExecutor, Router
-from .system import freeze_heap, freeze_new_objects, pin_and_prioritize, sd_notify
+from .system import (freeze_heap, freeze_new_objects, pin_and_prioritize, raise_fd_limit,
+                     sd_notify)
 from .watchdog import PluginHung, Watchdog
 
 log = logging.getLogger("paella.daemon")
@@ -506,7 +507,9 @@ class Daemon:
             raise StartupInterrupted()
         log.info("froze %d start-up objects out of the garbage collector's way", freeze_heap())
         pin_and_prioritize(self.cfg.cpu, self.cfg.rt_priority)
-        log.info("listening on %s (idle mode %s)", self.cfg.socket, self.cfg.idle)
+        soft, _ = raise_fd_limit()
+        log.info("listening on %s (idle mode %s, %d file descriptors)", self.cfg.socket,
+                 self.cfg.idle, soft)
         status = f"serving {len(self.table.by_id)} models"
         if self.unserved:
             status += f"; {len(self.unserved)} bundle(s) not served (see the log)"

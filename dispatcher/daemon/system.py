@@ -5,6 +5,7 @@ from __future__ import annotations
 import gc
 import logging
 import os
+import resource
 import socket
 
 from .config import ConfigError
@@ -83,3 +84,18 @@ def pin_and_prioritize(cpu: str, rt_priority: int) -> None:
     except PermissionError:
         log.warning("SCHED_FIFO priority %d not permitted (needs CAP_SYS_NICE or "
                     "LimitRTPRIO); running with normal scheduling", rt_priority)
+
+
+def raise_fd_limit() -> tuple[int, int]:
+    """Raise the soft descriptor limit to the hard one (as Go's runtime does at start):
+    each client holds two descriptors, and the per-uid share of them is half the soft
+    limit (``paella.dispatcher.frontend``), so a soft limit of 1024 under a hard one of
+    524288 (systemd's defaults) would cap the daemon for nothing. Returns (soft, hard)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != hard:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+            soft = hard
+        except (ValueError, OSError) as e:
+            log.info("could not raise the descriptor limit from %d to %d: %s", soft, hard, e)
+    return soft, hard
