@@ -444,6 +444,23 @@ def test_a_new_input_while_out_of_descriptors_is_answered(fresh_daemon, tmp_path
 
 
 # --- 13. silent connections, per-uid limit, log flooding ---------------------------------
+def silent_connections(path: str, n: int, uid: int | None) -> list[socket.socket]:
+    """``n`` connections that never say HELLO, made as ``uid`` (None: this process's):
+    SO_PEERCRED reports the effective uid at connect, so root switches it for the loop."""
+    if uid is not None:
+        os.setresuid(-1, uid, -1)
+    silent = []
+    try:
+        for _ in range(n):
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            s.connect(path)
+            silent.append(s)
+    finally:
+        if uid is not None:
+            os.setresuid(-1, 0, -1)
+    return silent
+
+
 def test_silent_connections_cannot_lock_others_out(fresh_daemon):
     """Item 13: 256 connections that never send HELLO. The per-uid limit refuses
     all but 32 of them at once (so another uid gets in meanwhile), and the handshake
@@ -453,17 +470,7 @@ def test_silent_connections_cannot_lock_others_out(fresh_daemon):
                       "--allow-user", "nobody")
     os.chmod(dp.dir, 0o755)
     as_other = os.geteuid() == 0          # the silent ones as uid 65534, the honest as root
-    silent = []
-    if as_other:
-        os.setresuid(-1, NOBODY, -1)      # SO_PEERCRED reports the effective uid
-    try:
-        for _ in range(256):
-            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            s.connect(dp.socket)
-            silent.append(s)
-    finally:
-        if as_other:
-            os.setresuid(-1, 0, -1)
+    silent = silent_connections(dp.socket, 256, NOBODY if as_other else None)
     if as_other:
         echo_works(dp.socket)             # not locked out, while the 32 still wait
     outcomes: dict[str | None, int] = {}
@@ -491,15 +498,7 @@ def test_one_uid_cannot_take_the_descriptors_others_need(fresh_daemon):
     soft, hard = resource.prlimit(dp.pid, resource.RLIMIT_NOFILE)
     assert soft == hard, "the daemon raises its soft limit to the hard one at start"
     resource.prlimit(dp.pid, resource.RLIMIT_NOFILE, (64, hard))
-    silent, refused = [], []
-    os.setresuid(-1, NOBODY, -1)          # SO_PEERCRED reports the effective uid
-    try:
-        for _ in range(40):
-            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            s.connect(dp.socket)
-            silent.append(s)
-    finally:
-        os.setresuid(-1, 0, -1)
+    silent, refused = silent_connections(dp.socket, 40, NOBODY), []
     try:
         for s in silent:
             s.settimeout(0.05)
