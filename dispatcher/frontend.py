@@ -42,8 +42,8 @@ from typing import Any, Callable, Protocol
 import numpy as np
 
 from paella import rings, shapes, wire
-from paella.log_throttle import LogThrottle
 from paella.dispatcher.core import Request
+from paella.log_throttle import LogThrottle
 
 log = logging.getLogger("paella.frontend")
 

@@ -507,9 +507,9 @@ class Daemon:
             raise StartupInterrupted()
         log.info("froze %d start-up objects out of the garbage collector's way", freeze_heap())
         pin_and_prioritize(self.cfg.cpu, self.cfg.rt_priority)
-        soft, _ = raise_fd_limit()
+        fds = raise_fd_limit()
         log.info("listening on %s (idle mode %s, %d file descriptors)", self.cfg.socket,
-                 self.cfg.idle, soft)
+                 self.cfg.idle, fds)
         status = f"serving {len(self.table.by_id)} models"
         if self.unserved:
             status += f"; {len(self.unserved)} bundle(s) not served (see the log)"

@@ -86,11 +86,11 @@ def pin_and_prioritize(cpu: str, rt_priority: int) -> None:
                     "LimitRTPRIO); running with normal scheduling", rt_priority)
 
 
-def raise_fd_limit() -> tuple[int, int]:
+def raise_fd_limit() -> int:
     """Raise the soft descriptor limit to the hard one (as Go's runtime does at start):
     each client holds two descriptors, and the per-uid share of them is half the soft
     limit (``paella.dispatcher.frontend``), so a soft limit of 1024 under a hard one of
-    524288 (systemd's defaults) would cap the daemon for nothing. Returns (soft, hard)."""
+    524288 (systemd's defaults) would cap the daemon for nothing. Returns the soft limit."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if soft != hard:
         try:
@@ -98,4 +98,4 @@ def raise_fd_limit() -> tuple[int, int]:
             soft = hard
         except (ValueError, OSError) as e:
             log.info("could not raise the descriptor limit from %d to %d: %s", soft, hard, e)
-    return soft, hard
+    return soft

@@ -30,8 +30,8 @@ import numpy as np
 import posix_ipc
 
 from paella import protocol
-from paella.dispatcher.devices.base import (Callback, Device, DeviceError, DeviceLost, Dim3, Function,
-                                            KernelInfo, ModuleImage)
+from paella.dispatcher.devices.base import (Callback, Device, DeviceError, DeviceLost, Dim3,
+                                            Function, KernelInfo, ModuleImage)
 from paella.gpus import GpuSpec, preset
 from paella.occupancy import Footprint
 from paella.segments import segment_name
@@ -49,6 +49,23 @@ class _Pending:
 
     def __init__(self, stream: int, action, on_complete):
         self.stream, self.action, self.on_complete, self.done = stream, action, on_complete, False
+
+
+def _effect_action(effect, view, args: tuple, launch_id: int):
+    """A kernel's functional effect, applied when the child reports the kernel done. In
+    this mode the dispatcher may have read the kernel's notifications already, so a
+    failure can no longer be given to that kernel's job alone (``Device.faults``, as the
+    stepped simulator does): it is a sticky error, as a faulting kernel is on a GPU. The
+    daemon then answers every request in flight with the reason and exits for its
+    service manager to restart it, instead of answering this one with stale outputs."""
+    def action() -> None:
+        try:
+            effect(view, args)
+        except Exception as e:  # noqa: BLE001 - any failure of the stand-in computation
+            raise DeviceLost(f"the simulated GPU (in its own process) could not compute the "
+                             f"outputs of kernel launch {launch_id}: {type(e).__name__}: "
+                             f"{str(e)[:300]}") from e
+    return action
 
 
 class SimProcessDevice(Device):
@@ -247,19 +264,3 @@ def child_main(fd: int) -> None:
 
 __all__ = ["SimProcessDevice", "KernelInfo"]
 
-
-def _effect_action(effect, view, args: tuple, launch_id: int):
-    """A kernel's functional effect, applied when the child reports the kernel done. In
-    this mode the dispatcher may have read the kernel's notifications already, so a
-    failure can no longer be given to that kernel's job alone (``Device.faults``, as the
-    stepped simulator does): it is a sticky error, as a faulting kernel is on a GPU. The
-    daemon then answers every request in flight with the reason and exits for its
-    service manager to restart it, instead of answering this one with stale outputs."""
-    def action() -> None:
-        try:
-            effect(view, args)
-        except Exception as e:  # noqa: BLE001 - any failure of the stand-in computation
-            raise DeviceLost(f"the simulated GPU (in its own process) could not compute the "
-                             f"outputs of kernel launch {launch_id}: {type(e).__name__}: "
-                             f"{str(e)[:300]}") from e
-    return action
