@@ -527,7 +527,8 @@ static PyObject *PlanRun_released(PlanRun *r, PyObject *op)
 
 static PyObject *PlanRun_release_ahead(PlanRun *r, PyObject *op)
 {
-    /* release_ahead(op): lookahead, the dispatcher's: a kernel successor may go now. */
+    /* release_ahead(op): lookahead, the dispatcher's: op (a released kernel or copy) lets
+       a kernel successor go now. */
     return release_succ(r, op, 1);
 }
 
@@ -616,7 +617,7 @@ static PyMethodDef PlanRun_methods[] = {
     {"finish", (PyCFunction)PlanRun_finish, METH_O, "finish(op): op completed"},
     {"released", (PyCFunction)PlanRun_released, METH_O, "released(op): op went to a real stream"},
     {"release_ahead", (PyCFunction)PlanRun_release_ahead, METH_O,
-     "release_ahead(op): a released kernel lets its kernel successor go (lookahead)"},
+     "release_ahead(op): a released kernel or copy lets its kernel successor go (lookahead)"},
     {"drop_unreleased", (PyCFunction)PlanRun_drop_unreleased, METH_NOARGS,
      "drop every op not released; returns those that were READY"},
     {NULL, NULL, 0, NULL},

@@ -280,14 +280,17 @@ class Dispatcher:
             ready = job.ready
             op = ready[0]
             k = op.launch
-            # Lookahead: a kernel released while its stream predecessor is still in flight
-            # goes behind it, on its real stream (it needs no free one).
-            behind = ahead > 1 and op.pred is not None and op.pred.state == RELEASED
-            if behind and policy.gated:
+            # Lookahead: a kernel released while its stream predecessor (a kernel or a
+            # copy) is still in flight goes behind it, on its real stream (it needs no
+            # free one).
+            pred = op.pred
+            behind = ahead > 1 and pred is not None and pred.state == RELEASED
+            if behind and policy.gated and pred.kind == KERNEL:
                 # It cannot start before its predecessor ends: admitted against the
                 # resources that predecessor frees (without this credit, lookahead held a
                 # large kernel's successor until the loop saw the predecessor complete).
-                if not tracker.admits_after(k.demand, op.pred.launch.demand):
+                # (A copy frees no SM: behind one, the usual rule.)
+                if not tracker.admits_after(k.demand, pred.launch.demand):
                     return
             elif not admits(k.demand) or (pool and not free and not behind and job.pin < 0):
                 return
@@ -311,7 +314,7 @@ class Dispatcher:
             if pool:                         # inlined StreamMap.assign, the common case
                 s = job.pin                  # (a named stream: submit_group(stream=))
                 if s < 0:
-                    s = op.pred.stream if behind else free.popleft()
+                    s = pred.stream if behind else free.popleft()
                 op.stream = s
                 busy[s] += 1
             else:
@@ -374,7 +377,12 @@ class Dispatcher:
             self._device_refused(op, e)
             return
         q.append((dev.record_event(s), op, False))
-        op.job.waitlist.released(op)
+        wl = op.job.waitlist
+        wl.released(op)
+        if self.lookahead > 1 and not wl.eager:
+            # Lookahead across a copy: its kernel successor may go now, behind it on its
+            # stream (an input copy's first kernels wait on the GPU, not for the loop).
+            wl.release_ahead(op)
         if "op_released" in instr:
             instr.call("op_released", op, now)
 

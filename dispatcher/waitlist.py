@@ -231,8 +231,8 @@ class Waitlist:
                 self._activate(succ)
 
     def release_ahead(self, op: Node) -> None:
-        """Lookahead (the dispatcher's ``lookahead``): ``op``, a released kernel, lets its
-        stream successor go now if that is a kernel too: the dispatcher puts it on
+        """Lookahead (the dispatcher's ``lookahead``): ``op``, a released kernel or copy,
+        lets its stream successor go now if that is a kernel: the dispatcher puts it on
         ``op``'s real stream, behind ``op`` in the hardware FIFO, which keeps the stream's
         order; its other dependencies still wait for completion. Copies and MARKERs wait
         for ``op`` to complete, as always."""

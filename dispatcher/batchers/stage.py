@@ -219,6 +219,8 @@ class BatchingStage:
 
     def step(self) -> bool:
         """The timer hook: poll every batcher whose deadline has come."""
+        if not self._queued:         # no batcher holds a request (the loop's every pass)
+            return False
         now = self.disp.now
         for m in self._served_models():
             if m.waiting:

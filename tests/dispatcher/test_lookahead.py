@@ -1,13 +1,13 @@
 """Lookahead: up to L kernels of a job's stream released and not completed, each queued
-behind its predecessor on the predecessor's real stream; copies still wait for
-completion; L = 1 is the release rule unchanged."""
+behind its predecessor (a kernel or a copy) on the predecessor's real stream; copies
+still wait for completion; L = 1 is the release rule unchanged."""
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
 from paella.dispatcher.core import STATUS_OK, Request
-from paella.dispatcher.devices.base import D2H, KERNEL
+from paella.dispatcher.devices.base import D2H, H2D, KERNEL
 from paella.dispatcher.instruments import Instrument
 
 from dispatch_helpers import chain
@@ -60,6 +60,22 @@ def test_a_chain_runs_at_most_lookahead_kernels_ahead_on_one_real_stream(make, l
     # the D2H copy goes only once the last kernel has ended
     d2h = next(row for row in fl.log if row[0] == "rel" and row[1] == D2H)
     assert d2h[4] >= next(r[4] for r in fl.log if r[0] == "end" and r[2] == "c_k5")
+
+
+@pytest.mark.parametrize("lookahead", [1, 3])
+def test_the_first_kernels_wait_behind_the_input_copy_on_the_gpu(make, lookahead):
+    """Lookahead across a copy: the input copy's kernel successor is released while the
+    copy is in flight, behind it on its stream (the GPU starts it when the copy ends, not
+    the loop once it has seen the copy end); with L = 1 it waits for the copy's end."""
+    fl, (req,) = serve(make, lookahead)
+    h2d = next(row for row in fl.log if row[0] == "rel" and row[1] == H2D)
+    h2d_end = next(row for row in fl.log if row[0] == "end" and row[1] == H2D)
+    first = [row for row in fl.log if row[0] == "rel" and row[1] == KERNEL][:lookahead]
+    if lookahead > 1:
+        assert all(row[4] < h2d_end[4] and row[3] == h2d[3] for row in first), fl.log
+        assert fl.most == lookahead
+    else:
+        assert first[0][4] >= h2d_end[4]
 
 
 def test_lookahead_keeps_every_job_correct_under_load(make):
