@@ -23,8 +23,9 @@ import pytest
 from paella import rings, wire
 from paella.client import RequestFailed, connect
 from paella.experiments import fuzz_attacks
-from paella.experiments.fuzz_daemon import (DaemonUnderTest, FuzzConfig, classify, failures,
-                                            format_report, run_fuzz, segment_names)
+from paella.experiments.fuzz_daemon import (FAILURES, DaemonUnderTest, FuzzConfig, classify,
+                                            failures, format_report, refusal_kind, run_fuzz,
+                                            segment_names)
 
 
 def echo_works(sock: str) -> None:
@@ -253,3 +254,22 @@ def test_a_negative_reload_period_is_refused(value, capsys):
         main(["--reload-every", value])
     assert e.value.code == 2
     assert "--reload-every must be >= 0 seconds" in capsys.readouterr().err
+
+
+def test_a_refusal_for_the_uid_budget_its_own_attackers_spent_is_not_a_failure():
+    """With the attackers of the legitimate clients' own uid (``--same-uid``), a refusal
+    for that uid's connection or descriptor budget is the documented same-uid limit
+    (docs/service.md), counted apart; any other refusal, and the same one when the
+    attackers are another uid, denies service and fails the run."""
+    me = os.geteuid()
+    cap = (f"the daemon refused the connection: too_many_connections: uid {me} already has "
+           f"64 connections (max_clients_per_uid)")
+    fds = (f"the daemon refused the connection: too_many_connections: uid {me} already has "
+           f"16 connections, half of what the daemon's file-descriptor limit allows")
+    assert refusal_kind(cap, shared_uid=True) == "refused_own_uid"
+    assert refusal_kind(fds, shared_uid=True) == "refused_own_uid"
+    assert refusal_kind(cap, shared_uid=False) == "refused"
+    assert refusal_kind("the daemon refused the connection: too_many_clients: the daemon "
+                        "already serves 256 clients (limit)", shared_uid=True) == "refused"
+    assert refusal_kind(cap.replace(f"uid {me} ", f"uid {me + 1} "), shared_uid=True) == "refused"
+    assert "refused_own_uid" not in FAILURES and "refused" in FAILURES
