@@ -40,9 +40,9 @@ from . import nvcc
 from .instrument import (INSTRUMENTED_ATTR, LAUNCH_ID_PARAM, NOTIFQ_PARAM, InstrumentOptions,
                          is_device_kernel, override_global_func,
                          paella_tir_pipeline, postproc_hook)
-from .bounded_indexing import bounded_indexing
 from .kernels import HostPlan, PlanError, host_plan, kernel_params
 from .plan import PlanResult, build_plan
+from .safe_ops import make_safe
 
 Progress = Callable[[str], None]
 FILES = {"cuda_source": "kernels.cu", "ptx": "kernels.ptx", "cubin": "kernels.cubin",
@@ -275,7 +275,7 @@ def _write_bundle(model: ModelDef, tmp: Path, arch: str, options: InstrumentOpti
     step = _stepper(progress, 4 if timing_only else 6)
 
     _require_static_inputs(model)
-    mod = bounded_indexing(model.mod)        # a client's index can never leave a tensor
+    mod = make_safe(model.mod)     # a client's values cannot fault a kernel (safe_ops)
     step("Relax CUDA pipeline (legalize, fuse, schedule, plan memory)")
     lowered, flops, fused = relax_pipeline(mod, target, progress)
     entry = lowered["main"]

@@ -1,6 +1,8 @@
-"""A client's out-of-range index cannot read outside a tensor: every ``take`` (embeddings,
-ONNX Gather) is compiled in clip mode, for the GPU kernels and the CPU build the daemon
-runs as the simulator's functional effect (which segfaulted the daemon on token 10**8)."""
+"""What a client's values reach cannot crash the process (compiler_pass/safe_ops.py): an
+out-of-range index cannot leave its tensor (every ``take`` in clip mode, the index of
+every other indexing op clamped), and an integer division by 0, or of the most negative
+value by -1, is defined. Both for the GPU kernels and the CPU build the daemon runs as
+the simulator's functional effect (which segfaulted the daemon on token 10**8)."""
 from __future__ import annotations
 
 import subprocess
@@ -12,7 +14,7 @@ from tvm import relax
 from tvm.relax.frontend import nn
 
 from paella.bundle import load_bundle
-from paella.compiler_pass.bounded_indexing import bounded_indexing
+from paella.compiler_pass.safe_ops import make_safe
 from paella.compiler_pass.build import compile_bundle
 from paella.models.base import export
 
@@ -30,7 +32,7 @@ def _model():
 
 
 def test_every_take_clamps():
-    mod = bounded_indexing(_model().mod)
+    mod = make_safe(_model().mod)
     text = mod.script()
     assert 'mode="clip"' in text and 'mode="fast"' not in text
 
@@ -77,7 +79,7 @@ _OPS = {
 _CHILD = '''
 import sys, numpy as np, tvm
 from tvm import relax
-from paella.compiler_pass.bounded_indexing import bounded_indexing
+from paella.compiler_pass.safe_ops import make_safe
 op, safe = sys.argv[1], sys.argv[2] == "1"
 shape, dtype, upd_shape = {shapes}[op]
 ids = np.load(sys.argv[3])
@@ -97,7 +99,7 @@ with bb.function("main", params):
     with bb.dataflow():
         out = bb.emit_output(make())
     bb.emit_func_output(out)
-mod = bounded_indexing(bb.get()) if safe else bb.get()
+mod = make_safe(bb.get()) if safe else bb.get()
 vm = relax.VirtualMachine(tvm.compile(mod, target="llvm"), tvm.cpu())
 args = [np.arange(128, dtype=np.float32).reshape(16, 8), ids]
 if upd_shape:
@@ -181,3 +183,81 @@ print(list(y.values())[0].tobytes().hex())
     got = np.frombuffer(bytes.fromhex(proc.stdout.strip()), np.float32)
     np.testing.assert_array_equal(got, md.params[0][[15, 2, 15, 0], [3, 5, 7, 7]])
     assert sum(op.op == "launch" for op in load_bundle(out).variants[0].plan) >= 2
+
+
+# -- integer division: a divisor of 0, or -1 under the most negative value, cannot trap -----
+_DIVIDE_CHILD = '''
+import sys, numpy as np, tvm
+from tvm import relax
+from paella.compiler_pass.safe_ops import make_safe
+op, dtype, safe = sys.argv[1], sys.argv[2], sys.argv[3] == "1"
+x_in, y_in = np.load(sys.argv[4]), np.load(sys.argv[5])
+bb = relax.BlockBuilder()
+x = relax.Var("x", relax.TensorType(x_in.shape, dtype))
+y = relax.Var("y", relax.TensorType(y_in.shape, dtype))
+with bb.function("main", [x, y]):
+    with bb.dataflow():
+        out = bb.emit_output(getattr(relax.op, op)(x, y))
+    bb.emit_func_output(out)
+mod = make_safe(bb.get()) if safe else bb.get()
+vm = relax.VirtualMachine(tvm.compile(mod, target="llvm"), tvm.cpu())
+np.save(sys.argv[6], vm["main"](tvm.runtime.tensor(x_in), tvm.runtime.tensor(y_in)).numpy())
+'''
+
+
+def _divide_in_child(tmp_path, op, dtype, safe, x, y):
+    (tmp_path / "child.py").write_text(_DIVIDE_CHILD)
+    np.save(tmp_path / "x.npy", x)
+    np.save(tmp_path / "y.npy", y)
+    return subprocess.run([sys.executable, str(tmp_path / "child.py"), op, dtype,
+                           "1" if safe else "0", str(tmp_path / "x.npy"), str(tmp_path / "y.npy"),
+                           str(tmp_path / "out.npy")], capture_output=True, text=True, timeout=300)
+
+
+def _expected(op: str, x: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """The guarded rule: by 0, quotient x and remainder 0; by -1, quotient -x (wrapping)
+    and remainder 0; otherwise the op (divide and mod truncate, the floor ones floor)."""
+    ok = (y != 0) & (y != -1) if np.issubdtype(x.dtype, np.signedinteger) else y != 0
+    d = np.where(ok, y, 1).astype(x.dtype)
+    with np.errstate(over="ignore"):
+        q = {"divide": np.sign(x) * np.sign(d) * (np.abs(x) // np.abs(d)),
+             "floor_divide": np.floor_divide(x, d), "mod": np.fmod(x, d),
+             "floor_mod": np.mod(x, d)}[op].astype(x.dtype)
+        neg = (np.zeros_like(x) - x) if op in ("divide", "floor_divide") else np.zeros_like(x)
+    by_zero = x if op in ("divide", "floor_divide") else np.zeros_like(x)
+    return np.where(ok, q, np.where(y == 0, by_zero, neg))
+
+
+@pytest.mark.parametrize("op", ["divide", "floor_divide", "mod", "floor_mod"])
+@pytest.mark.parametrize("dtype", ["int32", "int64", "uint32"])
+def test_integer_division_by_anything_is_defined(tmp_path, op, dtype):
+    info = np.iinfo(dtype)
+    rng = np.random.default_rng(7)
+    x = rng.integers(max(info.min, -1000), 1000, 64).astype(dtype)
+    y = rng.integers(max(info.min, -9), 10, 64).astype(dtype)
+    y[:4] = 0
+    if info.min < 0:
+        x[4:8], y[4:8] = info.min, -1        # the other trap: most negative / -1
+    proc = _divide_in_child(tmp_path, op, dtype, True, x, y)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    np.testing.assert_array_equal(np.load(tmp_path / "out.npy"), _expected(op, x, y))
+
+
+def test_without_the_guard_a_zero_divisor_kills_the_process(tmp_path):
+    """(Why the guard exists: the same floor_mod, unguarded, dies of SIGFPE.)"""
+    x, y = np.array([7, 8], np.int32), np.array([0, 3], np.int32)
+    proc = _divide_in_child(tmp_path, "floor_mod", "int32", False, x, y)
+    assert proc.returncode == -8, (proc.returncode, proc.stderr[-500:])
+
+
+def test_a_constant_divisor_free_of_zero_and_minus_one_is_left_alone():
+    bb = relax.BlockBuilder()
+    x = relax.Var("x", relax.TensorType((4,), "int32"))
+    with bb.function("main", [x]):
+        with bb.dataflow():
+            a = bb.emit(relax.op.floor_divide(x, relax.const(4, "int32")))
+            out = bb.emit_output(relax.op.floor_mod(a, relax.const(np.array([0, 1, 2, 3],
+                                                                            np.int32), "int32")))
+        bb.emit_func_output(out)
+    text = make_safe(bb.get()).script()
+    assert text.count("R.where") == 2, text      # only the mod by a constant holding 0
