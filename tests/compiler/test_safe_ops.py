@@ -80,51 +80,84 @@ _CHILD = '''
 import sys, numpy as np, tvm
 from tvm import relax
 from paella.compiler_pass.safe_ops import make_safe
-op, safe = sys.argv[1], sys.argv[2] == "1"
-shape, dtype, upd_shape = {shapes}[op]
-ids = np.load(sys.argv[3])
-bb = relax.BlockBuilder()
-data = relax.Var("data", relax.TensorType((16, 8), "float32"))
-idx = relax.Var("idx", relax.TensorType(shape, dtype))
-params = [data, idx]
-if upd_shape:
-    upd = relax.Var("upd", relax.TensorType(upd_shape, "float32"))
-    params.append(upd)
-make = {{"gather_elements": lambda: relax.op.gather_elements(data, idx, 0),
-         "gather_nd": lambda: relax.op.gather_nd(data, idx),
-         "scatter_elements": lambda: relax.op.scatter_elements(data, idx, upd, 0),
-         "scatter_nd": lambda: relax.op.scatter_nd(data, idx, upd),
-         "index_tensor": lambda: relax.op.index_tensor(data, relax.Tuple([idx]))}}[op]
-with bb.function("main", params):
-    with bb.dataflow():
-        out = bb.emit_output(make())
-    bb.emit_func_output(out)
-mod = make_safe(bb.get()) if safe else bb.get()
-vm = relax.VirtualMachine(tvm.compile(mod, target="llvm"), tvm.cpu())
-args = [np.arange(128, dtype=np.float32).reshape(16, 8), ids]
-if upd_shape:
-    args.append(np.full(upd_shape, -1.0, np.float32))
-np.save(sys.argv[4], vm["main"](*[tvm.runtime.tensor(a) for a in args]).numpy())
+for case in sys.argv[1:]:
+    op, safe, ids_path, out_path = case.split(",")
+    run(op, safe == "1", np.load(ids_path), out_path)
+'''
+_CHILD_RUN = '''
+def run(op, safe, ids, out_path):
+    shape, dtype, upd_shape = {shapes}[op]
+    bb = relax.BlockBuilder()
+    data = relax.Var("data", relax.TensorType((16, 8), "float32"))
+    idx = relax.Var("idx", relax.TensorType(shape, dtype))
+    params = [data, idx]
+    if upd_shape:
+        upd = relax.Var("upd", relax.TensorType(upd_shape, "float32"))
+        params.append(upd)
+    make = {{"gather_elements": lambda: relax.op.gather_elements(data, idx, 0),
+             "gather_nd": lambda: relax.op.gather_nd(data, idx),
+             "scatter_elements": lambda: relax.op.scatter_elements(data, idx, upd, 0),
+             "scatter_nd": lambda: relax.op.scatter_nd(data, idx, upd),
+             "index_tensor": lambda: relax.op.index_tensor(data, relax.Tuple([idx]))}}[op]
+    with bb.function("main", params):
+        with bb.dataflow():
+            out = bb.emit_output(make())
+        bb.emit_func_output(out)
+    mod = make_safe(bb.get()) if safe else bb.get()
+    vm = relax.VirtualMachine(tvm.compile(mod, target="llvm"), tvm.cpu())
+    args = [np.arange(128, dtype=np.float32).reshape(16, 8), ids]
+    if upd_shape:
+        args.append(np.full(upd_shape, -1.0, np.float32))
+    np.save(out_path, vm["main"](*[tvm.runtime.tensor(a) for a in args]).numpy())
 '''
 
 
-def _run_child(tmp_path, op: str, safe: bool, ids: np.ndarray) -> subprocess.CompletedProcess:
-    """Build and run ``op`` in a child process: an unchecked index kills it (SIGSEGV)."""
-    script = tmp_path / "child.py"
+def _run_child(d, cases: list[tuple[str, bool, np.ndarray]]) -> tuple[subprocess.CompletedProcess,
+                                                                      list]:
+    """Build and run each ``(op, safe, ids)`` in one child process (an unchecked index
+    kills it with SIGSEGV, not this test); returns the process and each case's output
+    file. (One child for many cases: importing TVM takes seconds.)"""
+    script = d / "child.py"
     shapes = {k: v[:3] for k, v in _OPS.items()}
-    script.write_text(_CHILD.format(shapes=repr(shapes)))
-    np.save(tmp_path / "ids.npy", ids)
-    return subprocess.run([sys.executable, str(script), op, "1" if safe else "0",
-                           str(tmp_path / "ids.npy"), str(tmp_path / "out.npy")],
-                          capture_output=True, text=True, timeout=300)
+    head, loop = _CHILD.split("for case in")
+    script.write_text(head + _CHILD_RUN.format(shapes=repr(shapes)) + "for case in" + loop)
+    argv, outs = [], []
+    for i, (op, safe, ids) in enumerate(cases):
+        np.save(d / f"ids{i}.npy", ids)
+        outs.append(d / f"out{i}.npy")
+        argv.append(f"{op},{int(safe)},{d / f'ids{i}.npy'},{outs[-1]}")
+    proc = subprocess.run([sys.executable, str(script), *argv], capture_output=True, text=True,
+                          timeout=300)
+    return proc, outs
+
+
+def _in_range(op: str) -> np.ndarray:
+    """Valid indices for ``op`` (one negative, counted from the end), seeded."""
+    shape, dtype = _OPS[op][:2]
+    bound = np.array((16, 8)[:shape[-1]]) if op == "gather_nd" else 16
+    ids = (np.random.default_rng(3).integers(0, 1 << 30, shape) % bound).astype(dtype)
+    ids.flat[0] = -1
+    return ids
+
+
+_IN_RANGE = ("gather_elements", "gather_nd", "index_tensor")
+
+
+@pytest.fixture(scope="module")
+def indexed(tmp_path_factory):
+    """Every op's answer to its hostile indices, and three ops' to indices in range."""
+    d = tmp_path_factory.mktemp("indexed")
+    keys = [("hostile", op) for op in sorted(_OPS)] + [("in range", op) for op in _IN_RANGE]
+    proc, outs = _run_child(d, [(op, True, _OPS[op][3] if kind == "hostile" else _in_range(op))
+                                for kind, op in keys])
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return {k: np.load(o) for k, o in zip(keys, outs)}
 
 
 @pytest.mark.parametrize("op", sorted(_OPS))
-def test_hostile_indices_stay_inside_the_tensor(tmp_path, op):
+def test_hostile_indices_stay_inside_the_tensor(indexed, op):
     shape, dtype, upd_shape, hostile, reference = _OPS[op]
-    proc = _run_child(tmp_path, op, True, hostile)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    got = np.load(tmp_path / "out.npy")
+    got = indexed[("hostile", op)]
     clamped = np.clip(np.where(hostile < 0, hostile + np.array(
         (16, 8)[:hostile.shape[-1]] if op in ("gather_nd", "scatter_nd") else 16), hostile),
         0, np.array((15, 7)[:hostile.shape[-1]] if op in ("gather_nd", "scatter_nd") else 15))
@@ -141,21 +174,16 @@ def test_hostile_indices_stay_inside_the_tensor(tmp_path, op):
 
 def test_without_the_clamp_a_hostile_index_kills_the_process(tmp_path):
     """(Why the pass exists: the same gather_nd, unclamped, segfaults.)"""
-    proc = _run_child(tmp_path, "gather_nd", False, _OPS["gather_nd"][3])
+    proc, _ = _run_child(tmp_path, [("gather_nd", False, _OPS["gather_nd"][3])])
     assert proc.returncode == -11, (proc.returncode, proc.stderr[-500:])
 
 
-@pytest.mark.parametrize("op", ["gather_elements", "gather_nd", "index_tensor"])
-def test_indices_in_range_are_unchanged(tmp_path, op):
-    shape, dtype, _, _, reference = _OPS[op]
-    rng = np.random.default_rng(3)
-    bound = np.array((16, 8)[:shape[-1]]) if op == "gather_nd" else 16
-    ids = (rng.integers(0, 1 << 30, shape) % bound).astype(dtype)
-    ids.flat[0] = -1                         # negatives count from the end (ONNX)
-    proc = _run_child(tmp_path, op, True, ids)
-    assert proc.returncode == 0, proc.stderr[-2000:]
+@pytest.mark.parametrize("op", _IN_RANGE)
+def test_indices_in_range_are_unchanged(indexed, op):
+    ids = _in_range(op)                      # negatives count from the end (ONNX)
+    bound = np.array((16, 8)[:ids.shape[-1]]) if op == "gather_nd" else 16
     wrapped = np.where(ids < 0, ids + bound, ids)
-    np.testing.assert_array_equal(np.load(tmp_path / "out.npy"), reference(wrapped))
+    np.testing.assert_array_equal(indexed[("in range", op)], _OPS[op][4](wrapped))
 
 
 class GatherND(nn.Module):
@@ -190,28 +218,35 @@ _DIVIDE_CHILD = '''
 import sys, numpy as np, tvm
 from tvm import relax
 from paella.compiler_pass.safe_ops import make_safe
-op, dtype, safe = sys.argv[1], sys.argv[2], sys.argv[3] == "1"
-x_in, y_in = np.load(sys.argv[4]), np.load(sys.argv[5])
-bb = relax.BlockBuilder()
-x = relax.Var("x", relax.TensorType(x_in.shape, dtype))
-y = relax.Var("y", relax.TensorType(y_in.shape, dtype))
-with bb.function("main", [x, y]):
-    with bb.dataflow():
-        out = bb.emit_output(getattr(relax.op, op)(x, y))
-    bb.emit_func_output(out)
-mod = make_safe(bb.get()) if safe else bb.get()
-vm = relax.VirtualMachine(tvm.compile(mod, target="llvm"), tvm.cpu())
-np.save(sys.argv[6], vm["main"](tvm.runtime.tensor(x_in), tvm.runtime.tensor(y_in)).numpy())
+for case in sys.argv[1:]:
+    op, dtype, safe, x_path, y_path, out_path = case.split(",")
+    x_in, y_in = np.load(x_path), np.load(y_path)
+    bb = relax.BlockBuilder()
+    x = relax.Var("x", relax.TensorType(x_in.shape, dtype))
+    y = relax.Var("y", relax.TensorType(y_in.shape, dtype))
+    with bb.function("main", [x, y]):
+        with bb.dataflow():
+            out = bb.emit_output(getattr(relax.op, op)(x, y))
+        bb.emit_func_output(out)
+    mod = make_safe(bb.get()) if safe == "1" else bb.get()
+    vm = relax.VirtualMachine(tvm.compile(mod, target="llvm"), tvm.cpu())
+    np.save(out_path, vm["main"](tvm.runtime.tensor(x_in), tvm.runtime.tensor(y_in)).numpy())
 '''
 
 
-def _divide_in_child(tmp_path, op, dtype, safe, x, y):
-    (tmp_path / "child.py").write_text(_DIVIDE_CHILD)
-    np.save(tmp_path / "x.npy", x)
-    np.save(tmp_path / "y.npy", y)
-    return subprocess.run([sys.executable, str(tmp_path / "child.py"), op, dtype,
-                           "1" if safe else "0", str(tmp_path / "x.npy"), str(tmp_path / "y.npy"),
-                           str(tmp_path / "out.npy")], capture_output=True, text=True, timeout=300)
+def _divide_in_child(d, cases: list[tuple[str, str, bool, np.ndarray, np.ndarray]]):
+    """Each ``(op, dtype, safe, x, y)`` built and run in one child process (a trap kills
+    it with SIGFPE, not this test); returns the process and each case's output file."""
+    (d / "child.py").write_text(_DIVIDE_CHILD)
+    argv, outs = [], []
+    for i, (op, dtype, safe, x, y) in enumerate(cases):
+        np.save(d / f"x{i}.npy", x)
+        np.save(d / f"y{i}.npy", y)
+        outs.append(d / f"out{i}.npy")
+        argv.append(f"{op},{dtype},{int(safe)},{d / f'x{i}.npy'},{d / f'y{i}.npy'},{outs[-1]}")
+    proc = subprocess.run([sys.executable, str(d / "child.py"), *argv], capture_output=True,
+                          text=True, timeout=300)
+    return proc, outs
 
 
 def _expected(op: str, x: np.ndarray, y: np.ndarray) -> np.ndarray:
@@ -228,9 +263,12 @@ def _expected(op: str, x: np.ndarray, y: np.ndarray) -> np.ndarray:
     return np.where(ok, q, np.where(y == 0, by_zero, neg))
 
 
-@pytest.mark.parametrize("op", ["divide", "floor_divide", "mod", "floor_mod"])
-@pytest.mark.parametrize("dtype", ["int32", "int64", "uint32"])
-def test_integer_division_by_anything_is_defined(tmp_path, op, dtype):
+_DIVISIONS = ("divide", "floor_divide", "mod", "floor_mod")
+_INT_TYPES = ("int32", "int64", "uint32")
+
+
+def _operands(dtype: str) -> tuple[np.ndarray, np.ndarray]:
+    """Seeded operands with divisors of 0 and, signed, the most negative value over -1."""
     info = np.iinfo(dtype)
     rng = np.random.default_rng(7)
     x = rng.integers(max(info.min, -1000), 1000, 64).astype(dtype)
@@ -238,15 +276,28 @@ def test_integer_division_by_anything_is_defined(tmp_path, op, dtype):
     y[:4] = 0
     if info.min < 0:
         x[4:8], y[4:8] = info.min, -1        # the other trap: most negative / -1
-    proc = _divide_in_child(tmp_path, op, dtype, True, x, y)
+    return x, y
+
+
+@pytest.fixture(scope="module")
+def divided(tmp_path_factory):
+    keys = [(op, dtype) for op in _DIVISIONS for dtype in _INT_TYPES]
+    proc, outs = _divide_in_child(tmp_path_factory.mktemp("divided"),
+                                  [(op, dtype, True, *_operands(dtype)) for op, dtype in keys])
     assert proc.returncode == 0, proc.stderr[-2000:]
-    np.testing.assert_array_equal(np.load(tmp_path / "out.npy"), _expected(op, x, y))
+    return {k: np.load(o) for k, o in zip(keys, outs)}
+
+
+@pytest.mark.parametrize("op", _DIVISIONS)
+@pytest.mark.parametrize("dtype", _INT_TYPES)
+def test_integer_division_by_anything_is_defined(divided, op, dtype):
+    np.testing.assert_array_equal(divided[(op, dtype)], _expected(op, *_operands(dtype)))
 
 
 def test_without_the_guard_a_zero_divisor_kills_the_process(tmp_path):
     """(Why the guard exists: the same floor_mod, unguarded, dies of SIGFPE.)"""
     x, y = np.array([7, 8], np.int32), np.array([0, 3], np.int32)
-    proc = _divide_in_child(tmp_path, "floor_mod", "int32", False, x, y)
+    proc, _ = _divide_in_child(tmp_path, [("floor_mod", "int32", False, x, y)])
     assert proc.returncode == -8, (proc.returncode, proc.stderr[-500:])
 
 
