@@ -491,15 +491,14 @@ static PyObject *PlanRun_finish(PlanRun *r, PyObject *op)
     Py_RETURN_NONE;
 }
 
-/* The stream successor of released op i may go now (kinds: kernels only, or any op but a
-   MARKER). */
-static PyObject *release_succ(PlanRun *r, PyObject *op, int kernels_only)
+/* The stream successor of released op i may go now, unless it is a MARKER. */
+static PyObject *release_succ(PlanRun *r, PyObject *op)
 {
     int32_t i = index_of(r, op);
     if (i < 0)
         return NULL;
     int32_t s = r->g->succ[i];
-    if (s < 0 || !r->pp[s] || r->g->kind[s] == MARKER || (kernels_only && r->g->kind[s] != KERNEL))
+    if (s < 0 || !r->pp[s] || r->g->kind[s] == MARKER)
         Py_RETURN_NONE;
     r->pp[s] = 0;
     PyObject *ops = r->ops;
@@ -522,14 +521,14 @@ static PyObject *PlanRun_released(PlanRun *r, PyObject *op)
         return NULL;
     if (!r->eager)
         Py_RETURN_NONE;
-    return release_succ(r, op, 0);
+    return release_succ(r, op);
 }
 
 static PyObject *PlanRun_release_ahead(PlanRun *r, PyObject *op)
 {
     /* release_ahead(op): lookahead, the dispatcher's: op (a released kernel or copy) lets
-       a kernel successor go now. */
-    return release_succ(r, op, 1);
+       its successor go now, unless that is a MARKER. */
+    return release_succ(r, op);
 }
 
 static PyObject *PlanRun_drop_unreleased(PlanRun *r, PyObject *Py_UNUSED(x))
@@ -617,7 +616,7 @@ static PyMethodDef PlanRun_methods[] = {
     {"finish", (PyCFunction)PlanRun_finish, METH_O, "finish(op): op completed"},
     {"released", (PyCFunction)PlanRun_released, METH_O, "released(op): op went to a real stream"},
     {"release_ahead", (PyCFunction)PlanRun_release_ahead, METH_O,
-     "release_ahead(op): a released kernel or copy lets its kernel successor go (lookahead)"},
+     "release_ahead(op): a released kernel or copy lets its successor go, unless a MARKER (lookahead)"},
     {"drop_unreleased", (PyCFunction)PlanRun_drop_unreleased, METH_NOARGS,
      "drop every op not released; returns those that were READY"},
     {NULL, NULL, 0, NULL},

@@ -237,10 +237,19 @@ class Dispatcher:
     def _flush_copies(self) -> None:
         copies = self._copies
         streams = self.streams
-        while copies and streams.available():
-            op = copies.popleft()
+        while copies:
+            op = copies[0]
+            if op.state != DROPPED and not self._behind(op) and not streams.available():
+                return                       # (a copy behind its predecessor needs no stream)
+            copies.popleft()
             if op.state != DROPPED:
                 self._launch_copy(op)
+
+    def _behind(self, op: Op) -> bool:
+        """Lookahead: ``op``'s stream predecessor is released and still in flight, so
+        ``op`` goes behind it, on its real stream."""
+        pred = op.pred
+        return self.lookahead > 1 and pred is not None and pred.state == RELEASED
 
     def _release(self) -> None:
         if self._copies:
@@ -350,7 +359,12 @@ class Dispatcher:
 
     # -- releasing ---------------------------------------------------------------------------
     def _launch_copy(self, op: Op) -> None:
-        s = self.streams.assign(op)
+        streams = self.streams
+        if streams.mode == "pool" and op.job.pin < 0 and self._behind(op):
+            s = op.stream = op.pred.stream   # (the other modes map it there already)
+            streams.busy[s] += 1
+        else:
+            s = streams.assign(op)
         op.t_release = now = self.now
         self._progress += 1
         if op.almost_finished:
@@ -380,8 +394,8 @@ class Dispatcher:
         wl = op.job.waitlist
         wl.released(op)
         if self.lookahead > 1 and not wl.eager:
-            # Lookahead across a copy: its kernel successor may go now, behind it on its
-            # stream (an input copy's first kernels wait on the GPU, not for the loop).
+            # Lookahead across a copy: its successor may go now, behind it on its stream
+            # (an input copy's first kernels wait on the GPU, not for the loop).
             wl.release_ahead(op)
         if "op_released" in instr:
             instr.call("op_released", op, now)

@@ -232,12 +232,12 @@ class Waitlist:
 
     def release_ahead(self, op: Node) -> None:
         """Lookahead (the dispatcher's ``lookahead``): ``op``, a released kernel or copy,
-        lets its stream successor go now if that is a kernel: the dispatcher puts it on
-        ``op``'s real stream, behind ``op`` in the hardware FIFO, which keeps the stream's
-        order; its other dependencies still wait for completion. Copies and MARKERs wait
-        for ``op`` to complete, as always."""
+        lets its stream successor go now if that is a kernel or a copy: the dispatcher
+        puts it on ``op``'s real stream, behind ``op`` in the hardware FIFO, which keeps
+        the stream's order; its other dependencies still wait for completion. A MARKER
+        waits for ``op`` to complete, as always."""
         succ = op.succ
-        if succ is not None and succ.pred_pending and succ.kind == KERNEL:
+        if succ is not None and succ.pred_pending and succ.kind != MARKER:
             succ.pred_pending = False
             succ.deps -= 1
             if succ.deps == 0 and succ.state == WAITING:

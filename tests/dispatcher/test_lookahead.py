@@ -1,6 +1,6 @@
 """Lookahead: up to L kernels of a job's stream released and not completed, each queued
-behind its predecessor (a kernel or a copy) on the predecessor's real stream; copies
-still wait for completion; L = 1 is the release rule unchanged."""
+behind its predecessor (a kernel or a copy) on the predecessor's real stream, and a copy
+likewise behind a released predecessor; L = 1 is the release rule unchanged."""
 from __future__ import annotations
 
 import numpy as np
@@ -57,9 +57,14 @@ def test_a_chain_runs_at_most_lookahead_kernels_ahead_on_one_real_stream(make, l
     if lookahead > 1:                      # each queued behind its predecessor
         assert len({row[3] for row in kernels}) == 1
         assert kernels[1][4] < next(r[4] for r in fl.log if r[0] == "end" and r[2] == "c_k0")
-    # the D2H copy goes only once the last kernel has ended
+    # the D2H copy: behind the last kernel, on its stream, before it ends (lookahead);
+    # with L = 1 only once the loop has seen it end
     d2h = next(row for row in fl.log if row[0] == "rel" and row[1] == D2H)
-    assert d2h[4] >= next(r[4] for r in fl.log if r[0] == "end" and r[2] == "c_k5")
+    last_end = next(r[4] for r in fl.log if r[0] == "end" and r[2] == "c_k5")
+    if lookahead > 1:
+        assert d2h[4] < last_end and d2h[3] == kernels[-1][3], fl.log
+    else:
+        assert d2h[4] >= last_end
 
 
 @pytest.mark.parametrize("lookahead", [1, 3])
