@@ -31,7 +31,7 @@ from __future__ import annotations
 from collections import deque
 from typing import Callable
 
-from paella.dispatcher.devices.base import KERNEL, KIND_NAMES, MARKER
+from paella.dispatcher.devices.base import KIND_NAMES, MARKER
 
 # Node states.
 WAITING, READY, RELEASED, DONE, DROPPED = range(5)
