@@ -88,7 +88,7 @@ class _SafeOps(relax.PyExprMutator):
                 raise UnboundedIndexError(f"{name}'s indices are not a literal tuple; they "
                                           f"cannot be bounds-checked")
             clamped = relax.Tuple([self._clamp(ix, shape[i]) for i, ix in enumerate(fields)])
-            return self._with_index(call, 1, self.builder_.emit(clamped))
+            return self._with_index(call, 1, clamped)   # (a literal tuple, as legalization wants)
         if name in _QUOTIENTS or name in _REMAINDERS:
             dtype = str(call.ty.dtype)
             if dtype.startswith(("int", "uint")) and not _safe_divisor(call.args[1], dtype):

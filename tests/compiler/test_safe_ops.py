@@ -75,6 +75,9 @@ _OPS = {
                    np.array([[10**8, 3], [0, 0], [-1, -1], [-10**9, 10**9]], np.int64), None),
     "index_tensor": ((4,), "int64", None, np.array([10**8, -1, 2, -10**8], np.int64),
                      lambda ix: _DATA[ix]),
+    # (index_put: one index tensor per axis of the data, rows then columns)
+    "index_put": ((2, 4), "int64", (4,), np.array([[10**8, -1, 2, -10**8],
+                                                   [3, 10**8, -1, -10**8]], np.int64), None),
 }
 _CHILD = '''
 import sys, numpy as np, tvm
@@ -89,8 +92,13 @@ def run(op, safe, ids, out_path):
     shape, dtype, upd_shape = {shapes}[op]
     bb = relax.BlockBuilder()
     data = relax.Var("data", relax.TensorType((16, 8), "float32"))
-    idx = relax.Var("idx", relax.TensorType(shape, dtype))
-    params = [data, idx]
+    if op == "index_put":                    # one index tensor per axis
+        rows, cols = (relax.Var(n, relax.TensorType(shape[1:], dtype)) for n in ("r", "c"))
+        idx, ids = relax.Tuple([rows, cols]), list(ids)
+        params = [data, rows, cols]
+    else:
+        idx, ids = relax.Var("idx", relax.TensorType(shape, dtype)), [ids]
+        params = [data, idx]
     if upd_shape:
         upd = relax.Var("upd", relax.TensorType(upd_shape, "float32"))
         params.append(upd)
@@ -98,14 +106,15 @@ def run(op, safe, ids, out_path):
              "gather_nd": lambda: relax.op.gather_nd(data, idx),
              "scatter_elements": lambda: relax.op.scatter_elements(data, idx, upd, 0),
              "scatter_nd": lambda: relax.op.scatter_nd(data, idx, upd),
-             "index_tensor": lambda: relax.op.index_tensor(data, relax.Tuple([idx]))}}[op]
+             "index_tensor": lambda: relax.op.index_tensor(data, relax.Tuple([idx])),
+             "index_put": lambda: relax.op.index_put(data, idx, upd)}}[op]
     with bb.function("main", params):
         with bb.dataflow():
             out = bb.emit_output(make())
         bb.emit_func_output(out)
     mod = make_safe(bb.get()) if safe else bb.get()
     vm = relax.VirtualMachine(tvm.compile(mod, target="llvm"), tvm.cpu())
-    args = [np.arange(128, dtype=np.float32).reshape(16, 8), ids]
+    args = [np.arange(128, dtype=np.float32).reshape(16, 8), *ids]
     if upd_shape:
         args.append(np.full(upd_shape, -1.0, np.float32))
     np.save(out_path, vm["main"](*[tvm.runtime.tensor(a) for a in args]).numpy())
@@ -167,6 +176,10 @@ def test_hostile_indices_stay_inside_the_tensor(indexed, op):
         want = _DATA.copy()
         if op == "scatter_nd":
             want[clamped[:, 0], clamped[:, 1]] = -1.0
+        elif op == "index_put":
+            rows = np.clip(np.where(hostile[0] < 0, hostile[0] + 16, hostile[0]), 0, 15)
+            cols = np.clip(np.where(hostile[1] < 0, hostile[1] + 8, hostile[1]), 0, 7)
+            want[rows, cols] = -1.0
         else:
             np.put_along_axis(want, clamped, -1.0, 0)
         np.testing.assert_array_equal(got, want)
