@@ -42,7 +42,8 @@ _REMAINDERS = ("relax.mod", "relax.floor_mod")
 
 
 class UnboundedIndexError(ValueError):
-    """An indexing op whose bounds cannot be known at compile time."""
+    """An indexing op whose bounds cannot be known at compile time (``paella compile``
+    reports it as the command's error)."""
 
 
 def _static_shape(expr: relax.Expr, op: str) -> list[int]:
@@ -72,6 +73,19 @@ class _SafeOps(relax.PyExprMutator):
         name = call.op.name
         if name == "relax.take" and call.attrs.mode == "fast":
             return relax.op.take(call.args[0], call.args[1], call.attrs.axis, mode="clip")
+        if name in _QUOTIENTS or name in _REMAINDERS:
+            dtype = str(call.ty.dtype)
+            if dtype.startswith(("int", "uint")) and not _safe_divisor(call.args[1], dtype):
+                return self._guarded_division(call, dtype, name in _QUOTIENTS)
+            return call
+        try:
+            return self._clamped(call, name)
+        except UnboundedIndexError as e:     # (raised through TVM's FFI it would arrive as a
+            self.refusals.append(str(e))     # RuntimeError: make_safe raises it after)
+            return call
+
+    def _clamped(self, call: relax.Call, name: str) -> relax.Expr:
+        """An indexing ``call`` with its index operand clamped (module docstring)."""
         if name in _ELEMENTWISE:
             shape = _static_shape(call.args[0], name)
             dim = shape[int(call.attrs.axis) % len(shape)]
@@ -89,10 +103,6 @@ class _SafeOps(relax.PyExprMutator):
                                           f"cannot be bounds-checked")
             clamped = relax.Tuple([self._clamp(ix, shape[i]) for i, ix in enumerate(fields)])
             return self._with_index(call, 1, clamped)   # (a literal tuple, as legalization wants)
-        if name in _QUOTIENTS or name in _REMAINDERS:
-            dtype = str(call.ty.dtype)
-            if dtype.startswith(("int", "uint")) and not _safe_divisor(call.args[1], dtype):
-                return self._guarded_division(call, dtype, name in _QUOTIENTS)
         return call
 
     def _guarded_division(self, call: relax.Call, dtype: str, quotient: bool) -> relax.Expr:
@@ -135,7 +145,10 @@ def make_safe(mod: tvm.IRModule) -> tvm.IRModule:
     """``mod`` with every indexing op unable to leave its tensor and every integer
     division defined, whatever the values of its inputs."""
     m = _SafeOps(mod)
+    m.refusals = []
     for gv, f in mod.functions.items():
         if isinstance(f, relax.Function):
             m.builder_.update_func(gv, m.visit_expr(f))
+    if m.refusals:
+        raise UnboundedIndexError(m.refusals[0])
     return m.builder_.get()

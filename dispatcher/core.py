@@ -239,17 +239,22 @@ class Dispatcher:
         streams = self.streams
         while copies:
             op = copies[0]
-            if op.state != DROPPED and not self._behind(op) and not streams.available():
-                return                       # (a copy behind its predecessor needs no stream)
+            if op.state == DROPPED:
+                copies.popleft()
+                continue
+            behind = self._behind(op)
+            if behind is None and not streams.available():
+                return                       # (a copy behind its predecessor needs none)
             copies.popleft()
-            if op.state != DROPPED:
-                self._launch_copy(op)
+            self._launch_copy(op, behind)
 
-    def _behind(self, op: Op) -> bool:
-        """Lookahead: ``op``'s stream predecessor is released and still in flight, so
-        ``op`` goes behind it, on its real stream."""
+    def _behind(self, op: Op) -> Op | None:
+        """Lookahead: ``op``'s stream predecessor if it is released and still in flight,
+        so that ``op`` goes behind it, on its real stream; else None."""
         pred = op.pred
-        return self.lookahead > 1 and pred is not None and pred.state == RELEASED
+        if self.lookahead > 1 and pred is not None and pred.state == RELEASED:
+            return pred
+        return None
 
     def _release(self) -> None:
         if self._copies:
@@ -292,7 +297,7 @@ class Dispatcher:
             # Lookahead: a kernel released while its stream predecessor (a kernel or a
             # copy) is still in flight goes behind it, on its real stream (it needs no
             # free one).
-            pred = op.pred
+            pred = op.pred                   # (_behind, inlined: once per kernel)
             behind = ahead > 1 and pred is not None and pred.state == RELEASED
             if behind and policy.gated and pred.kind == KERNEL:
                 # It cannot start before its predecessor ends: admitted against the
@@ -358,13 +363,8 @@ class Dispatcher:
                 self._queue(job)
 
     # -- releasing ---------------------------------------------------------------------------
-    def _launch_copy(self, op: Op) -> None:
-        streams = self.streams
-        if streams.mode == "pool" and op.job.pin < 0 and self._behind(op):
-            s = op.stream = op.pred.stream   # (the other modes map it there already)
-            streams.busy[s] += 1
-        else:
-            s = streams.assign(op)
+    def _launch_copy(self, op: Op, behind: Op | None) -> None:
+        s = self.streams.assign(op, behind)
         op.t_release = now = self.now
         self._progress += 1
         if op.almost_finished:

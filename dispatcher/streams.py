@@ -80,14 +80,16 @@ class StreamMap:
         self.pinned[name] = shared
         return shared, False
 
-    def assign(self, op: Op) -> int:
-        """Pick the real stream for ``op`` and count it in flight there."""
+    def assign(self, op: Op, behind: Op | None = None) -> int:
+        """Pick the real stream for ``op`` and count it in flight there. ``behind``: a
+        released op ``op`` is queued behind (lookahead), whose stream it shares (the
+        modes other than ``pool`` give it that stream anyway)."""
         mode = self.mode
         pin = op.job.pin if op.job is not None else -1
         if pin >= 0 and mode != "single":
             s = pin
         elif mode == "pool":
-            s = self.free.popleft()
+            s = behind.stream if behind is not None else self.free.popleft()
         elif mode == "single":
             s = 0
         else:

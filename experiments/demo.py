@@ -104,6 +104,11 @@ def off_daemon_core() -> None:
         os.sched_setaffinity(0, cores[:-1])
 
 
+def gap_mu(rate: float, sigma: float) -> float:
+    """The mu of lognormal gaps with mean ``1 / rate`` and shape ``sigma``."""
+    return math.log(1.0 / rate) - sigma * sigma / 2
+
+
 def client_main(idx: int, sock: str, work: dict, seconds: float, rate: float, sigma: float,
                 seed: int, results: mp.Queue) -> None:
     """One client process: lognormal gaps, a random model and input per request."""
@@ -111,7 +116,7 @@ def client_main(idx: int, sock: str, work: dict, seconds: float, rate: float, si
     off_daemon_core()
     rng = np.random.default_rng(seed + idx)
     names = sorted(work)
-    mu = math.log(1.0 / rate) - sigma * sigma / 2
+    mu = gap_mu(rate, sigma)
     with connect(sock) as c:
         end = time.monotonic() + seconds
         nxt = time.monotonic()
@@ -138,7 +143,7 @@ def round_trips(sock: str, n_b2b: int, n_paced: int, rate: float, sigma: float,
     from paella.experiments.bench_roundtrip import measure
     out = {"back_to_back": measure(sock, "echo", "hybrid", n_b2b, warmup=20).p50_us}
     rng = np.random.default_rng(seed + 999)
-    mu = math.log(1.0 / rate) - sigma * sigma / 2
+    mu = gap_mu(rate, sigma)
     with connect(sock) as c:
         nbytes = c.models["echo"].variants[0].io_bytes
         off = c.alloc(nbytes)
@@ -165,7 +170,7 @@ def model_round_trips(sock: str, work: dict, n_b2b: int, n_paced: int, rate: flo
     GPU or simulator would remove."""
     from paella.client import connect
     rng = np.random.default_rng(seed + 998)
-    mu = math.log(1.0 / rate) - sigma * sigma / 2
+    mu = gap_mu(rate, sigma)
     names = sorted(work)
     with connect(sock) as c:
         echo_bytes = c.models["echo"].variants[0].io_bytes

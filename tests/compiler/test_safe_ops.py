@@ -10,12 +10,13 @@ import sys
 
 import numpy as np
 import pytest
+import tvm
 from tvm import relax
 from tvm.relax.frontend import nn
 
 from paella.bundle import load_bundle
-from paella.compiler_pass.safe_ops import make_safe
 from paella.compiler_pass.build import compile_bundle
+from paella.compiler_pass.safe_ops import UnboundedIndexError, make_safe
 from paella.models.base import export
 
 
@@ -82,7 +83,7 @@ _OPS = {
 _CHILD = '''
 import sys, numpy as np, tvm
 from tvm import relax
-from paella.compiler_pass.safe_ops import make_safe
+from paella.compiler_pass.safe_ops import UnboundedIndexError, make_safe
 for case in sys.argv[1:]:
     op, safe, ids_path, out_path = case.split(",")
     run(op, safe == "1", np.load(ids_path), out_path)
@@ -230,7 +231,7 @@ print(list(y.values())[0].tobytes().hex())
 _DIVIDE_CHILD = '''
 import sys, numpy as np, tvm
 from tvm import relax
-from paella.compiler_pass.safe_ops import make_safe
+from paella.compiler_pass.safe_ops import UnboundedIndexError, make_safe
 for case in sys.argv[1:]:
     op, dtype, safe, x_path, y_path, out_path = case.split(",")
     x_in, y_in = np.load(x_path), np.load(y_path)
@@ -325,3 +326,19 @@ def test_a_constant_divisor_free_of_zero_and_minus_one_is_left_alone():
         bb.emit_func_output(out)
     text = make_safe(bb.get()).script()
     assert text.count("R.where") == 2, text      # only the mod by a constant holding 0
+
+
+def test_an_index_into_a_tensor_of_unknown_shape_is_refused_with_the_fix():
+    """Bounds it cannot know are not guessed: the compile stops with a ValueError (which
+    ``paella compile`` prints as its error) naming the op and the fix."""
+    n = tvm.tirx.Var("n", "int64")
+    bb = relax.BlockBuilder()
+    data = relax.Var("data", relax.TensorType([n, 8], "float32"))
+    idx = relax.Var("idx", relax.TensorType((4, 8), "int64"))
+    with bb.function("main", [data, idx]):
+        with bb.dataflow():
+            out = bb.emit_output(relax.op.gather_elements(data, idx, 0))
+        bb.emit_func_output(out)
+    with pytest.raises(UnboundedIndexError, match="gather_elements .*unknown shape.*fixed shape"):
+        make_safe(bb.get())
+    assert issubclass(UnboundedIndexError, ValueError)

@@ -263,4 +263,3 @@ def child_main(fd: int) -> None:
 
 
 __all__ = ["SimProcessDevice", "KernelInfo"]
-
