@@ -24,6 +24,8 @@
 #include <stdint.h>
 #include <stdio.h>
 
+#include "capi.h"
+
 enum { B = 0, W = 1, R = 2, S = 3 };  /* blocks, warps, registers, shared memory */
 
 /* -- Demand: what one launch asks of the GPU ------------------------------------------ */
@@ -122,6 +124,8 @@ typedef struct {
     int32_t *freeq;
     int free_head, free_count;
 } Tracker;
+
+static PyTypeObject TrackerType;
 
 static inline int flow_ok(Tracker *self, int64_t entries)
 {
@@ -275,7 +279,7 @@ static PyObject *Tracker_flow_ok(Tracker *self, PyObject *arg)
    `pd` (may be NULL): a launch in flight on the candidate's own stream, which the
    candidate cannot start before: its resources, resident or still unplaced, count as
    free and its blocks as no longer waiting (admits_after). */
-static int admits_rule(Tracker *self, Demand *dm, Demand *pd)
+static int admits_raw(Tracker *self, const PaellaDemand *dm, const PaellaDemand *pd)
 {
     if (!flow_ok(self, dm->entries))
         return 0;
@@ -300,6 +304,21 @@ static int admits_rule(Tracker *self, Demand *dm, Demand *pd)
     if (u == 0 && (self->extra_blocks > 0 || self->used[B] - p <= 0))
         return 1;
     return 0;
+}
+
+/* A Demand's fields, without the object header. */
+static inline PaellaDemand raw(const Demand *d)
+{
+    PaellaDemand r = {d->blocks, d->warps, d->regs, d->smem, d->entries};
+    return r;
+}
+
+static int admits_rule(Tracker *self, Demand *dm, Demand *pd)
+{
+    PaellaDemand d = raw(dm), q;
+    if (pd != NULL)
+        q = raw(pd);
+    return admits_raw(self, &d, pd != NULL ? &q : NULL);
 }
 
 static PyObject *Tracker_admits(Tracker *self, PyObject *arg)
@@ -327,17 +346,23 @@ static PyObject *Tracker_admits_after(Tracker *self, PyObject *const *args, Py_s
 
 /* Do `k` blocks of the launch fit in the resources that are neither resident nor claimed
    by unplaced work? (GPU-wide totals, as the +B rule.) */
+static int fits_raw(Tracker *self, const PaellaDemand *dm, int whole)
+{
+    int64_t k = whole ? dm->blocks : 1;
+    int64_t need[4] = {k, k * dm->warps, k * dm->regs, k * dm->smem};
+    for (int i = 0; i < 4; i++)
+        if (need[i] > self->cap[i] - self->used[i] - self->demand[i])
+            return 0;
+    return 1;
+}
+
 static PyObject *fits(Tracker *self, PyObject *arg, int whole)
 {
     Demand *dm = as_demand(arg);
     if (!ready(self) || dm == NULL)
         return NULL;
-    int64_t k = whole ? dm->blocks : 1;
-    int64_t need[4] = {k, k * dm->warps, k * dm->regs, k * dm->smem};
-    for (int i = 0; i < 4; i++)
-        if (need[i] > self->cap[i] - self->used[i] - self->demand[i])
-            Py_RETURN_FALSE;
-    Py_RETURN_TRUE;
+    PaellaDemand d = raw(dm);
+    return PyBool_FromLong(fits_raw(self, &d, whole));
 }
 
 static PyObject *Tracker_fits_now(Tracker *self, PyObject *arg)
@@ -386,20 +411,13 @@ static void withdraw(Tracker *self, int slot)
     finish_slot(self, slot);
 }
 
-/* release(demand, token) -> launch id. No Python code runs here. */
-static PyObject *Tracker_release(Tracker *self, PyObject *const *args, Py_ssize_t nargs)
+/* The launch id of a new launch, or -1 with RuntimeError (no counter pair free). */
+static long long release_raw(Tracker *self, const PaellaDemand *dm, PyObject *tok)
 {
-    if (nargs != 2) {
-        PyErr_SetString(PyExc_TypeError, "release(demand, token) takes 2 arguments");
-        return NULL;
-    }
-    Demand *dm = as_demand(args[0]);
-    if (!ready(self) || dm == NULL)
-        return NULL;
     if (!self->free_count) {
         PyErr_SetString(PyExc_RuntimeError, "release() with every counter pair in flight: "
                         "check admits() or flow_ok() first (internal error, please report)");
-        return NULL;
+        return -1;
     }
     int64_t n = dm->blocks, w = dm->warps, r = dm->regs, s = dm->smem;
     int slot = self->freeq[self->free_head];
@@ -407,7 +425,7 @@ static PyObject *Tracker_release(Tracker *self, PyObject *const *args, Py_ssize_
     self->free_count--;
     int64_t g = self->gen[slot] = (self->gen[slot] + 1) & self->gen_mask;
     int64_t lid = (g << self->id_shift) | slot;
-    self->tok[slot] = Py_NewRef(args[1]);
+    self->tok[slot] = Py_NewRef(tok);
     self->lid[slot] = lid;
     self->blocks[slot] = n;
     self->fw[slot] = w;
@@ -421,7 +439,22 @@ static PyObject *Tracker_release(Tracker *self, PyObject *const *args, Py_ssize_
     self->demand[R] += n * r;
     self->demand[S] += n * s;
     self->reserved += dm->entries;
-    return PyLong_FromLongLong(lid);
+    return lid;
+}
+
+/* release(demand, token) -> launch id. No Python code runs here. */
+static PyObject *Tracker_release(Tracker *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "release(demand, token) takes 2 arguments");
+        return NULL;
+    }
+    Demand *dm = as_demand(args[0]);
+    if (!ready(self) || dm == NULL)
+        return NULL;
+    PaellaDemand d = raw(dm);
+    long long lid = release_raw(self, &d, args[1]);
+    return lid < 0 ? NULL : PyLong_FromLongLong(lid);
 }
 
 /* The slot of launch `lid` if it is in flight, else -1 with ValueError. */
@@ -529,38 +562,23 @@ static void batch_report(Batch *f, PyObject *fn, int with_time, PyObject **et, P
     }
 }
 
-/*
- * drain(now, on_done, on_start=None). Every entry is applied in C first (totals, per SM,
- * the launch's counts, its counter pair freed when its last block completes); then, after
- * the batch, on_start(token) for each launch whose first block was reported (only if
- * on_start is given) and on_done(token, t_first) for each finished launch, in order. A
- * Python error there does not stop the others: what the GPU did is recorded and every
- * launch is reported; the first error is raised at the end.
- */
-static PyObject *Tracker_drain(Tracker *self, PyObject *const *args, Py_ssize_t nargs)
+/* Where a drain reports launches: their first placement (only if `start` is set) and
+   their last completion. The Python drain batches them for callbacks after the loop; the
+   C API hands completions to the kernel core as they come. */
+typedef struct DrainSink {
+    void (*start)(struct DrainSink *, PyObject *tok, double now);            /* borrowed */
+    void (*done)(struct DrainSink *, int slot, PyObject *tok, double t0);    /* steals */
+} DrainSink;
+
+/* Apply every entry from the head until an INVALID slot (or a bad entry: *why is set and
+   *bad holds it). Totals, per SM, the launch's counts, its counter pair freed when its
+   last block completes. Returns the entries consumed. */
+static int64_t apply_entries(Tracker *self, double now, DrainSink *sink, uint64_t *bad,
+                             const char **why)
 {
-    if (nargs != 2 && nargs != 3) {
-        PyErr_SetString(PyExc_TypeError, "drain(now, on_done, on_start=None) takes 2 or 3 "
-                        "arguments");
-        return NULL;
-    }
-    if (!ready(self))
-        return NULL;
     volatile uint64_t *ring = self->ring;
-    int64_t head = self->head, mask = self->mask;
+    int64_t head = self->head, mask = self->mask, start = head, pair_mask = self->npairs - 1;
     uint64_t w = ring[head & mask];
-    if (!w)
-        return PyLong_FromLong(0);
-    double now = PyFloat_AsDouble(args[0]);
-    if (now == -1.0 && PyErr_Occurred())
-        return NULL;
-    PyObject *on_done = args[1];
-    PyObject *on_start = nargs == 3 && args[2] != Py_None ? args[2] : NULL;
-    PyObject *et = NULL, *ev = NULL, *etb = NULL;
-    int64_t start = head, pair_mask = self->npairs - 1;
-    Batch fin = {.n = 0, .more = NULL}, started = {.n = 0, .more = NULL};
-    uint64_t bad = 0;
-    const char *why = NULL;
     while (w) {
         ring[head & mask] = 0;   /* INVALID back: the slot is free again */
         head++;
@@ -570,12 +588,12 @@ static PyObject *Tracker_drain(Tracker *self, PyObject *const *args, Py_ssize_t 
         int sm = (int)((w >> self->sm_shift) & 0xFF);
         int64_t n = (int64_t)((w >> self->count_shift) & 0xFF);
         if (self->tok[slot] == NULL || self->lid[slot] != lid) {
-            bad = w, why = "names a launch that is not in flight";
+            *bad = w, *why = "names a launch that is not in flight";
             break;
         }
         int placing = kind == self->placement;
         if ((!placing && kind != self->completion) || n < 1 || n > self->group) {
-            bad = w, why = "is malformed (unknown kind, or a block count outside 1..group)";
+            *bad = w, *why = "is malformed (unknown kind, or a block count outside 1..group)";
             break;
         }
         /* %smid need not be contiguous, nor below the SM count (PTX ISA: %nsmid "may be
@@ -584,7 +602,7 @@ static PyObject *Tracker_drain(Tracker *self, PyObject *const *args, Py_ssize_t 
         if (sm >= self->nsm)
             sm %= self->nsm;
         if ((placing ? self->placed[slot] : self->ended[slot]) + n > self->blocks[slot]) {
-            bad = w, why = "counts more blocks than its launch has";
+            *bad = w, *why = "counts more blocks than its launch has";
             break;
         }
         int64_t d[4] = {n, n * self->fw[slot], n * self->fr[slot], n * self->fs[slot]};
@@ -593,8 +611,8 @@ static PyObject *Tracker_drain(Tracker *self, PyObject *const *args, Py_ssize_t 
         if (placing) {
             if (!self->placed[slot]) {
                 self->t_first[slot] = now;
-                if (on_start != NULL && batch_add(&started, Py_NewRef(self->tok[slot]), now) < 0)
-                    keep_error(&et, &ev, &etb);
+                if (sink->start != NULL)
+                    sink->start(sink, self->tok[slot], now);
             }
             self->placed[slot] += n;
             *here += n;
@@ -619,30 +637,166 @@ static PyObject *Tracker_drain(Tracker *self, PyObject *const *args, Py_ssize_t 
                 double t0 = self->t_first[slot];
                 PyObject *tok = self->tok[slot];
                 finish_slot(self, slot);                 /* its reference is ours now */
-                if (batch_add(&fin, tok, t0) < 0)
-                    keep_error(&et, &ev, &etb);
+                sink->done(sink, slot, tok, t0);
             }
         }
         w = ring[head & mask];
     }
     self->head = head;
-    /* Starts, then completions, in order, even after a bad entry: they did happen. */
-    batch_report(&started, on_start, 0, &et, &ev, &etb);
-    batch_report(&fin, on_done, 1, &et, &ev, &etb);
-    if (et != NULL) {
-        PyErr_Restore(et, ev, etb);
-        return NULL;
-    }
-    if (bad) {
-        char word[24];           /* PyErr_Format has no %llx before Python 3.12 */
-        snprintf(word, sizeof word, "%#018llx", (unsigned long long)bad);
-        PyErr_Format(PyExc_RuntimeError, "notifQ entry %s (launch %llu) %s "
-                     "(internal error, please report)", word,
-                     (unsigned long long)(bad & self->launch_mask), why);
-        return NULL;
-    }
-    return PyLong_FromLongLong(head - start);
+    return head - start;
 }
+
+static PyObject *bad_entry(Tracker *self, uint64_t bad, const char *why)
+{
+    char word[24];               /* PyErr_Format has no %llx before Python 3.12 */
+    snprintf(word, sizeof word, "%#018llx", (unsigned long long)bad);
+    PyErr_Format(PyExc_RuntimeError, "notifQ entry %s (launch %llu) %s "
+                 "(internal error, please report)", word,
+                 (unsigned long long)(bad & self->launch_mask), why);
+    return NULL;
+}
+
+typedef struct {
+    DrainSink base;
+    Batch fin, started;
+    PyObject *et, *ev, *etb;
+} PySink;
+
+static void py_start(DrainSink *s, PyObject *tok, double now)
+{
+    PySink *p = (PySink *)s;
+    if (batch_add(&p->started, Py_NewRef(tok), now) < 0)
+        keep_error(&p->et, &p->ev, &p->etb);
+}
+
+static void py_done(DrainSink *s, int slot, PyObject *tok, double t0)
+{
+    PySink *p = (PySink *)s;
+    if (batch_add(&p->fin, tok, t0) < 0)
+        keep_error(&p->et, &p->ev, &p->etb);
+}
+
+/*
+ * drain(now, on_done, on_start=None). Every entry is applied in C first (apply_entries);
+ * then, after the batch, on_start(token) for each launch whose first block was reported
+ * (only if on_start is given) and on_done(token, t_first) for each finished launch, in
+ * order. A Python error there does not stop the others: what the GPU did is recorded
+ * and every launch is reported; the first error is raised at the end.
+ */
+static PyObject *Tracker_drain(Tracker *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 2 && nargs != 3) {
+        PyErr_SetString(PyExc_TypeError, "drain(now, on_done, on_start=None) takes 2 or 3 "
+                        "arguments");
+        return NULL;
+    }
+    if (!ready(self))
+        return NULL;
+    if (!self->ring[self->head & self->mask])
+        return PyLong_FromLong(0);
+    double now = PyFloat_AsDouble(args[0]);
+    if (now == -1.0 && PyErr_Occurred())
+        return NULL;
+    PyObject *on_done = args[1];
+    PyObject *on_start = nargs == 3 && args[2] != Py_None ? args[2] : NULL;
+    PySink sink = {.base = {on_start != NULL ? py_start : NULL, py_done},
+                   .fin = {.n = 0, .more = NULL}, .started = {.n = 0, .more = NULL}};
+    uint64_t bad = 0;
+    const char *why = NULL;
+    int64_t consumed = apply_entries(self, now, &sink.base, &bad, &why);
+    /* Starts, then completions, in order, even after a bad entry: they did happen. */
+    batch_report(&sink.started, on_start, 0, &sink.et, &sink.ev, &sink.etb);
+    batch_report(&sink.fin, on_done, 1, &sink.et, &sink.ev, &sink.etb);
+    if (sink.et != NULL) {
+        PyErr_Restore(sink.et, sink.ev, sink.etb);
+        return NULL;
+    }
+    if (bad)
+        return bad_entry(self, bad, why);
+    return PyLong_FromLongLong(consumed);
+}
+
+/* -- the C API (capi.h) ----------------------------------------------------------------- */
+static int api_check(PyObject *t)
+{
+    if (!PyObject_TypeCheck(t, &TrackerType)) {
+        PyErr_Format(PyExc_TypeError, "expected a Tracker, got %.100s", Py_TYPE(t)->tp_name);
+        return -1;
+    }
+    return ready((Tracker *)t) ? 0 : -1;
+}
+
+static int api_admits(PyObject *t, const PaellaDemand *d, const PaellaDemand *pred)
+{
+    return admits_raw((Tracker *)t, d, pred);
+}
+
+static int api_flow_ok(PyObject *t, long long entries)
+{
+    return flow_ok((Tracker *)t, entries);
+}
+
+static int api_fits(PyObject *t, const PaellaDemand *d, int whole)
+{
+    return fits_raw((Tracker *)t, d, whole);
+}
+
+static long long api_release(PyObject *t, const PaellaDemand *d, PyObject *tok)
+{
+    return release_raw((Tracker *)t, d, tok);
+}
+
+static int api_unrelease(PyObject *t, long long lid)
+{
+    PyObject *arg = PyLong_FromLongLong(lid);
+    if (arg == NULL)
+        return -1;
+    PyObject *r = Tracker_unrelease((Tracker *)t, arg);
+    Py_DECREF(arg);
+    if (r == NULL)
+        return -1;
+    Py_DECREF(r);
+    return 0;
+}
+
+typedef struct {
+    DrainSink base;
+    paella_done_fn fn;
+    void *ctx;
+} CSink;
+
+static void c_done(DrainSink *s, int slot, PyObject *tok, double t0)
+{
+    CSink *c = (CSink *)s;
+    c->fn(c->ctx, slot, tok, t0);
+    Py_DECREF(tok);
+}
+
+static long long api_drain(PyObject *t, double now, paella_done_fn done, void *ctx)
+{
+    Tracker *self = (Tracker *)t;
+    if (!self->ring[self->head & self->mask])
+        return 0;
+    CSink sink = {.base = {NULL, c_done}, .fn = done, .ctx = ctx};
+    uint64_t bad = 0;
+    const char *why = NULL;
+    int64_t consumed = apply_entries(self, now, &sink.base, &bad, &why);
+    if (bad) {
+        bad_entry(self, bad, why);
+        return -1;
+    }
+    return consumed;
+}
+
+static int api_pairs(PyObject *t)
+{
+    return ((Tracker *)t)->npairs;
+}
+
+static PaellaTrackerAPI tracker_api = {
+    api_check, api_admits, api_flow_ok, api_fits, api_release, api_unrelease, api_drain,
+    api_pairs,
+};
 
 /* -- inspection ------------------------------------------------------------------------ */
 static PyObject *Tracker_in_flight(Tracker *self, PyObject *unused)
@@ -815,6 +969,12 @@ PyMODINIT_FUNC PyInit__tracker(void)
     PyObject *m = PyModule_Create(&module);
     if (m == NULL)
         return NULL;
+    PyObject *api = PyCapsule_New(&tracker_api, PAELLA_TRACKER_CAPSULE, NULL);
+    if (api == NULL || PyModule_AddObject(m, "_C_API", api) < 0) {
+        Py_XDECREF(api);
+        Py_DECREF(m);
+        return NULL;
+    }
     if (PyModule_AddObjectRef(m, "TrackerCore", (PyObject *)&TrackerType) < 0 ||
         PyModule_AddObjectRef(m, "Demand", (PyObject *)&DemandType) < 0) {
         Py_DECREF(m);

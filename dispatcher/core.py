@@ -208,6 +208,12 @@ class Dispatcher:
         self._held_since = 0.0               # when pick() began holding an idle device back
         self._held_iter = -2                 # ... the iteration that last saw it do so
 
+    @property
+    def pending_arrivals(self) -> int:
+        """Jobs submitted and not started yet (they start in the next :meth:`step`): a
+        virtual-time driver must step again before it may move the clock."""
+        return len(self._arrivals)
+
     # ======================================================================================
     # The loop. One iteration: poll the device, learn what the GPU did, run the jobs that
     # can run, and release what the policy picks while the GPU can take it.

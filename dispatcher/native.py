@@ -13,7 +13,7 @@ from types import ModuleType
 
 #: The compiled modules (setup.py builds one per ``dispatcher/<name>.c``, and the
 #: simulator's engine and comparison thread, ``dispatcher/devices/sim/*.c``).
-MODULES = ("_tracker", "_pqueue", "_replay", "devices.sim._engine", "devices.sim._offload")
+MODULES = ("_tracker", "_pqueue", "_replay", "_kcore", "devices.sim._engine", "devices.sim._offload")
 
 
 def load(name: str) -> ModuleType:

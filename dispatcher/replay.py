@@ -70,7 +70,7 @@ class ReplayPlan:
     it) when a kernel can never be launched here, e.g. more notifQ entries than the ring."""
 
     __slots__ = ("name", "io_bytes", "steps", "streams", "refusal", "n_events", "compiled",
-                 "graph", "_nodes", "_preds")
+                 "graph", "graph_lists", "_nodes", "_preds")
 
     def __init__(self, plan: "Plan", funcs: dict[str, Function],
                  kernel_launch: Callable[..., KernelLaunch], *, compiled: bool = True):
@@ -102,6 +102,7 @@ class ReplayPlan:
         self.steps = tuple(steps)
         self.n_events = len(events)
         self.compiled = compiled
+        self.graph_lists: dict | None = None
         if compiled:
             self._compile()
 
@@ -139,11 +140,16 @@ class ReplayPlan:
                     wl.wait_event(vs, events[step.event])
         index = {id(n): i for i, n in enumerate(issued)}
         succ = [index[id(n.succ)] if n.succ is not None else -1 for n in issued]
-        self.graph = _replay.PlanGraph(
+        #: The graph's lists, as the kernel core takes them (kernel_core.plan_spec).
+        self.graph_lists = lists = dict(
             kinds=[n.kind for n in issued], succ=succ,
             dependents=[[index[id(d)] for d in n.dependents or ()] for n in issued],
-            deps=[n.deps for n in issued], pred_pending=[int(n.pred_pending) for n in issued],
-            states=[n.state for n in issued], ready=[index[id(n)] for n in active])
+            deps=[n.deps for n in issued], pp=[int(n.pred_pending) for n in issued],
+            st=[n.state for n in issued], ready=[index[id(n)] for n in active])
+        self.graph = _replay.PlanGraph(
+            kinds=lists["kinds"], succ=succ, dependents=lists["dependents"],
+            deps=lists["deps"], pred_pending=lists["pp"], states=lists["st"],
+            ready=lists["ready"])
         self._nodes = tuple(nodes)
         device = {i for i in nodes if i >= 0}
         self._preds = tuple((s, i) for i, s in enumerate(succ) if i in device and s in device)

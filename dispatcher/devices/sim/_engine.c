@@ -36,6 +36,8 @@
 #include <string.h>
 #include <time.h>
 
+#include "../../capi.h"
+
 enum { K_KERNEL = 0, K_H2D = 1, K_D2H = 2, K_MARKER = 3, K_FREE = -1 };
 enum { EV_GROUPS = 0, EV_COPY = 1, EV_READY = 2, EV_ARRIVAL = 3, EV_SM = 4 };
 enum { B_COMPUTE = 0, B_MEMORY = 1, B_LATENCY = 2 };
@@ -1835,6 +1837,37 @@ static struct PyModuleDef module = {
     "The simulated GPU's engine in C (hardware.py documents the rules, cost.py the timing).",
     -1, NULL};
 
+/* -- the C API (capi.h): the kernel core's launch, no Python call ------------------------ */
+static int api_check(PyObject *o)
+{
+    if (!PyObject_TypeCheck(o, &GpuType)) {
+        PyErr_Format(PyExc_TypeError, "expected an _engine.Gpu, got %.100s", Py_TYPE(o)->tp_name);
+        return -1;
+    }
+    return 0;
+}
+
+static int api_launch(PyObject *o, int sh, long long blocks, double flops, double nbytes,
+                      double duration, int stream, uint32_t lid, int instr, int group)
+{
+    Gpu *g = (Gpu *)o;
+    if (sh < 0 || sh >= g->nshapes || blocks < 1 || group < 1 || check_stream(g, stream) < 0) {
+        if (!PyErr_Occurred())
+            PyErr_SetString(PyExc_ValueError, "launch: bad shape, block count or group");
+        return -1;
+    }
+    if (g->sh_per_sm[sh] < 1) {
+        PyErr_SetString(PyExc_ValueError, "launch: not even one block of this shape fits on an SM");
+        return -1;
+    }
+    if (new_kernel(g, sh, blocks, flops, nbytes, duration, stream, lid, instr, group, NULL) < 0
+        || flush(g) < 0)
+        return -1;
+    return 0;
+}
+
+static PaellaEngineAPI engine_api = {api_check, api_launch};
+
 PyMODINIT_FUNC PyInit__engine(void)
 {
     if (PyType_Ready(&GpuType) < 0)
@@ -1842,6 +1875,12 @@ PyMODINIT_FUNC PyInit__engine(void)
     PyObject *m = PyModule_Create(&module);
     if (m == NULL)
         return NULL;
+    PyObject *api = PyCapsule_New(&engine_api, PAELLA_ENGINE_CAPSULE, NULL);
+    if (api == NULL || PyModule_AddObject(m, "_C_API", api) < 0) {
+        Py_XDECREF(api);
+        Py_DECREF(m);
+        return NULL;
+    }
     Py_INCREF(&GpuType);
     if (PyModule_AddObject(m, "Gpu", (PyObject *)&GpuType) < 0) {
         Py_DECREF(&GpuType);

@@ -1,0 +1,1846 @@
+/*
+ * The kernel core in C (paella.dispatcher.kernel_core is the reference, and the contract:
+ * read it first). Everything per kernel happens here on plain arrays: the notifQ drain
+ * (through the tracker's C API), each job's compiled plan run, the SRPT estimates and the
+ * model statistics, the built-in policies on indexed heaps, the +B rule, the stream map
+ * and the launch into the simulated engine (through the engine's C API). Python objects
+ * appear only at the edges: a job's token (handed back in events), its copies' host
+ * arrays and a kernel's arguments (for the device's own calls, once per request).
+ *
+ * Equivalence with the reference is tested event for event (tests/dispatcher/
+ * test_kernel_core.py), so every rule below is written in the reference's order.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#include "capi.h"
+
+enum { KERNEL = 0, H2D = 1, D2H = 2, MARKER = 3 };
+enum { WAITING = 0, READY = 1, RELEASED = 2, DONE = 3, DROPPED = 4 };
+enum { EV_ALMOST = 1, EV_FINISHED = 2, EV_REFUSED = 3, EV_FAULT = 4 };
+enum { P_PAELLA, P_SJF, P_RR, P_PRIORITY, P_MSKBK, P_FIFO, P_MSJBJ };
+enum { M_POOL, M_STICKY, M_SINGLE };
+
+static const char *policy_names[] = {"paella", "sjf", "rr", "priority", "ms-kbk", "fifo",
+                                     "ms-jbj", NULL};
+
+static PaellaTrackerAPI *TAPI;
+static PaellaEngineAPI *EAPI;
+
+#define REBASE 1e9
+#define LEVEL_SPAN 1e15
+
+/* ===================================================================================== */
+/* Indexed min-heap over small integer ids, keyed by (double key, int64 tie).            */
+typedef struct {
+    int32_t *h, *pos;            /* heap of ids; pos[id]: its index, or -1 */
+    double *key;
+    int64_t *tie;
+    int n, cap;                  /* cap: ids 0..cap-1 */
+} IHeap;
+
+static int ih_reserve(IHeap *q, int ids)
+{
+    if (ids <= q->cap)
+        return 0;
+    int cap = q->cap ? q->cap : 16;
+    while (cap < ids)
+        cap *= 2;
+    int32_t *h = PyMem_Realloc(q->h, cap * sizeof(int32_t));
+    if (h == NULL)
+        return -1;
+    q->h = h;
+    int32_t *pos = PyMem_Realloc(q->pos, cap * sizeof(int32_t));
+    if (pos == NULL)
+        return -1;
+    q->pos = pos;
+    double *key = PyMem_Realloc(q->key, cap * sizeof(double));
+    if (key == NULL)
+        return -1;
+    q->key = key;
+    int64_t *tie = PyMem_Realloc(q->tie, cap * sizeof(int64_t));
+    if (tie == NULL)
+        return -1;
+    q->tie = tie;
+    for (int i = q->cap; i < cap; i++)
+        q->pos[i] = -1;
+    q->cap = cap;
+    return 0;
+}
+
+static void ih_free(IHeap *q)
+{
+    PyMem_Free(q->h);
+    PyMem_Free(q->pos);
+    PyMem_Free(q->key);
+    PyMem_Free(q->tie);
+    memset(q, 0, sizeof *q);
+}
+
+static inline int ih_less(IHeap *q, int32_t a, int32_t b)
+{
+    return q->key[a] < q->key[b] || (q->key[a] == q->key[b] && q->tie[a] < q->tie[b]);
+}
+
+static void ih_up(IHeap *q, int i)
+{
+    int32_t x = q->h[i];
+    while (i > 0) {
+        int p = (i - 1) / 2;
+        if (!ih_less(q, x, q->h[p]))
+            break;
+        q->h[i] = q->h[p];
+        q->pos[q->h[i]] = i;
+        i = p;
+    }
+    q->h[i] = x;
+    q->pos[x] = i;
+}
+
+static void ih_down(IHeap *q, int i)
+{
+    int32_t x = q->h[i];
+    for (;;) {
+        int c = 2 * i + 1;
+        if (c >= q->n)
+            break;
+        if (c + 1 < q->n && ih_less(q, q->h[c + 1], q->h[c]))
+            c++;
+        if (!ih_less(q, q->h[c], x))
+            break;
+        q->h[i] = q->h[c];
+        q->pos[q->h[i]] = i;
+        i = c;
+    }
+    q->h[i] = x;
+    q->pos[x] = i;
+}
+
+/* Insert id, or re-key it in place. The caller reserved room for id. */
+static void ih_push(IHeap *q, int32_t id, double key, int64_t tie)
+{
+    int i = q->pos[id];
+    q->key[id] = key;
+    q->tie[id] = tie;
+    if (i < 0) {
+        i = q->n++;
+        q->h[i] = id;
+        q->pos[id] = i;
+        ih_up(q, i);
+    } else {
+        ih_up(q, i);
+        ih_down(q, q->pos[id]);
+    }
+}
+
+static void ih_remove(IHeap *q, int32_t id)
+{
+    if (id >= q->cap)
+        return;
+    int i = q->pos[id];
+    if (i < 0)
+        return;
+    q->pos[id] = -1;
+    int32_t last = q->h[--q->n];
+    if (i == q->n)
+        return;
+    q->h[i] = last;
+    q->pos[last] = i;
+    ih_up(q, i);
+    ih_down(q, q->pos[last]);
+}
+
+static inline int32_t ih_top(IHeap *q) { return q->n ? q->h[0] : -1; }
+
+/* A plain min-heap of (seq, id): paella's arrival-order fifo (lazy deletion). */
+typedef struct {
+    int64_t *seq;
+    int32_t *id;
+    int n, cap;
+} Fifo;
+
+static int fifo_push(Fifo *f, int64_t seq, int32_t id)
+{
+    if (f->n == f->cap) {
+        int cap = f->cap ? 2 * f->cap : 16;
+        int64_t *s = PyMem_Realloc(f->seq, cap * sizeof(int64_t));
+        if (s == NULL)
+            return -1;
+        f->seq = s;
+        int32_t *d = PyMem_Realloc(f->id, cap * sizeof(int32_t));
+        if (d == NULL)
+            return -1;
+        f->id = d;
+        f->cap = cap;
+    }
+    int i = f->n++;
+    while (i > 0) {
+        int p = (i - 1) / 2;
+        if (f->seq[p] <= seq)
+            break;
+        f->seq[i] = f->seq[p];
+        f->id[i] = f->id[p];
+        i = p;
+    }
+    f->seq[i] = seq;
+    f->id[i] = id;
+    return 0;
+}
+
+static void fifo_sift_down(Fifo *f, int i)
+{
+    int64_t s = f->seq[i];
+    int32_t d = f->id[i];
+    for (;;) {
+        int c = 2 * i + 1;
+        if (c >= f->n)
+            break;
+        if (c + 1 < f->n && f->seq[c + 1] < f->seq[c])
+            c++;
+        if (f->seq[c] >= s)
+            break;
+        f->seq[i] = f->seq[c];
+        f->id[i] = f->id[c];
+        i = c;
+    }
+    f->seq[i] = s;
+    f->id[i] = d;
+}
+
+static void fifo_pop(Fifo *f)
+{
+    f->n--;
+    if (f->n) {
+        f->seq[0] = f->seq[f->n];
+        f->id[0] = f->id[f->n];
+        fifo_sift_down(f, 0);
+    }
+}
+
+static void fifo_free(Fifo *f)
+{
+    PyMem_Free(f->seq);
+    PyMem_Free(f->id);
+    memset(f, 0, sizeof *f);
+}
+
+/* ===================================================================================== */
+typedef struct {
+    PaellaDemand d;
+    int key, shape, effect;
+    double flops, nbytes, duration;
+    PyObject *record;
+} KSpec;
+
+typedef struct {
+    int n, nv, nk, nready, pending0;
+    uint8_t *kind, *pp0, *st0, *almost;
+    int32_t *succ, *dstart, *dep, *deps0, *ready, *kernel, *vstream, *pred;
+    KSpec *ks;
+} Plan;
+
+typedef struct {
+    int nk, window;
+    int64_t jobs;
+    double *count, *time;
+    int64_t *n_time;
+    uint8_t *seen;
+    int64_t total;
+    int dirty;
+} Prof;
+
+typedef struct {
+    double s;
+    int nready, jobs;
+    int64_t seq;
+    Fifo ready;                  /* client mode */
+    PyObject *key;               /* client mode: its client id */
+} Unit;
+
+typedef struct {
+    PyObject *token, *args, *copies;
+    int64_t seq;
+    Plan *plan;
+    Prof *prof;
+    int unit, level, pin, pending, on_device;
+    int32_t *deps, *stream, *ahead, *tail, *real, *rq, *kcount;
+    uint8_t *pp, *st;
+    int64_t *lid;
+    int rq_head, rq_n;
+    int64_t estimate, remaining;
+    uint8_t in_policy, left_policy, almost_sent, finished, queued, infifo, failed;
+    PyObject *client;
+} Job;
+
+typedef struct {
+    int32_t job;
+    int64_t seq;
+    int32_t node;
+    PyObject *event;             /* copy events only */
+} Ref;
+
+typedef struct {
+    Ref *r;
+    int head, n, cap;
+} RefQ;
+
+static int refq_push(RefQ *q, Ref x)
+{
+    if (q->n == q->cap) {
+        int cap = q->cap ? 2 * q->cap : 8;
+        Ref *r = PyMem_Malloc(cap * sizeof(Ref));
+        if (r == NULL)
+            return -1;
+        for (int i = 0; i < q->n; i++)
+            r[i] = q->r[(q->head + i) % q->cap];
+        PyMem_Free(q->r);
+        q->r = r;
+        q->head = 0;
+        q->cap = cap;
+    }
+    q->r[(q->head + q->n) % q->cap] = x;
+    q->n++;
+    return 0;
+}
+
+static inline Ref *refq_front(RefQ *q) { return &q->r[q->head]; }
+
+static inline void refq_pop(RefQ *q)
+{
+    q->head = (q->head + 1) % q->cap;
+    q->n--;
+}
+
+typedef struct {
+    PyObject_HEAD
+    PyObject *tracker, *device, *engine, *events, *err_cls, *lost_cls, *faults;
+    PyObject *launch_checked, *memcpy_htod, *memcpy_dtoh, *record_event, *event_query;
+    int policy, gated, mode, eager, lookahead, group, by_client, n_streams, npairs;
+    int64_t lead;
+    double threshold, hold, now;
+    /* plans and profiles, owned */
+    Plan **plans;
+    int nplans;
+    Prof **profs;
+    int nprofs;
+    /* jobs: slots, reused */
+    Job **jobs;
+    int njobs_cap, nfree, *free_slots;
+    int live, queued;
+    long long released;
+    RefQ arrivals, copies;
+    /* streams */
+    int32_t *free_s, *busy;
+    int free_head, free_n, rr_stream;
+    RefQ *cev;                   /* per stream: its copies' events, oldest first */
+    int32_t *cev_order;          /* streams with events, in the order they got one */
+    int ncev;
+    /* tracker slot -> the op released on it */
+    int32_t *slot_job, *slot_node;
+    /* policies */
+    IHeap heap, inflight, dheap;
+    Fifo fifo;
+    int64_t turn, useq;
+    Unit *units;
+    int nunits_cap, *unit_free, nunit_free, nunits;
+    PyObject *client_units;      /* client id -> unit index (client mode) */
+    double G, share;
+    int n_live;
+    int *lvl, *lvl_count, nlvl;  /* priority: levels with kernels on the device */
+    int error;                   /* a Python error inside a drain callback */
+} Core;
+
+static PyObject *new_ref_tuple(int kind, PyObject *token, const char *reason)
+{
+    if (reason == NULL)
+        return Py_BuildValue("(iO)", kind, token);
+    return Py_BuildValue("(iOs)", kind, token, reason);
+}
+
+static int emit(Core *c, int kind, Job *j, const char *reason)
+{
+    PyObject *t = new_ref_tuple(kind, j->token, reason);
+    if (t == NULL)
+        return -1;
+    int rc = PyList_Append(c->events, t);
+    Py_DECREF(t);
+    return rc;
+}
+
+/* -- profiles (paella.dispatcher.profile's arithmetic, over kernel indices) ----------- */
+static inline int64_t to_ns(double seconds) { return (int64_t)nearbyint(seconds * 1e9); }
+
+static int64_t prof_total(Prof *p)
+{
+    if (p->dirty) {
+        double s = 0.0;
+        for (int i = 0; i < p->nk; i++)
+            if (p->seen[i])
+                s += p->count[i] * p->time[i];
+        p->total = to_ns(s);
+        p->dirty = 0;
+    }
+    return p->total;
+}
+
+static inline int64_t prof_charge(Prof *p, int i, int done_before)
+{
+    if (!p->seen[i])
+        return 0;
+    double left = p->count[i] - done_before;
+    if (left <= 0.0)
+        return 0;
+    return to_ns((left > 1.0 ? 1.0 : left) * p->time[i]);
+}
+
+static inline void prof_kernel(Prof *p, int i, double seconds)
+{
+    p->seen[i] = 1;
+    int64_t n = ++p->n_time[i];
+    int64_t w = p->window;
+    p->time[i] += (seconds - p->time[i]) / (double)(n < w ? n : w);
+    p->dirty = 1;
+}
+
+static void prof_job(Prof *p, int32_t *counts)
+{
+    int64_t jobs = ++p->jobs;
+    int64_t div = jobs < p->window ? jobs : p->window;
+    for (int i = 0; i < p->nk; i++) {
+        if (p->seen[i])
+            p->count[i] += ((double)counts[i] - p->count[i]) / (double)div;
+        else if (counts[i]) {
+            p->seen[i] = 1;
+            p->count[i] = (double)counts[i] / (double)div;
+        }
+    }
+    p->dirty = 1;
+}
+
+/* -- streams -------------------------------------------------------------------------- */
+static int assign(Core *c, Job *j, int i, int behind)
+{
+    int s;
+    if (j->pin >= 0 && c->mode != M_SINGLE)
+        s = j->pin;
+    else if (c->mode == M_POOL) {
+        if (behind >= 0)
+            s = j->stream[behind];
+        else {
+            s = c->free_s[c->free_head];
+            c->free_head = (c->free_head + 1) % c->n_streams;
+            c->free_n--;
+        }
+    } else if (c->mode == M_SINGLE)
+        s = 0;
+    else {
+        int v = j->plan->vstream[i];
+        s = j->real[v];
+        if (s < 0) {
+            s = j->real[v] = c->rr_stream;
+            c->rr_stream = (c->rr_stream + 1) % c->n_streams;
+        }
+    }
+    c->busy[s]++;
+    j->stream[i] = s;
+    return s;
+}
+
+static void stream_done(Core *c, int s)
+{
+    if (--c->busy[s] == 0 && c->mode == M_POOL) {
+        c->free_s[(c->free_head + c->free_n) % c->n_streams] = s;
+        c->free_n++;
+    }
+}
+
+/* -- policies --------------------------------------------------------------------------- */
+static int lvl_add(Core *c, int level, int n)
+{
+    for (int k = 0; k < c->nlvl; k++) {
+        if (c->lvl[k] == level) {
+            c->lvl_count[k] += n;
+            if (c->lvl_count[k] == 0) {
+                memmove(c->lvl + k, c->lvl + k + 1, (c->nlvl - k - 1) * sizeof(int));
+                memmove(c->lvl_count + k, c->lvl_count + k + 1, (c->nlvl - k - 1) * sizeof(int));
+                c->nlvl--;
+            }
+            return 0;
+        }
+    }
+    int *a = PyMem_Realloc(c->lvl, (c->nlvl + 1) * sizeof(int));
+    if (a == NULL)
+        return -1;
+    c->lvl = a;
+    int *b = PyMem_Realloc(c->lvl_count, (c->nlvl + 1) * sizeof(int));
+    if (b == NULL)
+        return -1;
+    c->lvl_count = b;
+    c->lvl[c->nlvl] = level;
+    c->lvl_count[c->nlvl++] = n;
+    return 0;
+}
+
+static int level_count(Core *c, Job *j, int n)
+{
+    j->on_device += n;
+    return lvl_add(c, j->level, n);
+}
+
+static int new_unit(Core *c)
+{
+    int u;
+    if (c->nunit_free)
+        u = c->unit_free[--c->nunit_free];
+    else {
+        if (c->nunits == c->nunits_cap) {
+            int cap = c->nunits_cap ? 2 * c->nunits_cap : 16;
+            Unit *un = PyMem_Realloc(c->units, cap * sizeof(Unit));
+            if (un == NULL)
+                return -1;
+            c->units = un;
+            int *uf = PyMem_Realloc(c->unit_free, cap * sizeof(int));
+            if (uf == NULL)
+                return -1;
+            c->unit_free = uf;
+            c->nunits_cap = cap;
+        }
+        u = c->nunits++;
+        memset(&c->units[u], 0, sizeof(Unit));
+    }
+    if (ih_reserve(&c->dheap, u + 1) < 0)
+        return -1;
+    Unit *un = &c->units[u];
+    un->s = -c->G;
+    un->nready = un->jobs = 0;
+    un->seq = c->useq++;
+    un->ready.n = 0;
+    un->key = NULL;
+    return u;
+}
+
+static int units_alive(Core *c)
+{
+    return c->by_client ? (int)PyDict_GET_SIZE(c->client_units) : c->n_live;
+}
+
+static int job_arrived(Core *c, int32_t id, Job *j)
+{
+    if (c->policy != P_PAELLA)
+        return 0;
+    int u = -1;
+    if (c->by_client) {
+        PyObject *v = PyDict_GetItemWithError(c->client_units, j->client);
+        if (v == NULL && PyErr_Occurred())
+            return -1;
+        if (v != NULL)
+            u = (int)PyLong_AsLong(v);
+    }
+    int created = u < 0;
+    if (created) {
+        u = new_unit(c);
+        if (u < 0)
+            return -1;
+        if (c->by_client) {
+            PyObject *iv = PyLong_FromLong(u);
+            if (iv == NULL || PyDict_SetItem(c->client_units, j->client, iv) < 0) {
+                Py_XDECREF(iv);
+                return -1;
+            }
+            Py_DECREF(iv);
+            c->units[u].key = Py_NewRef(j->client);
+        }
+    }
+    c->units[u].jobs++;
+    j->unit = u;
+    c->n_live++;
+    if (created)
+        c->share = 1.0 / (double)units_alive(c);
+    ih_push(&c->inflight, id, (double)j->remaining, j->seq);
+    return 0;
+}
+
+static int compact(Core *c, Fifo *f)
+{
+    int k = 0;
+    for (int i = 0; i < f->n; i++) {
+        Job *j = c->jobs[f->id[i]];
+        if (j != NULL && j->seq == f->seq[i] && !j->finished && j->queued) {
+            f->seq[k] = f->seq[i];
+            f->id[k++] = f->id[i];
+        } else if (j != NULL && j->seq == f->seq[i])
+            j->infifo = 0;
+    }
+    f->n = k;
+    for (int i = k / 2 - 1; i >= 0; i--)
+        fifo_sift_down(f, i);
+    return 0;
+}
+
+static int kernel_ready(Core *c, int32_t id, Job *j)
+{
+    switch (c->policy) {
+    case P_FIFO: case P_MSJBJ: case P_MSKBK:
+        ih_push(&c->heap, id, (double)j->seq, 0);
+        return 0;
+    case P_SJF:
+        ih_push(&c->heap, id, (double)j->estimate, j->seq);
+        return 0;
+    case P_RR:
+        ih_push(&c->heap, id, (double)c->turn++, 0);
+        return 0;
+    case P_PRIORITY:
+        ih_push(&c->heap, id, j->level * LEVEL_SPAN + (double)j->remaining, j->seq);
+        return 0;
+    }
+    j->queued = 1;
+    ih_push(&c->heap, id, (double)j->remaining, j->seq);
+    Unit *u = &c->units[j->unit];
+    if (!j->infifo) {
+        j->infifo = 1;
+        Fifo *f = c->by_client ? &u->ready : &c->fifo;
+        if (fifo_push(f, j->seq, id) < 0)
+            return -1;
+        if (f->n > 2 * c->n_live + 64)
+            compact(c, f);
+    }
+    if (++u->nready == 1)
+        ih_push(&c->dheap, j->unit, -u->s, u->seq);
+    return 0;
+}
+
+static int32_t oldest(Core *c, Fifo *f)
+{
+    while (f->n) {
+        int32_t id = f->id[0];
+        Job *j = c->jobs[id];
+        if (j != NULL && j->seq == f->seq[0] && !j->finished) {
+            if (j->queued)
+                return id;
+            j->infifo = 0;
+        }
+        fifo_pop(f);
+    }
+    PyErr_SetString(PyExc_AssertionError, "a unit counted as ready has no ready job");
+    return -2;
+}
+
+/* The job whose next kernel goes, -1 for none, -2 on error. */
+static int32_t pick(Core *c)
+{
+    if (c->policy != P_PAELLA) {
+        int32_t id = ih_top(&c->heap);
+        if (c->policy == P_PRIORITY && id >= 0 && c->nlvl) {
+            int level = c->jobs[id]->level;
+            for (int k = 0; k < c->nlvl; k++)
+                if (c->lvl[k] < level)
+                    return -1;
+        }
+        return id;
+    }
+    int32_t u = ih_top(&c->dheap);
+    if (u >= 0 && c->G - c->dheap.key[u] >= c->threshold)
+        return oldest(c, c->by_client ? &c->units[u].ready : &c->fifo);
+    int32_t id = ih_top(&c->heap);
+    if (id < 0)
+        return -1;
+    int32_t other = ih_top(&c->inflight);
+    if (other == id)
+        return id;
+    Job *j = c->jobs[id];
+    Plan *p = j->plan;
+    KSpec *k = &p->ks[p->kernel[j->rq[j->rq_head]]];
+    if (!TAPI->fits(c->tracker, &k->d, 0))
+        return -1;
+    if (c->hold <= 0.0 || !(c->inflight.key[other] < (double)j->remaining))
+        return id;
+    Prof *pr = j->prof;
+    if (pr->seen[k->key] && pr->time[k->key] * 1e9 > c->hold * (double)c->jobs[other]->estimate
+            && !TAPI->fits(c->tracker, &k->d, 1))
+        return -1;
+    return id;
+}
+
+static int released(Core *c, int32_t id, Job *j)
+{
+    ih_remove(&c->heap, id);
+    if (c->policy == P_PRIORITY)
+        return level_count(c, j, 1);
+    if (c->policy != P_PAELLA)
+        return 0;
+    j->queued = 0;
+    Unit *u = &c->units[j->unit];
+    if (--u->nready == 0)
+        ih_remove(&c->dheap, j->unit);
+    ih_push(&c->inflight, id, (double)j->remaining, j->seq);
+    c->G += c->share;
+    u->s -= 1.0;
+    if (u->nready)
+        ih_push(&c->dheap, j->unit, -u->s, u->seq);
+    if (c->G > REBASE) {
+        double g = c->G;
+        c->G = 0.0;
+        for (int k = 0; k < c->nunits; k++)
+            c->units[k].s += g;
+        for (int k = 0; k < c->dheap.n; k++)
+            c->dheap.key[c->dheap.h[k]] -= g;
+    }
+    return 0;
+}
+
+static int job_finished(Core *c, int32_t id, Job *j)
+{
+    ih_remove(&c->heap, id);
+    if (c->policy == P_PRIORITY)
+        return j->on_device ? level_count(c, j, -j->on_device) : 0;
+    if (c->policy != P_PAELLA)
+        return 0;
+    Unit *u = &c->units[j->unit];
+    if (j->queued) {
+        j->queued = 0;
+        if (--u->nready == 0)
+            ih_remove(&c->dheap, j->unit);
+    }
+    ih_remove(&c->inflight, id);
+    c->n_live--;
+    if (--u->jobs == 0) {
+        if (c->by_client) {
+            if (PyDict_DelItem(c->client_units, u->key) < 0)
+                return -1;
+            Py_CLEAR(u->key);
+        }
+        u->ready.n = 0;
+        c->unit_free[c->nunit_free++] = j->unit;
+        int n = units_alive(c);
+        if (n)
+            c->share = 1.0 / (double)n;
+    }
+    return 0;
+}
+
+/* ===================================================================================== */
+/* The plan walk and the job lifecycle.                                                    */
+static int queue_job(Core *c, int32_t id, Job *j)
+{
+    j->in_policy = 1;
+    c->queued++;
+    return kernel_ready(c, id, j);
+}
+
+static int active(Core *c, int32_t id, Job *j, int i)
+{
+    j->st[i] = READY;
+    if (j->plan->kind[i] == KERNEL) {
+        j->rq[(j->rq_head + j->rq_n++) % j->plan->n] = i;
+        if (!j->in_policy)
+            return queue_job(c, id, j);
+        return 0;
+    }
+    Ref r = {id, j->seq, i, NULL};
+    return refq_push(&c->copies, r);
+}
+
+static int met(Core *c, int32_t id, Job *j, int t, int32_t *stack, int *top)
+{
+    if (--j->deps[t] != 0 || j->st[t] != WAITING)
+        return 0;
+    if (j->plan->kind[t] == MARKER) {
+        j->st[t] = DONE;
+        j->pending--;
+        stack[(*top)++] = t;
+        return 0;
+    }
+    return active(c, id, j, t);
+}
+
+static int finish_node(Core *c, int32_t id, Job *j, int i)
+{
+    Plan *p = j->plan;
+    j->st[i] = DONE;
+    j->pending--;
+    int32_t stack_small[64];
+    int32_t *stack = p->n <= 64 ? stack_small : PyMem_Malloc(p->n * sizeof(int32_t));
+    if (stack == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    int top = 0, rc = 0;
+    stack[top++] = i;
+    while (top && rc == 0) {
+        int d = stack[--top];
+        int s = p->succ[d];
+        if (s >= 0 && j->pp[s]) {
+            j->pp[s] = 0;
+            rc = met(c, id, j, s, stack, &top);
+        }
+        for (int k = p->dstart[d]; k < p->dstart[d + 1] && rc == 0; k++)
+            rc = met(c, id, j, p->dep[k], stack, &top);
+    }
+    if (stack != stack_small)
+        PyMem_Free(stack);
+    return rc;
+}
+
+static int release_succ(Core *c, int32_t id, Job *j, int i)
+{
+    Plan *p = j->plan;
+    int s = p->succ[i];
+    if (s < 0 || !j->pp[s] || p->kind[s] == MARKER)
+        return 0;
+    j->pp[s] = 0;
+    if (--j->deps[s] == 0 && j->st[s] == WAITING)
+        return active(c, id, j, s);
+    return 0;
+}
+
+static inline int behind_of(Core *c, Job *j, int i)
+{
+    int p = j->plan->pred[i];
+    if (c->lookahead > 1 && p >= 0 && j->st[p] == RELEASED)
+        return p;
+    return -1;
+}
+
+static int almost(Core *c, Job *j)
+{
+    if (j->almost_sent)
+        return 0;
+    j->almost_sent = 1;
+    return emit(c, EV_ALMOST, j, NULL);
+}
+
+static int withdraw(Core *c, int32_t id, Job *j)
+{
+    if (j->left_policy)
+        return 0;
+    j->left_policy = 1;
+    if (j->in_policy)
+        c->queued--;
+    j->in_policy = 0;
+    return job_finished(c, id, j);
+}
+
+static int fail_job(Core *c, int32_t id, Job *j, int kind, const char *reason)
+{
+    j->failed = 1;
+    if (emit(c, kind, j, reason) < 0)
+        return -1;
+    for (int n = 0; n < j->plan->n; n++) {
+        if (j->st[n] == WAITING || j->st[n] == READY) {
+            j->st[n] = DROPPED;
+            j->pending--;
+        }
+    }
+    j->rq_n = 0;
+    return withdraw(c, id, j);
+}
+
+static void free_job_arrays(Job *j)
+{
+    PyMem_Free(j->deps);         /* one block: see make_job */
+    j->deps = NULL;
+    Py_CLEAR(j->token);
+    Py_CLEAR(j->args);
+    Py_CLEAR(j->copies);
+    Py_CLEAR(j->client);
+}
+
+static int finish_job(Core *c, int32_t id, Job *j)
+{
+    j->finished = 1;
+    c->live--;
+    if (!j->failed) {
+        prof_job(j->prof, j->kcount);
+        if (almost(c, j) < 0)
+            return -1;
+    }
+    if (withdraw(c, id, j) < 0 || emit(c, EV_FINISHED, j, NULL) < 0)
+        return -1;
+    free_job_arrays(j);
+    c->free_slots[c->nfree++] = id;
+    return 0;
+}
+
+/* The job in slot `id` if it is still the one with this seq (stale refs are skipped). */
+static inline Job *job_of(Core *c, int32_t id, int64_t seq)
+{
+    Job *j = c->jobs[id];
+    return j != NULL && j->seq == seq && !j->finished ? j : NULL;
+}
+
+static int op_done(Core *c, int32_t id, Job *j, int i)
+{
+    stream_done(c, j->stream[i]);
+    if (finish_node(c, id, j, i) < 0)
+        return -1;
+    Plan *p = j->plan;
+    if (c->lookahead > 1 && p->kind[i] == KERNEL && !c->eager) {
+        int v = p->vstream[i];
+        j->ahead[v]--;
+        int tail = j->tail[v];
+        if (tail == i)
+            j->tail[v] = -1;
+        else if (tail >= 0 && j->st[tail] == RELEASED && release_succ(c, id, j, tail) < 0)
+            return -1;
+    }
+    if (j->pending == 0 && !j->finished)
+        return finish_job(c, id, j);
+    return 0;
+}
+
+/* A device call raised: DeviceError (not DeviceLost) fails the job with its message
+   (returns 1); anything else stays raised (returns -1). */
+static int refused_reason(Core *c, char *buf, size_t n)
+{
+    if (!PyErr_ExceptionMatches(c->err_cls) || PyErr_ExceptionMatches(c->lost_cls))
+        return -1;
+    PyObject *t, *v, *tb;
+    PyErr_Fetch(&t, &v, &tb);
+    PyErr_NormalizeException(&t, &v, &tb);
+    PyObject *msg = v != NULL ? PyObject_Str(v) : NULL;
+    const char *m = msg != NULL ? PyUnicode_AsUTF8(msg) : NULL;
+    snprintf(buf, n, "%s: %s", ((PyTypeObject *)t)->tp_name, m != NULL ? m : "?");
+    PyErr_Clear();
+    Py_XDECREF(msg);
+    Py_XDECREF(t);
+    Py_XDECREF(v);
+    Py_XDECREF(tb);
+    return 1;
+}
+
+static int launch_copy(Core *c, int32_t id, Job *j, int i, int behind)
+{
+    int s = assign(c, j, i, behind);
+    if (j->plan->almost[i] && almost(c, j) < 0)
+        return -1;
+    PyObject *pair = PyTuple_GET_ITEM(j->copies, i);
+    PyObject *dptr = PyTuple_GET_ITEM(pair, 0), *host = PyTuple_GET_ITEM(pair, 1);
+    PyObject *stream = PyLong_FromLong(s);
+    if (stream == NULL)
+        return -1;
+    PyObject *r = j->plan->kind[i] == H2D
+        ? PyObject_CallFunctionObjArgs(c->memcpy_htod, dptr, host, stream, NULL)
+        : PyObject_CallFunctionObjArgs(c->memcpy_dtoh, host, dptr, stream, NULL);
+    PyObject *ev = r != NULL ? PyObject_CallOneArg(c->record_event, stream) : NULL;
+    Py_DECREF(stream);
+    Py_XDECREF(r);
+    if (ev == NULL) {
+        char reason[512];
+        if (refused_reason(c, reason, sizeof reason) < 0)
+            return -1;
+        stream_done(c, s);
+        j->st[i] = RELEASED;
+        if (fail_job(c, id, j, EV_REFUSED, reason) < 0 || finish_node(c, id, j, i) < 0)
+            return -1;
+        return j->pending == 0 && !j->finished ? finish_job(c, id, j) : 0;
+    }
+    if (c->cev[s].n == 0)        /* a stream with no events yet goes last (a dict's order) */
+        c->cev_order[c->ncev++] = s;
+    Ref ref = {id, j->seq, i, ev};
+    if (refq_push(&c->cev[s], ref) < 0) {
+        Py_DECREF(ev);
+        return -1;
+    }
+    j->st[i] = RELEASED;
+    if (c->eager || c->lookahead > 1)
+        return release_succ(c, id, j, i);
+    return 0;
+}
+
+static int flush_copies(Core *c)
+{
+    while (c->copies.n) {
+        Ref *r = refq_front(&c->copies);
+        Job *j = job_of(c, r->job, r->seq);
+        if (j == NULL || j->st[r->node] == DROPPED) {
+            refq_pop(&c->copies);
+            continue;
+        }
+        int b = behind_of(c, j, r->node);
+        if (b < 0 && c->mode == M_POOL && !c->free_n)
+            return 0;
+        int32_t id = r->job;
+        int node = r->node;
+        refq_pop(&c->copies);
+        if (launch_copy(c, id, j, node, b) < 0)
+            return -1;
+    }
+    return 0;
+}
+
+static int poll_copies(Core *c)
+{
+    int k = 0;
+    while (k < c->ncev) {
+        int s = c->cev_order[k];
+        RefQ *q = &c->cev[s];
+        while (q->n) {
+            Ref *r = refq_front(q);
+            PyObject *res = PyObject_CallOneArg(c->event_query, r->event);
+            if (res == NULL)
+                return -1;
+            int done = PyObject_IsTrue(res);
+            Py_DECREF(res);
+            if (done < 0)
+                return -1;
+            if (!done)
+                break;
+            Ref x = *r;
+            refq_pop(q);
+            Py_DECREF(x.event);
+            Job *j = job_of(c, x.job, x.seq);
+            if (j != NULL && op_done(c, x.job, j, x.node) < 0)
+                return -1;
+        }
+        if (!q->n) {
+            memmove(c->cev_order + k, c->cev_order + k + 1, (c->ncev - k - 1) * sizeof(int32_t));
+            c->ncev--;
+        } else
+            k++;
+    }
+    return 0;
+}
+
+/* The tracker's drain callback: a kernel's last block completed. */
+static void kernel_done(void *ctx, int slot, PyObject *tok, double t_first)
+{
+    Core *c = ctx;
+    if (c->error)
+        return;
+    int32_t id = c->slot_job[slot];
+    int i = c->slot_node[slot];
+    Job *j = c->jobs[id];
+    Plan *p = j->plan;
+    KSpec *k = &p->ks[p->kernel[i]];
+    prof_kernel(j->prof, k->key, c->now - t_first);
+    if (c->faults != NULL && PyDict_GET_SIZE(c->faults)) {
+        PyObject *lid = PyLong_FromLongLong(j->lid[i]);
+        PyObject *reason = lid != NULL ? PyDict_GetItemWithError(c->faults, lid) : NULL;
+        if (reason != NULL) {
+            Py_INCREF(reason);
+            const char *m = PyUnicode_AsUTF8(reason);
+            int rc = PyDict_DelItem(c->faults, lid);
+            if (rc == 0 && !j->finished && !j->failed)
+                rc = fail_job(c, id, j, EV_FAULT, m != NULL ? m : "kernel fault");
+            Py_DECREF(reason);
+            if (rc < 0)
+                c->error = 1;
+        } else if (PyErr_Occurred())
+            c->error = 1;
+        Py_XDECREF(lid);
+        if (c->error)
+            return;
+    }
+    if (c->policy == P_PRIORITY && j->on_device && level_count(c, j, -1) < 0) {
+        c->error = 1;
+        return;
+    }
+    if (op_done(c, id, j, i) < 0)
+        c->error = 1;
+}
+
+static int launch_kernel(Core *c, int32_t id, Job *j, int i, KSpec *k, int s, long long lid)
+{
+    int rc;
+    if (k->effect || c->engine == Py_None) {
+        PyObject *args = j->args != NULL && j->args != Py_None ? PyTuple_GET_ITEM(j->args, i)
+                                                                : NULL;
+        PyObject *r = PyObject_CallFunction(c->launch_checked, "OiLOi", k->record, s, lid,
+                                            args != NULL ? args : Py_None, c->group);
+        rc = r == NULL ? -1 : 0;
+        Py_XDECREF(r);
+    } else
+        rc = EAPI->launch(c->engine, k->shape, k->d.blocks, k->flops, k->nbytes, k->duration,
+                          s, (uint32_t)lid, 1, c->group);
+    if (rc == 0)
+        return 1;
+    char reason[512];
+    if (refused_reason(c, reason, sizeof reason) < 0)
+        return -1;
+    if (TAPI->unrelease(c->tracker, lid) < 0)
+        return -1;
+    stream_done(c, s);
+    j->st[i] = RELEASED;
+    if (fail_job(c, id, j, EV_REFUSED, reason) < 0 || finish_node(c, id, j, i) < 0)
+        return -1;
+    if (j->pending == 0 && !j->finished && finish_job(c, id, j) < 0)
+        return -1;
+    return 0;
+}
+
+static int release_loop(Core *c)
+{
+    if (c->copies.n && flush_copies(c) < 0)
+        return -1;
+    int pool = c->mode == M_POOL;
+    while (c->queued) {
+        int32_t id = pick(c);
+        if (id == -2)
+            return -1;
+        if (id < 0)
+            return 0;
+        Job *j = c->jobs[id];
+        Plan *p = j->plan;
+        int i = j->rq[j->rq_head];
+        KSpec *k = &p->ks[p->kernel[i]];
+        int b = behind_of(c, j, i);
+        if (b >= 0 && c->gated && p->kind[b] == KERNEL) {
+            if (!TAPI->admits(c->tracker, &k->d, &p->ks[p->kernel[b]].d))
+                return 0;
+        } else if (!(c->gated ? TAPI->admits(c->tracker, &k->d, NULL)
+                              : TAPI->flow_ok(c->tracker, k->d.entries)))
+            return 0;
+        else if (pool && !c->free_n && b < 0 && j->pin < 0)
+            return 0;
+        j->rq_head = (j->rq_head + 1) % p->n;
+        j->rq_n--;
+        j->in_policy = 0;
+        c->queued--;
+        int cnt = j->kcount[k->key];
+        int64_t left = j->remaining = j->remaining - prof_charge(j->prof, k->key, cnt);
+        j->kcount[k->key] = cnt + 1;
+        if (released(c, id, j) < 0)
+            return -1;
+        int s = assign(c, j, i, b);
+        long long lid = TAPI->release(c->tracker, &k->d, Py_None);
+        if (lid < 0)
+            return -1;
+        int slot = (int)(lid & (c->npairs - 1));
+        c->slot_job[slot] = id;
+        c->slot_node[slot] = i;
+        j->lid[i] = lid;
+        c->released++;
+        int ok = launch_kernel(c, id, j, i, k, s, lid);
+        if (ok < 0)
+            return -1;
+        if (ok) {
+            if ((p->almost[i] || (c->lead && left <= c->lead && !j->almost_sent
+                                  && j->estimate > 0)) && almost(c, j) < 0)
+                return -1;
+            j->st[i] = RELEASED;
+            if (c->eager) {
+                if (release_succ(c, id, j, i) < 0)
+                    return -1;
+            } else if (c->lookahead > 1) {
+                int v = p->vstream[i];
+                j->ahead[v]++;
+                j->tail[v] = i;
+                if (j->ahead[v] < c->lookahead && release_succ(c, id, j, i) < 0)
+                    return -1;
+            }
+        }
+        if (c->copies.n && flush_copies(c) < 0)
+            return -1;
+        if (j->rq_n && !j->in_policy && !j->finished && queue_job(c, id, j) < 0)
+            return -1;
+    }
+    return 0;
+}
+
+/* -- admission -------------------------------------------------------------------------- */
+static int init_job_arrays(Job *j, Plan *p, Prof *pr)
+{
+    /* One block: int32 arrays, then int64, then bytes. */
+    size_t n = p->n, nv = p->nv, nk = pr->nk;
+    size_t i32 = 3 * n + 3 * nv + nk;   /* deps, stream, rq; ahead, tail, real; kcount */
+    size_t bytes = i32 * 4 + n * 8 + 2 * n + 8;
+    char *mem = PyMem_Calloc(1, bytes + 8);
+    if (mem == NULL)
+        return -1;
+    int32_t *a = (int32_t *)mem;
+    j->deps = a, a += n;
+    j->stream = a, a += n;
+    j->rq = a, a += n;
+    j->ahead = a, a += nv;
+    j->tail = a, a += nv;
+    j->real = a, a += nv;
+    j->kcount = a, a += nk;
+    char *q = (char *)a;
+    q += (8 - ((uintptr_t)q & 7)) & 7;
+    j->lid = (int64_t *)q, q += n * 8;
+    j->pp = (uint8_t *)q, q += n;
+    j->st = (uint8_t *)q;
+    memcpy(j->deps, p->deps0, n * sizeof(int32_t));
+    memcpy(j->pp, p->pp0, n);
+    memcpy(j->st, p->st0, n);
+    for (size_t k = 0; k < n; k++)
+        j->stream[k] = -1;
+    for (size_t k = 0; k < nv; k++)
+        j->tail[k] = j->real[k] = -1;
+    return 0;
+}
+
+static int start_job(Core *c, int32_t id, Job *j)
+{
+    if (job_arrived(c, id, j) < 0)
+        return -1;
+    Plan *p = j->plan;
+    for (int k = 0; k < p->nready; k++) {
+        int i = p->ready[k];
+        if (j->st[i] == READY && active(c, id, j, i) < 0)
+            return -1;
+    }
+    if (j->pending == 0)
+        return finish_job(c, id, j);
+    return 0;
+}
+
+/* ===================================================================================== */
+/* Python interface.                                                                       */
+static int seq_ints(PyObject *seq, Py_ssize_t n, int32_t *out, long lo, long hi, const char *what)
+{
+    PyObject *f = PySequence_Fast(seq, what);
+    if (f == NULL)
+        return -1;
+    if (PySequence_Fast_GET_SIZE(f) != n) {
+        PyErr_Format(PyExc_ValueError, "PlanSpec.%s: %zd entries, expected %zd", what,
+                     PySequence_Fast_GET_SIZE(f), n);
+        Py_DECREF(f);
+        return -1;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        long v = PyLong_AsLong(PySequence_Fast_GET_ITEM(f, i));
+        if (v == -1 && PyErr_Occurred()) {
+            Py_DECREF(f);
+            return -1;
+        }
+        if (v < lo || v >= hi) {
+            PyErr_Format(PyExc_ValueError, "PlanSpec.%s[%zd] = %ld is out of range", what, i, v);
+            Py_DECREF(f);
+            return -1;
+        }
+        out[i] = (int32_t)v;
+    }
+    Py_DECREF(f);
+    return 0;
+}
+
+static Py_ssize_t attr_len(PyObject *o, const char *name)
+{
+    PyObject *v = PyObject_GetAttrString(o, name);
+    if (v == NULL)
+        return -1;
+    Py_ssize_t n = PySequence_Size(v);
+    Py_DECREF(v);
+    return n;
+}
+
+static int attr_ints(PyObject *o, const char *name, Py_ssize_t n, int32_t *out, long lo, long hi)
+{
+    PyObject *v = PyObject_GetAttrString(o, name);
+    if (v == NULL)
+        return -1;
+    int rc = seq_ints(v, n, out, lo, hi, name);
+    Py_DECREF(v);
+    return rc;
+}
+
+static double attr_double(PyObject *o, const char *name)
+{
+    PyObject *v = PyObject_GetAttrString(o, name);
+    if (v == NULL)
+        return -1.0;
+    double d = PyFloat_AsDouble(v);
+    Py_DECREF(v);
+    return d;
+}
+
+static long long attr_ll(PyObject *o, const char *name)
+{
+    PyObject *v = PyObject_GetAttrString(o, name);
+    if (v == NULL)
+        return -1;
+    long long d = PyLong_AsLongLong(v);
+    Py_DECREF(v);
+    return d;
+}
+
+static void plan_free(Plan *p)
+{
+    if (p == NULL)
+        return;
+    for (int k = 0; k < p->nk; k++)
+        Py_XDECREF(p->ks[k].record);
+    PyMem_Free(p->ks);
+    PyMem_Free(p->kind);
+    PyMem_Free(p->succ);
+    PyMem_Free(p);
+}
+
+/* add_plan(spec: PlanSpec) -> plan index. Everything is copied and checked once. */
+static PyObject *Core_add_plan(Core *c, PyObject *spec)
+{
+    Py_ssize_t n = attr_len(spec, "kinds");
+    Py_ssize_t ndep = attr_len(spec, "dep"), nready = attr_len(spec, "ready");
+    Py_ssize_t nk = attr_len(spec, "kernels");
+    long long nv = attr_ll(spec, "n_vstreams");
+    if (n < 0 || ndep < 0 || nready < 0 || nk < 0 || (nv == -1 && PyErr_Occurred()))
+        return NULL;
+    if (n < 1 || nv < 1 || n > (1 << 24)) {
+        PyErr_SetString(PyExc_ValueError, "a PlanSpec needs 1..2^24 nodes and a stream");
+        return NULL;
+    }
+    Plan *p = PyMem_Calloc(1, sizeof(Plan));
+    if (p == NULL)
+        return PyErr_NoMemory();
+    p->n = (int)n, p->nv = (int)nv, p->nk = (int)nk, p->nready = (int)nready;
+    /* uint8 arrays: kind, pp0, st0, almost; int32: succ, dstart, dep, deps0, ready,
+       kernel, vstream, pred */
+    p->kind = PyMem_Calloc(4 * n + 1, 1);
+    p->succ = PyMem_Calloc(7 * n + 1 + ndep + nready + 1, sizeof(int32_t));
+    p->ks = PyMem_Calloc(nk + 1, sizeof(KSpec));
+    if (p->kind == NULL || p->succ == NULL || p->ks == NULL) {
+        plan_free(p);
+        return PyErr_NoMemory();
+    }
+    p->pp0 = p->kind + n, p->st0 = p->pp0 + n, p->almost = p->st0 + n;
+    p->dstart = p->succ + n, p->dep = p->dstart + n + 1, p->deps0 = p->dep + ndep;
+    p->ready = p->deps0 + n, p->kernel = p->ready + nready, p->vstream = p->kernel + n;
+    p->pred = p->vstream + n;
+    int32_t *tmp = PyMem_Calloc(n + 1, sizeof(int32_t));
+    if (tmp == NULL) {
+        plan_free(p);
+        return PyErr_NoMemory();
+    }
+    int rc = attr_ints(spec, "kinds", n, tmp, 0, 4);
+    for (Py_ssize_t i = 0; rc == 0 && i < n; i++)
+        p->kind[i] = (uint8_t)tmp[i];
+    rc = rc ? rc : attr_ints(spec, "pp", n, tmp, 0, 2);
+    for (Py_ssize_t i = 0; rc == 0 && i < n; i++)
+        p->pp0[i] = (uint8_t)tmp[i];
+    rc = rc ? rc : attr_ints(spec, "st", n, tmp, 0, 5);
+    for (Py_ssize_t i = 0; rc == 0 && i < n; i++)
+        p->st0[i] = (uint8_t)tmp[i];
+    rc = rc ? rc : attr_ints(spec, "almost", n, tmp, 0, 2);
+    for (Py_ssize_t i = 0; rc == 0 && i < n; i++)
+        p->almost[i] = (uint8_t)tmp[i];
+    PyMem_Free(tmp);
+    rc = rc ? rc : attr_ints(spec, "succ", n, p->succ, -1, n);
+    rc = rc ? rc : attr_ints(spec, "dstart", n + 1, p->dstart, 0, ndep + 1);
+    rc = rc ? rc : attr_ints(spec, "dep", ndep, p->dep, 0, n);
+    rc = rc ? rc : attr_ints(spec, "deps", n, p->deps0, 0, 1 << 30);
+    rc = rc ? rc : attr_ints(spec, "ready", nready, p->ready, 0, n);
+    rc = rc ? rc : attr_ints(spec, "kernel", n, p->kernel, -1, nk);
+    rc = rc ? rc : attr_ints(spec, "vstream", n, p->vstream, 0, nv);
+    rc = rc ? rc : attr_ints(spec, "pred", n, p->pred, -1, n);
+    for (Py_ssize_t i = 0; rc == 0 && i < n; i++) {
+        if (p->kind[i] == KERNEL && p->kernel[i] < 0) {
+            PyErr_Format(PyExc_ValueError, "PlanSpec: kernel node %zd names no kernel", i);
+            rc = -1;
+        }
+        if (p->st0[i] != DONE)
+            p->pending0++;
+        if (i < n - 1 && p->dstart[i] > p->dstart[i + 1]) {
+            PyErr_SetString(PyExc_ValueError, "PlanSpec.dstart must not decrease");
+            rc = -1;
+        }
+    }
+    PyObject *kernels = rc == 0 ? PyObject_GetAttrString(spec, "kernels") : NULL;
+    for (Py_ssize_t k = 0; kernels != NULL && k < nk; k++) {
+        PyObject *ks = PySequence_GetItem(kernels, k);
+        if (ks == NULL) {
+            rc = -1;
+            break;
+        }
+        KSpec *x = &p->ks[k];
+        x->key = (int)attr_ll(ks, "key");
+        x->d.blocks = attr_ll(ks, "blocks");
+        x->d.warps = attr_ll(ks, "warps");
+        x->d.regs = attr_ll(ks, "regs");
+        x->d.smem = attr_ll(ks, "smem");
+        x->d.entries = attr_ll(ks, "entries");
+        x->shape = (int)attr_ll(ks, "shape");
+        x->flops = attr_double(ks, "flops");
+        x->nbytes = attr_double(ks, "nbytes");
+        x->duration = attr_double(ks, "duration");
+        x->effect = (int)attr_ll(ks, "effect");
+        x->record = PyObject_GetAttrString(ks, "record");
+        Py_DECREF(ks);
+        if (PyErr_Occurred()) {
+            rc = -1;
+            break;
+        }
+        if (x->key < 0 || x->d.blocks < 1 || x->d.entries < 2) {
+            PyErr_Format(PyExc_ValueError, "PlanSpec.kernels[%zd]: bad key, blocks or entries", k);
+            rc = -1;
+            break;
+        }
+    }
+    Py_XDECREF(kernels);
+    if (rc < 0) {
+        plan_free(p);
+        return NULL;
+    }
+    Plan **plans = PyMem_Realloc(c->plans, (c->nplans + 1) * sizeof(Plan *));
+    if (plans == NULL) {
+        plan_free(p);
+        return PyErr_NoMemory();
+    }
+    c->plans = plans;
+    c->plans[c->nplans] = p;
+    return PyLong_FromLong(c->nplans++);
+}
+
+static void prof_free(Prof *p)
+{
+    if (p == NULL)
+        return;
+    PyMem_Free(p->count);
+    PyMem_Free(p);
+}
+
+/* add_profile(count, time, n_time, seen, jobs, window) -> profile index (a model's
+   statistics over kernel indices; the core owns and updates them). */
+static PyObject *Core_add_profile(Core *c, PyObject *args)
+{
+    PyObject *count, *time, *n_time, *seen;
+    long long jobs;
+    int window;
+    if (!PyArg_ParseTuple(args, "OOOOLi", &count, &time, &n_time, &seen, &jobs, &window))
+        return NULL;
+    Py_ssize_t nk = PySequence_Size(count);
+    if (nk < 0)
+        return NULL;
+    if (window < 1 || PySequence_Size(time) != nk || PySequence_Size(n_time) != nk
+            || PySequence_Size(seen) != nk) {
+        PyErr_SetString(PyExc_ValueError, "add_profile: one entry per kernel in each list, "
+                        "window >= 1");
+        return NULL;
+    }
+    Prof *p = PyMem_Calloc(1, sizeof(Prof));
+    if (p == NULL)
+        return PyErr_NoMemory();
+    p->nk = (int)nk, p->window = window, p->jobs = jobs, p->dirty = 1;
+    char *mem = PyMem_Calloc(nk + 1, 2 * sizeof(double) + sizeof(int64_t) + 1);
+    if (mem == NULL) {
+        PyMem_Free(p);
+        return PyErr_NoMemory();
+    }
+    p->count = (double *)mem;
+    p->time = p->count + nk;
+    p->n_time = (int64_t *)(p->time + nk);
+    p->seen = (uint8_t *)(p->n_time + nk);
+    for (Py_ssize_t i = 0; i < nk; i++) {
+        PyObject *a = PySequence_GetItem(count, i), *b = PySequence_GetItem(time, i);
+        PyObject *d = PySequence_GetItem(n_time, i), *e = PySequence_GetItem(seen, i);
+        if (a && b && d && e) {
+            p->count[i] = PyFloat_AsDouble(a);
+            p->time[i] = PyFloat_AsDouble(b);
+            p->n_time[i] = PyLong_AsLongLong(d);
+            p->seen[i] = (uint8_t)PyObject_IsTrue(e);
+        }
+        Py_XDECREF(a);
+        Py_XDECREF(b);
+        Py_XDECREF(d);
+        Py_XDECREF(e);
+        if (PyErr_Occurred()) {
+            prof_free(p);
+            return NULL;
+        }
+    }
+    Prof **profs = PyMem_Realloc(c->profs, (c->nprofs + 1) * sizeof(Prof *));
+    if (profs == NULL) {
+        prof_free(p);
+        return PyErr_NoMemory();
+    }
+    c->profs = profs;
+    c->profs[c->nprofs] = p;
+    return PyLong_FromLong(c->nprofs++);
+}
+
+/* profile(index) -> (count, time, n_time, seen, jobs, total_ns) */
+static PyObject *Core_profile(Core *c, PyObject *arg)
+{
+    long k = PyLong_AsLong(arg);
+    if (k == -1 && PyErr_Occurred())
+        return NULL;
+    if (k < 0 || k >= c->nprofs) {
+        PyErr_Format(PyExc_ValueError, "no profile %ld", k);
+        return NULL;
+    }
+    Prof *p = c->profs[k];
+    PyObject *a = PyList_New(p->nk), *b = PyList_New(p->nk), *d = PyList_New(p->nk);
+    PyObject *e = PyList_New(p->nk);
+    if (!a || !b || !d || !e)
+        goto fail;
+    for (int i = 0; i < p->nk; i++) {
+        PyList_SET_ITEM(a, i, PyFloat_FromDouble(p->count[i]));
+        PyList_SET_ITEM(b, i, PyFloat_FromDouble(p->time[i]));
+        PyList_SET_ITEM(d, i, PyLong_FromLongLong(p->n_time[i]));
+        PyList_SET_ITEM(e, i, PyBool_FromLong(p->seen[i]));
+    }
+    return Py_BuildValue("(NNNNLL)", a, b, d, e, (long long)p->jobs,
+                         (long long)prof_total(p));
+fail:
+    Py_XDECREF(a);
+    Py_XDECREF(b);
+    Py_XDECREF(d);
+    Py_XDECREF(e);
+    return NULL;
+}
+
+static int grow_jobs(Core *c)
+{
+    int cap = c->njobs_cap ? 2 * c->njobs_cap : 64;
+    Job **jobs = PyMem_Realloc(c->jobs, cap * sizeof(Job *));
+    if (jobs == NULL)
+        return -1;
+    c->jobs = jobs;
+    int *fs = PyMem_Realloc(c->free_slots, cap * sizeof(int));
+    if (fs == NULL)
+        return -1;
+    c->free_slots = fs;
+    for (int i = cap - 1; i >= c->njobs_cap; i--) {
+        c->jobs[i] = NULL;
+        c->free_slots[c->nfree++] = i;
+    }
+    c->njobs_cap = cap;
+    if (ih_reserve(&c->heap, cap) < 0 || ih_reserve(&c->inflight, cap) < 0)
+        return -1;
+    return 0;
+}
+
+/* admit(token, seq, plan, profile, client=0, level=0, pin=-1, args=None, copies=None) */
+static PyObject *Core_admit(Core *c, PyObject *args, PyObject *kw)
+{
+    static char *kws[] = {"token", "seq", "plan", "profile", "client", "level", "pin", "args",
+                          "copies", NULL};
+    PyObject *token, *client = NULL, *jargs = Py_None, *copies = Py_None;
+    long long seq;
+    int plan, prof, level = 0, pin = -1;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OLii|OiiOO", kws, &token, &seq, &plan, &prof,
+                                     &client, &level, &pin, &jargs, &copies))
+        return NULL;
+    if (plan < 0 || plan >= c->nplans || prof < 0 || prof >= c->nprofs) {
+        PyErr_SetString(PyExc_ValueError, "admit: unknown plan or profile index");
+        return NULL;
+    }
+    Plan *p = c->plans[plan];
+    Prof *pr = c->profs[prof];
+    if (pin >= c->n_streams) {
+        PyErr_Format(PyExc_ValueError, "admit: pinned stream %d is not one of %d", pin,
+                     c->n_streams);
+        return NULL;
+    }
+    for (int k = 0; k < p->nk; k++) {
+        if (p->ks[k].key >= pr->nk) {
+            PyErr_SetString(PyExc_ValueError, "admit: the plan names a kernel the profile lacks");
+            return NULL;
+        }
+    }
+    int has_copy = 0;
+    for (int i = 0; i < p->n; i++)
+        if (p->kind[i] == H2D || p->kind[i] == D2H)
+            has_copy = 1;
+    if (has_copy) {
+        if (!PyTuple_Check(copies) || PyTuple_GET_SIZE(copies) != p->n) {
+            PyErr_SetString(PyExc_ValueError, "admit: copies must be a tuple with one entry per "
+                            "node, (dptr, host) for each copy");
+            return NULL;
+        }
+        for (int i = 0; i < p->n; i++) {
+            PyObject *e = PyTuple_GET_ITEM(copies, i);
+            if ((p->kind[i] == H2D || p->kind[i] == D2H)
+                    && (!PyTuple_Check(e) || PyTuple_GET_SIZE(e) != 2)) {
+                PyErr_Format(PyExc_ValueError, "admit: copies[%d] must be (dptr, host)", i);
+                return NULL;
+            }
+        }
+    }
+    if (jargs != Py_None && (!PyTuple_Check(jargs) || PyTuple_GET_SIZE(jargs) != p->n)) {
+        PyErr_SetString(PyExc_ValueError, "admit: args must be None or a tuple per node");
+        return NULL;
+    }
+    if (!c->nfree && grow_jobs(c) < 0)
+        return PyErr_NoMemory();
+    int32_t id = c->free_slots[--c->nfree];
+    Job *j = c->jobs[id];
+    if (j == NULL && (j = c->jobs[id] = PyMem_Calloc(1, sizeof(Job))) == NULL) {
+        c->free_slots[c->nfree++] = id;
+        return PyErr_NoMemory();
+    }
+    memset(j, 0, sizeof(Job));
+    if (init_job_arrays(j, p, pr) < 0) {
+        c->free_slots[c->nfree++] = id;
+        j->finished = 1;
+        return PyErr_NoMemory();
+    }
+    j->token = Py_NewRef(token);
+    j->args = Py_NewRef(jargs);
+    j->copies = Py_NewRef(copies);
+    j->client = client != NULL ? Py_NewRef(client) : PyLong_FromLong(0);
+    j->seq = seq, j->plan = p, j->prof = pr, j->level = level, j->pin = pin;
+    j->unit = -1;
+    j->pending = p->pending0;
+    j->estimate = j->remaining = prof_total(pr);
+    Ref r = {id, seq, 0, NULL};
+    if (refq_push(&c->arrivals, r) < 0) {
+        free_job_arrays(j);
+        j->finished = 1;
+        c->free_slots[c->nfree++] = id;
+        return PyErr_NoMemory();
+    }
+    c->live++;
+    Py_RETURN_NONE;
+}
+
+/* step(now) -> events */
+static PyObject *Core_step(Core *c, PyObject *arg)
+{
+    double now = PyFloat_AsDouble(arg);
+    if (now == -1.0 && PyErr_Occurred())
+        return NULL;
+    c->now = now;
+    PyObject *events = PyList_New(0);
+    if (events == NULL)
+        return NULL;
+    Py_XSETREF(c->events, events);
+    c->error = 0;
+    if (TAPI->drain(c->tracker, now, kernel_done, c) < 0 || c->error)
+        goto fail;
+    if (c->ncev && poll_copies(c) < 0)
+        goto fail;
+    while (c->arrivals.n) {
+        Ref r = *refq_front(&c->arrivals);
+        refq_pop(&c->arrivals);
+        Job *j = job_of(c, r.job, r.seq);
+        if (j != NULL && start_job(c, r.job, j) < 0)
+            goto fail;
+    }
+    if ((c->queued || c->copies.n) && release_loop(c) < 0)
+        goto fail;
+    return Py_NewRef(c->events);
+fail:
+    if (!PyErr_Occurred())
+        PyErr_SetString(PyExc_RuntimeError, "kernel core: error in a completion");
+    return NULL;
+}
+
+static void Core_dealloc(Core *c)
+{
+    PyObject_GC_UnTrack(c);
+    for (int i = 0; i < c->njobs_cap; i++) {
+        if (c->jobs[i] != NULL) {
+            if (!c->jobs[i]->finished)
+                free_job_arrays(c->jobs[i]);
+            PyMem_Free(c->jobs[i]);
+        }
+    }
+    for (int s = 0; c->cev != NULL && s < c->n_streams; s++) {
+        RefQ *q = &c->cev[s];
+        while (q->n) {
+            Py_XDECREF(refq_front(q)->event);
+            refq_pop(q);
+        }
+        PyMem_Free(q->r);
+    }
+    for (int k = 0; k < c->nplans; k++)
+        plan_free(c->plans[k]);
+    for (int k = 0; k < c->nprofs; k++)
+        prof_free(c->profs[k]);
+    for (int u = 0; u < c->nunits; u++) {
+        fifo_free(&c->units[u].ready);
+        Py_XDECREF(c->units[u].key);
+    }
+    PyMem_Free(c->units);
+    PyMem_Free(c->unit_free);
+    PyMem_Free(c->plans);
+    PyMem_Free(c->profs);
+    PyMem_Free(c->jobs);
+    PyMem_Free(c->free_slots);
+    PyMem_Free(c->arrivals.r);
+    PyMem_Free(c->copies.r);
+    PyMem_Free(c->free_s);
+    PyMem_Free(c->busy);
+    PyMem_Free(c->cev);
+    PyMem_Free(c->cev_order);
+    PyMem_Free(c->slot_job);
+    PyMem_Free(c->slot_node);
+    PyMem_Free(c->lvl);
+    PyMem_Free(c->lvl_count);
+    ih_free(&c->heap);
+    ih_free(&c->inflight);
+    ih_free(&c->dheap);
+    fifo_free(&c->fifo);
+    Py_XDECREF(c->tracker);
+    Py_XDECREF(c->device);
+    Py_XDECREF(c->engine);
+    Py_XDECREF(c->events);
+    Py_XDECREF(c->err_cls);
+    Py_XDECREF(c->lost_cls);
+    Py_XDECREF(c->faults);
+    Py_XDECREF(c->launch_checked);
+    Py_XDECREF(c->memcpy_htod);
+    Py_XDECREF(c->memcpy_dtoh);
+    Py_XDECREF(c->record_event);
+    Py_XDECREF(c->event_query);
+    Py_XDECREF(c->client_units);
+    Py_TYPE(c)->tp_free((PyObject *)c);
+}
+
+static int Core_traverse(Core *c, visitproc visit, void *arg)
+{
+    Py_VISIT(c->tracker);
+    Py_VISIT(c->device);
+    Py_VISIT(c->engine);
+    Py_VISIT(c->events);
+    for (int i = 0; i < c->njobs_cap; i++) {
+        Job *j = c->jobs[i];
+        if (j != NULL && !j->finished) {
+            Py_VISIT(j->token);
+            Py_VISIT(j->args);
+            Py_VISIT(j->copies);
+        }
+    }
+    return 0;
+}
+
+static PyObject *get_method(PyObject *o, const char *name)
+{
+    return PyObject_GetAttrString(o, name);
+}
+
+/* KernelCore(tracker, device, engine|None, n_streams, policy, lookahead, group, wake_lead,
+              threshold, by_client, hold, device_error, device_lost) */
+static int Core_init(Core *c, PyObject *args, PyObject *kw)
+{
+    static char *kws[] = {"tracker", "device", "engine", "n_streams", "policy", "lookahead",
+                          "group", "wake_lead", "threshold", "by_client", "hold",
+                          "device_error", "device_lost", NULL};
+    PyObject *tracker, *device, *engine, *err, *lost;
+    const char *policy;
+    int n_streams, lookahead, group, by_client;
+    double lead, threshold, hold;
+    if (c->tracker != NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "a KernelCore is initialised once");
+        return -1;
+    }
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OOOisiiddpdOO", kws, &tracker, &device,
+                                     &engine, &n_streams, &policy, &lookahead, &group, &lead,
+                                     &threshold, &by_client, &hold, &err, &lost))
+        return -1;
+    if (TAPI->check(tracker) < 0 || (engine != Py_None && EAPI->check(engine) < 0))
+        return -1;
+    int pol = -1;
+    for (int k = 0; policy_names[k] != NULL; k++)
+        if (strcmp(policy, policy_names[k]) == 0)
+            pol = k;
+    if (pol < 0) {
+        PyErr_Format(PyExc_ValueError, "the kernel core has no built-in policy %s", policy);
+        return -1;
+    }
+    if (n_streams < 1 || lookahead < 1 || group < 1) {
+        PyErr_SetString(PyExc_ValueError, "n_streams, lookahead and group must be >= 1");
+        return -1;
+    }
+    c->policy = pol;
+    c->gated = pol <= P_PRIORITY;
+    c->mode = pol == P_FIFO ? M_SINGLE : pol == P_MSJBJ ? M_STICKY : M_POOL;
+    c->eager = pol == P_FIFO || pol == P_MSJBJ;
+    c->lookahead = lookahead, c->group = group, c->n_streams = n_streams;
+    c->lead = to_ns(lead), c->threshold = threshold, c->by_client = by_client, c->hold = hold;
+    c->tracker = Py_NewRef(tracker);
+    c->device = Py_NewRef(device);
+    c->engine = Py_NewRef(engine);
+    c->err_cls = Py_NewRef(err);
+    c->lost_cls = Py_NewRef(lost);
+    c->faults = PyObject_GetAttrString(device, "faults");
+    if (c->faults == NULL)
+        PyErr_Clear();
+    else if (!PyDict_Check(c->faults))
+        Py_CLEAR(c->faults);
+    c->launch_checked = get_method(device, "launch_checked");
+    c->memcpy_htod = get_method(device, "memcpy_htod");
+    c->memcpy_dtoh = get_method(device, "memcpy_dtoh");
+    c->record_event = get_method(device, "record_event");
+    c->event_query = get_method(device, "event_query");
+    c->client_units = PyDict_New();
+    if (!c->launch_checked || !c->memcpy_htod || !c->memcpy_dtoh || !c->record_event
+            || !c->event_query || !c->client_units)
+        return -1;
+    c->npairs = TAPI->pairs(tracker);
+    c->free_s = PyMem_Calloc(n_streams, sizeof(int32_t));
+    c->busy = PyMem_Calloc(n_streams, sizeof(int32_t));
+    c->cev = PyMem_Calloc(n_streams, sizeof(RefQ));
+    c->cev_order = PyMem_Calloc(n_streams, sizeof(int32_t));
+    c->slot_job = PyMem_Calloc(c->npairs, sizeof(int32_t));
+    c->slot_node = PyMem_Calloc(c->npairs, sizeof(int32_t));
+    if (!c->free_s || !c->busy || !c->cev || !c->cev_order || !c->slot_job || !c->slot_node) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    for (int s = 0; s < n_streams; s++)
+        c->free_s[s] = s;
+    c->free_n = n_streams;
+    c->events = PyList_New(0);
+    return c->events == NULL ? -1 : 0;
+}
+
+static PyObject *get_jobs(Core *c, void *x) { return PyLong_FromLong(c->live); }
+static PyObject *get_queued(Core *c, void *x) { return PyLong_FromLong(c->queued); }
+static PyObject *get_released(Core *c, void *x) { return PyLong_FromLongLong(c->released); }
+static PyObject *get_arrivals(Core *c, void *x) { return PyLong_FromLong(c->arrivals.n); }
+static PyObject *get_free_streams(Core *c, void *x) { return PyLong_FromLong(c->free_n); }
+
+static PyGetSetDef Core_getset[] = {
+    {"jobs", (getter)get_jobs, NULL, "jobs admitted and not finished", NULL},
+    {"queued", (getter)get_queued, NULL, "jobs with a ready kernel, announced to the policy", NULL},
+    {"released", (getter)get_released, NULL, "kernels released so far", NULL},
+    {"pending_arrivals", (getter)get_arrivals, NULL, "jobs admitted, not started", NULL},
+    {"free_streams", (getter)get_free_streams, NULL, "pool mode: real streams free", NULL},
+    {NULL},
+};
+
+static PyMethodDef Core_methods[] = {
+    {"add_plan", (PyCFunction)Core_add_plan, METH_O, "add_plan(PlanSpec) -> index"},
+    {"add_profile", (PyCFunction)Core_add_profile, METH_VARARGS,
+     "add_profile(count, time, n_time, seen, jobs, window) -> index"},
+    {"profile", (PyCFunction)Core_profile, METH_O,
+     "profile(index) -> (count, time, n_time, seen, jobs, total_ns)"},
+    {"admit", (PyCFunction)(void (*)(void))Core_admit, METH_VARARGS | METH_KEYWORDS,
+     "admit(token, seq, plan, profile, client=0, level=0, pin=-1, args=None, copies=None)"},
+    {"step", (PyCFunction)Core_step, METH_O, "step(now) -> [events]"},
+    {NULL},
+};
+
+static PyTypeObject CoreType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "paella.dispatcher._kcore.KernelCore",
+    .tp_basicsize = sizeof(Core),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
+    .tp_doc = "The kernel core in C (paella.dispatcher.kernel_core is its reference).",
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)Core_init,
+    .tp_dealloc = (destructor)Core_dealloc,
+    .tp_traverse = (traverseproc)Core_traverse,
+    .tp_methods = Core_methods,
+    .tp_getset = Core_getset,
+};
+
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT, "paella.dispatcher._kcore",
+    "The kernel core in C (paella.dispatcher.kernel_core).", -1, NULL,
+};
+
+PyMODINIT_FUNC PyInit__kcore(void)
+{
+    TAPI = PyCapsule_Import(PAELLA_TRACKER_CAPSULE, 0);
+    if (TAPI == NULL)
+        return NULL;
+    EAPI = PyCapsule_Import(PAELLA_ENGINE_CAPSULE, 0);
+    if (EAPI == NULL)
+        return NULL;
+    if (PyType_Ready(&CoreType) < 0)
+        return NULL;
+    PyObject *m = PyModule_Create(&module);
+    if (m == NULL)
+        return NULL;
+    if (PyModule_AddObjectRef(m, "KernelCore", (PyObject *)&CoreType) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}

@@ -1,0 +1,58 @@
+/*
+ * The C-to-C interfaces between the dispatcher's compiled modules, exported as capsules
+ * (the way numpy exports its C API): the kernel core (_kcore.c) calls the occupancy
+ * tracker (_tracker.c) and the simulated GPU's engine (devices/sim/_engine.c) without
+ * a Python call, a boxed integer or an attribute lookup per kernel.
+ *
+ *   paella.dispatcher._tracker._C_API              -> PaellaTrackerAPI
+ *   paella.dispatcher.devices.sim._engine._C_API   -> PaellaEngineAPI
+ *
+ * The objects passed are the modules' own (a Tracker, an _engine.Gpu); each function
+ * checks nothing that its Python twin checks once per object (check() does that).
+ */
+#ifndef PAELLA_CAPI_H
+#define PAELLA_CAPI_H
+#include <Python.h>
+#include <stdint.h>
+
+/* One launch's demand (the tracker's Demand without the object header). */
+typedef struct {
+    long long blocks, warps, regs, smem, entries;   /* warps/regs/smem: per block */
+} PaellaDemand;
+
+/* Called by drain for each launch whose last block completed, in completion order:
+   its counter-pair slot, the token given to release (a borrowed reference, released by
+   the tracker right after) and when its first block was seen placed. */
+typedef void (*paella_done_fn)(void *ctx, int slot, PyObject *tok, double t_first);
+
+typedef struct {
+    /* 0 if `t` is a ready Tracker, else -1 with an exception set. */
+    int (*check)(PyObject *t);
+    /* The +B rule; `pred` (may be NULL): the launch queued ahead on the same stream. */
+    int (*admits)(PyObject *t, const PaellaDemand *d, const PaellaDemand *pred);
+    int (*flow_ok)(PyObject *t, long long entries);
+    /* Would all (whole=1) or one (whole=0) of its blocks fit in what is free now? */
+    int (*fits)(PyObject *t, const PaellaDemand *d, int whole);
+    /* The launch id, or -1 with an exception set; the tracker keeps a reference to tok. */
+    long long (*release)(PyObject *t, const PaellaDemand *d, PyObject *tok);
+    int (*unrelease)(PyObject *t, long long lid);
+    /* Entries consumed, or -1 with an exception set (a malformed entry: the launches
+       before it are reported first). */
+    long long (*drain)(PyObject *t, double now, paella_done_fn done, void *ctx);
+    int (*pairs)(PyObject *t);
+} PaellaTrackerAPI;
+
+typedef struct {
+    /* 0 if `g` is an _engine.Gpu, else -1 with an exception set. */
+    int (*check)(PyObject *g);
+    /* Submit a kernel with no completion callback (launch(..., on_complete=None));
+       0, or -1 with an exception set. duration < 0: the cost model decides. */
+    int (*launch)(PyObject *g, int shape, long long blocks, double flops, double nbytes,
+                  double duration, int stream, uint32_t launch_id, int instrumented,
+                  int group);
+} PaellaEngineAPI;
+
+#define PAELLA_TRACKER_CAPSULE "paella.dispatcher._tracker._C_API"
+#define PAELLA_ENGINE_CAPSULE "paella.dispatcher.devices.sim._engine._C_API"
+
+#endif

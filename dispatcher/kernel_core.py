@@ -1,0 +1,862 @@
+"""The kernel core: everything the dispatcher does per kernel, behind a one-way seam.
+
+The paper's dispatcher is two halves (ARCHITECTURE.md, "The seam at the heart"). The
+control plane (:class:`~paella.dispatcher.core.Dispatcher`: submission, buffer pools,
+models, cancellation, answers) works per request. The kernel core works per kernel:
+
+* drain the notifQ into the occupancy tracker, complete ops, walk each job's compiled
+  plan (stream order, events, lookahead, eager release);
+* keep each model's kernel statistics and each job's SRPT estimate;
+* order the ready jobs by a built-in policy (``paella``, ``fifo``, ``ms-kbk``,
+  ``ms-jbj``, ``sjf``, ``rr``, ``priority``) and release under the +B rule;
+* map virtual streams to real ones and launch, into the simulated engine by a direct
+  call.
+
+Its interface is narrow and one-way: jobs come in through :meth:`KernelCore.admit`,
+events come out of :meth:`KernelCore.step` as ``(kind, job)`` pairs (``ALMOST``,
+``FINISHED``) or ``(kind, job, reason)`` (``REFUSED``, ``FAULT``). The core never calls
+back into the control plane; it calls only down, into the device.
+
+It exists twice, equivalent event for event: this module is the **reference**, written
+to be read, and ``dispatcher/_kcore.c`` (:class:`paella.dispatcher._kcore.KernelCore`)
+the one that runs, written for speed (``tests/dispatcher/test_kernel_core.py`` compares
+the two on random plans under every policy). Both take the same :class:`PlanSpec` and
+:class:`KernelSpec` records, made once per model by :func:`plan_spec`.
+
+Decisions (docs/dispatcher.md, "The kernel core"):
+
+* Estimates are integer nanoseconds (the legacy path rounds floats to the same 1 ns
+  grid): equal work compares equal, and C and Python agree bit for bit.
+* A kernel's engine parameters are resolved once per launch shape (``KernelSpec``);
+  a kernel with a functional effect (the simulator's stand-in computation) is launched
+  through the device's own Python method, which wraps the effect: once per request,
+  not per kernel.
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+from heapq import heapify, heappop, heappush
+from typing import Any, Callable, Sequence
+
+from paella.dispatcher.devices.base import D2H, H2D, KERNEL, MARKER
+
+from .pqueue import IndexedHeap
+
+#: Event kinds out of :meth:`KernelCore.step`.
+ALMOST, FINISHED, REFUSED, FAULT = 1, 2, 3, 4
+EVENT_NAMES = {ALMOST: "almost", FINISHED: "finished", REFUSED: "refused", FAULT: "fault"}
+
+#: Node states of a plan run (the waitlist's own numbers).
+WAITING, READY, RELEASED, DONE, DROPPED = range(5)
+
+#: The built-in policies: (gated, stream mode, eager). Plug-ins run in the legacy path.
+POLICIES = {
+    "paella": (True, "pool", False),
+    "sjf": (True, "pool", False),
+    "rr": (True, "pool", False),
+    "priority": (True, "pool", False),
+    "ms-kbk": (False, "pool", False),
+    "fifo": (False, "single", True),
+    "ms-jbj": (False, "sticky", True),
+}
+STREAM_MODES = ("pool", "sticky", "single")
+#: paella's defaults (paella.dispatcher.policies.paella).
+DEFAULT_FAIRNESS_THRESHOLD = 256.0
+DEFAULT_HOLD_FACTOR = 0.5
+#: priority: a level outweighs any estimate (ns) below it.
+LEVEL_SPAN = 1e15
+_REBASE = 1e9
+
+
+def to_ns(seconds: float) -> int:
+    """Seconds on the 1 ns grid (round half to even, as C's ``nearbyint``)."""
+    return int(round(seconds * 1e9))
+
+
+@dataclass(frozen=True, slots=True)
+class KernelSpec:
+    """One launch shape of a plan, resolved for the core: its model's kernel index (the
+    SRPT key), its tracker demand, and what the engine needs to run it."""
+    key: int
+    blocks: int
+    warps: int
+    regs: int
+    smem: int
+    entries: int
+    shape: int               # the engine's shape id
+    flops: float
+    nbytes: float
+    duration: float          # < 0: the cost model decides
+    record: Any = None       # the KernelLaunch, for the device's Python launch (effects)
+    effect: bool = False     # it has a functional effect: launched through the device
+    demand: Any = None       # the tracker's Demand (the reference core's tracker calls)
+
+
+@dataclass(frozen=True, slots=True)
+class PlanSpec:
+    """A compiled plan (``ReplayPlan``'s graph) as the core replays it: per node its kind
+    (KERNEL, H2D, D2H, MARKER), stream successor, dependents (``dep[dstart[i]:
+    dstart[i+1]]``), unmet dependencies, pending stream predecessor and state right after
+    the issue, the nodes active then (in order); its kernel (index into ``kernels``, -1),
+    the wake-up mark, its virtual stream (dense index) and stream predecessor op (-1)."""
+    kinds: tuple[int, ...]
+    succ: tuple[int, ...]
+    dstart: tuple[int, ...]
+    dep: tuple[int, ...]
+    deps: tuple[int, ...]
+    pp: tuple[int, ...]
+    st: tuple[int, ...]
+    ready: tuple[int, ...]
+    kernel: tuple[int, ...]
+    almost: tuple[int, ...]
+    vstream: tuple[int, ...]
+    pred: tuple[int, ...]
+    n_vstreams: int
+    kernels: tuple[KernelSpec, ...]
+
+    def __post_init__(self) -> None:
+        n = len(self.kinds)
+        for name in ("succ", "deps", "pp", "st", "kernel", "almost", "vstream", "pred"):
+            if len(getattr(self, name)) != n:
+                raise ValueError(f"PlanSpec.{name} has {len(getattr(self, name))} entries for "
+                                 f"{n} nodes")
+        if len(self.dstart) != n + 1 or self.dstart[-1] != len(self.dep):
+            raise ValueError("PlanSpec.dstart must have one entry per node plus one, "
+                             "ending at len(dep)")
+        for i, k in enumerate(self.kinds):
+            if k == KERNEL and not 0 <= self.kernel[i] < len(self.kernels):
+                raise ValueError(f"PlanSpec: kernel node {i} names kernel {self.kernel[i]}")
+            if k not in (KERNEL, H2D, D2H, MARKER):
+                raise ValueError(f"PlanSpec: node {i} has unknown kind {k}")
+        refs = list(self.succ) + list(self.dep) + list(self.ready) + list(self.pred)
+        if any(not -1 <= x < n for x in refs):
+            raise ValueError("PlanSpec: a node index is out of range")
+        if any(not 0 <= v < self.n_vstreams for v in self.vstream):
+            raise ValueError("PlanSpec: a virtual stream index is out of range")
+
+
+def plan_spec(replay: Any, key_of: Callable[[str], int], shape_of: Callable[[Any], int],
+              tracker: Any) -> PlanSpec:
+    """The :class:`PlanSpec` of a compiled :class:`~paella.dispatcher.replay.ReplayPlan`.
+    ``key_of(name)``: the model's kernel index of a kernel name; ``shape_of(fp)``: the
+    engine's shape id of a footprint (``SimDevice._shapes``)."""
+    g = replay.graph_lists
+    if g is None:
+        raise ValueError(f"plan {replay.name!r} is not compiled (compiled_replay=False)")
+    n = len(g["kinds"])
+    kernel = [-1] * n
+    almost = [0] * n
+    vstream = [0] * n
+    specs: list[KernelSpec] = []
+    index: dict[int, int] = {}
+    stream_ids: dict[int, int] = {}
+    for step_i, step in enumerate(replay.steps):
+        node = replay._nodes[step_i]
+        if node < 0:
+            continue
+        almost[node] = int(step.almost_finished)
+        vstream[node] = stream_ids.setdefault(step.stream, len(stream_ids))
+        if step.kind == KERNEL:
+            k = step.launch
+            if id(k) not in index:
+                d = k.demand
+                info = k.func.info
+                index[id(k)] = len(specs)
+                specs.append(KernelSpec(
+                    key_of(k.name), d.blocks, d.warps, d.regs, d.smem, d.entries,
+                    shape_of(k.fp), float(info.flops), float(info.bytes),
+                    -1.0 if info.duration is None else float(info.duration), k,
+                    k.func.handle is not None, d))
+            kernel[node] = index[id(k)]
+    for node, kind in enumerate(g["kinds"]):      # MARKERs: the stream of their successor
+        if kind == MARKER:
+            vstream[node] = 0
+    pred = [-1] * n
+    for node, p in replay._preds:
+        pred[node] = p
+    dstart = [0]
+    dep: list[int] = []
+    for ds in g["dependents"]:
+        dep.extend(ds)
+        dstart.append(len(dep))
+    return PlanSpec(tuple(g["kinds"]), tuple(g["succ"]), tuple(dstart), tuple(dep),
+                    tuple(g["deps"]), tuple(g["pp"]), tuple(g["st"]), tuple(g["ready"]),
+                    tuple(kernel), tuple(almost), tuple(vstream), tuple(pred),
+                    max(len(stream_ids), 1), tuple(specs))
+
+
+class Profile:
+    """A model's kernel statistics (``paella.dispatcher.profile``'s rules) over kernel
+    indices: mean count per job ``count[i]``, mean time ``time[i]`` (seconds), running
+    means over the last ``window`` observations."""
+    __slots__ = ("count", "time", "n_time", "jobs", "window", "seen", "_total")
+
+    def __init__(self, n_kernels: int, window: int = 1000):
+        self.count = [0.0] * n_kernels
+        self.time = [0.0] * n_kernels
+        self.n_time = [0] * n_kernels
+        self.seen = [False] * n_kernels   # appears in the statistics (profile order)
+        self.jobs = 0
+        self.window = window
+        self._total: int | None = 0
+
+    def total_ns(self) -> int:
+        if self._total is None:
+            s = 0.0
+            for i in range(len(self.count)):
+                if self.seen[i]:
+                    s += self.count[i] * self.time[i]
+            self._total = to_ns(s)
+        return self._total
+
+    def charge_ns(self, i: int, done_before: int) -> int:
+        if not self.seen[i]:
+            return 0
+        left = self.count[i] - done_before
+        if left <= 0.0:
+            return 0
+        return to_ns((1.0 if left > 1.0 else left) * self.time[i])
+
+    def record_kernel(self, i: int, seconds: float) -> None:
+        self.seen[i] = True
+        n = self.n_time[i] = self.n_time[i] + 1
+        w = self.window
+        self.time[i] += (seconds - self.time[i]) / (n if n < w else w)
+        self._total = None
+
+    def record_job(self, counts: Sequence[int]) -> None:
+        jobs = self.jobs = self.jobs + 1
+        w = self.window
+        div = jobs if jobs < w else w
+        for i in range(len(self.count)):
+            if self.seen[i]:
+                self.count[i] += (counts[i] - self.count[i]) / div
+            elif counts[i]:
+                self.seen[i] = True
+                self.count[i] = counts[i] / div
+        self._total = None
+
+
+class CoreJob:
+    """A job inside the core: its plan run and scheduling state. ``token`` is the
+    control plane's job, handed back in events and never looked into."""
+    __slots__ = ("token", "seq", "plan", "profile", "unit_key", "level", "pin", "args",
+                 "copies", "deps", "pp", "st", "stream", "lid", "t_rel", "ahead", "tail",
+                 "real", "ready", "in_policy", "left_policy", "pending", "kcount",
+                 "estimate", "remaining", "almost_sent", "failed", "finished", "unit",
+                 "queued", "infifo", "on_device")
+
+    def __init__(self, token: Any, seq: int, plan: PlanSpec, profile: Profile, unit_key: Any,
+                 level: int, pin: int, args: Sequence[Any], copies: Sequence[Any]):
+        n = len(plan.kinds)
+        self.token = token
+        self.seq = seq
+        self.plan = plan
+        self.profile = profile
+        self.unit_key = unit_key
+        self.level = level
+        self.pin = pin
+        self.args = args
+        self.copies = copies
+        self.deps = list(plan.deps)
+        self.pp = list(plan.pp)
+        self.st = list(plan.st)
+        self.stream = [-1] * n
+        self.lid = [-1] * n
+        self.t_rel = [0.0] * n
+        self.ahead = [0] * plan.n_vstreams
+        self.tail = [-1] * plan.n_vstreams
+        self.real = [-1] * plan.n_vstreams        # sticky mode: the bound real stream
+        self.ready: deque[int] = deque()
+        self.in_policy = False
+        self.left_policy = False
+        self.pending = sum(1 for s in plan.st if s != DONE)
+        self.kcount = [0] * len(profile.count)
+        self.estimate = profile.total_ns()
+        self.remaining = self.estimate
+        self.almost_sent = False
+        self.failed: str | None = None
+        self.finished = False
+        self.unit: Any = None
+        self.queued = False
+        self.infifo = False
+        self.on_device = 0
+
+
+class KernelCore:
+    """The reference kernel core (module docstring). ``engine``: the simulated GPU's
+    ``_engine.Gpu`` (its ``launch`` is called directly); ``device``: the device, for
+    copies, events and kernels with a functional effect."""
+
+    def __init__(self, tracker: Any, device: Any, engine: Any, n_streams: int, policy: str,
+                 lookahead: int, group: int, wake_lead: float, threshold: float,
+                 by_client: bool, hold: float, device_error: type, device_lost: type):
+        # The C type's signature, positional as there: make_core() is the friendly door.
+        self.tracker = tracker
+        self.device = device
+        self.engine = engine
+        self.policy = policy
+        self.gated, self.stream_mode, self.eager = POLICIES[policy]
+        self.lookahead = lookahead
+        self.group = group
+        self.lead = to_ns(wake_lead)
+        self.threshold = threshold
+        self.by_client = by_client
+        self.hold = hold or None
+        self.device_error, self.device_lost = device_error, device_lost
+        self.n_streams = n_streams
+        self.plans: list[PlanSpec] = []
+        self.profiles: list[Profile] = []
+        self.free: deque[int] = deque(range(n_streams))
+        self.busy = [0] * n_streams
+        self.rr_stream = 0
+        self.arrivals: deque[CoreJob] = deque()
+        self.copies: deque[tuple[CoreJob, int]] = deque()
+        self.copy_events: dict[int, deque] = {}
+        self.events: list[tuple] = []
+        self.queued = 0
+        self.jobs = 0
+        self.released = 0
+        self.now = 0.0
+        # policies
+        self.heap = IndexedHeap()        # the heap policies; paella's srpt
+        self.turn = 0                    # rr
+        self.level_on_device: dict[int, int] = {}   # priority
+        self.inflight = IndexedHeap()    # paella: live jobs by (remaining, seq)
+        self.fifo: list = []             # paella: (seq, job) of queued jobs
+        self.dheap = IndexedHeap()       # paella: units with a queued job by (-s, useq)
+        self.units: dict[Any, _Unit] = {}
+        self.G = 0.0
+        self.share = 0.0
+        self.useq = 0
+        self.n_live = 0
+
+    # -- the contract ------------------------------------------------------------------------
+    def add_plan(self, spec: PlanSpec) -> int:
+        """Register a compiled plan; its index names it in :meth:`admit`."""
+        self.plans.append(spec)
+        return len(self.plans) - 1
+
+    def add_profile(self, count: Sequence[float], time: Sequence[float],
+                    n_time: Sequence[int], seen: Sequence[bool], jobs: int, window: int) -> int:
+        """Register a model's statistics (the core owns and refines them); its index."""
+        p = Profile(len(count), window)
+        p.count, p.time, p.n_time = list(map(float, count)), list(map(float, time)), list(n_time)
+        p.seen, p.jobs, p._total = [bool(x) for x in seen], jobs, None
+        self.profiles.append(p)
+        return len(self.profiles) - 1
+
+    def profile(self, index: int) -> tuple:
+        """``(count, time, n_time, seen, jobs, total_ns)`` of a registered profile."""
+        p = self.profiles[index]
+        return (list(p.count), list(p.time), list(p.n_time), list(p.seen), p.jobs,
+                p.total_ns())
+
+    def admit(self, token: Any, seq: int, plan: int, profile: int, client: Any = 0,
+              level: int = 0, pin: int = -1, args: Any = None, copies: Any = None) -> None:
+        """A job of plan ``plan`` (index): its ops start in the next :meth:`step`.
+        ``args``: per node, a kernel's arguments (for its effect); ``copies``: per node,
+        a copy's ``(dptr, host)``."""
+        self.arrivals.append(CoreJob(token, seq, self.plans[plan], self.profiles[profile],
+                                     client, level, pin, args, copies))
+        self.jobs += 1
+
+    @property
+    def pending_arrivals(self) -> int:
+        return len(self.arrivals)
+
+    def step(self, now: float) -> list[tuple]:
+        """One pass of the paper's loop: notifQ, copies' events, arrivals, release.
+        Returns the events of this pass."""
+        self.now = now
+        self.events = events = []
+        self.tracker.drain(now, self._kernel_done)
+        if self.copy_events:
+            self._poll_copies()
+        while self.arrivals:
+            self._start(self.arrivals.popleft())
+        if self.queued or self.copies:
+            self._release()
+        return events
+
+    def in_flight(self) -> int:
+        """Jobs admitted and not finished."""
+        return self.jobs
+
+    # -- arrivals ----------------------------------------------------------------------------
+    def _start(self, job: CoreJob) -> None:
+        self._job_arrived(job)
+        plan = job.plan
+        for i in plan.ready:
+            if job.st[i] == READY:
+                self._active(job, i)
+        if job.pending == 0:
+            self._finish(job)
+
+    def _active(self, job: CoreJob, i: int) -> None:
+        job.st[i] = READY
+        if job.plan.kinds[i] == KERNEL:
+            job.ready.append(i)
+            if not job.in_policy:
+                self._queue(job)
+        else:
+            self.copies.append((job, i))
+
+    def _queue(self, job: CoreJob) -> None:
+        job.in_policy = True
+        self.queued += 1
+        self._kernel_ready(job)
+
+    # -- the plan walk (the compiled waitlist's rules) ------------------------------------------
+    def _met(self, job: CoreJob, t: int, stack: list[int]) -> None:
+        job.deps[t] -= 1
+        if job.deps[t] != 0 or job.st[t] != WAITING:
+            return
+        if job.plan.kinds[t] == MARKER:
+            job.st[t] = DONE
+            job.pending -= 1
+            stack.append(t)
+        else:
+            self._active(job, t)
+
+    def _finish_node(self, job: CoreJob, i: int) -> None:
+        job.st[i] = DONE
+        job.pending -= 1
+        plan = job.plan
+        stack = [i]
+        while stack:
+            d = stack.pop()
+            s = plan.succ[d]
+            if s >= 0 and job.pp[s]:
+                job.pp[s] = 0
+                self._met(job, s, stack)
+            for k in range(plan.dstart[d], plan.dstart[d + 1]):
+                self._met(job, plan.dep[k], stack)
+
+    def _release_succ(self, job: CoreJob, i: int) -> None:
+        plan = job.plan
+        s = plan.succ[i]
+        if s < 0 or not job.pp[s] or plan.kinds[s] == MARKER:
+            return
+        job.pp[s] = 0
+        job.deps[s] -= 1
+        if job.deps[s] == 0 and job.st[s] == WAITING:
+            self._active(job, s)
+
+    def _behind(self, job: CoreJob, i: int) -> int:
+        p = job.plan.pred[i]
+        if self.lookahead > 1 and p >= 0 and job.st[p] == RELEASED:
+            return p
+        return -1
+
+    # -- release ------------------------------------------------------------------------------
+    def _release(self) -> None:
+        if self.copies:
+            self._flush_copies()
+        tracker = self.tracker
+        pool = self.stream_mode == "pool"
+        while self.queued:
+            job = self._pick()
+            if job is None:
+                return
+            i = job.ready[0]
+            plan = job.plan
+            k = plan.kernels[plan.kernel[i]]
+            p = self._behind(job, i)
+            if p >= 0 and self.gated and plan.kinds[p] == KERNEL:
+                if not tracker.admits_after(k.demand, plan.kernels[plan.kernel[p]].demand):
+                    return
+            elif not (tracker.admits(k.demand) if self.gated else tracker.flow_ok(k.demand)):
+                return
+            elif pool and not self.free and p < 0 and job.pin < 0:
+                return
+            job.ready.popleft()
+            job.in_policy = False
+            self.queued -= 1
+            c = job.kcount[k.key]
+            job.remaining = left = job.remaining - job.profile.charge_ns(k.key, c)
+            job.kcount[k.key] = c + 1
+            self._released(job)
+            s = self._assign(job, i, p)
+            lid = tracker.release(k.demand, (job, i))
+            job.lid[i] = lid
+            job.t_rel[i] = self.now
+            self.released += 1
+            if self._launch(job, i, k, s, lid):
+                if plan.almost[i] or (self.lead and left <= self.lead and not job.almost_sent
+                                      and job.estimate > 0):
+                    self._almost(job)
+                job.st[i] = RELEASED
+                if self.eager:
+                    self._release_succ(job, i)
+                elif self.lookahead > 1:
+                    v = plan.vstream[i]
+                    job.ahead[v] += 1
+                    job.tail[v] = i
+                    if job.ahead[v] < self.lookahead:
+                        self._release_succ(job, i)
+            if self.copies:
+                self._flush_copies()
+            if job.ready and not job.in_policy and not job.finished:
+                self._queue(job)
+
+    def _assign(self, job: CoreJob, i: int, behind: int) -> int:
+        mode = self.stream_mode
+        if job.pin >= 0 and mode != "single":
+            s = job.pin
+        elif mode == "pool":
+            s = job.stream[behind] if behind >= 0 else self.free.popleft()
+        elif mode == "single":
+            s = 0
+        else:
+            v = job.plan.vstream[i]
+            s = job.real[v]
+            if s < 0:
+                s = job.real[v] = self.rr_stream
+                self.rr_stream = (self.rr_stream + 1) % self.n_streams
+        self.busy[s] += 1
+        job.stream[i] = s
+        return s
+
+    def _stream_done(self, s: int) -> None:
+        self.busy[s] -= 1
+        if self.busy[s] == 0 and self.stream_mode == "pool":
+            self.free.append(s)
+
+    def _launch(self, job: CoreJob, i: int, k: KernelSpec, s: int, lid: int) -> bool:
+        try:
+            if k.effect or self.engine is None:
+                self.device.launch_checked(k.record, s, lid,
+                                           job.args[i] if job.args is not None else None,
+                                           self.group)
+            else:
+                self.engine.launch(k.shape, k.blocks, k.flops, k.nbytes,
+                                   None if k.duration < 0 else k.duration, s, lid, True,
+                                   self.group, None)
+        except self.device_error as e:       # the device refused it: that job fails
+            if isinstance(e, self.device_lost):
+                raise
+            self.tracker.unrelease(lid)
+            self._stream_done(s)
+            job.st[i] = RELEASED
+            self._fail(job, REFUSED, f"{type(e).__name__}: {e}")
+            self._finish_node(job, i)
+            if job.pending == 0:
+                self._finish(job)
+            return False
+        return True
+
+    def _flush_copies(self) -> None:
+        copies = self.copies
+        while copies:
+            job, i = copies[0]
+            if job.st[i] == DROPPED:
+                copies.popleft()
+                continue
+            p = self._behind(job, i)
+            if p < 0 and self.stream_mode == "pool" and not self.free:
+                return
+            copies.popleft()
+            self._launch_copy(job, i, p)
+
+    def _launch_copy(self, job: CoreJob, i: int, behind: int) -> None:
+        s = self._assign(job, i, behind)
+        job.t_rel[i] = self.now
+        if job.plan.almost[i]:
+            self._almost(job)
+        dptr, host = job.copies[i]
+        dev = self.device
+        try:
+            if job.plan.kinds[i] == H2D:
+                dev.memcpy_htod(dptr, host, s)
+            else:
+                dev.memcpy_dtoh(host, dptr, s)
+            ev = dev.record_event(s)
+        except self.device_error as e:       # refused: that job fails
+            if isinstance(e, self.device_lost):
+                raise
+            self._stream_done(s)
+            job.st[i] = RELEASED
+            self._fail(job, REFUSED, f"{type(e).__name__}: {e}")
+            self._finish_node(job, i)
+            if job.pending == 0 and not job.finished:
+                self._finish(job)
+            return
+        self.copy_events.setdefault(s, deque()).append((ev, job, i))
+        job.st[i] = RELEASED
+        if self.eager:
+            self._release_succ(job, i)
+        elif self.lookahead > 1:
+            self._release_succ(job, i)
+
+    # -- completions --------------------------------------------------------------------------
+    def _poll_copies(self) -> None:
+        query = self.device.event_query
+        for s in list(self.copy_events):
+            q = self.copy_events[s]
+            while q and query(q[0][0]):
+                _, job, i = q.popleft()
+                self._op_done(job, i)
+            if not q:
+                del self.copy_events[s]
+
+    def _kernel_done(self, token: Any, t_first: float) -> None:
+        job, i = token
+        plan = job.plan
+        k = plan.kernels[plan.kernel[i]]
+        job.profile.record_kernel(k.key, self.now - t_first)
+        faults = getattr(self.device, "faults", None)
+        if faults and job.lid[i] in faults:
+            reason = faults.pop(job.lid[i])
+            if not job.finished and job.failed is None:
+                self._fail(job, FAULT, reason)
+        if self.policy == "priority" and job.on_device:
+            self._level_count(job, -1)
+        self._op_done(job, i)
+
+    def _op_done(self, job: CoreJob, i: int) -> None:
+        self._stream_done(job.stream[i])
+        self._finish_node(job, i)
+        plan = job.plan
+        if self.lookahead > 1 and plan.kinds[i] == KERNEL and not self.eager:
+            v = plan.vstream[i]
+            job.ahead[v] -= 1
+            tail = job.tail[v]
+            if tail == i:
+                job.tail[v] = -1
+            elif tail >= 0 and job.st[tail] == RELEASED:
+                self._release_succ(job, tail)
+        if job.pending == 0 and not job.finished:
+            self._finish(job)
+
+    def _almost(self, job: CoreJob) -> None:
+        if not job.almost_sent:
+            job.almost_sent = True
+            self.events.append((ALMOST, job.token))
+
+    def _fail(self, job: CoreJob, kind: int, reason: str) -> None:
+        """Stop a job: its unreleased ops are dropped; it finishes once its released
+        ops have drained."""
+        job.failed = reason
+        self.events.append((kind, job.token, reason))
+        for n, st in enumerate(job.st):
+            if st in (WAITING, READY):
+                job.st[n] = DROPPED
+                job.pending -= 1
+        job.ready.clear()
+        self._withdraw(job)
+
+    def _withdraw(self, job: CoreJob) -> None:
+        if not job.left_policy:
+            job.left_policy = True
+            if job.in_policy:
+                self.queued -= 1
+            job.in_policy = False
+            self._job_finished(job)
+
+    def _finish(self, job: CoreJob) -> None:
+        job.finished = True
+        self.jobs -= 1
+        if job.failed is None:
+            job.profile.record_job(job.kcount)
+            self._almost(job)
+        self._withdraw(job)
+        self.events.append((FINISHED, job.token))
+
+    # -- the built-in policies ------------------------------------------------------------------
+    # One contract, as paella.dispatcher.policies.base: job_arrived, kernel_ready, pick,
+    # released, job_finished (kernel_completed: priority's count, in _kernel_done).
+    def _job_arrived(self, job: CoreJob) -> None:
+        if self.policy != "paella":
+            return
+        key = job.unit_key if self.by_client else job
+        unit = self.units.get(key)
+        if unit is None:
+            unit = self.units[key] = _Unit(-self.G, self.useq)
+            self.useq += 1
+            self.share = 1.0 / len(self.units)
+        unit.jobs += 1
+        job.unit = unit
+        self.n_live += 1
+        self.inflight.push(job, job.remaining, job.seq)
+
+    def _kernel_ready(self, job: CoreJob) -> None:
+        pol = self.policy
+        if pol in ("fifo", "ms-jbj", "ms-kbk"):
+            self.heap.push(job, job.seq, 0)
+        elif pol == "sjf":
+            self.heap.push(job, job.estimate, job.seq)
+        elif pol == "rr":
+            self.heap.push(job, self.turn, 0)
+            self.turn += 1
+        elif pol == "priority":
+            self.heap.push(job, job.level * LEVEL_SPAN + job.remaining, job.seq)
+        else:
+            job.queued = True
+            self.heap.push(job, job.remaining, job.seq)
+            unit = job.unit
+            if not job.infifo:
+                job.infifo = True
+                fifo = unit.ready if self.by_client else self.fifo
+                heappush(fifo, (job.seq, job))
+                if len(fifo) > 2 * self.n_live + 64:
+                    self._compact(fifo)
+            unit.nready += 1
+            if unit.nready == 1:
+                self.dheap.push(unit, -unit.s, unit.seq)
+
+    def _pick(self) -> CoreJob | None:
+        pol = self.policy
+        if pol != "paella":
+            job = self.heap.top()
+            if pol == "priority" and job is not None and self.level_on_device:
+                if any(lv < job.level for lv in self.level_on_device):
+                    return None
+            return job
+        unit = self.dheap.top()
+        if unit is not None and self.G - self.dheap.top_key() >= self.threshold:
+            return self._oldest(unit.ready if self.by_client else self.fifo)
+        job = self.heap.top()
+        if job is None:
+            return None
+        other = self.inflight.top()
+        if other is job:
+            return job
+        plan = job.plan
+        k = plan.kernels[plan.kernel[job.ready[0]]]
+        t = self.tracker
+        if not t.starts_now(k.demand):
+            return None
+        if self.hold is None or not self.inflight.top_key() < job.remaining:
+            return job
+        prof = job.profile
+        if (prof.seen[k.key] and prof.time[k.key] * 1e9 > self.hold * other.estimate
+                and not t.fits_now(k.demand)):
+            return None
+        return job
+
+    def _released(self, job: CoreJob) -> None:
+        pol = self.policy
+        self.heap.remove(job)
+        if pol == "priority":
+            self._level_count(job, +1)
+            return
+        if pol != "paella":
+            return
+        job.queued = False
+        unit = job.unit
+        unit.nready -= 1
+        if unit.nready == 0:
+            self.dheap.remove(unit)
+        self.inflight.push(job, job.remaining, job.seq)
+        self.G += self.share
+        unit.s -= 1.0
+        if unit.nready:
+            self.dheap.push(unit, -unit.s, unit.seq)
+        if self.G > _REBASE:
+            g = self.G
+            self.G = 0.0
+            for u in self.units.values():
+                u.s += g
+            self.dheap.shift(-g)
+
+    def _job_finished(self, job: CoreJob) -> None:
+        pol = self.policy
+        self.heap.remove(job)
+        if pol == "priority":
+            if job.on_device:
+                self._level_count(job, -job.on_device)
+            return
+        if pol != "paella":
+            return
+        unit = job.unit
+        if job.queued:
+            job.queued = False
+            unit.nready -= 1
+            if unit.nready == 0:
+                self.dheap.remove(unit)
+        self.inflight.remove(job)
+        self.n_live -= 1
+        unit.jobs -= 1
+        if unit.jobs == 0:
+            key = job.unit_key if self.by_client else job
+            del self.units[key]
+            if self.units:
+                self.share = 1.0 / len(self.units)
+
+    def _level_count(self, job: CoreJob, n: int) -> None:
+        job.on_device += n
+        m = self.level_on_device.get(job.level, 0) + n
+        if m:
+            self.level_on_device[job.level] = m
+        else:
+            self.level_on_device.pop(job.level, None)
+
+    @staticmethod
+    def _compact(fifo: list) -> None:
+        keep = []
+        for e in fifo:
+            if e[1].queued:
+                keep.append(e)
+            else:
+                e[1].infifo = False
+        heapify(keep)
+        fifo[:] = keep
+
+    @staticmethod
+    def _oldest(fifo: list) -> CoreJob:
+        while fifo:
+            job = fifo[0][1]
+            if job.queued:
+                return job
+            heappop(fifo)
+            job.infifo = False
+        raise AssertionError("a unit counted as ready has no ready job")
+
+
+class _Unit:
+    """paella's fairness unit: its deficit ``s`` (``deficit = s + G``), ready jobs, live
+    jobs and creation order (the deficit heap's tie-break)."""
+    __slots__ = ("s", "nready", "ready", "jobs", "seq")
+
+    def __init__(self, s: float, seq: int):
+        self.s = s
+        self.nready = 0
+        self.ready: list = []       # client mode: (seq, job) of its queued jobs
+        self.jobs = 0
+        self.seq = seq
+
+
+def make_core(impl: str, tracker: Any, device: Any, policy: str = "paella", *,
+              lookahead: int = 1, group: int = 16, wake_lead: float = 0.0,
+              fairness_threshold: float | None = None, fairness_unit: str = "job",
+              hold_factor: float | None = DEFAULT_HOLD_FACTOR, direct: bool = True) -> Any:
+    """A kernel core: ``impl`` "c" (``_kcore.KernelCore``) or "python" (the reference).
+    ``direct``: launch kernels into the simulated engine by a direct call (a SimDevice
+    in virtual time); otherwise every launch goes through ``device.launch_checked``."""
+    from paella.dispatcher.devices.base import DeviceError, DeviceLost
+    if policy not in POLICIES:
+        raise ValueError(f"the kernel core has no built-in policy {policy!r}; it has "
+                         f"{', '.join(POLICIES)}")
+    if type(lookahead) is not int or lookahead < 1:
+        raise ValueError(f"lookahead must be an int >= 1, got {lookahead!r}")
+    if fairness_unit not in ("job", "client"):
+        raise ValueError(f"fairness_unit must be 'job' or 'client', got {fairness_unit!r}")
+    threshold = DEFAULT_FAIRNESS_THRESHOLD if fairness_threshold is None \
+        else float(fairness_threshold)
+    engine = getattr(device, "gpu", None) if direct else None
+    if impl == "c":
+        from .native import load
+        cls = load("_kcore").KernelCore
+    elif impl == "python":
+        cls = KernelCore
+    else:
+        raise ValueError(f"kernel core implementation must be 'c' or 'python', got {impl!r}")
+    return cls(tracker, device, engine, len(device.streams), policy, lookahead, group,
+               float(wake_lead), threshold, fairness_unit == "client",
+               float(hold_factor or 0.0), DeviceError, DeviceLost)
+
+
+__all__ = ["make_core", "ALMOST", "FINISHED", "REFUSED", "FAULT", "POLICIES", "KernelSpec", "PlanSpec",
+           "Profile", "KernelCore", "plan_spec", "to_ns"]
