@@ -1825,12 +1825,29 @@ static struct PyModuleDef module = {
     "The kernel core in C (paella.dispatcher.kernel_core).", -1, NULL,
 };
 
+/* The C API of module `mod` (its _C_API capsule named `name`): imported through
+   sys.modules, so a build loaded in place of the installed one (the sanitizer test's)
+   is the one used. */
+static void *import_api(const char *mod, const char *name)
+{
+    PyObject *m = PyImport_ImportModule(mod);
+    if (m == NULL)
+        return NULL;
+    PyObject *cap = PyObject_GetAttrString(m, "_C_API");
+    Py_DECREF(m);
+    if (cap == NULL)
+        return NULL;
+    void *api = PyCapsule_GetPointer(cap, name);
+    Py_DECREF(cap);
+    return api;
+}
+
 PyMODINIT_FUNC PyInit__kcore(void)
 {
-    TAPI = PyCapsule_Import(PAELLA_TRACKER_CAPSULE, 0);
+    TAPI = import_api("paella.dispatcher._tracker", PAELLA_TRACKER_CAPSULE);
     if (TAPI == NULL)
         return NULL;
-    EAPI = PyCapsule_Import(PAELLA_ENGINE_CAPSULE, 0);
+    EAPI = import_api("paella.dispatcher.devices.sim._engine", PAELLA_ENGINE_CAPSULE);
     if (EAPI == NULL)
         return NULL;
     if (PyType_Ready(&CoreType) < 0)

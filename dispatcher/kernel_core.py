@@ -41,6 +41,7 @@ from typing import Any, Callable, Sequence
 
 from paella.dispatcher.devices.base import D2H, H2D, KERNEL, MARKER
 
+from .native import load
 from .pqueue import IndexedHeap
 
 #: Event kinds out of :meth:`KernelCore.step`.
@@ -136,8 +137,8 @@ class PlanSpec:
             raise ValueError("PlanSpec: a virtual stream index is out of range")
 
 
-def plan_spec(replay: Any, key_of: Callable[[str], int], shape_of: Callable[[Any], int],
-              tracker: Any) -> PlanSpec:
+def plan_spec(replay: Any, key_of: Callable[[str], int],
+              shape_of: Callable[[Any], int]) -> PlanSpec:
     """The :class:`PlanSpec` of a compiled :class:`~paella.dispatcher.replay.ReplayPlan`.
     ``key_of(name)``: the model's kernel index of a kernel name; ``shape_of(fp)``: the
     engine's shape id of a footprint (``SimDevice._shapes``)."""
@@ -828,6 +829,56 @@ class _Unit:
         self.seq = seq
 
 
+@dataclass(frozen=True, slots=True)
+class CoreModel:
+    """A model registered with a core: its plan and profile indices there, its spec, the
+    kernel names in profile order, and where each node's operands come from (per node:
+    its plan step, -1 for MARKERs)."""
+    plan: int
+    profile: int
+    spec: PlanSpec
+    names: tuple[str, ...]
+    steps: tuple[int, ...]
+
+
+def register_model(core: Any, replay: Any, profile: Any, device: Any) -> CoreModel:
+    """Register a compiled ``ReplayPlan`` and its model's ``ModelProfile`` (the legacy
+    statistics, seeded by profiling runs) with ``core``."""
+    names = list(profile.kernels)
+    for step in replay.steps:                # kernels never profiled come last
+        if step.kind == KERNEL and step.launch.name not in names:
+            names.append(step.launch.name)
+    index = {n: i for i, n in enumerate(names)}
+    spec = plan_spec(replay, index.__getitem__, device._shapes.__getitem__)
+    stats = [profile.kernels.get(n) for n in names]
+    pi = core.add_plan(spec)
+    fi = core.add_profile([k.count if k else 0.0 for k in stats],
+                          [k.time if k else 0.0 for k in stats],
+                          [k.n_time if k else 0 for k in stats],
+                          [k is not None for k in stats], profile.jobs, profile.window)
+    steps = [-1] * len(spec.kinds)
+    for i, node in enumerate(replay._nodes):
+        if node >= 0:
+            steps[node] = i
+    return CoreModel(pi, fi, spec, tuple(names), tuple(steps))
+
+
+def job_operands(model: CoreModel, replay: Any, bound: Sequence[Any], io: Any) -> tuple:
+    """``(args, copies)`` of one job for :meth:`KernelCore.admit`: per node, a kernel's
+    bound arguments and a copy's ``(dptr, host view of io)``."""
+    args: list[Any] = [None] * len(model.steps)
+    copies: list[Any] = [None] * len(model.steps)
+    for node, i in enumerate(model.steps):
+        if i < 0:
+            continue
+        step = replay.steps[i]
+        if step.kind == KERNEL:
+            args[node] = bound[i]
+        else:
+            copies[node] = (bound[i], io[step.io_start:step.io_end])
+    return tuple(args), tuple(copies)
+
+
 def make_core(impl: str, tracker: Any, device: Any, policy: str = "paella", *,
               lookahead: int = 1, group: int = 16, wake_lead: float = 0.0,
               fairness_threshold: float | None = None, fairness_unit: str = "job",
@@ -847,7 +898,6 @@ def make_core(impl: str, tracker: Any, device: Any, policy: str = "paella", *,
         else float(fairness_threshold)
     engine = getattr(device, "gpu", None) if direct else None
     if impl == "c":
-        from .native import load
         cls = load("_kcore").KernelCore
     elif impl == "python":
         cls = KernelCore

@@ -1,7 +1,8 @@
 """The C modules under AddressSanitizer and UndefinedBehaviorSanitizer: rebuilt with
 both, loaded in a subprocess in place of the installed builds, and driven through the
 tracker's, the heap's and the compiled replay's edge cases and whole dispatcher runs
-(single- and multi-stream plans, compiled and reference replay). A memory error or
+(single- and multi-stream plans, compiled and reference replay), and the kernel core
+against its Python reference. A memory error or
 undefined behaviour aborts the subprocess, which fails the test. The subprocess runs
 with ``PYTHONMALLOC=malloc``: Python's own small-object allocator would otherwise serve
 most objects from its arenas, where ASan sees neither a use after free nor an
@@ -15,7 +16,7 @@ import pytest
 
 import sanitized_build
 from sanitized_build import ROOT
-MODULES = ("_tracker", "_pqueue", "_replay")
+MODULES = ("_tracker", "_pqueue", "_replay", "_kcore")
 
 DRIVER = r'''
 import importlib.util, random, sys
@@ -49,7 +50,7 @@ tt = tracker.Tracker(preset("t4"), np.zeros(1024, np.uint64), extra_blocks=0, gr
 dd, tiny = tracker.Demand(80, 32, 32768, 0, 160), tracker.Demand(1, 1, 1024, 0, 2)
 tt.release(dd, object())
 assert not tt.admits(dd) and tt.admits_after(dd, dd) and not tt.admits_after(dd, tiny)
-from paella.experiments import bench_dispatcher as b
+from paella.benchmarks import bench_dispatcher as b
 b.measure_alone(300, "paella", window=100)
 b.measure_whole(200, "paella")
 sys.path.insert(0, TESTS)
@@ -61,6 +62,19 @@ t.test_the_graph_and_the_run_refuse_what_does_not_fit()
 t.test_a_compiled_job_drops_its_ops_when_done()
 import test_tracker
 assert test_tracker.serve_uneven_conv(16, requests=2) == (0, {0})
+import test_kernel_core as k
+from paella.dispatcher import kernel_core
+assert kernel_core.load("_kcore").KernelCore.__module__ == "paella.dispatcher._kcore"
+for policy, ahead in (("paella", 3), ("paella", 1), ("fifo", 1), ("ms-jbj", 3), ("priority", 1)):
+    k.test_both_cores_serve_plans_as_the_legacy_dispatcher(policy, ahead, None)
+plans = [t.random_plan(s) for s in (3, 4)]
+times = k.arrivals(25, 3, 50e-6)
+picks = [i % 2 for i in range(25)]
+for policy in ("paella", "rr", "ms-kbk"):
+    assert (k.run_core("c", plans, policy, 3, 0, times, picks, True)
+            == k.run_core("python", plans, policy, 3, 0, times, picks, True))
+k.test_a_refused_launch_fails_its_job_and_the_others_go_on()
+k.test_a_plan_spec_that_lies_is_refused_with_a_reason()
 print("sanitized run ok")
 '''
 

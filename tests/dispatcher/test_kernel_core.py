@@ -1,0 +1,191 @@
+"""The kernel core (paella.dispatcher.kernel_core, dispatcher/_kcore.c): the C core and
+its Python reference produce the same events at the same times, and both serve plans
+exactly as the legacy dispatcher does (same completion time for every request)."""
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from paella.dispatcher import kernel_core as kc
+from paella.dispatcher.adaptor import PlanAdaptor
+from paella.dispatcher.core import STATUS_OK, Dispatcher, Request
+from paella.dispatcher.devices.sim import SimDevice
+
+from test_compiled_replay import random_plan
+from test_plan_events import event_plan
+
+POLICIES = tuple(kc.POLICIES)
+
+
+def fig2_plan():
+    from paella.experiments.harness import adaptor_for
+    from paella.models.synthetic import figure2_job
+    return adaptor_for(figure2_job(), 64, 64)().plan
+
+
+def arrivals(n: int, seed: int, gap: float) -> list[tuple[float, int]]:
+    rng = random.Random(seed)
+    t, out = 0.0, []
+    for _ in range(n):
+        t += rng.expovariate(1 / gap)
+        out.append(t)
+    return out
+
+
+def setup(plans, policy, lookahead, extra_blocks):
+    dev = SimDevice("gtx1660s", n_streams=16, notifq_slots=1 << 12, seed=1)
+    d = Dispatcher(dev, policy, lookahead=lookahead, extra_blocks=extra_blocks, profile_runs=1)
+    mids = [d.register_model(p.name, PlanAdaptor(p)) for p in plans]
+    return dev, d, mids
+
+
+def run_legacy(plans, policy, lookahead, extra_blocks, times, picks):
+    dev, d, mids = setup(plans, policy, lookahead, extra_blocks)
+    t0 = dev.now()
+    done = {}
+    i = 0
+    while i < len(times) or d.in_flight or d.pending_arrivals:
+        while i < len(times) and t0 + times[i] <= dev.now():
+            m = d.models[mids[picks[i]]]
+            d.submit(Request(i, i % 3, m.model_id, np.zeros(m.adaptor.io_bytes, np.uint8),
+                             on_complete=lambda r, s, e: done.__setitem__(r.req_id, (dev.now(), s))))
+            i += 1
+        d.step()
+        if d.idle and not d.pending_arrivals:
+            nxt = t0 + times[i] if i < len(times) else np.inf
+            dev.run_until(min(dev.next_event_time(), nxt))
+    return done
+
+
+def run_core(impl, plans, policy, lookahead, extra_blocks, times, picks, client_unit=False):
+    """The same arrivals through a kernel core on the legacy dispatcher's registered
+    models (their profiles and buffer sets); every event with its time."""
+    dev, d, mids = setup(plans, policy, lookahead, extra_blocks)
+    core = kc.make_core(impl, d.tracker, dev, policy, lookahead=lookahead, group=d.group,
+                        fairness_unit="client" if client_unit else "job")
+    models = []
+    for mid in mids:
+        m = d.models[mid]
+        cm = kc.register_model(core, m.replay, m.profile, dev)
+        models.append((m, cm))
+    t0 = dev.now()
+    events = []
+    held = {}
+    i = 0
+    while i < len(times) or core.jobs:
+        while i < len(times) and t0 + times[i] <= dev.now():
+            m, cm = models[picks[i]]
+            bindings = m.pool.acquire()
+            held[i] = (m.pool, bindings)
+            io = np.zeros(m.adaptor.io_bytes, np.uint8)
+            args, copies = kc.job_operands(cm, m.replay, bindings.bound, io)
+            core.admit(i, 10_000 + i, cm.plan, cm.profile, client=i % 3, args=args,
+                       copies=copies)
+            i += 1
+        ev = core.step(dev.now())
+        for e in ev:
+            events.append((dev.now(), *e))
+            if e[0] == kc.FINISHED:
+                pool, b = held.pop(e[1])
+                pool.release(b)
+        if not ev and not core.pending_arrivals:
+            nxt = t0 + times[i] if i < len(times) else np.inf
+            t = min(dev.next_event_time(), nxt)
+            assert t < np.inf, "the core stalled with jobs in flight"
+            dev.run_until(t)
+    profiles = [core.profile(cm.profile) for _, cm in models]
+    return events, profiles
+
+
+def finished(events):
+    return {e[2]: e[0] for e in events if e[1] == kc.FINISHED}
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("lookahead,extra_blocks", [(1, None), (3, None), (1, 0)])
+def test_both_cores_serve_plans_as_the_legacy_dispatcher(policy, lookahead, extra_blocks):
+    plans = [fig2_plan(), event_plan(streams=True)]
+    times = arrivals(60, 1, 150e-6)
+    picks = [random.Random(k).randrange(2) for k in range(len(times))]
+    legacy = run_legacy(plans, policy, lookahead, extra_blocks, times, picks)
+    assert all(s == STATUS_OK for _, s in legacy.values())
+    for impl in ("python", "c"):
+        events, _ = run_core(impl, plans, policy, lookahead, extra_blocks, times, picks)
+        got = finished(events)
+        assert sorted(got) == sorted(legacy)
+        assert all(got[k] == legacy[k][0] for k in got), impl
+        # Every job woke its clients exactly once, before (or as) it finished.
+        almost = [e[2] for e in events if e[1] == kc.ALMOST]
+        assert sorted(almost) == sorted(got)
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seeds=st.lists(st.integers(0, 10_000), min_size=1, max_size=3, unique=True),
+       policy=st.sampled_from(POLICIES), lookahead=st.sampled_from((1, 3)),
+       extra_blocks=st.sampled_from((None, 0)), n=st.integers(1, 30),
+       gap=st.sampled_from((20e-6, 100e-6, 400e-6)), client=st.booleans())
+def test_the_c_core_matches_the_reference_event_for_event(seeds, policy, lookahead,
+                                                          extra_blocks, n, gap, client):
+    plans = [random_plan(s) for s in seeds]
+    times = arrivals(n, seeds[0], gap)
+    picks = [random.Random(k).randrange(len(plans)) for k in range(n)]
+    ref = run_core("python", plans, policy, lookahead, extra_blocks, times, picks, client)
+    c = run_core("c", plans, policy, lookahead, extra_blocks, times, picks, client)
+    assert c == ref
+    assert len(finished(ref[0])) == n
+
+
+def test_a_refused_launch_fails_its_job_and_the_others_go_on():
+    from paella.dispatcher.devices.base import DeviceError
+    plans = [fig2_plan()]
+    for impl in ("python", "c"):
+        dev, d, mids = setup(plans, "paella", 1, None)
+        calls = {"n": 0}
+        real = dev.memcpy_htod
+
+        def flaky(dst, src, stream=0):
+            calls["n"] += 1
+            if calls["n"] == 2:
+                raise DeviceError("bad pointer (injected)")
+            return real(dst, src, stream)
+        dev.memcpy_htod = flaky
+        core = kc.make_core(impl, d.tracker, dev, "paella", group=d.group)
+        m = d.models[mids[0]]
+        cm = kc.register_model(core, m.replay, m.profile, dev)
+        for i in range(3):
+            io = np.zeros(m.adaptor.io_bytes, np.uint8)
+            args, copies = kc.job_operands(cm, m.replay, m.pool.acquire().bound, io)
+            core.admit(i, i, cm.plan, cm.profile, args=args, copies=copies)
+        events = []
+        while core.jobs:
+            events += core.step(dev.now())
+            if core.jobs:
+                dev.run_until(dev.next_event_time())
+        kinds = [(e[0], e[1]) for e in events]
+        assert (kc.REFUSED, 1) in kinds, impl
+        assert [k for k, j in kinds if k == kc.FINISHED] == [kc.FINISHED] * 3
+        assert (kc.ALMOST, 1) not in kinds        # a failed job wakes nobody
+
+
+def test_a_plan_spec_that_lies_is_refused_with_a_reason():
+    dev, d, mids = setup([fig2_plan()], "paella", 1, None)
+    core = kc.make_core("c", d.tracker, dev, "paella", group=d.group)
+    m = d.models[mids[0]]
+    cm = kc.register_model(core, m.replay, m.profile, dev)
+    with pytest.raises(ValueError, match="out of range"):
+        kc.PlanSpec(**{**{f: getattr(cm.spec, f) for f in cm.spec.__slots__},
+                       "succ": (99,) * len(cm.spec.kinds)})
+    fake = type("Spec", (), {f: getattr(cm.spec, f) for f in cm.spec.__slots__})()
+    fake.succ = (99,) * len(cm.spec.kinds)
+    with pytest.raises(ValueError, match="succ"):
+        core.add_plan(fake)
+    with pytest.raises(ValueError, match="unknown plan"):
+        core.admit(0, 0, 7, cm.profile)
+    with pytest.raises(ValueError, match="copies"):
+        core.admit(0, 0, cm.plan, cm.profile, copies=())
+    with pytest.raises(ValueError, match="no built-in policy"):
+        kc.make_core("c", d.tracker, dev, "nope")
