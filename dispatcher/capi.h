@@ -50,6 +50,9 @@ typedef struct {
     int (*launch)(PyObject *g, int shape, long long blocks, double flops, double nbytes,
                   double duration, int stream, uint32_t launch_id, int instrumented,
                   int group);
+    /* notifQ writes and completed ops so far (what a host could see): nothing a host
+       polls can have changed while this stays the same. */
+    unsigned long long (*observed)(PyObject *g);
 } PaellaEngineAPI;
 
 #define PAELLA_TRACKER_CAPSULE "paella.dispatcher._tracker._C_API"

@@ -1866,7 +1866,12 @@ static int api_launch(PyObject *o, int sh, long long blocks, double flops, doubl
     return 0;
 }
 
-static PaellaEngineAPI engine_api = {api_check, api_launch};
+static unsigned long long api_observed(PyObject *o)
+{
+    return ((Gpu *)o)->observed;
+}
+
+static PaellaEngineAPI engine_api = {api_check, api_launch, api_observed};
 
 PyMODINIT_FUNC PyInit__engine(void)
 {

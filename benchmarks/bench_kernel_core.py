@@ -1,0 +1,160 @@
+"""Benchmark (not a test): the kernel core's cost per released kernel, the C core
+(``dispatcher/_kcore.c``) against its Python reference (``dispatcher/kernel_core.py``),
+single- and multi-stream plans, policy ``paella``.
+
+    .venv/bin/python -m paella.benchmarks.bench_kernel_core                 # us per kernel
+    .venv/bin/python -m paella.benchmarks.bench_kernel_core --instructions  # + callgrind
+
+The plans are ``bench_replay``'s: **single** (Figure 2's job: an H2D copy, 8 dependent
+kernels, a D2H copy) and **multi** (a fork-join on four streams with events, 11
+kernels). Jobs arrive 4 at a time on the simulated GTX 1660 SUPER in virtual time; the
+clock jumps to the next device event whenever a step has nothing to do.
+
+* **us per kernel**: thread CPU of ``core.admit`` + ``core.step`` (everything per
+  kernel: notifQ drain, completion, plan walk, SRPT estimate, policy, tracker, stream
+  map, the launch into the simulated engine, and the copies' device calls), median over
+  windows of 500 jobs, the two cores alternated ``--repeat`` times; the median of the
+  runs' medians. The simulated GPU's own work between steps (``run_until``) is not
+  counted: it stands in for the hardware.
+* **instructions per kernel** (``--instructions``): ``valgrind --tool=callgrind
+  --toggle-collect=Core_step --toggle-collect=Core_admit`` (the C core's two entry
+  points, with everything they call) on a run of ``--small`` and one of ``--large``
+  jobs; the difference over the kernels between the two. Callgrind counts are
+  repeatable whatever the host does. (The Python reference's count, and the legacy
+  dispatcher's, come from ``bench_replay --instructions``: the whole loop.)
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any, Callable
+
+import numpy as np
+
+from paella.benchmarks.bench_replay import PLANS
+from paella.dispatcher import kernel_core as kc
+from paella.dispatcher.core import Dispatcher
+from paella.dispatcher.devices.base import KERNEL
+from paella.dispatcher.devices.sim import SimDevice
+
+CORES = ("python", "c")
+
+
+def setup(plan: str, impl: str) -> tuple[SimDevice, Any, Any, Any, int]:
+    """A device, a core, the model (legacy record, for its buffer pool) and its core
+    registration, and the plan's kernels per job."""
+    dev = SimDevice("gtx1660s", n_streams=1024, seed=1)
+    d = Dispatcher(dev, "paella")
+    mid = d.register_model(plan, PLANS[plan]())
+    m = d.models[mid]
+    core = kc.make_core(impl, d.tracker, dev, "paella", group=d.group)
+    cm = kc.register_model(core, m.replay, m.profile, dev)
+    kernels = sum(1 for s in m.replay.steps if s.kind == KERNEL)
+    return dev, core, m, cm, kernels
+
+
+def drive(dev: SimDevice, core: Any, m: Any, cm: Any, n_jobs: int, batch: int = 4,
+          on_window: Callable[[int], None] | None = None, window: int = 500) -> None:
+    """Admit ``n_jobs`` jobs, ``batch`` per step while fewer than 64 are in flight; the
+    clock jumps when a step did nothing."""
+    io = np.zeros(m.adaptor.io_bytes, np.uint8)
+    sets = [m.pool.acquire() for _ in range(64 + batch)]
+    operands = [kc.job_operands(cm, m.replay, b.bound, io) for b in sets]
+    admitted = finished = 0
+    step = core.step
+    admit = core.admit
+    while finished < n_jobs:
+        k = 0
+        while admitted < n_jobs and core.jobs < 64 and k < batch:
+            args, copies = operands[admitted % len(operands)]
+            admit(admitted, admitted, cm.plan, cm.profile, 0, 0, -1, args, copies)
+            admitted += 1
+            k += 1
+        ev = step(dev.now())
+        for e in ev:
+            if e[0] == kc.FINISHED:
+                finished += 1
+                if on_window is not None and finished % window == 0:
+                    on_window(window)
+        if not ev and not core.pending_arrivals:
+            dev.run_until(dev.next_event_time())
+
+
+def us_per_kernel(plan: str, impl: str, n_jobs: int) -> float:
+    dev, core, m, cm, kernels = setup(plan, impl)
+    cpu = [0.0]
+    real_step = core.step
+
+    class Timed:                       # thread CPU of the core's calls only
+        def __getattr__(self, name: str) -> Any:
+            return getattr(core, name)
+
+        def step(self, now: float) -> list:
+            c0 = time.thread_time()
+            try:
+                return real_step(now)
+            finally:
+                cpu[0] += time.thread_time() - c0
+
+    out = []
+
+    def window(jobs: int) -> None:
+        out.append(cpu[0] / (jobs * kernels))
+        cpu[0] = 0.0
+    drive(dev, Timed(), m, cm, n_jobs, on_window=window)
+    return float(np.median(out) * 1e6)
+
+
+def instructions_per_kernel(plan: str, small: int, large: int) -> float:
+    counts = []
+    for n in (small, large):
+        with tempfile.NamedTemporaryFile(suffix=".cg") as f:
+            subprocess.run(["valgrind", "--tool=callgrind", "--toggle-collect=Core_step",
+                            "--toggle-collect=Core_admit", f"--callgrind-out-file={f.name}",
+                            sys.executable, "-m", "paella.benchmarks.bench_kernel_core",
+                            "--count", str(n), "--plan", plan],
+                           check=True, capture_output=True,
+                           env=dict(os.environ, PYTHONHASHSEED="0"))
+            text = open(f.name).read()
+        counts.append(int(re.search(r"^(?:summary|totals): (\d+)", text, re.M).group(1)))
+    kernels = setup(plan, "c")[4]
+    return (counts[1] - counts[0]) / ((large - small) * kernels)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--jobs", type=int, default=6000)
+    p.add_argument("--repeat", type=int, default=3)
+    p.add_argument("--instructions", action="store_true", help="also count with callgrind")
+    p.add_argument("--small", type=int, default=200)
+    p.add_argument("--large", type=int, default=1000)
+    p.add_argument("--count", type=int, help=argparse.SUPPRESS)   # one run, for callgrind
+    p.add_argument("--plan", choices=tuple(PLANS), help=argparse.SUPPRESS)
+    a = p.parse_args()
+    if a.count is not None:
+        dev, core, m, cm, _ = setup(a.plan, "c")
+        drive(dev, core, m, cm, a.count)
+        return
+    print(f"kernel core alone, policy paella, {a.jobs} jobs per run, {a.repeat} alternated runs")
+    for plan in PLANS:
+        runs: dict[str, list[float]] = {c: [] for c in CORES}
+        for _ in range(a.repeat):
+            for impl in CORES:
+                runs[impl].append(us_per_kernel(plan, impl, a.jobs))
+        py, c = (float(np.median(runs[i])) for i in CORES)
+        print(f"  {plan:6s} us/kernel   python {py:6.2f}  c {c:6.3f}  ({py / c:.1f}x faster)   "
+              f"runs: " + " / ".join(f"{x:.2f}|{y:.3f}" for x, y in zip(*runs.values())),
+              flush=True)
+        if a.instructions:
+            ci = instructions_per_kernel(plan, a.small, a.large)
+            print(f"  {plan:6s} instr/kernel c {ci:,.0f} (Core_step + Core_admit, callgrind)",
+                  flush=True)
+
+
+if __name__ == "__main__":
+    main()
