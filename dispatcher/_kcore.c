@@ -267,8 +267,12 @@ typedef struct {
     Prof *prof;
     int unit, level, pin, pending, on_device;
     int32_t *deps, *stream, *ahead, *tail, *real, *rq, *kcount;
-    uint8_t *pp, *st;
+    uint8_t *pp, *st, *cdone;
     int64_t *lid;
+    /* direct copies (the engine's C API): per node, where the bytes go and come from */
+    void **cdst;
+    const void **csrc;
+    int64_t *cbytes;
     int rq_head, rq_n;
     int64_t estimate, remaining;
     uint8_t in_policy, left_policy, almost_sent, finished, queued, infifo, failed;
@@ -363,6 +367,8 @@ static PyObject *new_ref_tuple(int kind, PyObject *token, const char *reason)
 
 static int emit(Core *c, int kind, Job *j, const char *reason)
 {
+    if (c->events == NULL && (c->events = PyList_New(0)) == NULL)
+        return -1;
     PyObject *t = new_ref_tuple(kind, j->token, reason);
     if (t == NULL)
         return -1;
@@ -912,11 +918,34 @@ static int refused_reason(Core *c, char *buf, size_t n)
     return 1;
 }
 
+/* The engine's completion of a direct copy (inside its event processing: only a flag;
+   the next step's poll_copies completes the op, in the reference's order). */
+static void copy_landed(void *ctx, uint64_t tag)
+{
+    Core *c = ctx;
+    c->jobs[tag >> 32]->cdone[(uint32_t)tag] = 1;
+}
+
 static int launch_copy(Core *c, int32_t id, Job *j, int i, int behind)
 {
     int s = assign(c, j, i, behind);
     if (j->plan->almost[i] && almost(c, j) < 0)
         return -1;
+    if (j->cdst[i] != NULL) {
+        /* Direct: the engine moves the bytes at the copy's completion and flags it. */
+        if (EAPI->copy(c->engine, j->plan->kind[i], s, j->cbytes[i], j->cdst[i], j->csrc[i],
+                       copy_landed, c, ((uint64_t)id << 32) | (uint32_t)i) < 0)
+            return -1;
+        if (c->cev[s].n == 0)
+            c->cev_order[c->ncev++] = s;
+        Ref ref = {id, j->seq, i, NULL};
+        if (refq_push(&c->cev[s], ref) < 0)
+            return -1;
+        j->st[i] = RELEASED;
+        if (c->eager || c->lookahead > 1)
+            return release_succ(c, id, j, i);
+        return 0;
+    }
     PyObject *pair = PyTuple_GET_ITEM(j->copies, i);
     PyObject *dptr = PyTuple_GET_ITEM(pair, 0), *host = PyTuple_GET_ITEM(pair, 1);
     PyObject *stream = PyLong_FromLong(s);
@@ -980,18 +1009,23 @@ static int poll_copies(Core *c)
         RefQ *q = &c->cev[s];
         while (q->n) {
             Ref *r = refq_front(q);
-            PyObject *res = PyObject_CallOneArg(c->event_query, r->event);
-            if (res == NULL)
-                return -1;
-            int done = PyObject_IsTrue(res);
-            Py_DECREF(res);
-            if (done < 0)
-                return -1;
+            int done;
+            if (r->event == NULL)
+                done = c->jobs[r->job]->cdone[r->node];
+            else {
+                PyObject *res = PyObject_CallOneArg(c->event_query, r->event);
+                if (res == NULL)
+                    return -1;
+                done = PyObject_IsTrue(res);
+                Py_DECREF(res);
+                if (done < 0)
+                    return -1;
+            }
             if (!done)
                 break;
             Ref x = *r;
             refq_pop(q);
-            Py_DECREF(x.event);
+            Py_XDECREF(x.event);
             Job *j = job_of(c, x.job, x.seq);
             if (j != NULL && op_done(c, x.job, j, x.node) < 0)
                 return -1;
@@ -1147,7 +1181,7 @@ static int init_job_arrays(Job *j, Plan *p, Prof *pr)
     /* One block: int32 arrays, then int64, then bytes. */
     size_t n = p->n, nv = p->nv, nk = pr->nk;
     size_t i32 = 3 * n + 3 * nv + nk;   /* deps, stream, rq; ahead, tail, real; kcount */
-    size_t bytes = i32 * 4 + n * 8 + 2 * n + 8;
+    size_t bytes = i32 * 4 + 8 + n * 8 * 4 + 3 * n;
     char *mem = PyMem_Calloc(1, bytes + 8);
     if (mem == NULL)
         return -1;
@@ -1162,8 +1196,12 @@ static int init_job_arrays(Job *j, Plan *p, Prof *pr)
     char *q = (char *)a;
     q += (8 - ((uintptr_t)q & 7)) & 7;
     j->lid = (int64_t *)q, q += n * 8;
+    j->cbytes = (int64_t *)q, q += n * 8;
+    j->cdst = (void **)q, q += n * 8;
+    j->csrc = (const void **)q, q += n * 8;
     j->pp = (uint8_t *)q, q += n;
-    j->st = (uint8_t *)q;
+    j->st = (uint8_t *)q, q += n;
+    j->cdone = (uint8_t *)q;
     memcpy(j->deps, p->deps0, n * sizeof(int32_t));
     memcpy(j->pp, p->pp0, n);
     memcpy(j->st, p->st0, n);
@@ -1483,6 +1521,51 @@ fail:
     return NULL;
 }
 
+/* The raw bytes of a buffer-protocol object (kept alive by the job's copies tuple), or
+   NULL with the reason; `writable` for a copy's destination. */
+static void *raw_bytes(PyObject *o, int writable, Py_ssize_t *len)
+{
+    Py_buffer v;
+    if (PyObject_GetBuffer(o, &v, PyBUF_C_CONTIGUOUS | (writable ? PyBUF_WRITABLE : 0)) < 0)
+        return NULL;
+    void *p = v.buf;
+    *len = v.len;
+    /* Trick (labelled): the view is released at once; the pointer stays valid while the
+       object lives (numpy arrays and bytearrays do not move their data while viewed or
+       not: neither is resized here), and the job holds the object until it finishes. */
+    PyBuffer_Release(&v);
+    return p;
+}
+
+/* Direct copies: each copy node's entry (dptr, host, device_view) gives raw pointers;
+   an entry without a device view (None: its range is not on the device) keeps the
+   device's Python path, which refuses it with the reason. */
+static int direct_copies(Job *j, Plan *p, PyObject *copies)
+{
+    for (int i = 0; i < p->n; i++) {
+        if (p->kind[i] != H2D && p->kind[i] != D2H)
+            continue;
+        PyObject *e = PyTuple_GET_ITEM(copies, i);
+        if (PyTuple_GET_SIZE(e) < 3 || PyTuple_GET_ITEM(e, 2) == Py_None)
+            continue;
+        Py_ssize_t nh, nd;
+        int h2d = p->kind[i] == H2D;
+        void *host = raw_bytes(PyTuple_GET_ITEM(e, 1), !h2d, &nh);
+        void *dev = host != NULL ? raw_bytes(PyTuple_GET_ITEM(e, 2), h2d, &nd) : NULL;
+        if (dev == NULL)
+            return -1;
+        if (nh != nd) {
+            PyErr_Format(PyExc_ValueError, "admit: copy node %d has %zd host bytes and %zd "
+                         "device bytes", i, nh, nd);
+            return -1;
+        }
+        j->cdst[i] = h2d ? dev : host;
+        j->csrc[i] = h2d ? host : dev;
+        j->cbytes[i] = nh;
+    }
+    return 0;
+}
+
 static int grow_jobs(Core *c)
 {
     int cap = c->njobs_cap ? 2 * c->njobs_cap : 64;
@@ -1504,6 +1587,9 @@ static int grow_jobs(Core *c)
     return 0;
 }
 
+static PyObject *admit(Core *c, PyObject *token, long long seq, int plan, int prof,
+                       PyObject *client, int level, int pin, PyObject *jargs, PyObject *copies);
+
 /* admit(token, seq, plan, profile, client=0, level=0, pin=-1, args=None, copies=None) */
 static PyObject *Core_admit(Core *c, PyObject *args, PyObject *kw)
 {
@@ -1515,6 +1601,49 @@ static PyObject *Core_admit(Core *c, PyObject *args, PyObject *kw)
     if (!PyArg_ParseTupleAndKeywords(args, kw, "OLii|OiiOO", kws, &token, &seq, &plan, &prof,
                                      &client, &level, &pin, &jargs, &copies))
         return NULL;
+    return admit(c, token, seq, plan, prof, client, level, pin, jargs, copies);
+}
+
+/* Speed: admit with positional arguments only (the control plane's call, once per job)
+   skips the keyword parser (~1k instructions); keywords take the general path. */
+static PyObject *Core_admit_fast(Core *c, PyObject *const *args, Py_ssize_t nargs,
+                                 PyObject *kwnames)
+{
+    if (kwnames != NULL || nargs < 4 || nargs > 9) {
+        PyObject *tup = PyTuple_New(nargs), *kw = NULL;
+        if (tup == NULL)
+            return NULL;
+        for (Py_ssize_t i = 0; i < nargs; i++)
+            PyTuple_SET_ITEM(tup, i, Py_NewRef(args[i]));
+        Py_ssize_t nk = kwnames != NULL ? PyTuple_GET_SIZE(kwnames) : 0;
+        if (nk && (kw = PyDict_New()) != NULL)
+            for (Py_ssize_t i = 0; i < nk; i++)
+                if (PyDict_SetItem(kw, PyTuple_GET_ITEM(kwnames, i), args[nargs + i]) < 0)
+                    Py_CLEAR(kw);
+        PyObject *r = nk && kw == NULL ? NULL : Core_admit(c, tup, kw);
+        Py_DECREF(tup);
+        Py_XDECREF(kw);
+        return r;
+    }
+    long long seq = PyLong_AsLongLong(args[1]);
+    long plan = PyLong_AsLong(args[2]), prof = PyLong_AsLong(args[3]);
+    long level = nargs > 5 ? PyLong_AsLong(args[5]) : 0;
+    long pin = nargs > 6 ? PyLong_AsLong(args[6]) : -1;
+    if (PyErr_Occurred())
+        return NULL;
+    if (plan < INT32_MIN || plan > INT32_MAX || prof < INT32_MIN || prof > INT32_MAX
+            || level < INT32_MIN || level > INT32_MAX || pin < INT32_MIN || pin > INT32_MAX) {
+        PyErr_SetString(PyExc_OverflowError, "admit: an index does not fit a C int");
+        return NULL;
+    }
+    return admit(c, args[0], seq, (int)plan, (int)prof, nargs > 4 ? args[4] : NULL,
+                 (int)level, (int)pin, nargs > 7 ? args[7] : Py_None,
+                 nargs > 8 ? args[8] : Py_None);
+}
+
+static PyObject *admit(Core *c, PyObject *token, long long seq, int plan, int prof,
+                       PyObject *client, int level, int pin, PyObject *jargs, PyObject *copies)
+{
     if (plan < 0 || plan >= c->nplans || prof < 0 || prof >= c->nprofs) {
         PyErr_SetString(PyExc_ValueError, "admit: unknown plan or profile index");
         return NULL;
@@ -1545,8 +1674,9 @@ static PyObject *Core_admit(Core *c, PyObject *args, PyObject *kw)
         for (int i = 0; i < p->n; i++) {
             PyObject *e = PyTuple_GET_ITEM(copies, i);
             if ((p->kind[i] == H2D || p->kind[i] == D2H)
-                    && (!PyTuple_Check(e) || PyTuple_GET_SIZE(e) != 2)) {
-                PyErr_Format(PyExc_ValueError, "admit: copies[%d] must be (dptr, host)", i);
+                    && (!PyTuple_Check(e) || PyTuple_GET_SIZE(e) < 2 || PyTuple_GET_SIZE(e) > 3)) {
+                PyErr_Format(PyExc_ValueError, "admit: copies[%d] must be (dptr, host) or "
+                             "(dptr, host, device view)", i);
                 return NULL;
             }
         }
@@ -1573,6 +1703,12 @@ static PyObject *Core_admit(Core *c, PyObject *args, PyObject *kw)
     j->args = Py_NewRef(jargs);
     j->copies = Py_NewRef(copies);
     j->client = client != NULL ? Py_NewRef(client) : PyLong_FromLong(0);
+    if (has_copy && c->engine != Py_None && direct_copies(j, p, copies) < 0) {
+        free_job_arrays(j);
+        j->finished = 1;
+        c->free_slots[c->nfree++] = id;
+        return NULL;
+    }
     j->seq = seq, j->plan = p, j->prof = pr, j->level = level, j->pin = pin;
     j->unit = -1;
     j->pending = p->pending0;
@@ -1595,10 +1731,7 @@ static PyObject *Core_step(Core *c, PyObject *arg)
     if (now == -1.0 && PyErr_Occurred())
         return NULL;
     c->now = now;
-    PyObject *events = PyList_New(0);
-    if (events == NULL)
-        return NULL;
-    Py_XSETREF(c->events, events);
+    Py_CLEAR(c->events);         /* made by the first event (most steps have none) */
     c->error = 0;
     if (TAPI->drain(c->tracker, now, kernel_done, c) < 0 || c->error)
         goto fail;
@@ -1622,6 +1755,8 @@ static PyObject *Core_step(Core *c, PyObject *arg)
     }
     if ((c->queued || c->copies.n) && release_loop(c) < 0)
         goto fail;
+    if (c->events == NULL)
+        return PyTuple_New(0);   /* the empty tuple: a shared constant */
     return Py_NewRef(c->events);
 fail:
     if (!PyErr_Occurred())
@@ -1785,8 +1920,7 @@ static int Core_init(Core *c, PyObject *args, PyObject *kw)
     for (int s = 0; s < n_streams; s++)
         c->free_s[s] = s;
     c->free_n = n_streams;
-    c->events = PyList_New(0);
-    return c->events == NULL ? -1 : 0;
+    return 0;
 }
 
 static PyObject *get_jobs(Core *c, void *x) { return PyLong_FromLong(c->live); }
@@ -1810,7 +1944,7 @@ static PyMethodDef Core_methods[] = {
      "add_profile(count, time, n_time, seen, jobs, window) -> index"},
     {"profile", (PyCFunction)Core_profile, METH_O,
      "profile(index) -> (count, time, n_time, seen, jobs, total_ns)"},
-    {"admit", (PyCFunction)(void (*)(void))Core_admit, METH_VARARGS | METH_KEYWORDS,
+    {"admit", (PyCFunction)(void (*)(void))Core_admit_fast, METH_FASTCALL | METH_KEYWORDS,
      "admit(token, seq, plan, profile, client=0, level=0, pin=-1, args=None, copies=None)"},
     {"step", (PyCFunction)Core_step, METH_O, "step(now) -> [events]"},
     {NULL},

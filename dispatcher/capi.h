@@ -53,6 +53,12 @@ typedef struct {
     /* notifQ writes and completed ops so far (what a host could see): nothing a host
        polls can have changed while this stays the same. */
     unsigned long long (*observed)(PyObject *g);
+    /* Submit a copy of `nbytes` (kind 1: H2D, 2: D2H) on `stream`: at its completion
+       the bytes move from src to dst (memcpy), then fn(ctx, tag) runs (inside the
+       engine's event processing: it must not call back into the engine). The caller
+       keeps both buffers alive until then. 0, or -1 with an exception set. */
+    int (*copy)(PyObject *g, int kind, int stream, long long nbytes, void *dst,
+                const void *src, void (*fn)(void *, uint64_t), void *ctx, uint64_t tag);
 } PaellaEngineAPI;
 
 #define PAELLA_TRACKER_CAPSULE "paella.dispatcher._tracker._C_API"

@@ -371,7 +371,7 @@ class KernelCore:
         """One pass of the paper's loop: notifQ, copies' events, arrivals, release.
         Returns the events of this pass."""
         self.now = now
-        self.events = events = []
+        self.events = events = []            # (the C core returns () when empty)
         self.tracker.drain(now, self._kernel_done)
         if self.copy_events:
             self._poll_copies()
@@ -566,7 +566,7 @@ class KernelCore:
         job.t_rel[i] = self.now
         if job.plan.almost[i]:
             self._almost(job)
-        dptr, host = job.copies[i]
+        dptr, host = job.copies[i][:2]
         dev = self.device
         try:
             if job.plan.kinds[i] == H2D:
@@ -863,9 +863,13 @@ def register_model(core: Any, replay: Any, profile: Any, device: Any) -> CoreMod
     return CoreModel(pi, fi, spec, tuple(names), tuple(steps))
 
 
-def job_operands(model: CoreModel, replay: Any, bound: Sequence[Any], io: Any) -> tuple:
+def job_operands(model: CoreModel, replay: Any, bound: Sequence[Any], io: Any,
+                 memory: Any = None) -> tuple:
     """``(args, copies)`` of one job for :meth:`KernelCore.admit`: per node, a kernel's
-    bound arguments and a copy's ``(dptr, host view of io)``."""
+    bound arguments and a copy's ``(dptr, host view of io)``, plus, given the simulator's
+    ``memory``, the device bytes' view (None where the range is not on the device: that
+    copy goes through the device, which refuses it) for the C core's direct copies."""
+    from paella.dispatcher.devices.base import DeviceError
     args: list[Any] = [None] * len(model.steps)
     copies: list[Any] = [None] * len(model.steps)
     for node, i in enumerate(model.steps):
@@ -874,8 +878,14 @@ def job_operands(model: CoreModel, replay: Any, bound: Sequence[Any], io: Any) -
         step = replay.steps[i]
         if step.kind == KERNEL:
             args[node] = bound[i]
-        else:
+        elif memory is None:
             copies[node] = (bound[i], io[step.io_start:step.io_end])
+        else:
+            try:
+                dev = memory.view(bound[i], step.io_end - step.io_start)
+            except DeviceError:
+                dev = None
+            copies[node] = (bound[i], io[step.io_start:step.io_end], dev)
     return tuple(args), tuple(copies)
 
 

@@ -75,6 +75,7 @@ def run_core(impl, plans, policy, lookahead, extra_blocks, times, picks, client_
     t0 = dev.now()
     events = []
     held = {}
+    ios = {}
     i = 0
     while i < len(times) or core.jobs:
         while i < len(times) and t0 + times[i] <= dev.now():
@@ -82,7 +83,10 @@ def run_core(impl, plans, policy, lookahead, extra_blocks, times, picks, client_
             bindings = m.pool.acquire()
             held[i] = (m.pool, bindings)
             io = np.zeros(m.adaptor.io_bytes, np.uint8)
-            args, copies = kc.job_operands(cm, m.replay, bindings.bound, io)
+            if plans[picks[i]].name.startswith("rand"):
+                io[:64] = np.random.default_rng(i).integers(0, 256, 64, dtype=np.uint8)
+            ios[i] = io
+            args, copies = kc.job_operands(cm, m.replay, bindings.bound, io, dev.memory)
             core.admit(i, 10_000 + i, cm.plan, cm.profile, client=i % 3, args=args,
                        copies=copies)
             i += 1
@@ -98,6 +102,9 @@ def run_core(impl, plans, policy, lookahead, extra_blocks, times, picks, client_
             assert t < np.inf, "the core stalled with jobs in flight"
             dev.run_until(t)
     profiles = [core.profile(cm.profile) for _, cm in models]
+    for k, io in ios.items():                # random plans: x goes in, and comes back
+        if plans[picks[k]].name.startswith("rand"):
+            assert (io[64:128] == io[:64]).all(), f"request {k}: its bytes did not round-trip"
     return events, profiles
 
 

@@ -70,6 +70,12 @@ typedef struct {
     uint64_t smset[MAX_SMS / 64];
     /* copies */
     int64_t nbytes;
+    /* a copy submitted through the C API: its bytes land at its completion, then fn runs */
+    void *land_dst;
+    const void *land_src;
+    void (*fn)(void *, uint64_t);
+    void *fn_ctx;
+    uint64_t fn_tag;
 } Op;
 
 typedef struct {
@@ -263,6 +269,9 @@ static int op_alloc(Gpu *g)
         for (int i = g->capops - 1; i >= old; i--) {
             g->ops[i].kind = K_FREE;
             g->ops[i].cb = g->ops[i].action = NULL;
+            g->ops[i].land_dst = NULL;
+            g->ops[i].land_src = NULL;
+            g->ops[i].fn = NULL;
             g->ops[i].qnext = g->free_op;
             g->free_op = i;
         }
@@ -282,6 +291,9 @@ static void op_free(Gpu *g, int i)
     Op *o = &g->ops[i];
     o->kind = K_FREE;
     o->cb = o->action = NULL;
+    o->land_dst = NULL;
+    o->land_src = NULL;
+    o->fn = NULL;
     o->qnext = g->free_op;
     g->free_op = i;
 }
@@ -986,6 +998,12 @@ static int flush(Gpu *g)
         int i = g->defer[g->dhead++];
         Op *o = &g->ops[i];
         PyObject *action = o->action, *cb = o->cb;
+        void *land_dst = o->land_dst;
+        const void *land_src = o->land_src;
+        size_t land_n = (size_t)o->nbytes;
+        void (*fn)(void *, uint64_t) = o->fn;
+        void *fn_ctx = o->fn_ctx;
+        uint64_t fn_tag = o->fn_tag;
         int kind = o->kind;
         double begin = o->t_first, end = o->t_done;
         op_free(g, i);
@@ -1014,6 +1032,10 @@ static int flush(Gpu *g)
             }
             Py_DECREF(cb);
         }
+        if (land_dst != NULL)                /* the C API's copies: as `action` above */
+            memcpy(land_dst, land_src, land_n);
+        if (fn != NULL)
+            fn(fn_ctx, fn_tag);
         if (bad) {
             g->flushing = 0;
             return -1;
@@ -1866,12 +1888,38 @@ static int api_launch(PyObject *o, int sh, long long blocks, double flops, doubl
     return 0;
 }
 
+static int api_copy(PyObject *o, int kind, int stream, long long nbytes, void *dst,
+                    const void *src, void (*fn)(void *, uint64_t), void *ctx, uint64_t tag)
+{
+    Gpu *g = (Gpu *)o;
+    if ((kind != K_H2D && kind != K_D2H) || nbytes < 0 || check_stream(g, stream) < 0) {
+        if (!PyErr_Occurred())
+            PyErr_SetString(PyExc_ValueError, "copy: bad kind or size");
+        return -1;
+    }
+    int i = op_alloc(g);
+    if (i == NIL)
+        return -1;
+    Op *op = &g->ops[i];
+    op->kind = kind;
+    op->stream = stream;
+    op->nbytes = nbytes;
+    op->land_dst = nbytes ? dst : NULL;
+    op->land_src = src;
+    op->fn = fn;
+    op->fn_ctx = ctx;
+    op->fn_tag = tag;
+    if (submit(g, i) < 0 || flush(g) < 0)
+        return -1;
+    return 0;
+}
+
 static unsigned long long api_observed(PyObject *o)
 {
     return ((Gpu *)o)->observed;
 }
 
-static PaellaEngineAPI engine_api = {api_check, api_launch, api_observed};
+static PaellaEngineAPI engine_api = {api_check, api_launch, api_observed, api_copy};
 
 PyMODINIT_FUNC PyInit__engine(void)
 {
