@@ -275,7 +275,7 @@ typedef struct {
     int64_t *cbytes;
     int rq_head, rq_n;
     int64_t estimate, remaining;
-    uint8_t in_policy, left_policy, almost_sent, finished, queued, infifo, failed;
+    uint8_t in_policy, left_policy, almost_sent, finished, queued, infifo, failed, started;
     PyObject *client;
 } Job;
 
@@ -356,10 +356,13 @@ typedef struct {
     int *lvl, *lvl_count, nlvl;  /* priority: levels with kernels on the device */
     int error;                   /* a Python error inside a drain callback */
     unsigned long long observed; /* the engine's count when copies' events were polled */
+    long long progress;          /* things done: a driver's "did this step change anything" */
 } Core;
 
-static PyObject *new_ref_tuple(int kind, PyObject *token, const char *reason)
+static PyObject *new_ref_tuple(int kind, PyObject *token, const char *reason, long n)
 {
+    if (kind == EV_FINISHED)
+        return Py_BuildValue("(iOl)", kind, token, n);
     if (reason == NULL)
         return Py_BuildValue("(iO)", kind, token);
     return Py_BuildValue("(iOs)", kind, token, reason);
@@ -369,7 +372,11 @@ static int emit(Core *c, int kind, Job *j, const char *reason)
 {
     if (c->events == NULL && (c->events = PyList_New(0)) == NULL)
         return -1;
-    PyObject *t = new_ref_tuple(kind, j->token, reason);
+    long n = 0;
+    if (kind == EV_FINISHED)     /* the kernels it released (the metrics' count) */
+        for (int k = 0; k < j->prof->nk; k++)
+            n += j->kcount[k];
+    PyObject *t = new_ref_tuple(kind, j->token, reason, n);
     if (t == NULL)
         return -1;
     int rc = PyList_Append(c->events, t);
@@ -827,13 +834,13 @@ static int withdraw(Core *c, int32_t id, Job *j)
     if (j->in_policy)
         c->queued--;
     j->in_policy = 0;
-    return job_finished(c, id, j);
+    return j->started ? job_finished(c, id, j) : 0;   /* (aborted before it started) */
 }
 
 static int fail_job(Core *c, int32_t id, Job *j, int kind, const char *reason)
 {
     j->failed = 1;
-    if (emit(c, kind, j, reason) < 0)
+    if (kind && emit(c, kind, j, reason) < 0)   /* kind 0: aborted, nothing to say */
         return -1;
     for (int n = 0; n < j->plan->n; n++) {
         if (j->st[n] == WAITING || j->st[n] == READY) {
@@ -929,6 +936,7 @@ static void copy_landed(void *ctx, uint64_t tag)
 static int launch_copy(Core *c, int32_t id, Job *j, int i, int behind)
 {
     int s = assign(c, j, i, behind);
+    c->progress++;
     if (j->plan->almost[i] && almost(c, j) < 0)
         return -1;
     if (j->cdst[i] != NULL) {
@@ -1025,6 +1033,7 @@ static int poll_copies(Core *c)
                 break;
             Ref x = *r;
             refq_pop(q);
+            c->progress++;
             Py_XDECREF(x.event);
             Job *j = job_of(c, x.job, x.seq);
             if (j != NULL && op_done(c, x.job, j, x.node) < 0)
@@ -1148,6 +1157,7 @@ static int release_loop(Core *c)
         c->slot_node[slot] = i;
         j->lid[i] = lid;
         c->released++;
+        c->progress++;
         int ok = launch_kernel(c, id, j, i, k, s, lid);
         if (ok < 0)
             return -1;
@@ -1214,6 +1224,8 @@ static int init_job_arrays(Job *j, Plan *p, Prof *pr)
 
 static int start_job(Core *c, int32_t id, Job *j)
 {
+    c->progress++;
+    j->started = 1;
     if (job_arrived(c, id, j) < 0)
         return -1;
     Plan *p = j->plan;
@@ -1721,6 +1733,58 @@ static PyObject *admit(Core *c, PyObject *token, long long seq, int plan, int pr
         return PyErr_NoMemory();
     }
     c->live++;
+    return PyLong_FromLong(id);
+}
+
+/* abort(handle, token) -> events: the job stops (its client went away): its unreleased
+   ops are dropped and it leaves the policy; it finishes once its released ops drain
+   (now, if none is in flight: the FINISHED event is returned here). */
+static PyObject *Core_abort(Core *c, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "abort(handle, token)");
+        return NULL;
+    }
+    long id = PyLong_AsLong(args[0]);
+    if (id == -1 && PyErr_Occurred())
+        return NULL;
+    Job *j = id >= 0 && id < c->njobs_cap ? c->jobs[id] : NULL;
+    if (j == NULL || j->finished || j->token != args[1]) {
+        PyErr_Format(PyExc_ValueError, "abort: handle %ld is not that job's", id);
+        return NULL;
+    }
+    Py_CLEAR(c->events);
+    if (!j->failed && fail_job(c, (int32_t)id, j, 0, NULL) < 0)
+        return NULL;
+    if (j->pending == 0 && finish_job(c, (int32_t)id, j) < 0)
+        return NULL;
+    c->progress++;
+    if (c->events == NULL)
+        return PyTuple_New(0);
+    PyObject *out = c->events;
+    c->events = NULL;
+    return out;
+}
+
+/* reserve(stream): a named stream (Dispatcher.stream_named) leaves the pool for good: a
+   sentinel count keeps it busy, so it never returns to the free list. */
+static PyObject *Core_reserve(Core *c, PyObject *arg)
+{
+    long s = PyLong_AsLong(arg);
+    if (s == -1 && PyErr_Occurred())
+        return NULL;
+    if (s < 0 || s >= c->n_streams) {
+        PyErr_Format(PyExc_ValueError, "reserve: no stream %ld", s);
+        return NULL;
+    }
+    int k = 0;
+    for (int i = 0; i < c->free_n; i++) {
+        int32_t x = c->free_s[(c->free_head + i) % c->n_streams];
+        if (x != s)
+            c->free_s[(c->free_head + k++) % c->n_streams] = x;
+    }
+    c->free_n = k;
+    c->busy[s]++;
     Py_RETURN_NONE;
 }
 
@@ -1733,8 +1797,10 @@ static PyObject *Core_step(Core *c, PyObject *arg)
     c->now = now;
     Py_CLEAR(c->events);         /* made by the first event (most steps have none) */
     c->error = 0;
-    if (TAPI->drain(c->tracker, now, kernel_done, c) < 0 || c->error)
+    long long drained = TAPI->drain(c->tracker, now, kernel_done, c);
+    if (drained < 0 || c->error)
         goto fail;
+    c->progress += drained;
     if (c->ncev) {
         /* Speed (a trick, labelled): with the engine at hand, its events are polled only
            when it has completed something since the last poll (each poll is a Python
@@ -1928,6 +1994,7 @@ static PyObject *get_queued(Core *c, void *x) { return PyLong_FromLong(c->queued
 static PyObject *get_released(Core *c, void *x) { return PyLong_FromLongLong(c->released); }
 static PyObject *get_arrivals(Core *c, void *x) { return PyLong_FromLong(c->arrivals.n); }
 static PyObject *get_free_streams(Core *c, void *x) { return PyLong_FromLong(c->free_n); }
+static PyObject *get_progress(Core *c, void *x) { return PyLong_FromLongLong(c->progress); }
 
 static PyGetSetDef Core_getset[] = {
     {"jobs", (getter)get_jobs, NULL, "jobs admitted and not finished", NULL},
@@ -1935,6 +2002,7 @@ static PyGetSetDef Core_getset[] = {
     {"released", (getter)get_released, NULL, "kernels released so far", NULL},
     {"pending_arrivals", (getter)get_arrivals, NULL, "jobs admitted, not started", NULL},
     {"free_streams", (getter)get_free_streams, NULL, "pool mode: real streams free", NULL},
+    {"progress", (getter)get_progress, NULL, "things done so far (a driver's idle test)", NULL},
     {NULL},
 };
 
@@ -1947,6 +2015,9 @@ static PyMethodDef Core_methods[] = {
     {"admit", (PyCFunction)(void (*)(void))Core_admit_fast, METH_FASTCALL | METH_KEYWORDS,
      "admit(token, seq, plan, profile, client=0, level=0, pin=-1, args=None, copies=None)"},
     {"step", (PyCFunction)Core_step, METH_O, "step(now) -> [events]"},
+    {"reserve", (PyCFunction)Core_reserve, METH_O, "reserve(stream): out of the pool"},
+    {"abort", (PyCFunction)(void (*)(void))Core_abort, METH_FASTCALL,
+     "abort(handle, token) -> [events]: drop the job's unreleased ops"},
     {NULL},
 };
 

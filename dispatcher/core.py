@@ -43,17 +43,19 @@ import greenlet
 import numpy as np
 
 from paella import protocol, rings
+from paella.wire import DEFAULT_PRIORITY as DEFAULT_LEVEL
 from paella.plugins import PLUGIN_ERRORS
 from paella.dispatcher.devices.base import (H2D, KERNEL, Device, DeviceError, DeviceLost, Function,
                                             OutOfMemory, dim3)
 
+from . import kernel_core as kc
 from .adaptor import JobAdaptor, PlanAdaptor
 from .instruments import Instrument, Instruments
 from .job import FINISHED, Job
 from .ops import KernelLaunch, Op
 from .policies import Policy, PolicyError, get_policy
 from .policies.base import check_declared
-from .profile import ESTIMATE_DIGITS, ModelProfile
+from .profile import ESTIMATE_DIGITS, KernelStat, ModelProfile
 from .replay import ReplayPlan
 from .streams import StreamMap
 from .tracker import Tracker
@@ -115,6 +117,8 @@ class Model:
     retired: bool = False
     # Device bytes its adaptor's init allocated (params, constants).
     weights_bytes: int = 0
+    # Its plan and statistics in the dispatcher's kernel core (kernel_core.CoreModel).
+    core: Any = None
 
 
 _T = TypeVar("_T")
@@ -133,7 +137,8 @@ class Dispatcher:
                  counter_pairs: int = protocol.DEFAULT_COUNTER_PAIRS,
                  policy_options: dict[str, Any] | None = None, profile_runs: int = 2,
                  instruments: "list[Instrument] | tuple[Instrument, ...]" = (),
-                 lookahead: int = 1, compiled_replay: bool = True, wake_lead: float = 0.0):
+                 lookahead: int = 1, compiled_replay: bool = True, wake_lead: float = 0.0,
+                 kernel_core: str | None = None):
         if type(lookahead) is not int or lookahead < 1:
             raise ValueError(f"lookahead must be an int >= 1 (kernels of one stream released "
                              f"and not completed), got {lookahead!r}")
@@ -207,6 +212,109 @@ class Dispatcher:
         self._live: set[Model] = set()
         self._held_since = 0.0               # when pick() began holding an idle device back
         self._held_iter = -2                 # ... the iteration that last saw it do so
+        #: The kernel core that runs every job's kernels ("c" or "python"; None: this
+        #: object's own per-kernel path, which the core reproduces). See "The kernel
+        #: core" in docs/dispatcher.md.
+        self.core: Any = None
+        self._core_memory: Any = None
+        self._core_direct = False
+        if kernel_core is not None:
+            self._start_core(kernel_core, policy)
+
+    # -- the kernel core ---------------------------------------------------------------------
+    def _start_core(self, impl: str, policy: Any) -> None:
+        """Run every job's kernels in a kernel core (``impl``: "c" or "python"): only
+        launch plans, under a built-in policy, with nobody listening to op events."""
+        name = policy if isinstance(policy, str) else getattr(policy, "name", None)
+        builtin = type(self.policy).__module__.startswith("paella.dispatcher.policies.")
+        if name not in kc.POLICIES or not builtin:
+            raise ValueError(f"the kernel core runs the built-in policies "
+                             f"({', '.join(kc.POLICIES)}); policy {name!r} runs on the "
+                             f"dispatcher's own path: use kernel_core=None (--kernel-core off)")
+        hooks = [h for h in ("op_issued", "op_released", "op_started", "op_ended")
+                 if h in self.instruments]
+        if hooks:
+            raise ValueError(f"instruments listen to {', '.join(hooks)}, which the kernel core "
+                             f"does not report yet: use kernel_core=None to trace ops")
+        dev = self.device
+        # Direct launches and copies into the simulated engine: virtual time only (real
+        # time advances the clock at each submission, through the device's methods).
+        self._core_direct = (getattr(dev, "gpu", None) is not None and hasattr(dev, "_shapes")
+                             and not getattr(dev, "realtime", True)
+                             and getattr(dev, "lose_after", None) is None)
+        self._core_memory = dev.memory if self._core_direct else None
+        pol = self.policy
+        self.core = kc.make_core(
+            impl, self.tracker, dev, name, lookahead=self.lookahead, group=self.group,
+            wake_lead=self.wake_lead, fairness_threshold=getattr(pol, "threshold", None),
+            fairness_unit="client" if getattr(pol, "by_client", False) else "job",
+            hold_factor=getattr(pol, "hold", None), direct=self._core_direct)
+
+    def _core_admit(self, job: Job, replay: ReplayPlan) -> None:
+        """A plan job goes to the kernel core (after the checks ``replay.issue`` makes)."""
+        job.left_policy = True               # the core's own policy orders it
+        job.returned = True
+        try:
+            replay.check(job)
+            cm = job.model.core
+            args, copies = kc.job_operands(cm, replay, job.bindings.bound, job.io,
+                                           self._core_memory)
+            level = min((r.priority or DEFAULT_LEVEL) for r in job.requests)
+            job.core = self.core.admit(job, job.seq, cm.plan, cm.profile, job.client_id,
+                                       level, job.pin, args, copies)
+        except Exception as e:               # as the plan's checks: fail this job only
+            job.fail(e)
+            self._after_run(job)
+
+    def _core_events(self, events: Any) -> None:
+        """Apply what the kernel core reports: wake-ups, answers, failures."""
+        for ev in events:
+            kind, job = ev[0], ev[1]
+            if kind == kc.ALMOST:
+                self._almost_finished(job)
+            elif kind == kc.FINISHED:
+                job.core = -1
+                job.kcount = {job.model.name: ev[2]}
+                self._progress += 1
+                self._finish(job)
+            elif job.state != FINISHED and job.error is None:    # REFUSED, FAULT
+                job.cancelled = False
+                job.error = ev[2]
+
+    def _step_core(self, now: float) -> bool:
+        """:meth:`step` on the kernel core: arrivals (buffer sets, admission), then one
+        pass of the core (notifQ, completions, release), then its events."""
+        before = self._progress
+        core = self.core
+        p0 = core.progress
+        if self._arrivals:
+            self._start_arrivals()
+        events = core.step(now)
+        if events:
+            self._core_events(events)
+        self.idle = self._progress == before and core.progress == p0
+        self.iterations += 1
+        return self.in_flight > 0
+
+    def sync_profiles(self) -> None:
+        """Copy the kernel core's statistics of every model into ``model.profile`` (the
+        core owns them while it runs; status and the batchers' cost tables read these)."""
+        if self.core is None:
+            return
+        for model in list(self._live):
+            cm = model.core
+            if cm is None:
+                continue
+            count, secs, n_time, seen, jobs, _ = self.core.profile(cm.profile)
+            prof = model.profile
+            for i, key in enumerate(cm.names):
+                if seen[i]:
+                    st = prof.kernels.get(key)
+                    if st is None:
+                        st = prof.kernels[key] = KernelStat()
+                    st.count, st.time, st.n_time = count[i], secs[i], n_time[i]
+            prof.jobs = jobs
+            prof._total = None
 
     @property
     def pending_arrivals(self) -> int:
@@ -222,6 +330,8 @@ class Dispatcher:
         dev = self.device
         dev.poll()
         self.now = now = dev.now()
+        if self.core is not None:
+            return self._step_core(now)
         before = self._progress
         instr = self.instruments                                         # notifQ
         self._progress += self.tracker.drain(
@@ -540,16 +650,20 @@ class Dispatcher:
                     pool.waiting.append(job)
                     continue
                 job.bindings = bindings
-            try:
-                self.policy.job_arrived(job)
-            except PLUGIN_ERRORS as e:
-                self._policy_failed("job_arrived", e)
+            replay = job.model.replay
+            if self.core is None:
+                try:
+                    self.policy.job_arrived(job)
+                except PLUGIN_ERRORS as e:
+                    self._policy_failed("job_arrived", e)
             self._progress += 1
             job.t_start = self.now
             if "request_started" in instr:
                 for req in job.requests:
                     instr.call("request_started", req)
-            replay = job.model.replay
+            if self.core is not None:
+                self._core_admit(job, replay)
+                continue
             if replay is None:
                 job.start()                  # the adaptor's run(io) in a greenlet
             else:
@@ -644,7 +758,7 @@ class Dispatcher:
             self._after_run(job)
 
     def _after_run(self, job: Job) -> None:
-        if job.returned and job.waitlist.pending == 0 and job.state != FINISHED:
+        if job.returned and job.waitlist.pending == 0 and job.state != FINISHED and job.core < 0:
             self._finish(job)
 
     def _withdraw(self, job: Job) -> None:
@@ -696,7 +810,8 @@ class Dispatcher:
             self._memory_blocked.clear()
         ok = job.error is None
         if ok:
-            job.model.profile.record_job(job.kcount)
+            if self.core is None:            # (the core keeps its models' statistics)
+                job.model.profile.record_job(job.kcount)
             self._almost_finished(job)       # at the latest now
         self._withdraw(job)
         job.wait_op = None                   # (a cancelled synchronize leaves its op, and io view)
@@ -840,6 +955,10 @@ class Dispatcher:
         requests with the new adaptor while running jobs finish on the old one."""
         if not isinstance(adaptor, JobAdaptor):
             raise TypeError(f"model {name!r}: adaptor must be a JobAdaptor, got {type(adaptor).__name__}")
+        if self.core is not None and adaptor.plan is None:
+            raise ValueError(f"model {name!r} runs its own code (a {type(adaptor).__name__}), "
+                             f"and this dispatcher's kernel core replays launch plans only: "
+                             f"serve it with kernel_core=None (--kernel-core off)")
         if any(m.name == name for m in self.models.values()):
             raise ValueError(f"model {name!r} is already registered")
         if model_id is None:
@@ -873,6 +992,9 @@ class Dispatcher:
         if adaptor.plan is not None:         # a plan is replayed, never run() in a greenlet
             model.replay = ReplayPlan(adaptor.plan, adaptor.funcs, self.kernel_launch,
                                       compiled=self.compiled_replay)
+        if self.core is not None and model.replay.refusal is None:
+            model.core = kc.register_model(self.core, model.replay, model.profile, dev,
+                                           self._core_direct)
         self.models[model_id] = model
         self._live.add(model)
         runs = self.profile_runs if profile_runs is None else profile_runs
@@ -902,6 +1024,7 @@ class Dispatcher:
                     self._live.discard(model)
                     self._close_adaptor(model)
                 raise RuntimeError(f"profiling run of model {name!r} failed: {failed[0]}")
+        self.sync_profiles()                 # (the core's statistics after profiling)
         if old is not None:
             self.retire_model(old)           # its running jobs finish on it, then it goes
         return model.model_id
@@ -992,6 +1115,8 @@ class Dispatcher:
         keeps everything on stream 0)."""
         new = name not in self.streams.pinned
         s, own = self.streams.pin(name)
+        if new and self.core is not None and self.policy.stream_mode != "single":
+            self.core.reserve(s)
         if new and not own:
             log.warning("stream %r shares real stream %d with another name: %d of the "
                         "device's %d streams may be reserved", name, s,
@@ -1068,6 +1193,10 @@ class Dispatcher:
             elif job in self._memory_waiting:
                 self._memory_waiting.remove(job)
                 job.left_policy = True
+            if job.core >= 0:                # in the kernel core: it drains there
+                job.cancelled, job.error = True, job.error or reason
+                self._core_events(self.core.abort(job.core, job))
+                continue
             self._abort(job, reason, cancelled=True)
             if job.waitlist.pending == 0:
                 self._finish(job)

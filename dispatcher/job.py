@@ -105,7 +105,7 @@ class Job:
                  "in_policy", "left_policy", "policy_state", "estimate", "remaining", "kcount",
                  "glet", "state", "returned", "error", "wait_op", "wait_all", "blocked",
                  "almost_sent", "almost_next", "cancelled", "allocations", "bindings",
-                 "t_arrival", "t_start", "pin", "waited_memory", "waiting_memory",
+                 "t_arrival", "t_start", "pin", "waited_memory", "waiting_memory", "core",
                  "__weakref__")
 
     def __init__(self, host: JobHost, model: Any, requests: list[Any], io: np.ndarray,
@@ -151,6 +151,8 @@ class Job:
         #: The real stream its ops go to (-1: the dispatcher's stream map chooses);
         #: set by ``Dispatcher.submit_group(stream=...)``.
         self.pin = -1
+        #: Its handle in the dispatcher's kernel core (-1: not run by one).
+        self.core = -1
 
     def __repr__(self) -> str:
         ids = ",".join(str(r.req_id) for r in self.requests)

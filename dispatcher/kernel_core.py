@@ -13,8 +13,8 @@ models, cancellation, answers) works per request. The kernel core works per kern
   call.
 
 Its interface is narrow and one-way: jobs come in through :meth:`KernelCore.admit`,
-events come out of :meth:`KernelCore.step` as ``(kind, job)`` pairs (``ALMOST``,
-``FINISHED``) or ``(kind, job, reason)`` (``REFUSED``, ``FAULT``). The core never calls
+events come out of :meth:`KernelCore.step` as ``(ALMOST, job)``, ``(FINISHED, job,
+kernels released)`` or ``(kind, job, reason)`` (``REFUSED``, ``FAULT``). The core never calls
 back into the control plane; it calls only down, into the device.
 
 It exists twice, equivalent event for event: this module is the **reference**, written
@@ -242,7 +242,7 @@ class Profile:
 class CoreJob:
     """A job inside the core: its plan run and scheduling state. ``token`` is the
     control plane's job, handed back in events and never looked into."""
-    __slots__ = ("token", "seq", "plan", "profile", "unit_key", "level", "pin", "args",
+    __slots__ = ("token", "seq", "plan", "profile", "unit_key", "level", "pin", "args", "started",
                  "copies", "deps", "pp", "st", "stream", "lid", "t_rel", "ahead", "tail",
                  "real", "ready", "in_policy", "left_policy", "pending", "kcount",
                  "estimate", "remaining", "almost_sent", "failed", "finished", "unit",
@@ -283,6 +283,7 @@ class CoreJob:
         self.queued = False
         self.infifo = False
         self.on_device = 0
+        self.started = False
 
 
 class KernelCore:
@@ -308,6 +309,9 @@ class KernelCore:
         self.device_error, self.device_lost = device_error, device_lost
         self.n_streams = n_streams
         self.plans: list[PlanSpec] = []
+        self.handles: dict[int, CoreJob] = {}
+        self.next_handle = 0
+        self.progress = 0
         self.profiles: list[Profile] = []
         self.free: deque[int] = deque(range(n_streams))
         self.busy = [0] * n_streams
@@ -359,9 +363,36 @@ class KernelCore:
         """A job of plan ``plan`` (index): its ops start in the next :meth:`step`.
         ``args``: per node, a kernel's arguments (for its effect); ``copies``: per node,
         a copy's ``(dptr, host)``."""
-        self.arrivals.append(CoreJob(token, seq, self.plans[plan], self.profiles[profile],
-                                     client, level, pin, args, copies))
+        job = CoreJob(token, seq, self.plans[plan], self.profiles[profile], client, level,
+                      pin, args, copies)
+        self.arrivals.append(job)
         self.jobs += 1
+        self.handles[self.next_handle] = job
+        self.next_handle += 1
+        return self.next_handle - 1
+
+    def abort(self, handle: int, token: Any) -> list[tuple]:
+        """The job stops (its client went away): unreleased ops dropped, out of the
+        policy; it finishes when its released ops drain (now if none: the FINISHED
+        event is returned here)."""
+        job = self.handles.get(handle)
+        if job is None or job.finished or job.token is not token:
+            raise ValueError(f"abort: handle {handle} is not that job's")
+        self.events = events = []
+        if job.failed is None:
+            self._fail(job, 0, "aborted")
+        if job.pending == 0:
+            self._finish(job)
+        self.progress += 1
+        return events
+
+    def reserve(self, s: int) -> None:
+        """A named stream leaves the pool for good (a sentinel count keeps it busy)."""
+        if not 0 <= s < self.n_streams:
+            raise ValueError(f"reserve: no stream {s}")
+        if s in self.free:
+            self.free.remove(s)
+        self.busy[s] += 1
 
     @property
     def pending_arrivals(self) -> int:
@@ -372,7 +403,7 @@ class KernelCore:
         Returns the events of this pass."""
         self.now = now
         self.events = events = []            # (the C core returns () when empty)
-        self.tracker.drain(now, self._kernel_done)
+        self.progress += self.tracker.drain(now, self._kernel_done)
         if self.copy_events:
             self._poll_copies()
         while self.arrivals:
@@ -387,6 +418,10 @@ class KernelCore:
 
     # -- arrivals ----------------------------------------------------------------------------
     def _start(self, job: CoreJob) -> None:
+        if job.finished:
+            return
+        self.progress += 1
+        job.started = True
         self._job_arrived(job)
         plan = job.plan
         for i in plan.ready:
@@ -482,6 +517,7 @@ class KernelCore:
             s = self._assign(job, i, p)
             lid = tracker.release(k.demand, (job, i))
             job.lid[i] = lid
+            self.progress += 1
             job.t_rel[i] = self.now
             self.released += 1
             if self._launch(job, i, k, s, lid):
@@ -563,6 +599,7 @@ class KernelCore:
 
     def _launch_copy(self, job: CoreJob, i: int, behind: int) -> None:
         s = self._assign(job, i, behind)
+        self.progress += 1
         job.t_rel[i] = self.now
         if job.plan.almost[i]:
             self._almost(job)
@@ -598,6 +635,7 @@ class KernelCore:
             q = self.copy_events[s]
             while q and query(q[0][0]):
                 _, job, i = q.popleft()
+                self.progress += 1
                 self._op_done(job, i)
             if not q:
                 del self.copy_events[s]
@@ -640,7 +678,8 @@ class KernelCore:
         """Stop a job: its unreleased ops are dropped; it finishes once its released
         ops have drained."""
         job.failed = reason
-        self.events.append((kind, job.token, reason))
+        if kind:                             # 0: aborted, nothing to say
+            self.events.append((kind, job.token, reason))
         for n, st in enumerate(job.st):
             if st in (WAITING, READY):
                 job.st[n] = DROPPED
@@ -654,16 +693,23 @@ class KernelCore:
             if job.in_policy:
                 self.queued -= 1
             job.in_policy = False
-            self._job_finished(job)
+            if job.started:                  # (aborted before it started: never arrived)
+                self._job_finished(job)
+
+    def _forget(self, job: CoreJob) -> None:
+        """A finished job's handle goes (the C core reuses its slot)."""
+        for h in [h for h, j in self.handles.items() if j is job][:1]:
+            del self.handles[h]
 
     def _finish(self, job: CoreJob) -> None:
         job.finished = True
         self.jobs -= 1
+        self._forget(job)
         if job.failed is None:
             job.profile.record_job(job.kcount)
             self._almost(job)
         self._withdraw(job)
-        self.events.append((FINISHED, job.token))
+        self.events.append((FINISHED, job.token, sum(job.kcount)))
 
     # -- the built-in policies ------------------------------------------------------------------
     # One contract, as paella.dispatcher.policies.base: job_arrived, kernel_ready, pick,
@@ -841,15 +887,18 @@ class CoreModel:
     steps: tuple[int, ...]
 
 
-def register_model(core: Any, replay: Any, profile: Any, device: Any) -> CoreModel:
+def register_model(core: Any, replay: Any, profile: Any, device: Any,
+                   direct: bool = True) -> CoreModel:
     """Register a compiled ``ReplayPlan`` and its model's ``ModelProfile`` (the legacy
-    statistics, seeded by profiling runs) with ``core``."""
+    statistics, seeded by profiling runs) with ``core``. ``direct``: the core launches
+    into the simulated engine (its shape ids are resolved here)."""
     names = list(profile.kernels)
     for step in replay.steps:                # kernels never profiled come last
         if step.kind == KERNEL and step.launch.name not in names:
             names.append(step.launch.name)
     index = {n: i for i, n in enumerate(names)}
-    spec = plan_spec(replay, index.__getitem__, device._shapes.__getitem__)
+    spec = plan_spec(replay, index.__getitem__,
+                     device._shapes.__getitem__ if direct else (lambda fp: -1))
     stats = [profile.kernels.get(n) for n in names]
     pi = core.add_plan(spec)
     fi = core.add_profile([k.count if k else 0.0 for k in stats],

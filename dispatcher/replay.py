@@ -187,9 +187,9 @@ class ReplayPlan:
                 if op is not None:
                     host.instruments.call("op_issued", op)
 
-    def issue(self, job: "Job") -> None:
-        """Issue the whole plan for ``job``; raises (failing the job) when the io buffer is
-        too small, the job holds no buffer set, or the plan was refused here."""
+    def check(self, job: "Job") -> None:
+        """Can ``job`` run this plan? Raises (failing the job) when the io buffer is too
+        small, the job holds no buffer set, or the plan was refused here."""
         io = job.io
         if self.refusal is not None:
             raise ValueError(self.refusal)
@@ -199,6 +199,12 @@ class ReplayPlan:
         if job.bindings is None:
             raise RuntimeError(f"model {self.name!r}: the job holds no buffer set (the adaptor "
                                f"has no buffer_pool after init; internal error, please report)")
+
+    def issue(self, job: "Job") -> None:
+        """Issue the whole plan for ``job``; raises (failing the job) when the io buffer is
+        too small, the job holds no buffer set, or the plan was refused here."""
+        self.check(job)
+        io = job.io
         bound = job.bindings.bound
         if self.compiled:
             self._issue_compiled(job, bound, io)

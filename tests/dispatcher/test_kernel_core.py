@@ -175,6 +175,8 @@ def test_a_refused_launch_fails_its_job_and_the_others_go_on():
         kinds = [(e[0], e[1]) for e in events]
         assert (kc.REFUSED, 1) in kinds, impl
         assert [k for k, j in kinds if k == kc.FINISHED] == [kc.FINISHED] * 3
+        ran = {e[1]: e[2] for e in events if e[0] == kc.FINISHED}
+        assert ran[0] == ran[2] == 8 and ran[1] == 0     # the failed job never ran a kernel
         assert (kc.ALMOST, 1) not in kinds        # a failed job wakes nobody
 
 
@@ -196,3 +198,83 @@ def test_a_plan_spec_that_lies_is_refused_with_a_reason():
         core.admit(0, 0, cm.plan, cm.profile, copies=())
     with pytest.raises(ValueError, match="no built-in policy"):
         kc.make_core("c", d.tracker, dev, "nope")
+
+
+# -- the dispatcher on the kernel core ------------------------------------------------------
+def serve(kernel_core, policy, lookahead, plans, n=60, cancel_at=None):
+    """Requests of three clients through a Dispatcher; client 1 goes away at request
+    ``cancel_at``. Every answer with its time, status and error."""
+    dev = SimDevice("gtx1660s", n_streams=16, notifq_slots=1 << 12, seed=1)
+    d = Dispatcher(dev, policy, lookahead=lookahead, profile_runs=1, kernel_core=kernel_core)
+    mids = [d.register_model(p.name, PlanAdaptor(p)) for p in plans]
+    times = arrivals(n, 2, 100e-6)
+    done = {}
+    t0 = dev.now()
+    i = 0
+    while i < n or d.in_flight or d.pending_arrivals:
+        while i < n and t0 + times[i] <= dev.now():
+            m = d.models[mids[i % len(mids)]]
+            d.submit(Request(i, i % 3, m.model_id, np.zeros(m.adaptor.io_bytes, np.uint8),
+                             on_complete=lambda r, s, e: done.__setitem__(
+                                 r.req_id, (dev.now(), s, e))))
+            i += 1
+            if i == cancel_at:
+                d.cancel_client(1)
+        d.step()
+        if d.idle and not d.pending_arrivals:
+            dev.run_until(min(dev.next_event_time(), t0 + times[i] if i < n else np.inf))
+    return done, d
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("lookahead", (1, 3))
+def test_the_dispatcher_on_either_core_answers_as_on_its_own_path(policy, lookahead):
+    plans = [fig2_plan(), event_plan(streams=True), random_plan(3)]
+    own, _ = serve(None, policy, lookahead, plans)
+    assert len(own) == 60 and all(s == STATUS_OK for _, s, _ in own.values())
+    for impl in ("c", "python"):
+        got, d = serve(impl, policy, lookahead, plans)
+        assert got == own, impl
+        assert d.core.jobs == 0 and d.in_flight == 0
+
+
+def test_a_cancelled_client_drains_in_the_core_and_the_others_are_served():
+    plans = [fig2_plan(), random_plan(4)]
+    own, _ = serve(None, "paella", 1, plans, cancel_at=20)
+    for impl in ("c", "python"):
+        got, d = serve(impl, "paella", 1, plans, cancel_at=20)
+        assert got.keys() == own.keys() and d.in_flight == 0 and d.core.jobs == 0
+        cancelled = {k for k, (_, s, _) in got.items() if s != STATUS_OK}
+        assert cancelled and all(k % 3 == 1 and k < 20 for k in cancelled), impl
+        assert cancelled == {k for k, (_, s, _) in own.items() if s != STATUS_OK}
+        # Those still queued at the cancel never ran; the rest is answered as without.
+        assert all(got[k] == own[k] for k in got if k >= 20)
+
+
+def test_the_kernel_core_refuses_what_it_cannot_run_with_the_fix():
+    from paella.dispatcher.adaptor import JobAdaptor
+    from paella.dispatcher.instruments import Instrument
+    from paella.dispatcher.policies import Policy
+    dev = SimDevice("gtx1660s", n_streams=16)
+
+    class Mine(Policy):
+        name = "mine-kc-test"
+
+        def kernel_ready(self, job): ...
+        def pick(self): return None
+        def released(self, job, op): ...
+    with pytest.raises(ValueError, match="kernel_core=None"):
+        Dispatcher(dev, Mine, kernel_core="c")
+
+    class Ops(Instrument):
+        def op_released(self, op, t): ...
+    with pytest.raises(ValueError, match="op_released"):
+        Dispatcher(dev, "paella", kernel_core="c", instruments=[Ops()])
+    d = Dispatcher(dev, "paella", kernel_core="c")
+
+    class Own(JobAdaptor):
+        io_bytes = 8
+
+        def run(self, io): ...
+    with pytest.raises(ValueError, match="replays launch plans only"):
+        d.register_model("own", Own())
