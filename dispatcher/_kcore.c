@@ -321,6 +321,7 @@ static inline void refq_pop(RefQ *q)
 typedef struct {
     PyObject_HEAD
     PyObject *tracker, *device, *engine, *events, *err_cls, *lost_cls, *faults;
+    PyObject *engine_given;      /* the engine (Py_None: none); engine is it or Py_None */
     PyObject *launch_checked, *memcpy_htod, *memcpy_dtoh, *record_event, *event_query;
     int policy, gated, mode, eager, lookahead, group, by_client, n_streams, npairs;
     int64_t lead;
@@ -1879,6 +1880,7 @@ static void Core_dealloc(Core *c)
     Py_XDECREF(c->tracker);
     Py_XDECREF(c->device);
     Py_XDECREF(c->engine);
+    Py_XDECREF(c->engine_given);
     Py_XDECREF(c->events);
     Py_XDECREF(c->err_cls);
     Py_XDECREF(c->lost_cls);
@@ -1897,6 +1899,7 @@ static int Core_traverse(Core *c, visitproc visit, void *arg)
     Py_VISIT(c->tracker);
     Py_VISIT(c->device);
     Py_VISIT(c->engine);
+    Py_VISIT(c->engine_given);
     Py_VISIT(c->events);
     for (int i = 0; i < c->njobs_cap; i++) {
         Job *j = c->jobs[i];
@@ -1909,9 +1912,20 @@ static int Core_traverse(Core *c, visitproc visit, void *arg)
     return 0;
 }
 
-static PyObject *get_method(PyObject *o, const char *name)
+/* The device's methods the core calls, looked up as the device has them now. */
+static int bind_device(Core *c)
 {
-    return PyObject_GetAttrString(o, name);
+    static const char *names[] = {"launch_checked", "memcpy_htod", "memcpy_dtoh",
+                                  "record_event", "event_query"};
+    PyObject **slots[] = {&c->launch_checked, &c->memcpy_htod, &c->memcpy_dtoh,
+                          &c->record_event, &c->event_query};
+    for (int k = 0; k < 5; k++) {
+        PyObject *m = PyObject_GetAttrString(c->device, names[k]);
+        if (m == NULL)
+            return -1;
+        Py_XSETREF(*slots[k], m);
+    }
+    return 0;
 }
 
 /* KernelCore(tracker, device, engine|None, n_streams, policy, lookahead, group, wake_lead,
@@ -1956,6 +1970,7 @@ static int Core_init(Core *c, PyObject *args, PyObject *kw)
     c->tracker = Py_NewRef(tracker);
     c->device = Py_NewRef(device);
     c->engine = Py_NewRef(engine);
+    c->engine_given = Py_NewRef(engine);
     c->err_cls = Py_NewRef(err);
     c->lost_cls = Py_NewRef(lost);
     c->faults = PyObject_GetAttrString(device, "faults");
@@ -1963,14 +1978,8 @@ static int Core_init(Core *c, PyObject *args, PyObject *kw)
         PyErr_Clear();
     else if (!PyDict_Check(c->faults))
         Py_CLEAR(c->faults);
-    c->launch_checked = get_method(device, "launch_checked");
-    c->memcpy_htod = get_method(device, "memcpy_htod");
-    c->memcpy_dtoh = get_method(device, "memcpy_dtoh");
-    c->record_event = get_method(device, "record_event");
-    c->event_query = get_method(device, "event_query");
     c->client_units = PyDict_New();
-    if (!c->launch_checked || !c->memcpy_htod || !c->memcpy_dtoh || !c->record_event
-            || !c->event_query || !c->client_units)
+    if (c->client_units == NULL || bind_device(c) < 0)
         return -1;
     c->npairs = TAPI->pairs(tracker);
     c->free_s = PyMem_Calloc(n_streams, sizeof(int32_t));
@@ -1995,6 +2004,23 @@ static PyObject *get_released(Core *c, void *x) { return PyLong_FromLongLong(c->
 static PyObject *get_arrivals(Core *c, void *x) { return PyLong_FromLong(c->arrivals.n); }
 static PyObject *get_free_streams(Core *c, void *x) { return PyLong_FromLong(c->free_n); }
 static PyObject *get_progress(Core *c, void *x) { return PyLong_FromLongLong(c->progress); }
+static int bind_device(Core *c);
+static PyObject *get_direct(Core *c, void *x) { return PyBool_FromLong(c->engine != Py_None); }
+
+/* direct = False: launches and copies go through the device's Python methods from now
+   on (someone replaced them on the device: fault injection, a meter); True: back into
+   the engine, if the core was given one. Jobs admitted with direct copies keep them. */
+static int set_direct(Core *c, PyObject *v, void *x)
+{
+    int on = v != NULL ? PyObject_IsTrue(v) : -1;
+    if (on < 0) {
+        if (!PyErr_Occurred())
+            PyErr_SetString(PyExc_TypeError, "direct cannot be deleted");
+        return -1;
+    }
+    Py_SETREF(c->engine, Py_NewRef(on ? c->engine_given : Py_None));
+    return bind_device(c);       /* (the methods as the device has them now) */
+}
 
 static PyGetSetDef Core_getset[] = {
     {"jobs", (getter)get_jobs, NULL, "jobs admitted and not finished", NULL},
@@ -2003,6 +2029,8 @@ static PyGetSetDef Core_getset[] = {
     {"pending_arrivals", (getter)get_arrivals, NULL, "jobs admitted, not started", NULL},
     {"free_streams", (getter)get_free_streams, NULL, "pool mode: real streams free", NULL},
     {"progress", (getter)get_progress, NULL, "things done so far (a driver's idle test)", NULL},
+    {"direct", (getter)get_direct, (setter)set_direct,
+     "launches and copies go into the engine directly (else through the device)", NULL},
     {NULL},
 };
 

@@ -63,6 +63,8 @@ from .waitlist import DROPPED, RELEASED, Node
 
 log = logging.getLogger(__name__)
 
+#: The instrument hooks of ops, which the kernel core does not report (yet).
+OP_HOOKS = ("op_issued", "op_released", "op_started", "op_ended")
 #: Completion statuses: the wire's own codes (``paella.rings``), one vocabulary from the
 #: dispatcher to the client's completion ring.
 STATUS_OK, STATUS_ERROR, STATUS_CANCELLED = rings.OK, rings.E_FAILED, rings.E_CANCELLED
@@ -218,21 +220,29 @@ class Dispatcher:
         self.core: Any = None
         self._core_memory: Any = None
         self._core_direct = False
+        #: "auto": the core runs while it can serve everything (see _leave_core).
+        self._core_auto = kernel_core == "auto"
+        self._core_hooks = -1                # len(instruments) when last checked
         if kernel_core is not None:
             self._start_core(kernel_core, policy)
 
     # -- the kernel core ---------------------------------------------------------------------
     def _start_core(self, impl: str, policy: Any) -> None:
-        """Run every job's kernels in a kernel core (``impl``: "c" or "python"): only
-        launch plans, under a built-in policy, with nobody listening to op events."""
+        """Run every job's kernels in a kernel core (``impl``: "c", "python", or "auto":
+        "c" where it can): only launch plans, under a built-in policy, with nobody
+        listening to op events."""
+        if impl not in ("c", "python", "auto"):
+            raise ValueError(f"kernel_core must be 'c', 'python', 'auto' or None, got {impl!r}")
         name = policy if isinstance(policy, str) else getattr(policy, "name", None)
         builtin = type(self.policy).__module__.startswith("paella.dispatcher.policies.")
+        hooks = [h for h in OP_HOOKS if h in self.instruments]
+        if self._core_auto and (name not in kc.POLICIES or not builtin or hooks):
+            return                           # auto: this dispatcher's own path
+        impl = "c" if impl == "auto" else impl
         if name not in kc.POLICIES or not builtin:
             raise ValueError(f"the kernel core runs the built-in policies "
                              f"({', '.join(kc.POLICIES)}); policy {name!r} runs on the "
                              f"dispatcher's own path: use kernel_core=None (--kernel-core off)")
-        hooks = [h for h in ("op_issued", "op_released", "op_started", "op_ended")
-                 if h in self.instruments]
         if hooks:
             raise ValueError(f"instruments listen to {', '.join(hooks)}, which the kernel core "
                              f"does not report yet: use kernel_core=None to trace ops")
@@ -243,12 +253,15 @@ class Dispatcher:
                              and not getattr(dev, "realtime", True)
                              and getattr(dev, "lose_after", None) is None)
         self._core_memory = dev.memory if self._core_direct else None
+        self._dev_attrs = len(vars(dev))
         pol = self.policy
         self.core = kc.make_core(
             impl, self.tracker, dev, name, lookahead=self.lookahead, group=self.group,
             wake_lead=self.wake_lead, fairness_threshold=getattr(pol, "threshold", None),
             fairness_unit="client" if getattr(pol, "by_client", False) else "job",
             hold_factor=getattr(pol, "hold", None), direct=self._core_direct)
+        if self._core_direct:
+            self._check_direct()
 
     def _core_admit(self, job: Job, replay: ReplayPlan) -> None:
         """A plan job goes to the kernel core (after the checks ``replay.issue`` makes)."""
@@ -281,9 +294,48 @@ class Dispatcher:
                 job.cancelled = False
                 job.error = ev[2]
 
+    def _leave_core(self, why: str) -> bool:
+        """kernel_core="auto": hand everything to this dispatcher's own path (which the
+        core reproduces) when something the core cannot serve arrives: a model that runs
+        its own code, an instrument of op events. Only while the core is idle; False if
+        it is not (or the core was asked for explicitly)."""
+        core = self.core
+        if not self._core_auto or core.jobs or core.pending_arrivals:
+            return False
+        self.sync_profiles()
+        self.core = None
+        log.info("%s: the dispatcher's own path serves every model from now on (the kernel "
+                 "core serves launch plans only, and reports no op events)", why)
+        return True
+
+    def _check_direct(self) -> None:
+        """The device's methods were replaced on the instance (a fault injection, a
+        meter): from now on the core calls them instead of the engine, so that whoever
+        replaced them sees every launch and copy."""
+        dev = self.device
+        self._dev_attrs = len(vars(dev))
+        shadowed = [m for m in ("launch_checked", "memcpy_htod", "memcpy_dtoh", "record_event",
+                                "event_query") if m in vars(dev)]
+        self.core.direct = not shadowed
+        self._core_memory = None if shadowed else dev.memory
+
+    def _core_hooks_changed(self) -> None:
+        self._core_hooks = len(self.instruments)
+        hooks = [h for h in OP_HOOKS if h in self.instruments]
+        if hooks and not self._leave_core(f"an instrument listens to {', '.join(hooks)}"):
+            log.warning("an instrument listens to %s, which the kernel core does not "
+                            "report: it sees no op events (kernel_core=None reports them)",
+                            ", ".join(hooks))
+
     def _step_core(self, now: float) -> bool:
         """:meth:`step` on the kernel core: arrivals (buffer sets, admission), then one
         pass of the core (notifQ, completions, release), then its events."""
+        if len(self.instruments) != self._core_hooks:     # (an int compare per pass)
+            self._core_hooks_changed()
+            if self.core is None:
+                return self.step()
+        if self._core_direct and len(vars(self.device)) != self._dev_attrs:
+            self._check_direct()
         before = self._progress
         core = self.core
         p0 = core.progress
@@ -955,7 +1007,8 @@ class Dispatcher:
         requests with the new adaptor while running jobs finish on the old one."""
         if not isinstance(adaptor, JobAdaptor):
             raise TypeError(f"model {name!r}: adaptor must be a JobAdaptor, got {type(adaptor).__name__}")
-        if self.core is not None and adaptor.plan is None:
+        if (self.core is not None and adaptor.plan is None
+                and not self._leave_core(f"model {name!r} runs its own code")):
             raise ValueError(f"model {name!r} runs its own code (a {type(adaptor).__name__}), "
                              f"and this dispatcher's kernel core replays launch plans only: "
                              f"serve it with kernel_core=None (--kernel-core off)")

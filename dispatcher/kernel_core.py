@@ -297,7 +297,7 @@ class KernelCore:
         # The C type's signature, positional as there: make_core() is the friendly door.
         self.tracker = tracker
         self.device = device
-        self.engine = engine
+        self.engine = self.engine_given = engine
         self.policy = policy
         self.gated, self.stream_mode, self.eager = POLICIES[policy]
         self.lookahead = lookahead
@@ -393,6 +393,15 @@ class KernelCore:
         if s in self.free:
             self.free.remove(s)
         self.busy[s] += 1
+
+    @property
+    def direct(self) -> bool:
+        """Launches go into the engine directly (False: through the device's methods)."""
+        return self.engine is not None
+
+    @direct.setter
+    def direct(self, on: bool) -> None:
+        self.engine = self.engine_given if on else None
 
     @property
     def pending_arrivals(self) -> int:

@@ -47,6 +47,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                    "this (default 10; 0: never)")
     p.add_argument("--lookahead", type=int, help="kernels of a job's stream released before "
                    "their predecessor completes, queued behind it (default 1: none)")
+    p.add_argument("--kernel-core", dest="kernel_core", choices=("auto", "c", "python", "off"),
+                   help="what runs the per-kernel path: the kernel core in C (c), its Python "
+                   "reference (python), the dispatcher's own path (off), or auto (default: "
+                   "c while every model is a launch plan under a built-in policy)")
     p.add_argument("--wake-lead-us", type=int, dest="wake_lead_us",
                    help="wake a hybrid client when its job's estimated work left drops to "
                    "this many microseconds (default 0: just before the job's last copy)")

@@ -57,6 +57,7 @@ class DaemonConfig:
     plugin_timeout_seconds: float = 10.0  # a plug-in call running longer is interrupted (0: never)
     lookahead: int = 1                  # kernels of a job's stream released ahead (1: none)
     wake_lead_us: int = 0               # hybrid clients' wake-up this far ahead (0: at the mark)
+    kernel_core: str = "auto"           # auto | c | python | off (docs/dispatcher.md)
     echo: bool = True                   # serve the built-in "echo" model (host)
     noop: bool = True                   # serve the built-in "noop" model (sim backend)
     log_level: str = "info"
@@ -82,6 +83,7 @@ class DaemonConfig:
     def check(self) -> None:
         choices = {"backend": ("auto", "sim", "cuda"), "idle": ("adaptive", "spin"),
                    "sim_mode": ("stepped", "process"),
+                   "kernel_core": ("auto", "c", "python", "off"),
                    "log_level": ("debug", "info", "warning", "error")}
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
@@ -172,7 +174,7 @@ class DaemonConfig:
 
 SECTIONS = {
     "daemon": ("socket", "models", "backend", "gpu", "sim_mode", "cpu", "rt_priority", "idle",
-               "idle_spin_us", "drain_seconds", "plugin_timeout_seconds", "lookahead", "wake_lead_us", "echo", "noop", "log_level", "metrics_port",
+               "idle_spin_us", "drain_seconds", "plugin_timeout_seconds", "lookahead", "wake_lead_us", "kernel_core", "echo", "noop", "log_level", "metrics_port",
                "metrics_addr"),
     "access": ("allowed_users", "allowed_groups", "socket_mode"),
     "limits": ("max_clients", "max_inflight_per_client", "arena_bytes", "max_arena_bytes",

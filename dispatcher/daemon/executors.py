@@ -147,7 +147,9 @@ class DispatcherExecutor:
             self.disp = Dispatcher(device, cfg.policy, extra_blocks=extra,
                                    fairness_threshold=fair, policy_options=params or None,
                                    instruments=instruments, lookahead=cfg.lookahead,
-                                   wake_lead=cfg.wake_lead_us * 1e-6)
+                                   wake_lead=cfg.wake_lead_us * 1e-6,
+                                   kernel_core=None if cfg.kernel_core == "off"
+                                   else cfg.kernel_core)
         except PolicyError as e:           # the policy refused its parameters
             raise ConfigError(str(e)) from None
         except PLUGIN_ERRORS as e:  # a plug-in's __init__ may raise anything
