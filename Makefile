@@ -24,7 +24,7 @@ test: $(STAMP)
 	$(BIN)/python -m pytest -q
 
 bench: $(STAMP)
-	$(BIN)/python -m paella.experiments.bench_sim
+	$(BIN)/python -m paella.benchmarks.bench_sim
 
 # The experiments read the zoo from $PAELLA_ZOO_DIR (default ~/.cache/paella/zoo).
 ZOO_DIR ?= $(or $(PAELLA_ZOO_DIR),$(HOME)/.cache/paella/zoo)

@@ -10,14 +10,15 @@ kernels, a D2H copy) and **multi** (a fork-join on four streams with events, 11
 kernels). Jobs arrive 4 at a time on the simulated GTX 1660 SUPER in virtual time; the
 clock jumps to the next device event whenever a step has nothing to do.
 
-* **us per kernel**: thread CPU of ``core.admit`` + ``core.step`` (everything per
-  kernel: notifQ drain, completion, plan walk, SRPT estimate, policy, tracker, stream
-  map, the launch into the simulated engine, and the copies' device calls), median over
-  windows of 500 jobs, the two cores alternated ``--repeat`` times; the median of the
-  runs' medians. The simulated GPU's own work between steps (``run_until``) is not
-  counted: it stands in for the hardware.
+* **us per kernel**: the loop's thread CPU (``core.admit`` + ``core.step``: everything
+  per kernel: notifQ drain, completion, plan walk, SRPT estimate, policy, tracker,
+  stream map, the launch into the simulated engine, the copies; and this benchmark's
+  own Python loop around them) per kernel, median over windows of 500 jobs, the two
+  cores alternated ``--repeat`` times; the median of the runs' medians. The simulated
+  GPU's own work between steps (``run_until``) is taken out: it stands in for the
+  hardware.
 * **instructions per kernel** (``--instructions``): ``valgrind --tool=callgrind
-  --toggle-collect=Core_step --toggle-collect=Core_admit`` (the C core's two entry
+  --toggle-collect=Core_step --toggle-collect=Core_admit_fast`` (the C core's two entry
   points, with everything they call) on a run of ``--small`` and one of ``--large``
   jobs; the difference over the kernels between the two. Callgrind counts are
   repeatable whatever the host does. (The Python reference's count, and the legacy
@@ -26,17 +27,13 @@ clock jumps to the next device event whenever a step has nothing to do.
 from __future__ import annotations
 
 import argparse
-import os
-import re
-import subprocess
-import sys
-import tempfile
 import time
 from typing import Any, Callable
 
 import numpy as np
 
 from paella.benchmarks.bench_replay import PLANS
+from paella.benchmarks.callgrind import instructions, per_kernel_arguments
 from paella.dispatcher import kernel_core as kc
 from paella.dispatcher.core import Dispatcher
 from paella.dispatcher.devices.base import KERNEL
@@ -64,7 +61,7 @@ def drive(dev: SimDevice, core: Any, m: Any, cm: Any, n_jobs: int, batch: int = 
     clock jumps when a step did nothing."""
     io = np.zeros(m.adaptor.io_bytes, np.uint8)
     sets = [m.pool.acquire() for _ in range(64 + batch)]
-    operands = [kc.job_operands(cm, m.replay, b.bound, io) for b in sets]
+    operands = [kc.job_operands(cm, m.replay, b.bound, io, dev.memory) for b in sets]
     admitted = finished = 0
     step = core.step
     admit = core.admit
@@ -86,55 +83,43 @@ def drive(dev: SimDevice, core: Any, m: Any, cm: Any, n_jobs: int, batch: int = 
 
 
 def us_per_kernel(plan: str, impl: str, n_jobs: int) -> float:
+    """Median over windows of the loop's thread CPU per kernel, the simulated GPU's own
+    work (``run_until``, timed with ``perf_counter``: no system call) taken out."""
     dev, core, m, cm, kernels = setup(plan, impl)
-    cpu = [0.0]
-    real_step = core.step
+    gpu = [0.0]
+    run_until, clock = dev.run_until, time.perf_counter
 
-    class Timed:                       # thread CPU of the core's calls only
-        def __getattr__(self, name: str) -> Any:
-            return getattr(core, name)
-
-        def step(self, now: float) -> list:
-            c0 = time.thread_time()
-            try:
-                return real_step(now)
-            finally:
-                cpu[0] += time.thread_time() - c0
-
+    def timed_run_until(t: float) -> bool:
+        c0 = clock()
+        try:
+            return run_until(t)
+        finally:
+            gpu[0] += clock() - c0
+    dev.run_until = timed_run_until
     out = []
+    c0 = [time.thread_time()]
 
     def window(jobs: int) -> None:
-        out.append(cpu[0] / (jobs * kernels))
-        cpu[0] = 0.0
-    drive(dev, Timed(), m, cm, n_jobs, on_window=window)
+        c1 = time.thread_time()
+        out.append((c1 - c0[0] - gpu[0]) / (jobs * kernels))
+        c0[0], gpu[0] = c1, 0.0
+    drive(dev, core, m, cm, n_jobs, on_window=window)
     return float(np.median(out) * 1e6)
 
 
 def instructions_per_kernel(plan: str, small: int, large: int) -> float:
-    counts = []
-    for n in (small, large):
-        with tempfile.NamedTemporaryFile(suffix=".cg") as f:
-            subprocess.run(["valgrind", "--tool=callgrind", "--toggle-collect=Core_step",
-                            "--toggle-collect=Core_admit", f"--callgrind-out-file={f.name}",
-                            sys.executable, "-m", "paella.benchmarks.bench_kernel_core",
-                            "--count", str(n), "--plan", plan],
-                           check=True, capture_output=True,
-                           env=dict(os.environ, PYTHONHASHSEED="0"))
-            text = open(f.name).read()
-        counts.append(int(re.search(r"^(?:summary|totals): (\d+)", text, re.M).group(1)))
+    """Callgrind's count inside the C core's entry points, (large run - small run) /
+    kernels between them."""
+    counts = [instructions(["paella.benchmarks.bench_kernel_core", "--count", str(n), "--plan",
+                            plan], toggles=("Core_step", "Core_admit_fast"))
+              for n in (small, large)]
     kernels = setup(plan, "c")[4]
     return (counts[1] - counts[0]) / ((large - small) * kernels)
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--jobs", type=int, default=6000)
-    p.add_argument("--repeat", type=int, default=3)
-    p.add_argument("--instructions", action="store_true", help="also count with callgrind")
-    p.add_argument("--small", type=int, default=200)
-    p.add_argument("--large", type=int, default=1000)
-    p.add_argument("--count", type=int, help=argparse.SUPPRESS)   # one run, for callgrind
-    p.add_argument("--plan", choices=tuple(PLANS), help=argparse.SUPPRESS)
+    per_kernel_arguments(p, tuple(PLANS))
     a = p.parse_args()
     if a.count is not None:
         dev, core, m, cm, _ = setup(a.plan, "c")
@@ -152,7 +137,7 @@ def main() -> None:
               flush=True)
         if a.instructions:
             ci = instructions_per_kernel(plan, a.small, a.large)
-            print(f"  {plan:6s} instr/kernel c {ci:,.0f} (Core_step + Core_admit, callgrind)",
+            print(f"  {plan:6s} instr/kernel c {ci:,.0f} (Core_step + Core_admit_fast, callgrind)",
                   flush=True)
 
 

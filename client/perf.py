@@ -271,6 +271,47 @@ def summarize(rec: Recorder, seconds: float, concurrency: int | None, rate: floa
 
 
 # --- output -----------------------------------------------------------------------------
+@dataclass
+class RoundTrip:
+    """Closed-loop round trips of one model in one wait mode (:func:`time_round_trips`)."""
+    model: str
+    mode: str
+    n: int
+    p50_us: float
+    p99_us: float
+    mean_us: float
+    client_cpu: float      # client CPU seconds / wall seconds over the run
+
+
+def time_round_trips(sock: str, model: str, mode: str, n: int, warmup: int = 300) -> RoundTrip:
+    """``n`` requests back to back from one client, predict to read_result on one
+    buffer (no input written, no output copied): the service path's own cost, which the
+    demo and ``bench_roundtrip`` both report, so they time it the same way."""
+    import resource
+    with connect(sock, mode=mode) as c:
+        v = c.models[model].variants[0]
+        off = c.alloc(v.io_bytes)
+        predict, read = c.predict, c.read_result
+        times = np.empty(n)
+        perf = time.perf_counter
+        for _ in range(warmup):
+            predict(model, v.io_bytes, off)
+            read()
+        r0 = resource.getrusage(resource.RUSAGE_SELF)
+        w0 = perf()
+        for i in range(n):
+            t = perf()
+            predict(model, v.io_bytes, off)
+            read()
+            times[i] = perf() - t
+        wall = perf() - w0
+        r1 = resource.getrusage(resource.RUSAGE_SELF)
+    cpu = (r1.ru_utime - r0.ru_utime + r1.ru_stime - r0.ru_stime) / wall
+    us = times * 1e6
+    return RoundTrip(model, mode, n, float(np.percentile(us, 50)), float(np.percentile(us, 99)),
+                     float(us.mean()), cpu)
+
+
 def write_csv(path: str, points: list[Point]) -> None:
     """perf_analyzer's columns (latencies in microseconds), plus ours."""
     with open(path, "w", newline="") as f:

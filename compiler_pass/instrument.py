@@ -160,13 +160,6 @@ def paella_tir_pipeline(instrument: bool = True):
     return lower, finalize_host_passes, finalize_device_with(instrument)
 
 
-def register_pipelines() -> None:
-    """Make ``tvm.compile(..., tir_pipeline="paella")`` (and ``"paella-plain"``) work."""
-    from tvm.tirx.compilation_pipeline import register_tir_pipeline
-    register_tir_pipeline("paella", lambda **_kw: paella_tir_pipeline(True))
-    register_tir_pipeline("paella-plain", lambda **_kw: paella_tir_pipeline(False))
-
-
 @contextlib.contextmanager
 def override_global_func(name: str, make: Callable[[Callable | None], Callable]) -> Iterator[None]:
     """Install a TVM global function for the duration of one codegen, then restore.

@@ -15,6 +15,7 @@
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
+#include <dlfcn.h>
 
 #include "capi.h"
 
@@ -228,12 +229,28 @@ static void fifo_free(Fifo *f)
 }
 
 /* ===================================================================================== */
+/* What a real GPU's driver needs to launch one kernel (cuda: use_driver/cuda_kernels). */
+typedef struct {
+    uintptr_t fn;                /* CUfunction */
+    unsigned grid[3], block[3], smem;
+    int nparams, instrumented;   /* instrumented: the last two are (notifQ ptr, launch id) */
+    int *size, *offset;          /* per parameter, into a packed value buffer */
+    int bytes;
+    char name[128];              /* the kernel's, for errors */
+} CudaK;
+
 typedef struct {
     PaellaDemand d;
     int key, shape, effect;
     double flops, nbytes, duration;
     PyObject *record;
+    CudaK *cu;                   /* NULL: not launched through the driver */
 } KSpec;
+
+/* CUresult cuLaunchKernel(CUfunction, gx, gy, gz, bx, by, bz, smem, CUstream, void **params,
+   void **extra): the driver's own signature (cuda.h). */
+typedef int (*cu_launch_fn)(uintptr_t, unsigned, unsigned, unsigned, unsigned, unsigned,
+                            unsigned, unsigned, uintptr_t, void **, void **);
 
 typedef struct {
     int n, nv, nk, nready, pending0;
@@ -356,8 +373,20 @@ typedef struct {
     int n_live;
     int *lvl, *lvl_count, nlvl;  /* priority: levels with kernels on the device */
     int error;                   /* a Python error inside a drain callback */
+    /* the real GPU's driver (use_driver): its launch, streams, notifQ region, counters */
+    void *cu_lib;
+    cu_launch_fn cu_launch;
+    uintptr_t *cu_streams;
+    uint64_t cu_region;
+    uint32_t *cu_counters;
+    int cu_counter_mask;
+    unsigned char *cu_values;    /* one launch's parameter values (the driver copies them) */
+    void **cu_params;
+    int cu_cap;
+    PyObject *cu_failed;         /* device.launch_failed(code, name): raises its error */
     unsigned long long observed; /* the engine's count when copies' events were polled */
     long long progress;          /* things done: a driver's "did this step change anything" */
+    long long device_calls;      /* the driver calls its launches and copies stand for */
 } Core;
 
 static PyObject *new_ref_tuple(int kind, PyObject *token, const char *reason, long n)
@@ -938,6 +967,7 @@ static int launch_copy(Core *c, int32_t id, Job *j, int i, int behind)
 {
     int s = assign(c, j, i, behind);
     c->progress++;
+    c->device_calls += 3;        /* the copy, its event's record, the query that sees it */
     if (j->plan->almost[i] && almost(c, j) < 0)
         return -1;
     if (j->cdst[i] != NULL) {
@@ -1087,10 +1117,107 @@ static void kernel_done(void *ctx, int slot, PyObject *tok, double t_first)
         c->error = 1;
 }
 
+/* One parameter's value into the packed buffer: an int (a device pointer, a count) in
+   `size` little-endian bytes, a float as float32/float64, bytes as they are (the device's
+   _ParamPack rules). 0, or -1 with TypeError/ValueError. */
+static int pack_value(unsigned char *dst, int size, PyObject *v, const char *kname, int idx)
+{
+    if (PyLong_Check(v)) {
+        int overflow = 0;
+        long long x = PyLong_AsLongLongAndOverflow(v, &overflow);
+        unsigned long long ux = (unsigned long long)x;
+        if (overflow > 0) {
+            ux = PyLong_AsUnsignedLongLong(v);
+            if (ux == (unsigned long long)-1 && PyErr_Occurred())
+                return -1;
+        } else if (overflow < 0 || (x == -1 && PyErr_Occurred()))
+            goto range;
+        if (size < 8) {
+            long long lo = -(1LL << (8 * size - 1));
+            unsigned long long hi = (1ULL << (8 * size)) - 1;
+            if ((overflow == 0 && x < lo) || (x >= 0 && ux > hi) || overflow > 0)
+                goto range;
+        } else if (size != 8)
+            goto type;
+        for (int b = 0; b < size; b++)
+            dst[b] = (unsigned char)(ux >> (8 * b));
+        return 0;
+    }
+    if (PyFloat_Check(v)) {
+        double d = PyFloat_AS_DOUBLE(v);
+        if (size == 8)
+            memcpy(dst, &d, 8);
+        else if (size == 4) {
+            float f = (float)d;
+            memcpy(dst, &f, 4);
+        } else
+            goto type;
+        return 0;
+    }
+    if (PyBytes_Check(v) && PyBytes_GET_SIZE(v) == size) {
+        memcpy(dst, PyBytes_AS_STRING(v), size);
+        return 0;
+    }
+type:
+    PyErr_Format(PyExc_TypeError, "kernel %s parameter %d is %d bytes; a %.50s cannot fill it",
+                 kname, idx, size, Py_TYPE(v)->tp_name);
+    return -1;
+range:
+    PyErr_Format(PyExc_ValueError, "kernel %s parameter %d is %d bytes; the value does not fit",
+                 kname, idx, size);
+    return -1;
+}
+
+/* Launch through the driver's cuLaunchKernel (use_driver): the job's arguments packed
+   as the compiled kernel's parameters, then, for an instrumented kernel, the notifQ
+   region's device pointer and the launch id; its counter pair zeroed first. A driver
+   error goes to device.launch_failed, which raises what the device's own path would. */
+static int cuda_launch(Core *c, Job *j, int i, KSpec *k, int s, long long lid)
+{
+    CudaK *cu = k->cu;
+    PyObject *args = j->args != NULL && j->args != Py_None ? PyTuple_GET_ITEM(j->args, i) : NULL;
+    Py_ssize_t n = args != NULL && PyTuple_Check(args) ? PyTuple_GET_SIZE(args) : 0;
+    int own = cu->nparams - (cu->instrumented ? 2 : 0);
+    const char *kname = cu->name;
+    if (n != own) {
+        PyErr_Format(c->err_cls, "kernel %s takes %d argument(s) of its own, %zd given",
+                     kname != NULL ? kname : "?", own, n);
+        return -1;
+    }
+    unsigned char *vals = c->cu_values;
+    for (int a = 0; a < own; a++)
+        if (pack_value(vals + cu->offset[a], cu->size[a], PyTuple_GET_ITEM(args, a), kname, a) < 0)
+            return -1;
+    if (cu->instrumented) {
+        uint64_t region = c->cu_region;
+        uint32_t id = (uint32_t)lid;
+        memcpy(vals + cu->offset[own], &region, 8);
+        memcpy(vals + cu->offset[own + 1], &id, 4);
+        uint32_t *ctr = c->cu_counters + 2 * (lid & c->cu_counter_mask);
+        ctr[0] = ctr[1] = 0;
+    }
+    for (int a = 0; a < cu->nparams; a++)
+        c->cu_params[a] = vals + cu->offset[a];
+    int rc = c->cu_launch(cu->fn, cu->grid[0], cu->grid[1], cu->grid[2], cu->block[0],
+                          cu->block[1], cu->block[2], cu->smem, c->cu_streams[s],
+                          cu->nparams ? c->cu_params : NULL, NULL);
+    if (rc == 0)
+        return 0;
+    PyObject *r = PyObject_CallFunction(c->cu_failed, "is", rc, kname != NULL ? kname : "?");
+    if (r != NULL) {             /* it must raise; if it did not, say so */
+        Py_DECREF(r);
+        PyErr_Format(PyExc_RuntimeError, "cuLaunchKernel returned %d", rc);
+    }
+    return -1;
+}
+
 static int launch_kernel(Core *c, int32_t id, Job *j, int i, KSpec *k, int s, long long lid)
 {
     int rc;
-    if (k->effect || c->engine == Py_None) {
+    c->device_calls++;           /* cuLaunchKernel */
+    if (k->cu != NULL && c->cu_launch != NULL) {
+        rc = cuda_launch(c, j, i, k, s, lid);
+    } else if (k->effect || c->engine == Py_None) {
         PyObject *args = j->args != NULL && j->args != Py_None ? PyTuple_GET_ITEM(j->args, i)
                                                                 : NULL;
         PyObject *r = PyObject_CallFunction(c->launch_checked, "OiLOi", k->record, s, lid,
@@ -1314,8 +1441,13 @@ static void plan_free(Plan *p)
 {
     if (p == NULL)
         return;
-    for (int k = 0; k < p->nk; k++)
+    for (int k = 0; k < p->nk; k++) {
         Py_XDECREF(p->ks[k].record);
+        if (p->ks[k].cu != NULL) {
+            PyMem_Free(p->ks[k].cu->size);
+            PyMem_Free(p->ks[k].cu);
+        }
+    }
     PyMem_Free(p->ks);
     PyMem_Free(p->kind);
     PyMem_Free(p->succ);
@@ -1789,6 +1921,156 @@ static PyObject *Core_reserve(Core *c, PyObject *arg)
     Py_RETURN_NONE;
 }
 
+/* use_driver(library, streams, region_dptr, counters_address, counter_mask, launch_failed):
+   launch kernels through the GPU driver's cuLaunchKernel, loaded from `library` (the
+   real libcuda, or the tests' recording stub), on these CUstream handles. */
+static PyObject *Core_use_driver(Core *c, PyObject *args)
+{
+    const char *lib;
+    PyObject *streams, *failed;
+    unsigned long long region, counters;
+    int mask;
+    if (!PyArg_ParseTuple(args, "sOKKiO", &lib, &streams, &region, &counters, &mask, &failed))
+        return NULL;
+    Py_ssize_t n = PySequence_Size(streams);
+    if (n < 0)
+        return NULL;
+    if (n != c->n_streams || mask < 0 || (mask & (mask + 1)) || !PyCallable_Check(failed)) {
+        PyErr_Format(PyExc_ValueError, "use_driver: %d stream handles, a counter mask 2**k-1 "
+                     "and a callable launch_failed are needed", c->n_streams);
+        return NULL;
+    }
+    void *h = dlopen(lib, RTLD_NOW | RTLD_LOCAL);
+    if (h == NULL) {
+        PyErr_Format(PyExc_OSError, "cannot load the GPU driver library %s: %s", lib, dlerror());
+        return NULL;
+    }
+    cu_launch_fn fn = (cu_launch_fn)dlsym(h, "cuLaunchKernel");
+    if (fn == NULL) {
+        PyErr_Format(PyExc_OSError, "%s has no cuLaunchKernel", lib);
+        dlclose(h);
+        return NULL;
+    }
+    uintptr_t *st = PyMem_Calloc(n, sizeof(uintptr_t));
+    if (st == NULL) {
+        dlclose(h);
+        return PyErr_NoMemory();
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *o = PySequence_GetItem(streams, i);
+        st[i] = o != NULL ? (uintptr_t)PyLong_AsUnsignedLongLong(o) : 0;
+        Py_XDECREF(o);
+        if (PyErr_Occurred()) {
+            PyMem_Free(st);
+            dlclose(h);
+            return NULL;
+        }
+    }
+    if (c->cu_lib != NULL)
+        dlclose(c->cu_lib);
+    PyMem_Free(c->cu_streams);
+    c->cu_lib = h, c->cu_launch = fn, c->cu_streams = st;
+    c->cu_region = region, c->cu_counters = (uint32_t *)(uintptr_t)counters;
+    c->cu_counter_mask = mask;
+    Py_XSETREF(c->cu_failed, Py_NewRef(failed));
+    Py_RETURN_NONE;
+}
+
+/* cuda_kernels(plan, [(fn, grid, block, smem, sizes, instrumented, name) or None per
+   kernel spec]): None keeps that kernel on the device's own launch. */
+static PyObject *Core_cuda_kernels(Core *c, PyObject *args)
+{
+    int plan;
+    PyObject *list;
+    if (!PyArg_ParseTuple(args, "iO", &plan, &list))
+        return NULL;
+    if (plan < 0 || plan >= c->nplans) {
+        PyErr_SetString(PyExc_ValueError, "cuda_kernels: unknown plan");
+        return NULL;
+    }
+    Plan *p = c->plans[plan];
+    if (PySequence_Size(list) != p->nk) {
+        PyErr_SetString(PyExc_ValueError, "cuda_kernels: one entry per kernel of the plan");
+        return NULL;
+    }
+    for (int k = 0; k < p->nk; k++) {
+        PyObject *e = PySequence_GetItem(list, k);
+        if (e == NULL)
+            return NULL;
+        if (e == Py_None) {         /* this kernel keeps the device's own launch */
+            Py_DECREF(e);
+            continue;
+        }
+        unsigned long long fn;
+        const char *kn;
+        unsigned g[3], b[3], smem;
+        PyObject *sizes;
+        int instr;
+        int ok = PyArg_ParseTuple(e, "K(III)(III)IOps", &fn, &g[0], &g[1], &g[2], &b[0], &b[1],
+                                  &b[2], &smem, &sizes, &instr, &kn);
+        char name[128];
+        if (ok)
+            snprintf(name, sizeof name, "%s", kn);
+        Py_DECREF(e);
+        if (!ok)
+            return NULL;
+        Py_ssize_t np = PySequence_Size(sizes);
+        if (np < 0 || np > 4096 || (instr && np < 2)) {
+            PyErr_SetString(PyExc_ValueError, "cuda_kernels: bad parameter list");
+            return NULL;
+        }
+        CudaK *cu = PyMem_Calloc(1, sizeof(CudaK));
+        int *mem = cu != NULL ? PyMem_Calloc(2 * np + 1, sizeof(int)) : NULL;
+        if (mem == NULL) {
+            PyMem_Free(cu);
+            return PyErr_NoMemory();
+        }
+        cu->fn = (uintptr_t)fn, cu->smem = smem, cu->nparams = (int)np, cu->instrumented = instr;
+        memcpy(cu->name, name, sizeof name);
+        memcpy(cu->grid, g, sizeof g);
+        memcpy(cu->block, b, sizeof b);
+        cu->size = mem, cu->offset = mem + np;
+        int off = 0;
+        for (Py_ssize_t a = 0; a < np; a++) {
+            PyObject *o = PySequence_GetItem(sizes, a);
+            long sz = o != NULL ? PyLong_AsLong(o) : -1;
+            Py_XDECREF(o);
+            if (sz < 1 || sz > 4096) {
+                PyMem_Free(mem);
+                PyMem_Free(cu);
+                if (!PyErr_Occurred())
+                    PyErr_SetString(PyExc_ValueError, "cuda_kernels: a parameter size is not 1..4096");
+                return NULL;
+            }
+            int align = sz > 8 ? 16 : 8;     /* as the device's _ParamPack */
+            off = (off + align - 1) / align * align;
+            cu->size[a] = (int)sz, cu->offset[a] = off;
+            off += (int)sz;
+        }
+        cu->bytes = off;
+        if (off + 16 > c->cu_cap || np > c->cu_cap) {
+            int cap = off + 16 > (int)np ? off + 16 : (int)np;
+            unsigned char *v = PyMem_Realloc(c->cu_values, cap);
+            void **pp = v != NULL ? PyMem_Realloc(c->cu_params, cap * sizeof(void *)) : NULL;
+            if (v != NULL)
+                c->cu_values = v;
+            if (pp == NULL) {
+                PyMem_Free(mem);
+                PyMem_Free(cu);
+                return PyErr_NoMemory();
+            }
+            c->cu_params = pp;
+            c->cu_cap = cap;
+        }
+        if (p->ks[k].cu != NULL) {
+            PyMem_Free(p->ks[k].cu->size);
+            PyMem_Free(p->ks[k].cu);
+        }
+        p->ks[k].cu = cu;
+    }
+    Py_RETURN_NONE;
+}
+
 /* step(now) -> events */
 static PyObject *Core_step(Core *c, PyObject *arg)
 {
@@ -1873,6 +2155,12 @@ static void Core_dealloc(Core *c)
     PyMem_Free(c->slot_node);
     PyMem_Free(c->lvl);
     PyMem_Free(c->lvl_count);
+    if (c->cu_lib != NULL)
+        dlclose(c->cu_lib);
+    PyMem_Free(c->cu_streams);
+    PyMem_Free(c->cu_values);
+    PyMem_Free(c->cu_params);
+    Py_XDECREF(c->cu_failed);
     ih_free(&c->heap);
     ih_free(&c->inflight);
     ih_free(&c->dheap);
@@ -2005,6 +2293,11 @@ static PyObject *get_arrivals(Core *c, void *x) { return PyLong_FromLong(c->arri
 static PyObject *get_free_streams(Core *c, void *x) { return PyLong_FromLong(c->free_n); }
 static PyObject *get_progress(Core *c, void *x) { return PyLong_FromLongLong(c->progress); }
 static int bind_device(Core *c);
+static PyObject *get_device_calls(Core *c, void *x)
+{
+    return PyLong_FromLongLong(c->device_calls);
+}
+
 static PyObject *get_direct(Core *c, void *x) { return PyBool_FromLong(c->engine != Py_None); }
 
 /* direct = False: launches and copies go through the device's Python methods from now
@@ -2029,6 +2322,8 @@ static PyGetSetDef Core_getset[] = {
     {"pending_arrivals", (getter)get_arrivals, NULL, "jobs admitted, not started", NULL},
     {"free_streams", (getter)get_free_streams, NULL, "pool mode: real streams free", NULL},
     {"progress", (getter)get_progress, NULL, "things done so far (a driver's idle test)", NULL},
+    {"device_calls", (getter)get_device_calls, NULL,
+     "driver calls its launches and copies stand for (1 a kernel, 3 a copy)", NULL},
     {"direct", (getter)get_direct, (setter)set_direct,
      "launches and copies go into the engine directly (else through the device)", NULL},
     {NULL},
@@ -2044,6 +2339,10 @@ static PyMethodDef Core_methods[] = {
      "admit(token, seq, plan, profile, client=0, level=0, pin=-1, args=None, copies=None)"},
     {"step", (PyCFunction)Core_step, METH_O, "step(now) -> [events]"},
     {"reserve", (PyCFunction)Core_reserve, METH_O, "reserve(stream): out of the pool"},
+    {"use_driver", (PyCFunction)Core_use_driver, METH_VARARGS,
+     "use_driver(library, streams, region_dptr, counters_address, counter_mask, launch_failed)"},
+    {"cuda_kernels", (PyCFunction)Core_cuda_kernels, METH_VARARGS,
+     "cuda_kernels(plan, [(fn, grid, block, smem, sizes, instrumented, name) | None])"},
     {"abort", (PyCFunction)(void (*)(void))Core_abort, METH_FASTCALL,
      "abort(handle, token) -> [events]: drop the job's unreleased ops"},
     {NULL},

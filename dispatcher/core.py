@@ -58,6 +58,7 @@ from .policies.base import check_declared
 from .profile import ESTIMATE_DIGITS, KernelStat, ModelProfile
 from .replay import ReplayPlan
 from .streams import StreamMap
+from .virtual_time import VirtualDriver
 from .tracker import Tracker
 from .waitlist import DROPPED, RELEASED, Node
 
@@ -220,6 +221,7 @@ class Dispatcher:
         self.core: Any = None
         self._core_memory: Any = None
         self._core_direct = False
+        self._core_driver = False
         #: "auto": the core runs while it can serve everything (see _leave_core).
         self._core_auto = kernel_core == "auto"
         self._core_hooks = -1                # len(instruments) when last checked
@@ -262,6 +264,10 @@ class Dispatcher:
             hold_factor=getattr(pol, "hold", None), direct=self._core_direct)
         if self._core_direct:
             self._check_direct()
+        #: On a real GPU the C core calls the driver's cuLaunchKernel itself.
+        self._core_driver = impl == "c" and hasattr(dev, "core_driver")
+        if self._core_driver:
+            self.core.use_driver(*dev.core_driver(), dev.launch_failed)
 
     def _core_admit(self, job: Job, replay: ReplayPlan) -> None:
         """A plan job goes to the kernel core (after the checks ``replay.issue`` makes)."""
@@ -1048,6 +1054,9 @@ class Dispatcher:
         if self.core is not None and model.replay.refusal is None:
             model.core = kc.register_model(self.core, model.replay, model.profile, dev,
                                            self._core_direct)
+            if self._core_driver:
+                self.core.cuda_kernels(model.core.plan,
+                                       [dev.core_kernel(k.record) for k in model.core.spec.kernels])
         self.models[model_id] = model
         self._live.add(model)
         runs = self.profile_runs if profile_runs is None else profile_runs
@@ -1294,28 +1303,41 @@ class Dispatcher:
 
     def run_until_idle(self, timeout: float = 60.0,
                        stop: Callable[[], bool] | None = None) -> None:
-        """Step until nothing is in flight. On a virtual-time device the clock jumps to
-        the next device event whenever an iteration changes nothing. ``timeout``
-        (seconds of wall time) raises TimeoutError; ``stop()`` returning True raises
-        :class:`RunInterrupted`; either leaves the work in flight."""
+        """Step until nothing is in flight. On a virtual-time device the one driver
+        (:class:`~paella.dispatcher.virtual_time.VirtualDriver`) steps it, the clock
+        jumping to the next device event whenever an iteration changes nothing; in real
+        time it steps until done. ``timeout`` (seconds of wall time) raises TimeoutError;
+        ``stop()`` returning True raises :class:`RunInterrupted`; either leaves the work
+        in flight."""
         virtual = hasattr(self.device, "next_event_time") and not getattr(self.device, "realtime", False)
         deadline = time.monotonic() + timeout
-        while self.step() or self._arrivals:
+
+        def interrupted() -> bool:
             if stop is not None and stop():
                 raise RunInterrupted(f"run_until_idle: stopped with {self.in_flight} "
                                      f"requests in flight")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"run_until_idle: {self.in_flight} requests still in "
+                                   f"flight after {timeout} s")
+            return False
+
+        if virtual:
+            VirtualDriver(self, skip_unobserved=False, on_stall=self._unstall,
+                          name="dispatcher").run(until=interrupted)
+            return
+        while self.step() or self._arrivals:
             if self.idle:
-                if virtual:
-                    t = self.device.next_event_time()
-                    if t == float("inf") and self._queued and self._policy_stalled(now=float("inf")):
-                        self._policy_failed("pick", PolicyError(
-                            f"pick() returned None while {self._queued} job(s) had a ready "
-                            f"kernel and the device had nothing to run"))
-                        continue
-                    if t == float("inf"):
-                        raise RuntimeError("dispatcher stalled: jobs are in flight but the device "
-                                           "has no pending event (internal error, please report)")
-                    self.device.run_until(t)
-                elif time.monotonic() > deadline:
-                    raise TimeoutError(f"run_until_idle: {self.in_flight} requests still in "
-                                       f"flight after {timeout} s")
+                interrupted()
+            elif stop is not None and stop():
+                interrupted()
+
+    def _unstall(self) -> bool:
+        """The virtual-time driver found work in flight and nothing that can ever happen:
+        a policy that holds every ready job back with the device idle has stalled, and
+        fifo takes over (True: something was done); anything else is a bug (False)."""
+        if self._queued and self._policy_stalled(now=float("inf")):
+            self._policy_failed("pick", PolicyError(
+                f"pick() returned None while {self._queued} job(s) had a ready kernel and "
+                f"the device had nothing to run"))
+            return True
+        return False

@@ -310,6 +310,9 @@ class KernelCore:
         self.n_streams = n_streams
         self.plans: list[PlanSpec] = []
         self.handles: dict[int, CoreJob] = {}
+        #: The driver calls its launches and copies stand for (1 a kernel; 3 a copy: the
+        #: copy, its event's record, the query that sees it): a harness charges them.
+        self.device_calls = 0
         self.next_handle = 0
         self.progress = 0
         self.profiles: list[Profile] = []
@@ -571,6 +574,7 @@ class KernelCore:
             self.free.append(s)
 
     def _launch(self, job: CoreJob, i: int, k: KernelSpec, s: int, lid: int) -> bool:
+        self.device_calls += 1
         try:
             if k.effect or self.engine is None:
                 self.device.launch_checked(k.record, s, lid,
@@ -609,6 +613,7 @@ class KernelCore:
     def _launch_copy(self, job: CoreJob, i: int, behind: int) -> None:
         s = self._assign(job, i, behind)
         self.progress += 1
+        self.device_calls += 3
         job.t_rel[i] = self.now
         if job.plan.almost[i]:
             self._almost(job)

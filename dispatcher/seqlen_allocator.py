@@ -103,10 +103,6 @@ class AllocatorStats:
         self.free_calls += 1
         self.held_bytes -= nbytes
 
-    @property
-    def alloc_calls_per_inference(self) -> float:
-        return self.alloc_calls / self.inferences if self.inferences else 0.0
-
 
 def find_gap(t: TensorUsage, chunk: Chunk, job: object = None) -> int | None:
     """Algorithm 1's FindGapFromChunk: the offset of the smallest gap in ``chunk`` that

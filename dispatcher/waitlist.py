@@ -28,7 +28,6 @@ enforces the rest. Cross-stream dependencies and MARKERs always wait for complet
 """
 from __future__ import annotations
 
-from collections import deque
 from typing import Callable
 
 from paella.dispatcher.devices.base import KIND_NAMES, MARKER
@@ -329,6 +328,3 @@ class Waitlist:
                 seen.append(op)
                 op = op.pred
         return seen
-
-    def ready_ops(self) -> deque:
-        return deque(op for op in self._unfinished() if op.state == READY)

@@ -86,10 +86,10 @@ def run_point(bundle, batcher: str, policy: str, rate: float, n: int, seed: int,
     from paella.dispatcher.core import STATUS_OK, Dispatcher, Request
     from paella.dispatcher.devices.sim import SimDevice
 
-    from .harness import DEFAULT_STREAMS, DeviceMeter, _drive
+    from .harness import DEFAULT_STREAMS, _drive, device_meter
     from .workload import latency_summary, lognormal_arrivals
     dev = SimDevice("t4", n_streams=DEFAULT_STREAMS, seed=seed)
-    d = Dispatcher(dev, policy, profile_runs=1)
+    d = Dispatcher(dev, policy, profile_runs=1, kernel_core="auto")
     stage = BatchingStage(d)
     served = {}
     for k, v in enumerate(bundle.variants):
@@ -110,7 +110,7 @@ def run_point(bundle, batcher: str, policy: str, rate: float, n: int, seed: int,
         done[req.req_id] = dev.now()
         status[req.req_id] = st
 
-    meter = DeviceMeter(dev, 2e-6) if cpu_scale > 0 else None
+    meter = device_meter(d, 2e-6) if cpu_scale > 0 else None
     _drive(d, dev, arrivals, lambda i: stage.submit(Request(
         i, i % CLIENTS, 0, io, on_complete=complete, rows=1, seq_len=v0.seq_len)),
         cpu_scale, meter, stage=stage)

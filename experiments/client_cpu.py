@@ -22,7 +22,7 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from paella.experiments.bench_roundtrip import start_daemon, stop_daemon
+from paella.child_daemon import start_daemon, stop_daemon
 
 CLIENT = r"""
 import json, os, sys, time

@@ -59,6 +59,7 @@ from paella.dispatcher.batchers.dvabatch import DvaConfig, DvaPipeline
 from paella.dispatcher.batchers.dvabatch.runner import DispatcherStageRunner
 from paella.dispatcher.core import Dispatcher
 from paella.dispatcher.devices.sim import SimDevice
+from paella.dispatcher.virtual_time import VirtualDriver
 from paella.experiments.workload import latency_summary
 from paella.gpus import preset
 
@@ -347,29 +348,33 @@ def run_point(m, system: str, rate: float, n: int, seed: int,
 
 def _drive(disp: Dispatcher, dev: SimDevice, pipe: DvaPipeline, qs: list[_Query]) -> None:
     """The virtual-time loop (a free dispatcher, as the harness runs cpu_scale 0):
-    arrivals, the pipeline's window, dispatcher steps, and the clock skipping to the
-    next thing that can happen."""
-    i, n = 0, len(qs)
-    inf = math.inf
-    while i < n or not pipe.idle:
+    arrivals into the pipeline, the pipeline's window polled after each dispatcher step,
+    and the clock skipping to the next thing that can happen."""
+    def arrive(due: range) -> None:
         now = dev.now()
-        if i < n and qs[i].arrival <= now:
-            while i < n and qs[i].arrival <= now:
-                pipe.add(qs[i], now)
-                i += 1
-        pipe.poll(now)
-        disp.step()
-        observed = dev.run_until(now)
-        if disp.idle and not observed and not disp._arrivals:
-            d = pipe.deadline()
-            limit = min(qs[i].arrival if i < n else inf, inf if d is None else d)
-            if limit == inf and not disp.in_flight:
-                if pipe.idle:
-                    break
-                raise RuntimeError("dvabatch driver stalled: queries in the pipeline, "
-                                   "no job, no arrival, no window")
-            if limit > dev.now():
-                dev.run_until_observed(limit)
+        for i in due:
+            pipe.add(qs[i], now)
+    VirtualDriver(disp, PipelineFront(pipe, dev), name="dvabatch driver").run(
+        [q.arrival for q in qs], arrive)
+
+
+class PipelineFront:
+    """A :class:`~paella.dispatcher.batchers.dvabatch.DvaPipeline` as the virtual-time
+    driver's front stage: polled at the device's time, its window's end a deadline."""
+
+    def __init__(self, pipe: DvaPipeline, dev: SimDevice):
+        self.pipe = pipe
+        self.dev = dev
+
+    @property
+    def busy(self) -> bool:
+        return not self.pipe.idle
+
+    def step(self) -> None:
+        self.pipe.poll(self.dev.now())
+
+    def deadline(self) -> float | None:
+        return self.pipe.deadline()
 
 
 def peak(m, system: str, n: int, seed: int, window: float = 0.0,

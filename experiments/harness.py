@@ -9,7 +9,9 @@ simulator's methods (placing blocks, scheduling its events) is not the dispatche
 is measured apart and replaced by ``device_call_cost`` per call (a CUDA driver call's
 CPU cost, about 2 us for a launch). An iteration that changed nothing
 is a poll; the clock then jumps to the next device event or arrival (Trio's rule: never
-spin when nothing can happen).
+spin when nothing can happen). The loop is the project's one virtual-time driver
+(:class:`~paella.dispatcher.virtual_time.VirtualDriver`); :class:`CpuCharge` is its
+charge hook here.
 
 ``run_point`` is what the experiments call, e.g. ``hol --driver dispatcher``:
 ``run_point(PointConfig(policy, rate, sigma, n, seed, gpu="gtx1660s", cpu_scale=...),
@@ -20,7 +22,6 @@ full.
 """
 from __future__ import annotations
 
-import math
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -30,6 +31,7 @@ import numpy as np
 from paella.dispatcher.adaptor import JobAdaptor, PlanAdaptor, synthetic_plan
 from paella.dispatcher.core import STATUS_OK, Dispatcher, Request
 from paella.dispatcher.devices.sim import SimDevice
+from paella.dispatcher.virtual_time import VirtualDriver
 from paella.experiments.workload import arrival_rate, latency_summary, lognormal_arrivals
 
 #: Real streams in the device pool. Many more than hardware queues, as Paella creates:
@@ -61,6 +63,7 @@ class PointConfig:
     fairness_threshold: float | None = None
     policy_options: dict[str, Any] = field(default_factory=dict)
     cpu_scale: float = 1.0              # 0: a free dispatcher; 1: charge what it costs here
+    kernel_core: str | None = "auto"    # what runs the per-kernel path (Dispatcher(kernel_core=))
     device_call_cost: float = 2e-6      # seconds charged per device call instead of the sim's
     decision_delay: float = 0.0         # seconds added per kernel release (Figure 9's synthetic delay)
     profile_runs: int = 2
@@ -79,7 +82,8 @@ def run_point(cfg: PointConfig, workloads: list[Workload]) -> dict:
     dev = SimDevice(cfg.gpu, n_streams=cfg.n_streams, seed=cfg.seed)
     d = Dispatcher(dev, cfg.policy, extra_blocks=cfg.extra_blocks, group=cfg.group,
                    fairness_threshold=cfg.fairness_threshold,
-                   policy_options=dict(cfg.policy_options), profile_runs=cfg.profile_runs)
+                   policy_options=dict(cfg.policy_options), profile_runs=cfg.profile_runs,
+                   kernel_core=cfg.kernel_core)
     mids = [d.register_model(w.name, w.make_adaptor()) for w in workloads]
     ios = [np.zeros(max(d.models[m].adaptor.io_bytes, 1), np.uint8) for m in mids]
     n = cfg.n_requests
@@ -99,7 +103,7 @@ def run_point(cfg: PointConfig, workloads: list[Workload]) -> dict:
     # measuring is not free: time.thread_time is a system call (~0.5 us; 10 us measured
     # here while the machine was loaded).
     measure = cfg.cpu_scale > 0 or cfg.decision_delay > 0
-    meter = DeviceMeter(dev, cfg.device_call_cost) if measure else None
+    meter = device_meter(d, cfg.device_call_cost) if measure else None
     cpu = _drive(d, dev, arrivals, lambda i: d.submit(Request(
         i, _client(workloads, kinds[i]), mids[kinds[i]], ios[kinds[i]], on_complete=complete)),
         cfg.cpu_scale, meter, cfg.decision_delay)
@@ -125,6 +129,41 @@ def run_point(cfg: PointConfig, workloads: list[Workload]) -> dict:
 def _client(workloads: list[Workload], k: int) -> int:
     c = workloads[k].client_id
     return k if c is None else c
+
+
+def device_meter(d: Dispatcher, call_cost: float) -> "DeviceMeter | CoreMeter":
+    """The meter that charges ``d``'s device calls at ``call_cost`` each, in place of
+    the simulator's own time: a :class:`CoreMeter` where a kernel core launches into the
+    engine directly, else a :class:`DeviceMeter` (which wraps the device's methods)."""
+    if d.core is not None and d.core.direct:
+        return CoreMeter(d.core, call_cost)
+    return DeviceMeter(d.device, call_cost)
+
+
+class CoreMeter:
+    """:class:`DeviceMeter`'s contract for a kernel core that launches and copies into
+    the simulated engine itself (no Python method to wrap): every driver call its
+    launches and copies stand for (``core.device_calls``) is charged ``call_cost``, as
+    DeviceMeter charges each wrapped call. The engine's own work for a direct launch
+    (~500 instructions, counted by ``benchmarks/bench_kernel_core``) stays inside the
+    step's measured CPU: charged twice, a small pessimism, never an advantage."""
+
+    def __init__(self, core: Any, call_cost: float):
+        self.core = core
+        self.call_cost = call_cost
+        self._calls = core.device_calls
+        self._released = core.released
+
+    def take(self) -> float:
+        """Seconds to take out of the step's CPU (negative: the calls are charged)."""
+        n = self.core.device_calls
+        calls, self._calls = n - self._calls, n
+        return -calls * self.call_cost
+
+    def take_launches(self) -> int:
+        n = self.core.released
+        k, self._released = n - self._released, n
+        return k
 
 
 class DeviceMeter:
@@ -168,68 +207,54 @@ class DeviceMeter:
         return n
 
 
+class CpuCharge:
+    """The driver's ``charge`` hook when the dispatcher's CPU is charged: a step costs its
+    CPU time (``time.thread_time``, the simulator's own time taken out by ``meter``)
+    times ``cpu_scale``, plus ``decision_delay`` per kernel it released (Figure 9's
+    synthetic delay). ``total``: the CPU seconds measured so far."""
+
+    def __init__(self, meter: "DeviceMeter | CoreMeter", cpu_scale: float,
+                 decision_delay: float = 0.0):
+        self.meter = meter
+        self.cpu_scale = cpu_scale
+        self.decision_delay = decision_delay
+        self.total = 0.0
+
+    def __call__(self, step: Callable[[], None]) -> float:
+        meter, clock = self.meter, time.thread_time
+        meter.take()
+        meter.take_launches()
+        c0 = clock()
+        step()
+        spent = max(clock() - c0 - meter.take(), 0.0)
+        self.total += spent
+        return spent * self.cpu_scale + meter.take_launches() * self.decision_delay
+
+
 def _drive(d: Dispatcher, dev: SimDevice, arrivals: np.ndarray, submit: Callable[[int], None],
-           cpu_scale: float, meter: DeviceMeter | None, decision_delay: float = 0.0,
+           cpu_scale: float, meter: "DeviceMeter | CoreMeter | None", decision_delay: float = 0.0,
            stage: Any = None) -> float:
-    """The harness loop; returns the dispatcher CPU seconds charged. Without a meter
-    the dispatcher is free: nothing is measured and the clock moves with the device.
-    ``stage``: a :class:`~paella.dispatcher.batchers.stage.BatchingStage` in front of the
-    dispatcher (``submit`` hands it the requests): stepped after the dispatcher (its
-    CPU is the dispatcher's), and its batchers' deadlines are events the clock stops at."""
-    n = len(arrivals)
-    i = 0
-    total_cpu = 0.0
-    clock = time.thread_time
-    inf = math.inf
-    step = d.step if stage is None else (lambda: (d.step(), stage.step()))
+    """The harness loop (:class:`~paella.dispatcher.virtual_time.VirtualDriver`); returns
+    the dispatcher CPU seconds charged. Without a meter the dispatcher is free: nothing
+    is measured and the clock skips to what the dispatcher can observe. With one, each
+    iteration's CPU (``time.thread_time``, the simulator's own time taken out) times
+    ``cpu_scale``, plus ``decision_delay`` per kernel released, moves the clock, and the
+    dispatcher is stepped at every device event, as a busy-polling loop would be: the
+    idle polls and the instants they fall on are part of what is measured (skipping them
+    moved short-long at --cpu-scale 1 from 4.9x to 1.6x). ``stage``: a
+    :class:`~paella.dispatcher.batchers.stage.BatchingStage` in front of the dispatcher
+    (``submit`` hands it the requests): stepped after the dispatcher (its CPU is the
+    dispatcher's), and its batchers' deadlines are events the clock stops at."""
+    cpu = CpuCharge(meter, cpu_scale, decision_delay) if meter is not None else None
+    driver = VirtualDriver(d, stage, skip_unobserved=cpu is None, charge=cpu,
+                           on_stall=None if stage is None else stage.unstall, name="harness")
+    driver.run(arrivals, lambda due: _each(submit, due))
+    return cpu.total if cpu is not None else 0.0
 
-    def next_timer() -> float:
-        t = stage.deadline() if stage is not None else None
-        return inf if t is None else t
 
-    while i < n or d.in_flight or (stage is not None and stage.queued):
-        now = dev.now()
-        while i < n and arrivals[i] <= now:
-            submit(i)
-            i += 1
-        if meter is None:
-            step()
-            t = now
-        else:
-            meter.take()
-            meter.take_launches()
-            c0 = clock()
-            step()
-            spent = max(clock() - c0 - meter.take(), 0.0)
-            total_cpu += spent
-            t = now + spent * cpu_scale + meter.take_launches() * decision_delay
-        if meter is not None:
-            # The dispatcher's CPU is charged: it is stepped at every device event, as a
-            # busy-polling loop would be, and each idle poll costs what it costs.
-            if d.idle and not d._arrivals:
-                nxt = min(dev.next_event_time(), arrivals[i] if i < n else inf, next_timer())
-                if nxt == inf:
-                    if d.in_flight:
-                        raise RuntimeError("harness stalled: requests in flight, no device event")
-                    break
-                t = max(t, nxt)
-            dev.run_until(t)
-            continue
-        observed = dev.run_until(t)
-        if d.idle and not observed and not d._arrivals:
-            # A free dispatcher (cpu_scale 0) has nothing to do until the device shows
-            # something (a notification, a completed op) or a request arrives: skip the
-            # events in between in one call. Exact for a policy that acts on what it
-            # observes (every built-in one: bit-for-bit the points of stepping it at every
-            # device event). Not used when the CPU is charged: there the idle polls and the
-            # instants they fall on are part of what is measured (skipping them moved
-            # short-long at --cpu-scale 1 from 4.9x to 1.6x).
-            limit = min(arrivals[i] if i < n else inf, next_timer())
-            if limit > dev.now() and not dev.run_until_observed(limit) and limit == inf:
-                if d.in_flight:
-                    raise RuntimeError("harness stalled: requests in flight, no device event")
-                break
-    return total_cpu
+def _each(submit: Callable[[int], None], due: range) -> None:
+    for i in due:
+        submit(i)
 
 
 def saturated(point: dict, tolerance: float = 0.9) -> bool:

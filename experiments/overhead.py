@@ -440,7 +440,7 @@ def isolated_device_us(bundle_path: Path, gpu: str) -> float:
 def _daemon(args: tuple[str, ...], trace_path: str | None) -> Iterator[tuple[str, dict]]:
     """A daemon (traced when ``trace_path`` is given) with this process, the client, kept
     off its core. Yields (socket, placement); checks the daemon exits cleanly."""
-    from paella.experiments.bench_roundtrip import DAEMON, start_daemon, stop_daemon
+    from paella.child_daemon import DAEMON, start_daemon, stop_daemon
     cores = os.sched_getaffinity(0)      # the daemon inherits them: restored at the end
     command = (*TRACED_DAEMON, trace_path) if trace_path else DAEMON
     proc, sock, tmp = start_daemon(*args, timeout=300, command=command)

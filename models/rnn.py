@@ -110,11 +110,6 @@ def lstm_reference(x: np.ndarray, h: np.ndarray, c: np.ndarray, w: np.ndarray, b
     return (_sigmoid(o) * np.tanh(c2)).astype(np.float32), c2.astype(np.float32)
 
 
-def encoder_reference(tok: np.ndarray, h: np.ndarray, c: np.ndarray, params: list[np.ndarray]):
-    emb, w, b = params
-    return lstm_reference(emb[tok], h, c, w, b)
-
-
 def decoder_reference(tok: np.ndarray, h: np.ndarray, c: np.ndarray, params: list[np.ndarray]):
     emb, w, b, proj = params
     h2, c2 = lstm_reference(emb[tok], h, c, w, b)

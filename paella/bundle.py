@@ -131,10 +131,6 @@ class KernelSpec:
     instrumented: bool
 
     @property
-    def threads_per_block(self) -> int:
-        return int(np.prod(self.block))
-
-    @property
     def blocks(self) -> int:
         return int(np.prod(self.grid))
 

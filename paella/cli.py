@@ -19,7 +19,7 @@ from importlib.util import find_spec
 #: extra (the base install is only the client), the commands are still listed and say
 #: which extra to install.
 COMMANDS = [
-    ("paella.experiments.demo", ("demo",), "all"),
+    ("paella.demo", ("demo",), "all"),
     ("paella.dispatcher.daemon", ("serve",), "serve"),
     ("paella.dispatcher.daemon.unit", ("unit",), "serve"),
     ("paella.client.status", ("status",), ""),

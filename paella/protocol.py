@@ -55,11 +55,6 @@ def encode(kind: int, sm: int, count: int, launch_id: int) -> int:
     return (kind << KIND_SHIFT) | (sm << SM_SHIFT) | (count << COUNT_SHIFT) | launch_id
 
 
-def encode_unchecked(kind: int, sm: int, count: int, launch_id: int) -> int:
-    """Hot-path variant of :func:`encode` for callers that already validated the fields."""
-    return (kind << KIND_SHIFT) | (sm << SM_SHIFT) | (count << COUNT_SHIFT) | launch_id
-
-
 def decode(word: int) -> Notification:
     word = int(word)
     return Notification(

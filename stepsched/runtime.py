@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import heapq
 import itertools
-import math
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -48,6 +47,7 @@ from paella.dispatcher.adaptor import JobAdaptor
 from paella.dispatcher.batchers.stage import submit_job
 from paella.dispatcher.core import Dispatcher
 from paella.dispatcher.devices.base import Device, ModuleImage
+from paella.dispatcher.virtual_time import VirtualDriver
 
 from .step_kernels import StepKernels
 from .timeline import StepPolicy
@@ -275,33 +275,39 @@ class StepRuntime:
     def drive(self, arrivals: list[tuple[float, Any]], until: Callable[[], bool] | None = None,
               on_arrival: Callable[[Any], None] | None = None) -> None:
         """Virtual time: add each item at its time and run until everything has left
-        (or ``until()`` says stop). The clock jumps to the next thing that can happen.
+        (or ``until()`` says stop), on the one virtual-time driver: the clock jumps to
+        the next thing that can happen. Items arriving at one instant are added together
+        and then the workers kicked once, so they can share the first step.
         ``on_arrival(item)``: what an arrival does instead of ``add(item, kick=False)``
         (an engine's own submit)."""
         arrive = on_arrival or (lambda item: self.add(item, kick=False))
-        d = self.disp
-        if d is None:
+        if self.disp is None:
             raise RuntimeError("drive() runs a runtime on a Dispatcher of its own (virtual "
                                "time); in the daemon the loop drives it")
-        dev = d.device
         arrivals = sorted(arrivals, key=lambda a: a[0])
-        i, n = 0, len(arrivals)
-        inf = math.inf
-        while i < n or self.active or d.in_flight:
-            if until is not None and until():
-                return
-            now = dev.now()
-            if i < n and arrivals[i][0] <= now:
-                while i < n and arrivals[i][0] <= now:
-                    arrive(arrivals[i][1])
-                    i += 1
-                self.kick()
-            self.release_delayed()
-            d.step()
-            if d.idle:
-                limit = min(arrivals[i][0] if i < n else inf,
-                            self._delayed[0][0] if self._delayed else inf)
-                if limit > dev.now() and not dev.run_until_observed(limit) and limit == inf:
-                    if self.active or d.in_flight:
-                        raise RuntimeError("step runtime stalled: work pending, no device event")
-                    return
+
+        def submit(due: range) -> None:
+            for k in due:
+                arrive(arrivals[k][1])
+            self.kick()
+        VirtualDriver(self.disp, _DelayedTasks(self), name="step runtime").run(
+            [a[0] for a in arrivals], submit, until)
+
+
+class _DelayedTasks:
+    """A runtime's tasks whose host time (``cpu_scale``) is not over yet, as the
+    virtual-time driver's front stage: released when their time comes."""
+
+    def __init__(self, runtime: StepRuntime):
+        self.runtime = runtime
+
+    @property
+    def busy(self) -> bool:
+        return self.runtime.active
+
+    def step(self) -> None:
+        self.runtime.release_delayed()
+
+    def deadline(self) -> float | None:
+        delayed = self.runtime._delayed
+        return delayed[0][0] if delayed else None

@@ -20,17 +20,12 @@ codes (the categories the encoder was fitted on must be numbers).
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import numpy as np
 import torch
 
 from .errors import WindTunnelError
-from .network import Block, param, uniform_
+from .network import Block, OnnxBuilder, param, uniform_
 from .thresholds import place
-
-if TYPE_CHECKING:
-    from .export import OnnxGraph
 
 
 class Affine(Block):
@@ -46,7 +41,7 @@ class Affine(Block):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x * self.w + self.b
 
-    def to_onnx(self, g: "OnnxGraph", x: str) -> str:
+    def to_onnx(self, g: OnnxBuilder, x: str) -> str:
         return g.op("Add", [g.op("Mul", [x, g.weight(self.w, "scale")]), g.weight(self.b, "shift")])
 
     def cold_init(self, gen: torch.Generator) -> None:
@@ -84,7 +79,7 @@ class OneHotEmbedding(Block):
         hot = (x.index_select(1, self.slot_col) == self.slot_value).to(x.dtype)
         return hot @ (self.table * self.mask)
 
-    def to_onnx(self, g: "OnnxGraph", x: str) -> str:
+    def to_onnx(self, g: OnnxBuilder, x: str) -> str:
         cols = g.op("Gather", [x, g.const(self.slot_col.numpy().astype(np.int64), "slot_col")], axis=1)
         hot = g.op("Cast", [g.op("Equal", [cols, g.weight(self.slot_value, "categories")])], to=1)
         return g.op("MatMul", [hot, g.weight(self.table * self.mask, "embedding")])
@@ -146,7 +141,7 @@ class SoftBins(Block):
         s = 0.5 * (1 + torch.tanh(x.index_select(1, self.edge_col) * self.slope + self.bias))
         return s @ self.combine + self.offset
 
-    def to_onnx(self, g: "OnnxGraph", x: str) -> str:
+    def to_onnx(self, g: OnnxBuilder, x: str) -> str:
         cols = g.op("Gather", [x, g.const(self.edge_col.numpy().astype(np.int64), "edge_col")], axis=1)
         t = g.op("Tanh", [g.op("Add", [g.op("Mul", [cols, g.weight(self.slope, "slope")]),
                                        g.weight(self.bias, "edge")])])

@@ -8,16 +8,11 @@ link, so fine-tuning reads the logits.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import numpy as np
 import torch
 
 from .errors import WindTunnelError
-from .network import Block, param, uniform_
-
-if TYPE_CHECKING:
-    from .export import OnnxGraph
+from .network import Block, OnnxBuilder, param, uniform_
 
 
 class Linear(Block):
@@ -31,7 +26,7 @@ class Linear(Block):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x @ self.weight + self.bias
 
-    def to_onnx(self, g: "OnnxGraph", x: str) -> str:
+    def to_onnx(self, g: OnnxBuilder, x: str) -> str:
         return g.op("Add", [g.op("MatMul", [x, g.weight(self.weight, "weight")]), g.weight(self.bias, "bias")])
 
     def cold_init(self, gen: torch.Generator) -> None:

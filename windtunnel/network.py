@@ -18,17 +18,27 @@ cold-start ablation and the export can treat the network uniformly:
 from __future__ import annotations
 
 import copy
-from typing import TYPE_CHECKING, Iterator
+from typing import Any, Iterator, Protocol
 
 import numpy as np
 import torch
 from torch import nn
 
-if TYPE_CHECKING:
-    from .export import OnnxGraph
-
 #: How a network's raw scores become its output.
 LINKS = ("identity", "sigmoid", "softmax")
+
+
+class OnnxBuilder(Protocol):
+    """What :meth:`Block.to_onnx` writes into: constants and nodes, each named uniquely,
+    each method returning the name of the value it made. Declared here, beside the
+    blocks that use it, so that the blocks need not know the exporter
+    (:class:`~.export.OnnxGraph`, which imports the network, is the implementation)."""
+
+    def const(self, value: np.ndarray, hint: str = "c") -> str: ...
+
+    def weight(self, value: torch.Tensor, hint: str = "w") -> str: ...
+
+    def op(self, op_type: str, inputs: list[str], **attrs: Any) -> str: ...
 
 
 class Block(nn.Module):
@@ -44,7 +54,7 @@ class Block(nn.Module):
         self.out_dim = out_dim
         self.dropout = 0.0
 
-    def to_onnx(self, g: "OnnxGraph", x: str) -> str:
+    def to_onnx(self, g: OnnxBuilder, x: str) -> str:
         """Emit this block's computation on the ONNX value ``x``; return the output's name."""
         raise NotImplementedError
 
@@ -84,7 +94,7 @@ class Chain(Block):
             x = s(x)
         return x
 
-    def to_onnx(self, g: "OnnxGraph", x: str) -> str:
+    def to_onnx(self, g: OnnxBuilder, x: str) -> str:
         for s in self.steps:
             x = s.to_onnx(g, x)
         return x
@@ -117,7 +127,7 @@ class Columns(Block):
         return torch.cat([b(x.index_select(1, getattr(self, f"idx{k}")))
                           for k, b in enumerate(self.branches)], dim=1)
 
-    def to_onnx(self, g: "OnnxGraph", x: str) -> str:
+    def to_onnx(self, g: OnnxBuilder, x: str) -> str:
         outs = []
         for c, b in zip(self.columns, self.branches):
             sub = g.op("Gather", [x, g.const(np.asarray(c, np.int64), "cols")], axis=1)
@@ -173,7 +183,7 @@ class WindTunnelNet(nn.Module):
             return torch.softmax(z, dim=1)
         return z
 
-    def to_onnx(self, g: "OnnxGraph", x: str) -> str:
+    def to_onnx(self, g: OnnxBuilder, x: str) -> str:
         z = self.body.to_onnx(g, x)
         if self.link == "sigmoid":
             p = g.op("Sigmoid", [z])

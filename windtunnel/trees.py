@@ -35,18 +35,13 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
-
 import numpy as np
 import torch
 import torch.nn.functional as F
 
 from .errors import WindTunnelError
-from .network import Block, param, uniform_
+from .network import Block, OnnxBuilder, param, uniform_
 from .thresholds import place
-
-if TYPE_CHECKING:
-    from .export import OnnxGraph
 
 LEVELS = (1, 2, 3, 4)
 
@@ -166,7 +161,7 @@ class SoftTrees(Block):
         h2 = F.dropout(h2, self.dropout, self.training)
         return torch.einsum("tbl,tl,tk->bk", h2, self.v * self.mv, self.assign) + self.c
 
-    def to_onnx(self, g: "OnnxGraph", x: str) -> str:
+    def to_onnx(self, g: OnnxBuilder, x: str) -> str:
         T, N, L = self.shape
         h1 = g.op("Tanh", [g.op("Add", [g.op("MatMul", [x, g.weight(self.w1 * self.m1, "split_w")]),
                                         g.weight(self.b1 * self.m1, "split_b")])])

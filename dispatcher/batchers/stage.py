@@ -34,6 +34,7 @@ from paella.plugins import PLUGIN_ERRORS
 
 from paella.dispatcher.core import Request
 from paella.dispatcher.instruments import Instruments
+from paella.dispatcher.virtual_time import VirtualDriver
 
 from .base import Batch, Batcher, BatcherError, ModelVariants, RequestRefused, VariantSpec
 from .gather import IoLayout, gather, in_place, scatter_one
@@ -336,25 +337,24 @@ class BatchingStage:
     def run_until_idle(self) -> None:
         """Virtual time only (tests, experiments): step the dispatcher and the batchers
         until nothing is queued or in flight, the clock jumping to the next device event
-        or batcher deadline whenever an iteration changes nothing."""
-        disp, dev = self.disp, self.disp.device
-        while True:
-            busy = disp.step()
-            self.step()
-            if not busy and not self._queued and not disp._arrivals:
-                return
-            if disp.idle and not disp._arrivals:
-                d = self.deadline()
-                if disp._arrivals:            # deadline() answered a stalled batcher's
-                    continue
-                t = min(dev.next_event_time(), float("inf") if d is None else d)
-                if t == float("inf"):
-                    if self._queued:          # held back (max_inflight) with nothing running
-                        self.flush()
-                        continue
-                    raise RuntimeError("batching stage stalled: requests in flight but no "
-                                       "device event or batcher deadline")
-                dev.run_until(max(t, dev.now()))
+        or batcher deadline whenever an iteration changes nothing (the one driver,
+        stepping at every device event as the daemon's loop would)."""
+        VirtualDriver(self.disp, self, skip_unobserved=False, on_stall=self.unstall,
+                      name="batching stage").run()
+
+    @property
+    def busy(self) -> bool:
+        """Requests held by the batchers (the virtual-time driver's front stage)."""
+        return self._queued > 0
+
+    def unstall(self) -> bool:
+        """Nothing can happen any more (no device event, no batcher deadline) while the
+        batchers hold requests, held back by ``max_inflight`` with nothing running:
+        start them now. True if there were any (the driver's ``on_stall``)."""
+        if not self._queued:
+            return False
+        self.flush()
+        return True
 
     # -- batches -----------------------------------------------------------------------------
     def _start(self, m: ServedModel, batches: Any) -> None:

@@ -522,6 +522,39 @@ class CudaDevice(Device):
                                   f"{MAX_KERNEL_PARAMS} parameters")
         return sizes
 
+    # -- the kernel core's own launches (dispatcher/_kcore.c: use_driver) -------------------
+    #: The driver library the kernel core loads to call cuLaunchKernel itself (the tests
+    #: point it at a recording stub of their own build).
+    driver_library = "libcuda.so.1"
+
+    def core_driver(self) -> tuple:
+        """What the C kernel core needs to launch on this GPU itself: the driver library,
+        each real stream's CUstream handle, the notifQ region's device pointer, the
+        address of the launches' counter pairs and their mask."""
+        return (self.driver_library, [int(s) for s in self._streams], self._region_dptr_int,
+                self.counters.ctypes.data, self._counter_mask)
+
+    def core_kernel(self, k: Any) -> tuple | None:
+        """A checked launch record as the C kernel core launches it: ``(CUfunction, grid,
+        block, dynamic shared memory, parameter sizes, instrumented, name)``; None where
+        this backend's own launch must decide (a kernel without the Paella parameters,
+        or more dynamic shared memory than it can be given): it refuses it, as before."""
+        kh: _Kernel = k.func.handle
+        if not kh.instrumentable:
+            return None
+        if k.dyn_smem > kh.max_dyn_smem:
+            try:
+                self._raise_dyn_smem(k.func, k.dyn_smem)
+            except DeviceError:
+                return None
+        return (int(kh.fn), tuple(k.grid), tuple(k.block), k.dyn_smem, list(kh.params.sizes),
+                True, kh.name)
+
+    def launch_failed(self, code: int, name: str) -> None:
+        """The kernel core's cuLaunchKernel returned ``code``: raise what this backend's
+        own launch would (CudaError; CudaContextLost for a sticky error)."""
+        self._call((CUresult(code),), f"cuLaunchKernel({name})")
+
     def _launch(self, func: Function, grid: Dim3, block: Dim3, fp: Footprint, dyn_smem: int,
                 args: tuple, stream: int, launch_id: int, instrumented: bool, group: int,
                 on_complete: Callback) -> None:

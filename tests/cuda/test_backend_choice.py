@@ -112,7 +112,7 @@ def test_doctor_report_without_a_driver(no_driver):
     assert "NVIDIA driver : not usable (no NVIDIA driver found (libcuda.so.1" in text
     assert "backend auto  : sim (" in text
     assert "cuda-python   : 13." in text
-    assert ("compiled      : _tracker, _pqueue, _replay, devices.sim._engine, devices.sim._offload "
+    assert ("compiled      : _tracker, _pqueue, _replay, _kcore, devices.sim._engine, devices.sim._offload "
             "loaded") in text
 
 

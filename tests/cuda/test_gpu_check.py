@@ -1,4 +1,4 @@
-"""experiments/gpu_check: its check logic, parsing and report without a GPU, and its
+"""benchmarks/gpu_check: its check logic, parsing and report without a GPU, and its
 device steps on a CudaDevice over the recording stand-in driver."""
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ import pytest
 from cuda_fake_driver import FakeDriver, fake_cubin, kernel_spec
 
 from paella import protocol
+from paella.benchmarks import gpu_check as gc
 from paella.dispatcher.devices.base import KernelInfo, ModuleImage
 from paella.dispatcher.devices.cuda import CudaDevice
-from paella.experiments import gpu_check as gc
 
 
 def words_for(lid: int, blocks: int, group: int, sms: int = 40) -> list[int]:

@@ -31,9 +31,9 @@ def _edit_manifest(bdir: Path, edit) -> None:
 
 def make_slow_loading(bdir: Path, seconds: float) -> None:
     """The bundle's CPU build becomes a library whose constructor sleeps ``seconds``
-    (paella.experiments.bench_reload); loading it releases the GIL, as loading any
+    (paella.benchmarks.bench_reload); loading it releases the GIL, as loading any
     shared object does."""
-    from paella.experiments.bench_reload import make_slow_loading as make
+    from paella.benchmarks.bench_reload import make_slow_loading as make
     if shutil.which("cc") is None and shutil.which("gcc") is None:
         pytest.skip("needs a C compiler to build the slow-loading library")
     make(bdir, seconds)

@@ -332,7 +332,7 @@ def test_demo_counts_only_its_own_daemons_segments(tmp_path, fresh_daemon):
 # -- a benchmark that dies does not leave its daemon behind ---------------------------------
 LAUNCHER = '''
 import sys, time
-from paella.experiments.bench_roundtrip import start_daemon
+from paella.child_daemon import start_daemon
 proc, sock, d = start_daemon("--backend", "sim", "--cpu", "none", "--rt-priority", "0")
 print(proc.pid, sock, flush=True)
 time.sleep(60)

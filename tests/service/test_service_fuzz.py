@@ -4,7 +4,7 @@ The first three tests are deterministic: random and crafted request-ring entries
 corrupt ring indices, and malformed control-socket traffic; every case must get an
 answer (an error completion or an ERROR frame / closed connection), and the daemon
 must keep serving others. The last ones run the project's fuzzer
-(``paella.experiments.fuzz_daemon``) for a few seconds: attackers of every family
+(``paella.fuzz.fuzz_daemon``) for a few seconds: attackers of every family
 (as uid 65534 when the tests run as root) against one real daemon while legitimate
 clients check every answer; it must count no crash, no lost or wrong answer, no
 refused legitimate connection, no breach and no leak."""
@@ -22,8 +22,8 @@ import pytest
 
 from paella import rings, wire
 from paella.client import RequestFailed, connect
-from paella.experiments import fuzz_attacks
-from paella.experiments.fuzz_daemon import (FAILURES, DaemonUnderTest, FuzzConfig, classify,
+from paella.fuzz import fuzz_attacks
+from paella.fuzz.fuzz_daemon import (FAILURES, DaemonUnderTest, FuzzConfig, classify,
                                             failures, format_report, refusal_kind, run_fuzz,
                                             segment_names)
 
@@ -202,7 +202,7 @@ def test_fuzz_control_socket(daemon):
 def test_fuzzer_finds_no_fault():
     """The short mode of the daemon fuzzer: ~10 s of every attack family, with two
     legitimate clients checking every answer (the long mode is
-    ``python -m paella.experiments.fuzz_daemon --seconds 600``)."""
+    ``python -m paella.fuzz.fuzz_daemon --seconds 600``)."""
     # One attacker per family, each starting on its own: every family is tried even when
     # a slow episode (a no_hello one holds its connections up to the handshake deadline)
     # outlasts its turn on a loaded machine.
@@ -249,7 +249,7 @@ def test_fuzzer_names_the_cause_of_a_crash(tmp_path):
 
 @pytest.mark.parametrize("value", ["-1", "nan"])
 def test_a_negative_reload_period_is_refused(value, capsys):
-    from paella.experiments.fuzz_daemon import main
+    from paella.fuzz.fuzz_daemon import main
     with pytest.raises(SystemExit) as e:
         main(["--reload-every", value])
     assert e.value.code == 2

@@ -95,7 +95,7 @@ except NotifQOverrun:
     pass
 del dev
 
-from paella.experiments import bench_dispatcher as b
+from paella.benchmarks import bench_dispatcher as b
 b.measure_alone(200, "paella", window=100)
 print("sanitized run ok")
 '''

@@ -9,7 +9,7 @@ generation of ``--tokens`` tokens after a 4-token prompt streamed
 unstreamed (``Client.infer``: one completion), ``--n`` times each, and reports medians
 (and p99 of the gaps between streamed tokens).
 
-Run: ``python -m paella.experiments.bench_generation [--n 20] [--tokens 32] [--mode hybrid]
+Run: ``python -m paella.benchmarks.bench_generation [--n 20] [--tokens 32] [--mode hybrid]
 [--json FILE]``.
 """
 from __future__ import annotations
@@ -25,7 +25,7 @@ import time
 
 import numpy as np
 
-from .bench_roundtrip import start_daemon
+from paella.child_daemon import start_daemon
 
 
 def run(n: int, tokens: int, mode: str) -> dict:

@@ -1,4 +1,4 @@
-// Instrumented and plain test kernels for experiments/gpu_check.py (compiled at run time
+// Instrumented and plain test kernels for benchmarks/gpu_check.py (compiled at run time
 // with nvcc, once per PAELLA_GROUP). Instrumented kernels end with the two parameters
 // the compiler pass appends: (void* notifq region, unsigned int launch id).
 #include "paella_notif.cuh"

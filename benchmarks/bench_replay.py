@@ -2,11 +2,11 @@
 replay (``dispatcher/_replay.c``) against the reference replay (the Python waitlist),
 single-stream and multi-stream plans.
 
-    .venv/bin/python -m paella.experiments.bench_replay                 # us per kernel
-    .venv/bin/python -m paella.experiments.bench_replay --instructions  # + callgrind
+    .venv/bin/python -m paella.benchmarks.bench_replay                 # us per kernel
+    .venv/bin/python -m paella.benchmarks.bench_replay --instructions  # + callgrind
 
 Two plans, replayed by the dispatcher alone (``bench_dispatcher``'s
-:class:`~paella.experiments.bench_dispatcher.InstantDevice`: launches post their
+:class:`~paella.benchmarks.bench_dispatcher.InstantDevice`: launches post their
 notifications at once, copies and events complete at once, so the thread CPU of
 ``submit`` + ``step`` is all the dispatcher's), policy ``paella``:
 
@@ -29,10 +29,7 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
 import subprocess
-import sys
-import tempfile
 import time
 
 import numpy as np
@@ -40,7 +37,8 @@ import numpy as np
 from paella.dispatcher.adaptor import Plan, PlanAdaptor, PlanOp
 from paella.dispatcher.core import Dispatcher
 from paella.dispatcher.devices.base import KERNEL, KernelInfo
-from paella.experiments.bench_dispatcher import InstantDevice, drive_alone
+from paella.benchmarks.bench_dispatcher import InstantDevice, drive_alone
+from paella.benchmarks.callgrind import instructions, per_kernel_arguments
 from paella.experiments.harness import adaptor_for
 from paella.models.synthetic import figure2_job
 
@@ -91,31 +89,16 @@ def us_per_kernel(plan: str, compiled: bool, n_jobs: int) -> float:
 
 def instructions_per_kernel(plan: str, compiled: bool, small: int, large: int) -> float:
     """Callgrind's instruction count, (large run - small run) / kernels between them."""
-    counts = []
-    for n in (small, large):
-        with tempfile.NamedTemporaryFile(suffix=".cg") as f:
-            subprocess.run(["valgrind", "--tool=callgrind", "--instr-atstart=no",
-                            f"--callgrind-out-file={f.name}",
-                            sys.executable, "-m", "paella.experiments.bench_replay", "--count",
-                            str(n), "--plan", plan, "--mode",
-                            "compiled" if compiled else "reference"],
-                           check=True, capture_output=True,
-                           env=dict(os.environ, PYTHONHASHSEED="0"))
-            text = open(f.name).read()
-        counts.append(int(re.search(r"^(?:summary|totals): (\d+)", text, re.M).group(1)))
+    counts = [instructions(["paella.benchmarks.bench_replay", "--count", str(n), "--plan", plan,
+                            "--mode", "compiled" if compiled else "reference"])
+              for n in (small, large)]
     _, _, _, kernels = setup(plan, compiled)
     return (counts[1] - counts[0]) / ((large - small) * kernels)
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--jobs", type=int, default=6000)
-    p.add_argument("--repeat", type=int, default=3)
-    p.add_argument("--instructions", action="store_true", help="also count with callgrind")
-    p.add_argument("--small", type=int, default=200)
-    p.add_argument("--large", type=int, default=1000)
-    p.add_argument("--count", type=int, help=argparse.SUPPRESS)   # one run, for callgrind
-    p.add_argument("--plan", choices=tuple(PLANS), help=argparse.SUPPRESS)
+    per_kernel_arguments(p, tuple(PLANS))
     p.add_argument("--mode", choices=("compiled", "reference"), help=argparse.SUPPRESS)
     a = p.parse_args()
     if a.count is not None:

@@ -7,7 +7,7 @@ of B one-row requests is gathered into the batch-B variant's buffer and scattere
 back; the figure is the median over ``--repeat`` runs of the time per batch and per
 request, next to the device time of the batch on the simulated T4 when known.
 
-Run: ``python -m paella.experiments.bench_gather [--repeat 200]``; ``--identity`` for the
+Run: ``python -m paella.benchmarks.bench_gather [--repeat 200]``; ``--identity`` for the
 stage's own cost on the unbatched path, ``--serve {direct,stage} N`` for callgrind.
 """
 from __future__ import annotations

@@ -6,7 +6,7 @@ garbage or torn, a segment truncated or remapped under the daemon, attempts to o
 other clients' segments, connections that never say HELLO, clients that vanish in the
 middle of a request, clients that never read their socket. An episode is short (well
 under a second) and returns how many inputs it tried; the engine
-(``paella.experiments.fuzz_daemon``) runs episodes in attacker processes, as another
+(``paella.fuzz.fuzz_daemon``) runs episodes in attacker processes, as another
 uid when it can, while legitimate clients check every answer.
 
 Attackers talk to the daemon with their own raw code (:class:`RawClient`), not the

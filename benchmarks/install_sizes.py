@@ -1,6 +1,6 @@
 """Benchmark (not a test): what each install extra costs on disk.
 
-    python -m paella.experiments.install_sizes [--extras serve,compile,...] [--json F]
+    python -m paella.benchmarks.install_sizes [--extras serve,compile,...] [--json F]
 
 Builds the project's wheel once, then for the base install and each extra makes a fresh
 virtual environment, ``pip install``s the wheel with that extra, and reports the size of

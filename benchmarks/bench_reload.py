@@ -1,6 +1,6 @@
 """Benchmark (not a test): does a SIGHUP reload stall the dispatcher loop?
 
-    .venv/bin/python -m paella.experiments.bench_reload [--load-seconds 2] [--runs 3] [--json F]
+    .venv/bin/python -m paella.benchmarks.bench_reload [--load-seconds 2] [--runs 3] [--json F]
 
 Starts a real daemon serving the tiny MLP, then, per run, makes the bundle slow to load
 (its CPU build becomes a shared object whose constructor sleeps ``--load-seconds``;
@@ -58,12 +58,6 @@ def make_slow_loading(bdir: Path, seconds: float) -> None:
     os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000_000))
 
 
-def _wait_ready(notify: socket.socket, timeout: float) -> None:
-    notify.settimeout(timeout)
-    while b"READY=1" not in notify.recv(4096):
-        pass
-
-
 def one_reload(proc, notify: socket.socket, bdir: Path, client, x: dict,
                load_seconds: float) -> dict:
     make_slow_loading(bdir, load_seconds)
@@ -94,14 +88,14 @@ def one_reload(proc, notify: socket.socket, bdir: Path, client, x: dict,
 def run(load_seconds: float, runs: int) -> dict:
     from paella.client import connect
     from paella.compiler_pass.build import compile_bundle
-    from paella.experiments.bench_roundtrip import _notify_sockets, start_daemon, stop_daemon
+    from paella.child_daemon import notify_socket, start_daemon, stop_daemon
     from paella.models.tiny import tiny_mlp
     tmp = Path(tempfile.mkdtemp(prefix="paella-bench-reload-"))
     repo = tmp / "models"
     repo.mkdir()
     compile_bundle(tiny_mlp(), str(repo / "tiny_mlp"))
     proc, sock, d = start_daemon("--models", str(repo), "--cpu", "none", "--rt-priority", "0")
-    notify = _notify_sockets[proc.pid]
+    notify = notify_socket(proc)
     x = {"x": np.ones((2, 16), np.float32)}
     try:
         with connect(sock) as c:

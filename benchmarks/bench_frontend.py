@@ -10,10 +10,10 @@ executor runs. Wall-clock figures on a shared machine drift; for a repeatable
 comparison count instructions with callgrind at two call counts and take the
 difference per call::
 
-    valgrind --tool=callgrind python -m paella.experiments.bench_frontend poll --n 1000
-    valgrind --tool=callgrind python -m paella.experiments.bench_frontend poll --n 6000
+    valgrind --tool=callgrind python -m paella.benchmarks.bench_frontend poll --n 1000
+    valgrind --tool=callgrind python -m paella.benchmarks.bench_frontend poll --n 6000
 
-Run: ``python -m paella.experiments.bench_frontend {poll,complete} [--n N] [--repeat R]``.
+Run: ``python -m paella.benchmarks.bench_frontend {poll,complete} [--n N] [--repeat R]``.
 """
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """The step schedulers' host cost: CPU per scheduled step, in unit-time timelines.
 
-``python -m paella.experiments.bench_stepsched [--requests N] [--runs R]``
+``python -m paella.benchmarks.bench_stepsched [--requests N] [--runs R]``
 
 * Algorithm 1 (cellular): N LSTM chains of length 24 arriving one per time unit's
   hundredth, batch sizes 1-512, MaxTasksToSubmit 5. CPU per cell scheduled, forming and

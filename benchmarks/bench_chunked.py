@@ -1,4 +1,4 @@
-"""``python -m paella.experiments.bench_chunked``: what the chunked allocator costs the
+"""``python -m paella.benchmarks.bench_chunked``: what the chunked allocator costs the
 dispatcher loop per job (placing a job's buffers by Algorithm 1, binding its plan, letting
 them go), on the turbo experiment's BERT-base variants (the smallest and the largest),
 medians of ``--repeat`` acquire/release pairs. Needs the bundle ``paella experiment turbo

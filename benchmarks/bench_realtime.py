@@ -1,7 +1,7 @@
 """Benchmark (not a test): one request at a time through the dispatcher on the real-time
 simulated GPU, in this process, against the time the simulated GPU itself takes.
 
-    .venv/bin/python -m paella.experiments.bench_realtime [--models resnet18,squeezenet1_1,googlenet]
+    .venv/bin/python -m paella.benchmarks.bench_realtime [--models resnet18,squeezenet1_1,googlenet]
         [--requests 200] [--lookahead 3] [--policy paella] [--profile FILE] [--fifo]
         [--pause [--spin]] [--gap 0.02] [--daemon | --daemon-only] [--daemon-args "--idle spin"]
         [--engine] [--virtual]
@@ -171,14 +171,14 @@ def bench_daemon(bundles: dict, n: int, policy: str, lookahead: int, gap: float,
     from pathlib import Path
 
     from paella.client import connect
-    from paella.experiments.bench_roundtrip import start_daemon, stop_daemon
+    from paella.child_daemon import start_daemon, stop_daemon
     repo = Path(tempfile.mkdtemp(prefix="paella-bench-rt-"))
     for name, b in bundles.items():
         os.symlink(b.path.resolve(), repo / name)
     proc, sock, tmp = start_daemon("--models", str(repo), "--backend", "sim", "--gpu", "t4",
                                    "--policy", policy, "--lookahead", str(lookahead), *extra,
                                    timeout=300)
-    from paella.experiments.bench_roundtrip import client_core
+    from paella.benchmarks.bench_roundtrip import client_core
     client_core()                             # this client away from the daemon's core
     rng = np.random.default_rng(0)
     lat: dict[str, list[float]] = {name: [] for name in bundles}

@@ -1,6 +1,6 @@
 """Benchmark: how fast the simulated GPU runs in virtual time.
 
-    python -m paella.experiments.bench_sim [--repeat 5]     (make bench)
+    python -m paella.benchmarks.bench_sim [--repeat 5]     (make bench)
 
 Workloads, each repeated; medians are reported:
 

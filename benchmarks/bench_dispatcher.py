@@ -1,6 +1,6 @@
 """Benchmark (not a test): the dispatcher's CPU cost per kernel, everything included.
 
-    .venv/bin/python -m paella.experiments.bench_dispatcher [--jobs 6000] [--rate 3000] [--repeat 3]
+    .venv/bin/python -m paella.benchmarks.bench_dispatcher [--jobs 6000] [--rate 3000] [--repeat 3]
 
 Figure-2 jobs (an H2D copy, 8 dependent one-block 300 us kernels, a D2H copy; the
 harness's ``adaptor_for(figure2_job())``) arrive lognormally (sigma 1.5) faster than
@@ -42,7 +42,6 @@ falls inside the step's window (the median of back-to-back calls).
 from __future__ import annotations
 
 import argparse
-import math
 import time
 from typing import Any, Callable
 
@@ -53,6 +52,7 @@ from paella.dispatcher.core import Dispatcher, Request
 from paella.dispatcher.devices.base import KERNEL
 from paella.dispatcher.devices.sim import SimDevice
 from paella.dispatcher.instruments import HOOKS, Instrument
+from paella.dispatcher.virtual_time import VirtualDriver
 from paella.experiments.harness import adaptor_for
 from paella.experiments.workload import lognormal_arrivals
 from paella.models.synthetic import figure2_job
@@ -200,40 +200,48 @@ def _setup(policy: str, seed: int, device: type = MeteredSim) -> tuple[Any, Disp
 def _drive(dev: MeteredSim, d: Dispatcher, mid: int, n_jobs: int, rate: float,
            seed: int, on_step: Callable[[float, int, bool], None],
            fixed: float | None = None, clock: Callable[[], float] = _clock) -> None:
-    """The harness's loop (cpu_scale 1): ``on_step(cpu_seconds, kernels_launched, idle)``.
-    The CPU of a step includes ``submit`` (the job's creation), not the client's
-    ``Request`` nor the arrival bookkeeping. With ``fixed`` (seconds per kernel
-    launched, plus 5 us per step) the clock advances by that instead of the measured
-    CPU: every version of the dispatcher then does exactly the same work, in the same
-    batches, which is what a before/after comparison on a noisy machine needs."""
-    io = np.zeros(max(d.models[mid].adaptor.io_bytes, 1), np.uint8)
+    """The harness's loop (cpu_scale 1), on the one virtual-time driver:
+    ``on_step(cpu_seconds, kernels_launched, idle)``. The CPU of a step includes
+    ``submit`` (the job's creation), not the client's ``Request`` nor the arrival
+    bookkeeping. With ``fixed`` (seconds per kernel launched, plus 5 us per step) the
+    clock advances by that instead of the measured CPU: every version of the dispatcher
+    then does exactly the same work, in the same batches, which is what a before/after
+    comparison on a noisy machine needs."""
     arrivals = (dev.now() + lognormal_arrivals(rate, 1.5, n_jobs, seed)).tolist()
-    i = 0
-    inf = math.inf
-    overhead = _clock_overhead(clock)
-    submit = d.submit
-    while i < n_jobs or d.in_flight:
-        now = dev.now()
-        reqs = []
-        while i < n_jobs and arrivals[i] <= now:
-            reqs.append(Request(i, i % 4, mid, io))
-            i += 1
+    steps = _TimedSteps(dev, d, mid, on_step, fixed, clock)
+    VirtualDriver(d, skip_unobserved=False, charge=steps, name="bench_dispatcher").run(
+        arrivals, steps.arrive)
+
+
+class _TimedSteps:
+    """The driver's ``charge`` hook here: the requests that arrived are submitted inside
+    the timed span, with the step; the simulator's own time is taken out."""
+
+    def __init__(self, dev: MeteredSim, d: Dispatcher, mid: int,
+                 on_step: Callable[[float, int, bool], None], fixed: float | None,
+                 clock: Callable[[], float]):
+        self.dev, self.d, self.mid = dev, d, mid
+        self.io = np.zeros(max(d.models[mid].adaptor.io_bytes, 1), np.uint8)
+        self.on_step, self.fixed, self.clock = on_step, fixed, clock
+        self.overhead = _clock_overhead(clock)
+        self.arrived: list[Request] = []
+
+    def arrive(self, due: range) -> None:
+        self.arrived.extend(Request(i, i % 4, self.mid, self.io) for i in due)
+
+    def __call__(self, step: Callable[[], None]) -> float:
+        dev, clock, submit = self.dev, self.clock, self.d.submit
+        reqs, self.arrived = self.arrived, []
         dev.take()
         k0 = dev.launches
         c0 = clock()
         for req in reqs:
             submit(req)
-        d.step()
-        spent = max(clock() - c0 - overhead - dev.take(), 0.0)
+        step()
+        spent = max(clock() - c0 - self.overhead - dev.take(), 0.0)
         k = dev.launches - k0
-        on_step(spent, k, d.idle)
-        t = now + (spent if fixed is None else fixed * k + 5e-6)
-        if d.idle:
-            nxt = min(dev.next_event_time(), arrivals[i] if i < n_jobs else inf)
-            if nxt == inf:
-                break
-            t = max(t, nxt)
-        dev.run_until(t)
+        self.on_step(spent, k, self.d.idle)
+        return spent if self.fixed is None else self.fixed * k + 5e-6
 
 
 def measure_whole(n_jobs: int, policy: str = "paella", rate: float = 3000.0, seed: int = 1,

@@ -1,8 +1,8 @@
 """Hardware check of the cuda backend, for users with an NVIDIA GPU.
 
-    python -m paella.experiments.gpu_check [--device N] [--bundle DIR] [--json FILE]
+    python -m paella.benchmarks.gpu_check [--device N] [--bundle DIR] [--json FILE]
 
-It compiles the test kernels of ``experiments/gpu_check_kernels.cu`` with nvcc against
+It compiles the test kernels of ``benchmarks/gpu_check_kernels.cu`` with nvcc against
 the compiler pass's header (``compiler_pass/include/paella_notif.cuh``), then:
 
 1. **notifQ:** launches an instrumented kernel for several grid sizes G and checks that
@@ -124,7 +124,7 @@ def exit_status(results: list[CheckResult]) -> int:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m paella.experiments.gpu_check",
+    p = argparse.ArgumentParser(prog="python -m paella.benchmarks.gpu_check",
                                 description=__doc__.splitlines()[0])
     p.add_argument("--device", type=int, default=0, help="CUDA device ordinal (default 0)")
     p.add_argument("--grids", default=",".join(map(str, DEFAULT_GRIDS)),

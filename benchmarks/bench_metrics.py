@@ -1,6 +1,6 @@
 """Benchmark (not a test): what the daemon's Prometheus metrics cost the dispatcher loop.
 
-    .venv/bin/python -m paella.experiments.bench_metrics [--jobs 3000] [--repeat 5]
+    .venv/bin/python -m paella.benchmarks.bench_metrics [--jobs 3000] [--repeat 5]
 
 The dispatcher alone (``bench_dispatcher.measure_alone``: Figure-2 jobs, 8 kernels and
 2 copies each, on a device that completes everything at once, so only the dispatcher's
@@ -19,7 +19,7 @@ import time
 import numpy as np
 
 from paella.dispatcher.daemon.metrics import DaemonCollector, MetricsCounts
-from paella.experiments.bench_dispatcher import measure_alone
+from paella.benchmarks.bench_dispatcher import measure_alone
 
 
 def scrape_cost(n: int = 200) -> float:

@@ -136,12 +136,13 @@ def client_main(idx: int, sock: str, work: dict, seconds: float, rate: float, si
 def round_trips(sock: str, n_b2b: int, n_paced: int, rate: float, sigma: float,
                 seed: int) -> dict[str, float]:
     """p50 round trip (us) of the built-in echo model (the service path alone, no GPU
-    work), predict to read_result as ``bench_roundtrip`` times it: back to back (the
-    floor: daemon and client warm), and with the clients' gaps (lognormal, mean 1/rate),
-    where both sleep between requests as in the timed phase."""
+    work), predict to read_result as ``bench_roundtrip`` times it
+    (:func:`~paella.client.perf.time_round_trips`): back to back (the floor: daemon and
+    client warm), and with the clients' gaps (lognormal, mean 1/rate), where both sleep
+    between requests as in the timed phase."""
     from paella.client import connect
-    from paella.experiments.bench_roundtrip import measure
-    out = {"back_to_back": measure(sock, "echo", "hybrid", n_b2b, warmup=20).p50_us}
+    from paella.client.perf import time_round_trips
+    out = {"back_to_back": time_round_trips(sock, "echo", "hybrid", n_b2b, warmup=20).p50_us}
     rng = np.random.default_rng(seed + 999)
     mu = gap_mu(rate, sigma)
     with connect(sock) as c:
@@ -230,7 +231,7 @@ class DaemonDidNotStart(RuntimeError):
 
 def run(models: list[str], clients: int, seconds: float, rate: float, sigma: float, seed: int,
         gpu: str, policy: str, lookahead: int = 1, daemon_args: tuple[str, ...] = ()) -> dict:
-    from paella.experiments.bench_roundtrip import start_daemon, stop_daemon
+    from paella.child_daemon import start_daemon, stop_daemon
     from paella.dispatcher.devices.sim.bundle_profile import plan_time
     from paella.experiments.zoo import DEFAULT_ZOO_DIR, ensure_bundles
 

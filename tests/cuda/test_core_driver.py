@@ -1,0 +1,116 @@
+"""The C kernel core's own launches on a real GPU's driver (issue 36): it loads the driver
+library and calls cuLaunchKernel itself. Here the library is a stub the test builds
+(``stub_libcuda.c``), which records every call and hands it to the recording stand-in
+driver (``cuda_fake_driver``), which checks the parameters and runs the kernel. The same
+requests through the Python cuda backend (the reference) must make the same launches:
+same kernels, dimensions, streams and parameter values, in the same order."""
+from __future__ import annotations
+
+import ctypes
+import shutil
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pytest
+from cuda.bindings import driver as real
+
+from cuda_fake_driver import FakeDriver
+from paella.dispatcher.adaptor import PlanAdaptor
+from paella.dispatcher.core import STATUS_OK, Dispatcher
+from paella.dispatcher.devices.cuda import CudaDevice
+
+from test_bundle_on_cuda import PAIRS, bundle, compiled, drive, submit  # noqa: F401
+
+HOOK = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_uint64, *[ctypes.c_uint] * 7, ctypes.c_uint64,
+                        ctypes.c_uint64, ctypes.c_uint64)
+
+
+class Call(ctypes.Structure):
+    _fields_ = [("fn", ctypes.c_uint64), ("stream", ctypes.c_uint64),
+                ("grid", ctypes.c_uint32 * 3), ("block", ctypes.c_uint32 * 3),
+                ("smem", ctypes.c_uint32), ("pad", ctypes.c_uint32)]
+
+
+@pytest.fixture(scope="module")
+def stub(tmp_path_factory):
+    if shutil.which("gcc") is None:
+        pytest.skip("needs gcc to build the stub driver library")
+    out = tmp_path_factory.mktemp("stub") / "libcuda_stub.so"
+    subprocess.run(["gcc", "-O1", "-shared", "-fPIC", "-o", str(out),
+                    str(Path(__file__).with_name("stub_libcuda.c"))], check=True)
+    lib = ctypes.CDLL(str(out))
+    lib.stub_call.restype = ctypes.POINTER(Call)
+    return out, lib
+
+
+def serve(bundle, kernel_core, stub=None, n=4):
+    drv = FakeDriver()
+    dev = CudaDevice(driver=drv, n_streams=4, notifq_slots=256, counter_pairs=PAIRS)
+    hook = None
+    if stub is not None:
+        path, lib = stub
+        dev.driver_library = str(path)
+
+        def forward(f, gx, gy, gz, bx, by, bz, smem, stream, params, extra):
+            r = drv.cuLaunchKernel(real.CUfunction(f), gx, gy, gz, bx, by, bz, smem,
+                                   real.CUstream(stream), params, extra or 0)
+            return int(r[0])
+        hook = HOOK(forward)                 # (kept alive until the end of the run)
+        lib.stub_reset()
+        lib.stub_set_hook(hook)
+    d = Dispatcher(dev, "paella", counter_pairs=PAIRS, profile_runs=0, kernel_core=kernel_core)
+    mid = d.register_model("tiny", PlanAdaptor.from_bundle(bundle))
+    done = {}
+    ios = [submit(bundle, d, mid, i, done) for i in range(n)]
+    drive(d, drv)
+    if stub is not None:
+        stub[1].stub_set_hook(HOOK(0))
+    launches = [(r.kernel, r.grid, r.block, r.dyn_smem, r.stream, r.args) for r in drv.launches]
+    out = [io.tobytes() for io in ios]
+    dev.close()
+    del hook
+    return done, launches, out, d
+
+
+def test_the_c_core_launches_through_the_driver_as_the_python_backend(bundle, stub):
+    ref_done, ref, ref_out, _ = serve(bundle, None)
+    assert ref_done == {i: (STATUS_OK, None) for i in range(4)}
+    done, got, out, d = serve(bundle, "c", stub)
+    assert d.core is not None and d._core_driver
+    assert done == ref_done
+    assert got == ref                        # kernels, dims, streams, parameter values
+    assert out == ref_out
+    calls = [stub[1].stub_call(i).contents for i in range(stub[1].stub_calls())]
+    assert len(calls) == len(got) > 0        # every launch went through the library
+    for c, (name, grid, block, smem, stream, _) in zip(calls, got):
+        assert (tuple(c.grid), tuple(c.block), c.smem) == (tuple(grid), tuple(block), smem)
+
+
+def test_a_refused_launch_fails_its_request_with_the_drivers_reason(bundle, stub):
+    path, lib = stub
+    drv = FakeDriver()
+    dev = CudaDevice(driver=drv, n_streams=4, notifq_slots=256, counter_pairs=PAIRS)
+    dev.driver_library = str(path)
+    calls = {"n": 0}
+
+    def refuse_second(f, gx, gy, gz, bx, by, bz, smem, stream, params, extra):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            return int(real.CUresult.CUDA_ERROR_INVALID_VALUE)
+        r = drv.cuLaunchKernel(real.CUfunction(f), gx, gy, gz, bx, by, bz, smem,
+                               real.CUstream(stream), params, extra or 0)
+        return int(r[0])
+    hook = HOOK(refuse_second)
+    lib.stub_set_hook(hook)
+    d = Dispatcher(dev, "paella", counter_pairs=PAIRS, profile_runs=0, kernel_core="c")
+    mid = d.register_model("tiny", PlanAdaptor.from_bundle(bundle))
+    done = {}
+    for i in range(3):
+        submit(bundle, d, mid, i, done)
+    drive(d, drv)
+    lib.stub_set_hook(HOOK(0))
+    dev.close()
+    failed = [k for k, (st, _) in done.items() if st != STATUS_OK]
+    assert len(failed) == 1 and len(done) == 3
+    assert "cuLaunchKernel" in done[failed[0]][1] and "CUDA_ERROR_INVALID_VALUE" in done[failed[0]][1]
