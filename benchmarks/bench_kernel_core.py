@@ -72,7 +72,7 @@ def drive(dev: SimDevice, core: Any, m: Any, cm: Any, n_jobs: int, batch: int = 
             admit(admitted, admitted, cm.plan, cm.profile, 0, 0, -1, args, copies)
             admitted += 1
             k += 1
-        ev = step(dev.now())
+        ev = step(dev.now()) or ()
         for e in ev:
             if e[0] == kc.FINISHED:
                 finished += 1

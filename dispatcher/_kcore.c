@@ -387,6 +387,8 @@ typedef struct {
     unsigned long long observed; /* the engine's count when copies' events were polled */
     long long progress;          /* things done: a driver's "did this step change anything" */
     long long device_calls;      /* the driver calls its launches and copies stand for */
+    int realtime;                /* the engine follows the wall clock: sync before submitting */
+    double wall_t0, wall_speed;
 } Core;
 
 static PyObject *new_ref_tuple(int kind, PyObject *token, const char *reason, long n)
@@ -972,6 +974,8 @@ static int launch_copy(Core *c, int32_t id, Job *j, int i, int behind)
         return -1;
     if (j->cdst[i] != NULL) {
         /* Direct: the engine moves the bytes at the copy's completion and flags it. */
+        if (c->realtime && EAPI->sync_wall(c->engine, c->wall_t0, c->wall_speed) < 0)
+            return -1;
         if (EAPI->copy(c->engine, j->plan->kind[i], s, j->cbytes[i], j->cdst[i], j->csrc[i],
                        copy_landed, c, ((uint64_t)id << 32) | (uint32_t)i) < 0)
             return -1;
@@ -1224,9 +1228,12 @@ static int launch_kernel(Core *c, int32_t id, Job *j, int i, KSpec *k, int s, lo
                                             args != NULL ? args : Py_None, c->group);
         rc = r == NULL ? -1 : 0;
         Py_XDECREF(r);
-    } else
-        rc = EAPI->launch(c->engine, k->shape, k->d.blocks, k->flops, k->nbytes, k->duration,
-                          s, (uint32_t)lid, 1, c->group);
+    } else {
+        rc = c->realtime ? EAPI->sync_wall(c->engine, c->wall_t0, c->wall_speed) : 0;
+        if (rc == 0)
+            rc = EAPI->launch(c->engine, k->shape, k->d.blocks, k->flops, k->nbytes,
+                              k->duration, s, (uint32_t)lid, 1, c->group);
+    }
     if (rc == 0)
         return 1;
     char reason[512];
@@ -2071,12 +2078,23 @@ static PyObject *Core_cuda_kernels(Core *c, PyObject *args)
     Py_RETURN_NONE;
 }
 
-/* step(now) -> events */
+/* real_time(t0, speed): the engine follows the wall clock (a SimDevice in real time):
+   each direct submission first fires what is due by then. */
+static PyObject *Core_real_time(Core *c, PyObject *args)
+{
+    if (!PyArg_ParseTuple(args, "dd", &c->wall_t0, &c->wall_speed))
+        return NULL;
+    c->realtime = 1;
+    Py_RETURN_NONE;
+}
+
+/* step(now) -> events, or None when the pass changed nothing (a driver's idle test) */
 static PyObject *Core_step(Core *c, PyObject *arg)
 {
     double now = PyFloat_AsDouble(arg);
     if (now == -1.0 && PyErr_Occurred())
         return NULL;
+    long long p0 = c->progress;
     c->now = now;
     Py_CLEAR(c->events);         /* made by the first event (most steps have none) */
     c->error = 0;
@@ -2104,8 +2122,11 @@ static PyObject *Core_step(Core *c, PyObject *arg)
     }
     if ((c->queued || c->copies.n) && release_loop(c) < 0)
         goto fail;
-    if (c->events == NULL)
+    if (c->events == NULL) {
+        if (c->progress == p0)
+            Py_RETURN_NONE;
         return PyTuple_New(0);   /* the empty tuple: a shared constant */
+    }
     return Py_NewRef(c->events);
 fail:
     if (!PyErr_Occurred())
@@ -2337,8 +2358,10 @@ static PyMethodDef Core_methods[] = {
      "profile(index) -> (count, time, n_time, seen, jobs, total_ns)"},
     {"admit", (PyCFunction)(void (*)(void))Core_admit_fast, METH_FASTCALL | METH_KEYWORDS,
      "admit(token, seq, plan, profile, client=0, level=0, pin=-1, args=None, copies=None)"},
-    {"step", (PyCFunction)Core_step, METH_O, "step(now) -> [events]"},
+    {"step", (PyCFunction)Core_step, METH_O, "step(now) -> [events], or None: nothing changed"},
     {"reserve", (PyCFunction)Core_reserve, METH_O, "reserve(stream): out of the pool"},
+    {"real_time", (PyCFunction)Core_real_time, METH_VARARGS,
+     "real_time(t0, speed): sync the engine to the wall clock before each submission"},
     {"use_driver", (PyCFunction)Core_use_driver, METH_VARARGS,
      "use_driver(library, streams, region_dptr, counters_address, counter_mask, launch_failed)"},
     {"cuda_kernels", (PyCFunction)Core_cuda_kernels, METH_VARARGS,

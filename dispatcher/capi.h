@@ -59,6 +59,9 @@ typedef struct {
        keeps both buffers alive until then. 0, or -1 with an exception set. */
     int (*copy)(PyObject *g, int kind, int stream, long long nbytes, void *dst,
                 const void *src, void (*fn)(void *, uint64_t), void *ctx, uint64_t tag);
+    /* Real time: fire what is due by the wall clock ((CLOCK_MONOTONIC - t0) * speed), as
+       Gpu.poll_wall does, before a submission. 0, or -1 with an exception set. */
+    int (*sync_wall)(PyObject *g, double t0, double speed);
 } PaellaEngineAPI;
 
 #define PAELLA_TRACKER_CAPSULE "paella.dispatcher._tracker._C_API"

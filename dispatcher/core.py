@@ -249,10 +249,10 @@ class Dispatcher:
             raise ValueError(f"instruments listen to {', '.join(hooks)}, which the kernel core "
                              f"does not report yet: use kernel_core=None to trace ops")
         dev = self.device
-        # Direct launches and copies into the simulated engine: virtual time only (real
-        # time advances the clock at each submission, through the device's methods).
+        # Direct launches and copies into the simulated engine (in real time each first
+        # brings the engine to the wall clock, as the device's own methods do); not with
+        # fault injection (lose_after), which the device's launch implements.
         self._core_direct = (getattr(dev, "gpu", None) is not None and hasattr(dev, "_shapes")
-                             and not getattr(dev, "realtime", True)
                              and getattr(dev, "lose_after", None) is None)
         self._core_memory = dev.memory if self._core_direct else None
         self._dev_attrs = len(vars(dev))
@@ -264,6 +264,8 @@ class Dispatcher:
             hold_factor=getattr(pol, "hold", None), direct=self._core_direct)
         if self._core_direct:
             self._check_direct()
+            if getattr(dev, "realtime", False):
+                self.core.real_time(dev.loop._t0, dev.loop.speed)
         #: On a real GPU the C core calls the driver's cuLaunchKernel itself.
         self._core_driver = impl == "c" and hasattr(dev, "core_driver")
         if self._core_driver:
@@ -343,14 +345,12 @@ class Dispatcher:
         if self._core_direct and len(vars(self.device)) != self._dev_attrs:
             self._check_direct()
         before = self._progress
-        core = self.core
-        p0 = core.progress
         if self._arrivals:
             self._start_arrivals()
-        events = core.step(now)
+        events = self.core.step(now)
         if events:
             self._core_events(events)
-        self.idle = self._progress == before and core.progress == p0
+        self.idle = self._progress == before and events is None
         self.iterations += 1
         return self.in_flight > 0
 
@@ -388,8 +388,23 @@ class Dispatcher:
         dev = self.device
         dev.poll()
         self.now = now = dev.now()
-        if self.core is not None:
-            return self._step_core(now)
+        core = self.core
+        if core is not None:
+            # Speed (a trick, labelled): the kernel core's pass alone while the control
+            # plane has nothing to do (no arrival, no instrument or device method changed):
+            # this runs at every poll of the loop.
+            if (self._arrivals or len(self.instruments) != self._core_hooks
+                    or (self._core_direct and len(vars(dev)) != self._dev_attrs)):
+                return self._step_core(now)
+            events = core.step(now)
+            self.iterations += 1
+            if events is None:
+                self.idle = True
+            else:
+                self.idle = False
+                if events:
+                    self._core_events(events)
+            return self.in_flight > 0
         before = self._progress
         instr = self.instruments                                         # notifQ
         self._progress += self.tracker.drain(

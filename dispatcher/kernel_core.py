@@ -308,6 +308,7 @@ class KernelCore:
         self.hold = hold or None
         self.device_error, self.device_lost = device_error, device_lost
         self.n_streams = n_streams
+        self.wall: tuple[float, float] | None = None   # real time: (t0, speed)
         self.plans: list[PlanSpec] = []
         self.handles: dict[int, CoreJob] = {}
         #: The driver calls its launches and copies stand for (1 a kernel; 3 a copy: the
@@ -389,6 +390,10 @@ class KernelCore:
         self.progress += 1
         return events
 
+    def real_time(self, t0: float, speed: float) -> None:
+        """The engine follows the wall clock: each direct launch first fires what is due."""
+        self.wall = (t0, speed)
+
     def reserve(self, s: int) -> None:
         """A named stream leaves the pool for good (a sentinel count keeps it busy)."""
         if not 0 <= s < self.n_streams:
@@ -412,7 +417,9 @@ class KernelCore:
 
     def step(self, now: float) -> list[tuple]:
         """One pass of the paper's loop: notifQ, copies' events, arrivals, release.
-        Returns the events of this pass."""
+        Returns the events of this pass, or None if it changed nothing (a driver's idle
+        test)."""
+        p0 = self.progress
         self.now = now
         self.events = events = []            # (the C core returns () when empty)
         self.progress += self.tracker.drain(now, self._kernel_done)
@@ -422,6 +429,8 @@ class KernelCore:
             self._start(self.arrivals.popleft())
         if self.queued or self.copies:
             self._release()
+        if not events and self.progress == p0:
+            return None
         return events
 
     def in_flight(self) -> int:
@@ -581,6 +590,8 @@ class KernelCore:
                                            job.args[i] if job.args is not None else None,
                                            self.group)
             else:
+                if self.wall is not None:
+                    self.engine.poll_wall(*self.wall)
                 self.engine.launch(k.shape, k.blocks, k.flops, k.nbytes,
                                    None if k.duration < 0 else k.duration, s, lid, True,
                                    self.group, None)

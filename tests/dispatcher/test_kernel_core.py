@@ -90,7 +90,7 @@ def run_core(impl, plans, policy, lookahead, extra_blocks, times, picks, client_
             core.admit(i, 10_000 + i, cm.plan, cm.profile, client=i % 3, args=args,
                        copies=copies)
             i += 1
-        ev = core.step(dev.now())
+        ev = core.step(dev.now()) or ()
         for e in ev:
             events.append((dev.now(), *e))
             if e[0] == kc.FINISHED:
@@ -169,7 +169,7 @@ def test_a_refused_launch_fails_its_job_and_the_others_go_on():
             core.admit(i, i, cm.plan, cm.profile, args=args, copies=copies)
         events = []
         while core.jobs:
-            events += core.step(dev.now())
+            events += core.step(dev.now()) or ()
             if core.jobs:
                 dev.run_until(dev.next_event_time())
         kinds = [(e[0], e[1]) for e in events]

@@ -1514,6 +1514,8 @@ static PyObject *Gpu_run_until_observed(Gpu *g, PyObject *arg)
     Py_RETURN_FALSE;
 }
 
+static int api_sync_wall(PyObject *o, double t0, double speed);
+
 static PyObject *Gpu_poll_wall(Gpu *g, PyObject *const *args, Py_ssize_t nargs)
 {
     /* poll_wall(t0, speed): real time: fire every event due by the wall clock
@@ -1525,22 +1527,8 @@ static PyObject *Gpu_poll_wall(Gpu *g, PyObject *const *args, Py_ssize_t nargs)
         return NULL;
     }
     double t0 = PyFloat_AsDouble(args[0]), speed = PyFloat_AsDouble(args[1]);
-    if (PyErr_Occurred())
+    if (PyErr_Occurred() || api_sync_wall((PyObject *)g, t0, speed) < 0)
         return NULL;
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    double t = ((double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec - t0) * speed;
-    if (t < g->now)
-        t = g->now;
-    for (;;) {
-        if (settle(g) < 0)
-            return NULL;
-        if (!g->nheap || g->heap[0].t > t)
-            break;
-        if (fire(g) < 0)
-            return NULL;
-    }
-    g->now = t;
     Py_RETURN_NONE;
 }
 
@@ -1914,12 +1902,35 @@ static int api_copy(PyObject *o, int kind, int stream, long long nbytes, void *d
     return 0;
 }
 
+/* Real time: fire every event due by the wall clock (Gpu.poll_wall's body), so that a
+   submission made now is timed from now. */
+static int api_sync_wall(PyObject *o, double t0, double speed)
+{
+    Gpu *g = (Gpu *)o;
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    double t = ((double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec - t0) * speed;
+    if (t < g->now)
+        t = g->now;
+    for (;;) {
+        if (settle(g) < 0)
+            return -1;
+        if (!g->nheap || g->heap[0].t > t)
+            break;
+        if (fire(g) < 0)
+            return -1;
+    }
+    g->now = t;
+    return 0;
+}
+
 static unsigned long long api_observed(PyObject *o)
 {
     return ((Gpu *)o)->observed;
 }
 
-static PaellaEngineAPI engine_api = {api_check, api_launch, api_observed, api_copy};
+static PaellaEngineAPI engine_api = {api_check, api_launch, api_observed, api_copy,
+                                     api_sync_wall};
 
 PyMODINIT_FUNC PyInit__engine(void)
 {
