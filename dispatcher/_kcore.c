@@ -256,6 +256,8 @@ typedef struct {
     int n, nv, nk, nready, pending0;
     uint8_t *kind, *pp0, *st0, *almost;
     int32_t *succ, *dstart, *dep, *deps0, *ready, *kernel, *vstream, *pred;
+    int64_t *io_start, *io_end;  /* copies: their bytes of the job's io buffer */
+    int64_t io_need;             /* the largest io_end */
     KSpec *ks;
 } Plan;
 
@@ -278,7 +280,7 @@ typedef struct {
 } Unit;
 
 typedef struct {
-    PyObject *token, *args, *copies;
+    PyObject *token, *args, *copies, *io;
     int64_t seq;
     Plan *plan;
     Prof *prof;
@@ -891,6 +893,7 @@ static void free_job_arrays(Job *j)
     Py_CLEAR(j->token);
     Py_CLEAR(j->args);
     Py_CLEAR(j->copies);
+    Py_CLEAR(j->io);
     Py_CLEAR(j->client);
 }
 
@@ -991,14 +994,21 @@ static int launch_copy(Core *c, int32_t id, Job *j, int i, int behind)
     }
     PyObject *pair = PyTuple_GET_ITEM(j->copies, i);
     PyObject *dptr = PyTuple_GET_ITEM(pair, 0), *host = PyTuple_GET_ITEM(pair, 1);
-    PyObject *stream = PyLong_FromLong(s);
-    if (stream == NULL)
+    PyObject *view = host == Py_None
+        ? PySequence_GetSlice(j->io, j->plan->io_start[i], j->plan->io_end[i]) : NULL;
+    if (host == Py_None && (host = view) == NULL)
         return -1;
+    PyObject *stream = PyLong_FromLong(s);
+    if (stream == NULL) {
+        Py_XDECREF(view);
+        return -1;
+    }
     PyObject *r = j->plan->kind[i] == H2D
         ? PyObject_CallFunctionObjArgs(c->memcpy_htod, dptr, host, stream, NULL)
         : PyObject_CallFunctionObjArgs(c->memcpy_dtoh, host, dptr, stream, NULL);
     PyObject *ev = r != NULL ? PyObject_CallOneArg(c->record_event, stream) : NULL;
     Py_DECREF(stream);
+    Py_XDECREF(view);
     Py_XDECREF(r);
     if (ev == NULL) {
         char reason[512];
@@ -1458,6 +1468,7 @@ static void plan_free(Plan *p)
     PyMem_Free(p->ks);
     PyMem_Free(p->kind);
     PyMem_Free(p->succ);
+    PyMem_Free(p->io_start);
     PyMem_Free(p);
 }
 
@@ -1528,6 +1539,40 @@ static PyObject *Core_add_plan(Core *c, PyObject *spec)
             PyErr_SetString(PyExc_ValueError, "PlanSpec.dstart must not decrease");
             rc = -1;
         }
+    }
+    p->io_start = rc == 0 ? PyMem_Calloc(2 * n + 1, sizeof(int64_t)) : NULL;
+    if (rc == 0 && p->io_start == NULL) {
+        PyErr_NoMemory();
+        rc = -1;
+    }
+    if (rc == 0) {
+        p->io_end = p->io_start + n;
+        PyObject *a = PyObject_GetAttrString(spec, "io_start");
+        PyObject *e = a != NULL ? PyObject_GetAttrString(spec, "io_end") : NULL;
+        Py_ssize_t na = a != NULL ? PySequence_Size(a) : -1;
+        Py_ssize_t ne = e != NULL ? PySequence_Size(e) : -1;
+        if (na == 0 && ne == 0)
+            ;                    /* no io offsets: every copy brings its host array */
+        else if (na != n || ne != n) {
+            if (!PyErr_Occurred())
+                PyErr_SetString(PyExc_ValueError, "PlanSpec.io_start/io_end: one per node");
+            rc = -1;
+        }
+        for (Py_ssize_t i = 0; rc == 0 && na == n && i < n; i++) {
+            PyObject *x = PySequence_GetItem(a, i), *y = PySequence_GetItem(e, i);
+            p->io_start[i] = x != NULL ? PyLong_AsLongLong(x) : -1;
+            p->io_end[i] = y != NULL ? PyLong_AsLongLong(y) : -1;
+            Py_XDECREF(x);
+            Py_XDECREF(y);
+            if (PyErr_Occurred() || p->io_start[i] < 0 || p->io_end[i] < p->io_start[i]) {
+                if (!PyErr_Occurred())
+                    PyErr_Format(PyExc_ValueError, "PlanSpec: node %zd's io range is bad", i);
+                rc = -1;
+            } else if (p->io_end[i] > p->io_need)
+                p->io_need = p->io_end[i];
+        }
+        Py_XDECREF(a);
+        Py_XDECREF(e);
     }
     PyObject *kernels = rc == 0 ? PyObject_GetAttrString(spec, "kernels") : NULL;
     for (Py_ssize_t k = 0; kernels != NULL && k < nk; k++) {
@@ -1702,7 +1747,15 @@ static int direct_copies(Job *j, Plan *p, PyObject *copies)
             continue;
         Py_ssize_t nh, nd;
         int h2d = p->kind[i] == H2D;
-        void *host = raw_bytes(PyTuple_GET_ITEM(e, 1), !h2d, &nh);
+        PyObject *h = PyTuple_GET_ITEM(e, 1);
+        char *host;
+        if (h == Py_None) {          /* the job's io buffer at the plan's offsets */
+            host = raw_bytes(j->io, 1, &nh);
+            if (host != NULL)
+                host += p->io_start[i];
+            nh = p->io_end[i] - p->io_start[i];
+        } else
+            host = raw_bytes(h, !h2d, &nh);
         void *dev = host != NULL ? raw_bytes(PyTuple_GET_ITEM(e, 2), h2d, &nd) : NULL;
         if (dev == NULL)
             return -1;
@@ -1740,20 +1793,22 @@ static int grow_jobs(Core *c)
 }
 
 static PyObject *admit(Core *c, PyObject *token, long long seq, int plan, int prof,
-                       PyObject *client, int level, int pin, PyObject *jargs, PyObject *copies);
+                       PyObject *client, int level, int pin, PyObject *jargs, PyObject *copies,
+                       PyObject *io);
 
-/* admit(token, seq, plan, profile, client=0, level=0, pin=-1, args=None, copies=None) */
+/* admit(token, seq, plan, profile, client=0, level=0, pin=-1, args=None, copies=None,
+         io=None) */
 static PyObject *Core_admit(Core *c, PyObject *args, PyObject *kw)
 {
     static char *kws[] = {"token", "seq", "plan", "profile", "client", "level", "pin", "args",
-                          "copies", NULL};
-    PyObject *token, *client = NULL, *jargs = Py_None, *copies = Py_None;
+                          "copies", "io", NULL};
+    PyObject *token, *client = NULL, *jargs = Py_None, *copies = Py_None, *io = Py_None;
     long long seq;
     int plan, prof, level = 0, pin = -1;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "OLii|OiiOO", kws, &token, &seq, &plan, &prof,
-                                     &client, &level, &pin, &jargs, &copies))
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OLii|OiiOOO", kws, &token, &seq, &plan, &prof,
+                                     &client, &level, &pin, &jargs, &copies, &io))
         return NULL;
-    return admit(c, token, seq, plan, prof, client, level, pin, jargs, copies);
+    return admit(c, token, seq, plan, prof, client, level, pin, jargs, copies, io);
 }
 
 /* Speed: admit with positional arguments only (the control plane's call, once per job)
@@ -1761,7 +1816,7 @@ static PyObject *Core_admit(Core *c, PyObject *args, PyObject *kw)
 static PyObject *Core_admit_fast(Core *c, PyObject *const *args, Py_ssize_t nargs,
                                  PyObject *kwnames)
 {
-    if (kwnames != NULL || nargs < 4 || nargs > 9) {
+    if (kwnames != NULL || nargs < 4 || nargs > 10) {
         PyObject *tup = PyTuple_New(nargs), *kw = NULL;
         if (tup == NULL)
             return NULL;
@@ -1790,11 +1845,12 @@ static PyObject *Core_admit_fast(Core *c, PyObject *const *args, Py_ssize_t narg
     }
     return admit(c, args[0], seq, (int)plan, (int)prof, nargs > 4 ? args[4] : NULL,
                  (int)level, (int)pin, nargs > 7 ? args[7] : Py_None,
-                 nargs > 8 ? args[8] : Py_None);
+                 nargs > 8 ? args[8] : Py_None, nargs > 9 ? args[9] : Py_None);
 }
 
 static PyObject *admit(Core *c, PyObject *token, long long seq, int plan, int prof,
-                       PyObject *client, int level, int pin, PyObject *jargs, PyObject *copies)
+                       PyObject *client, int level, int pin, PyObject *jargs, PyObject *copies,
+                       PyObject *io)
 {
     if (plan < 0 || plan >= c->nplans || prof < 0 || prof >= c->nprofs) {
         PyErr_SetString(PyExc_ValueError, "admit: unknown plan or profile index");
@@ -1831,6 +1887,17 @@ static PyObject *admit(Core *c, PyObject *token, long long seq, int plan, int pr
                              "(dptr, host, device view)", i);
                 return NULL;
             }
+            if ((p->kind[i] == H2D || p->kind[i] == D2H) && PyTuple_GET_ITEM(e, 1) == Py_None) {
+                Py_ssize_t len = io != Py_None ? PyObject_Length(io) : -1;
+                if (len < 0 && PyErr_Occurred())
+                    return NULL;
+                if (len < p->io_need || p->io_end[i] == 0) {
+                    PyErr_Format(PyExc_ValueError, "admit: copies[%d] takes its host bytes "
+                                 "from io, which must hold the plan's %lld bytes", i,
+                                 (long long)p->io_need);
+                    return NULL;
+                }
+            }
         }
     }
     if (jargs != Py_None && (!PyTuple_Check(jargs) || PyTuple_GET_SIZE(jargs) != p->n)) {
@@ -1854,6 +1921,7 @@ static PyObject *admit(Core *c, PyObject *token, long long seq, int plan, int pr
     j->token = Py_NewRef(token);
     j->args = Py_NewRef(jargs);
     j->copies = Py_NewRef(copies);
+    j->io = Py_NewRef(io);
     j->client = client != NULL ? Py_NewRef(client) : PyLong_FromLong(0);
     if (has_copy && c->engine != Py_None && direct_copies(j, p, copies) < 0) {
         free_job_arrays(j);
@@ -2216,6 +2284,7 @@ static int Core_traverse(Core *c, visitproc visit, void *arg)
             Py_VISIT(j->token);
             Py_VISIT(j->args);
             Py_VISIT(j->copies);
+            Py_VISIT(j->io);
         }
     }
     return 0;
@@ -2357,7 +2426,8 @@ static PyMethodDef Core_methods[] = {
     {"profile", (PyCFunction)Core_profile, METH_O,
      "profile(index) -> (count, time, n_time, seen, jobs, total_ns)"},
     {"admit", (PyCFunction)(void (*)(void))Core_admit_fast, METH_FASTCALL | METH_KEYWORDS,
-     "admit(token, seq, plan, profile, client=0, level=0, pin=-1, args=None, copies=None)"},
+     "admit(token, seq, plan, profile, client=0, level=0, pin=-1, args=None, copies=None, "
+     "io=None)"},
     {"step", (PyCFunction)Core_step, METH_O, "step(now) -> [events], or None: nothing changed"},
     {"reserve", (PyCFunction)Core_reserve, METH_O, "reserve(stream): out of the pool"},
     {"real_time", (PyCFunction)Core_real_time, METH_VARARGS,

@@ -295,12 +295,14 @@ class BufferSet:
     """One request's device buffers and the plan bound to them: ``ptrs`` maps every
     buffer name (the model's params included) to its device pointer, ``own`` lists the
     allocations of this set, ``bound[i]`` is step i's device pointer (a copy) or
-    argument tuple (a launch)."""
+    argument tuple (a launch). ``core``: what a kernel core made of it once, for every
+    job on it (the dispatcher's: ``(CoreModel, args, copies)``)."""
 
-    __slots__ = ("ptrs", "own", "bound")
+    __slots__ = ("ptrs", "own", "bound", "core")
 
     def __init__(self, ptrs: dict[str, int], own: list[int], bound: list):
         self.ptrs, self.own, self.bound = ptrs, own, bound
+        self.core = None
 
 
 class BufferPool:

@@ -222,6 +222,8 @@ class Dispatcher:
         self._core_memory: Any = None
         self._core_direct = False
         self._core_driver = False
+        #: A core's pass leaves nothing to do at its instant (virtual time: see step).
+        self._one_pass = not getattr(device, "realtime", True) and hasattr(device, "next_event_time")
         #: "auto": the core runs while it can serve everything (see _leave_core).
         self._core_auto = kernel_core == "auto"
         self._core_hooks = -1                # len(instruments) when last checked
@@ -278,11 +280,15 @@ class Dispatcher:
         try:
             replay.check(job)
             cm = job.model.core
-            args, copies = kc.job_operands(cm, replay, job.bindings.bound, job.io,
-                                           self._core_memory)
-            level = min((r.priority or DEFAULT_LEVEL) for r in job.requests)
+            b = job.bindings
+            ops = b.core                     # (made once per buffer set and model)
+            if ops is None or ops[0] is not cm:
+                ops = b.core = (cm, *kc.set_operands(cm, replay, b.bound, self._core_memory))
+            reqs = job.requests
+            level = (reqs[0].priority or DEFAULT_LEVEL) if len(reqs) == 1 else \
+                min((r.priority or DEFAULT_LEVEL) for r in reqs)
             job.core = self.core.admit(job, job.seq, cm.plan, cm.profile, job.client_id,
-                                       level, job.pin, args, copies)
+                                       level, job.pin, ops[1], ops[2], job.io)
         except Exception as e:               # as the plan's checks: fail this job only
             job.fail(e)
             self._after_run(job)
@@ -344,13 +350,12 @@ class Dispatcher:
                 return self.step()
         if self._core_direct and len(vars(self.device)) != self._dev_attrs:
             self._check_direct()
-        before = self._progress
         if self._arrivals:
             self._start_arrivals()
         events = self.core.step(now)
         if events:
             self._core_events(events)
-        self.idle = self._progress == before and events is None
+        self.idle = self._one_pass or events is None        # (see step)
         self.iterations += 1
         return self.in_flight > 0
 
@@ -396,14 +401,17 @@ class Dispatcher:
             if (self._arrivals or len(self.instruments) != self._core_hooks
                     or (self._core_direct and len(vars(dev)) != self._dev_attrs)):
                 return self._step_core(now)
+            # In virtual time one pass of the core does all there is to do at this instant
+            # (notifQ, completions, arrivals, release until the policy or +B stops): after
+            # it the loop is idle until the device or an arrival changes something
+            # (``pending_arrivals``: answers that freed a buffer set for a waiting job).
+            # In real time the clock moves during the pass (work may complete meanwhile):
+            # idle only after a pass that changed nothing.
             events = core.step(now)
             self.iterations += 1
-            if events is None:
-                self.idle = True
-            else:
-                self.idle = False
-                if events:
-                    self._core_events(events)
+            self.idle = self._one_pass or events is None
+            if events:
+                self._core_events(events)
             return self.in_flight > 0
         before = self._progress
         instr = self.instruments                                         # notifQ

@@ -115,6 +115,8 @@ class PlanSpec:
     pred: tuple[int, ...]
     n_vstreams: int
     kernels: tuple[KernelSpec, ...]
+    io_start: tuple[int, ...] = ()      # copies: their bytes of the job's io buffer
+    io_end: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         n = len(self.kinds)
@@ -176,6 +178,11 @@ def plan_spec(replay: Any, key_of: Callable[[str], int],
     pred = [-1] * n
     for node, p in replay._preds:
         pred[node] = p
+    io_start, io_end = [0] * n, [0] * n
+    for step_i, step in enumerate(replay.steps):
+        node = replay._nodes[step_i]
+        if node >= 0 and step.kind in (H2D, D2H):
+            io_start[node], io_end[node] = step.io_start, step.io_end
     dstart = [0]
     dep: list[int] = []
     for ds in g["dependents"]:
@@ -184,7 +191,7 @@ def plan_spec(replay: Any, key_of: Callable[[str], int],
     return PlanSpec(tuple(g["kinds"]), tuple(g["succ"]), tuple(dstart), tuple(dep),
                     tuple(g["deps"]), tuple(g["pp"]), tuple(g["st"]), tuple(g["ready"]),
                     tuple(kernel), tuple(almost), tuple(vstream), tuple(pred),
-                    max(len(stream_ids), 1), tuple(specs))
+                    max(len(stream_ids), 1), tuple(specs), tuple(io_start), tuple(io_end))
 
 
 class Profile:
@@ -363,11 +370,18 @@ class KernelCore:
                 p.total_ns())
 
     def admit(self, token: Any, seq: int, plan: int, profile: int, client: Any = 0,
-              level: int = 0, pin: int = -1, args: Any = None, copies: Any = None) -> None:
-        """A job of plan ``plan`` (index): its ops start in the next :meth:`step`.
-        ``args``: per node, a kernel's arguments (for its effect); ``copies``: per node,
-        a copy's ``(dptr, host)``."""
-        job = CoreJob(token, seq, self.plans[plan], self.profiles[profile], client, level,
+              level: int = 0, pin: int = -1, args: Any = None, copies: Any = None,
+              io: Any = None) -> int:
+        """A job of plan ``plan`` (index): its ops start in the next :meth:`step`; its
+        handle. ``args``: per node, a kernel's arguments (for its effect); ``copies``:
+        per node, a copy's ``(dptr, host[, device view])``, host None: ``io`` at the
+        plan's offsets."""
+        spec = self.plans[plan]
+        if copies is not None and io is not None:
+            copies = tuple(None if c is None or c[1] is not None else
+                           (c[0], io[spec.io_start[n]:spec.io_end[n]], *c[2:])
+                           for n, c in enumerate(copies))
+        job = CoreJob(token, seq, spec, self.profiles[profile], client, level,
                       pin, args, copies)
         self.arrivals.append(job)
         self.jobs += 1
@@ -937,12 +951,14 @@ def register_model(core: Any, replay: Any, profile: Any, device: Any,
     return CoreModel(pi, fi, spec, tuple(names), tuple(steps))
 
 
-def job_operands(model: CoreModel, replay: Any, bound: Sequence[Any], io: Any,
+def set_operands(model: CoreModel, replay: Any, bound: Sequence[Any],
                  memory: Any = None) -> tuple:
-    """``(args, copies)`` of one job for :meth:`KernelCore.admit`: per node, a kernel's
-    bound arguments and a copy's ``(dptr, host view of io)``, plus, given the simulator's
-    ``memory``, the device bytes' view (None where the range is not on the device: that
-    copy goes through the device, which refuses it) for the C core's direct copies."""
+    """``(args, copies)`` of one buffer set for :meth:`KernelCore.admit` (made once per
+    set and model: the same for every job on it): per node, a kernel's bound arguments,
+    and a copy's ``(dptr, None, device view)``: the host side is the job's io buffer at
+    the plan's offsets (``admit(..., io)``); the device view (the simulator's bytes, for
+    the C core's direct copies; None without ``memory`` or where the range is not on
+    the device, and that copy goes through the device, which refuses it)."""
     from paella.dispatcher.devices.base import DeviceError
     args: list[Any] = [None] * len(model.steps)
     copies: list[Any] = [None] * len(model.steps)
@@ -952,15 +968,26 @@ def job_operands(model: CoreModel, replay: Any, bound: Sequence[Any], io: Any,
         step = replay.steps[i]
         if step.kind == KERNEL:
             args[node] = bound[i]
-        elif memory is None:
-            copies[node] = (bound[i], io[step.io_start:step.io_end])
-        else:
+            continue
+        dev = None
+        if memory is not None:
             try:
                 dev = memory.view(bound[i], step.io_end - step.io_start)
             except DeviceError:
-                dev = None
-            copies[node] = (bound[i], io[step.io_start:step.io_end], dev)
+                pass
+        copies[node] = (bound[i], None, dev)
     return tuple(args), tuple(copies)
+
+
+def job_operands(model: CoreModel, replay: Any, bound: Sequence[Any], io: Any,
+                 memory: Any = None) -> tuple:
+    """``(args, copies)`` of one job with its host views made here (the reference form
+    of :func:`set_operands` + ``admit(..., io)``: tests and benchmarks)."""
+    args, copies = set_operands(model, replay, bound, memory)
+    spec = model.spec
+    copies = tuple(None if c is None else (c[0], io[spec.io_start[n]:spec.io_end[n]], c[2])
+                   for n, c in enumerate(copies))
+    return args, copies
 
 
 def make_core(impl: str, tracker: Any, device: Any, policy: str = "paella", *,
@@ -992,5 +1019,5 @@ def make_core(impl: str, tracker: Any, device: Any, policy: str = "paella", *,
                float(hold_factor or 0.0), DeviceError, DeviceLost)
 
 
-__all__ = ["make_core", "ALMOST", "FINISHED", "REFUSED", "FAULT", "POLICIES", "KernelSpec", "PlanSpec",
+__all__ = ["make_core", "set_operands", "job_operands", "register_model", "CoreModel", "ALMOST", "FINISHED", "REFUSED", "FAULT", "POLICIES", "KernelSpec", "PlanSpec",
            "Profile", "KernelCore", "plan_spec", "to_ns"]
