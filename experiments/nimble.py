@@ -90,7 +90,7 @@ def plan_stats(single: Variant, multi: Variant, assignment) -> dict:
 def isolated_us(bundle: Bundle, reps: int, seed: int, cost: CostModel | None = None) -> float:
     """Median latency (us) of ``reps`` requests, one at a time, on an idle V100."""
     dev = SimDevice(GPU, n_streams=1024, seed=seed, cost=cost)
-    d = Dispatcher(dev, "paella", profile_runs=1)
+    d = Dispatcher(dev, "paella", profile_runs=1, kernel_core="auto")
     mid = d.register_model(bundle.model, PlanAdaptor(plan_from_bundle(bundle)))
     io = np.zeros(bundle.variants[0].io_bytes, np.uint8)
     lat = []
