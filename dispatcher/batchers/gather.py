@@ -10,7 +10,7 @@ batch computes on defined values. Outputs are scattered back the same way.
 Zero copy: a batch of one request whose layout *is* the variant's (same shapes and
 offsets: an unbatched request on its own variant) runs on the request's io region
 itself, with no staging buffer and no copy (:func:`in_place`). The cost of the copies
-otherwise is measured by ``experiments/bench_gather.py`` (docs/batching.md).
+otherwise is measured by ``benchmarks/bench_gather.py`` (docs/batching.md).
 """
 from __future__ import annotations
 
