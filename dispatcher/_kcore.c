@@ -386,7 +386,6 @@ typedef struct {
     void **cu_params;
     int cu_cap;
     PyObject *cu_failed;         /* device.launch_failed(code, name): raises its error */
-    unsigned long long observed; /* the engine's count when copies' events were polled */
     long long progress;          /* things done: a driver's "did this step change anything" */
     long long device_calls;      /* the driver calls its launches and copies stand for */
     int realtime;                /* the engine follows the wall clock: sync before submitting */
@@ -2170,17 +2169,8 @@ static PyObject *Core_step(Core *c, PyObject *arg)
     if (drained < 0 || c->error)
         goto fail;
     c->progress += drained;
-    if (c->ncev) {
-        /* Speed (a trick, labelled): with the engine at hand, its events are polled only
-           when it has completed something since the last poll (each poll is a Python
-           call per stream); anything completing later changes the count. */
-        unsigned long long seen = c->engine != Py_None ? EAPI->observed(c->engine) : 0;
-        if (c->engine == Py_None || seen != c->observed) {
-            c->observed = seen;
-            if (poll_copies(c) < 0)
-                goto fail;
-        }
-    }
+    if (c->ncev && poll_copies(c) < 0)
+        goto fail;
     while (c->arrivals.n) {
         Ref r = *refq_front(&c->arrivals);
         refq_pop(&c->arrivals);

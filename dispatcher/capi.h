@@ -50,9 +50,6 @@ typedef struct {
     int (*launch)(PyObject *g, int shape, long long blocks, double flops, double nbytes,
                   double duration, int stream, uint32_t launch_id, int instrumented,
                   int group);
-    /* notifQ writes and completed ops so far (what a host could see): nothing a host
-       polls can have changed while this stays the same. */
-    unsigned long long (*observed)(PyObject *g);
     /* Submit a copy of `nbytes` (kind 1: H2D, 2: D2H) on `stream`: at its completion
        the bytes move from src to dst (memcpy), then fn(ctx, tag) runs (inside the
        engine's event processing: it must not call back into the engine). The caller

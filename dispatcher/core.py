@@ -244,18 +244,20 @@ class Dispatcher:
         if impl not in ("c", "python", "auto"):
             raise ValueError(f"kernel_core must be 'c', 'python', 'auto' or None, got {impl!r}")
         name = policy if isinstance(policy, str) else getattr(policy, "name", None)
-        builtin = type(self.policy).__module__.startswith("paella.dispatcher.policies.")
         hooks = [h for h in OP_HOOKS if h in self.instruments]
-        if self._core_auto and (name not in kc.POLICIES or not builtin or hooks):
-            return                           # auto: this dispatcher's own path
+        why = None
+        if name not in kc.POLICIES or type(self.policy) is not get_policy(name):
+            why = (f"the kernel core runs the built-in policies ({', '.join(kc.POLICIES)}); "
+                   f"policy {name!r} runs on the dispatcher's own path: use kernel_core=None "
+                   f"(--kernel-core off)")
+        elif hooks:
+            why = (f"instruments listen to {', '.join(hooks)}, which the kernel core does not "
+                   f"report yet: use kernel_core=None to trace ops")
+        if why is not None:
+            if self._core_auto:
+                return                       # auto: this dispatcher's own path
+            raise ValueError(why)
         impl = "c" if impl == "auto" else impl
-        if name not in kc.POLICIES or not builtin:
-            raise ValueError(f"the kernel core runs the built-in policies "
-                             f"({', '.join(kc.POLICIES)}); policy {name!r} runs on the "
-                             f"dispatcher's own path: use kernel_core=None (--kernel-core off)")
-        if hooks:
-            raise ValueError(f"instruments listen to {', '.join(hooks)}, which the kernel core "
-                             f"does not report yet: use kernel_core=None to trace ops")
         dev = self.device
         # Direct launches and copies into the simulated engine (in real time each first
         # brings the engine to the wall clock, as the device's own methods do); not with

@@ -42,31 +42,21 @@ from typing import Any, Callable, Sequence
 from paella.dispatcher.devices.base import D2H, H2D, KERNEL, MARKER
 
 from .native import load
+from .policies import get_policy
+from .policies.paella import DEFAULT_FAIRNESS_THRESHOLD, DEFAULT_HOLD_FACTOR
+from .policies.priority import LEVEL_SPAN
 from .pqueue import IndexedHeap
+from .waitlist import DONE, DROPPED, READY, RELEASED, WAITING
 
 #: Event kinds out of :meth:`KernelCore.step`.
 ALMOST, FINISHED, REFUSED, FAULT = 1, 2, 3, 4
-EVENT_NAMES = {ALMOST: "almost", FINISHED: "finished", REFUSED: "refused", FAULT: "fault"}
 
-#: Node states of a plan run (the waitlist's own numbers).
-WAITING, READY, RELEASED, DONE, DROPPED = range(5)
-
-#: The built-in policies: (gated, stream mode, eager). Plug-ins run in the legacy path.
-POLICIES = {
-    "paella": (True, "pool", False),
-    "sjf": (True, "pool", False),
-    "rr": (True, "pool", False),
-    "priority": (True, "pool", False),
-    "ms-kbk": (False, "pool", False),
-    "fifo": (False, "single", True),
-    "ms-jbj": (False, "sticky", True),
-}
-STREAM_MODES = ("pool", "sticky", "single")
-#: paella's defaults (paella.dispatcher.policies.paella).
-DEFAULT_FAIRNESS_THRESHOLD = 256.0
-DEFAULT_HOLD_FACTOR = 0.5
-#: priority: a level outweighs any estimate (ns) below it.
-LEVEL_SPAN = 1e15
+#: The built-in policies the core runs, with what each declares to the dispatcher
+#: (gated, stream mode, eager), read from their classes. Plug-ins run on the
+#: dispatcher's own path. (The C core knows the same seven by name.)
+POLICIES = {name: (cls.gated, cls.stream_mode, cls.eager) for name in
+            ("paella", "sjf", "rr", "priority", "ms-kbk", "fifo", "ms-jbj")
+            for cls in (get_policy(name),)}
 _REBASE = 1e9
 
 
@@ -250,6 +240,7 @@ class CoreJob:
     """A job inside the core: its plan run and scheduling state. ``token`` is the
     control plane's job, handed back in events and never looked into."""
     __slots__ = ("token", "seq", "plan", "profile", "unit_key", "level", "pin", "args", "started",
+                 "handle",
                  "copies", "deps", "pp", "st", "stream", "lid", "t_rel", "ahead", "tail",
                  "real", "ready", "in_policy", "left_policy", "pending", "kcount",
                  "estimate", "remaining", "almost_sent", "failed", "finished", "unit",
@@ -291,6 +282,7 @@ class CoreJob:
         self.infifo = False
         self.on_device = 0
         self.started = False
+        self.handle = -1
 
 
 class KernelCore:
@@ -385,9 +377,10 @@ class KernelCore:
                       pin, args, copies)
         self.arrivals.append(job)
         self.jobs += 1
-        self.handles[self.next_handle] = job
+        job.handle = self.next_handle
+        self.handles[job.handle] = job
         self.next_handle += 1
-        return self.next_handle - 1
+        return job.handle
 
     def abort(self, handle: int, token: Any) -> list[tuple]:
         """The job stops (its client went away): unreleased ops dropped, out of the
@@ -735,15 +728,10 @@ class KernelCore:
             if job.started:                  # (aborted before it started: never arrived)
                 self._job_finished(job)
 
-    def _forget(self, job: CoreJob) -> None:
-        """A finished job's handle goes (the C core reuses its slot)."""
-        for h in [h for h, j in self.handles.items() if j is job][:1]:
-            del self.handles[h]
-
     def _finish(self, job: CoreJob) -> None:
         job.finished = True
         self.jobs -= 1
-        self._forget(job)
+        self.handles.pop(job.handle, None)     # (the C core reuses its slot)
         if job.failed is None:
             job.profile.record_job(job.kcount)
             self._almost(job)

@@ -30,7 +30,7 @@ from .registry import register_policy
 #: profile.ESTIMATE_DIGITS), below 2**53 with the level. (Seconds added to level x 1e9
 #: kept only ~0.1 us of the estimate: within a level, jobs that far apart tied and went
 #: in arrival order instead of SRPT. The kernel core orders by the same key.)
-_LEVEL_SPAN = 1e15
+LEVEL_SPAN = 1e15
 
 
 @register_policy("priority")
@@ -46,7 +46,7 @@ class StrictPriority(HeapPolicy):
                                for r in job.requests) if job.requests else DEFAULT_LEVEL
 
     def key(self, job: Any) -> tuple[float, int]:
-        return self._level(job) * _LEVEL_SPAN + round(job.remaining * 1e9), job.seq
+        return self._level(job) * LEVEL_SPAN + round(job.remaining * 1e9), job.seq
 
     def pick(self) -> Any:
         job = self.heap.top()

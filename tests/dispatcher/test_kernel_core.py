@@ -196,6 +196,14 @@ def test_a_plan_spec_that_lies_is_refused_with_a_reason():
         core.admit(0, 0, 7, cm.profile)
     with pytest.raises(ValueError, match="copies"):
         core.admit(0, 0, cm.plan, cm.profile, copies=())
+    args, copies = kc.set_operands(cm, m.replay, m.pool.acquire().bound, dev.memory)
+    with pytest.raises(ValueError, match="takes its host bytes from io"):   # io too short
+        core.admit(0, 0, cm.plan, cm.profile, 0, 0, -1, args, copies, np.zeros(3, np.uint8))
+    with pytest.raises(ValueError, match="takes its host bytes from io"):   # no io at all
+        core.admit(0, 0, cm.plan, cm.profile, 0, 0, -1, args, copies)
+    with pytest.raises(ValueError, match="cuda_kernels"):
+        core.cuda_kernels(cm.plan, [])                 # one entry per kernel, or None
+    assert core.jobs == 0
     with pytest.raises(ValueError, match="no built-in policy"):
         kc.make_core("c", d.tracker, dev, "nope")
 

@@ -1924,12 +1924,7 @@ static int api_sync_wall(PyObject *o, double t0, double speed)
     return 0;
 }
 
-static unsigned long long api_observed(PyObject *o)
-{
-    return ((Gpu *)o)->observed;
-}
-
-static PaellaEngineAPI engine_api = {api_check, api_launch, api_observed, api_copy,
+static PaellaEngineAPI engine_api = {api_check, api_launch, api_copy,
                                      api_sync_wall};
 
 PyMODINIT_FUNC PyInit__engine(void)
