@@ -94,6 +94,12 @@ def format_status(st: dict) -> str:
         if d.get("memory_waits") or d.get("memory_failures"):
             lines.append(f"  device memory full: {d['memory_waits']} job(s) waited for "
                          f"memory, {d['memory_failures']} request(s) failed for want of it")
+        e = d.get("effects")
+        if e:                                # (the simulated GPU's answer workers)
+            lines.append(f"  answer workers: {e['alive']} of {e['workers']} alive, {e['queued']} "
+                         f"queued, {e['running']} computing, {e['held_kernels']} kernel(s) "
+                         f"waiting for theirs; {e['completed']} computed, {e['failed']} failed "
+                         f"({e['crashed']} crashed, {e['timed_out']} timed out)")
     return "\n".join(lines)
 
 

@@ -1101,12 +1101,18 @@ class Dispatcher:
                         name, model.replay.refusal)
             runs = 0
         for i in range(runs):
-            failed = []
+            failed: list = []
+            ended: list = []
+
+            def on_complete(r: Request, st: int, err: str | None) -> None:
+                ended.append(st)
+                if st:
+                    failed.append(err)
             req = Request(-1 - i, -1, model.model_id, np.zeros(adaptor.io_bytes, np.uint8),
-                          on_complete=lambda r, st, err: failed.append(err) if st else None)
+                          on_complete=on_complete)
             self.submit(req)
             try:
-                self.run_until_idle(stop=self.profile_stop)
+                self.run_until_idle(stop=self.profile_stop, done=lambda: bool(ended))
             except (TimeoutError, RunInterrupted) as e:
                 failed.append(str(e))
                 self._abandon_profiling()
@@ -1336,13 +1342,17 @@ class Dispatcher:
         return n
 
     def run_until_idle(self, timeout: float = 60.0,
-                       stop: Callable[[], bool] | None = None) -> None:
-        """Step until nothing is in flight. On a virtual-time device the one driver
+                       stop: Callable[[], bool] | None = None,
+                       done: Callable[[], bool] | None = None) -> None:
+        """Step until nothing is in flight (in real time, or until ``done()`` is True: a
+        profiling run in a serving daemon waits for its own job, not for a client's whose
+        answer the effect workers are still computing). On a virtual-time device the one driver
         (:class:`~paella.dispatcher.virtual_time.VirtualDriver`) steps it, the clock
         jumping to the next device event whenever an iteration changes nothing; in real
-        time it steps until done. ``timeout`` (seconds of wall time) raises TimeoutError;
-        ``stop()`` returning True raises :class:`RunInterrupted`; either leaves the work
-        in flight."""
+        time it steps until done, letting go the kernels whose answers came in
+        (``SimDevice.open_answered``). ``timeout`` (seconds of wall time) raises
+        TimeoutError; ``stop()`` returning True raises :class:`RunInterrupted`; either
+        leaves the work in flight."""
         virtual = hasattr(self.device, "next_event_time") and not getattr(self.device, "realtime", False)
         deadline = time.monotonic() + timeout
 
@@ -1359,7 +1369,12 @@ class Dispatcher:
             VirtualDriver(self, skip_unobserved=False, on_stall=self._unstall,
                           name="dispatcher").run(until=interrupted)
             return
+        open_answered = getattr(self.device, "open_answered", None)
         while self.step() or self._arrivals:
+            if done is not None and done():
+                return
+            if open_answered is not None:
+                open_answered()
             if self.idle:
                 interrupted()
             elif stop is not None and stop():

@@ -282,7 +282,14 @@ class Holdings:
 
 
 def _is_client_map(line: str) -> bool:
-    return "/dev/shm/" in line or "/memfd:" in line
+    return ("/dev/shm/" in line or "/memfd:" in line) and not _is_own_state(line)
+
+
+def _is_own_state(name: str) -> bool:
+    """A segment of the daemon's own functional state, not a client's: a generative
+    model's KV cache, which its effect workers map (``.kv.``; one per served orca model,
+    replaced by each reload)."""
+    return ".kv." in name
 
 
 def segment_names(pid: int) -> list[str]:
@@ -292,7 +299,8 @@ def segment_names(pid: int) -> list[str]:
         names = os.listdir("/dev/shm")
     except OSError:
         return []
-    return sorted(n for n in names if "paella" in n and str(pid) in re.split(r"[._-]", n))
+    return sorted(n for n in names if "paella" in n and str(pid) in re.split(r"[._-]", n)
+                  and not _is_own_state(n))
 
 
 def holdings(pid: int) -> Holdings:
@@ -394,6 +402,10 @@ class Reference:
     rtol: float = 0.0
     #: A generative model (orca): pairs are ((prompt, max_tokens), tokens).
     generative: bool = False
+    #: Inputs taken in turn, not at random: each is new to the daemon until the list
+    #: wraps, so its answer is computed (by the effect workers) while others are served.
+    fresh: bool = False
+    cursor: int = 0
 
 
 def legit_worker(board: Board, idx: int, sock: str, cfg: FuzzConfig, refs: list[Reference],
@@ -402,6 +414,8 @@ def legit_worker(board: Board, idx: int, sock: str, cfg: FuzzConfig, refs: list[
     answer is checked; every outcome is counted on the board."""
     signal.signal(signal.SIGALRM, _alarm)
     rng = random.Random(f"legit-{cfg.seed}-{idx}")
+    for ref in refs:                 # (each client starts its fresh inputs elsewhere)
+        ref.cursor = idx * len(ref.pairs) // max(1, cfg.legit)
     mode = ("hybrid", "polling", "socket")[idx % 3]
     t = board.legit_t[idx]
     t[1] = time.time()
@@ -532,6 +546,9 @@ def _legit_submit(c, ref: Reference, rng) -> dict:
     if ref.name == "echo":
         x = np.asarray([rng.uniform(-1e6, 1e6) for _ in range(8)] * 32, np.float32)
         expected = x
+    elif ref.fresh:
+        x, expected = ref.pairs[ref.cursor % len(ref.pairs)]
+        ref.cursor += 1
     elif ref.pairs:
         x, expected = rng.choice(ref.pairs)
     else:
@@ -684,6 +701,12 @@ def _references(cfg: FuzzConfig, workdir: str) -> tuple[list[Reference], tuple[s
         x = rng.standard_normal((2, 16)).astype(np.float32)
         pairs.append((x, b.run_cpu({"x": x})["output0"]))
     refs.append(Reference("tiny_mlp", pairs, rtol=1e-5))
+    # Never-seen inputs among the legitimate traffic (issue 37): computed off the loop.
+    fresh = []
+    for _ in range(256):
+        x = rng.standard_normal((2, 16)).astype(np.float32)
+        fresh.append((x, b.run_cpu({"x": x})["output0"]))
+    refs.append(Reference("tiny_mlp", fresh, rtol=1e-5, fresh=True))
     # A generative model served by the orca scheduler plug-in (a config.toml-only folder):
     # attackers reach it like any model id, and the honest clients check its tokens.
     from paella.models.gpt import GPTConfig, generate_reference, gpt_weights

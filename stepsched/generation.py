@@ -67,9 +67,19 @@ class GenerationEngine:
     def __init__(self, disp: Any, cfg: GPTConfig, *, max_bs: int, n_slots: int,
                  weights: dict[str, np.ndarray] | None = None, name: str = "gpt",
                  priorities: bool = False, fairness_threshold: float | None = None,
-                 preempt: bool = False, n_workers: int = 1, cpu_scale: float = 0.0):
+                 preempt: bool = False, n_workers: int = 1, cpu_scale: float = 0.0,
+                 seed: int | None = None):
         self.host, self.cfg = host_of(disp), cfg
         self.weights = weights
+        # Where the iterations' tokens are computed: the device's effect workers when the
+        # weights can be made there (their seed) and the device has workers (the
+        # daemon); else in this process, at the iteration's submission (virtual time: the
+        # simulated clock does not see it).
+        from paella.dispatcher.devices.sim.effect_workers import InlineEffects
+        runner = getattr(self.host, "effects", None)
+        self.effects = runner if runner is not None and seed is not None else InlineEffects()
+        self.seed = seed
+        self.kv_shared = None
         self.n_slots = n_slots
         self.sched = IterationScheduler(max_bs, n_slots, n_workers=n_workers, priorities=priorities,
                                         fairness_threshold=fairness_threshold, preempt=preempt,
@@ -77,12 +87,19 @@ class GenerationEngine:
         self.runtime = StepRuntime(disp, self.sched, self._kernels, name=name, n_workers=n_workers,
                                    client_of=lambda r: r.user,
                                    effect=self._effect if weights is not None else None,
+                                   pending=self._pending if weights is not None else None,
                                    on_task_done=self._after, cpu_scale=cpu_scale)
         self.kv_ptr = None
         if weights is not None:
             nbytes = n_slots * cfg.kv_bytes_per_slot()
             self.kv_ptr = self.host.alloc(nbytes)
-            self.host.view(self.kv_ptr, nbytes)[:] = 0
+            if isinstance(self.effects, InlineEffects):
+                self.host.view(self.kv_ptr, nbytes)[:] = 0
+            else:
+                # Worker processes compute in place on the cache: its functional bytes
+                # live in shared memory (the device allocation still counts its size).
+                from paella.dispatcher.devices.sim.shared_array import SharedArray
+                self.kv_shared = SharedArray(nbytes, "kv")
         self.free_slots: deque[int] = deque(range(n_slots))
         self.slots: dict[GenRequest, list[int]] = {}
         self.swapped: dict[GenRequest, np.ndarray] = {}
@@ -164,11 +181,17 @@ class GenerationEngine:
         return "swap" if swap < recompute else "recompute"
 
     # ---- step runtime hooks -----------------------------------------------------------------
-    def _kv(self, view=None) -> np.ndarray:
+    def _kv(self) -> np.ndarray:
         cfg = self.cfg
         nbytes = self.n_slots * cfg.kv_bytes_per_slot()
-        raw = (view or self.host.view)(self.kv_ptr, nbytes)
+        raw = self.kv_shared.array if self.kv_shared is not None else self.host.view(self.kv_ptr, nbytes)
         return raw.view(np.float32).reshape(2 * cfg.n_layer, self.n_slots, cfg.d)
+
+    def close(self) -> None:
+        """Give the shared KV segment back (its device allocation goes with the
+        scheduler's context)."""
+        if self.kv_shared is not None:
+            self.kv_shared.close()
 
     def _kernels(self, it: Iteration) -> StepKernels:
         """Called as the iteration is submitted: victims give their slots up first, then
@@ -193,14 +216,19 @@ class GenerationEngine:
                     saved = self.swapped.pop(r)
                     self._kv()[:, self.slots[r][:saved.shape[1]]] = saved
         contexts = [self._first(r, ph) + n for r, ph, n in zip(it.requests, it.phases, it.n_tokens)]
+        if self.weights is not None:
+            it.answer = self._compute(it)
         return replace(transformer_iteration(self.cfg, it.n_tokens, contexts), copies=tuple(copies))
 
     def _first(self, r: GenRequest, phase: str) -> int:
         """Position of the first token this iteration processes for ``r``."""
         return 0 if phase in ("prefill", "recompute") else r.prompt_len + r.generated - 1
 
-    def _effect(self, it: Iteration, view) -> None:
-        kv = self._kv(view)
+    def _compute(self, it: Iteration) -> Any:
+        """Start the iteration's tokens as it is submitted (the KV cache holds every
+        earlier iteration's keys and values, and its swaps are done): in a worker process
+        on the shared cache, or here. Returns the future; a failure to start is the
+        iteration's (its effect raises it)."""
         batch = []
         for r, phase in zip(it.requests, it.phases):
             s = self.streams[r]
@@ -210,8 +238,24 @@ class GenerationEngine:
                 new = s.prompt + s.tokens
             else:
                 new = [s.tokens[-1]]
-            batch.append((new, self._first(r, phase), self.slots[r]))
-        it.result = selective_iteration(self.cfg, self.weights, kv, batch)
+            batch.append((new, self._first(r, phase), list(self.slots[r])))
+        try:
+            if self.kv_shared is not None:
+                return self.effects.submit(worker_iteration, self.cfg, self.seed,
+                                           self.kv_shared.ref, self.n_slots, batch)
+            return self.effects.submit(selective_iteration, self.cfg, self.weights, self._kv(), batch)
+        except RuntimeError as e:            # the workers' queue is full, or they stopped
+            from concurrent.futures import Future
+            f: Future = Future()
+            f.set_exception(e)
+            return f
+
+    def _pending(self, it: Iteration) -> Any:
+        f = getattr(it, "answer", None)
+        return f if f is not None and not f.done() else None
+
+    def _effect(self, it: Iteration, view) -> None:
+        it.result = it.answer.result()       # (done already when the device held the kernel)
 
     def _after(self, it: Iteration, finished: list) -> None:
         now = self.host.now()
@@ -256,3 +300,21 @@ class GenerationEngine:
 
     def _free(self, r: GenRequest) -> None:
         self.free_slots.extend(self.slots.pop(r, ()))
+
+
+#: A worker's GPT weights, by (configuration, seed): made once per process.
+_WEIGHTS: dict = {}
+
+
+def worker_iteration(cfg: GPTConfig, seed: int, kv_ref: tuple[str, int], n_slots: int,
+                     batch: list) -> list[int]:
+    """One iteration's tokens in an effect worker: the seeded weights (made once per
+    process: the same as the daemon's), the KV cache mapped from shared memory and
+    updated in place (:func:`paella.models.gpt.selective_iteration`)."""
+    from paella.dispatcher.devices.sim.shared_array import attach
+    from paella.models.gpt import gpt_weights
+    w = _WEIGHTS.get((cfg, seed))
+    if w is None:
+        w = _WEIGHTS[(cfg, seed)] = gpt_weights(cfg, seed)
+    kv = attach(kv_ref).view(np.float32).reshape(2 * cfg.n_layer, n_slots, cfg.d)
+    return selective_iteration(cfg, w, kv, batch)

@@ -13,7 +13,9 @@ model repository folder with only a ``config.toml`` serves it (docs/step-schedul
     max_bs = 8
     n_slots = 512            # KV slots in device memory (0: max_bs x the context)
 
-Every iteration is one job of the kernel scheduler (its parts carry the clients of the
+Every iteration's tokens are computed in the daemon's effect workers (worker processes,
+on the KV cache in shared memory), never on the dispatcher's loop; the iteration's last
+kernel waits for them. Every iteration is one job of the kernel scheduler (its parts carry the clients of the
 requests in it, so Paella's policy and its per-client fairness see them); the KV cache is
 device memory the context allocates; each iteration's tokens go into the requests' io
 regions and are announced with a progress entry (``ctx.progress``), the completion
@@ -82,6 +84,7 @@ class OrcaScheduler(SchedulerBatcher):
                             fairness_threshold=fairness_threshold or None)
         # The weights here, not in start(): a reload builds the scheduler off the loop.
         self.weights = gpt_weights(self.cfg, seed)
+        self.seed = seed
         self.io = generation_io(self.cfg)
         self.engine: GenerationEngine | None = None
         self._streams: dict[int, Stream] = {}       # id(req) -> its generation
@@ -94,7 +97,7 @@ class OrcaScheduler(SchedulerBatcher):
         try:
             self.engine = GenerationEngine(ctx, self.cfg, max_bs=self.max_bs,
                                            n_slots=self.n_slots, weights=self.weights,
-                                           name="iteration", **self.options)
+                                           name="iteration", seed=self.seed, **self.options)
         except (OSError, MemoryError, OutOfMemory) as e:   # the KV cache does not fit
             per_slot = self.cfg.kv_bytes_per_slot()
             need = self.n_slots * per_slot
@@ -165,6 +168,8 @@ class OrcaScheduler(SchedulerBatcher):
         for s in self._streams.values():
             self.engine.cancel(s)       # type: ignore[union-attr]
         self._streams.clear()
+        if self.engine is not None:
+            self.engine.close()
 
     @property
     def pending(self) -> int:

@@ -80,7 +80,13 @@ class StepAdaptor(JobAdaptor):
         if funcs is None:
             rt = self.runtime
             last = sk.launches[-1].kernel
-            effects = {last: lambda view, args: rt._effect(args[0], view) if len(args) == 1 else None}
+            def effect(view: Callable, args: tuple) -> None:
+                if len(args) == 1:
+                    rt._effect(args[0], view)
+            if rt.pending is not None:
+                effect.pending = lambda view, args: (    # type: ignore[attr-defined]
+                    rt._pending(args[0]) if len(args) == 1 else None)
+            effects = {last: effect}
             funcs = self.device.load_module(ModuleImage(sk.name, sk.kernels, effects=effects))
             self._modules[sk.name] = funcs
         return funcs
@@ -130,6 +136,10 @@ class DispatcherHost:
         return self.device.memory.view(ptr, nbytes)
 
     @property
+    def effects(self) -> Any:
+        return getattr(self.device, "effects", None)
+
+    @property
     def device_props(self) -> Any:
         return self.device.props
 
@@ -166,6 +176,7 @@ class StepRuntime:
                  *, name: str = "steps", n_workers: int = 1,
                  client_of: Callable[[Any], int] = lambda req: 0,
                  effect: Callable[[Any, Callable], None] | None = None,
+                 pending: Callable[[Any], Any] | None = None,
                  on_task_done: Callable[[Any, list], None] | None = None,
                  cpu_scale: float = 0.0):
         self.host = host_of(disp)
@@ -175,6 +186,9 @@ class StepRuntime:
         self.kernels_for = kernels_for
         self.client_of = client_of
         self.effect = effect
+        #: ``pending(task)``: the future of the task's effect while it is still being
+        #: computed elsewhere (the device holds the task's last kernel until it is done).
+        self.pending = pending
         self.on_task_done = on_task_done
         self.cpu_scale = cpu_scale
         self.n_workers = n_workers
@@ -249,6 +263,10 @@ class StepRuntime:
         io.view(np.int64)[0] = tid
         self.host.submit(self.model_id, io, [self.client_of(r) for r in reqs],
                          lambda status, err, tid=tid: self._task_done(tid, status))
+
+    def _pending(self, tid: int) -> Any:
+        run = self._running.get(tid)
+        return None if run is None or self.pending is None else self.pending(run.task)
 
     def _effect(self, tid: int, view: Callable) -> None:
         if self.effect is not None:

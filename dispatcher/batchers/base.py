@@ -248,6 +248,11 @@ class SchedulerContext(Protocol):
     def device_props(self) -> Any:
         """The device's properties (PCIe bandwidth, peak FLOPs: for cost decisions)."""
 
+    @property
+    def effects(self) -> Any:
+        """Where the simulated GPU's functional computations run (``submit(fn, *args) ->
+        Future``: the daemon's worker processes, never its loop); None on a real GPU."""
+
     def progress(self, req: Any, n: int) -> bool:
         """``n`` outputs of ``req`` are valid in its io region so far (streaming): the
         client is told if it asked to stream and its completion ring has room; counts

@@ -581,6 +581,10 @@ class StageContext:
     def device_props(self) -> Any:
         return self.stage.disp.device.props
 
+    @property
+    def effects(self) -> Any:
+        return getattr(self.stage.disp.device, "effects", None)
+
     def progress(self, req: Any, n: int) -> bool:
         if id(req) not in self.model.waiting:
             return False

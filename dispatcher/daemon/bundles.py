@@ -4,9 +4,11 @@ effect, through the cache of reference outputs)."""
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections import OrderedDict
+from concurrent.futures import Future
 from typing import Callable
 
 import numpy as np
@@ -61,12 +63,20 @@ MAX_PER_KEY = 4
 
 
 class FunctionalCache:
-    """Reference outputs by (model, input), least recently used first out.
+    """Reference outputs by (model, input), least recently used first out, and the
+    computation of the ones it does not hold.
 
     The CPU build is slow (about 1 s for MobileNetV2, 4 s for ResNet-18 on these
-    machines) and runs in the dispatcher loop, so an input the daemon has already
-    answered is answered again from here: only a first-seen input stalls the loop, and
-    the log says so. Bounded by ``max_bytes`` of cached inputs and outputs.
+    machines, ~100 ms for SqueezeNet), so it never runs on the dispatcher's loop: a
+    first-seen input is computed by ``effects`` (the device's runner: worker processes in
+    the daemon, :mod:`~paella.dispatcher.devices.sim.effect_workers`), while the loop
+    keeps serving everyone else, and an input the daemon has already answered is
+    answered again from here. Bounded by ``max_bytes`` of cached inputs and outputs.
+
+    One request's answer goes through three calls (:class:`Answer` carries it):
+    :meth:`begin` when its input is in device memory (the first kernel after the input
+    copies), :meth:`prepare` when its last kernel is launched (the device holds that
+    kernel back while the answer is not ready), :meth:`finish` when that kernel completes.
 
     Speed (a trick, labelled): a lookup runs at a simulated kernel's completion, on the
     request's critical path, so it must cost far less than the GPU time it stands in
@@ -80,16 +90,20 @@ class FunctionalCache:
     sampled bytes and make every lookup under that key compare hundreds of inputs.
     """
 
-    def __init__(self, max_bytes: int = 256 << 20):
+    def __init__(self, max_bytes: int = 256 << 20, effects=None):
+        from paella.dispatcher.devices.sim.effect_workers import InlineEffects
         self.max_bytes = max_bytes
+        #: Where first-seen inputs are computed (``submit(fn, *args) -> Future``): in
+        #: this thread unless the daemon gives its worker processes.
+        self.effects = effects if effects is not None else InlineEffects()
         # key -> [(inputs, outputs), ...] (one entry per distinct input sharing the key)
         self._entries: OrderedDict[tuple, list] = OrderedDict()
         self._bytes = 0
         self.hits = self.misses = 0
         self._log = LogThrottle(10.0, burst=5)
-        # The loop and a background model load (the profiling input's outputs) share the
-        # cache. The lock covers the dictionary only, never a CPU run, so the loop waits
-        # for no computation but its own.
+        # The loop, the workers' completions and a background model load (the profiling
+        # input's outputs) share the cache. The lock covers the dictionary only, never a
+        # CPU run.
         self._lock = threading.Lock()
 
     @staticmethod
@@ -103,66 +117,122 @@ class FunctionalCache:
     def _same(a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> bool:
         return all(np.array_equal(_words(a[k]), _words(b[k])) for k in a)
 
-    def begin(self, name: str, inputs: dict[str, np.ndarray]) -> "Lookup":
-        """Start comparing ``inputs`` with the cached inputs under their key, on the
-        comparison thread (:mod:`paella.dispatcher.devices.sim._offload`); pass the
-        result to :meth:`outputs` once nothing can have changed ``inputs`` in between.
+    def begin(self, name: str, bundle, inputs: dict[str, np.ndarray], variant: int = 0) -> "Answer":
+        """Start on ``inputs`` (views of device memory that nothing changes until the
+        request's outputs are copied back): an input under a key nothing is cached under
+        is sent to be computed at once; otherwise its comparison with the cached inputs
+        under its key starts on the comparison thread
+        (:mod:`paella.dispatcher.devices.sim._offload`).
 
         Speed (a trick, labelled): the simulated device starts this when a request's
-        input is in device memory and collects it when the model's last kernel completes
-        (:func:`~paella.dispatcher.devices.sim.functional.model_effects`), so the
-        compare (100-150 us of memory traffic with cold caches) runs on the other core
-        while the kernels run, off the dispatcher loop."""
+        input is in device memory and collects it when the model's last kernel is
+        launched (:func:`~paella.dispatcher.devices.sim.functional.model_effects`), so
+        the compare (100-150 us of memory traffic with cold caches) and any computation
+        run elsewhere while the kernels run, off the dispatcher loop."""
         key = self._key(name, inputs)
         with self._lock:
             candidates = list(self._entries.get(key, ()))
+        answer = Answer(key, candidates, None)
         if not candidates:
-            return Lookup(key, candidates, None)
+            self._compute(answer, bundle, variant, inputs)
+            return answer
         names = sorted(inputs)
         try:
-            pending = _offload.compare([inputs[k] for k in names],
-                                     [[c[k] for k in names] for c, _ in candidates])
+            answer.pending = _offload.compare([inputs[k] for k in names],
+                                              [[c[k] for k in names] for c, _ in candidates])
         except (BufferError, ValueError, RuntimeError):
-            pending = None                   # (not contiguous, or no thread: outputs() compares)
-        return Lookup(key, candidates, pending)
+            pass                             # (not contiguous, or no thread: prepare() compares)
+        return answer
+
+    def prepare(self, name: str, bundle, inputs: dict[str, np.ndarray], variant: int = 0,
+                answer: "Answer | None" = None) -> "tuple[Answer, object | None]":
+        """``inputs``' answer as far as it can be known now (the request's last kernel is
+        being launched): a hit, or a computation under way. Returns the answer and the
+        computation's future while it is not done (the device holds the kernel back
+        until it is), else None. ``answer``: what :meth:`begin` started (None: it did
+        not run; everything happens here)."""
+        if answer is None:
+            answer = Answer(self._key(name, inputs), [], None)
+        if answer.outputs is None and answer.future is None:
+            outs = self._hit(answer, inputs)
+            if outs is not None:
+                answer.outputs = outs
+            else:
+                self._compute(answer, bundle, variant, inputs)
+        f = answer.future
+        return answer, (f if f is not None and not f.done() else None)
+
+    def finish(self, name: str, bundle, inputs: dict[str, np.ndarray], variant: int = 0,
+               answer: "Answer | None" = None) -> dict[str, np.ndarray]:
+        """The outputs, once the request's last kernel completed: the hit, or the
+        computation's result (waited for if it is not in yet: in virtual time, where
+        the device holds nothing back; the simulated clock does not move meanwhile),
+        cached. Raises the computation's failure (the request's job fails with it)."""
+        answer, _ = self.prepare(name, bundle, inputs, variant, answer)
+        if answer.outputs is not None:
+            return answer.outputs
+        outs = answer.future.result()        # (done already when the device held the kernel)
+        self._log_compute(name, answer)
+        self._insert(answer.key, answer.inputs, outs)
+        answer.outputs = outs
+        return outs
 
     def outputs(self, name: str, bundle, inputs: dict[str, np.ndarray],
-                where: str = "the dispatcher loop waited", variant: int = 0,
-                lookup: "Lookup | None" = None) -> dict[str, np.ndarray]:
-        # The inputs are views of a client's arena, which it may rewrite at any moment. A
-        # hit compares them, as they are, with a cached input and answers that input's
-        # outputs (no copy: 600 KB allocated per request cost 100-250 us in page faults);
-        # a miss computes on a private copy, so the outputs cached are those of the
-        # input cached with them, never of bytes rewritten in between. ``lookup``: the
-        # comparison begin() started on these inputs; its match is the answer (a
-        # candidate evicted since still holds an equal input's outputs); without one, an
-        # input cached since is looked up again here.
-        if lookup is not None and lookup.pending is not None:
-            i = lookup.pending.result()
+                variant: int = 0) -> dict[str, np.ndarray]:
+        """``inputs``' outputs now (a lookup, else a computation waited for): for a
+        model's warm-up off the loop, and tests."""
+        return self.finish(name, bundle, inputs, variant)
+
+    # -- the parts -------------------------------------------------------------------
+    def _hit(self, answer: "Answer", inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray] | None:
+        # The inputs are views of device memory that only copies write: a hit compares
+        # them with a cached input and answers that input's outputs (no copy: 600 KB
+        # allocated per request cost 100-250 us in page faults). The comparison begin()
+        # started decides if it ran (a candidate evicted since still holds an equal
+        # input's outputs); without one, or without a match, the inputs cached under
+        # the key since are compared here.
+        if answer.pending is not None:
+            i = answer.pending.result()
+            answer.pending = None
             if i >= 0:
-                outs = lookup.candidates[i][1]
                 with self._lock:
                     self.hits += 1
-                    if lookup.key in self._entries:
-                        self._entries.move_to_end(lookup.key)
-                return outs
-        key = self._key(name, inputs)
+                    if answer.key in self._entries:
+                        self._entries.move_to_end(answer.key)
+                return answer.candidates[i][1]
         with self._lock:
-            for cached, outs in self._entries.get(key, ()):
+            for cached, outs in self._entries.get(answer.key, ()):
                 if self._same(inputs, cached):
                     self.hits += 1
-                    self._entries.move_to_end(key)
+                    self._entries.move_to_end(answer.key)
                     return outs
+        return None
+
+    def _compute(self, answer: "Answer", bundle, variant: int, inputs: dict[str, np.ndarray]) -> None:
+        # A private copy: what is computed and cached is exactly these bytes. (Views of
+        # a client's arena could be rewritten at any moment; device memory cannot, but
+        # the copy is what travels to the worker anyway.)
+        with self._lock:
             self.misses += 1
-        inputs = {k: np.array(v) for k, v in inputs.items()}
-        t0 = time.perf_counter()
-        outs = {k: np.array(v) for k, v in _cpu_answer(bundle, variant)(inputs, variant).items()}
+        answer.inputs = {k: np.array(v) for k, v in inputs.items()}
+        answer.t0 = time.perf_counter()
+        from paella.dispatcher.devices.sim.effect_workers import InlineEffects
+        target = bundle if isinstance(self.effects, InlineEffects) else BundleRef.of(bundle)
+        try:
+            answer.future = self.effects.submit(bundle_outputs, target, variant, answer.inputs)
+        except RuntimeError as e:            # the workers' queue is full, or they stopped:
+            answer.future = Future()         # this request fails with the reason
+            answer.future.set_exception(e)
+
+    def _log_compute(self, name: str, answer: "Answer") -> None:
         held = self._log.admit()             # (a client sending new inputs in a loop
         if held is not None:                 # wrote 3 MB of these in 10 s)
             log.info("model %s: computed reference outputs for a new input on the CPU in "
-                     "%.0f ms (%s; repeated inputs are answered from the cache)%s",
-                     name, (time.perf_counter() - t0) * 1e3, where,
+                     "%.0f ms, off the dispatcher loop (repeated inputs are answered from the "
+                     "cache)%s", name, (time.perf_counter() - answer.t0) * 1e3,
                      f"; {held} more new inputs since the last line" if held else "")
+
+    def _insert(self, key: tuple, inputs: dict[str, np.ndarray], outs: dict[str, np.ndarray]) -> None:
         size = _nbytes(inputs) + _nbytes(outs)
         with self._lock:
             same = self._entries.setdefault(key, [])
@@ -178,17 +248,83 @@ class FunctionalCache:
                     self._bytes -= sum(_nbytes(i) + _nbytes(o) for i, o in old)
             elif not same:
                 del self._entries[key]
-        return outs
 
 
-class Lookup:
-    """A comparison :meth:`FunctionalCache.begin` started: the key, the cached
-    ``(inputs, outputs)`` compared against, and the comparison (None: nothing to compare,
-    or inputs the thread cannot take). (A plain class: built once per request.)"""
-    __slots__ = ("key", "candidates", "pending")
+class Answer:
+    """One request's answer under way: its key, the cached ``(inputs, outputs)`` its
+    comparison runs against (``pending``: that comparison; None when nothing to compare
+    or done), and once known the ``outputs`` (a hit) or the ``future`` computing them from
+    ``inputs`` (a private copy). (A plain class: built once per request.)"""
+    __slots__ = ("key", "candidates", "pending", "outputs", "future", "inputs", "t0")
 
     def __init__(self, key: tuple, candidates: list, pending: object | None):
         self.key, self.candidates, self.pending = key, candidates, pending
+        self.outputs = self.future = self.inputs = None
+        self.t0 = 0.0
+
+
+class BundleRef:
+    """A bundle as a worker process finds it: its folder and the manifest's stamp (a
+    bundle replaced in place by a reload is a new one)."""
+    __slots__ = ("path", "stamp")
+
+    def __init__(self, path: str, stamp: tuple):
+        self.path, self.stamp = path, stamp
+
+    def __reduce__(self):
+        return BundleRef, (self.path, self.stamp)
+
+    @staticmethod
+    def of(bundle) -> "BundleRef":
+        path = str(bundle.path)
+        try:
+            st = os.stat(os.path.join(path, "manifest.json"))
+            stamp = (st.st_mtime_ns, st.st_size, st.st_ino)
+        except OSError:
+            stamp = ()
+        return BundleRef(path, stamp)
+
+
+#: Bundles a worker process keeps loaded (their CPU builds), least recently used first out.
+_LOADED: "OrderedDict[tuple, object]" = OrderedDict()
+_MAX_LOADED = 8
+
+
+def bundle_outputs(bundle, variant: int, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """A bundle's outputs for ``inputs`` from its CPU build: the task the effect workers
+    run (``bundle`` is a :class:`BundleRef` there, loaded once per worker; the bundle
+    itself in process). ``PAELLA_SIM_EFFECT_FAULT`` injects a fault into worker
+    processes only (tests), for inputs not all zeros (a model's warm-up stays healthy):
+    ``delay:SECONDS``, ``crash`` (SIGSEGV) or ``hang``."""
+    if isinstance(bundle, BundleRef):
+        _inject_fault(inputs)
+        key = (bundle.path, bundle.stamp)
+        b = _LOADED.get(key)
+        if b is None:
+            from paella.bundle import load_bundle
+            b = _LOADED[key] = load_bundle(bundle.path)
+            while len(_LOADED) > _MAX_LOADED:
+                _LOADED.popitem(last=False)
+        _LOADED.move_to_end(key)
+        bundle = b
+    return {k: np.array(v) for k, v in _cpu_answer(bundle, variant)(inputs, variant).items()}
+
+
+def _inject_fault(inputs: dict[str, np.ndarray]) -> None:
+    fault = os.environ.get("PAELLA_SIM_EFFECT_FAULT", "")
+    if not fault or not any(np.any(v) for v in inputs.values()):
+        return
+    import multiprocessing
+    if multiprocessing.parent_process() is None:
+        return                               # only ever in a worker process
+    if fault.startswith("delay:"):
+        time.sleep(float(fault[6:]))
+    elif fault == "crash":
+        import signal
+        os.kill(os.getpid(), signal.SIGSEGV)
+    elif fault == "hang":
+        while True:
+            time.sleep(3600)
 
 
 def _cpu_answer(bundle, variant: int):
@@ -233,21 +369,22 @@ def functional_adaptor(bundle, name: str, cache: FunctionalCache | None = None,
         raise ValueError(f"model {name!r}, variant {v.name!r}: its plan launches no kernel, "
                          f"so the simulator has none to compute its outputs; recompile it")
     key = f"{name}/{v.name}"
-    # The cache's lookup starts at the first kernel after the input copies (on the
-    # comparison thread) and is collected by the last kernel's effect: see
+    # The cache's lookup starts at the first kernel after the input copies (a first-seen
+    # input is sent to be computed then), the last kernel's launch waits for the answer
+    # (the device holds it back meanwhile) and its effect writes it: see
     # FunctionalCache.begin.
     effect, start = model_effects(
-        v.inputs, v.outputs, lambda x: cache.begin(key, x),
-        lambda x, started: cache.outputs(key, bundle, x, variant=variant, lookup=started),
-        len(launches[-1].args))
+        v.inputs, v.outputs, lambda x: cache.begin(key, bundle, x, variant),
+        lambda x, started: cache.finish(key, bundle, x, variant, started),
+        len(launches[-1].args),
+        prepare=lambda x, started: cache.prepare(key, bundle, x, variant, started))
     operands = [BufferArg(str(t.buffer), t.buffer_offset) for t in (*v.inputs, *v.outputs)]
     start_operands = operands[:len(v.inputs)]
 
     def warm() -> None:
         zeros = np.zeros(plan.io_bytes, np.uint8)
         cache.outputs(key, bundle, {t.name: zeros[t.offset:t.offset + t.nbytes].view(
-            t.dtype).reshape(t.shape) for t in v.inputs},
-            where="while loading, off the dispatcher loop", variant=variant)
+            t.dtype).reshape(t.shape) for t in v.inputs}, variant)
 
     return FunctionalBundleAdaptor(plan.with_effect(effect, operands, start if early_lookup else None,
                                                     start_operands), warm)
@@ -280,8 +417,8 @@ def bundle_adaptor(bundle, name: str, device, cache: FunctionalCache | None = No
     replayed by the dispatcher. On the simulator, whose kernels compute nothing, the
     plan's last kernel carries the CPU build's outputs as its effect
     (:func:`functional_adaptor`); on a real GPU the kernels compute them.
-    ``early_lookup=False``: the cache's lookup all at the last kernel, on the loop (the
-    benchmark's before, ``bench_realtime --late-lookup``).
+    ``early_lookup=False``: the cache's lookup all at the last kernel's launch, on the
+    loop (the benchmark's before, ``bench_realtime --late-lookup``).
     """
     if device.backend == "sim":
         return functional_adaptor(bundle, name, cache, variant, early_lookup)

@@ -51,6 +51,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="what runs the per-kernel path: the kernel core in C (c), its Python "
                    "reference (python), the dispatcher's own path (off), or auto (default: "
                    "c while every model is a launch plan under a built-in policy)")
+    p.add_argument("--effect-workers", type=int, dest="effect_workers",
+                   help="sim backend: worker processes computing the answers, off the loop "
+                   "(default 0: one per core but the loop's, at most 4)")
     p.add_argument("--wake-lead-us", type=int, dest="wake_lead_us",
                    help="wake a hybrid client when its job's estimated work left drops to "
                    "this many microseconds (default 0: just before the job's last copy)")

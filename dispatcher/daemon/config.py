@@ -58,6 +58,9 @@ class DaemonConfig:
     lookahead: int = 1                  # kernels of a job's stream released ahead (1: none)
     wake_lead_us: int = 0               # hybrid clients' wake-up this far ahead (0: at the mark)
     kernel_core: str = "auto"           # auto | c | python | off (docs/dispatcher.md)
+    effect_workers: int = 0             # sim: processes computing answers (0: auto)
+    effect_deadline_seconds: float = 120.0  # sim: an answer computing longer fails its job
+    effect_queue: int = 64              # sim: answers waiting for a worker, at most
     echo: bool = True                   # serve the built-in "echo" model (host)
     noop: bool = True                   # serve the built-in "noop" model (sim backend)
     log_level: str = "info"
@@ -124,6 +127,18 @@ class DaemonConfig:
             raise ConfigError(f"wake_lead_us must be an int 0..1000000 (microseconds of "
                               f"estimated work left when a hybrid client is woken; 0: only "
                               f"before the job's last copy), got {shown(self.wake_lead_us)}")
+        if type(self.effect_workers) is not int or not 0 <= self.effect_workers <= 256:
+            raise ConfigError(f"effect_workers must be an int 0..256 (processes computing the "
+                              f"simulated GPU's answers; 0: one per core but the loop's, at "
+                              f"most 4), got {shown(self.effect_workers)}")
+        if not 1 <= self.effect_deadline_seconds <= MAX_SECONDS:
+            raise ConfigError(f"effect_deadline_seconds must be in [1, {MAX_SECONDS}] (an "
+                              f"answer computing longer is killed and its job fails), got "
+                              f"{self.effect_deadline_seconds}")
+        if type(self.effect_queue) is not int or not 1 <= self.effect_queue <= 1 << 20:
+            raise ConfigError(f"effect_queue must be an int 1..{1 << 20} (answers waiting for "
+                              f"a worker; a request beyond them is refused as overloaded), got "
+                              f"{shown(self.effect_queue)}")
         if self.idle_spin_us < 0:
             raise ConfigError(f"idle_spin_us must be >= 0 (microseconds), got {self.idle_spin_us}")
         if not 0 <= self.metrics_port <= 65535:
@@ -174,7 +189,8 @@ class DaemonConfig:
 
 SECTIONS = {
     "daemon": ("socket", "models", "backend", "gpu", "sim_mode", "cpu", "rt_priority", "idle",
-               "idle_spin_us", "drain_seconds", "plugin_timeout_seconds", "lookahead", "wake_lead_us", "kernel_core", "echo", "noop", "log_level", "metrics_port",
+               "idle_spin_us", "drain_seconds", "plugin_timeout_seconds", "lookahead", "wake_lead_us", "kernel_core",
+               "effect_workers", "effect_deadline_seconds", "effect_queue", "echo", "noop", "log_level", "metrics_port",
                "metrics_addr"),
     "access": ("allowed_users", "allowed_groups", "socket_mode"),
     "limits": ("max_clients", "max_inflight_per_client", "arena_bytes", "max_arena_bytes",

@@ -219,9 +219,31 @@ class DispatcherExecutor:
 
     def submit(self, req: Request) -> None:
         if req.model_id in self.stage.models:
+            if self._effects_full():
+                self._overloaded(req)
+                return
             self.stage.submit(req)
         else:
             self.disp.submit(req)
+
+    def _effects_full(self) -> bool:
+        """The simulated GPU's answer workers have a full queue: a model that computes
+        its answers there (every bundle and scheduler of the stage; not the built-in
+        noop) takes no more requests until it drains, so memory stays bounded."""
+        effects = getattr(self.device, "effects", None)
+        bound = getattr(effects, "max_queue", None)
+        return bound is not None and effects.queued >= bound
+
+    def _overloaded(self, req: Request) -> None:
+        effects = self.device.effects
+        # (Short: a client sees the first 120 bytes of a reason.)
+        error = (f"overloaded: {effects.queued} answers wait for the CPU workers; retry later "
+                 f"(or raise [daemon] effect_queue)")
+        req.status, req.error = rings.E_FAILED, error
+        req.on_complete(req, rings.E_FAILED, error)
+        instruments = self.stage.instruments
+        if "request_finished" in instruments:
+            instruments.call("request_finished", req)
 
     def step(self) -> bool:
         busy = self.disp.step()

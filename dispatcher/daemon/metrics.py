@@ -229,38 +229,55 @@ class DaemonCollector:
         for sm, frac in enumerate(disp["sm_occupancy"]):
             occ.add_metric([str(sm)], frac)
         yield occ
-        for name, doc, key in (
-                ("paella_notifq_depth", "notifQ entries reserved and not yet consumed",
-                 "notifq_depth"),
-                ("paella_resident_blocks", "Blocks resident on the GPU", "resident_blocks"),
-                ("paella_device_memory_bytes", "Device memory the daemon holds (params, "
-                 "buffer sets, schedulers' allocations)", "device_memory_bytes"),
-                ("paella_device_memory_total_bytes", "The GPU's memory (the driver's total; "
-                 "the simulator's preset)", "device_memory_total_bytes"),
-                ("paella_dispatcher_models", "Models registered with the dispatcher "
-                 "(variants, internal and built-in models; retired ones until their last "
-                 "job ends)",
-                 "models")):
-            g = GaugeMetricFamily(name, doc)
-            g.add_metric([], disp[key])
-            yield g
-        for name, doc, key in (
-                ("paella_notifications", "notifQ entries consumed", "notifications"),
-                ("paella_policy_decisions", "Kernels the policy picked and the dispatcher "
-                                            "released", "decisions"),
-                ("paella_policy_fallbacks", "Times a failing policy was replaced by fifo",
-                 "policy_fallbacks"),
-                ("paella_memory_waits", "Times a job waited for device memory that "
-                 "running jobs would give back", "memory_waits"),
-                ("paella_memory_failures", "Requests failed because their buffers could "
-                 "never fit in device memory", "memory_failures")):
-            c = CounterMetricFamily(name, doc)
-            c.add_metric([], disp[key])
-            yield c
+        yield from _unlabelled(GaugeMetricFamily, disp, (
+            ("paella_notifq_depth", "notifQ entries reserved and not yet consumed",
+             "notifq_depth"),
+            ("paella_resident_blocks", "Blocks resident on the GPU", "resident_blocks"),
+            ("paella_device_memory_bytes", "Device memory the daemon holds (params, "
+             "buffer sets, schedulers' allocations)", "device_memory_bytes"),
+            ("paella_device_memory_total_bytes", "The GPU's memory (the driver's total; "
+             "the simulator's preset)", "device_memory_total_bytes"),
+            ("paella_dispatcher_models", "Models registered with the dispatcher "
+             "(variants, internal and built-in models; retired ones until their last "
+             "job ends)", "models")))
+        yield from _unlabelled(CounterMetricFamily, disp, (
+            ("paella_notifications", "notifQ entries consumed", "notifications"),
+            ("paella_policy_decisions", "Kernels the policy picked and the dispatcher "
+                                        "released", "decisions"),
+            ("paella_policy_fallbacks", "Times a failing policy was replaced by fifo",
+             "policy_fallbacks"),
+            ("paella_memory_waits", "Times a job waited for device memory that "
+             "running jobs would give back", "memory_waits"),
+            ("paella_memory_failures", "Requests failed because their buffers could "
+             "never fit in device memory", "memory_failures")))
+        effects = disp.get("effects")
+        if effects is not None:              # the simulated GPU's answer workers
+            yield from _unlabelled(GaugeMetricFamily, effects, (
+                ("paella_effect_workers", "Worker processes computing the simulated GPU's "
+                 "answers, alive", "alive"),
+                ("paella_effect_queue", "Answers waiting for a worker", "queued"),
+                ("paella_effect_running", "Answers being computed", "running"),
+                ("paella_effect_held_kernels", "Kernels held back until their answer is in",
+                 "held_kernels")))
+            yield from _unlabelled(CounterMetricFamily, effects, (
+                ("paella_effect_completed", "Answers computed", "completed"),
+                ("paella_effect_failed", "Answers that failed (raised, crashed, timed out)",
+                 "failed"),
+                ("paella_effect_worker_restarts", "Workers started again after a crash or a "
+                 "deadline", "restarts")))
         policy = GaugeMetricFamily("paella_policy", "The scheduling policy in use (1)",
                                    labels=["policy"])
         policy.add_metric([disp["policy"]], 1)
         yield policy
+
+
+def _unlabelled(cls, values: dict, rows):
+    """One metric family of ``cls`` without labels per ``(name, doc, key)`` row, its
+    value ``values[key]``."""
+    for name, doc, key in rows:
+        m = cls(name, doc)
+        m.add_metric([], values[key])
+        yield m
 
 
 def start_metrics_server(port: int, addr: str, counts: MetricsCounts,

@@ -313,6 +313,7 @@ class Daemon:
         """The dispatcher path, made on first need (no bundles: no device opened)."""
         if self.dispatcher is None:
             self.device = self.open_device(self.cfg)
+            self._start_effect_workers()
             self.dispatcher = DispatcherExecutor(self.front, self.device, self.cfg,
                                                  self.instruments, self._stage_instruments)
             # SIGTERM while a model's profiling runs: it gives up at once (it waited up to
@@ -322,6 +323,30 @@ class Daemon:
             for cid, arena in self._arenas.items():     # clients that came first
                 self._pin_arena(cid, arena)
         return self.dispatcher
+
+    def _start_effect_workers(self) -> None:
+        """On the real-time simulated GPU, the processes that compute its answers (the
+        bundles' CPU builds, orca's tokens), so that no client's computation runs on the
+        loop (docs/service.md, "Answers off the loop"). Started now, before the loop is
+        pinned and raised to SCHED_FIFO: they and their thread keep every core and
+        normal scheduling."""
+        dev = self.device
+        if not (getattr(dev, "realtime", False) and hasattr(dev, "effect_ready")):
+            return
+        from paella.dispatcher.devices.sim.effect_workers import EffectWorkers, default_workers
+        cfg = self.cfg
+        dev.effects = EffectWorkers(cfg.effect_workers or default_workers(),
+                                    deadline=cfg.effect_deadline_seconds,
+                                    max_queue=cfg.effect_queue)
+        dev.effects.start()
+        dev.effect_ready = self._effect_ready
+        self._functional.effects = dev.effects
+
+    def _effect_ready(self) -> None:
+        """A held kernel's answer is in (the workers' thread): the loop opens its gate at
+        its next housekeeping, woken if it sleeps."""
+        self.housekeeping = True
+        self._wake_loop()
 
     # -- status ------------------------------------------------------------------------
     def status(self) -> dict:
@@ -377,7 +402,8 @@ class Daemon:
                 "resident_blocks": tracker.blocks, "resident_warps": tracker.warps,
                 "notifq_depth": tracker.pending_entries, "notifications": tracker.notifications,
                 "policy_fallbacks": disp.policy_fallbacks,
-                "policy_failure": getattr(disp, "policy_failure", None)}
+                "policy_failure": getattr(disp, "policy_failure", None),
+                "effects": _effects_status(disp.device)}
 
     # -- client arenas -----------------------------------------------------------------
     def _arena_mapped(self, client_id: int, arena: np.ndarray) -> None:
@@ -467,6 +493,10 @@ class Daemon:
                 self._metrics_server.shutdown()
                 self._metrics_server.server_close()
             self.front.close()
+            if self.dispatcher is not None:
+                # Every scheduler closes (after a drain they hold nothing): what they own
+                # outside the device, such as orca's shared KV segment, goes now.
+                self.dispatcher.stage.abandon("cancelled: the daemon stopped")
             if self.device is not None:
                 self.device.close()
             self._restore_signals()
@@ -667,6 +697,8 @@ class Daemon:
         """Between two iterations: finish a background load, start one for a SIGHUP,
         freeze the heap once nothing is in flight after a swap."""
         self.housekeeping = False
+        if self.device is not None and getattr(self.device, "effect_ready", None) is not None:
+            self.device.open_answered()
         loader = self._loader
         if loader is not None and loader.done:
             self._loader = None
@@ -709,3 +741,12 @@ class Daemon:
             self._refreeze = True
             self.housekeeping = True
         sd_notify("READY=1")
+
+
+def _effects_status(device) -> dict | None:
+    """The simulated GPU's answer workers (None elsewhere): their counters and queue, and
+    the kernels held back for an answer still being computed."""
+    effects = getattr(device, "effects", None)
+    if effects is None:
+        return None
+    return {**effects.stats(), "held_kernels": getattr(device, "gates", 0)}

@@ -116,41 +116,99 @@ def test_a_lookup_begun_early_answers_from_the_comparison_thread():
     x1, x2 = np.full(1024, 1.0, np.float32), np.full(1024, 2.0, np.float32)
     cache.outputs("m", b, {"x": x1})
     cache.outputs("m", b, {"x": x2})
-    lookup = cache.begin("m", {"x": x1.copy()})
+    lookup = cache.begin("m", b, {"x": x1.copy()})
     assert lookup.pending is not None and len(lookup.candidates) == 1
     for i in range(3, 8):                              # evict x1's entry meanwhile
         cache.outputs("m", b, {"x": np.full(1024, float(i), np.float32)})
     runs, hits = b.runs, cache.hits
-    np.testing.assert_array_equal(cache.outputs("m", b, {"x": x1.copy()}, lookup=lookup)["y"],
+    np.testing.assert_array_equal(cache.finish("m", b, {"x": x1.copy()}, answer=lookup)["y"],
                                   x1 * 2)
     assert b.runs == runs and cache.hits == hits + 1
 
 
-def test_a_lookup_that_found_nothing_looks_again_before_computing():
-    """No candidate when begin() ran, or none equal: outputs() looks the input up again
-    (another request may have cached it meanwhile), then computes."""
+def test_a_first_seen_input_is_computed_at_begin_and_a_rejected_candidate_at_prepare():
+    """No candidate under the key when begin() runs: the computation starts at once (it
+    overlaps the request's kernels). A candidate the comparison rejects: prepare(), at
+    the last kernel's launch, looks the input up again (another request may have cached
+    it meanwhile), then computes."""
     cache, b = FunctionalCache(), CountingBundle()
     x = np.arange(4096, dtype=np.float32)
-    empty = cache.begin("m", {"x": x})
-    assert empty.pending is None and empty.candidates == []
-    cache.outputs("m", b, {"x": x.copy()})             # cached after begin()
-    np.testing.assert_array_equal(cache.outputs("m", b, {"x": x}, lookup=empty)["y"], x * 2)
-    assert b.runs == 1
+    empty = cache.begin("m", b, {"x": x})
+    assert empty.pending is None and empty.candidates == [] and b.runs == 1
+    np.testing.assert_array_equal(cache.finish("m", b, {"x": x}, answer=empty)["y"], x * 2)
+    assert b.runs == 1 and cache.misses == 1
     other = x.copy()
     other[5] = -1.0                                    # not sampled: same key, a candidate
-    lookup = cache.begin("m", {"x": other})
-    assert len(lookup.candidates) == 1 and lookup.pending.result() == -1
-    np.testing.assert_array_equal(cache.outputs("m", b, {"x": other}, lookup=lookup)["y"],
-                                  other * 2)
+    lookup = cache.begin("m", b, {"x": other})
+    assert len(lookup.candidates) == 1 and b.runs == 1
+    cache.outputs("m", b, {"x": other.copy()})         # cached meanwhile, by another request
     assert b.runs == 2
+    answer, pending = cache.prepare("m", b, {"x": other}, answer=lookup)
+    assert pending is None and answer.outputs is not None and b.runs == 2
+    np.testing.assert_array_equal(cache.finish("m", b, {"x": other}, answer=answer)["y"],
+                                  other * 2)
+    third = x.copy()
+    third[6] = -2.0
+    lookup = cache.begin("m", b, {"x": third})
+    assert lookup.pending.result() == -1
+    answer, _ = cache.prepare("m", b, {"x": third}, answer=lookup)
+    assert answer.future is not None and b.runs == 3
+    np.testing.assert_array_equal(cache.finish("m", b, {"x": third}, answer=answer)["y"], third * 2)
+
+
+def test_a_computation_still_running_is_handed_to_the_device_and_cached_when_done():
+    """prepare() returns the future of an answer still being computed (the device holds
+    the last kernel until it is done); finish() caches the result, so the same input is a
+    hit afterwards. A failed computation (a full queue, a crashed worker) raises from
+    finish(): the request fails with the reason, nothing is cached."""
+    from concurrent.futures import Future
+    from paella.dispatcher.devices.sim.effect_workers import EffectQueueFull
+
+    class Later:
+        """A runner whose computations finish when the test says so."""
+        def __init__(self):
+            self.futures, self.max_queue, self.queued = [], None, 0
+
+        def submit(self, fn, *args):
+            f = Future()
+            self.futures.append((f, fn, args))
+            return f
+
+    later = Later()
+    cache, b = FunctionalCache(effects=later), CountingBundle()
+    b.path = "/nonexistent"                      # (sent by reference to the workers)
+    x = np.arange(64, dtype=np.float32)
+    answer = cache.begin("m", b, {"x": x})
+    answer, pending = cache.prepare("m", b, {"x": x}, answer=answer)
+    (f, fn, args), = later.futures
+    assert pending is f and not f.done() and args[0].path == "/nonexistent"
+    f.set_result({"y": x * 2})
+    np.testing.assert_array_equal(cache.finish("m", b, {"x": x}, answer=answer)["y"], x * 2)
+    again, pending = cache.prepare("m", b, {"x": x.copy()})
+    assert pending is None and again.outputs is not None and cache.hits == 1
+
+    class Full:
+        max_queue, queued = 1, 1
+
+        def submit(self, fn, *args):
+            raise EffectQueueFull("1 task is already waiting")
+    cache = FunctionalCache(effects=Full())
+    answer = cache.begin("m", b, {"x": x})
+    try:
+        cache.finish("m", b, {"x": x}, answer=answer)
+    except EffectQueueFull as e:
+        assert "already waiting" in str(e)
+    else:
+        raise AssertionError("a computation that could not start answered")
+    assert not cache._entries
 
 
 def test_a_lookup_of_inputs_the_thread_cannot_take_is_compared_in_outputs():
     cache, b = FunctionalCache(), CountingBundle()
     x = np.arange(64, dtype=np.float32).reshape(8, 8)
     cache.outputs("m", b, {"x": x[:, ::2]})            # not contiguous
-    lookup = cache.begin("m", {"x": x[:, ::2]})
+    lookup = cache.begin("m", b, {"x": x[:, ::2]})
     assert lookup.pending is None and len(lookup.candidates) == 1
-    np.testing.assert_array_equal(cache.outputs("m", b, {"x": x[:, ::2]}, lookup=lookup)["y"],
+    np.testing.assert_array_equal(cache.finish("m", b, {"x": x[:, ::2]}, answer=lookup)["y"],
                                   x[:, ::2] * 2)
     assert b.runs == 1 and cache.hits == 1

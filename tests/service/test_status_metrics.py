@@ -184,6 +184,11 @@ def test_metrics_name_compiled_models_and_skip_profiling_runs(tmp_path):
         assert 1 <= m(after, "nv_inference_exec_count", "tiny_mlp") <= 3
         assert m(after, "paella_kernel_releases_total", "tiny_mlp") == 3 * 4   # 4 kernels each
         assert m(after, "nv_inference_request_duration_us", "tiny_mlp") > 0
+        # The answer workers (issue 37): the warm-up's zeros and these ones, computed there.
+        assert after[("paella_effect_workers", ())] >= 1
+        assert after[("paella_effect_queue", ())] == 0
+        assert after[("paella_effect_completed_total", ())] >= 2
+        assert after[("paella_effect_failed_total", ())] == 0
     finally:
         cleanup(dp)
 

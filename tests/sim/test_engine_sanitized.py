@@ -1,7 +1,8 @@
 """The simulator's engine (_engine.c) under AddressSanitizer and UndefinedBehaviorSanitizer:
 rebuilt with both, loaded in a subprocess in place of the installed build, and driven
-through mixed kernels with jitter, copies, markers, bulk arrivals, callbacks that submit
-more work or raise, a notifQ overrun and a whole dispatcher run. A memory error or
+through mixed kernels with jitter, copies, markers, gates (opened at the head, before
+arrival, from callbacks, and with stale or forged handles), bulk arrivals, callbacks that
+submit more work or raise, a notifQ overrun and a whole dispatcher run. A memory error or
 undefined behaviour aborts the subprocess, which fails the test (checked by hand: an
 overflow planted in the dirty-SM list aborts it)."""
 from __future__ import annotations
@@ -29,6 +30,7 @@ for gpu, jitter in (("a100", 0.2), ("p100", 0.0), ("gtx1660s", 0.0)):
     host = np.zeros(1 << 16, np.uint8)
     head, mask, ring = 0, dev.notifq.size - 1, dev.notifq
     done = []
+    gates = []
     for i in range(1500):
         f = funcs[rng.choice(infos).name]
         s = rng.randrange(48)
@@ -43,21 +45,68 @@ for gpu, jitter in (("a100", 0.2), ("p100", 0.0), ("gtx1660s", 0.0)):
                 assert "can never run" in str(e) or "not even one block" in str(e), e
         elif r < 0.9:
             dev.memcpy_htod(ptr, host[:rng.randint(1, 1 << 16)], s)
-        else:
+        elif r < 0.95:
             ev = dev.record_event(s)
+        else:
+            gates.append(dev.gpu.gate(s))
         if i % 7 == 0:
+            rng.shuffle(gates)
+            n = rng.randint(0, len(gates))
+            for h in gates[:n]:              # at the head, before arrival, or stale (False)
+                dev.gpu.open(h)
+            gates = gates[n:] + [h for h in gates[:n] if rng.random() < 0.2]
             dev.run_until(dev.now() + rng.uniform(0, 2e-4))
             while ring[head & mask]:
                 ring[head & mask] = protocol.INVALID
                 head += 1
-    while dev.next_event_time() != float("inf"):
+    while dev.next_event_time() != float("inf") or dev.gpu.gates:
+        if dev.next_event_time() == float("inf"):
+            for h in gates:                  # only closed gates hold work back
+                dev.gpu.open(h)
+            gates = []
+            continue
         dev.step()
         while ring[head & mask]:
             ring[head & mask] = protocol.INVALID
             head += 1
-    assert dev.gpu.resident == 0 and not dev.gpu.busy()
+    assert dev.gpu.resident == 0 and not dev.gpu.busy() and dev.gpu.gates == 0
     blocks, warps, smem, regs = dev.gpu.state()
     assert set(blocks) == {dev.props.max_blocks_per_sm}
+
+# gates: stale and forged handles, slots reused, opened from a callback that then raises
+dev = SimDevice("t4", n_streams=4)
+f = dev.load_module(ModuleImage("f", [KernelInfo("k", 32, flops=1e8)]))["k"]
+old = []
+for i in range(200):
+    h = dev.gpu.gate(i % 4)
+    dev.launch(f, 3, 128, i % 4, i, instrumented=False)
+    if i % 3 == 0:
+        dev.gpu.open(h)
+    old.append(h)
+    for bad in (rng.randrange(1 << 40), -rng.randrange(1, 1 << 40), rng.randrange(1 << 80)):
+        try:
+            dev.gpu.open(bad)
+        except ValueError:
+            pass
+dev.run()
+for h in old:
+    dev.gpu.open(h)
+dev.run()
+def opener(h):
+    dev.gpu.open(h)
+    raise KeyError("after open")
+g2 = dev.gpu.gate(0)
+dev.launch(f, 3, 128, 0, 8, instrumented=False)
+dev.launch(f, 3, 128, 1, 9, instrumented=False, on_complete=lambda: opener(g2))
+try:
+    dev.run()
+    raise SystemExit("no error")
+except KeyError:
+    pass
+dev.run()
+for h in old + [g2]:
+    assert dev.gpu.open(h) is False
+assert dev.gpu.gates == 0 and not dev.gpu.busy()
 
 # bulk arrivals, profiling records
 dev = SimDevice("gtx1660s", n_streams=1024)

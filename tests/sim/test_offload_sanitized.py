@@ -54,8 +54,8 @@ for x in xs:
     cache.outputs("m", B(), {"x": x})
 for i in range(200):
     x = xs[i % 6].copy()
-    lk = cache.begin("m", {"x": x})
-    assert (cache.outputs("m", B(), {"x": x}, lookup=lk)["y"] == x * 2).all()
+    lk = cache.begin("m", B(), {"x": x})
+    assert (cache.finish("m", B(), {"x": x}, answer=lk)["y"] == x * 2).all()
 print("compare ok")
 '''
 

@@ -20,7 +20,11 @@
  *    memory traffic at the per-warp latency-bound rate, slowed when the demand of every
  *    running block exceeds the device's bandwidth, plus one memory latency;
  *  - blocks of one kernel placed on one SM in one pass form a group; groups of one kernel
- *    placed in one pass that end at the same instant end in one event.
+ *    placed in one pass that end at the same instant end in one event;
+ *  - a gate (Gpu.gate) is a marker that completes only once the host has opened it
+ *    (Gpu.open): until then, at the head, it holds its stream and its queue as a kernel
+ *    still running would. It takes no SM and posts nothing. No CUDA operation: the
+ *    simulator holds a kernel with it until the kernel's answer exists (device.py).
  *
  * Determinism: events are ordered by (time, sequence number); nothing depends on
  * addresses or hashing, so a run is a pure function of its inputs and seed.
@@ -38,7 +42,7 @@
 
 #include "../../capi.h"
 
-enum { K_KERNEL = 0, K_H2D = 1, K_D2H = 2, K_MARKER = 3, K_FREE = -1 };
+enum { K_KERNEL = 0, K_H2D = 1, K_D2H = 2, K_MARKER = 3, K_GATE = 4, K_FREE = -1 };
 enum { EV_GROUPS = 0, EV_COPY = 1, EV_READY = 2, EV_ARRIVAL = 3, EV_SM = 4 };
 enum { B_COMPUTE = 0, B_MEMORY = 1, B_LATENCY = 2 };
 #define MAX_PARTS 4
@@ -57,6 +61,7 @@ typedef struct {
     uint64_t seq;
     int32_t qnext, snext, enext;   /* next in hardware queue, stream, copy engine; free list */
     uint8_t done, issued, blocked, instrumented;
+    uint8_t opened;                /* gates: the host has opened it */
     double t_submit, t_issue, t_first, t_done;
     PyObject *cb, *action;
     /* kernels */
@@ -118,6 +123,7 @@ typedef struct {
     Event *heap;
     int nheap, capheap;
     uint64_t evseq, opseq, vseq;
+    long long ngates;              /* gates submitted and not completed */
     /* this pass's placements, waiting for their durations */
     int *pend, npend, cappend;
     /* SMs whose modelled residency changed this instant; each SM's modelled groups */
@@ -483,6 +489,8 @@ static int complete(Gpu *g, int i)
     if (g->shead[st] == NIL)
         g->stail[st] = NIL;
     g->scount[st]--;
+    if (o->kind == K_GATE)
+        g->ngates--;
     if (o->kind == K_KERNEL && g->record && record_kernel(g, o) < 0)
         return -1;
     if (defer_op(g, i) < 0)
@@ -518,9 +526,9 @@ static int start_copy(Gpu *g, int i)
     return push_event(g, g->now + g->pcie_lat + (double)o->nbytes / g->pcie_bw, EV_COPY, i, 0);
 }
 
-/* Start what the head of queue qi allows: copies go to their engine, markers complete, a
-   kernel becomes issued (placeable launch_latency later). Stops at an op whose stream is
-   busy with an earlier op. */
+/* Start what the head of queue qi allows: copies go to their engine, markers and opened
+   gates complete, a kernel becomes issued (placeable launch_latency later). Stops at an op
+   whose stream is busy with an earlier op, and at a closed gate (Gpu.open resumes here). */
 static int advance(Gpu *g, int qi)
 {
     while (g->qhead[qi] != NIL) {
@@ -538,10 +546,12 @@ static int advance(Gpu *g, int qi)
             }
             return 0;
         }
+        if (o->kind == K_GATE && !o->opened)
+            return 0;                        /* the head until opened, as a running kernel */
         g->qhead[qi] = o->qnext;
         if (g->qhead[qi] == NIL)
             g->qtail[qi] = NIL;
-        if (o->kind == K_MARKER) {
+        if (o->kind == K_MARKER || o->kind == K_GATE) {
             if (complete(g, i) < 0)
                 return -1;
         }
@@ -1008,7 +1018,7 @@ static int flush(Gpu *g)
         double begin = o->t_first, end = o->t_done;
         op_free(g, i);
         int bad = 0;
-        if (g->trace && kind != K_MARKER) {
+        if (g->trace && kind != K_MARKER && kind != K_GATE) {
             PyObject *r = PyObject_CallFunction(g->trace, "idd", kind, begin, end);
             if (r == NULL)
                 bad = 1;
@@ -1240,6 +1250,103 @@ static PyObject *Gpu_marker(Gpu *g, PyObject *args)
     if (submit(g, i) < 0 || flush(g) < 0)
         return NULL;
     Py_RETURN_NONE;
+}
+
+/* A gate's handle, (seq << 32) | slot as a Python int: the slot finds the op, and its
+   sequence number, unique for the engine's life (ops are numbered at submission, never
+   renumbered), tells the gate from a later op in the same slot, so a stale handle cannot
+   open another op. Slots stay below 2**31 (capops is an int); the number may outgrow 32
+   bits, hence Python arithmetic rather than a uint64_t. */
+static PyObject *gate_handle(uint64_t seq, int slot)
+{
+    PyObject *hi = PyLong_FromUnsignedLongLong(seq), *lo = PyLong_FromLong(slot);
+    PyObject *shift = PyLong_FromLong(32), *h = NULL;
+    if (hi && lo && shift) {
+        PyObject *t = PyNumber_Lshift(hi, shift);
+        if (t) {
+            h = PyNumber_Or(t, lo);
+            Py_DECREF(t);
+        }
+    }
+    Py_XDECREF(hi);
+    Py_XDECREF(lo);
+    Py_XDECREF(shift);
+    return h;
+}
+
+/* gate_handle's inverse. A handle no engine could give (negative, a number beyond 64 bits)
+   comes back as seq 0, which no op has; not an int: TypeError. */
+static int gate_parse(PyObject *arg, uint64_t *seq, long *slot)
+{
+    PyObject *h = PyNumber_Index(arg);
+    if (h == NULL)
+        return -1;
+    PyObject *base = PyLong_FromUnsignedLongLong(1ULL << 32);
+    PyObject *qr = base ? PyNumber_Divmod(h, base) : NULL;   /* remainder in [0, 2**32) */
+    Py_DECREF(h);
+    Py_XDECREF(base);
+    if (qr == NULL)
+        return -1;
+    *seq = PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(qr, 0));
+    *slot = PyLong_AsLong(PyTuple_GET_ITEM(qr, 1));
+    Py_DECREF(qr);
+    if (PyErr_Occurred()) {
+        if (!PyErr_ExceptionMatches(PyExc_OverflowError))
+            return -1;
+        PyErr_Clear();
+        *seq = 0;
+    }
+    return 0;
+}
+
+static PyObject *Gpu_gate(Gpu *g, PyObject *args)
+{
+    int stream;
+    if (!PyArg_ParseTuple(args, "i", &stream) || check_stream(g, stream) < 0)
+        return NULL;
+    int i = op_alloc(g);
+    if (i == NIL)
+        return NULL;
+    Op *o = &g->ops[i];
+    o->kind = K_GATE;
+    o->stream = stream;
+    g->ngates++;
+    if (submit(g, i) < 0)
+        return NULL;
+    /* the handle before flush: a callback run there may submit (and move the ops array) */
+    uint64_t seq = g->ops[i].seq;
+    if (flush(g) < 0)
+        return NULL;
+    return gate_handle(seq, i);
+}
+
+static PyObject *Gpu_open(Gpu *g, PyObject *arg)
+{
+    uint64_t seq;
+    long slot;
+    if (gate_parse(arg, &seq, &slot) < 0)
+        return NULL;
+    Op *o = slot < g->capops ? &g->ops[slot] : NULL;
+    /* Never a handle of this engine: no op has that number yet, or the slot holds that very
+       op and it is no gate, or the slot holds an older op, which has held it since before
+       the handle's op was numbered (a slot changes hands only when its op is freed). */
+    if (seq == 0 || seq > g->opseq || o == NULL
+        || (o->kind != K_FREE && (o->seq < seq || (o->seq == seq && o->kind != K_GATE)))) {
+        PyErr_SetString(PyExc_ValueError, "open: not the handle of a gate of this engine");
+        return NULL;
+    }
+    if (o->kind != K_GATE || o->seq != seq || o->done)
+        Py_RETURN_FALSE;                     /* completed; its slot may be free or reused */
+    o->opened = 1;
+    int st = o->stream, qi = st % g->nq;
+    if (g->qhead[qi] == (int)slot && g->shead[st] == (int)slot) {
+        /* Blocking now: it completes at this instant and what waited behind it starts, as
+           when a marker reaches the head; callbacks run as after a submission. Not yet at
+           the head: advance completes it on arrival, as a marker. */
+        if (advance(g, qi) < 0 || dispatch(g) < 0 || flush(g) < 0)
+            return NULL;
+    }
+    Py_RETURN_TRUE;
 }
 
 static PyObject *Gpu_bulk(Gpu *g, PyObject *args)
@@ -1633,6 +1740,7 @@ LL_GETTER(events)
 static PyObject *Gpu_get_tail(Gpu *g, void *c) { return PyLong_FromUnsignedLongLong(g->tail); }
 static PyObject *Gpu_get_demand(Gpu *g, void *c) { return PyFloat_FromDouble(g->demand); }
 static PyObject *Gpu_get_nheap(Gpu *g, void *c) { return PyLong_FromLong(g->nheap); }
+static PyObject *Gpu_get_gates(Gpu *g, void *c) { return PyLong_FromLongLong(g->ngates); }
 
 static PyGetSetDef Gpu_getset[] = {
     {"now", (getter)Gpu_get_now, NULL, "virtual time, seconds", NULL},
@@ -1642,6 +1750,7 @@ static PyGetSetDef Gpu_getset[] = {
     {"tail", (getter)Gpu_get_tail, NULL, "notifQ entries written so far", NULL},
     {"demand", (getter)Gpu_get_demand, NULL, "DRAM bytes/s the running blocks demand", NULL},
     {"pending_events", (getter)Gpu_get_nheap, NULL, "events scheduled", NULL},
+    {"gates", (getter)Gpu_get_gates, NULL, "gates submitted and not yet completed", NULL},
     {"record", (getter)Gpu_get_record, (setter)Gpu_set_record,
      "None, or a list that receives one tuple per completed kernel (profiling)", NULL},
     {"trace", (getter)Gpu_get_trace, (setter)Gpu_set_trace,
@@ -1653,6 +1762,10 @@ static PyMethodDef Gpu_methods[] = {
     {"launch", (PyCFunction)(void (*)(void))Gpu_launch, METH_FASTCALL, "submit a kernel"},
     {"copy", (PyCFunction)Gpu_copy, METH_VARARGS, "submit a copy (kind, stream, nbytes, action, cb)"},
     {"marker", (PyCFunction)Gpu_marker, METH_VARARGS, "submit an event marker (stream, cb)"},
+    {"gate", (PyCFunction)Gpu_gate, METH_VARARGS,
+     "submit a closed gate (stream): holds the ops behind it until opened; returns its handle"},
+    {"open", (PyCFunction)Gpu_open, METH_O,
+     "open a gate by handle: True if it was live, False if it had already completed"},
     {"bulk", (PyCFunction)Gpu_bulk, METH_VARARGS, "schedule one launch per row at given times"},
     {"shape", (PyCFunction)Gpu_shape, METH_VARARGS, "register a block footprint; returns its id"},
     {"fit", (PyCFunction)Gpu_fit, METH_VARARGS, "blocks of a shape that fit on an SM now"},

@@ -9,6 +9,7 @@ daemon can run against it with no thread or process of its own.
 from __future__ import annotations
 
 import logging
+from collections import deque
 from typing import Any, Callable, Sequence
 
 import numpy as np
@@ -22,6 +23,7 @@ from paella.occupancy import Footprint
 
 from .clock import EventLoop, RealTimeLoop
 from .cost import CostModel
+from .effect_workers import InlineEffects
 from .hardware import D2H, H2D, Shapes, SMView, build_engine
 from .memory import SimMemory
 
@@ -37,6 +39,10 @@ class Marker:
 
     def complete(self) -> None:
         self.done = True
+
+
+def _nothing() -> None:
+    pass
 
 
 class SimDevice(Device):
@@ -64,6 +70,15 @@ class SimDevice(Device):
         self._pending_access = 0
         #: Launch records (the dispatcher's KernelLaunch) -> what the engine needs of them.
         self._prepared: dict[Any, tuple] = {}
+        #: Where functional effects are computed (``submit(fn, *args) -> Future``): in the
+        #: calling thread here; the daemon gives its worker processes
+        #: (:mod:`.effect_workers`), so no client's answer is computed on its loop.
+        self.effects: Any = InlineEffects()
+        #: Gates (engine handles) whose answer is in, to open on the loop's thread; the
+        #: workers' thread appends, then calls :attr:`effect_ready` (the daemon wakes its
+        #: loop with it).
+        self._answered: deque[int] = deque()
+        self.effect_ready: Callable[[], None] = _nothing
 
     @property
     def resources(self) -> SMView:
@@ -80,7 +95,55 @@ class SimDevice(Device):
             self.gpu.poll_wall(self.loop._t0, self.loop.speed)
 
     def next_event_time(self) -> float:
+        if self._answered:
+            self.open_answered()
         return self.loop.peek()
+
+    # -- answers computed elsewhere ---------------------------------------------------
+    def _hold(self, stream: int, answer: Any) -> None:
+        """Hold the kernel about to be launched on ``stream`` until ``answer`` (a future)
+        is done: a gate in its stream ahead of it (``Gpu.gate``). Real time only: the
+        kernel would otherwise complete, and its effect run, before its answer exists.
+        The job waits alone: other streams run on; the dispatcher sees a released kernel
+        that starts late, as if the GPU had been slow to issue it."""
+        handle = self.gpu.gate(stream)
+        answered = self._answered
+
+        def done(_f: Any) -> None:           # (in the workers' thread, or here if done)
+            answered.append(handle)
+            self.effect_ready()
+        answer.add_done_callback(done)
+
+    def open_answered(self) -> int:
+        """Open the gates whose answers are in (the loop's thread); returns how many.
+        The engine is brought to the wall clock first: the held kernel starts now."""
+        answered = self._answered
+        if not answered:
+            return 0
+        self.loop.sync()
+        n = 0
+        while answered:
+            self.gpu.open(answered.popleft())
+            n += 1
+        return n
+
+    def _wait_answers(self) -> None:
+        """Block until a held kernel's answer is in (a synchronize: start-up, tools)."""
+        import time
+        while not self._answered:
+            time.sleep(0.0005)
+        self.open_answered()
+
+    def close(self) -> None:
+        """Stop the effect workers: an answer still being computed fails (its held kernel
+        is let go, and its effect reports the failure); no worker outlives this."""
+        self.effects.close()
+        self.open_answered()
+
+    @property
+    def gates(self) -> int:
+        """Kernels held back for an answer still being computed."""
+        return self.gpu.gates
 
     def run_until(self, t: float) -> bool:
         """Virtual time: fire the events due by ``t``; True if a host could observe any
@@ -151,12 +214,30 @@ class SimDevice(Device):
         if self.faults:                      # a stale entry of a reused id (Device.faults)
             self.faults.pop(launch_id, None)
         if effect is not None:               # its functional effect, when it completes
-            on_complete = _with_effect(effect, self.memory.view, tuple(args), on_complete, self,
+            args = tuple(args)
+            pending = getattr(effect, "pending", None)
+            if pending is not None:
+                self._prepare_effect(pending, args, stream, launch_id)
+            on_complete = _with_effect(effect, self.memory.view, args, on_complete, self,
                                        launch_id)
         self.gpu.launch(shape, blocks, flops, nbytes, duration, stream, launch_id, instrumented,
                         group, on_complete)
         if effect is not None:
             self._pending_access += 1        # (once submitted: its completion undoes it)
+
+    def _prepare_effect(self, pending: Callable, args: tuple, stream: int, launch_id: int) -> None:
+        """Ask the effect for its answer before its kernel goes in (functional.py): one
+        still being computed holds the kernel in real time; in virtual time the effect
+        waits for it at the kernel's completion, the simulated clock standing still. A
+        failure is the kernel's fault (its job fails with the reason), as in
+        :func:`_with_effect`."""
+        try:
+            answer = pending(self.memory.view, args)
+        except Exception as e:  # noqa: BLE001 - any failure of the stand-in computation
+            _record_fault(self, launch_id, e)
+            return
+        if answer is not None and self.realtime:
+            self._hold(stream, answer)
 
     # -- memory ---------------------------------------------------------------------
     def _alloc(self, nbytes: int) -> int:
@@ -221,6 +302,9 @@ class SimDevice(Device):
         drain; real time sleeps until they do."""
         loop = self.loop
         while self.gpu.busy():
+            if loop.peek() == float("inf") and self.gpu.gates:
+                self._wait_answers()          # (a kernel held for its answer)
+                continue
             if loop.peek() == float("inf"):
                 raise DeviceError("synchronize: work is pending but no event can complete it "
                                   "(simulator bug; please report)")
@@ -254,17 +338,25 @@ def _with_effect(effect, view, args: tuple, then: Callback, device: SimDevice,
     daemon's loop."""
     def done() -> None:
         device._pending_access -= 1
-        try:
-            effect(view, args)
-        except Exception as e:  # noqa: BLE001 - any failure of the stand-in computation
-            reason = (f"the simulated GPU could not compute this request's outputs "
-                      f"({type(e).__name__}: {str(e)[:300]})")
-            device.faults[launch_id] = reason
-            held = _FAULT_LOG.admit()
-            if held is not None:
-                log.warning("kernel launch %d: %s%s", launch_id, reason,
-                            f"; {held} more such failures since the last line" if held else "",
-                            exc_info=True)
+        if launch_id not in device.faults:   # (not already failed as it was launched)
+            try:
+                effect(view, args)
+            except Exception as e:  # noqa: BLE001 - any failure of the stand-in computation
+                _record_fault(device, launch_id, e)
         if then is not None:
             then()
     return done
+
+
+def _record_fault(device: SimDevice, launch_id: int, e: BaseException) -> None:
+    # (A client sees the first 120 bytes: the workers' failures say it all themselves.)
+    worker = type(e).__name__ in ("EffectFailed", "EffectQueueFull")
+    reason = (f"answer not computed: {str(e)[:300]}" if worker else
+              f"the simulated GPU could not compute this request's outputs "
+              f"({type(e).__name__}: {str(e)[:300]})")
+    device.faults[launch_id] = reason
+    held = _FAULT_LOG.admit()
+    if held is not None:
+        log.warning("kernel launch %d: %s%s", launch_id, reason,
+                    f"; {held} more such failures since the last line" if held else "",
+                    exc_info=not worker)

@@ -10,6 +10,14 @@ The kernel carrying the effect gets, after its own arguments, the device pointer
 the model's inputs and then of its outputs (bound per request like every argument). A
 launch of the same kernel without them (its own arguments only) has no effect. Such a
 plan is for the simulator only: a real GPU would see extra kernel parameters.
+
+Where the computation runs: an effect may carry a ``pending(args)`` attribute, asked
+when its kernel is *launched*; it returns a future while the answer is still being
+computed elsewhere (the worker processes of
+:mod:`~paella.dispatcher.devices.sim.effect_workers`), and the simulated device then holds
+that kernel back in its stream until the future is done (``SimDevice``, "gates"), so the
+effect itself, at the kernel's completion, only writes what is ready. Nothing a client
+sends is ever computed on the dispatcher's loop.
 """
 from __future__ import annotations
 
@@ -51,7 +59,9 @@ MAX_STARTED = 256
 def model_effects(inputs: Sequence[Any], outputs: Sequence[Any],
                   begin: Callable[[dict[str, np.ndarray]], Any],
                   compute: Callable[[dict[str, np.ndarray], Any], dict[str, np.ndarray]],
-                  own_args: int) -> tuple[KernelEffect, Callable[[int], KernelEffect]]:
+                  own_args: int, *,
+                  prepare: Callable[[dict[str, np.ndarray], Any], tuple[Any, Any]] | None = None,
+                  ) -> tuple[KernelEffect, Callable[[int], KernelEffect]]:
     """A model's effect in two parts. ``end`` (for the last kernel, as
     :func:`model_effect`) passes ``compute(inputs, started)`` what ``begin(inputs)``
     returned (a lookup running elsewhere) when the ``start`` effect ran, on a kernel that
@@ -62,23 +72,46 @@ def model_effects(inputs: Sequence[Any], outputs: Sequence[Any],
     ``start`` and ``end`` meet by the input buffers' device pointers: a request owns its
     buffers from its input copies to its output copies, and in the simulator nothing but
     copies and effects writes device memory, so the inputs ``begin`` saw are those
-    ``end`` reads."""
+    ``end`` reads.
+
+    ``prepare(inputs, started)`` (optional) runs when the last kernel is launched and
+    returns ``(started, future)``: what ``compute`` will receive (it may replace what
+    ``begin`` returned, or stand in for a ``begin`` that never ran), and a future that is
+    not done yet while the answer is being computed elsewhere (else None). It becomes
+    ``end.pending``, the hook the simulated device asks before it launches the kernel."""
     n_in = len(inputs)
+    want_end = own_args + n_in + len(outputs)
     started: dict[tuple, Any] = {}
+
+    def remember(ptrs: tuple, value: Any) -> None:
+        started.pop(ptrs, None)
+        if len(started) >= MAX_STARTED:
+            del started[next(iter(started))]
+        started[ptrs] = value
+
+    def values(view: Callable[[int, int], np.ndarray], ptrs: tuple) -> dict[str, np.ndarray]:
+        return {t.name: view(p, t.nbytes).view(t.dtype).reshape(t.shape)
+                for t, p in zip(inputs, ptrs)}
 
     def make_start(start_own_args: int) -> KernelEffect:
         def start(view: Callable[[int, int], np.ndarray], args: tuple) -> None:
             if len(args) != start_own_args + n_in:
                 return                       # a launch of this kernel without the operands
             ptrs = tuple(args[start_own_args:])
-            started.pop(ptrs, None)
-            if len(started) >= MAX_STARTED:
-                del started[next(iter(started))]
-            started[ptrs] = begin({t.name: view(p, t.nbytes).view(t.dtype).reshape(t.shape)
-                                   for t, p in zip(inputs, ptrs)})
+            remember(ptrs, begin(values(view, ptrs)))
         return start
 
     def compute_started(values: dict[str, np.ndarray], ptrs: tuple) -> dict[str, np.ndarray]:
         return compute(values, started.pop(ptrs, None))
 
-    return model_effect(inputs, outputs, compute_started, own_args, pass_pointers=True), make_start
+    end = model_effect(inputs, outputs, compute_started, own_args, pass_pointers=True)
+    if prepare is not None:
+        def pending(view: Callable[[int, int], np.ndarray], args: tuple) -> Any:
+            if len(args) != want_end:
+                return None                  # a launch of this kernel without the operands
+            ptrs = tuple(args[own_args:own_args + n_in])
+            value, future = prepare(values(view, ptrs), started.pop(ptrs, None))
+            remember(ptrs, value)
+            return future
+        end.pending = pending                # type: ignore[attr-defined]
+    return end, make_start

@@ -1,0 +1,246 @@
+"""Issue 37: the simulated GPU's answers are computed by worker processes, never on the
+dispatcher's loop. With a real daemon serving the tiny MLP and ``echo``, and the workers
+made slow, crashing or hanging on purpose (``PAELLA_SIM_EFFECT_FAULT``, applied in the
+workers only, to inputs that are not all zeros: the warm-up's zeros stay healthy):
+
+* while one client's never-seen input is being computed, another client's echo and the
+  same model's cached input are answered promptly (behavioural bounds, not speed tests);
+* a crashing or hanging worker fails only the request it held, with the reason, and the
+  daemon starts a new one and keeps serving;
+* a full queue refuses requests as overloaded, each answered exactly once;
+* SIGTERM drains work in the workers, and no worker outlives the daemon.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from paella import rings
+from paella.client import RequestFailed, connect
+from paella.client.status import daemon_status, format_status
+
+from bundles_for_tests import tiny_mlp
+from test_lifecycle import read_all, repo_with
+
+X_SHAPE = (2, 16)
+
+
+@pytest.fixture(scope="module")
+def mlp(tmp_path_factory) -> Path:
+    return tiny_mlp(tmp_path_factory.mktemp("mlp") / "tiny_mlp")
+
+
+@pytest.fixture(scope="module")
+def reference(mlp):
+    """The tiny MLP's CPU build in this process: what every answer must equal."""
+    from paella.bundle import load_bundle
+    b = load_bundle(mlp)
+    return lambda x: b.run_cpu({"x": x})["output0"]
+
+
+def fresh(seed: int) -> np.ndarray:
+    return np.random.default_rng(seed).standard_normal(X_SHAPE).astype(np.float32)
+
+
+def submit(c, x: np.ndarray) -> int:
+    """Send one tiny_mlp request without waiting (its region stays reserved)."""
+    n = c.models["tiny_mlp"].variants[0].io_bytes
+    off = c.alloc(n)
+    ins, _ = c.io_views("tiny_mlp", off)
+    ins["x"][...] = x
+    c._regions = getattr(c, "_regions", {})
+    rid = c.predict("tiny_mlp", n, off)
+    c._regions[rid] = off
+    return rid
+
+
+def output_of(c, rid: int) -> np.ndarray:
+    _, outs = c.io_views("tiny_mlp", c._regions[rid])
+    return outs["output0"].copy()
+
+
+def workers_of(pid: int) -> list[int]:
+    """The daemon's child processes (its effect workers)."""
+    kids = []
+    for p in os.listdir("/proc"):
+        if p.isdigit():
+            try:
+                with open(f"/proc/{p}/stat", "rb") as f:
+                    if int(f.read().rsplit(b")", 1)[1].split()[1]) == pid:
+                        kids.append(int(p))
+            except (OSError, IndexError, ValueError):
+                pass
+    return kids
+
+
+def effects_status(dp) -> dict:
+    return daemon_status(dp.socket)["dispatcher"]["effects"]
+
+
+def wait_for(cond, timeout: float, what: str, dp) -> None:
+    end = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < end, f"{what}\n{dp.log()}"
+        time.sleep(0.02)
+
+
+def test_a_slow_new_input_does_not_stall_the_others(tmp_path, mlp, reference, fresh_daemon):
+    repo = repo_with(tmp_path, mlp, "tiny_mlp")
+    dp = fresh_daemon("--models", str(repo), "--no-noop",
+                      env={"PAELLA_SIM_EFFECT_FAULT": "delay:3"})
+    slow, other = connect(dp.socket), connect(dp.socket)
+    x = fresh(1)
+    t0 = time.monotonic()
+    rid = submit(slow, x)
+    wait_for(lambda: effects_status(dp)["running"] == 1, 10, "the answer never ran", dp)
+    assert effects_status(dp)["held_kernels"] <= 1
+    assert "1 computing" in format_status(daemon_status(dp.socket))
+    # Meanwhile: echo, and the same model with the input it warmed up with (cached).
+    zeros = np.zeros(X_SHAPE, np.float32)
+    for i in range(20):
+        t = time.monotonic()
+        e = np.full(256, i, np.float32)
+        np.testing.assert_array_equal(other.infer("echo", {"x": e}, timeout=5)["y"], e)
+        np.testing.assert_array_equal(other.infer("tiny_mlp", {"x": zeros}, timeout=5)["output0"],
+                                      reference(zeros))
+        assert time.monotonic() - t < 1.0, "a request waited behind another client's answer"
+    assert time.monotonic() - t0 < 2.9, "the others were not served while it computed"
+    assert slow.read_result(timeout=30) == rid
+    assert time.monotonic() - t0 >= 2.9                  # it did wait for its answer
+    np.testing.assert_array_equal(output_of(slow, rid), reference(x))
+    st = effects_status(dp)
+    assert st["completed"] >= 2 and st["failed"] == 0 and st["queued"] == 0, st
+    slow.close()
+    other.close()
+    assert dp.stop() == 0
+
+
+def test_a_crashing_worker_fails_only_its_request(tmp_path, mlp, reference, fresh_daemon):
+    repo = repo_with(tmp_path, mlp, "tiny_mlp")
+    dp = fresh_daemon("--models", str(repo), "--no-noop",
+                      env={"PAELLA_SIM_EFFECT_FAULT": "crash"})
+    c = connect(dp.socket)
+    for seed in (1, 2):
+        with pytest.raises(RequestFailed) as e:
+            c.infer("tiny_mlp", {"x": fresh(seed)}, timeout=30)
+        assert e.value.status == rings.E_FAILED
+        assert "SIGSEGV" in e.value.reason, e.value.reason
+        zeros = np.zeros(X_SHAPE, np.float32)
+        np.testing.assert_array_equal(c.infer("tiny_mlp", {"x": zeros}, timeout=10)["output0"],
+                                      reference(zeros))
+        assert c.infer("echo", {"x": np.ones(256)}, timeout=10)["y"][0] == 1
+    wait_for(lambda: effects_status(dp)["alive"] >= 1, 20, "no worker came back", dp)
+    st = effects_status(dp)
+    assert st["crashed"] == 2 and st["restarts"] >= 2, st
+    c.close()
+    assert dp.stop() == 0
+
+
+def test_a_hanging_worker_is_killed_at_its_deadline(tmp_path, mlp, reference, fresh_daemon):
+    repo = repo_with(tmp_path, mlp, "tiny_mlp")
+    conf = tmp_path / "paella.toml"
+    # (Not less: a worker's first task, the warm-up at load, imports TVM and loads the
+    # bundle, seconds on a busy machine; it runs under the same deadline.)
+    conf.write_text("[daemon]\neffect_deadline_seconds = 10.0\n")
+    dp = fresh_daemon("--config", str(conf), "--models", str(repo), "--no-noop",
+                      env={"PAELLA_SIM_EFFECT_FAULT": "hang"})
+    c = connect(dp.socket)
+    t0 = time.monotonic()
+    with pytest.raises(RequestFailed) as e:
+        c.infer("tiny_mlp", {"x": fresh(3)}, timeout=60)
+    assert "deadline" in e.value.reason and "effect_deadline_seconds" in e.value.reason, e.value.reason
+    assert 9.5 < time.monotonic() - t0 < 40
+    zeros = np.zeros(X_SHAPE, np.float32)
+    np.testing.assert_array_equal(c.infer("tiny_mlp", {"x": zeros}, timeout=10)["output0"],
+                                  reference(zeros))
+    assert effects_status(dp)["timed_out"] == 1
+    c.close()
+    assert dp.stop() == 0
+
+
+def test_a_full_queue_refuses_as_overloaded_and_answers_each_once(tmp_path, mlp, reference,
+                                                                 fresh_daemon):
+    repo = repo_with(tmp_path, mlp, "tiny_mlp")
+    conf = tmp_path / "paella.toml"
+    conf.write_text("[daemon]\neffect_workers = 1\neffect_queue = 1\n")
+    dp = fresh_daemon("--config", str(conf), "--models", str(repo), "--no-noop",
+                      env={"PAELLA_SIM_EFFECT_FAULT": "delay:1.5"})
+    c = connect(dp.socket)
+    xs = {}
+    for seed in range(6):
+        x = fresh(10 + seed)
+        xs[submit(c, x)] = x
+        time.sleep(0.15)             # (each one's first kernel sends it to the queue)
+    got = read_all(c)
+    assert sorted(got) == sorted(xs) and all(len(v) == 1 for v in got.values()), got
+    ok = [rid for rid, v in got.items() if v[0] == rings.OK]
+    refused = [v[0] for v in got.values() if v[0] != rings.OK]
+    assert len(ok) >= 2 and refused, got
+    for rid in ok:
+        np.testing.assert_array_equal(output_of(c, rid), reference(xs[rid]))
+    for status, reason in refused:
+        assert status == rings.E_FAILED and reason.startswith("overloaded"), reason
+        assert "effect_queue" in reason
+    c.close()
+    assert dp.stop() == 0
+
+
+def test_sigterm_drains_work_in_the_workers_and_none_outlives_the_daemon(tmp_path, mlp,
+                                                                       fresh_daemon):
+    repo = repo_with(tmp_path, mlp, "tiny_mlp")
+    dp = fresh_daemon("--models", str(repo), "--no-noop", "--drain-seconds", "1",
+                      env={"PAELLA_SIM_EFFECT_FAULT": "delay:30"})
+    c = connect(dp.socket)
+    rid = submit(c, fresh(4))
+    wait_for(lambda: effects_status(dp)["running"] == 1, 10, "the answer never ran", dp)
+    kids = workers_of(dp.pid)
+    assert kids, "no worker process"
+    t0 = time.monotonic()
+    dp.proc.send_signal(signal.SIGTERM)
+    assert dp.proc.wait(20) == 0
+    assert time.monotonic() - t0 < 10
+    got = read_all(c)
+    assert list(got) == [rid] and len(got[rid]) == 1, got
+    status, reason = got[rid][0]
+    assert status == rings.E_CANCELLED and "drain deadline" in reason, reason
+    end = time.monotonic() + 5
+    while any(os.path.exists(f"/proc/{k}") and _alive(k) for k in kids):
+        assert time.monotonic() < end, f"worker(s) outlived the daemon: {kids}"
+        time.sleep(0.05)
+    assert not dp.segments(), dp.segments()
+    c.close()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0] != b"Z"
+    except OSError:
+        return False
+
+
+def test_orca_tokens_come_from_the_workers_and_its_kv_segment_goes_with_the_daemon(
+        tmp_path, fresh_daemon):
+    """The generative plug-in's tokens are computed in the effect workers, on a KV cache
+    in shared memory: the reference tokens come back, the workers count the iterations,
+    and the segment is gone once the daemon stopped."""
+    from paella.models.gpt import GPTConfig, generate_reference, gpt_weights
+    models = tmp_path / "models"
+    (models / "gpt").mkdir(parents=True)
+    (models / "gpt" / "config.toml").write_text('[batching]\nbatcher = "orca"\nconfig = "tiny"\n')
+    dp = fresh_daemon("--models", str(models), "--no-noop")
+    kv = [n for n in os.listdir("/dev/shm") if n.startswith(f"paella.{dp.pid}.") and ".kv." in n]
+    assert len(kv) == 1, os.listdir("/dev/shm")
+    before = effects_status(dp)["completed"]
+    cfg = GPTConfig.tiny()
+    with connect(dp.socket) as c:
+        assert list(c.generate("gpt", [3, 1, 4], 10, timeout=60)) == \
+            generate_reference(cfg, gpt_weights(cfg), [3, 1, 4], 10)
+    assert effects_status(dp)["completed"] - before >= 10      # an iteration per token
+    assert dp.stop() == 0
+    assert not os.path.exists(f"/dev/shm/{kv[0]}")
