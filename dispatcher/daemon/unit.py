@@ -30,6 +30,8 @@ ExecReload=/bin/kill -HUP $MAINPID
 # SIGTERM drains in-flight jobs for drain_seconds (10 s by default), then exits 0.
 KillSignal=SIGTERM
 TimeoutStopSec=30
+# SIGTERM to the daemon alone: it drains, then ends its effect workers itself.
+KillMode=mixed
 Restart=on-failure
 RestartSec=2
 

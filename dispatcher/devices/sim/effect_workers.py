@@ -103,7 +103,11 @@ def _worker_main(conn: Connection, env: dict[str, str], parent_pid: int) -> None
     "TypeName: message")``, one task at a time, until the pipe closes. The first message
     is ``("ready", pid)``: the manager gives tasks only to a worker that has started."""
     os.environ.update(env)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)     # the parent handles the signals
+    # The parent handles the signals. SIGTERM too: a service manager stops the daemon by
+    # signalling its whole cgroup, and the daemon's drain still needs the answers under
+    # way (the pool ends its workers itself: pipe closed, and SIGKILL on its thread's exit).
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     _end_with_parent(parent_pid)
     conn.send(("ready", os.getpid()))
     while True:
