@@ -154,6 +154,10 @@ class BatchingStage:
                 own, model.ctx._own_models = model.ctx._own_models, set()
                 self.retire_variants(own)      # and what it registered
                 raise
+        elif not model.batcher.drives_jobs and hasattr(model.batcher, "refuse"):
+            # A plain batcher that refuses requests (the dynamic batcher's queue policy:
+            # a full queue, a queue timeout with REJECT) answers them through the stage.
+            model.batcher.refuse = lambda req, reason, m=model: self._refused(m, req, reason)
         self.models[model_id] = model
         if old is not None:
             self._retire(old)
@@ -294,6 +298,16 @@ class BatchingStage:
     @property
     def queued(self) -> int:
         return self._queued
+
+    def _refused(self, m: ServedModel, req: Any, reason: str) -> None:
+        """A plain batcher refused a request it holds: answered now with the reason
+        (E_FAILED, as an overloaded daemon answers), and forgotten."""
+        if m.waiting.pop(id(req), None) is None:
+            log.error("batcher %r of %s refused request %s, which it does not hold; ignored",
+                      m.batcher.name, m.name, getattr(req, "req_id", req))
+            return
+        self._queued -= 1
+        self._complete(req, rings.E_FAILED, reason)
 
     # -- plug-in failures ----------------------------------------------------------------------
     def _guarded(self, m: ServedModel, hook: str, fn: Any, *args: Any) -> Any:

@@ -227,8 +227,9 @@ CONFIG_ERRORS = [
      "config.toml: unknown key 'batcher'; valid keys: version, batching, policy, memory"),
     ("unknown-batching-key", "[batching]\nbatcher = 'dynamic'\nmax_delay_us = 5\n",
      "[batching] batcher 'dynamic' has no option 'max_delay_us'; valid options: "
-     "default_priority_level, max_batch_size, max_inflight_batches, max_queue_delay_us, "
-     "preferred_batch_sizes, priority_levels"),
+     "default_priority_level, default_queue_policy, max_batch_size, max_inflight_batches, "
+     "max_queue_delay_microseconds, max_queue_delay_us, preferred_batch_size, "
+     "preferred_batch_sizes, preserve_ordering, priority_levels, priority_queue_policy"),
     ("unknown-batcher", "[batching]\nbatcher = 'triton'\n", "unknown batcher 'triton'"),
     ("bad-value", "[batching]\nbatcher = 'dynamic'\nmax_batch_size = 64\n",
      "max_batch_size must be 1..4 (the largest compiled variant of mlp), got 64"),
