@@ -348,7 +348,8 @@ def _nbytes(arrays: dict[str, np.ndarray]) -> int:
 
 
 def functional_adaptor(bundle, name: str, cache: FunctionalCache | None = None,
-                       variant: int = 0, early_lookup: bool = True):
+                       variant: int = 0, early_lookup: bool = True,
+                       answers_at_launch: bool = True):
     """Sim backend: the plan's timing on the simulated GPU, the CPU build's answers.
 
     The simulated kernels compute nothing, so the plan's last kernel carries the CPU
@@ -377,7 +378,8 @@ def functional_adaptor(bundle, name: str, cache: FunctionalCache | None = None,
         v.inputs, v.outputs, lambda x: cache.begin(key, bundle, x, variant),
         lambda x, started: cache.finish(key, bundle, x, variant, started),
         len(launches[-1].args),
-        prepare=lambda x, started: cache.prepare(key, bundle, x, variant, started))
+        prepare=(lambda x, started: cache.prepare(key, bundle, x, variant, started))
+        if answers_at_launch else None)
     operands = [BufferArg(str(t.buffer), t.buffer_offset) for t in (*v.inputs, *v.outputs)]
     start_operands = operands[:len(v.inputs)]
 
@@ -409,7 +411,7 @@ class FunctionalBundleAdaptor(PlanAdaptor):
 
 
 def bundle_adaptor(bundle, name: str, device, cache: FunctionalCache | None = None,
-                   variant: int = 0, early_lookup: bool = True):
+                   variant: int = 0, early_lookup: bool = True, answers_at_launch: bool = True):
     """The adaptor serving ``bundle``'s ``variant`` on ``device``.
 
     Every backend gets the same plan with real device memory (params uploaded once,
@@ -419,8 +421,12 @@ def bundle_adaptor(bundle, name: str, device, cache: FunctionalCache | None = No
     (:func:`functional_adaptor`); on a real GPU the kernels compute them.
     ``early_lookup=False``: the cache's lookup all at the last kernel's launch, on the
     loop (the benchmark's before, ``bench_realtime --late-lookup``).
+    ``answers_at_launch=False``: the answer is looked up, and a first-seen input computed
+    (waited for, on the loop), at the last kernel's completion: for a dispatcher that
+    releases kernels ahead of their predecessors (lookahead > 1, an eager policy), whose
+    last kernel may be launched before the request's input has landed.
     """
     if device.backend == "sim":
-        return functional_adaptor(bundle, name, cache, variant, early_lookup)
+        return functional_adaptor(bundle, name, cache, variant, early_lookup, answers_at_launch)
     from paella.dispatcher.adaptor import PlanAdaptor
     return PlanAdaptor.from_bundle(bundle, variant, name=f"{name}/{bundle.variants[variant].name}")

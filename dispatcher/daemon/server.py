@@ -233,7 +233,17 @@ class Daemon:
                                                       sorted(self.unserved.items())))
 
     def _make_adaptor(self, bundle, label: str, variant: int = 0):
-        return bundle_adaptor(bundle, label, self.device, self._functional, variant)
+        return bundle_adaptor(bundle, label, self.device, self._functional, variant,
+                              answers_at_launch=self._answers_at_launch())
+
+    def _answers_at_launch(self) -> bool:
+        """Whether a model's last kernel may wait for its answer when launched (off the
+        loop): only when the dispatcher releases a kernel once its predecessors have
+        completed, so the request's input has landed by then (docs/service.md, "Answers
+        off the loop"). With --lookahead > 1 or an eager policy (fifo, ms-jbj) a
+        first-seen input is computed at the last kernel's completion, on the loop."""
+        disp = self.dispatcher.disp if self.dispatcher is not None else None
+        return self.cfg.lookahead == 1 and not getattr(getattr(disp, "policy", None), "eager", False)
 
     def _reserved(self) -> tuple[str, ...]:
         """Names a repository folder may not take: the built-in models'."""

@@ -21,6 +21,7 @@ sends is ever computed on the dispatcher's loop.
 """
 from __future__ import annotations
 
+from concurrent.futures import Future
 from typing import Any, Callable, Sequence
 
 import numpy as np
@@ -78,10 +79,21 @@ def model_effects(inputs: Sequence[Any], outputs: Sequence[Any],
     returns ``(started, future)``: what ``compute`` will receive (it may replace what
     ``begin`` returned, or stand in for a ``begin`` that never ran), and a future that is
     not done yet while the answer is being computed elsewhere (else None). It becomes
-    ``end.pending``, the hook the simulated device asks before it launches the kernel."""
+    ``end.pending``, the hook the simulated device asks before it launches the kernel.
+    The inputs it reads must have landed by then: true when the dispatcher releases a
+    kernel only once its predecessors completed (lookahead 1, a policy that is not
+    eager); a daemon that releases ahead passes no ``prepare``. When the start has not
+    run yet at the launch, the kernel is held on a placeholder the start completes.
+    (A start entry left by a request cancelled between its two effects could be taken
+    for the next one's under release-ahead: one more reason to pass no ``prepare``
+    then.)"""
     n_in = len(inputs)
     want_end = own_args + n_in + len(outputs)
     started: dict[tuple, Any] = {}
+    #: Placeholders the last kernel's launch left for a start that had not run yet
+    #: (its future is done once the start has run and the answer is in).
+    waiting: dict[tuple, Future] = {}
+    has_start: list[bool] = []
 
     def remember(ptrs: tuple, value: Any) -> None:
         started.pop(ptrs, None)
@@ -99,6 +111,17 @@ def model_effects(inputs: Sequence[Any], outputs: Sequence[Any],
                 return                       # a launch of this kernel without the operands
             ptrs = tuple(args[start_own_args:])
             remember(ptrs, begin(values(view, ptrs)))
+            placeholder = waiting.pop(ptrs, None)
+            if placeholder is not None and prepare is not None:
+                # The last kernel was launched before this start ran (released ahead):
+                # its gate waits on the placeholder, done when the answer is.
+                value, future = prepare(values(view, ptrs), started.pop(ptrs, None))
+                remember(ptrs, value)
+                if future is None:
+                    placeholder.set_result(None)
+                else:
+                    future.add_done_callback(lambda _f: placeholder.set_result(None))
+        has_start.append(True)
         return start
 
     def compute_started(values: dict[str, np.ndarray], ptrs: tuple) -> dict[str, np.ndarray]:
@@ -110,6 +133,17 @@ def model_effects(inputs: Sequence[Any], outputs: Sequence[Any],
             if len(args) != want_end:
                 return None                  # a launch of this kernel without the operands
             ptrs = tuple(args[own_args:own_args + n_in])
+            if has_start and ptrs not in started:
+                # The start has not run: the inputs may not have landed yet. Hold the
+                # kernel on a placeholder the start completes.
+                placeholder: Future = Future()
+                old = waiting.pop(ptrs, None)
+                if old is not None:
+                    old.set_result(None)
+                if len(waiting) >= MAX_STARTED:
+                    waiting.pop(next(iter(waiting))).set_result(None)
+                waiting[ptrs] = placeholder
+                return placeholder
             value, future = prepare(values(view, ptrs), started.pop(ptrs, None))
             remember(ptrs, value)
             return future

@@ -66,6 +66,10 @@ def attach(ref: tuple[str, int]) -> np.ndarray:
     """The bytes of the shared array ``ref`` names, mapped once per process."""
     a = _ATTACHED.get(ref)
     if a is None:
+        # A segment unlinked since (its model reloaded or gone) is let go here, or every
+        # reload would leave this worker one more mapping nobody can see or reclaim.
+        for old in [r for r in _ATTACHED if not os.path.exists(r[0])]:
+            del _ATTACHED[old]
         path, nbytes = ref
         fd = os.open(path, os.O_RDWR)
         try:
