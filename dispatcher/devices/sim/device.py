@@ -23,7 +23,7 @@ from paella.occupancy import Footprint
 
 from .clock import EventLoop, RealTimeLoop
 from .cost import CostModel
-from .effect_workers import InlineEffects
+from .effect_workers import EffectFailed, EffectQueueFull, InlineEffects
 from .hardware import D2H, H2D, Shapes, SMView, build_engine
 from .memory import SimMemory
 
@@ -350,7 +350,7 @@ def _with_effect(effect, view, args: tuple, then: Callback, device: SimDevice,
 
 def _record_fault(device: SimDevice, launch_id: int, e: BaseException) -> None:
     # (A client sees the first 120 bytes: the workers' failures say it all themselves.)
-    worker = type(e).__name__ in ("EffectFailed", "EffectQueueFull")
+    worker = isinstance(e, (EffectFailed, EffectQueueFull))
     reason = (f"answer not computed: {str(e)[:300]}" if worker else
               f"the simulated GPU could not compute this request's outputs "
               f"({type(e).__name__}: {str(e)[:300]})")

@@ -93,7 +93,7 @@ def model_effects(inputs: Sequence[Any], outputs: Sequence[Any],
     #: Placeholders the last kernel's launch left for a start that had not run yet
     #: (its future is done once the start has run and the answer is in).
     waiting: dict[tuple, Future] = {}
-    has_start: list[bool] = []
+    has_start = False                        # (set once make_start has made a start)
 
     def remember(ptrs: tuple, value: Any) -> None:
         started.pop(ptrs, None)
@@ -106,6 +106,9 @@ def model_effects(inputs: Sequence[Any], outputs: Sequence[Any],
                 for t, p in zip(inputs, ptrs)}
 
     def make_start(start_own_args: int) -> KernelEffect:
+        nonlocal has_start
+        has_start = True
+
         def start(view: Callable[[int, int], np.ndarray], args: tuple) -> None:
             if len(args) != start_own_args + n_in:
                 return                       # a launch of this kernel without the operands
@@ -121,7 +124,6 @@ def model_effects(inputs: Sequence[Any], outputs: Sequence[Any],
                     placeholder.set_result(None)
                 else:
                     future.add_done_callback(lambda _f: placeholder.set_result(None))
-        has_start.append(True)
         return start
 
     def compute_started(values: dict[str, np.ndarray], ptrs: tuple) -> dict[str, np.ndarray]:
