@@ -317,3 +317,21 @@ def test_inline_effects():
     fx.close()
     with pytest.raises(RuntimeError):
         fx.submit(square, 1)
+
+
+_FORGOTTEN = """
+import operator
+from paella.dispatcher.devices.sim.effect_workers import EffectWorkers
+pool = EffectWorkers(2)
+print(pool.submit(operator.add, 1, 2).result(30), flush=True)
+"""
+
+
+def test_a_pool_never_closed_does_not_hang_the_interpreters_exit():
+    # multiprocessing's exit hook SIGTERMs daemonic children and joins them; the workers
+    # ignore SIGTERM, so without the pool's own exit hook this exit never ends (a test
+    # run that leaked a pool once hung a CI run after its last test had passed).
+    out = subprocess.run([sys.executable, "-c", _FORGOTTEN], capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "3"

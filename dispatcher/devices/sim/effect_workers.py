@@ -26,15 +26,18 @@ time (experiments), tests, and anywhere a process per answer is not wanted.
 """
 from __future__ import annotations
 
+import atexit
 import ctypes
 import logging
 import math
 import multiprocessing
+import multiprocessing.util  # before the atexit.register below: see _close_all_at_exit
 import os
 import pickle
 import signal
 import threading
 import time
+import weakref
 from collections import deque
 from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass, field
@@ -57,6 +60,28 @@ MAX_STARTUP_FAILURES = 3
 MAX_BACKOFF = 30.0
 
 _PR_SET_PDEATHSIG = 1            # <linux/prctl.h>; as paella.parent_death
+
+
+#: The pools started and not closed yet, closed at interpreter exit (see below).
+_LIVE: "weakref.WeakSet[EffectWorkers]" = weakref.WeakSet()
+
+
+def _close_all_at_exit() -> None:
+    """Close every pool still open when the interpreter exits.
+
+    Why: multiprocessing's own exit hook SIGTERMs its daemonic children and then joins
+    them, and the workers ignore SIGTERM (a service manager may signal the whole group
+    while the daemon drains), so a pool its owner forgot to close would hang the exit
+    forever. atexit runs hooks last-registered first, and multiprocessing.util
+    registered its hook when imported above, so this one runs before it."""
+    for pool in list(_LIVE):
+        try:
+            pool.close(timeout=1.0)
+        except Exception:                               # noqa: BLE001 - exiting anyway
+            log.exception("closing effect workers at exit")
+
+
+atexit.register(_close_all_at_exit)
 
 
 class EffectFailed(RuntimeError):
@@ -263,6 +288,7 @@ class EffectWorkers:
             self._thread = threading.Thread(target=self._manage, name=f"{self.name}-manager",
                                             daemon=True)
             self._thread.start()
+            _LIVE.add(self)
 
     def submit(self, fn: Callable[..., Any], *args: Any) -> Future:
         """Queue ``fn(*args)`` for a worker; the future completes with its value or with
@@ -317,6 +343,7 @@ class EffectWorkers:
                 return
             self._closed = True
             self._wake()
+        _LIVE.discard(self)
         thread = self._thread
         if thread is not None and thread is not threading.current_thread():
             thread.join(timeout)
