@@ -21,7 +21,8 @@
 
 enum { KERNEL = 0, H2D = 1, D2H = 2, MARKER = 3 };
 enum { WAITING = 0, READY = 1, RELEASED = 2, DONE = 3, DROPPED = 4 };
-enum { EV_ALMOST = 1, EV_FINISHED = 2, EV_REFUSED = 3, EV_FAULT = 4 };
+enum { EV_ALMOST = 1, EV_FINISHED = 2, EV_REFUSED = 3, EV_FAULT = 4,
+       EV_OP_RELEASED = 5, EV_OP_ENDED = 6 };   /* op events: only while `ops` is set */
 enum { P_PAELLA, P_SJF, P_RR, P_PRIORITY, P_MSKBK, P_FIFO, P_MSJBJ };
 enum { M_POOL, M_STICKY, M_SINGLE };
 
@@ -343,6 +344,7 @@ typedef struct {
     PyObject *engine_given;      /* the engine (Py_None: none); engine is it or Py_None */
     PyObject *launch_checked, *memcpy_htod, *memcpy_dtoh, *record_event, *event_query;
     int policy, gated, mode, eager, lookahead, group, by_client, n_streams, npairs;
+    int ops;                     /* report op events (an instrument listens to ops) */
     int64_t lead;
     double threshold, hold, now;
     /* plans and profiles, owned */
@@ -410,6 +412,24 @@ static int emit(Core *c, int kind, Job *j, const char *reason)
         for (int k = 0; k < j->prof->nk; k++)
             n += j->kcount[k];
     PyObject *t = new_ref_tuple(kind, j->token, reason, n);
+    if (t == NULL)
+        return -1;
+    int rc = PyList_Append(c->events, t);
+    Py_DECREF(t);
+    return rc;
+}
+
+/* An op event (only while c->ops): (EV_OP_RELEASED, token, node, stream, launch id, t)
+   as it goes to its stream, (EV_OP_ENDED, token, node, t_started, t) as it completes;
+   t_started < 0 for a copy (the core sees no copy start: it is the copy's release). */
+static int emit_op(Core *c, int kind, Job *j, int i, double t0, double t1)
+{
+    if (c->events == NULL && (c->events = PyList_New(0)) == NULL)
+        return -1;
+    PyObject *t = kind == EV_OP_RELEASED
+        ? Py_BuildValue("(iOiiLd)", kind, j->token, i, j->stream[i],
+                        j->plan->kind[i] == KERNEL ? (long long)j->lid[i] : -1LL, t1)
+        : Py_BuildValue("(iOidd)", kind, j->token, i, t0, t1);
     if (t == NULL)
         return -1;
     int rc = PyList_Append(c->events, t);
@@ -987,6 +1007,8 @@ static int launch_copy(Core *c, int32_t id, Job *j, int i, int behind)
         if (refq_push(&c->cev[s], ref) < 0)
             return -1;
         j->st[i] = RELEASED;
+        if (c->ops && emit_op(c, EV_OP_RELEASED, j, i, 0.0, c->now) < 0)
+            return -1;
         if (c->eager || c->lookahead > 1)
             return release_succ(c, id, j, i);
         return 0;
@@ -1027,6 +1049,8 @@ static int launch_copy(Core *c, int32_t id, Job *j, int i, int behind)
         return -1;
     }
     j->st[i] = RELEASED;
+    if (c->ops && emit_op(c, EV_OP_RELEASED, j, i, 0.0, c->now) < 0)
+        return -1;
     if (c->eager || c->lookahead > 1)
         return release_succ(c, id, j, i);
     return 0;
@@ -1080,6 +1104,8 @@ static int poll_copies(Core *c)
             c->progress++;
             Py_XDECREF(x.event);
             Job *j = job_of(c, x.job, x.seq);
+            if (j != NULL && c->ops && emit_op(c, EV_OP_ENDED, j, x.node, -1.0, c->now) < 0)
+                return -1;
             if (j != NULL && op_done(c, x.job, j, x.node) < 0)
                 return -1;
         }
@@ -1104,6 +1130,10 @@ static void kernel_done(void *ctx, int slot, PyObject *tok, double t_first)
     Plan *p = j->plan;
     KSpec *k = &p->ks[p->kernel[i]];
     prof_kernel(j->prof, k->key, c->now - t_first);
+    if (c->ops && emit_op(c, EV_OP_ENDED, j, i, t_first, c->now) < 0) {
+        c->error = 1;
+        return;
+    }
     if (c->faults != NULL && PyDict_GET_SIZE(c->faults)) {
         PyObject *lid = PyLong_FromLongLong(j->lid[i]);
         PyObject *reason = lid != NULL ? PyDict_GetItemWithError(c->faults, lid) : NULL;
@@ -1306,6 +1336,8 @@ static int release_loop(Core *c)
         if (ok < 0)
             return -1;
         if (ok) {
+            if (c->ops && emit_op(c, EV_OP_RELEASED, j, i, 0.0, c->now) < 0)
+                return -1;
             if ((p->almost[i] || (c->lead && left <= c->lead && !j->almost_sent
                                   && j->estimate > 0)) && almost(c, j) < 0)
                 return -1;
@@ -2379,6 +2411,19 @@ static PyObject *get_device_calls(Core *c, void *x)
 }
 
 static PyObject *get_direct(Core *c, void *x) { return PyBool_FromLong(c->engine != Py_None); }
+static PyObject *get_ops(Core *c, void *x) { return PyBool_FromLong(c->ops); }
+
+static int set_ops(Core *c, PyObject *v, void *x)
+{
+    int on = v != NULL ? PyObject_IsTrue(v) : -1;
+    if (on < 0) {
+        if (!PyErr_Occurred())
+            PyErr_SetString(PyExc_TypeError, "ops cannot be deleted");
+        return -1;
+    }
+    c->ops = on;
+    return 0;
+}
 
 /* direct = False: launches and copies go through the device's Python methods from now
    on (someone replaced them on the device: fault injection, a meter); True: back into
@@ -2404,6 +2449,9 @@ static PyGetSetDef Core_getset[] = {
     {"progress", (getter)get_progress, NULL, "things done so far (a driver's idle test)", NULL},
     {"device_calls", (getter)get_device_calls, NULL,
      "driver calls its launches and copies stand for (1 a kernel, 3 a copy)", NULL},
+    {"ops", (getter)get_ops, (setter)set_ops,
+     "report op events: (5, job, node, stream, launch id, t) released, "
+     "(6, job, node, t_started, t) ended (t_started < 0: a copy)", NULL},
     {"direct", (getter)get_direct, (setter)set_direct,
      "launches and copies go into the engine directly (else through the device)", NULL},
     {NULL},

@@ -52,7 +52,7 @@ from . import kernel_core as kc
 from .adaptor import JobAdaptor, PlanAdaptor
 from .instruments import Instrument, Instruments
 from .job import FINISHED, Job
-from .ops import KernelLaunch, Op
+from .ops import CoreOp, KernelLaunch, Op
 from .policies import Policy, PolicyError, get_policy
 from .policies.base import check_declared
 from .profile import ESTIMATE_DIGITS, KernelStat, ModelProfile
@@ -60,11 +60,11 @@ from .replay import ReplayPlan
 from .streams import StreamMap
 from .virtual_time import VirtualDriver
 from .tracker import Tracker
-from .waitlist import DROPPED, RELEASED, Node
+from .waitlist import DROPPED, RELEASED, Node, VStream
 
 log = logging.getLogger(__name__)
 
-#: The instrument hooks of ops, which the kernel core does not report (yet).
+#: The instrument hooks of ops: the kernel core reports them only while one listens.
 OP_HOOKS = ("op_issued", "op_released", "op_started", "op_ended")
 #: Completion statuses: the wire's own codes (``paella.rings``), one vocabulary from the
 #: dispatcher to the client's completion ring.
@@ -233,26 +233,23 @@ class Dispatcher:
         #: "auto": the core runs while it can serve everything (see _leave_core).
         self._core_auto = kernel_core == "auto"
         self._core_hooks = -1                # len(instruments) when last checked
+        #: The instruments' views of the core's ops (while one listens to op events).
+        self._core_ops: dict[Job, dict[int, CoreOp]] = {}
         if kernel_core is not None:
             self._start_core(kernel_core, policy)
 
     # -- the kernel core ---------------------------------------------------------------------
     def _start_core(self, impl: str, policy: Any) -> None:
         """Run every job's kernels in a kernel core (``impl``: "c", "python", or "auto":
-        "c" where it can): only launch plans, under a built-in policy, with nobody
-        listening to op events."""
+        "c" where it can): only launch plans, under a built-in policy."""
         if impl not in ("c", "python", "auto"):
             raise ValueError(f"kernel_core must be 'c', 'python', 'auto' or None, got {impl!r}")
         name = policy if isinstance(policy, str) else getattr(policy, "name", None)
-        hooks = [h for h in OP_HOOKS if h in self.instruments]
         why = None
         if name not in kc.POLICIES or type(self.policy) is not get_policy(name):
             why = (f"the kernel core runs the built-in policies ({', '.join(kc.POLICIES)}); "
                    f"policy {name!r} runs on the dispatcher's own path: use kernel_core=None "
                    f"(--kernel-core off)")
-        elif hooks:
-            why = (f"instruments listen to {', '.join(hooks)}, which the kernel core does not "
-                   f"report yet: use kernel_core=None to trace ops")
         if why is not None:
             if self._core_auto:
                 return                       # auto: this dispatcher's own path
@@ -300,6 +297,48 @@ class Dispatcher:
         except Exception as e:               # as the plan's checks: fail this job only
             job.fail(e)
             self._after_run(job)
+            return
+        if "op_issued" in self.instruments:
+            for node, step in enumerate(cm.steps):
+                if step >= 0:
+                    self.instruments.call("op_issued", self._core_op(job, node))
+
+    def _core_op(self, job: Job, node: int) -> CoreOp:
+        """The instruments' view of ``job``'s op at ``node`` (made on first use, kept until
+        the op ends): the core reports ops by node index only."""
+        views = self._core_ops.get(job)
+        if views is None:
+            views = self._core_ops[job] = {}
+        op = views.get(node)
+        if op is None:
+            step = job.model.replay.steps[job.model.core.steps[node]]
+            launch = step.launch if step.kind == KERNEL else None
+            op = views[node] = CoreOp(job, node, step.kind,
+                                      launch.name if launch is not None else None,
+                                      VStream(step.stream, False), launch,
+                                      bool(step.almost_finished), t_issue=self.now)
+        return op
+
+    def _core_op_event(self, ev: tuple) -> None:
+        """An op event of the core (only while an instrument listens to ops): released,
+        or ended (with its start: the kernel's first block seen placed; for a copy, its
+        release, as the core sees no copy start)."""
+        job, node = ev[1], ev[2]
+        ins = self.instruments
+        if ev[0] == kc.OP_RELEASED:
+            op = self._core_op(job, node)
+            op.stream, op.launch_id, op.t_release = ev[3], ev[4], ev[5]
+            if "op_released" in ins:
+                ins.call("op_released", op, ev[5])
+            return
+        op = self._core_op(job, node)
+        views = self._core_ops.get(job)
+        if views is not None:
+            views.pop(node, None)
+        if "op_started" in ins:
+            ins.call("op_started", op, ev[3] if ev[3] >= 0 else op.t_release)
+        if "op_ended" in ins:
+            ins.call("op_ended", op, ev[4])
 
     def _core_events(self, events: Any) -> None:
         """Apply what the kernel core reports: wake-ups, answers, failures."""
@@ -307,7 +346,11 @@ class Dispatcher:
             kind, job = ev[0], ev[1]
             if kind == kc.ALMOST:
                 self._almost_finished(job)
+            elif kind >= kc.OP_RELEASED:
+                self._core_op_event(ev)
             elif kind == kc.FINISHED:
+                if self._core_ops:
+                    self._core_ops.pop(job, None)
                 job.core = -1
                 job.kcount = {job.model.name: ev[2]}
                 self._progress += 1
@@ -319,7 +362,7 @@ class Dispatcher:
     def _leave_core(self, why: str) -> bool:
         """kernel_core="auto": hand everything to this dispatcher's own path (which the
         core reproduces) when something the core cannot serve arrives: a model that runs
-        its own code, an instrument of op events. Only while the core is idle; False if
+        its own code. Only while the core is idle; False if
         it is not (or the core was asked for explicitly)."""
         core = self.core
         if not self._core_auto or core.jobs or core.pending_arrivals:
@@ -327,7 +370,7 @@ class Dispatcher:
         self.sync_profiles()
         self.core = None
         log.info("%s: the dispatcher's own path serves every model from now on (the kernel "
-                 "core serves launch plans only, and reports no op events)", why)
+                 "core serves launch plans only)", why)
         return True
 
     def _check_direct(self) -> None:
@@ -345,20 +388,20 @@ class Dispatcher:
         self._core_memory = None if shadowed else dev.memory
 
     def _core_hooks_changed(self) -> None:
+        """The instruments changed: the core reports op events while one listens to ops
+        (it costs a tuple per op event then, nothing otherwise)."""
         self._core_hooks = len(self.instruments)
-        hooks = [h for h in OP_HOOKS if h in self.instruments]
-        if hooks and not self._leave_core(f"an instrument listens to {', '.join(hooks)}"):
-            log.warning("an instrument listens to %s, which the kernel core does not "
-                            "report: it sees no op events (kernel_core=None reports them)",
-                            ", ".join(hooks))
+        on = any(h in self.instruments for h in OP_HOOKS)
+        if self.core.ops != on:
+            self.core.ops = on
+            if not on:
+                self._core_ops.clear()
 
     def _step_core(self, now: float) -> bool:
         """:meth:`step` on the kernel core: arrivals (buffer sets, admission), then one
         pass of the core (notifQ, completions, release), then its events."""
         if len(self.instruments) != self._core_hooks:     # (an int compare per pass)
             self._core_hooks_changed()
-            if self.core is None:
-                return self.step()
         if self._core_direct and len(vars(self.device)) != self._dev_attrs:
             self._check_direct()
         if self._arrivals:

@@ -50,6 +50,12 @@ from .waitlist import DONE, DROPPED, READY, RELEASED, WAITING
 
 #: Event kinds out of :meth:`KernelCore.step`.
 ALMOST, FINISHED, REFUSED, FAULT = 1, 2, 3, 4
+#: Op events, only while the core's ``ops`` is set (an instrument listens to ops):
+#: ``(OP_RELEASED, job, node, stream, launch id (-1: a copy), t)`` as an op goes to its
+#: stream and ``(OP_ENDED, job, node, t_started, t)`` as it completes; ``t_started`` is
+#: when the kernel's first block was seen placed, < 0 for a copy (the core sees no copy
+#: start: take its release).
+OP_RELEASED, OP_ENDED = 5, 6
 
 #: The built-in policies the core runs, with what each declares to the dispatcher
 #: (gated, stream mode, eager), read from their classes. Plug-ins run on the
@@ -323,6 +329,8 @@ class KernelCore:
         self.copies: deque[tuple[CoreJob, int]] = deque()
         self.copy_events: dict[int, deque] = {}
         self.events: list[tuple] = []
+        #: Report op events (OP_RELEASED, OP_ENDED).
+        self.ops = False
         self.queued = 0
         self.jobs = 0
         self.released = 0
@@ -549,6 +557,8 @@ class KernelCore:
             job.t_rel[i] = self.now
             self.released += 1
             if self._launch(job, i, k, s, lid):
+                if self.ops:
+                    self.events.append((OP_RELEASED, job.token, i, s, lid, self.now))
                 if plan.almost[i] or (self.lead and left <= self.lead and not job.almost_sent
                                       and job.estimate > 0):
                     self._almost(job)
@@ -655,6 +665,8 @@ class KernelCore:
             return
         self.copy_events.setdefault(s, deque()).append((ev, job, i))
         job.st[i] = RELEASED
+        if self.ops:
+            self.events.append((OP_RELEASED, job.token, i, s, -1, self.now))
         if self.eager:
             self._release_succ(job, i)
         elif self.lookahead > 1:
@@ -668,6 +680,8 @@ class KernelCore:
             while q and query(q[0][0]):
                 _, job, i = q.popleft()
                 self.progress += 1
+                if self.ops and not job.finished:
+                    self.events.append((OP_ENDED, job.token, i, -1.0, self.now))
                 self._op_done(job, i)
             if not q:
                 del self.copy_events[s]
@@ -677,6 +691,8 @@ class KernelCore:
         plan = job.plan
         k = plan.kernels[plan.kernel[i]]
         job.profile.record_kernel(k.key, self.now - t_first)
+        if self.ops:
+            self.events.append((OP_ENDED, job.token, i, t_first, self.now))
         faults = getattr(self.device, "faults", None)
         if faults and job.lid[i] in faults:
             reason = faults.pop(job.lid[i])
@@ -1007,5 +1023,5 @@ def make_core(impl: str, tracker: Any, device: Any, policy: str = "paella", *,
                float(hold_factor or 0.0), DeviceError, DeviceLost)
 
 
-__all__ = ["make_core", "set_operands", "job_operands", "register_model", "CoreModel", "ALMOST", "FINISHED", "REFUSED", "FAULT", "POLICIES", "KernelSpec", "PlanSpec",
+__all__ = ["make_core", "set_operands", "job_operands", "register_model", "CoreModel", "ALMOST", "FINISHED", "REFUSED", "FAULT", "OP_RELEASED", "OP_ENDED", "POLICIES", "KernelSpec", "PlanSpec",
            "Profile", "KernelCore", "plan_spec", "to_ns"]

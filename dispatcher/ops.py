@@ -86,3 +86,29 @@ class Op(Node):
     def __repr__(self) -> str:
         what = self.key if self.kind == KERNEL else KIND_NAMES[self.kind]
         return f"<Op {what} v{self.vstream.vid} {STATE_NAMES[self.state]}>"
+
+
+@dataclass(eq=False, slots=True)
+class CoreOp:
+    """An op run by the kernel core, as instruments see it.
+
+    Why it exists: the core keeps no :class:`Op` objects (a node index per op is all it
+    needs), so while an instrument listens to op events the dispatcher makes one of these
+    per op, with the attributes instruments read from an :class:`Op` (``job``, ``kind``,
+    ``key``, ``vstream.vid``, ``stream``, ``launch_id``, ``almost_finished``, the times).
+    One object per op from its issue to its end, so an instrument may key on it."""
+    job: Any
+    node: int                          # its node in the model's compiled plan
+    kind: int
+    key: str | None                    # a kernel's name; None for a copy
+    vstream: VStream
+    launch: KernelLaunch | None
+    almost_finished: bool
+    stream: int = -1
+    launch_id: int = -1
+    t_issue: float = 0.0
+    t_release: float = 0.0
+
+    def __repr__(self) -> str:
+        what = self.key if self.kind == KERNEL else KIND_NAMES[self.kind]
+        return f"<CoreOp {what} v{self.vstream.vid} node {self.node}>"

@@ -61,12 +61,15 @@ def run_legacy(plans, policy, lookahead, extra_blocks, times, picks):
     return done
 
 
-def run_core(impl, plans, policy, lookahead, extra_blocks, times, picks, client_unit=False):
+def run_core(impl, plans, policy, lookahead, extra_blocks, times, picks, client_unit=False,
+             ops=False):
     """The same arrivals through a kernel core on the legacy dispatcher's registered
-    models (their profiles and buffer sets); every event with its time."""
+    models (their profiles and buffer sets); every event with its time (``ops``: op
+    events too)."""
     dev, d, mids = setup(plans, policy, lookahead, extra_blocks)
     core = kc.make_core(impl, d.tracker, dev, policy, lookahead=lookahead, group=d.group,
                         fairness_unit="client" if client_unit else "job")
+    core.ops = ops
     models = []
     for mid in mids:
         m = d.models[mid]
@@ -134,16 +137,29 @@ def test_both_cores_serve_plans_as_the_legacy_dispatcher(policy, lookahead, extr
 @given(seeds=st.lists(st.integers(0, 10_000), min_size=1, max_size=3, unique=True),
        policy=st.sampled_from(POLICIES), lookahead=st.sampled_from((1, 3)),
        extra_blocks=st.sampled_from((None, 0)), n=st.integers(1, 30),
-       gap=st.sampled_from((20e-6, 100e-6, 400e-6)), client=st.booleans())
+       gap=st.sampled_from((20e-6, 100e-6, 400e-6)), client=st.booleans(), ops=st.booleans())
 def test_the_c_core_matches_the_reference_event_for_event(seeds, policy, lookahead,
-                                                          extra_blocks, n, gap, client):
+                                                          extra_blocks, n, gap, client, ops):
     plans = [random_plan(s) for s in seeds]
     times = arrivals(n, seeds[0], gap)
     picks = [random.Random(k).randrange(len(plans)) for k in range(n)]
-    ref = run_core("python", plans, policy, lookahead, extra_blocks, times, picks, client)
-    c = run_core("c", plans, policy, lookahead, extra_blocks, times, picks, client)
+    ref = run_core("python", plans, policy, lookahead, extra_blocks, times, picks, client, ops)
+    c = run_core("c", plans, policy, lookahead, extra_blocks, times, picks, client, ops)
     assert c == ref
     assert len(finished(ref[0])) == n
+    op_events = [e for e in ref[0] if e[1] in (kc.OP_RELEASED, kc.OP_ENDED)]
+    if not ops:
+        assert not op_events
+        return
+    # Every op released once and ended once, after its release, before its job finished.
+    released = {(e[2], e[3]): e for e in op_events if e[1] == kc.OP_RELEASED}
+    ended = {(e[2], e[3]): e for e in op_events if e[1] == kc.OP_ENDED}
+    assert len(released) == len([e for e in op_events if e[1] == kc.OP_RELEASED])
+    assert released.keys() == ended.keys()
+    done = finished(ref[0])
+    for key, e in ended.items():
+        assert released[key][0] <= e[0] <= done[key[0]]
+        assert e[4] < 0 or released[key][0] <= e[4] <= e[5]     # a kernel's start
 
 
 def test_a_refused_launch_fails_its_job_and_the_others_go_on():
@@ -209,12 +225,18 @@ def test_a_plan_spec_that_lies_is_refused_with_a_reason():
 
 
 # -- the dispatcher on the kernel core ------------------------------------------------------
-def serve(kernel_core, policy, lookahead, plans, n=60, cancel_at=None):
+def serve(kernel_core, policy, lookahead, plans, n=60, cancel_at=None, log=None,
+          add_late=False):
     """Requests of three clients through a Dispatcher; client 1 goes away at request
-    ``cancel_at``. Every answer with its time, status and error."""
+    ``cancel_at``. Every answer with its time, status and error. ``log``: an OpLog
+    installed from the start (``add_late``: after the profiling runs)."""
     dev = SimDevice("gtx1660s", n_streams=16, notifq_slots=1 << 12, seed=1)
-    d = Dispatcher(dev, policy, lookahead=lookahead, profile_runs=1, kernel_core=kernel_core)
+    d = Dispatcher(dev, policy, lookahead=lookahead, profile_runs=1, kernel_core=kernel_core,
+                   instruments=[log.instrument] if log is not None and not add_late else ())
     mids = [d.register_model(p.name, PlanAdaptor(p)) for p in plans]
+    if log is not None and add_late:         # (after the profiling runs' kernels)
+        log.released_before = d.core.released
+        d.instruments.add(log.instrument)
     times = arrivals(n, 2, 100e-6)
     done = {}
     t0 = dev.now()
@@ -261,7 +283,6 @@ def test_a_cancelled_client_drains_in_the_core_and_the_others_are_served():
 
 def test_the_kernel_core_refuses_what_it_cannot_run_with_the_fix():
     from paella.dispatcher.adaptor import JobAdaptor
-    from paella.dispatcher.instruments import Instrument
     from paella.dispatcher.policies import Policy
     dev = SimDevice("gtx1660s", n_streams=16)
 
@@ -274,10 +295,6 @@ def test_the_kernel_core_refuses_what_it_cannot_run_with_the_fix():
     with pytest.raises(ValueError, match="kernel_core=None"):
         Dispatcher(dev, Mine, kernel_core="c")
 
-    class Ops(Instrument):
-        def op_released(self, op, t): ...
-    with pytest.raises(ValueError, match="op_released"):
-        Dispatcher(dev, "paella", kernel_core="c", instruments=[Ops()])
     d = Dispatcher(dev, "paella", kernel_core="c")
 
     class Own(JobAdaptor):
@@ -286,3 +303,77 @@ def test_the_kernel_core_refuses_what_it_cannot_run_with_the_fix():
         def run(self, io): ...
     with pytest.raises(ValueError, match="replays launch plans only"):
         d.register_model("own", Own())
+
+
+# -- op events ------------------------------------------------------------------------------
+class OpLog:
+    """Every op hook with what identifies the op on any path (its job's first request,
+    kind, kernel, virtual stream, real stream, launch id) and the hook's time."""
+
+    def __init__(self):
+        from paella.dispatcher.instruments import Instrument
+
+        log = self
+
+        class _I(Instrument):
+            def op_issued(self, op):
+                log.issued.append(log.ident(op)[:4])
+
+            def op_released(self, op, t):
+                log.rows.setdefault(log.ident(op), {})["released"] = t
+                assert op.t_release == t
+
+            def op_started(self, op, t):
+                log.rows.setdefault(log.ident(op), {})["started"] = t
+
+            def op_ended(self, op, t):
+                log.rows.setdefault(log.ident(op), {})["ended"] = t
+        self.instrument = _I()
+        self.issued: list[tuple] = []
+        self.rows: dict[tuple, dict[str, float]] = {}
+
+    @staticmethod
+    def ident(op) -> tuple:
+        return (op.job.requests[0].req_id, op.kind, op.key, op.vstream.vid, op.stream,
+                op.launch_id)
+
+
+def serve_logged(kernel_core, policy, lookahead, plans, n=40, add_late=False):
+    """serve() with an OpLog."""
+    log = OpLog()
+    done, d = serve(kernel_core, policy, lookahead, plans, n, log=log, add_late=add_late)
+    return log, done, d
+
+
+@pytest.mark.parametrize("policy", ("paella", "ms-kbk", "fifo"))
+@pytest.mark.parametrize("lookahead", (1, 3))
+def test_the_core_reports_every_op_as_the_dispatchers_own_path(policy, lookahead):
+    from paella.dispatcher.devices.base import KERNEL
+    plans = [fig2_plan(), event_plan(streams=True), random_plan(3)]
+    own, own_done, _ = serve_logged(None, policy, lookahead, plans)
+    assert own.rows and len(own_done) == 40
+    for impl in ("c", "python"):
+        got, done, d = serve_logged(impl, policy, lookahead, plans)
+        assert d.core is not None and d.core.ops, impl       # still on the core
+        assert done == own_done, impl
+        assert sorted(got.issued) == sorted(own.issued), impl
+        assert got.rows.keys() == own.rows.keys(), impl
+        for key, row in got.rows.items():
+            want = own.rows[key]
+            assert row["released"] == want["released"] and row["ended"] == want["ended"], key
+            if key[1] == KERNEL:                 # a copy's start: its release on the core
+                assert row["started"] == want["started"], key
+            else:
+                assert row["started"] == row["released"], key
+        assert not d._core_ops, "an op's view outlived it"
+
+
+def test_an_instrument_added_later_is_served_on_the_core_and_removing_it_stops_the_events():
+    plans = [fig2_plan(), random_plan(5)]
+    log, done, d = serve_logged("c", "paella", 1, plans, n=20, add_late=True)
+    assert d.core is not None and len(done) == 20
+    kernels = sum(1 for k in log.rows if k[2] is not None)
+    assert kernels == d.core.released - log.released_before > 0
+    d.instruments.remove(log.instrument)
+    d.step()
+    assert not d.core.ops
