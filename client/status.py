@@ -8,48 +8,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import socket
-import time
 
 from paella import wire
-from paella.client.client import default_socket
+from paella.client.control import ask
 from paella.client.errors import DaemonError, DaemonUnavailable
 
 
 def daemon_status(path: str | None = None, timeout: float = 5.0) -> dict:
     """The daemon's STATUS reply (see docs/service.md, "Status"), as a dict."""
-    path = path or default_socket()
-    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    s.settimeout(timeout)
-    deadline = time.monotonic() + timeout
-    try:
-        try:
-            s.connect(path)
-            s.sendall(wire.encode(wire.STATUS))
-        except OSError as e:
-            raise DaemonUnavailable(f"no paella daemon answers on {path} ({e}); start one "
-                                    f"with `paella serve` or pass --socket") from None
-        reader = wire.FrameReader()
-        while True:
-            try:
-                data = s.recv(1 << 16)
-            except socket.timeout:
-                raise DaemonUnavailable(f"the daemon at {path} did not answer STATUS within "
-                                        f"{timeout} s (hung or stopped?)") from None
-            if not data:
-                raise DaemonUnavailable(f"the daemon at {path} closed the connection")
-            try:
-                frames = reader.feed(data)
-            except wire.WireError as e:
-                raise DaemonUnavailable(f"the daemon sent a malformed frame: {e}") from None
-            for kind, msg in frames:
-                if kind == wire.STATUS_REPLY:
-                    return msg["status"]
-                if kind == wire.ERROR:
-                    raise DaemonError(msg["error"], msg["message"])
-            s.settimeout(max(0.0, deadline - time.monotonic()))
-    finally:
-        s.close()
+    msg, _ = ask(wire.encode(wire.STATUS), wire.STATUS_REPLY, path, timeout)
+    return msg["status"]
 
 
 def _size(nbytes: int) -> str:

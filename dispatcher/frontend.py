@@ -62,7 +62,9 @@ RESOURCE_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENO
 #: a client dialling while it is full is refused at once (EAGAIN) on a Unix socket.
 LISTEN_BACKLOG = min(socket.SOMAXCONN, 4096)
 #: The control frames a client may send; any other kind is refused "unexpected".
-CLIENT_SENDS = frozenset({wire.KICK, wire.HELLO, wire.LIST_MODELS, wire.STATUS})
+CLIENT_SENDS = frozenset({wire.KICK, wire.HELLO, wire.LIST_MODELS, wire.STATUS, wire.TRACE})
+#: The longest trace a client may ask for (TRACE "milliseconds").
+MAX_TRACE_MS = 600_000
 #: What a lock file may hold: nothing (new) or a daemon's pid.
 _LOCK_CONTENT = re.compile(rb"(?:[0-9]{1,10}\n?)?")
 #: The request ring's tail word in a segment's header (read per client per loop pass).
@@ -104,6 +106,8 @@ class FrontendConfig:
     outbox_limit: int = 1 << 20        # bytes queued for a client that does not read
     handshake_seconds: float = 5.0     # a connection must send HELLO within this
     max_clients_per_uid: int = 64      # connections (handshaking or ready) of one uid
+    trace_users: tuple[str | int, ...] = ()   # uids besides the owner (and root) that
+                                              # may take a trace (TRACE)
     log_interval: float = 10.0         # one log line per client per interval for its
                                        # rejected entries and bad messages (then a count)
 
@@ -138,6 +142,8 @@ class ClientConn:
         default_factory=lambda: wire.FrameReader(wire.MAX_CLIENT_PAYLOAD))
     outbox: bytearray = field(default_factory=bytearray)
     mode: str = ""
+    #: It asked for a trace (TRACE): no handshake deadline; closed once it is sent.
+    tracing: bool = False
     segment: str = ""                   # the memfd's name, for logs (it is in no file system)
     deadline: float = 0.0               # monotonic time by which HELLO must have come
     seg: rings.Segment | None = None
@@ -248,6 +254,9 @@ class Frontend:
         self.on_arena_released: Callable[[int, np.ndarray], None] | None = None
         #: Builds a STATUS reply (the daemon adds the device's side); default :meth:`status`.
         self.on_status: Callable[[], dict] | None = None
+        #: Starts a trace of ``seconds`` for a client allowed to take one (TRACE); the
+        #: daemon answers with :meth:`send_trace`. None: this front end takes no traces.
+        self.on_trace: Callable[["ClientConn", float], None] | None = None
         self.clients: dict[int, ClientConn] = {}
         self.ready: list[ClientConn] = []      # round-robin order
         self._rr = 0
@@ -276,6 +285,9 @@ class Frontend:
                              for u in cfg.allowed_users} | {os.geteuid(), 0}
         self.allowed_gids = {_resolve_id(g, grp.getgrnam, 'gr_gid', 'group')
                              for g in cfg.allowed_groups}
+        #: Who may take a trace: it shows every tenant's kernels and timing.
+        self.trace_uids = {_resolve_id(u, pwd.getpwnam, 'pw_uid', 'user')
+                           for u in cfg.trace_users} | {os.geteuid(), 0}
         #: Counters the daemon logs at exit ("stopped cleanly; stats {...}").
         self.stats = {"accepted": 0, "refused": 0, "lost": 0, "requests": 0, "rejected": 0,
                       "bad_messages": 0, "handshake_timeouts": 0, "rejections_not_logged": 0,
@@ -492,8 +504,8 @@ class Frontend:
         now = time.monotonic()
         while q:
             c = q[0]
-            if not c.alive or c.seg is not None:
-                q.popleft()                       # gone, or its HELLO came in time
+            if not c.alive or c.seg is not None or c.tracing:
+                q.popleft()                       # gone, its HELLO came in time, or tracing
             elif c.deadline <= now:
                 q.popleft()
                 self.stats["handshake_timeouts"] += 1
@@ -564,6 +576,46 @@ class Frontend:
             self.send(c, wire.encode(wire.MODELS, {"models": self.models.describe()}))
         elif kind == wire.STATUS:
             self.send(c, self._status_frame())
+        elif kind == wire.TRACE:
+            self._trace(c, msg["milliseconds"])
+
+    def _trace(self, c: ClientConn, ms: int) -> None:
+        if not 1 <= ms <= MAX_TRACE_MS:
+            raise wire.WireError("bad_field", f"TRACE milliseconds must be 1..{MAX_TRACE_MS}, "
+                                              f"got {ms}")
+        if c.uid not in self.trace_uids:
+            self.send(c, wire.error(
+                "forbidden", f"a trace shows every tenant's kernels and timing: only the "
+                             f"daemon's owner (uid {os.geteuid()}) or a user listed in its "
+                             f"[access] trace_users may take one, and you are uid {c.uid}"))
+            return
+        if self.on_trace is None:
+            self.send(c, wire.error("unsupported", "this daemon takes no traces"))
+            return
+        if c.seg is None:
+            c.tracing = True
+        self.on_trace(c, ms / 1000.0)
+
+    def send_trace(self, c: ClientConn, info: dict, fd: int) -> None:
+        """The TRACE_REPLY with the trace's descriptor (SCM_RIGHTS). A client with bytes
+        still queued (it sent more than TRACE and does not read) gets an error instead:
+        a descriptor cannot join a partly sent stream."""
+        if not c.alive:
+            return
+        if c.outbox:
+            self.send(c, wire.error("busy", "the trace is ready but your connection has "
+                                            "unread replies queued; read them and ask again"))
+            return
+        try:
+            socket.send_fds(c.sock, [wire.encode(wire.TRACE_REPLY, {"trace": info})], [fd])
+        except (BlockingIOError, InterruptedError):
+            self.drop_client(c, "its socket is full: the trace reply could not be sent")
+            return
+        except OSError as e:
+            self.drop_client(c, f"send failed: {e}")
+            return
+        if c.tracing:                # a connection made for the trace (no HELLO): done
+            self.drop_client(c, "its trace was sent")
 
     #: Seconds a built STATUS reply is reused: a client sending STATUS in a loop costs
     #: the dispatcher loop one build per interval, not one per frame.

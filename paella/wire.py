@@ -24,6 +24,11 @@ DONE) carry one little-endian uint64 request id and are packed with a precompile
     10    STATUS_REPLY d -> c     {"status": {...}}: models, clients, in flight, occupancy
     11    PROGRESS     d -> c     req_id: a progress entry is on the completion ring (hybrid
                                   and socket modes; only for requests sent with STREAM)
+    12    TRACE        c -> d     {"milliseconds"}: record a kernel-level trace for that long
+                                  (``paella trace``; allowed before HELLO; the daemon's owner
+                                  or a uid of [daemon] trace_users only)
+    13    TRACE_REPLY  d -> c     {"trace": {"events", "requests", "kernels", "truncated",
+                                  "bytes"}} + fd: the Trace Event JSON, in a memfd
 
 Decoding is where a hostile peer's bytes are first interpreted, so it is strict and
 total: every failure, whatever Python would raise (a JSON syntax error, an integer of
@@ -49,11 +54,13 @@ from paella.shapes import Slot
 PROTOCOL_VERSION = 1
 
 (HELLO, WELCOME, LIST_MODELS, MODELS, WAKE, DONE, ERROR, KICK, STATUS, STATUS_REPLY,
- PROGRESS) = range(1, 12)
+ PROGRESS, TRACE, TRACE_REPLY) = range(1, 14)
 NAMES = {HELLO: "HELLO", WELCOME: "WELCOME", LIST_MODELS: "LIST_MODELS", MODELS: "MODELS",
          WAKE: "WAKE", DONE: "DONE", ERROR: "ERROR", KICK: "KICK", STATUS: "STATUS",
-         STATUS_REPLY: "STATUS_REPLY", PROGRESS: "PROGRESS"}
-JSON_TYPES = frozenset({HELLO, WELCOME, LIST_MODELS, MODELS, ERROR, STATUS, STATUS_REPLY})
+         STATUS_REPLY: "STATUS_REPLY", PROGRESS: "PROGRESS", TRACE: "TRACE",
+         TRACE_REPLY: "TRACE_REPLY"}
+JSON_TYPES = frozenset({HELLO, WELCOME, LIST_MODELS, MODELS, ERROR, STATUS, STATUS_REPLY,
+                        TRACE, TRACE_REPLY})
 ID_TYPES = frozenset({WAKE, DONE, PROGRESS})
 
 #: Client wait modes (HELLO "mode"): which notification the daemon sends per request.
@@ -112,6 +119,8 @@ SCHEMAS: dict[int, dict[str, tuple[type, bool]]] = {
     KICK: {},
     STATUS: {},
     STATUS_REPLY: {"status": (dict, True)},
+    TRACE: {"milliseconds": (int, True)},
+    TRACE_REPLY: {"trace": (dict, True)},
 }
 
 _JSON_NAMES = {int: "an integer", str: "a string", dict: "an object", list: "an array"}

@@ -71,6 +71,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                    default=[], metavar="NAME=VALUE", help="policy parameter (repeatable)")
     p.add_argument("--allow-user", dest="allowed_users", action="append", metavar="USER")
     p.add_argument("--allow-group", dest="allowed_groups", action="append", metavar="GROUP")
+    p.add_argument("--trace-user", dest="trace_users", action="append", metavar="USER",
+                   help="a user who may take traces (`paella trace`) besides the daemon's "
+                        "owner (repeatable): a trace shows every tenant's timing")
     p.add_argument("--socket-mode", dest="socket_mode",
                    help="mode of the socket file, octal (default 0666)")
     for name in SECTIONS["limits"]:

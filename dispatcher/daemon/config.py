@@ -73,6 +73,7 @@ class DaemonConfig:
     allowed_users: list[str] = field(default_factory=list)
     allowed_groups: list[str] = field(default_factory=list)
     socket_mode: int = 0o666
+    trace_users: list[str] = field(default_factory=list)   # may take traces, besides the owner
     # [limits]
     max_clients: int = 256
     max_inflight_per_client: int = 256
@@ -82,6 +83,7 @@ class DaemonConfig:
     max_clients_per_uid: int = 64       # connections of one uid, handshaking or ready
     handshake_seconds: float = 5.0      # a connection must send HELLO within this
     device_memory: int = 0              # bytes of GPU memory the daemon may use (0: all)
+    trace_max_bytes: int = 64 << 20     # a trace stops (noted in it) past about this size
 
     def check(self) -> None:
         choices = {"backend": ("auto", "sim", "cuda"), "idle": ("adaptive", "spin"),
@@ -98,7 +100,7 @@ class DaemonConfig:
                 raise ConfigError(f"gpu: {e} (the simulated GPU; --gpu, [daemon] gpu)") from None
         if self.cpu not in ("auto", "none") and not _ASCII_DIGITS.fullmatch(str(self.cpu)):
             raise ConfigError(f"cpu must be auto, none or a core number, got {shown(self.cpu)}")
-        for name in ("allowed_users", "allowed_groups"):
+        for name in ("allowed_users", "allowed_groups", "trace_users"):
             for v in getattr(self, name):
                 if not ((type(v) is int and v >= 0)
                         or (type(v) is str and _NAME.fullmatch(v))):
@@ -154,6 +156,10 @@ class DaemonConfig:
                 raise ConfigError(f"{name} must be at least {MIN_ARENA_BYTES} (one page; a "
                                   f"client's tensors live in its arena), got "
                                   f"{getattr(self, name)}")
+        if type(self.trace_max_bytes) is not int or not 1 << 16 <= self.trace_max_bytes <= 1 << 34:
+            raise ConfigError(f"trace_max_bytes must be an int from {1 << 16} to {1 << 34} (a "
+                              f"trace of the running daemon stops, noting it, past about this "
+                              f"size), got {shown(self.trace_max_bytes)}")
         if type(self.device_memory) is not int or self.device_memory < 0:
             raise ConfigError(f"device_memory must be a number of bytes >= 0 (the GPU memory "
                               f"the daemon may use; 0: all of it), got {shown(self.device_memory)}")
@@ -192,9 +198,10 @@ SECTIONS = {
                "idle_spin_us", "drain_seconds", "plugin_timeout_seconds", "lookahead", "wake_lead_us", "kernel_core",
                "effect_workers", "effect_deadline_seconds", "effect_queue", "echo", "noop", "log_level", "metrics_port",
                "metrics_addr"),
-    "access": ("allowed_users", "allowed_groups", "socket_mode"),
+    "access": ("allowed_users", "allowed_groups", "socket_mode", "trace_users"),
     "limits": ("max_clients", "max_inflight_per_client", "arena_bytes", "max_arena_bytes",
-               "ring_slots", "max_clients_per_uid", "handshake_seconds", "device_memory"),
+               "ring_slots", "max_clients_per_uid", "handshake_seconds", "device_memory",
+               "trace_max_bytes"),
 }
 
 

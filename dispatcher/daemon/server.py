@@ -44,6 +44,7 @@ from .builtin_models import echo_model, noop_adaptor, noop_info
 from .bundles import FunctionalCache, bundle_adaptor
 from .config import ConfigError, DaemonConfig
 from .executors import DispatcherExecutor, HostExecutor, Router
+from .traces import TraceSessions
 from .system import (freeze_heap, freeze_new_objects, pin_and_prioritize, raise_fd_limit,
                      sd_notify)
 from .watchdog import PluginHung, Watchdog
@@ -156,7 +157,8 @@ class Daemon:
             layout=rings.Layout(cfg.ring_slots, cfg.ring_slots, cfg.arena_bytes),
             max_arena_bytes=cfg.max_arena_bytes, max_clients=cfg.max_clients,
             max_inflight_per_client=cfg.max_inflight_per_client,
-            max_clients_per_uid=cfg.max_clients_per_uid, handshake_seconds=cfg.handshake_seconds)
+            max_clients_per_uid=cfg.max_clients_per_uid, handshake_seconds=cfg.handshake_seconds,
+            trace_users=tuple(cfg.trace_users))
         self.front = Frontend(fcfg, self.table)
         self.router = Router()
         self.host = HostExecutor(self.front, {}, Instruments(host_instruments))
@@ -165,6 +167,9 @@ class Daemon:
         self.front.on_arena_mapped = self._arena_mapped
         self.front.on_arena_released = self._arena_released
         self.front.on_status = self.status
+        #: Traces being taken (``paella trace``): see traces.py.
+        self.traces = TraceSessions(self.front, self._wake_loop, cfg.trace_max_bytes)
+        self.front.on_trace = self._on_trace
         self.started = time.monotonic()
         self._arenas: dict[int, np.ndarray] = {}     # client id -> arena, while mapped
         self._pinned: set[int] = set()               # clients whose arena is page-locked
@@ -476,6 +481,11 @@ class Daemon:
         self._hup = True
         self.housekeeping = True
 
+    def _on_trace(self, client: Any, seconds: float) -> None:
+        """TRACE from a client the front end allowed: record the dispatcher's events."""
+        self.traces.start(client, seconds,
+                          self.dispatcher.disp if self.dispatcher is not None else None)
+
     def _wake_loop(self) -> None:
         """Called by the background load's thread when it is done."""
         self.housekeeping = True
@@ -499,6 +509,7 @@ class Daemon:
             return self._plugin_hung(e)
         finally:
             watchdog.stop()
+            self.traces.close()
             if self._metrics_server is not None:
                 self._metrics_server.shutdown()
                 self._metrics_server.server_close()
@@ -709,6 +720,8 @@ class Daemon:
         self.housekeeping = False
         if self.device is not None and getattr(self.device, "effect_ready", None) is not None:
             self.device.open_answered()
+        if self.traces.sessions:
+            self.traces.service()
         loader = self._loader
         if loader is not None and loader.done:
             self._loader = None

@@ -30,7 +30,11 @@ def test_a_model_that_would_overflow_every_clients_welcome_is_not_served(tmp_pat
     prepared = Huge(model="big", n=n, directory=str(tmp_path / "big"), variant_names=["v"] * n)
     scan = Scan(str(tmp_path))
     scan.prepared.append(prepared)
-    d._swap(scan)
+    try:
+        d._swap(scan)
+    finally:
+        if d.device is not None:          # (its answer workers, started with the device)
+            d.device.close()
     why = d.unserved[str(tmp_path / "big")]
     assert "would make the list every client receives at connection exceed" in why
     assert f"{n} variant(s)" in why

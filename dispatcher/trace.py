@@ -1,0 +1,281 @@
+"""Kernel-level traces in the Trace Event format, for Perfetto and ``chrome://tracing``.
+
+:class:`TraceRecorder` is an :class:`~paella.dispatcher.instruments.Instrument`. While it is
+installed, every hook it listens to appends one small tuple to a list, on the
+dispatcher's loop; nothing else happens there. :meth:`TraceRecorder.events` (or
+:func:`write_trace`) turns the tuples into Trace Event records afterwards, in the
+caller's thread: the daemon does it on a thread of its own, off the loop. Not installed,
+it costs what any instrument costs when nobody listens: nothing (one dict lookup per
+hook site).
+
+What a trace shows (docs/service.md, "Traces"):
+
+* process "requests": a slice per request, from its admission to its answer, named by
+  model and request id, with its client, priority class and batch (the job that ran it:
+  its sequence number and how many requests it held). Requests overlap, so each goes on
+  the first "lane" free at its admission;
+* process "GPU": a track per stream with a slice per kernel, from its first block seen
+  placed to its last block seen completed; a track per stream of copies (a copy's start
+  on the kernel core is its release: the core sees no copy start); a counter of the
+  blocks and warps resident on the SMs;
+* flow arrows from each request to the kernels of its job;
+* process "policy": an instant per decision the dispatcher makes visible: ``pick``
+  (a kernel released, with the job the policy chose) and ``fallback`` (a failing plug-in
+  policy replaced by fifo, with the reason). The policies do not report a "hold" yet,
+  and kernels are not sliced yet (issue 38): neither appears.
+
+Bounded: at ``max_events`` records the recorder stops recording and the trace ends with
+an instant saying so (``otherData.truncated`` in the file).
+"""
+from __future__ import annotations
+
+import heapq
+import json
+from dataclasses import dataclass
+from typing import IO, Any
+
+from .devices.base import KERNEL, KIND_NAMES
+from .instruments import Instrument
+
+#: Records kept by default (about 150 bytes of JSON each).
+DEFAULT_MAX_EVENTS = 400_000
+#: Bytes of JSON per record, roughly: how a byte budget becomes a record budget.
+BYTES_PER_EVENT = 160
+
+_REQ, _REL, _START, _END, _FALLBACK, _STOPPED = range(6)
+_PID_REQUESTS, _PID_GPU, _PID_POLICY = 1, 2, 3
+_COPY_TRACKS = 1000                 # tid of stream s's copies: _COPY_TRACKS + s
+
+
+@dataclass
+class TraceSummary:
+    """What a written trace holds."""
+    events: int
+    requests: int
+    kernels: int
+    truncated: bool
+
+
+class TraceRecorder(Instrument):
+    """Records what a :class:`~paella.dispatcher.core.Dispatcher` does, for a trace.
+
+    ``dispatcher``: the one it is installed on (read for model names, the tracker's
+    occupancy and the policy's fallbacks). Install with ``dispatcher.instruments.add``;
+    :meth:`stop` removes it. Hooks run on the loop: each appends one tuple."""
+
+    def __init__(self, dispatcher: Any, max_events: int = DEFAULT_MAX_EVENTS):
+        if type(max_events) is not int or max_events < 16:
+            raise ValueError(f"max_events must be an int >= 16, got {max_events!r}")
+        self.dispatcher = dispatcher
+        self.max_events = max_events
+        self.records: list[tuple] = []
+        self.truncated = False
+        self.stopped = False
+        self._fallbacks = dispatcher.policy_fallbacks
+        self._names: dict[int, str] = {}
+        #: (client, request id) -> its job's model name, from its ops (a request's own
+        #: model id may be the front end's, not the dispatcher's).
+        self._model_of: dict[tuple[int, int], str] = {}
+
+    # -- control ------------------------------------------------------------------------
+    def start(self) -> "TraceRecorder":
+        """Install on the dispatcher."""
+        self.dispatcher.instruments.add(self)
+        return self
+
+    def stop(self) -> None:
+        """Remove from the dispatcher (idempotent)."""
+        if not self.stopped:
+            self.stopped = True
+            try:
+                self.dispatcher.instruments.remove(self)
+            except KeyError:
+                pass
+
+    def _full(self) -> bool:
+        if len(self.records) < self.max_events:
+            return False
+        if not self.truncated:
+            self.truncated = True
+            self.records.append((_STOPPED, self.dispatcher.now, len(self.records)))
+            self.stop()
+        return True
+
+    def _model(self, model_id: int) -> str:
+        name = self._names.get(model_id)
+        if name is None:
+            m = self.dispatcher.models.get(model_id)
+            name = self._names[model_id] = m.name if m is not None else f"model {model_id}"
+        return name
+
+    # -- hooks (on the loop: one tuple each) ---------------------------------------------
+    def request_finished(self, req: Any) -> None:
+        if self._full():
+            return
+        model = self._model_of.pop((req.client_id, req.req_id), None)
+        self.records.append((_REQ, req.req_id, req.client_id,
+                             model if model is not None else self._model(req.model_id),
+                             req.priority, req.t_submit, req.t_done, req.status))
+
+    def op_released(self, op: Any, t: float) -> None:
+        if self._full():
+            return
+        job = op.job
+        d = self.dispatcher
+        reqs = tuple((r.client_id, r.req_id) for r in job.requests)
+        name = job.model.name
+        for q in reqs:
+            self._model_of[q] = name
+        self.records.append((_REL, id(op), job.seq, name, reqs,
+                             min(r.priority for r in job.requests), op.kind, op.key,
+                             op.stream, t))
+        if d.policy_fallbacks != self._fallbacks:
+            self._fallbacks = d.policy_fallbacks
+            self.records.append((_FALLBACK, t, str(getattr(d, "policy_failure", "") or "")))
+
+    def op_started(self, op: Any, t: float) -> None:
+        if not self._full():
+            self.records.append((_START, id(op), t))
+
+    def op_ended(self, op: Any, t: float) -> None:
+        if self._full():
+            return
+        tr = self.dispatcher.tracker
+        self.records.append((_END, id(op), t, tr.blocks, tr.warps))
+
+    # -- the trace (off the loop) --------------------------------------------------------
+    def events(self) -> list[dict]:
+        """The Trace Event records (``traceEvents``) of what was recorded."""
+        return _to_events(list(self.records))
+
+    def summary(self, events: list[dict] | None = None) -> TraceSummary:
+        events = self.events() if events is None else events
+        return TraceSummary(len(events), sum(1 for e in events if e.get("cat") == "request"),
+                            sum(1 for e in events if e.get("cat") == "kernel"), self.truncated)
+
+
+def _kind_name(kind: int) -> str:
+    return KIND_NAMES[kind] if 0 <= kind < len(KIND_NAMES) else f"op kind {kind}"
+
+
+def _us(t: float) -> float:
+    return round(t * 1e6, 3)
+
+
+def _to_events(records: list[tuple]) -> list[dict]:
+    out: list[dict] = _metadata()
+    ops: dict[int, dict] = {}
+    jobs_of_request: dict[tuple[int, int], int] = {}    # (client, request id) -> job
+    kernels_of_job: dict[int, list[tuple[float, int]]] = {}    # seq -> (start, stream)
+    for r in records:
+        kind = r[0]
+        if kind == _REL:
+            _, key, seq, model, reqs, prio, okind, name, stream, t = r
+            ops[key] = {"seq": seq, "model": model, "reqs": reqs, "prio": prio,
+                        "kind": okind, "name": name, "stream": stream, "rel": t}
+            for q in reqs:
+                jobs_of_request.setdefault(q, seq)
+            out.append({"ph": "i", "s": "t", "name": "pick", "cat": "policy",
+                        "pid": _PID_POLICY, "tid": 0, "ts": _us(t),
+                        "args": {"model": model, "job": seq, "requests": [list(q) for q in reqs],
+                                 "class": prio, "op": name or _kind_name(okind),
+                                 "stream": stream}})
+        elif kind == _START:
+            op = ops.get(r[1])
+            if op is not None:
+                op.setdefault("start", r[2])
+        elif kind == _END:
+            op = ops.pop(r[1], None)
+            if op is None:
+                continue
+            start = op.get("start", op["rel"])
+            start = min(max(start, op["rel"]), r[2])
+            is_kernel = op["kind"] == KERNEL
+            out.append({"ph": "X", "cat": "kernel" if is_kernel else "copy",
+                        "name": op["name"] if is_kernel else _kind_name(op["kind"]),
+                        "pid": _PID_GPU,
+                        "tid": op["stream"] if is_kernel else _COPY_TRACKS + op["stream"],
+                        "ts": _us(start), "dur": _us(r[2]) - _us(start),
+                        "args": {"model": op["model"], "job": op["seq"],
+                                 "requests": [list(q) for q in op["reqs"]],
+                                 "class": op["prio"],
+                                 "batch": len(op["reqs"]), "released_us": _us(op["rel"])}})
+            if is_kernel:
+                kernels_of_job.setdefault(op["seq"], []).append((start, op["stream"]))
+            out.append({"ph": "C", "name": "SM residency", "pid": _PID_GPU, "tid": 0,
+                        "ts": _us(r[2]), "args": {"blocks": r[3], "warps": r[4]}})
+        elif kind == _FALLBACK:
+            out.append({"ph": "i", "s": "p", "name": "fallback", "cat": "policy",
+                        "pid": _PID_POLICY, "tid": 0, "ts": _us(r[1]),
+                        "args": {"reason": r[2]}})
+        elif kind == _STOPPED:
+            out.append({"ph": "i", "s": "g", "name": f"trace stopped: its limit of {r[2]} "
+                        f"records was reached (raise trace_max_bytes)", "pid": _PID_POLICY,
+                        "tid": 0, "ts": _us(r[1])})
+    out.extend(_request_slices([r for r in records if r[0] == _REQ], jobs_of_request,
+                               kernels_of_job))
+    return out
+
+
+def _request_slices(reqs: list[tuple], job_of: dict[tuple[int, int], int],
+                    kernels_of_job: dict[int, list[tuple[float, int]]]) -> list[dict]:
+    """A slice per request on the first lane free at its admission, and a flow arrow
+    from it to each kernel of its job (both ends at the kernel's start)."""
+    out: list[dict] = []
+    flow = 0
+    lanes: list[tuple[float, int]] = []      # (free from, lane): a heap
+    n_lanes = 0
+    for _, rid, client, model, prio, t0, t1, status in sorted(reqs, key=lambda r: (r[5], r[1])):
+        if not (t0 == t0 and t1 == t1):      # NaN: never submitted or never answered
+            continue
+        if lanes and lanes[0][0] <= t0:
+            _, lane = heapq.heappop(lanes)
+        else:
+            lane, n_lanes = n_lanes, n_lanes + 1
+        heapq.heappush(lanes, (t1, lane))
+        seq = job_of.get((client, rid))
+        out.append({"ph": "X", "cat": "request", "name": f"{model} #{rid}",
+                    "pid": _PID_REQUESTS, "tid": lane, "ts": _us(t0), "dur": _us(t1) - _us(t0),
+                    "args": {"request": rid, "model": model, "client": client,
+                             "class": prio, "job": seq, "status": status}})
+        for start, stream in kernels_of_job.get(seq, ()) if seq is not None else ():
+            if not t0 <= start <= t1:
+                continue
+            flow += 1
+            out.append({"ph": "s", "cat": "flow", "name": "kernel", "id": flow,
+                        "pid": _PID_REQUESTS, "tid": lane, "ts": _us(start)})
+            out.append({"ph": "f", "bp": "e", "cat": "flow", "name": "kernel", "id": flow,
+                        "pid": _PID_GPU, "tid": stream, "ts": _us(start)})
+    for lane in range(n_lanes):
+        out.append({"ph": "M", "name": "thread_name", "pid": _PID_REQUESTS, "tid": lane,
+                    "args": {"name": f"lane {lane}"}})
+    return out
+
+
+def _metadata() -> list[dict]:
+    return [{"ph": "M", "name": "process_name", "pid": pid, "tid": 0, "args": {"name": name}}
+            for pid, name in ((_PID_REQUESTS, "requests"), (_PID_GPU, "GPU"),
+                              (_PID_POLICY, "policy"))]
+
+
+def write_trace(f: IO[str], recorder: TraceRecorder, **other: Any) -> TraceSummary:
+    """Write ``recorder``'s trace as a Trace Event JSON object to ``f`` (text); ``other``
+    goes into ``otherData``. Off the loop: it reads only the recorder's records."""
+    events = recorder.events()
+    names = {}
+    for e in events:                          # name the GPU's tracks
+        if e.get("pid") == _PID_GPU and e["ph"] == "X":
+            tid = e["tid"]
+            names[tid] = (f"stream {tid}" if tid < _COPY_TRACKS
+                          else f"stream {tid - _COPY_TRACKS} copies")
+    events.extend({"ph": "M", "name": "thread_name", "pid": _PID_GPU, "tid": tid,
+                   "args": {"name": name}} for tid, name in sorted(names.items()))
+    summary = recorder.summary(events)
+    json.dump({"traceEvents": events, "displayTimeUnit": "ns",
+               "otherData": {"truncated": recorder.truncated, "requests": summary.requests,
+                             "kernels": summary.kernels, **other}}, f)
+    return summary
+
+
+__all__ = ["TraceRecorder", "TraceSummary", "write_trace", "DEFAULT_MAX_EVENTS",
+           "BYTES_PER_EVENT"]
