@@ -25,6 +25,7 @@ EXPERIMENTS = [
     "paella.experiments.report",
     "paella.experiments.batching",
     "paella.experiments.dvabatch",
+    "paella.experiments.timelines",
 ]
 
 
