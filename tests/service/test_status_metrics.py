@@ -204,3 +204,23 @@ def test_status_into_a_pipe_its_reader_closed_is_no_traceback(metrics_daemon):
     finally:
         os.close(w)
     assert p.returncode == 141 and "Traceback" not in p.stderr, p.stderr
+
+
+def test_the_grafana_dashboard_queries_only_what_the_daemon_exports(metrics_daemon):
+    """dist/grafana-paella.json parses, and every metric its queries name is one the
+    daemon's live /metrics exports (after a request of a dispatcher model, so that
+    every family has samples)."""
+    import re
+    dist = Path(__file__).resolve().parents[2] / "dist"
+    dash = json.loads((dist / "grafana-paella.json").read_text())
+    exprs = [t["expr"] for p in dash["panels"] for t in p.get("targets", ())]
+    assert len(exprs) >= 10
+    named = {m for e in exprs for m in re.findall(r"\b((?:nv|paella)_[a-z_]+)\b", e)}
+    assert {"nv_inference_request_success", "paella_kernel_releases_total",
+            "paella_sm_occupancy", "paella_notifq_depth", "paella_policy_fallbacks_total"} <= named
+    with paella.connect(metrics_daemon.socket) as c:
+        c.infer("noop", {"x": np.zeros(64, np.uint8)}, timeout=30)
+    exported = {name for name, _ in scrape(metrics_daemon.metrics_port)}
+    assert named <= exported, sorted(named - exported)
+    scrape_cfg = (dist / "prometheus-paella.yml").read_text()
+    assert "job_name: paella" in scrape_cfg and ":9464" in scrape_cfg
