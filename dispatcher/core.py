@@ -50,7 +50,7 @@ from paella.dispatcher.devices.base import (H2D, KERNEL, Device, DeviceError, De
 
 from . import kernel_core as kc
 from .adaptor import JobAdaptor, PlanAdaptor
-from .instruments import Instrument, Instruments
+from .instruments import Instrument, Instruments, every_dispatcher_instruments
 from .job import FINISHED, Job
 from .ops import CoreOp, KernelLaunch, Op
 from .policies import Policy, PolicyError, get_policy
@@ -235,8 +235,12 @@ class Dispatcher:
         self._core_hooks = -1                # len(instruments) when last checked
         #: The instruments' views of the core's ops (while one listens to op events).
         self._core_ops: dict[Job, dict[int, CoreOp]] = {}
+        #: What a CoreOp takes from its plan node, per (CoreModel, node).
+        self._core_op_static: dict[tuple[Any, int], tuple] = {}
         if kernel_core is not None:
             self._start_core(kernel_core, policy)
+        for instrument in every_dispatcher_instruments(self):
+            self.instruments.add(instrument)
 
     # -- the kernel core ---------------------------------------------------------------------
     def _start_core(self, impl: str, policy: Any) -> None:
@@ -311,12 +315,15 @@ class Dispatcher:
             views = self._core_ops[job] = {}
         op = views.get(node)
         if op is None:
-            step = job.model.replay.steps[job.model.core.steps[node]]
-            launch = step.launch if step.kind == KERNEL else None
-            op = views[node] = CoreOp(job, node, step.kind,
-                                      launch.name if launch is not None else None,
-                                      VStream(step.stream, False), launch,
-                                      bool(step.almost_finished), t_issue=self.now)
+            cm = job.model.core
+            static = self._core_op_static.get((cm, node))
+            if static is None:             # (once per model and node)
+                step = job.model.replay.steps[cm.steps[node]]
+                launch = step.launch if step.kind == KERNEL else None
+                static = self._core_op_static[(cm, node)] = (
+                    step.kind, launch.name if launch is not None else None,
+                    VStream(step.stream, False), launch, bool(step.almost_finished))
+            op = views[node] = CoreOp(job, node, *static, t_issue=self.now)
         return op
 
     def _core_op_event(self, ev: tuple) -> None:
@@ -396,6 +403,7 @@ class Dispatcher:
             self.core.ops = on
             if not on:
                 self._core_ops.clear()
+                self._core_op_static.clear()
 
     def _step_core(self, now: float) -> bool:
         """:meth:`step` on the kernel core: arrivals (buffer sets, admission), then one

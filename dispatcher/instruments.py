@@ -36,7 +36,8 @@ a broken probe never takes the dispatcher down.
 from __future__ import annotations
 
 import logging
-from typing import Any, Iterable
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator, Iterable
 
 log = logging.getLogger(__name__)
 
@@ -83,9 +84,9 @@ class Instrument:
 
 
 class Instruments(dict):
-    """hook name -> {instrument: None} (insertion-ordered), holding only the hooks that some
-    added instrument overrides: ``"op_released" in instruments`` is the whole cost of a
-    hook nobody listens to."""
+    """hook name -> {instrument: its bound hook} (insertion-ordered), holding only the hooks
+    that some added instrument overrides: ``"op_released" in instruments`` is the whole
+    cost of a hook nobody listens to."""
 
     def __init__(self, instruments: Iterable[Instrument] = ()):
         super().__init__()
@@ -99,13 +100,13 @@ class Instruments(dict):
                             f"Instrument, got {type(instrument).__name__}")
         for hook in HOOKS:
             if getattr(type(instrument), hook) is not getattr(Instrument, hook):
-                self.setdefault(hook, {})[instrument] = None
+                self.setdefault(hook, {})[instrument] = getattr(instrument, hook)
 
     def remove(self, instrument: Instrument) -> None:
         """Stop calling ``instrument`` (KeyError if it was never added)."""
         found = False
         for hook in list(self):
-            if self[hook].pop(instrument, 0) is None:
+            if self[hook].pop(instrument, None) is not None:
                 found = True
             if not self[hook]:
                 del self[hook]
@@ -115,9 +116,33 @@ class Instruments(dict):
     def call(self, hook: str, *args: Any) -> None:
         """Call ``hook`` on every instrument that listens to it (check ``hook in self``
         first on hot paths). One that raises is logged and removed."""
-        for instrument in list(self.get(hook, ())):
+        for instrument, fn in list(self.get(hook, {}).items()):
             try:
-                getattr(instrument, hook)(*args)
+                fn(*args)
             except Exception:
                 log.exception("instrument %r raised in %s(); removing it", instrument, hook)
                 self.remove(instrument)
+
+
+#: Factories called with every Dispatcher made while they are registered (see
+#: :func:`instrument_every_dispatcher`).
+_EVERY: list[Callable[[Any], "Instrument | None"]] = []
+
+
+@contextmanager
+def instrument_every_dispatcher(factory: Callable[[Any], "Instrument | None"]) -> Iterator[None]:
+    """While the ``with`` block runs, each new Dispatcher calls ``factory(dispatcher)``
+    and installs the instrument it returns (None: none). Why: a tool that observes a
+    whole run it did not write (``paella experiment NAME --trace FILE``) cannot pass
+    its instrument to the dispatchers the run makes."""
+    _EVERY.append(factory)
+    try:
+        yield
+    finally:
+        _EVERY.remove(factory)
+
+
+def every_dispatcher_instruments(dispatcher: Any) -> list[Instrument]:
+    """The instruments of the registered factories for a new ``dispatcher``."""
+    made = (make(dispatcher) for make in list(_EVERY))
+    return [i for i in made if i is not None]

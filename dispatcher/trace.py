@@ -31,8 +31,9 @@ from __future__ import annotations
 
 import heapq
 import json
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import IO, Any
+from typing import IO, Any, Iterator
 
 from .devices.base import KERNEL, KIND_NAMES
 from .instruments import Instrument
@@ -76,6 +77,8 @@ class TraceRecorder(Instrument):
         #: (client, request id) -> its job's model name, from its ops (a request's own
         #: model id may be the front end's, not the dispatcher's).
         self._model_of: dict[tuple[int, int], str] = {}
+        #: job seq -> (model, requests, class): taken at its first op.
+        self._jobs: dict[int, tuple[str, tuple, int]] = {}
 
     # -- control ------------------------------------------------------------------------
     def start(self) -> "TraceRecorder":
@@ -93,8 +96,7 @@ class TraceRecorder(Instrument):
                 pass
 
     def _full(self) -> bool:
-        if len(self.records) < self.max_events:
-            return False
+        """At the limit (the caller checked the length): stop, noting it once."""
         if not self.truncated:
             self.truncated = True
             self.records.append((_STOPPED, self.dispatcher.now, len(self.records)))
@@ -109,8 +111,10 @@ class TraceRecorder(Instrument):
         return name
 
     # -- hooks (on the loop: one tuple each) ---------------------------------------------
+    # Speed (labelled): what a job's ops share (its model, requests, class) is taken once
+    # per job, at its first op; each op adds one tuple of scalars.
     def request_finished(self, req: Any) -> None:
-        if self._full():
+        if len(self.records) >= self.max_events and self._full():
             return
         model = self._model_of.pop((req.client_id, req.req_id), None)
         self.records.append((_REQ, req.req_id, req.client_id,
@@ -118,27 +122,28 @@ class TraceRecorder(Instrument):
                              req.priority, req.t_submit, req.t_done, req.status))
 
     def op_released(self, op: Any, t: float) -> None:
-        if self._full():
+        if len(self.records) >= self.max_events and self._full():
             return
         job = op.job
+        seq = job.seq
+        if seq not in self._jobs:
+            reqs = tuple((r.client_id, r.req_id) for r in job.requests)
+            name = job.model.name
+            for q in reqs:
+                self._model_of[q] = name
+            self._jobs[seq] = (name, reqs, min(r.priority for r in job.requests))
+        self.records.append((_REL, id(op), seq, op.kind, op.key, op.stream, t))
         d = self.dispatcher
-        reqs = tuple((r.client_id, r.req_id) for r in job.requests)
-        name = job.model.name
-        for q in reqs:
-            self._model_of[q] = name
-        self.records.append((_REL, id(op), job.seq, name, reqs,
-                             min(r.priority for r in job.requests), op.kind, op.key,
-                             op.stream, t))
         if d.policy_fallbacks != self._fallbacks:
             self._fallbacks = d.policy_fallbacks
             self.records.append((_FALLBACK, t, str(getattr(d, "policy_failure", "") or "")))
 
     def op_started(self, op: Any, t: float) -> None:
-        if not self._full():
+        if len(self.records) < self.max_events or not self._full():
             self.records.append((_START, id(op), t))
 
     def op_ended(self, op: Any, t: float) -> None:
-        if self._full():
+        if len(self.records) >= self.max_events and self._full():
             return
         tr = self.dispatcher.tracker
         self.records.append((_END, id(op), t, tr.blocks, tr.warps))
@@ -146,7 +151,7 @@ class TraceRecorder(Instrument):
     # -- the trace (off the loop) --------------------------------------------------------
     def events(self) -> list[dict]:
         """The Trace Event records (``traceEvents``) of what was recorded."""
-        return _to_events(list(self.records))
+        return _to_events(list(self.records), dict(self._jobs))
 
     def summary(self, events: list[dict] | None = None) -> TraceSummary:
         events = self.events() if events is None else events
@@ -162,7 +167,7 @@ def _us(t: float) -> float:
     return round(t * 1e6, 3)
 
 
-def _to_events(records: list[tuple]) -> list[dict]:
+def _to_events(records: list[tuple], jobs: dict[int, tuple[str, tuple, int]]) -> list[dict]:
     out: list[dict] = _metadata()
     ops: dict[int, dict] = {}
     jobs_of_request: dict[tuple[int, int], int] = {}    # (client, request id) -> job
@@ -170,7 +175,8 @@ def _to_events(records: list[tuple]) -> list[dict]:
     for r in records:
         kind = r[0]
         if kind == _REL:
-            _, key, seq, model, reqs, prio, okind, name, stream, t = r
+            _, key, seq, okind, name, stream, t = r
+            model, reqs, prio = jobs[seq]
             ops[key] = {"seq": seq, "model": model, "reqs": reqs, "prio": prio,
                         "kind": okind, "name": name, "stream": stream, "rel": t}
             for q in reqs:
@@ -258,24 +264,80 @@ def _metadata() -> list[dict]:
                               (_PID_POLICY, "policy"))]
 
 
-def write_trace(f: IO[str], recorder: TraceRecorder, **other: Any) -> TraceSummary:
-    """Write ``recorder``'s trace as a Trace Event JSON object to ``f`` (text); ``other``
-    goes into ``otherData``. Off the loop: it reads only the recorder's records."""
-    events = recorder.events()
+def _named_tracks(events: list[dict]) -> list[dict]:
+    """``events`` with the GPU's tracks named (stream N, stream N copies)."""
     names = {}
-    for e in events:                          # name the GPU's tracks
+    for e in events:
         if e.get("pid") == _PID_GPU and e["ph"] == "X":
             tid = e["tid"]
             names[tid] = (f"stream {tid}" if tid < _COPY_TRACKS
                           else f"stream {tid - _COPY_TRACKS} copies")
-    events.extend({"ph": "M", "name": "thread_name", "pid": _PID_GPU, "tid": tid,
-                   "args": {"name": name}} for tid, name in sorted(names.items()))
-    summary = recorder.summary(events)
+    return events + [{"ph": "M", "name": "thread_name", "pid": _PID_GPU, "tid": tid,
+                      "args": {"name": name}} for tid, name in sorted(names.items())]
+
+
+def write_trace(f: IO[str], recorder: TraceRecorder, **other: Any) -> TraceSummary:
+    """Write ``recorder``'s trace as a Trace Event JSON object to ``f`` (text); ``other``
+    goes into ``otherData``. Off the loop: it reads only the recorder's records."""
+    return write_traces(f, [("", recorder)], **other)
+
+
+def write_traces(f: IO[str], runs: list[tuple[str, TraceRecorder]],
+                 **other: Any) -> TraceSummary:
+    """Several dispatchers' traces in one file (an experiment's runs): run k's processes
+    get pids 10k+1..10k+3, named after its label (``label``: requests, ...)."""
+    events: list[dict] = []
+    total = TraceSummary(0, 0, 0, False)
+    for k, (label, rec) in enumerate(runs):
+        evs = _named_tracks(rec.events())
+        s = rec.summary(evs)
+        total = TraceSummary(total.events + s.events, total.requests + s.requests,
+                             total.kernels + s.kernels, total.truncated or s.truncated)
+        for e in evs:
+            e["pid"] += 10 * k
+            if label and e["ph"] == "M" and e["name"] == "process_name":
+                e["args"] = {"name": f"{label}: {e['args']['name']}"}
+        events += evs
     json.dump({"traceEvents": events, "displayTimeUnit": "ns",
-               "otherData": {"truncated": recorder.truncated, "requests": summary.requests,
-                             "kernels": summary.kernels, **other}}, f)
-    return summary
+               "otherData": {"truncated": total.truncated, "requests": total.requests,
+                             "kernels": total.kernels, "runs": len(runs), **other}}, f,
+              default=_plain)
+    return total
 
 
-__all__ = ["TraceRecorder", "TraceSummary", "write_trace", "DEFAULT_MAX_EVENTS",
+@contextmanager
+def trace_every_dispatcher(path: str, runs: int = 2, source: str = "",
+                           max_events: int = DEFAULT_MAX_EVENTS) -> Iterator[list]:
+    """Trace the first ``runs`` dispatchers made in this process while the ``with`` block
+    runs (an experiment, a benchmark) and write their traces into ``path`` at its end,
+    whatever way it ends. Yields the list of (label, recorder) it fills."""
+    from .instruments import instrument_every_dispatcher
+    traced: list[tuple[str, TraceRecorder]] = []
+
+    def make(d: Any) -> TraceRecorder | None:
+        if len(traced) >= runs:
+            return None
+        rec = TraceRecorder(d, max_events)
+        traced.append((f"run {len(traced) + 1} ({getattr(d.policy, 'name', '?')} on "
+                       f"{d.device.props.name})", rec))
+        return rec
+    try:
+        with instrument_every_dispatcher(make):
+            yield traced
+    finally:
+        for _, rec in traced:
+            rec.stop()
+        with open(path, "w") as f:
+            write_traces(f, traced, source=source)
+
+
+def _plain(o: Any) -> Any:
+    """JSON for what a caller's requests may carry: numpy scalars (a harness's client
+    ids), anything else as its text."""
+    item = getattr(o, "item", None)
+    return item() if callable(item) else str(o)
+
+
+__all__ = ["TraceRecorder", "TraceSummary", "write_trace", "write_traces",
+           "trace_every_dispatcher", "DEFAULT_MAX_EVENTS",
            "BYTES_PER_EVENT"]

@@ -37,7 +37,35 @@ def register(sub: argparse._SubParsersAction) -> None:
     for parser in esub.choices.values():
         func = parser.get_default("func")
         if func is not None:
-            parser.set_defaults(func=_checked(parser, func))
+            parser.add_argument("--trace", metavar="FILE.json",
+                                help="also write a kernel-level trace of the run's first "
+                                     "dispatchers (Trace Event format: Perfetto, "
+                                     "chrome://tracing)")
+            parser.add_argument("--trace-runs", type=int, default=2, metavar="N",
+                                help="with --trace: how many of the run's dispatchers to "
+                                     "trace, in the order it makes them (default 2)")
+            parser.set_defaults(func=_checked(parser, _traced(func)))
+
+
+def _traced(func):
+    """``func`` with ``--trace``: the first ``--trace-runs`` dispatchers the run makes (in
+    this process) traced, into one file at the end (dispatcher/trace.py)."""
+    def run(args: argparse.Namespace):
+        if not getattr(args, "trace", None):
+            return func(args)
+        import sys
+        from paella.dispatcher.trace import trace_every_dispatcher
+        traced: list = []
+        try:
+            with trace_every_dispatcher(args.trace, args.trace_runs,
+                                        f"paella experiment {args.experiment}") as traced:
+                return func(args)
+        finally:
+            print(f"trace: {args.trace}: {len(traced)} dispatcher run(s)"
+                  + ("" if traced else ": this experiment made no dispatcher in this process "
+                                       "(a real daemon's: use `paella trace`)"),
+                  file=sys.stderr)
+    return run
 
 
 #: Numeric options where 0 means something whatever their default: ``--cpu-scale 0`` is a
@@ -61,7 +89,7 @@ def _checked(parser: argparse.ArgumentParser, func):
             if not (math.isfinite(v) and (v >= 0 if floor_ok else v > 0)):
                 raise CLIError(f"{a.option_strings[0]} must be a finite number "
                                f"{'>= 0' if floor_ok else '> 0'}, got {v}")
-        for opt in ("json", "plot"):         # before the run, not after minutes of it
+        for opt in ("json", "plot", "trace"):   # before the run, not after minutes of it
             out = getattr(args, opt, None)
             if isinstance(out, str) and out:
                 folder = os.path.dirname(os.path.abspath(out))

@@ -24,7 +24,7 @@ COMMANDS = [
     ("paella.dispatcher.daemon.unit", ("unit",), "serve"),
     ("paella.client.status", ("status",), ""),
     ("paella.client.perf", ("perf",), ""),
-    ("paella.client.trace", ("trace",), ""),
+    ("paella.trace_command", ("trace",), ""),
     ("paella.kserve.command", ("kserve",), "kserve"),
     ("paella.compiler_pass.cli", ("compile",), "compile"),
     ("paella.experiments.cli", ("experiment",), "all"),
