@@ -422,9 +422,9 @@ def bundle_adaptor(bundle, name: str, device, cache: FunctionalCache | None = No
     ``early_lookup=False``: the cache's lookup all at the last kernel's launch, on the
     loop (the benchmark's before, ``bench_realtime --late-lookup``).
     ``answers_at_launch=False``: the answer is looked up, and a first-seen input computed
-    (waited for, on the loop), at the last kernel's completion: for a dispatcher that
-    releases kernels ahead of their predecessors (lookahead > 1, an eager policy), whose
-    last kernel may be launched before the request's input has landed.
+    (waited for, on the loop), at the last kernel's completion (the tests' comparison;
+    the daemon asks at the launch whatever its release rule: the simulated device waits
+    for the input to land, SimDevice._prepare_effect).
     """
     if device.backend == "sim":
         return functional_adaptor(bundle, name, cache, variant, early_lookup, answers_at_launch)

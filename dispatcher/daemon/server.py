@@ -238,17 +238,10 @@ class Daemon:
                                                       sorted(self.unserved.items())))
 
     def _make_adaptor(self, bundle, label: str, variant: int = 0):
-        return bundle_adaptor(bundle, label, self.device, self._functional, variant,
-                              answers_at_launch=self._answers_at_launch())
-
-    def _answers_at_launch(self) -> bool:
-        """Whether a model's last kernel may wait for its answer when launched (off the
-        loop): only when the dispatcher releases a kernel once its predecessors have
-        completed, so the request's input has landed by then (docs/service.md, "Answers
-        off the loop"). With --lookahead > 1 or an eager policy (fifo, ms-jbj) a
-        first-seen input is computed at the last kernel's completion, on the loop."""
-        disp = self.dispatcher.disp if self.dispatcher is not None else None
-        return self.cfg.lookahead == 1 and not getattr(getattr(disp, "policy", None), "eager", False)
+        # The last kernel waits for its answer off the loop whatever the dispatcher's
+        # release rule: the simulated device asks for it once the kernel's stream has
+        # done what comes before it (docs/service.md, "Answers off the loop").
+        return bundle_adaptor(bundle, label, self.device, self._functional, variant)
 
     def _reserved(self) -> tuple[str, ...]:
         """Names a repository folder may not take: the built-in models'."""

@@ -89,9 +89,15 @@ def wait_for(cond, timeout: float, what: str, dp) -> None:
         time.sleep(0.02)
 
 
-def test_a_slow_new_input_does_not_stall_the_others(tmp_path, mlp, reference, fresh_daemon):
+@pytest.mark.parametrize("release", [(), ("--lookahead", "3"), ("--policy", "ms-jbj")],
+                         ids=["lookahead-1", "lookahead-3", "eager-ms-jbj"])
+def test_a_slow_new_input_does_not_stall_the_others(tmp_path, mlp, reference, fresh_daemon,
+                                                     release):
+    # Whatever the release rule: a dispatcher that releases ahead (lookahead 3, ms-jbj's
+    # eager release) launches the last kernel before the input has landed; its answer is
+    # then asked when the kernel's stream reaches it, still off the loop.
     repo = repo_with(tmp_path, mlp, "tiny_mlp")
-    dp = fresh_daemon("--models", str(repo), "--no-noop",
+    dp = fresh_daemon("--models", str(repo), "--no-noop", *release,
                       env={"PAELLA_SIM_EFFECT_FAULT": "delay:3"})
     slow, other = connect(dp.socket), connect(dp.socket)
     x = fresh(1)

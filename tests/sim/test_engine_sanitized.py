@@ -31,6 +31,7 @@ for gpu, jitter in (("a100", 0.2), ("p100", 0.0), ("gtx1660s", 0.0)):
     head, mask, ring = 0, dev.notifq.size - 1, dev.notifq
     done = []
     gates = []
+    notifying, reached = set(), set()
     for i in range(1500):
         f = funcs[rng.choice(infos).name]
         s = rng.randrange(48)
@@ -48,8 +49,14 @@ for gpu, jitter in (("a100", 0.2), ("p100", 0.0), ("gtx1660s", 0.0)):
         elif r < 0.95:
             ev = dev.record_event(s)
         else:
-            gates.append(dev.gpu.gate(s))
+            notify = rng.random() < 0.5
+            gates.append(dev.gpu.gate(s, notify))
+            if notify:
+                notifying.add(gates[-1])
         if i % 7 == 0:
+            for h in dev.gpu.reached():      # each notifying gate listed once at most
+                assert h in notifying and h not in reached, h
+                reached.add(h)
             rng.shuffle(gates)
             n = rng.randint(0, len(gates))
             for h in gates[:n]:              # at the head, before arrival, or stale (False)

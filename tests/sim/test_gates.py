@@ -251,3 +251,26 @@ def test_realtime_engine_with_a_closed_gate_polls_without_firing(kernels):
     assert dev.gpu.open(h) is True
     dev.run()
     assert "held" in log and not dev.gpu.busy()
+
+
+def test_a_notifying_gate_is_reached_once_when_its_stream_has_done_what_came_before(kernels):
+    dev = tiny_gpu(queues=2)
+    (k,) = kernels(dev, KernelInfo("k", 16, duration=100 * US))
+    log = {}
+    launch(dev, k, 0, log, "before")
+    h = dev.gpu.gate(0, True)
+    quiet = dev.gpu.gate(1)                             # (no notify: never listed)
+    h_idle = dev.gpu.gate(3, True)                      # an idle stream: at its head at once
+    launch(dev, k, 0, log, "after")
+    assert dev.gpu.reached() == [h_idle]
+    assert dev.gpu.reached() == []                      # listed once
+    dev.run_until(50 * US)
+    assert dev.gpu.reached() == []                      # "before" still runs
+    dev.run()
+    assert "before" in log and dev.gpu.reached() == [h]
+    dev.run_until(dev.now() + 10 * US)
+    assert dev.gpu.reached() == []                      # still closed: not listed again
+    for g in (h, quiet, h_idle):
+        assert dev.gpu.open(g) is True
+    dev.run()
+    assert "after" in log and dev.gpu.gates == 0 and dev.gpu.reached() == []

@@ -62,6 +62,7 @@ typedef struct {
     int32_t qnext, snext, enext;   /* next in hardware queue, stream, copy engine; free list */
     uint8_t done, issued, blocked, instrumented;
     uint8_t opened;                /* gates: the host has opened it */
+    uint8_t notify;                /* gates: report reaching its stream's head (Gpu.reached) */
     double t_submit, t_issue, t_first, t_done;
     PyObject *cb, *action;
     /* kernels */
@@ -153,6 +154,7 @@ typedef struct {
     double area, last_t;
     PyObject *record;              /* list, or NULL: per-kernel records for profiling */
     PyObject *trace;               /* callable, or NULL: trace(kind, begin, end) per kernel/copy */
+    PyObject *reached;             /* list, or NULL: handles of notifying gates at their head */
     /* bulk arrivals (benchmarks, naive drivers) */
     double *b_t;
     int32_t *b_stream;
@@ -474,6 +476,9 @@ static int record_kernel(Gpu *g, Op *k)
     return r;
 }
 
+static PyObject *gate_handle(uint64_t seq, int slot);
+static int gate_reached(Gpu *g, int i);
+
 static int complete(Gpu *g, int i)
 {
     Op *o = &g->ops[i];
@@ -488,6 +493,9 @@ static int complete(Gpu *g, int i)
     g->shead[st] = o->snext;
     if (g->shead[st] == NIL)
         g->stail[st] = NIL;
+    else if (g->ops[g->shead[st]].notify && !g->ops[g->shead[st]].opened
+             && gate_reached(g, g->shead[st]) < 0)
+        return -1;
     g->scount[st]--;
     if (o->kind == K_GATE)
         g->ngates--;
@@ -524,6 +532,23 @@ static int start_copy(Gpu *g, int i)
     Op *o = &g->ops[i];
     o->t_first = g->now;
     return push_event(g, g->now + g->pcie_lat + (double)o->nbytes / g->pcie_bw, EV_COPY, i, 0);
+}
+
+/* A notifying gate became the head of its stream: everything before it on its stream has
+   completed (whatever its hardware queue holds ahead of it). Its handle goes on g->reached
+   for the host (Gpu.reached). */
+static int gate_reached(Gpu *g, int i)
+{
+    Op *o = &g->ops[i];
+    o->notify = 0;
+    if (g->reached == NULL && (g->reached = PyList_New(0)) == NULL)
+        return -1;
+    PyObject *h = gate_handle(o->seq, i);
+    if (h == NULL)
+        return -1;
+    int rc = PyList_Append(g->reached, h);
+    Py_DECREF(h);
+    return rc;
 }
 
 /* Start what the head of queue qi allows: copies go to their engine, markers and opened
@@ -1301,8 +1326,8 @@ static int gate_parse(PyObject *arg, uint64_t *seq, long *slot)
 
 static PyObject *Gpu_gate(Gpu *g, PyObject *args)
 {
-    int stream;
-    if (!PyArg_ParseTuple(args, "i", &stream) || check_stream(g, stream) < 0)
+    int stream, notify = 0;
+    if (!PyArg_ParseTuple(args, "i|p", &stream, &notify) || check_stream(g, stream) < 0)
         return NULL;
     int i = op_alloc(g);
     if (i == NIL)
@@ -1310,9 +1335,12 @@ static PyObject *Gpu_gate(Gpu *g, PyObject *args)
     Op *o = &g->ops[i];
     o->kind = K_GATE;
     o->stream = stream;
+    o->notify = (uint8_t)notify;
     g->ngates++;
     if (submit(g, i) < 0)
         return NULL;
+    if (g->ops[i].notify && g->shead[stream] == i && gate_reached(g, i) < 0)
+        return NULL;                         /* (its stream was idle: at its head at once) */
     /* the handle before flush: a callback run there may submit (and move the ops array) */
     uint64_t seq = g->ops[i].seq;
     if (flush(g) < 0)
@@ -1742,6 +1770,15 @@ static PyObject *Gpu_get_demand(Gpu *g, void *c) { return PyFloat_FromDouble(g->
 static PyObject *Gpu_get_nheap(Gpu *g, void *c) { return PyLong_FromLong(g->nheap); }
 static PyObject *Gpu_get_gates(Gpu *g, void *c) { return PyLong_FromLongLong(g->ngates); }
 
+/* The handles of the notifying gates that reached their stream's head since the last call
+   (and are still closed then), oldest first. */
+static PyObject *Gpu_reached(Gpu *g, PyObject *unused)
+{
+    PyObject *r = g->reached;
+    g->reached = NULL;
+    return r != NULL ? r : PyList_New(0);
+}
+
 static PyGetSetDef Gpu_getset[] = {
     {"now", (getter)Gpu_get_now, NULL, "virtual time, seconds", NULL},
     {"resident", (getter)Gpu_get_resident, NULL, "resident blocks", NULL},
@@ -1763,9 +1800,13 @@ static PyMethodDef Gpu_methods[] = {
     {"copy", (PyCFunction)Gpu_copy, METH_VARARGS, "submit a copy (kind, stream, nbytes, action, cb)"},
     {"marker", (PyCFunction)Gpu_marker, METH_VARARGS, "submit an event marker (stream, cb)"},
     {"gate", (PyCFunction)Gpu_gate, METH_VARARGS,
-     "submit a closed gate (stream): holds the ops behind it until opened; returns its handle"},
+     "submit a closed gate (stream, notify=False): holds the ops behind it until opened; "
+     "returns its handle; notify: Gpu.reached() lists it once it is its stream's head"},
     {"open", (PyCFunction)Gpu_open, METH_O,
      "open a gate by handle: True if it was live, False if it had already completed"},
+    {"reached", (PyCFunction)Gpu_reached, METH_NOARGS,
+     "handles of the gates submitted with notify=True that reached their stream's head "
+     "since the last call"},
     {"bulk", (PyCFunction)Gpu_bulk, METH_VARARGS, "schedule one launch per row at given times"},
     {"shape", (PyCFunction)Gpu_shape, METH_VARARGS, "register a block footprint; returns its id"},
     {"fit", (PyCFunction)Gpu_fit, METH_VARARGS, "blocks of a shape that fit on an SM now"},
@@ -1905,6 +1946,7 @@ static int Gpu_traverse(Gpu *g, visitproc visit, void *arg)
     }
     Py_VISIT(g->record);
     Py_VISIT(g->trace);
+    Py_VISIT(g->reached);
     Py_VISIT(g->overrun_exc);
     return 0;
 }
@@ -1920,6 +1962,7 @@ static int Gpu_clear(Gpu *g)
     /* Deferred ops not yet flushed hold their callbacks too (op_free has not run). */
     Py_CLEAR(g->record);
     Py_CLEAR(g->trace);
+    Py_CLEAR(g->reached);
     Py_CLEAR(g->overrun_exc);
     return 0;
 }

@@ -79,6 +79,10 @@ class SimDevice(Device):
         #: loop with it).
         self._answered: deque[int] = deque()
         self.effect_ready: Callable[[], None] = _nothing
+        #: Gates (engine handles) ahead of a kernel launched behind unfinished work of its
+        #: stream, whose answer is asked when they reach the stream's head (then its input
+        #: has landed): handle -> (pending, args, launch id). See _prepare_effect.
+        self._deferred: dict[int, tuple[Callable, tuple, int]] = {}
 
     @property
     def resources(self) -> SMView:
@@ -93,6 +97,8 @@ class SimDevice(Device):
     def poll(self) -> None:
         if self.realtime:
             self.gpu.poll_wall(self.loop._t0, self.loop.speed)
+            if self._deferred:
+                self._ask_reached()
 
     def next_event_time(self) -> float:
         if self._answered:
@@ -131,6 +137,10 @@ class SimDevice(Device):
         """Block until a held kernel's answer is in (a synchronize: start-up, tools)."""
         import time
         while not self._answered:
+            if self._deferred:
+                self._ask_reached()
+                if self.loop.peek() < float("inf"):
+                    return                    # (a gate opened at once: its work runs)
             time.sleep(0.0005)
         self.open_answered()
 
@@ -139,6 +149,9 @@ class SimDevice(Device):
         is let go, and its effect reports the failure); no worker outlives this."""
         self.effects.close()
         self.open_answered()
+        for handle in list(self._deferred):  # (never asked: let their kernels go)
+            self.gpu.open(handle)
+        self._deferred.clear()
 
     @property
     def gates(self) -> int:
@@ -230,14 +243,47 @@ class SimDevice(Device):
         still being computed holds the kernel in real time; in virtual time the effect
         waits for it at the kernel's completion, the simulated clock standing still. A
         failure is the kernel's fault (its job fails with the reason), as in
-        :func:`_with_effect`."""
-        try:
-            answer = pending(self.memory.view, args)
-        except Exception as e:  # noqa: BLE001 - any failure of the stand-in computation
-            _record_fault(self, launch_id, e)
+        :func:`_with_effect`.
+
+        The inputs the answer reads must have landed: true when nothing earlier is left on
+        the kernel's stream (its input copies are among that). A dispatcher that releases
+        ahead (lookahead > 1, an eager policy) launches the kernel behind such work: then
+        a gate goes in ahead of it, asking the engine to say when it reaches the stream's
+        head, and the answer is asked then (:meth:`_ask_reached`), still off the loop."""
+        if self.realtime and not self.gpu.stream_idle(stream):
+            self._deferred[self.gpu.gate(stream, True)] = (pending, args, launch_id)
             return
+        answer = self._ask(pending, args, launch_id)
         if answer is not None and self.realtime:
             self._hold(stream, answer)
+
+    def _ask(self, pending: Callable, args: tuple, launch_id: int) -> Any:
+        """The effect's answer (a future still running, or None: ready), None after
+        recording a failure as the kernel's fault."""
+        try:
+            return pending(self.memory.view, args)
+        except Exception as e:  # noqa: BLE001 - any failure of the stand-in computation
+            _record_fault(self, launch_id, e)
+            return None
+
+    def _ask_reached(self) -> None:
+        """The deferred answers whose gate reached its stream's head: ask them now (their
+        inputs have landed); open the gate at once when the answer is ready, else when it
+        comes in (as :meth:`_hold`)."""
+        for handle in self.gpu.reached():
+            entry = self._deferred.pop(handle, None)
+            if entry is None:
+                continue
+            answer = self._ask(*entry)
+            if answer is None:
+                self.gpu.open(handle)
+                continue
+            answered = self._answered
+
+            def done(_f: Any, handle: int = handle) -> None:   # (the workers' thread)
+                answered.append(handle)
+                self.effect_ready()
+            answer.add_done_callback(done)
 
     # -- memory ---------------------------------------------------------------------
     def _alloc(self, nbytes: int) -> int:

@@ -80,13 +80,12 @@ def model_effects(inputs: Sequence[Any], outputs: Sequence[Any],
     ``begin`` returned, or stand in for a ``begin`` that never ran), and a future that is
     not done yet while the answer is being computed elsewhere (else None). It becomes
     ``end.pending``, the hook the simulated device asks before it launches the kernel.
-    The inputs it reads must have landed by then: true when the dispatcher releases a
-    kernel only once its predecessors completed (lookahead 1, a policy that is not
-    eager); a daemon that releases ahead passes no ``prepare``. When the start has not
-    run yet at the launch, the kernel is held on a placeholder the start completes.
-    (A start entry left by a request cancelled between its two effects could be taken
-    for the next one's under release-ahead: one more reason to pass no ``prepare``
-    then.)"""
+    The inputs it reads must have landed by then: the simulated device asks only once
+    nothing earlier is left on the kernel's stream (a dispatcher that releases ahead
+    launches it sooner: the device then asks when a gate ahead of it reaches the
+    stream's head; SimDevice._prepare_effect). When the start has not run yet at that
+    point (a plan whose start kernel is on another stream), the kernel is held on a
+    placeholder the start completes."""
     n_in = len(inputs)
     want_end = own_args + n_in + len(outputs)
     started: dict[tuple, Any] = {}
