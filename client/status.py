@@ -40,6 +40,11 @@ def format_status(st: dict) -> str:
         lines.append(f"  {m['id']:>3} {m['name']:<24} {m['variants']} variant(s), "
                      f"{m.get('in_flight', 0)} in flight"
                      + (f", {_size(mem)} on the GPU" if mem else ""))
+    cls = st.get("classes")
+    if cls and cls["accepted"]:
+        lines.append("priority classes (accepted): " + ", ".join(
+            f"{k}: {v}" for k, v in cls["accepted"].items())
+            + f"; {cls['clamped']} clamped to their tenant's highest")
     lines.append(f"clients ({len(st['clients'])}):")
     for c in st["clients"]:
         lines.append(f"  {c['id']:>3} pid {c['pid']:<8} uid {c['uid']:<6} {c['mode']:<8} "

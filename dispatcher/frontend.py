@@ -108,6 +108,10 @@ class FrontendConfig:
     max_clients_per_uid: int = 64      # connections (handshaking or ready) of one uid
     trace_users: tuple[str | int, ...] = ()   # uids besides the owner (and root) that
                                               # may take a trace (TRACE)
+    class_default: dict[str, int] = field(default_factory=dict)   # tenant -> class of a
+                                              # request naming none (see TenantClasses)
+    class_highest: dict[str, int] = field(default_factory=dict)   # tenant -> the most
+                                              # urgent class it may ask for
     log_interval: float = 10.0         # one log line per client per interval for its
                                        # rejected entries and bad messages (then a count)
 
@@ -144,6 +148,11 @@ class ClientConn:
     mode: str = ""
     #: It asked for a trace (TRACE): no handshake deadline; closed once it is sent.
     tracing: bool = False
+    #: Its tenant's priority classes (TenantClasses): a request naming none gets
+    #: ``class_default``; one more urgent than ``class_highest`` is clamped to it.
+    class_default: int = 0
+    class_highest: int = 1
+    clamp_log: Any = None
     segment: str = ""                   # the memfd's name, for logs (it is in no file system)
     deadline: float = 0.0               # monotonic time by which HELLO must have come
     seg: rings.Segment | None = None
@@ -188,6 +197,43 @@ def _resolve_id(name: str | int, lookup, field: str, what: str) -> int:
         return getattr(lookup(name), field)
     except (KeyError, ValueError, TypeError):
         raise FrontendError(f"allowed {what} {name!r} does not exist") from None
+
+
+class TenantClasses:
+    """Each tenant's priority classes, from ``[access] class_default`` and
+    ``class_highest`` (tenant -> class: a user name or uid, ``@group``, or ``*``).
+
+    A connection's are resolved once, at accept: its uid's entry first; else, among its
+    groups' entries, the most urgent (the lowest number: a member of a privileged group
+    gets that group's rights); else ``*``'s; else no default (0) and no bound (1)."""
+
+    def __init__(self, defaults: dict[str, int], highest: dict[str, int]):
+        self.tables = [self._resolve(defaults), self._resolve(highest)]
+        self.groups = any(t[1] for t in self.tables)
+
+    @staticmethod
+    def _resolve(table: dict[str, int]) -> tuple[dict[int, int], dict[int, int], int | None]:
+        users, groups, anyone = {}, {}, None
+        for who, n in table.items():
+            if who == "*":
+                anyone = n
+            elif who.startswith("@"):
+                groups[_resolve_id(who[1:], grp.getgrnam, 'gr_gid', 'group')] = n
+            else:
+                users[_resolve_id(who, pwd.getpwnam, 'pw_uid', 'user')] = n
+        return users, groups, anyone
+
+    def of(self, uid: int, pid: int, gid: int) -> tuple[int, int]:
+        """(default class, highest class) of a connection."""
+        peer = peer_groups(pid, gid) if self.groups else set()
+        out = []
+        for (users, groups, anyone), fallback in zip(self.tables, (0, 1)):
+            n = users.get(uid)
+            if n is None:
+                mine = [groups[g] for g in peer if g in groups]
+                n = min(mine) if mine else anyone
+            out.append(fallback if n is None else n)
+        return out[0], out[1]
 
 
 def peer_groups(pid: int, gid: int) -> set[int]:
@@ -285,11 +331,17 @@ class Frontend:
                              for u in cfg.allowed_users} | {os.geteuid(), 0}
         self.allowed_gids = {_resolve_id(g, grp.getgrnam, 'gr_gid', 'group')
                              for g in cfg.allowed_groups}
+        self.classes = TenantClasses(cfg.class_default, cfg.class_highest)
+        #: Requests accepted per priority class (0: none), and those clamped to their
+        #: tenant's highest class.
+        self.class_counts: dict[int, int] = {}
+        self._clamp_log = LogThrottle(cfg.log_interval, burst=SESSION_LOG_BURST)
         #: Who may take a trace: it shows every tenant's kernels and timing.
         self.trace_uids = {_resolve_id(u, pwd.getpwnam, 'pw_uid', 'user')
                            for u in cfg.trace_users} | {os.geteuid(), 0}
         #: Counters the daemon logs at exit ("stopped cleanly; stats {...}").
         self.stats = {"accepted": 0, "refused": 0, "lost": 0, "requests": 0, "rejected": 0,
+                      "priority_clamped": 0,
                       "bad_messages": 0, "handshake_timeouts": 0, "rejections_not_logged": 0,
                       "messages_not_logged": 0, "refusals_not_logged": 0,
                       "sessions_not_logged": 0, "progress": 0, "progress_skipped": 0}
@@ -453,6 +505,7 @@ class Frontend:
                        deadline=time.monotonic() + self.cfg.handshake_seconds,
                        reject_log=LogThrottle(self.cfg.log_interval),
                        message_log=LogThrottle(self.cfg.log_interval))
+        c.class_default, c.class_highest = self.classes.of(uid, pid, gid)
         self._next_cid += 1
         self.clients[c.cid] = c
         self._per_uid[uid] = self._per_uid.get(uid, 0) + 1
@@ -643,6 +696,8 @@ class Frontend:
                                            key=lambda m: m.model_id)],
                 "clients": clients,
                 "in_flight": sum(c["in_flight"] for c in clients),
+                "classes": {"accepted": {str(k): v for k, v in sorted(self.class_counts.items())},
+                            "clamped": self.stats["priority_clamped"]},
                 "stats": dict(self.stats)}
 
     def _hello(self, c: ClientConn, msg: dict) -> None:
@@ -838,12 +893,33 @@ class Frontend:
             return self._reject(c, req_id, rings.E_DUPLICATE,
                                 f"request id {req_id} is already in flight")
         c.inflight[req_id] = False
+        if not priority:
+            priority = c.class_default
+        if priority and priority < c.class_highest:
+            priority = self._clamp(c, req_id, priority)
+        self.class_counts[priority] = self.class_counts.get(priority, 0) + 1
         req = Request(req_id, c.cid, model_id, c.seg.arena[off:off + ln],  # type: ignore[union-attr]
                       variant, self._woken, self._completed, rows=rows, seq_len=seq_len,
                       layout=slots, priority=priority)
         if options & wire.STREAM and shape is None:
             req.on_progress = self._progressed
         self.executor.submit(req)   # type: ignore[union-attr]
+
+    def _clamp(self, c: ClientConn, req_id: int, asked: int) -> int:
+        """A request more urgent than its tenant may ask: it runs at the tenant's highest
+        class; counted, and logged at most a few lines per interval."""
+        self.stats["priority_clamped"] += 1
+        if c.clamp_log is None:
+            c.clamp_log = LogThrottle(self.cfg.log_interval)
+        held = c.clamp_log.admit()
+        if held is not None and self._clamp_log.admit() is None:
+            held = None
+        if held is not None:
+            log.warning("client %d (uid %d) request %d asked for priority class %d, above the "
+                        "highest its tenant may use (%d, [access] class_highest): clamped%s",
+                        c.cid, c.uid, req_id, asked, c.class_highest,
+                        f" ({held} more since the last line)" if held else "")
+        return c.class_highest
 
     def _reject(self, c: ClientConn, req_id: int, status: int, reason: str) -> None:
         self.stats["rejected"] += 1

@@ -71,6 +71,12 @@ def register(sub: argparse._SubParsersAction) -> None:
                    default=[], metavar="NAME=VALUE", help="policy parameter (repeatable)")
     p.add_argument("--allow-user", dest="allowed_users", action="append", metavar="USER")
     p.add_argument("--allow-group", dest="allowed_groups", action="append", metavar="GROUP")
+    p.add_argument("--class-default", dest="class_default", action="append", metavar="WHO=N",
+                   type=_parse_class, help="the priority class of a request naming none, for "
+                   "WHO (a user, @group, or *); repeatable")
+    p.add_argument("--class-highest", dest="class_highest", action="append", metavar="WHO=N",
+                   type=_parse_class, help="the most urgent class WHO may ask for (a request "
+                   "above it is clamped, logged and counted); repeatable")
     p.add_argument("--trace-user", dest="trace_users", action="append", metavar="USER",
                    help="a user who may take traces (`paella trace`) besides the daemon's "
                         "owner (repeatable): a trace shows every tenant's timing")
@@ -80,6 +86,15 @@ def register(sub: argparse._SubParsersAction) -> None:
         p.add_argument("--" + name.replace("_", "-"), dest=name,
                        type=type(getattr(DaemonConfig, name)))
     p.set_defaults(func=_serve)
+
+
+def _parse_class(text: str) -> tuple[str, int]:
+    """``WHO=N`` of --class-default / --class-highest (the config checks WHO and N)."""
+    who, sep, n = text.partition("=")
+    if not sep or not who or not n.strip().isdigit():
+        raise argparse.ArgumentTypeError(f"expected WHO=N (a user, @group or *, and a class "
+                                         f"0..255), got {text!r}")
+    return who, int(n)
 
 
 def _serve(args: argparse.Namespace) -> int:

@@ -74,6 +74,12 @@ class DaemonConfig:
     allowed_groups: list[str] = field(default_factory=list)
     socket_mode: int = 0o666
     trace_users: list[str] = field(default_factory=list)   # may take traces, besides the owner
+    # Priority classes (1 the most urgent .. 255; 0 names none), per tenant: a user name
+    # or uid, "@group", or "*" for everyone else. class_default: the class of a request
+    # that names none; class_highest: the most urgent class a tenant may ask for (a
+    # request above it is clamped to it, logged and counted). docs/service.md, "Classes".
+    class_default: dict[str, int] = field(default_factory=dict)
+    class_highest: dict[str, int] = field(default_factory=dict)
     # [limits]
     max_clients: int = 256
     max_inflight_per_client: int = 256
@@ -100,6 +106,14 @@ class DaemonConfig:
                 raise ConfigError(f"gpu: {e} (the simulated GPU; --gpu, [daemon] gpu)") from None
         if self.cpu not in ("auto", "none") and not _ASCII_DIGITS.fullmatch(str(self.cpu)):
             raise ConfigError(f"cpu must be auto, none or a core number, got {shown(self.cpu)}")
+        _check_classes(self.class_default, "class_default", 0)
+        _check_classes(self.class_highest, "class_highest", 1)
+        for who, d in self.class_default.items():
+            h = self.class_highest.get(who)
+            if d and h is not None and d < h:
+                raise ConfigError(f"class_default gives {shown(who)} class {d}, more urgent "
+                                  f"than the class_highest it may use ({h}): every request of "
+                                  f"theirs would be clamped; give a default of {h} or more")
         for name in ("allowed_users", "allowed_groups", "trace_users"):
             for v in getattr(self, name):
                 if not ((type(v) is int and v >= 0)
@@ -198,7 +212,8 @@ SECTIONS = {
                "idle_spin_us", "drain_seconds", "plugin_timeout_seconds", "lookahead", "wake_lead_us", "kernel_core",
                "effect_workers", "effect_deadline_seconds", "effect_queue", "echo", "noop", "log_level", "metrics_port",
                "metrics_addr"),
-    "access": ("allowed_users", "allowed_groups", "socket_mode", "trace_users"),
+    "access": ("allowed_users", "allowed_groups", "socket_mode", "trace_users", "class_default",
+               "class_highest"),
     "limits": ("max_clients", "max_inflight_per_client", "arena_bytes", "max_arena_bytes",
                "ring_slots", "max_clients_per_uid", "handshake_seconds", "device_memory",
                "trace_max_bytes"),
@@ -244,6 +259,21 @@ def load_config(path: str | None) -> DaemonConfig:
     return cfg
 
 
+def _check_classes(table: dict, name: str, lowest: int) -> None:
+    """``[access] class_default`` / ``class_highest``: tenant -> class."""
+    if not isinstance(table, dict):
+        raise ConfigError(f"{name} must be a table of tenant = class, got {shown(table)}")
+    for who, n in table.items():
+        ok_who = isinstance(who, str) and (who == "*" or _NAME.fullmatch(who.removeprefix("@"))
+                                           or who.isdigit())
+        if not ok_who:
+            raise ConfigError(f"{name}: {shown(who)} is not a tenant: name a user (or uid), "
+                              f"\"@group\", or \"*\" for everyone else")
+        if type(n) is not int or not lowest <= n <= 255:
+            raise ConfigError(f"{name}: {shown(who)} = {shown(n)}: a class is an int "
+                              f"{lowest}..255 (1 the most urgent{', 0 none' if lowest == 0 else ''})")
+
+
 def shown(value: Any, limit: int = 80) -> str:
     """``value`` as an error message shows it: its repr, cut to ``limit`` characters (a
     100 MB setting is not echoed whole into the log)."""
@@ -286,7 +316,9 @@ def config_from_args(args: argparse.Namespace) -> DaemonConfig:
     cfg = load_config(args.config)
     for f in dataclasses.fields(DaemonConfig):
         v = getattr(args, f.name, None)
-        if v is not None and f.name != "policy_params":
+        if v is not None and f.name in ("class_default", "class_highest"):
+            getattr(cfg, f.name).update(dict(v))         # (merged into the file's table)
+        elif v is not None and f.name != "policy_params":
             setattr(cfg, f.name, _coerce(f.name, v) if f.name == "socket_mode" else v)
     cfg.policy_params.update(dict(args.policy_param))
     cfg.check()

@@ -219,6 +219,18 @@ class DaemonCollector:
         clients = GaugeMetricFamily("paella_clients", "Connected clients (handshake done)")
         clients.add_metric([], len(st["clients"]))
         yield clients
+        classes = st.get("classes")
+        if classes is not None:
+            by = CounterMetricFamily("paella_requests_by_class", "Requests accepted per "
+                                     "priority class (1 the most urgent; 0: none)",
+                                     labels=["class"])
+            for k, v in classes["accepted"].items():
+                by.add_metric([k], v)
+            yield by
+            clamped = CounterMetricFamily("paella_priority_clamped", "Requests that asked "
+                                          "for a class above their tenant's highest, clamped")
+            clamped.add_metric([], classes["clamped"])
+            yield clamped
         disp = st.get("dispatcher")
         if disp is None:
             return

@@ -158,7 +158,8 @@ class Daemon:
             max_arena_bytes=cfg.max_arena_bytes, max_clients=cfg.max_clients,
             max_inflight_per_client=cfg.max_inflight_per_client,
             max_clients_per_uid=cfg.max_clients_per_uid, handshake_seconds=cfg.handshake_seconds,
-            trace_users=tuple(cfg.trace_users))
+            trace_users=tuple(cfg.trace_users), class_default=dict(cfg.class_default),
+            class_highest=dict(cfg.class_highest))
         self.front = Frontend(fcfg, self.table)
         self.router = Router()
         self.host = HostExecutor(self.front, {}, Instruments(host_instruments))
