@@ -33,7 +33,12 @@ static PaellaTrackerAPI *TAPI;
 static PaellaEngineAPI *EAPI;
 
 #define REBASE 1e9
-#define LEVEL_SPAN 1e15
+/* Priority classes first, in every policy: a heap key is class * CLASS_SPAN + the
+   policy's own key (whole nanoseconds, a sequence number, a turn), capped below
+   CLASS_SPAN. 2^45 (about 9.8 hours of nanoseconds) leaves 8 bits for the class (1..255)
+   below 2^53: the sum is an exact integer in a double, so classes and keys order
+   lexicographically, exactly (kernel_core.class_key is the same). */
+#define CLASS_SPAN 35184372088832.0
 
 /* ===================================================================================== */
 /* Indexed min-heap over small integer ids, keyed by (double key, int64 tie).            */
@@ -647,24 +652,29 @@ static int compact(Core *c, Fifo *f)
     return 0;
 }
 
+static inline double ckey(const Job *j, double x)
+{
+    return (double)j->level * CLASS_SPAN + (x < CLASS_SPAN ? x : CLASS_SPAN - 1.0);
+}
+
 static int kernel_ready(Core *c, int32_t id, Job *j)
 {
     switch (c->policy) {
     case P_FIFO: case P_MSJBJ: case P_MSKBK:
-        ih_push(&c->heap, id, (double)j->seq, 0);
+        ih_push(&c->heap, id, ckey(j, (double)j->seq), 0);
         return 0;
     case P_SJF:
-        ih_push(&c->heap, id, (double)j->estimate, j->seq);
+        ih_push(&c->heap, id, ckey(j, (double)j->estimate), j->seq);
         return 0;
     case P_RR:
-        ih_push(&c->heap, id, (double)c->turn++, 0);
+        ih_push(&c->heap, id, ckey(j, (double)c->turn++), 0);
         return 0;
     case P_PRIORITY:
-        ih_push(&c->heap, id, j->level * LEVEL_SPAN + (double)j->remaining, j->seq);
+        ih_push(&c->heap, id, ckey(j, (double)j->remaining), j->seq);
         return 0;
     }
     j->queued = 1;
-    ih_push(&c->heap, id, (double)j->remaining, j->seq);
+    ih_push(&c->heap, id, ckey(j, (double)j->remaining), j->seq);
     Unit *u = &c->units[j->unit];
     if (!j->infifo) {
         j->infifo = 1;
@@ -709,8 +719,14 @@ static int32_t pick(Core *c)
         return id;
     }
     int32_t u = ih_top(&c->dheap);
-    if (u >= 0 && c->G - c->dheap.key[u] >= c->threshold)
-        return oldest(c, c->by_client ? &c->units[u].ready : &c->fifo);
+    if (u >= 0 && c->G - c->dheap.key[u] >= c->threshold) {
+        /* Deficits act within the most urgent class waiting: a starved unit whose oldest
+           ready job is of a less urgent class waits for that class to drain. */
+        int32_t f = oldest(c, c->by_client ? &c->units[u].ready : &c->fifo);
+        int32_t top = ih_top(&c->heap);
+        if (f < 0 || top < 0 || c->jobs[f]->level <= c->jobs[top]->level)
+            return f;
+    }
     int32_t id = ih_top(&c->heap);
     if (id < 0)
         return -1;
@@ -722,7 +738,8 @@ static int32_t pick(Core *c)
     KSpec *k = &p->ks[p->kernel[j->rq[j->rq_head]]];
     if (!TAPI->fits(c->tracker, &k->d, 0))
         return -1;
-    if (c->hold <= 0.0 || !(c->inflight.key[other] < (double)j->remaining))
+    if (c->hold <= 0.0 || !(c->inflight.key[other] < (double)j->remaining)
+            || c->jobs[other]->level > j->level)    /* (no hold for a less urgent class) */
         return id;
     Prof *pr = j->prof;
     if (pr->seen[k->key] && pr->time[k->key] * 1e9 > c->hold * (double)c->jobs[other]->estimate

@@ -293,11 +293,8 @@ class Dispatcher:
             ops = b.core                     # (made once per buffer set and model)
             if ops is None or ops[0] is not cm:
                 ops = b.core = (cm, *kc.set_operands(cm, replay, b.bound, self._core_memory))
-            reqs = job.requests
-            level = (reqs[0].priority or DEFAULT_LEVEL) if len(reqs) == 1 else \
-                min((r.priority or DEFAULT_LEVEL) for r in reqs)
             job.core = self.core.admit(job, job.seq, cm.plan, cm.profile, job.client_id,
-                                       level, job.pin, ops[1], ops[2], job.io)
+                                       job.level, job.pin, ops[1], ops[2], job.io)
         except Exception as e:               # as the plan's checks: fail this job only
             job.fail(e)
             self._after_run(job)

@@ -32,6 +32,7 @@ import numpy as np
 
 from paella.dispatcher.devices.base import D2H, H2D, KERNEL, Function, OutOfMemory, dim3
 from paella.plugins import PLUGIN_ERRORS
+from paella.wire import DEFAULT_PRIORITY as DEFAULT_LEVEL
 
 from .instruments import Instruments
 from .ops import KernelLaunch, Op
@@ -106,7 +107,7 @@ class Job:
                  "glet", "state", "returned", "error", "wait_op", "wait_all", "blocked",
                  "almost_sent", "almost_next", "cancelled", "allocations", "bindings",
                  "t_arrival", "t_start", "pin", "waited_memory", "waiting_memory", "core",
-                 "__weakref__")
+                 "level", "__weakref__")
 
     def __init__(self, host: JobHost, model: Any, requests: list[Any], io: np.ndarray,
                  seq: int):
@@ -118,6 +119,10 @@ class Job:
         self.io = io
         self.model = model
         self.client_id = requests[0].client_id
+        #: Its priority class, its most urgent request's (1 the most urgent .. 255; a
+        #: request naming none counts as the middle class, 128): every built-in policy
+        #: orders by it first.
+        self.level = min((getattr(r, "priority", 0) or DEFAULT_LEVEL) for r in requests)
         self.seq = seq                       # arrival order
         self.waitlist = Waitlist(host.op_active)
         self.waitlist.eager = host.eager

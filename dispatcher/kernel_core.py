@@ -44,7 +44,7 @@ from paella.dispatcher.devices.base import D2H, H2D, KERNEL, MARKER
 from .native import load
 from .policies import get_policy
 from .policies.paella import DEFAULT_FAIRNESS_THRESHOLD, DEFAULT_HOLD_FACTOR
-from .policies.priority import LEVEL_SPAN
+from .policies.base import class_key
 from .pqueue import IndexedHeap
 from .waitlist import DONE, DROPPED, READY, RELEASED, WAITING
 
@@ -773,18 +773,20 @@ class KernelCore:
 
     def _kernel_ready(self, job: CoreJob) -> None:
         pol = self.policy
+        # Classes first in every policy (class_key: class, then the policy's own key).
+        lv = job.level
         if pol in ("fifo", "ms-jbj", "ms-kbk"):
-            self.heap.push(job, job.seq, 0)
+            self.heap.push(job, class_key(lv, job.seq), 0)
         elif pol == "sjf":
-            self.heap.push(job, job.estimate, job.seq)
+            self.heap.push(job, class_key(lv, job.estimate), job.seq)
         elif pol == "rr":
-            self.heap.push(job, self.turn, 0)
+            self.heap.push(job, class_key(lv, self.turn), 0)
             self.turn += 1
         elif pol == "priority":
-            self.heap.push(job, job.level * LEVEL_SPAN + job.remaining, job.seq)
+            self.heap.push(job, class_key(lv, job.remaining), job.seq)
         else:
             job.queued = True
-            self.heap.push(job, job.remaining, job.seq)
+            self.heap.push(job, class_key(lv, job.remaining), job.seq)
             unit = job.unit
             if not job.infifo:
                 job.infifo = True
@@ -806,7 +808,11 @@ class KernelCore:
             return job
         unit = self.dheap.top()
         if unit is not None and self.G - self.dheap.top_key() >= self.threshold:
-            return self._oldest(unit.ready if self.by_client else self.fifo)
+            # Deficits act within the most urgent class waiting.
+            first = self._oldest(unit.ready if self.by_client else self.fifo)
+            top = self.heap.top()
+            if top is None or first.level <= top.level:
+                return first
         job = self.heap.top()
         if job is None:
             return None
@@ -818,7 +824,8 @@ class KernelCore:
         t = self.tracker
         if not t.starts_now(k.demand):
             return None
-        if self.hold is None or not self.inflight.top_key() < job.remaining:
+        if (self.hold is None or not self.inflight.top_key() < job.remaining
+                or other.level > job.level):          # (no hold for a less urgent class)
             return job
         prof = job.profile
         if (prof.seen[k.key] and prof.time[k.key] * 1e9 > self.hold * other.estimate

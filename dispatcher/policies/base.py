@@ -20,6 +20,7 @@ keeps its per-job state in ``job.policy_state``, a slot that is its alone.
 """
 from __future__ import annotations
 
+from bisect import insort
 from typing import Any
 
 from ..pqueue import IndexedHeap
@@ -71,32 +72,61 @@ class Policy:
         pass
 
 
+#: Classes first (issue 38): every built-in policy orders by a job's priority class (1 the
+#: most urgent .. 255; ``Job.level``), then by its own rule within the class. A heap key
+#: is ``class * CLASS_SPAN + own key`` where the own key is a whole number (nanoseconds, a
+#: sequence number, a turn) capped below CLASS_SPAN: 2**45 leaves 8 bits for the class
+#: below 2**53, so the sum is exact in a double and orders (class, key) exactly.
+CLASS_SPAN = 2 ** 45
+
+
+def class_key(level: int, key: int | float) -> float:
+    """``key`` (a whole number) ordered after the class ``level`` (see CLASS_SPAN)."""
+    return float(level * CLASS_SPAN + min(key, CLASS_SPAN - 1))
+
+
 class HeapPolicy(Policy):
-    """A policy that orders ready jobs by a key: one indexed heap (``paella.dispatcher.
+    """A policy that orders ready jobs by their priority class first (``job.level``, 1 the
+    most urgent), then by a key: an indexed heap per class (``paella.dispatcher.
     pqueue``), so a released or finished job leaves it in place and nothing stale is ever
     skipped. O(log n) per decision. Subclasses define :meth:`key`: a number (ties go to
     the earlier arrival) or a ``(number, int)`` pair, least first. Holds no per-job state
-    outside the heap (``policy_state`` stays free)."""
+    outside the heaps (``policy_state`` stays free)."""
 
     def __init__(self, dispatcher: Any = None, **options: Any):
         super().__init__(dispatcher, **options)
-        self.heap = IndexedHeap()
+        self.heaps: dict[int, IndexedHeap] = {}      # class -> its ready jobs
+        self.levels: list[int] = []                  # the classes with a heap, ascending
 
     def key(self, job: Any) -> Any:
         raise NotImplementedError("need key")
 
     def kernel_ready(self, job: Any) -> None:
         key = self.key(job)
+        heap = self.heaps.get(job.level)
+        if heap is None:
+            heap = self.heaps[job.level] = IndexedHeap()
+            insort(self.levels, job.level)
         if type(key) is tuple:
-            self.heap.push(job, key[0], key[1])
+            heap.push(job, key[0], key[1])
         else:
-            self.heap.push(job, key, job.seq)
+            heap.push(job, key, job.seq)
+
+    def top(self) -> Any:
+        """The ready job of the most urgent class that comes first by key (None: none)."""
+        for level in self.levels:
+            job = self.heaps[level].top()
+            if job is not None:
+                return job
+        return None
 
     def pick(self) -> Any:
-        return self.heap.top()
+        return self.top()
 
     def released(self, job: Any, op: Any) -> None:
-        self.heap.remove(job)
+        self.heaps[job.level].remove(job)
 
     def job_finished(self, job: Any) -> None:
-        self.heap.remove(job)
+        heap = self.heaps.get(job.level)
+        if heap is not None:
+            heap.remove(job)

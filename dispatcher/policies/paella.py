@@ -57,7 +57,7 @@ from heapq import heapify, heappop, heappush
 from typing import Any
 
 from ..pqueue import IndexedHeap
-from .base import Policy, PolicyError
+from .base import Policy, PolicyError, class_key
 from .registry import register_policy
 
 #: Default fairness threshold, in kernels' worth of deficit. A unit starved while the
@@ -139,7 +139,7 @@ class Paella(Policy):
         self.hold = hold_factor or None    # 0, False (TOML) and None turn the rule off
         self.inflight = IndexedHeap()       # every live job, by (remaining, seq)
         self.n_live_jobs = 0
-        self.srpt = IndexedHeap()           # queued jobs, by (remaining, seq)
+        self.srpt = IndexedHeap()           # queued jobs, by (class, remaining ns; seq)
         self.fifo: list = []        # (arrival seq, job): job mode's fairness pick
         self.dheap = IndexedHeap()          # units with a queued job, by (-s, unit seq)
         self.units: dict[Any, _Unit] = {}
@@ -178,7 +178,8 @@ class Paella(Policy):
     def kernel_ready(self, job: Any) -> None:
         st = job.policy_state
         st.queued = True
-        self.srpt.push(job, job.remaining, job.seq)
+        # Classes first (base.class_key): the class, then the estimate in whole ns.
+        self.srpt.push(job, class_key(job.level, round(job.remaining * 1e9)), job.seq)
         unit = st.unit
         if not st.infifo:            # its (seq, job) entry in its fairness fifo
             st.infifo = True
@@ -195,7 +196,12 @@ class Paella(Policy):
         dheap = self.dheap
         unit = dheap.top()
         if unit is not None and self.G - dheap.top_key() >= self.threshold:
-            return self._oldest(unit.ready if self.by_client else self.fifo)
+            # Deficits act within the most urgent class waiting: a starved unit whose
+            # oldest ready job is of a less urgent class waits for that class to drain.
+            first = self._oldest(unit.ready if self.by_client else self.fifo)
+            top = self.srpt.top()
+            if top is None or first.level <= top.level:
+                return first
         job = self.srpt.top()
         if job is None:
             return None
@@ -214,7 +220,8 @@ class Paella(Policy):
         # (2) The hold rule: blocks cannot be preempted, so a kernel that is long next
         # to that job and does not fit beside everything would make its next kernel
         # wait for it. Hold it back while that job runs.
-        if self.hold is None or not self.inflight.top_key() < job.remaining:
+        if (self.hold is None or not self.inflight.top_key() < job.remaining
+                or other.level > job.level):          # (no hold for a less urgent class)
             return job
         stat = job.model.profile.kernels.get(op.key)
         if (stat is not None and stat.time > self.hold * other.estimate

@@ -25,14 +25,6 @@ from paella.wire import DEFAULT_PRIORITY as DEFAULT_LEVEL
 from .base import HeapPolicy
 from .registry import register_policy
 
-#: Levels are apart by more than any job's remaining nanoseconds (11 days), so one float
-#: orders both, exactly: the estimate goes in as whole nanoseconds (its grid,
-#: profile.ESTIMATE_DIGITS), below 2**53 with the level. (Seconds added to level x 1e9
-#: kept only ~0.1 us of the estimate: within a level, jobs that far apart tied and went
-#: in arrival order instead of SRPT. The kernel core orders by the same key.)
-LEVEL_SPAN = 1e15
-
-
 @register_policy("priority")
 class StrictPriority(HeapPolicy):
     def __init__(self, dispatcher: Any = None, **options: Any):
@@ -42,14 +34,15 @@ class StrictPriority(HeapPolicy):
 
     def job_arrived(self, job: Any) -> None:
         # policy_state is the policy's own slot on the job: its level, fixed at arrival.
-        job.policy_state = min((getattr(r, "priority", 0) or DEFAULT_LEVEL)
-                               for r in job.requests) if job.requests else DEFAULT_LEVEL
+        job.policy_state = job.level
 
     def key(self, job: Any) -> tuple[float, int]:
-        return self._level(job) * LEVEL_SPAN + round(job.remaining * 1e9), job.seq
+        # (the class orders first: HeapPolicy keeps a heap per class; the estimate in
+        # whole nanoseconds, its grid, as the kernel core's)
+        return round(job.remaining * 1e9), job.seq
 
     def pick(self) -> Any:
-        job = self.heap.top()
+        job = self.top()
         if job is not None and self.level_on_device:
             level = self._level(job)
             if any(lv < level for lv in self.level_on_device):

@@ -245,14 +245,14 @@ def test_copy_the_device_refuses_fails_only_its_request(make):
     assert rec.done[1][0] == STATUS_OK
 
 
-def test_the_priority_policy_runs_an_urgent_long_job_ahead_of_short_ones(make):
-    """Eight short jobs at the default level and one long urgent job (priority 1), all
-    submitted together, each kernel filling the GPU. SRPT (paella) runs the long job
-    last. The priority policy runs its chain back to back: a less urgent kernel is held
-    while an urgent one runs, so none slips into the gap between two of them (only
-    short jobs whose first kernel went before the urgent job's input had arrived may
-    finish first)."""
-    def latencies(policy):
+def test_an_urgent_long_job_runs_ahead_of_short_ones_under_classes(make):
+    """Eight short jobs at the default class and one long job, all submitted together,
+    each kernel filling the GPU. Without a class SRPT (paella) runs the long job last.
+    As class 1 (urgent), paella orders by class first and runs it early; the priority
+    policy runs its chain back to back: a less urgent kernel is held while an urgent one
+    runs, so none slips into the gap between two of them (only short jobs whose first
+    kernel went before the urgent job's input had arrived may finish first)."""
+    def latencies(policy, priority):
         dev, d = make(policy)
         short = d.register_model("short", chain("short", 3, grid=160))
         long_ = d.register_model("long", chain("long", 12, grid=160))
@@ -260,12 +260,14 @@ def test_the_priority_policy_runs_an_urgent_long_job_ahead_of_short_ones(make):
         for i in range(8):
             d.submit(rec.request(i, short, d.models[short].adaptor.io_bytes, client=i))
         urgent = rec.request(8, long_, d.models[long_].adaptor.io_bytes, client=9)
-        urgent.priority = 1
+        urgent.priority = priority
         d.submit(urgent)
         d.run_until_idle()
         assert len(rec.done) == 9
         return {r: v[2] for r, v in rec.done.items()}      # (same submit time)
-    srpt, prio = latencies("paella"), latencies("priority")
+    srpt = latencies("paella", 0)
     assert srpt[8] == max(srpt.values())                   # SRPT: the long job last
-    assert prio[8] < 0.7 * srpt[8], (prio[8], srpt[8])
+    for policy in ("paella", "priority"):
+        prio = latencies(policy, 1)
+        assert prio[8] < 0.7 * srpt[8], (policy, prio[8], srpt[8])
     assert sum(v < prio[8] for r, v in prio.items() if r != 8) <= 2, prio

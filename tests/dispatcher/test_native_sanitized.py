@@ -75,6 +75,8 @@ for policy in ("paella", "rr", "ms-kbk"):
             == k.run_core("python", plans, policy, 3, 0, times, picks, True))
     assert (k.run_core("c", plans, policy, 1, None, times, picks, False, True)
             == k.run_core("python", plans, policy, 1, None, times, picks, False, True))
+    assert (k.run_core("c", plans, policy, 1, 0, times, picks, True, False, True)
+            == k.run_core("python", plans, policy, 1, 0, times, picks, True, False, True))
 k.test_a_refused_launch_fails_its_job_and_the_others_go_on()
 k.test_a_plan_spec_that_lies_is_refused_with_a_reason()
 print("sanitized run ok")

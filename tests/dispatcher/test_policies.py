@@ -40,6 +40,12 @@ class FakeJob:
         self.ready = [_Op("k")]
         self.model = types.SimpleNamespace(profile=types.SimpleNamespace(kernels={}))
 
+    @property
+    def level(self):
+        """Its class, as Job.level: its most urgent request's (none named: 128)."""
+        reqs = getattr(self, "requests", ())
+        return min((getattr(r, "priority", 0) or 128) for r in reqs) if reqs else 128
+
     def __repr__(self):
         return f"J{self.seq}(rem={self.remaining})"
 
@@ -570,3 +576,30 @@ def test_the_documented_policy_example_runs(make):
         assert p.pick() is new
     finally:
         registry._REGISTRY.pop("las", None)
+
+
+@pytest.mark.parametrize("name", ["paella", "fifo", "sjf", "rr", "ms-kbk", "ms-jbj", "priority"])
+def test_every_built_in_policy_orders_by_class_first(name):
+    """Issue 38: a job of a more urgent class goes before one its own rule would put
+    first (less work, earlier arrival, an earlier turn); within a class, the policy's own
+    rule. Class 1 is the most urgent; a request naming none counts as 128."""
+    p = get_policy(name)()
+
+    def job(remaining, level):
+        j = FakeJob(remaining)
+        j.requests = [types.SimpleNamespace(priority=level, client_id=0)]
+        return j
+    first_by_rule = job(1.0, 200)          # less work and earlier: the rule's pick
+    plain_short, plain_long = job(2.0, 0), job(30.0, 0)
+    urgent = job(40.0, 5)                  # most work, last to arrive, most urgent class
+    arrive(p, first_by_rule, plain_short, plain_long, urgent)
+    order = []
+    while (j := p.pick()) is not None:
+        order.append(j)
+        p.released(j, None)
+        p.kernel_completed(j, None)
+        p.job_finished(j)
+    assert order[0] is urgent and order[-1] is first_by_rule, (name, order)
+    assert set(order[1:3]) == {plain_short, plain_long}
+    if name in ("paella", "sjf", "priority"):      # SRPT / SJF within the class
+        assert order[1:3] == [plain_short, plain_long]
