@@ -28,10 +28,18 @@ of this model is running, so the GPU is never idle while requests wait; *lazy*
 waited ``timeout_us``. Either way the *half-SLO rule* (``slo_ms`` > 0) runs it at once
 when the oldest request's wait plus the estimated time of the queued work exceeds half
 the latency target, since the reordering would otherwise serve early requests late.
+
+Priority classes (issue 38; beyond the paper): the queue is partitioned class by class,
+the most urgent class's batches first, and a batch never mixes classes: an urgent request
+is neither padded to a less urgent one's length nor made to carry its rows, and the
+dispatcher's policy, which orders jobs by class, sees each batch at its own class (a
+request naming none counts as 128, ``Job.level``).
 """
 from __future__ import annotations
 
 from typing import Any, Callable, Sequence
+
+from paella.wire import DEFAULT_PRIORITY as DEFAULT_CLASS
 
 from .base import Batch, Batcher, BatcherError, ModelVariants, VariantSpec
 from .registry import register_batcher
@@ -159,10 +167,22 @@ class TurboDPBatcher(Batcher):
         return sum(self.batch_cost(r.seq_len, r.rows) for _, r in self.queue)
 
     def _schedule(self, now: float) -> list[Batch]:
-        """Run Algorithm 2 over the whole queue; every request leaves in some batch."""
+        """Run Algorithm 2 over the whole queue, class by class (most urgent first);
+        every request leaves in some batch."""
         self.runs += 1
-        reqs = sorted((r for _, r in self.queue), key=lambda r: r.seq_len)
+        classes: dict[int, list[Any]] = {}
+        for _, r in self.queue:
+            classes.setdefault(getattr(r, "priority", 0) or DEFAULT_CLASS, []).append(r)
         self.queue = []
+        out = []
+        for level in sorted(classes):
+            out += self._partition(classes[level], now)
+        self.inflight += len(out)
+        return out
+
+    def _partition(self, queued: list[Any], now: float) -> list[Batch]:
+        """Algorithm 2 over ``queued`` (one class): batches of neighbours in length."""
+        reqs = sorted(queued, key=lambda r: r.seq_len)
         lengths = [r.seq_len for r in reqs]
         if all(r.rows == 1 for r in reqs):
             _, ranges = partition(lengths, self.batch_cost, self.max_batch_size)
@@ -176,5 +196,4 @@ class TurboDPBatcher(Batcher):
                 raise BatcherError(f"no variant of {self.model.name} takes {len(group)} requests "
                                    f"of length {group[-1].seq_len}")
             out.append(Batch(group, variant, t_formed=now))
-        self.inflight += len(out)
         return out

@@ -126,3 +126,22 @@ def test_remove_client_and_flush():
     assert [r.req_id for r in b.remove_client(1)] == [0]
     (batch,) = b.flush(0.0)
     assert [r.req_id for r in batch.requests] == [1] and b.pending == 0
+
+
+def test_classes_are_batched_apart_the_most_urgent_first():
+    """Issue 38: an urgent request (class 1) is not padded to, nor batched with, less
+    urgent ones of nearly its length; its batch comes first. Within a class, Algorithm 2
+    as before (neighbours in length together)."""
+    b = make_batcher("turbo-dp", MODEL, {"max_batch_size": 8})
+    (first,) = b.add(req(0, 20), 0.0)
+    queued = [req(1, 12), req(2, 11), req(3, 13), req(4, 100)]
+    queued[2].priority = 1                              # request 3: urgent
+    queued[3].priority = 200                            # request 4: the least urgent
+    for r in queued:
+        assert b.add(r, 1e-5) == []
+    b.batch_done(first, 2e-4)
+    batches = b.poll(2e-4)
+    ids = [[r.req_id for r in x.requests] for x in batches]
+    assert ids[0] == [3] and ids[-1] == [4], ids        # alone, first; the 200 last
+    assert sorted(ids[1]) == [1, 2]                     # the default class (128) together
+    assert len(batches) == 3
