@@ -44,7 +44,9 @@ def format_status(st: dict) -> str:
     if cls and cls["accepted"]:
         lines.append("priority classes (accepted): " + ", ".join(
             f"{k}: {v}" for k, v in cls["accepted"].items())
-            + f"; {cls['clamped']} clamped to their tenant's highest")
+            + f"; {cls['clamped']} clamped to their tenant's highest"
+            + ("; in flight: " + ", ".join(f"{k}: {v}" for k, v in cls["in_flight"].items())
+               if cls.get("in_flight") else ""))
     lines.append(f"clients ({len(st['clients'])}):")
     for c in st["clients"]:
         lines.append(f"  {c['id']:>3} pid {c['pid']:<8} uid {c['uid']:<6} {c['mode']:<8} "

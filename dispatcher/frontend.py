@@ -335,6 +335,8 @@ class Frontend:
         #: Requests accepted per priority class (0: none), and those clamped to their
         #: tenant's highest class.
         self.class_counts: dict[int, int] = {}
+        #: Requests in flight per priority class (accepted, not yet answered).
+        self.class_inflight: dict[int, int] = {}
         self._clamp_log = LogThrottle(cfg.log_interval, burst=SESSION_LOG_BURST)
         #: Who may take a trace: it shows every tenant's kernels and timing.
         self.trace_uids = {_resolve_id(u, pwd.getpwnam, 'pw_uid', 'user')
@@ -697,6 +699,8 @@ class Frontend:
                 "clients": clients,
                 "in_flight": sum(c["in_flight"] for c in clients),
                 "classes": {"accepted": {str(k): v for k, v in sorted(self.class_counts.items())},
+                            "in_flight": {str(k): v
+                                          for k, v in sorted(self.class_inflight.items())},
                             "clamped": self.stats["priority_clamped"]},
                 "stats": dict(self.stats)}
 
@@ -898,6 +902,7 @@ class Frontend:
         if priority and priority < c.class_highest:
             priority = self._clamp(c, req_id, priority)
         self.class_counts[priority] = self.class_counts.get(priority, 0) + 1
+        self.class_inflight[priority] = self.class_inflight.get(priority, 0) + 1
         req = Request(req_id, c.cid, model_id, c.seg.arena[off:off + ln],  # type: ignore[union-attr]
                       variant, self._woken, self._completed, rows=rows, seq_len=seq_len,
                       layout=slots, priority=priority)
@@ -939,6 +944,11 @@ class Frontend:
 
     def _completed(self, req: Request, status: int, error: str | None) -> None:
         req.io = None        # its job may outlive it in a policy's state; the client's memory may not
+        n = self.class_inflight.get(req.priority, 0) - 1
+        if n > 0:
+            self.class_inflight[req.priority] = n
+        else:
+            self.class_inflight.pop(req.priority, None)
         self.complete(req.client_id, req.req_id, status, error)
 
     def _progressed(self, req: Request, n: int) -> None:

@@ -227,6 +227,12 @@ class DaemonCollector:
             for k, v in classes["accepted"].items():
                 by.add_metric([k], v)
             yield by
+            now = GaugeMetricFamily("paella_requests_in_flight_by_class", "Requests accepted "
+                                    "and not yet answered, per priority class",
+                                    labels=["class"])
+            for k, v in classes.get("in_flight", {}).items():
+                now.add_metric([k], v)
+            yield now
             clamped = CounterMetricFamily("paella_priority_clamped", "Requests that asked "
                                           "for a class above their tenant's highest, clamped")
             clamped.add_metric([], classes["clamped"])

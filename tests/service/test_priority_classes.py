@@ -81,6 +81,8 @@ def test_the_owner_is_not_bounded_and_gets_the_default_of_everyone(classed):
     assert after.get(1, 0) - before.get(1, 0) == 1          # no bound for "*"
     assert after.get(40, 0) - before.get(40, 0) == 1        # "*"'s default
     assert clamped == clamped0
+    # Every request answered: none left in flight in any class (the count goes down).
+    assert daemon_status(classed.socket)["classes"]["in_flight"] == {}
 
 
 def test_the_metrics_count_requests_per_class(classed):
