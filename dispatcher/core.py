@@ -43,7 +43,6 @@ import greenlet
 import numpy as np
 
 from paella import protocol, rings
-from paella.wire import DEFAULT_PRIORITY as DEFAULT_LEVEL
 from paella.plugins import PLUGIN_ERRORS
 from paella.dispatcher.devices.base import (H2D, KERNEL, Device, DeviceError, DeviceLost, Function,
                                             OutOfMemory, dim3)
@@ -336,9 +335,7 @@ class Dispatcher:
                 ins.call("op_released", op, ev[5])
             return
         op = self._core_op(job, node)
-        views = self._core_ops.get(job)
-        if views is not None:
-            views.pop(node, None)
+        del self._core_ops[job][node]        # (ended: _core_op made or found it there)
         if "op_started" in ins:
             ins.call("op_started", op, ev[3] if ev[3] >= 0 else op.t_release)
         if "op_ended" in ins:

@@ -55,3 +55,12 @@ def test_instruments_for_every_dispatcher_only_while_registered():
     d2 = Dispatcher(SimDevice("t4"), "paella")
     assert len(made) == 1 and made[0] in d1.instruments["job_finished"]
     assert "job_finished" not in d2.instruments
+
+
+def test_bad_trace_options_are_usage_errors(tmp_path):
+    for args, msg in ((["--runs", "0", "--experiment", "timelines"], "--runs must be >= 1"),
+                      (["--seconds", "0", "--socket", str(tmp_path / "none.sock")],
+                       "a trace lasts 0.001 to 600 seconds"),
+                      (["--", "--quick"], "unexpected arguments")):
+        r = _run("trace", "-o", str(tmp_path / "t.json"), *args)
+        assert r.returncode == 2 and msg in r.stderr and "Traceback" not in r.stderr, r.stderr

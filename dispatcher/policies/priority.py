@@ -20,8 +20,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from paella.wire import DEFAULT_PRIORITY as DEFAULT_LEVEL
-
 from .base import HeapPolicy
 from .registry import register_policy
 
@@ -32,10 +30,6 @@ class StrictPriority(HeapPolicy):
         self.on_device: dict[Any, int] = {}       # job -> its kernels released, not completed
         self.level_on_device: dict[int, int] = {}  # level -> the same, summed
 
-    def job_arrived(self, job: Any) -> None:
-        # policy_state is the policy's own slot on the job: its level, fixed at arrival.
-        job.policy_state = job.level
-
     def key(self, job: Any) -> tuple[float, int]:
         # (the class orders first: HeapPolicy keeps a heap per class; the estimate in
         # whole nanoseconds, its grid, as the kernel core's)
@@ -44,7 +38,7 @@ class StrictPriority(HeapPolicy):
     def pick(self) -> Any:
         job = self.top()
         if job is not None and self.level_on_device:
-            level = self._level(job)
+            level = job.level
             if any(lv < level for lv in self.level_on_device):
                 return None                          # the hold (module docstring)
         return job
@@ -64,7 +58,7 @@ class StrictPriority(HeapPolicy):
             self._count(job, -left)
 
     def _count(self, job: Any, n: int) -> None:
-        level = self._level(job)
+        level = job.level
         k = self.on_device.get(job, 0) + n
         if k:
             self.on_device[job] = k
@@ -75,7 +69,3 @@ class StrictPriority(HeapPolicy):
             self.level_on_device[level] = m
         else:
             self.level_on_device.pop(level, None)
-
-    @staticmethod
-    def _level(job: Any) -> int:
-        return job.policy_state if job.policy_state is not None else DEFAULT_LEVEL
