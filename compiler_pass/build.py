@@ -32,7 +32,7 @@ import numpy as np
 import tvm
 from tvm import relax, tirx
 
-from paella.bundle import (FORMAT_VERSION, MANIFEST, KernelSpec, Manifest, Variant, check_variant,
+from paella.bundle import (FORMAT_VERSION, MANIFEST, KernelArg, KernelSpec, Manifest, Variant, check_variant,
                            manifest_from_dict)
 from paella.models.base import ModelDef
 
@@ -293,6 +293,8 @@ def _write_bundle(model: ModelDef, tmp: Path, arch: str, options: InstrumentOpti
 
     step("launch plan + manifest")
     plan = build_plan(entry, gpu.host_plans, model.params)
+    if options.enabled:
+        _pass_block_offsets(plan)
     _name_outputs(plan, model)
     kernels = _kernel_specs(gpu, plan, res, options.enabled)
     if len(kernels) != len(globals_):
@@ -319,6 +321,21 @@ def _write_bundle(model: ModelDef, tmp: Path, arch: str, options: InstrumentOpti
     return Manifest(model=model.name, arch=arch, instrumented=options.enabled, group=options.group,
                     variants=[variant], files=dict(FILES), cache_key=key, tvm_version=tvm.__version__,
                     compile_seconds=time.perf_counter() - t0)
+
+
+def _pass_block_offsets(plan: PlanResult) -> None:
+    """Every instrumented kernel takes ``paella_block_offset`` as its last own parameter
+    (instrument.py, slicing); the plan passes 0, the whole grid. The dispatcher's slicer
+    rewrites it for a slice (paella.dispatcher.slicing)."""
+    seen: set[int] = set()
+    for ln in plan.launches:
+        if id(ln.args) not in seen:
+            ln.args.append(KernelArg(scalar=0, dtype="uint32"))
+            seen.add(id(ln.args))
+    for op in plan.plan:
+        if op.op == "launch" and id(op.args) not in seen:
+            op.args.append(KernelArg(scalar=0, dtype="uint32"))
+            seen.add(id(op.args))
 
 
 def _name_outputs(plan: PlanResult, model: ModelDef) -> None:

@@ -16,6 +16,21 @@ Early exits: TVM kernels normally guard with ``if``; should a kernel contain a T
 and puts the body in its own C scope, so no exit path can skip the barrier and the
 COMPLETION post. ``Break``/``Continue`` only leave loops and need nothing.
 
+Slicing (every instrumented kernel; ``instrument_kernel(sliceable=False)`` for tests): the pass also inserts a
+``paella_block_offset`` (uint32) parameter after the original ones, before the two
+notifQ parameters, so that the dispatcher can launch a kernel's grid in slices. The
+kernel no longer reads its block index from the hardware: it computes its linear block
+number ``paella_block = paella_block_offset + blockIdx.x + gridDim.x * (blockIdx.y +
+gridDim.y * blockIdx.z)`` over the grid it was *launched* with, and every use of
+``blockIdx.x/y/z`` in the body becomes that number decoded over the grid it was
+*compiled* for (``paella_block % X``, ``paella_block / X % Y``, ``paella_block / (X *
+Y)``). An unsliced launch (the compiled grid, offset 0) therefore computes exactly what
+it did before, and a slice launched as a 1-D grid of ``n`` blocks at offset ``o`` runs
+blocks ``o .. o+n-1`` of the compiled grid. The notifQ counts each launch's own blocks
+(``gridDim``), so a slice with its own launch id completes on its own. The launch plan
+passes the offset as the kernel's last own argument (0 unless sliced;
+``paella.dispatcher.slicing``).
+
 Because TVM's own host code still launches with the original argument count, an
 instrumented module must be launched by Paella's runtime from the bundle's launch
 plan, never by TVM's CUDA runtime.
@@ -36,6 +51,11 @@ from paella.protocol import DEFAULT_GROUP, MAX_GROUP
 #: Parameter names the pass appends, in order. The launch plan binds them last.
 NOTIFQ_PARAM = "paella_notifq"
 LAUNCH_ID_PARAM = "paella_launch_id"
+#: The slicing parameter, the kernel's last own parameter (before the two above).
+OFFSET_PARAM = "paella_block_offset"
+#: The kernel's linear block number (the variable the body's block indices decode from).
+BLOCK_VAR = "paella_block"
+BLOCK_TAGS = ("blockIdx.x", "blockIdx.y", "blockIdx.z")
 #: Device helpers the pass calls (defined in the header).
 START_FN = "paella_block_start"
 END_FN = "paella_block_end"
@@ -43,6 +63,8 @@ EXIT_MACRO = "PAELLA_EXIT"
 EPILOGUE_MACRO = "PAELLA_EPILOGUE"
 #: Function attribute marking a kernel as instrumented (read back by the extractor).
 INSTRUMENTED_ATTR = "paella.instrumented"
+#: Function attribute marking a kernel as launchable in slices (it has OFFSET_PARAM).
+SLICEABLE_ATTR = "paella.sliceable"
 
 HEADER_NAME = "paella_notif.cuh"
 DEVICE_KERNEL_LAUNCH = 2  # tvm::CallingConv::kDeviceKernelLaunch
@@ -109,30 +131,69 @@ def _guarded_exits(body: tirx.Stmt) -> tirx.Stmt:
     return tirx.SeqStmt([scoped, _extern(EPILOGUE_MACRO)])
 
 
-def _wrap(stmt: tirx.Stmt, q: tirx.Var, lid: tirx.Var) -> tirx.Stmt:
-    """Descend through the leading launch attributes and wrap what they enclose."""
+def _wrap(stmt: tirx.Stmt, q: tirx.Var, lid: tirx.Var, off: tirx.Var | None,
+          grid: dict[str, tuple[tirx.Var, tvm.ir.PrimExpr]]) -> tirx.Stmt:
+    """Descend through the leading launch attributes and wrap what they enclose,
+    collecting the block-index variables (``grid``: tag -> (var, extent)) on the way."""
     if _is_thread_extent(stmt):
-        return tirx.AttrStmt(stmt.node, stmt.attr_key, stmt.value, _wrap(stmt.body, q, lid))
+        tag = stmt.node.thread_tag
+        if tag in BLOCK_TAGS:
+            grid = {**grid, tag: (stmt.node.var, stmt.value)}
+        return tirx.AttrStmt(stmt.node, stmt.attr_key, stmt.value, _wrap(stmt.body, q, lid, off, grid))
     if isinstance(stmt, tirx.SeqStmt) and _is_thread_extent(stmt.seq[-1]) and all(
             isinstance(s, (tirx.AllocBuffer, tirx.DeclBuffer, tirx.Bind)) for s in stmt.seq[:-1]):
-        return tirx.SeqStmt(list(stmt.seq[:-1]) + [_wrap(stmt.seq[-1], q, lid)])
+        return tirx.SeqStmt(list(stmt.seq[:-1]) + [_wrap(stmt.seq[-1], q, lid, off, grid)])
     body = _guarded_exits(stmt) if _has_return(stmt) else stmt
-    return tirx.SeqStmt([_extern(START_FN, q, lid), body, _extern(END_FN, q, lid)])
+    head = [_extern(START_FN, q, lid)]
+    if off is not None and grid:
+        block, body = _sliced(body, off, grid)
+        head.append(block)
+    return tirx.SeqStmt(head + [body, _extern(END_FN, q, lid)])
 
 
-def instrument_kernel(func: tirx.PrimFunc) -> tirx.PrimFunc:
+def _sliced(body: tirx.Stmt, off: tirx.Var,
+            grid: dict[str, tuple[tirx.Var, tvm.ir.PrimExpr]]) -> tuple[tirx.Stmt, tirx.Stmt]:
+    """(the binding of the linear block number, the body reading its block indices from
+    it): see the module docstring.
+
+    The launched grid's linear index is ``blockIdx.x + X * blockIdx.y + X * Y *
+    blockIdx.z`` with the *compiled* extents as strides: an unsliced launch has exactly
+    those dims, and a slice is a 1-D launch whose y and z indices are 0, so no
+    ``gridDim`` read is needed. A block index the kernel never binds counts as 0."""
+    # The block indices' own integer type (int32 in TVM's kernels, int64 if it chose so).
+    dt = str(grid[min(grid)][0].ty.dtype)
+    block = tirx.Var(BLOCK_VAR, dt)
+    raw: tvm.ir.PrimExpr = tirx.Cast(dt, off)
+    decode = {}
+    stride: tvm.ir.PrimExpr = tirx.const(1, dt)
+    for tag in BLOCK_TAGS:
+        if tag in grid:
+            var, extent = grid[tag]
+            e = extent.astype(dt)
+            v = var.astype(dt)
+            first = not decode
+            raw = raw + (v if first else v * stride)
+            decode[var] = tirx.Mod(block if first else tirx.Div(block, stride), e).astype(str(var.ty.dtype))
+            stride = e if first else stride * e
+    mapped = tvm_ffi.structural_map(body, (tirx.Var, lambda v: decode.get(v, v)))
+    return tirx.Bind(block, raw), mapped
+
+
+def instrument_kernel(func: tirx.PrimFunc, sliceable: bool = True) -> tirx.PrimFunc:
     """The instrumented version of one device kernel (appended params, wrapped body)."""
     if func.attrs.get(INSTRUMENTED_ATTR, False):
         return func
     names = {p.name for p in func.params}
-    if NOTIFQ_PARAM in names or LAUNCH_ID_PARAM in names:
-        raise InstrumentError(f"kernel already has a parameter named {NOTIFQ_PARAM!r}/{LAUNCH_ID_PARAM!r}; "
-                              "rename it before instrumenting")
+    if {NOTIFQ_PARAM, LAUNCH_ID_PARAM, OFFSET_PARAM, BLOCK_VAR} & names:
+        raise InstrumentError(f"kernel already has a parameter named {NOTIFQ_PARAM!r}/{LAUNCH_ID_PARAM!r}/"
+                              f"{OFFSET_PARAM!r}/{BLOCK_VAR!r}; rename it before instrumenting")
     q = tirx.Var(NOTIFQ_PARAM, tvm.ir.PointerType(tvm.ir.PrimType("uint8")))
     lid = tirx.Var(LAUNCH_ID_PARAM, "uint32")
-    new = tirx.PrimFunc(list(func.params) + [q, lid], _wrap(func.body, q, lid),
-                        ret_type=func.ret_type, attrs=func.attrs)
-    return new.with_attr(INSTRUMENTED_ATTR, True)
+    off = tirx.Var(OFFSET_PARAM, "uint32") if sliceable else None
+    params = list(func.params) + ([off] if sliceable else []) + [q, lid]
+    new = tirx.PrimFunc(params, _wrap(func.body, q, lid, off, {}), ret_type=func.ret_type,
+                        attrs=func.attrs)
+    return new.with_attr(INSTRUMENTED_ATTR, True).with_attr(SLICEABLE_ATTR, sliceable)
 
 
 @tirx.transform.prim_func_pass(opt_level=0, name="paella.InstrumentKernels")

@@ -632,7 +632,17 @@ static int job_arrived(Core *c, int32_t id, Job *j)
     if (created)
         c->share = 1.0 / (double)units_alive(c);
     ih_push(&c->inflight, id, (double)j->remaining, j->seq);
-    return 0;
+    return lvl_add(c, j->level, 1);          /* live jobs per class: the class rule */
+}
+
+/* The most urgent class of a live job (paella: lvl counts live jobs per class). */
+static inline int top_level(Core *c)
+{
+    int top = c->nlvl ? c->lvl[0] : 0;
+    for (int k = 1; k < c->nlvl; k++)
+        if (c->lvl[k] < top)
+            top = c->lvl[k];
+    return top;
 }
 
 static int compact(Core *c, Fifo *f)
@@ -730,12 +740,17 @@ static int32_t pick(Core *c)
     int32_t id = ih_top(&c->heap);
     if (id < 0)
         return -1;
-    int32_t other = ih_top(&c->inflight);
-    if (other == id)
-        return id;
     Job *j = c->jobs[id];
     Plan *p = j->plan;
     KSpec *k = &p->ks[p->kernel[j->rq[j->rq_head]]];
+    /* The class rule: while a job of a more urgent class is live, no kernel of a less
+       urgent one goes (blocks are not preempted: one would delay that job's next kernel,
+       and share its SMs while it runs). Slicing bounds the wait for what already runs. */
+    if (c->nlvl > 1 && top_level(c) < j->level)
+        return -1;
+    int32_t other = ih_top(&c->inflight);
+    if (other == id)
+        return id;
     if (!TAPI->fits(c->tracker, &k->d, 0))
         return -1;
     if (c->hold <= 0.0 || !(c->inflight.key[other] < (double)j->remaining)
@@ -790,6 +805,8 @@ static int job_finished(Core *c, int32_t id, Job *j)
     }
     ih_remove(&c->inflight, id);
     c->n_live--;
+    if (lvl_add(c, j->level, -1) < 0)
+        return -1;
     if (--u->jobs == 0) {
         if (c->by_client) {
             if (PyDict_DelItem(c->client_units, u->key) < 0)

@@ -31,6 +31,7 @@ simulator):
 """
 from __future__ import annotations
 
+import math
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
@@ -106,7 +107,10 @@ class PlanOp:
     ``stream`` wait for the most recent ``record`` of ``event`` before it in the plan
     (cudaEventRecord / cudaStreamWaitEvent). Every request gets its own events. This is
     how a multi-stream plan (``paella compile --streams nimble``) orders its
-    cross-stream dependencies."""
+    cross-stream dependencies.
+
+    ``whole``: a slice of a kernel (:mod:`paella.dispatcher.slicing`) gives the blocks of
+    the kernel's whole grid, of which its ``grid`` is a part (0: not a slice)."""
     kind: str
     stream: int = 0
     kernel: str = ""
@@ -119,13 +123,14 @@ class PlanOp:
     buffer_offset: int = 0
     args: tuple[BufferArg | ScalarArg, ...] = ()
     event: int = 0
+    whole: int = 0
 
 
 def _with_operands(ops: list[PlanOp], i: int, operands: Sequence[BufferArg]) -> str:
     """Append ``operands`` to launch ``ops[i]``'s arguments (in place); its kernel."""
     op = ops[i]
     ops[i] = PlanOp("launch", stream=op.stream, kernel=op.kernel, grid=op.grid, block=op.block,
-                    dyn_smem=op.dyn_smem, args=tuple(op.args) + tuple(operands))
+                    dyn_smem=op.dyn_smem, args=tuple(op.args) + tuple(operands), whole=op.whole)
     return op.kernel
 
 
@@ -150,6 +155,9 @@ class Plan:
     #: ``group``; 0: compiled without the Paella pass; None: not known, e.g. a synthetic
     #: plan). A real GPU's kernels post by it, so the dispatcher must read by it too.
     notif_group: int | None = None
+    #: Its kernels take a block offset as their last own argument (compiled by
+    #: ``paella compile`` since bundle format 2), so they can be launched in slices.
+    block_offsets: bool = False
 
     def __post_init__(self) -> None:
         names = {k.name for k in self.kernels}
@@ -169,6 +177,9 @@ class Plan:
                                      f"add it to the plan's kernels")
                 for j, a in enumerate(op.args):
                     self._check_arg(f"{where} ({op.kernel}) argument {j}", a)
+                if op.whole and (type(op.whole) is not int or op.whole < math.prod(op.grid)):
+                    raise ValueError(f"{where}: a slice of {math.prod(op.grid)} blocks of a "
+                                     f"kernel of {op.whole!r}; whole is the kernel's grid")
             elif op.kind in ("h2d", "d2h"):
                 if op.buffer not in self.buffers:
                     raise ValueError(f"{where} copies to/from unknown buffer {op.buffer!r}; "
@@ -259,7 +270,8 @@ class Plan:
                 own = len(ops[first].args)
                 effects[_with_operands(ops, first, start_operands)] = start(own)
         return Plan(self.name, self.kernels, ops, dict(self.buffers), self.io_bytes,
-                    dict(self.params), self.cubin, self.ptx, effects)
+                    dict(self.params), self.cubin, self.ptx, effects, self.notif_group,
+                    self.block_offsets)
 
     def ancestors(self) -> list[int]:
         """Per op, the bitset of the ops that complete before it starts, as replay issues
@@ -432,14 +444,18 @@ class PlanAdaptor(JobAdaptor):
             for name in plan.params:
                 self.buffers[name] = device.alloc(plan.buffers[name])
             self._upload_params(device)
-            if self.memory is not None and self._set_bytes:
-                self.buffer_pool = self.memory.view(self)
-            else:
-                self.buffer_pool = BufferPool(plan.name, self._new_set, self._free_set,
-                                              self.max_buffer_sets, self._set_bytes)
+            self._open_pool()
         except Exception:
             self.close(device)
             raise
+
+    def _open_pool(self) -> None:
+        """The per-request buffer sets: a view of the shared memory, or a pool of its own."""
+        if self.memory is not None and self._set_bytes:
+            self.buffer_pool = self.memory.view(self)
+        else:
+            self.buffer_pool = BufferPool(self.plan.name, self._new_set, self._free_set,
+                                          self.max_buffer_sets, self._set_bytes)
 
     def _upload_params(self, device: Device) -> None:
         """Copy every param's initial contents to the device and wait for it."""
@@ -486,16 +502,19 @@ class PlanAdaptor(JobAdaptor):
     def close(self, device: Device) -> None:
         """Free the parameters and the idle buffer sets (sets still in use go when their
         job releases them) and unload the kernels. Once is enough; again does nothing."""
-        pool, self.buffer_pool = self.buffer_pool, None
-        if pool is not None:
-            pool.close()
-            if pool.shared is not None:
-                self._free_set(pool.shared)
+        self._close_pool()
         buffers, self.buffers = self.buffers, {}
         for ptr in buffers.values():
             device.free(ptr)
         funcs, self.funcs = self.funcs, {}
         device.unload_module(funcs)
+
+    def _close_pool(self) -> None:
+        pool, self.buffer_pool = self.buffer_pool, None
+        if pool is not None:
+            pool.close()
+            if pool.shared is not None:
+                self._free_set(pool.shared)
 
 
 def plan_from_bundle(bundle: Any, variant: int = 0, *, name: str | None = None,
@@ -539,7 +558,7 @@ def plan_from_bundle(bundle: Any, variant: int = 0, *, name: str | None = None,
     m = bundle.manifest
     return Plan(name or bundle.model, kernels, ops, {str(b.id): b.nbytes for b in v.buffers},
                 v.io_bytes, params=params, cubin=code["cubin"], ptx=code["ptx"],
-                notif_group=m.group if m.instrumented else 0)
+                notif_group=m.group if m.instrumented else 0, block_offsets=m.instrumented)
 
 
 def synthetic_plan(name: str, kernels: Sequence[tuple[str, int, int, int, float]],

@@ -43,6 +43,7 @@ import greenlet
 import numpy as np
 
 from paella import protocol, rings
+from paella.occupancy import wave_blocks
 from paella.plugins import PLUGIN_ERRORS
 from paella.dispatcher.devices.base import (H2D, KERNEL, Device, DeviceError, DeviceLost, Function,
                                             OutOfMemory, dim3)
@@ -50,12 +51,13 @@ from paella.dispatcher.devices.base import (H2D, KERNEL, Device, DeviceError, De
 from . import kernel_core as kc
 from .adaptor import JobAdaptor, PlanAdaptor
 from .instruments import Instrument, Instruments, every_dispatcher_instruments
-from .job import FINISHED, Job
+from .job import DEFAULT_LEVEL, FINISHED, Job
 from .ops import CoreOp, KernelLaunch, Op
 from .policies import Policy, PolicyError, get_policy
 from .policies.base import check_declared
 from .profile import ESTIMATE_DIGITS, KernelStat, ModelProfile
 from .replay import ReplayPlan
+from .slicing import SliceRule, SlicedAdaptor, slice_plan, sliceable
 from .streams import StreamMap
 from .virtual_time import VirtualDriver
 from .tracker import Tracker
@@ -121,6 +123,19 @@ class Model:
     weights_bytes: int = 0
     # Its plan and statistics in the dispatcher's kernel core (kernel_core.CoreModel).
     core: Any = None
+    # Slicing (paella.dispatcher.slicing): its twin serving the sliced plan, which the jobs
+    # of a less urgent class than the most urgent seen run; a twin names its model here.
+    sliced: "Model | None" = None
+    parent: "Model | None" = None
+
+
+def _launch_counts(plan: Any) -> dict[str, int]:
+    """Launches per kernel name in a plan."""
+    counts: dict[str, int] = {}
+    for op in plan.ops:
+        if op.kind == "launch":
+            counts[op.kernel] = counts.get(op.kernel, 0) + 1
+    return counts
 
 
 _T = TypeVar("_T")
@@ -146,7 +161,7 @@ class Dispatcher:
                  policy_options: dict[str, Any] | None = None, profile_runs: int = 2,
                  instruments: "list[Instrument] | tuple[Instrument, ...]" = (),
                  lookahead: int = 1, compiled_replay: bool = True, wake_lead: float = 0.0,
-                 kernel_core: str | None = None):
+                 kernel_core: str | None = None, slice_us: float = 0.0):
         if type(lookahead) is not int or lookahead < 1:
             raise ValueError(f"lookahead must be an int >= 1 (kernels of one stream released "
                              f"and not completed), got {lookahead!r}")
@@ -171,6 +186,16 @@ class Dispatcher:
         #: a profiled job's estimated unreleased work down to this (seconds; 0: only at the
         #: op the job marked, the paper's rule). See "Wake-up lead" in docs/dispatcher.md.
         self.wake_lead = float(wake_lead)
+        if (type(slice_us) not in (int, float) or slice_us != slice_us or slice_us < 0
+                or slice_us > 1e6):
+            raise ValueError(f"slice_us must be 0..1000000 microseconds (the longest a kernel "
+                             f"slice of a less urgent job may make more urgent work wait; 0: "
+                             f"no slicing), got {slice_us!r}")
+        #: Kernel slicing (paella.dispatcher.slicing): None, or how long a slice may last.
+        self.slicer = SliceRule(slice_us * 1e-6) if slice_us else None
+        #: The most urgent class (lowest level) any job has had: jobs of a less urgent one
+        #: run their model's sliced plan.
+        self.urgent_level = DEFAULT_LEVEL
         #: Plans replay through the compiled waitlist (paella.dispatcher.replay); False: the
         #: reference path, for comparison.
         self.compiled_replay = compiled_replay
@@ -733,10 +758,12 @@ class Dispatcher:
             self._policy_failed("kernel_ready", e)   # the fallback re-queues every job
 
     # -- the rest of JobHost ------------------------------------------------------------------
-    def kernel_launch(self, func: Function, grid: Any, block: Any, dyn_smem: int) -> KernelLaunch:
-        """The checked launch record of a shape (cached: one per shape, shared by jobs)."""
+    def kernel_launch(self, func: Function, grid: Any, block: Any, dyn_smem: int,
+                      whole: int = 0) -> KernelLaunch:
+        """The checked launch record of a shape (cached: one per shape, shared by jobs).
+        ``whole``: the launch is a slice of a kernel of that many blocks (slicing)."""
         key = (func, grid if type(grid) is int else tuple(grid),
-               block if type(block) is int else tuple(block), dyn_smem)
+               block if type(block) is int else tuple(block), dyn_smem, whole)
         rec = self._launches.get(key)
         if rec is None:
             g, b = dim3(grid, "grid"), dim3(block, "block")
@@ -750,7 +777,7 @@ class Dispatcher:
                                  f"{self.tracker.slots} slots; use a larger notifq_slots or group")
             rec = self._launches[key] = KernelLaunch(func, g, b, dyn_smem, fp,
                                                      self.tracker.demand(fp, blocks), func.name,
-                                                     blocks)
+                                                     blocks, whole)
         return rec
 
     def alloc(self, nbytes: int) -> int:
@@ -977,6 +1004,9 @@ class Dispatcher:
                 instr.call("request_finished", req)
         model = job.model                    # (after the callbacks: a retry they submit
         model.jobs -= 1                      # to the same model keeps it)
+        if model.parent is not None:         # a twin's jobs count in its model too
+            model = model.parent
+            model.jobs -= 1
         if model.retired and model.jobs == 0:
             self._remove_model(model)
         if raised is not None:
@@ -1130,12 +1160,7 @@ class Dispatcher:
         if adaptor.plan is not None:         # a plan is replayed, never run() in a greenlet
             model.replay = ReplayPlan(adaptor.plan, adaptor.funcs, self.kernel_launch,
                                       compiled=self.compiled_replay)
-        if self.core is not None and model.replay.refusal is None:
-            model.core = kc.register_model(self.core, model.replay, model.profile, dev,
-                                           self._core_direct)
-            if self._core_driver:
-                self.core.cuda_kernels(model.core.plan,
-                                       [dev.core_kernel(k.record) for k in model.core.spec.kernels])
+        self._attach_core(model)
         self.models[model_id] = model
         self._live.add(model)
         runs = self.profile_runs if profile_runs is None else profile_runs
@@ -1172,9 +1197,55 @@ class Dispatcher:
                     self._close_adaptor(model)
                 raise RuntimeError(f"profiling run of model {name!r} failed: {failed[0]}")
         self.sync_profiles()                 # (the core's statistics after profiling)
+        if self.slicer is not None:
+            self._add_sliced(model)
         if old is not None:
             self.retire_model(old)           # its running jobs finish on it, then it goes
         return model.model_id
+
+    def _attach_core(self, model: Model) -> None:
+        """Register a model's compiled plan with the kernel core, if one runs."""
+        if self.core is not None and model.replay.refusal is None:
+            dev = self.device
+            model.core = kc.register_model(self.core, model.replay, model.profile, dev,
+                                           self._core_direct)
+            if self._core_driver:
+                self.core.cuda_kernels(model.core.plan,
+                                       [dev.core_kernel(k.record) for k in model.core.spec.kernels])
+
+    def _add_sliced(self, model: Model) -> None:
+        """Give a profiled plan model its sliced twin (paella.dispatcher.slicing), if any of
+        its kernels is long enough to be cut: sizes from the profiled kernel times, the
+        twin's statistics seeded from the model's (the same work per job, spread over the
+        slices), so that SRPT ranks its jobs as it ranks the model's."""
+        adaptor, replay = model.adaptor, model.replay
+        if (not isinstance(adaptor, PlanAdaptor) or replay is None or replay.refusal is not None
+                or not sliceable(adaptor.plan)):
+            return
+        plan, props = adaptor.plan, self.device.props
+        sizes: dict[int, int] = {}
+        for i, op in enumerate(plan.ops):
+            stat = model.profile.kernels.get(op.kernel) if op.kind == "launch" else None
+            if stat is None or op.kernel in plan.effects or op.whole:
+                continue
+            rec = self.kernel_launch(adaptor.funcs[op.kernel], op.grid, op.block, op.dyn_smem)
+            n = self.slicer.slice_blocks(stat.time, rec.blocks, wave_blocks(props, rec.fp))
+            if n is not None:
+                sizes[i] = n
+        if not sizes:
+            return
+        sliced = slice_plan(plan, sizes, name=f"{plan.name} (sliced)")
+        twin_adaptor = SlicedAdaptor(adaptor, sliced)
+        twin_adaptor.init(self.device)
+        before, after = _launch_counts(plan), _launch_counts(sliced)
+        twin = Model(model.model_id, f"{model.name} (sliced)", twin_adaptor,
+                     profile=model.profile.split({k: after[k] / n for k, n in before.items()}),
+                     pool=twin_adaptor.buffer_pool, parent=model)
+        twin.replay = ReplayPlan(sliced, twin_adaptor.funcs, self.kernel_launch,
+                                 compiled=self.compiled_replay)
+        self._attach_core(twin)
+        model.sliced = twin
+        self._live.add(twin)
 
     def _abandon_profiling(self, seconds: float = 5.0) -> None:
         """Cancel the profiling job (client -1) and let what it released drain, for at
@@ -1210,7 +1281,13 @@ class Dispatcher:
             self._remove_model(model)
 
     def _remove_model(self, model: Model) -> None:
-        """A retired model's last job ended: forget it and close its adaptor."""
+        """A retired model's last job ended: forget it and close its adaptor (its sliced
+        twin's first, which shares its kernels and parameters)."""
+        if model.sliced is not None:
+            twin, model.sliced = model.sliced, None
+            self._live.discard(twin)
+            twin.replay = None
+            self._close_adaptor(twin)
         if self.models.get(model.model_id) is model:
             del self.models[model.model_id]
         self._live.discard(model)
@@ -1248,11 +1325,23 @@ class Dispatcher:
         if "request_admitted" in self.instruments:
             self.instruments.call("request_admitted", req)
         self._seq += 1
+        if self.slicer is not None:
+            model = self._runs_on(model, req.priority or DEFAULT_LEVEL)
         job = Job(self, model, [req], io, self._seq)
         self.jobs.add(job)
         model.jobs += 1
+        if model.parent is not None:
+            model.parent.jobs += 1
         self.in_flight += 1
         self._arrivals.append(job)
+
+    def _runs_on(self, model: Model, level: int) -> Model:
+        """The model a job of class ``level`` runs: its sliced twin if a more urgent class
+        has been seen (slicing), else itself."""
+        if level < self.urgent_level:
+            self.urgent_level = level
+        twin = model.sliced
+        return twin if twin is not None and level > self.urgent_level else model
 
     def stream_named(self, name: str) -> int:
         """The real stream reserved for ``name`` (reserved on first use; see
@@ -1306,11 +1395,16 @@ class Dispatcher:
             if "request_admitted" in instr:
                 instr.call("request_admitted", req)
         self._seq += 1
-        job = Job(self, self.models[run], list(requests), io, self._seq)
+        model = self.models[run]
+        if self.slicer is not None:
+            model = self._runs_on(model, min((r.priority or DEFAULT_LEVEL) for r in requests))
+        job = Job(self, model, list(requests), io, self._seq)
         if stream is not None:
             job.pin = self.stream_named(stream)
         self.jobs.add(job)
-        job.model.jobs += 1
+        model.jobs += 1
+        if model.parent is not None:
+            model.parent.jobs += 1
         self.in_flight += len(requests)
         self._arrivals.append(job)
 
@@ -1369,6 +1463,8 @@ class Dispatcher:
             job.io = None
             self.jobs.discard(job)
             job.model.jobs -= 1              # (the device closes next: nothing to free)
+            if job.model.parent is not None:
+                job.model.parent.jobs -= 1
             self.in_flight -= len(job.requests)
             for req in job.requests:
                 n += 1

@@ -40,6 +40,8 @@ from heapq import heapify, heappop, heappush
 from typing import Any, Callable, Sequence
 
 from paella.dispatcher.devices.base import D2H, H2D, KERNEL, MARKER
+from paella.dispatcher.devices.sim.cost import slice_cost
+from paella.occupancy import wave_blocks
 
 from .native import load
 from .policies import get_policy
@@ -136,10 +138,11 @@ class PlanSpec:
 
 
 def plan_spec(replay: Any, key_of: Callable[[str], int],
-              shape_of: Callable[[Any], int]) -> PlanSpec:
+              shape_of: Callable[[Any], int], gpu: Any = None) -> PlanSpec:
     """The :class:`PlanSpec` of a compiled :class:`~paella.dispatcher.replay.ReplayPlan`.
     ``key_of(name)``: the model's kernel index of a kernel name; ``shape_of(fp)``: the
-    engine's shape id of a footprint (``SimDevice._shapes``)."""
+    engine's shape id of a footprint (``SimDevice._shapes``); ``gpu``: the device's
+    ``GpuSpec``, which a plan with slices needs (a slice's share of its kernel's work)."""
     g = replay.graph_lists
     if g is None:
         raise ValueError(f"plan {replay.name!r} is not compiled (compiled_replay=False)")
@@ -161,11 +164,15 @@ def plan_spec(replay: Any, key_of: Callable[[str], int],
             if id(k) not in index:
                 d = k.demand
                 info = k.func.info
+                flops, nbytes, duration = info.flops, info.bytes, info.duration
+                if k.whole:                  # a slice: its share of the kernel (slicing)
+                    flops, nbytes, duration = slice_cost(flops, nbytes, duration, k.blocks,
+                                                         k.whole, wave_blocks(gpu, k.fp))
                 index[id(k)] = len(specs)
                 specs.append(KernelSpec(
                     key_of(k.name), d.blocks, d.warps, d.regs, d.smem, d.entries,
-                    shape_of(k.fp), float(info.flops), float(info.bytes),
-                    -1.0 if info.duration is None else float(info.duration), k,
+                    shape_of(k.fp), float(flops), float(nbytes),
+                    -1.0 if duration is None else float(duration), k,
                     k.func.handle is not None, d))
             kernel[node] = index[id(k)]
     for node, kind in enumerate(g["kinds"]):      # MARKERs: the stream of their successor
@@ -339,6 +346,7 @@ class KernelCore:
         self.heap = IndexedHeap()        # the heap policies; paella's srpt
         self.turn = 0                    # rr
         self.level_on_device: dict[int, int] = {}   # priority
+        self.live_levels: dict[int, int] = {}       # paella: live jobs per class (class rule)
         self.inflight = IndexedHeap()    # paella: live jobs by (remaining, seq)
         self.fifo: list = []             # paella: (seq, job) of queued jobs
         self.dheap = IndexedHeap()       # paella: units with a queued job by (-s, useq)
@@ -770,6 +778,7 @@ class KernelCore:
         job.unit = unit
         self.n_live += 1
         self.inflight.push(job, job.remaining, job.seq)
+        self.live_levels[job.level] = self.live_levels.get(job.level, 0) + 1
 
     def _kernel_ready(self, job: CoreJob) -> None:
         pol = self.policy
@@ -816,12 +825,16 @@ class KernelCore:
         job = self.heap.top()
         if job is None:
             return None
-        other = self.inflight.top()
-        if other is job:
-            return job
         plan = job.plan
         k = plan.kernels[plan.kernel[job.ready[0]]]
         t = self.tracker
+        # The class rule: while a job of a more urgent class is live, no kernel of a less
+        # urgent one goes (it would delay that job's next kernel and share its SMs).
+        if len(self.live_levels) > 1 and min(self.live_levels) < job.level:
+            return None
+        other = self.inflight.top()
+        if other is job:
+            return job
         if not t.starts_now(k.demand):
             return None
         if (self.hold is None or not self.inflight.top_key() < job.remaining
@@ -875,6 +888,11 @@ class KernelCore:
                 self.dheap.remove(unit)
         self.inflight.remove(job)
         self.n_live -= 1
+        n = self.live_levels[job.level] - 1
+        if n:
+            self.live_levels[job.level] = n
+        else:
+            del self.live_levels[job.level]
         unit.jobs -= 1
         if unit.jobs == 0:
             key = job.unit_key if self.by_client else job
@@ -948,7 +966,7 @@ def register_model(core: Any, replay: Any, profile: Any, device: Any,
             names.append(step.launch.name)
     index = {n: i for i, n in enumerate(names)}
     spec = plan_spec(replay, index.__getitem__,
-                     device._shapes.__getitem__ if direct else (lambda fp: -1))
+                     device._shapes.__getitem__ if direct else (lambda fp: -1), device.props)
     stats = [profile.kernels.get(n) for n in names]
     pi = core.add_plan(spec)
     fi = core.add_profile([k.count if k else 0.0 for k in stats],

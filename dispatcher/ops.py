@@ -43,6 +43,8 @@ class KernelLaunch:
     demand: "Demand"
     name: str
     blocks: int
+    #: A slice (paella.dispatcher.slicing): the blocks of the kernel's whole grid (0: not one).
+    whole: int = 0
 
 
 class Op(Node):

@@ -64,6 +64,18 @@ class ModelProfile:
             return 0.0
         return (1.0 if left > 1.0 else left) * k.time
 
+    def split(self, runs: dict[str, float]) -> "ModelProfile":
+        """A copy in which kernel ``key`` runs ``runs[key]`` times as often, each run as
+        long as that fraction of it (the same work per job): the statistics of a plan
+        whose kernels are cut into slices (paella.dispatcher.slicing)."""
+        out = ModelProfile(self.window)
+        out.jobs = self.jobs
+        for key, k in self.kernels.items():
+            f = runs.get(key, 1.0)
+            out.kernels[key] = KernelStat(k.count * f, round(k.time / f, ESTIMATE_DIGITS), k.n_time)
+        out._total = None
+        return out
+
     def record_kernel(self, key: str, seconds: float) -> None:
         k = self.kernels.get(key)
         if k is None:

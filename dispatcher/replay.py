@@ -91,7 +91,9 @@ class ReplayPlan:
                                         False, None, event=events.setdefault(op.event, len(events))))
             elif op.kind == "launch":
                 try:
-                    launch = kernel_launch(funcs[op.kernel], op.grid, op.block, op.dyn_smem)
+                    launch = (kernel_launch(funcs[op.kernel], op.grid, op.block, op.dyn_smem, op.whole)
+                              if op.whole else
+                              kernel_launch(funcs[op.kernel], op.grid, op.block, op.dyn_smem))
                 except ValueError as e:          # too large for this dispatcher's notifQ
                     self.refusal = self.refusal or str(e)
                     launch = None

@@ -11,6 +11,7 @@ from typing import Any
 EXPERIMENTS = [
     "paella.experiments.hol",
     "paella.experiments.short_long",
+    "paella.experiments.priority",
     "paella.experiments.mix",
     "paella.experiments.fairness",
     "paella.experiments.calibrate",
@@ -109,6 +110,13 @@ def add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--plot", metavar="FILE.png", help="write a plot")
     p.add_argument("--quick", action="store_true", help="a reduced sweep that finishes in minutes")
     p.add_argument("--seed", type=int, default=1, help="random seed (default 1)")
+
+
+def add_cpu_scale(p: argparse.ArgumentParser) -> None:
+    """``--cpu-scale``, default 0 (a free dispatcher), for experiments through the dispatcher."""
+    p.add_argument("--cpu-scale", type=float, default=0.0,
+                   help="multiplier on the dispatcher CPU time charged to the clock (default 0: "
+                        "a free dispatcher; 1 charges this dispatcher in full)")
 
 
 def add_zoo_dir(p: argparse.ArgumentParser) -> None:

@@ -31,7 +31,7 @@ import math
 import sys
 import time
 
-from paella.experiments.cli import add_common, save_figure
+from paella.experiments.cli import add_common, add_cpu_scale, save_figure
 from paella.experiments.harness import write_outputs, PointConfig, Workload, adaptor_for, run_point
 from paella.models.synthetic import chain_job
 
@@ -116,9 +116,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_common(p)
     p.add_argument("--rate", type=float, default=300.0, help="requests/s (default 300)")
     p.add_argument("--requests", type=int, default=None, help="requests per point")
-    p.add_argument("--cpu-scale", type=float, default=0.0,
-                   help="multiplier on the dispatcher CPU time charged to the clock (default 0: "
-                        "a free dispatcher; 1 charges this dispatcher in full)")
+    add_cpu_scale(p)
     p.add_argument("--fairness-unit", choices=("job", "client"), default="job",
                    help="deficits per job (paella's default) or per client")
     p.set_defaults(func=main)

@@ -62,7 +62,7 @@ import numpy as np
 from paella.dispatcher.adaptor import Plan, PlanAdaptor, plan_from_bundle
 from paella.dispatcher.devices.base import ModuleImage
 from paella.dispatcher.devices.sim import CostModel, SimDevice
-from paella.experiments.cli import add_common, save_figure
+from paella.experiments.cli import add_common, add_cpu_scale, save_figure
 from paella.experiments.harness import (DEFAULT_STREAMS, PointConfig, Workload, run_point,
                                         saturated, write_outputs)
 from paella.experiments.workload import latency_summary, lognormal_arrivals
@@ -313,9 +313,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--sigmas", default=None, help="comma-separated lognormal sigmas (default 1.5,2; quick 1.5)")
     p.add_argument("--systems", default=None, help=f"subset of {','.join(SYSTEMS)} (default all; "
                    f"quick {','.join(QUICK_SYSTEMS)})")
-    p.add_argument("--cpu-scale", type=float, default=0.0,
-                   help="multiplier on the dispatcher CPU time charged to the clock (default 0: "
-                        "a free dispatcher; 1 charges this dispatcher in full)")
+    add_cpu_scale(p)
     p.add_argument("--slo-x", type=float, default=10.0,
                    help="per-model p99 SLO as a multiple of each model's isolated time (default 10); "
                         "the overall bound uses the same multiple of the mix's mean isolated time")

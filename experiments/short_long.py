@@ -23,7 +23,7 @@ import argparse
 import sys
 import time
 
-from paella.experiments.cli import add_common, save_figure
+from paella.experiments.cli import add_common, add_cpu_scale, save_figure
 from paella.experiments.harness import write_outputs, PointConfig, Workload, adaptor_for, run_point, saturated
 from paella.models.synthetic import SyntheticJob, SyntheticKernel
 
@@ -196,9 +196,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("short-long", help="Figure 12: ResNet-18 and InceptionV3 sharing a T4")
     add_common(p)
     p.add_argument("--requests", type=int, default=None, help="requests per load point")
-    p.add_argument("--cpu-scale", type=float, default=0.0,
-                   help="multiplier on the dispatcher CPU time charged to the clock (default 0: "
-                        "a free dispatcher; 1 charges this dispatcher in full)")
+    add_cpu_scale(p)
     p.add_argument("--policies", default=",".join(POLICIES))
     p.set_defaults(func=main)
 

@@ -25,13 +25,24 @@ def ensure_bundles(names: list[str], root: Path = DEFAULT_ZOO_DIR, arch: str = "
     out = {}
     for i, name in enumerate(names):
         path = root / name
-        if not (path / "manifest.json").exists():
+        if not _current(path):
             if progress:
                 print(f"[zoo {i + 1}/{len(names)}] compiling {name} (cached after the first time)", flush=True)
             compile_bundle(zoo.get(name), path, arch=arch,
                            progress=(lambda m: print(f"  {m}", flush=True)) if progress else (lambda m: None))
         out[name] = load_bundle(path)
     return out
+
+
+def _current(path: Path) -> bool:
+    """A bundle of this version's format is there (an older one is compiled again)."""
+    import json
+
+    from paella.bundle import FORMAT_VERSION
+    try:
+        return json.loads((path / "manifest.json").read_text()).get("format_version") == FORMAT_VERSION
+    except (OSError, ValueError, AttributeError):
+        return False
 
 
 def module_image(bundle: Bundle, variant: int = 0) -> ModuleImage:

@@ -37,7 +37,8 @@ from paella.rings import MAX_ARENA_BYTES
 DEFAULT_ZOO_DIR = Path(os.environ.get("PAELLA_ZOO_DIR", Path.home() / ".cache" / "paella" / "zoo"))
 
 FORMAT = "paella-bundle"
-FORMAT_VERSION = 1
+#: 2: instrumented kernels take ``paella_block_offset`` (slicing), passed by the plan.
+FORMAT_VERSION = 2
 MANIFEST = "manifest.json"
 #: Byte alignment of each tensor in the request's io buffer.
 IO_ALIGN = 64

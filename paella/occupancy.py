@@ -142,6 +142,11 @@ def limits_per_resource(spec: GpuSpec, fp: Footprint) -> dict[str, int]:
     }
 
 
+def wave_blocks(spec: GpuSpec, fp: Footprint) -> int:
+    """Blocks of footprint ``fp`` the whole GPU holds at once (one wave)."""
+    return max(1, min(limits_per_resource(spec, fp).values())) * spec.sm_count
+
+
 def occupancy(spec: GpuSpec, threads: int, regs_per_thread: int, smem: int = 0) -> Occupancy:
     """Resident blocks per SM for one kernel alone, and which limit binds."""
     fp = footprint(spec, threads, regs_per_thread, smem)

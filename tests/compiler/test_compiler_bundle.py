@@ -40,7 +40,10 @@ def test_plan_is_h2d_launches_d2h_and_consistent(cnn_bundle):
     for op in cnn_bundle.variants[0].launches():
         k = by_name[op.kernel]
         assert (op.grid, op.block, op.dyn_smem) == (k.grid, k.block, k.dyn_smem)
-        for arg in op.args:
+        # the buffers, then the block offset (slicing) the instrumented kernels take, 0
+        *buffers, offset = op.args
+        assert (offset.buffer, offset.scalar, offset.dtype) == (None, 0, "uint32")
+        for arg in buffers:
             assert arg.buffer is not None and arg.offset < cnn_bundle.buffers[arg.buffer].nbytes
     # the d2h copy reads exactly the output tensor from its buffer
     out = cnn_bundle.outputs[0]
@@ -194,5 +197,5 @@ def test_loader_refuses_a_field_of_the_wrong_type_naming_it(bundle_copy, path, v
 
 def test_loader_refuses_bad_kernel_args(bundle_copy):
     _edit(bundle_copy, lambda m: m["variants"][0]["plan"][1]["args"].pop())
-    with pytest.raises(BundleError, match="passes 3 args"):
+    with pytest.raises(BundleError, match="passes 4 args .* which takes 5"):  # 4 buffers + the block offset
         load_bundle(bundle_copy)

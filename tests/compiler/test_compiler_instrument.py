@@ -36,13 +36,18 @@ def test_every_kernel_is_instrumented(cnn_bundle):
     assert len(bodies) == len(global_functions(source)) == len(cnn_bundle.kernels) >= 4
     assert set(bodies) == {k.name for k in cnn_bundle.kernels}
     for name, (params, body) in bodies.items():
-        assert params.rstrip().endswith("uchar* __restrict__ paella_notifq, uint paella_launch_id"), name
+        assert params.rstrip().endswith("uint paella_block_offset, uchar* __restrict__ paella_notifq, "
+                                        "uint paella_launch_id"), name
         lines = [ln.strip() for ln in body.splitlines() if ln.strip()]
         start = lines.index("paella_block_start(paella_notifq, paella_launch_id);")
         # only allocations (local/shared arrays) may precede the prologue
         assert all(_ALLOC.match(ln) for ln in lines[:start]), (name, lines[:start])
         assert lines[-1] == "paella_block_end(paella_notifq, paella_launch_id);", name
         assert body.count("paella_block_end(") == 1 and "return" not in body, name
+        # slicing: the block indices come from paella_block, computed once, after the prologue
+        if "blockIdx" in body:
+            assert re.match(r"(int|int64_t) paella_block = ", lines[start + 1]), name
+            assert all("blockIdx" not in ln for ln in lines[start + 2:]), name
     assert "#define PAELLA_GROUP 16" in source
     assert all(k.instrumented for k in cnn_bundle.kernels)
 
@@ -69,10 +74,15 @@ def test_plain_build_has_no_instrumentation(plain_bundle, cnn_bundle):
     assert "paella_block_start" not in source and "paella_notifq" not in source
     assert not plain_bundle.manifest.instrumented
     assert not any(k.instrumented for k in plain_bundle.kernels)
-    # same kernels, same launch configurations, same plan either way
+    # same kernels, same launch configurations, same plan either way, but for the block
+    # offset the instrumented kernels take last (slicing), which the plan passes as 0
     assert [(k.name, k.grid, k.block) for k in plain_bundle.kernels] == \
         [(k.name, k.grid, k.block) for k in cnn_bundle.kernels]
-    assert [o.to_dict() for o in plain_bundle.plan] == [o.to_dict() for o in cnn_bundle.plan]
+    plain = [o.to_dict() for o in plain_bundle.plan]
+    for o in plain:
+        if o["op"] == "launch":
+            o["args"].append({"scalar": 0, "dtype": "uint32"})
+    assert plain == [o.to_dict() for o in cnn_bundle.plan]
 
 
 @T.prim_func

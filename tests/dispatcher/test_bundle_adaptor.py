@@ -200,8 +200,11 @@ def test_plan_from_bundle_keeps_offsets_args_and_params(bundle):
     assert set(plan.params) == {str(b.id) for b in v.buffers if b.kind == "param"}
     assert set(plan.request_buffers) == {str(b.id) for b in v.buffers if b.kind != "param"}
     launches = [op for op in plan.ops if op.kind == "launch"]
+    assert plan.block_offsets                # the kernels take the block offset (slicing)
     for mine, theirs in zip(launches, v.launches()):
-        assert mine.args == tuple(BufferArg(str(a.buffer), a.offset) for a in theirs.args)
+        assert mine.args == tuple(BufferArg(str(a.buffer), a.offset) if a.buffer is not None
+                                  else ScalarArg(a.scalar, a.dtype) for a in theirs.args)
+        assert mine.args[-1] == ScalarArg(0, "uint32")
     with pytest.raises(ValueError, match="variant 1 does not exist"):
         plan_from_bundle(bundle, 1)
 

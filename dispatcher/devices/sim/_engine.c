@@ -21,6 +21,10 @@
  *    running block exceeds the device's bandwidth, plus one memory latency;
  *  - blocks of one kernel placed on one SM in one pass form a group; groups of one kernel
  *    placed in one pass that end at the same instant end in one event;
+ *  - stream priorities (Gpu.set_priority, CUDA's cudaStreamCreateWithPriority: lower is
+ *    more urgent, 0 the default): the block scheduler visits placeable heads by their
+ *    stream's priority first, then in launch order. Blocks already running are not
+ *    preempted; a more urgent kernel takes the resources as blocks end;
  *  - a gate (Gpu.gate) is a marker that completes only once the host has opened it
  *    (Gpu.open): until then, at the head, it holds its stream and its queue as a kernel
  *    still running would. It takes no SM and posts nothing. No CUDA operation: the
@@ -117,7 +121,7 @@ typedef struct {
     int capgrps, free_grp;
     /* queues, streams, engines, placeable heads */
     int nq, n_streams;
-    int *qhead, *qtail, *shead, *stail, *scount;
+    int *qhead, *qtail, *shead, *stail, *scount, *sprio;
     int ehead[3], etail[3];
     int *active, nactive;
     /* event heap */
@@ -506,11 +510,19 @@ static int complete(Gpu *g, int i)
     return advance(g, st % g->nq);
 }
 
+/* Placeable heads in the order the block scheduler visits them: stream priority, then
+   launch order. */
+static inline int active_before(Gpu *g, const Op *a, const Op *b)
+{
+    int pa = g->sprio[a->stream], pb = g->sprio[b->stream];
+    return pa != pb ? pa < pb : a->seq < b->seq;
+}
+
 static void insert_active(Gpu *g, int i)
 {
     int n = g->nactive;
-    uint64_t seq = g->ops[i].seq;
-    while (n > 0 && g->ops[g->active[n - 1]].seq > seq) {
+    const Op *o = &g->ops[i];
+    while (n > 0 && active_before(g, o, &g->ops[g->active[n - 1]])) {
         g->active[n] = g->active[n - 1];
         n--;
     }
@@ -1688,6 +1700,19 @@ static PyObject *Gpu_busy(Gpu *g, PyObject *Py_UNUSED(x))
     Py_RETURN_FALSE;
 }
 
+static PyObject *Gpu_set_priority(Gpu *g, PyObject *args)
+{
+    int stream, prio;
+    if (!PyArg_ParseTuple(args, "ii", &stream, &prio) || check_stream(g, stream) < 0)
+        return NULL;
+    if (prio < -64 || prio > 64) {
+        PyErr_Format(PyExc_ValueError, "stream priority %d is outside -64..64", prio);
+        return NULL;
+    }
+    g->sprio[stream] = prio;
+    Py_RETURN_NONE;
+}
+
 static PyObject *Gpu_stream_idle(Gpu *g, PyObject *arg)
 {
     long s = PyLong_AsLong(arg);
@@ -1824,6 +1849,8 @@ static PyMethodDef Gpu_methods[] = {
      "fire events up to t, stopping after the first one a host could observe"},
     {"busy", (PyCFunction)Gpu_busy, METH_NOARGS, "any stream has work"},
     {"stream_idle", (PyCFunction)Gpu_stream_idle, METH_O, "the stream has no work"},
+    {"set_priority", (PyCFunction)Gpu_set_priority, METH_VARARGS,
+     "set_priority(stream, priority): lower is more urgent (CUDA's convention), 0 the default"},
     {"mean_resident", (PyCFunction)Gpu_mean_resident, METH_VARARGS, "time-averaged resident blocks"},
     {"area_snapshot", (PyCFunction)Gpu_area_snapshot, METH_NOARGS, "(resident-block area, now)"},
     {NULL}};
@@ -1906,6 +1933,7 @@ static int Gpu_init(Gpu *g, PyObject *args, PyObject *kw)
     g->shead = PyMem_Malloc(n_streams * sizeof(int));
     g->stail = PyMem_Malloc(n_streams * sizeof(int));
     g->scount = PyMem_Calloc(n_streams, sizeof(int));
+    g->sprio = PyMem_Calloc(n_streams, sizeof(int));
     g->touched = PyMem_Calloc(n_sm, sizeof(int));
     g->is_touched = PyMem_Calloc(n_sm, 1);
     g->sm_head = PyMem_Malloc(n_sm * sizeof(int));
@@ -1913,7 +1941,7 @@ static int Gpu_init(Gpu *g, PyObject *args, PyObject *kw)
     g->sm_end = PyMem_Malloc(n_sm * sizeof(double));
     if (!g->fblocks || !g->fwarps || !g->mwarps || !g->fsmem || !g->fregs || !g->is_dirty
         || !g->dirty || !g->qhead || !g->qtail || !g->active || !g->shead || !g->stail
-        || !g->scount || !g->touched || !g->is_touched || !g->sm_head || !g->sm_ver || !g->sm_end) {
+        || !g->scount || !g->sprio || !g->touched || !g->is_touched || !g->sm_head || !g->sm_ver || !g->sm_end) {
         PyErr_NoMemory();
         return -1;
     }
@@ -1975,7 +2003,7 @@ static void Gpu_dealloc(Gpu *g)
         PyBuffer_Release(&g->ring);
     void *arrays[] = {g->fblocks, g->fwarps, g->mwarps, g->fsmem, g->fregs, g->is_dirty, g->dirty,
                       g->sh_warps, g->sh_rpw, g->sh_per_sm, g->sh_smem, g->ops, g->grps, g->qhead,
-                      g->qtail, g->shead, g->stail, g->scount, g->active, g->heap, g->pend,
+                      g->qtail, g->shead, g->stail, g->scount, g->sprio, g->active, g->heap, g->pend,
                       g->defer, g->b_t, g->b_stream, g->b_lid, g->touched, g->is_touched,
                       g->sm_head, g->sm_ver, g->sm_end};
     for (size_t i = 0; i < sizeof(arrays) / sizeof(arrays[0]); i++)

@@ -130,3 +130,16 @@ class CostModel:
         """Resident warps per SM at which the latency-bound streams of one SM reach its
         share of the bandwidth (Little's law): ``BW / sm_count * L / (ilp * line)``."""
         return spec.mem_bw / spec.sm_count * self.mem_latency / self.bytes_in_flight_per_warp()
+
+
+def slice_cost(flops: float, nbytes: float, duration: float | None, blocks: int, whole: int,
+               wave: int) -> tuple[float, float, float | None]:
+    """(FLOPs, bytes, duration) of a slice of ``blocks`` blocks of a kernel of ``whole``
+    blocks (paella.dispatcher.slicing), ``wave`` blocks per wave: its share of the
+    kernel's work, so that each block does what it did in the whole kernel; a timed
+    kernel's blocks keep their time (duration / its waves), so the slice lasts its waves
+    of it."""
+    share = blocks / whole
+    if duration is None:
+        return flops * share, nbytes * share, None
+    return flops * share, nbytes * share, duration / -(-whole // wave) * -(-blocks // wave)

@@ -19,10 +19,10 @@ from paella.dispatcher.devices.base import (Callback, Device, DeviceError, Devic
                                             Function, ModuleImage)
 from paella.gpus import GpuSpec, preset
 from paella.log_throttle import LogThrottle
-from paella.occupancy import Footprint
+from paella.occupancy import Footprint, wave_blocks
 
 from .clock import EventLoop, RealTimeLoop
-from .cost import CostModel
+from .cost import CostModel, slice_cost
 from .effect_workers import EffectFailed, EffectQueueFull, InlineEffects
 from .hardware import D2H, H2D, Shapes, SMView, build_engine
 from .memory import SimMemory
@@ -153,6 +153,15 @@ class SimDevice(Device):
             self.gpu.open(handle)
         self._deferred.clear()
 
+    def set_stream_priority(self, stream: int, priority: int) -> None:
+        """Give ``stream`` a priority, as ``cudaStreamCreateWithPriority`` does (lower is
+        more urgent; 0 the default): the block scheduler places the blocks of a more
+        urgent stream's kernels first as resources free up, and never preempts running
+        blocks (hardware.py). The mechanism Triton users are pointed to for priorities;
+        ``paella experiment priority`` compares it with this project's."""
+        self._check_stream(stream)
+        self.gpu.set_priority(stream, priority)
+
     @property
     def gates(self) -> int:
         """Kernels held back for an answer still being computed."""
@@ -212,8 +221,12 @@ class SimDevice(Device):
         p = self._prepared.get(k)
         if p is None:
             info = k.func.info
-            p = self._prepared[k] = (self._shapes[k.fp], k.blocks, info.flops, info.bytes,
-                                     info.duration, k.func.handle)
+            flops, nbytes, duration = info.flops, info.bytes, info.duration
+            if k.whole:                      # a slice: its share of the kernel
+                flops, nbytes, duration = slice_cost(flops, nbytes, duration, k.blocks, k.whole,
+                                                     wave_blocks(self.props, k.fp))
+            p = self._prepared[k] = (self._shapes[k.fp], k.blocks, flops, nbytes, duration,
+                                     k.func.handle)
         self._submit_kernel(p, args, stream, launch_id, True, group, on_complete)
 
     def _submit_kernel(self, p: tuple, args: Sequence[Any], stream: int, launch_id: int,
