@@ -65,7 +65,7 @@ class SliceRule:
         if waves <= 1 or seconds <= self.bound:
             return None
         per_wave = seconds / waves
-        k = max(1, int(self.bound // per_wave))
+        k = max(1, int(self.bound / per_wave + 1e-9))   # (+1e-9: 1e-4 // 1e-5 is 9.0)
         return None if k >= waves else k * wave
 
 

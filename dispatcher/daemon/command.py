@@ -54,6 +54,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--effect-workers", type=int, dest="effect_workers",
                    help="sim backend: worker processes computing the answers, off the loop "
                    "(default 0: one per core but the loop's, at most 4)")
+    p.add_argument("--slice-us", type=int, dest="slice_us",
+                   help="kernel slicing: a less urgent class's long kernels run in slices of at "
+                   "most this many microseconds while a more urgent class is around (default "
+                   "100; 0: off)")
     p.add_argument("--wake-lead-us", type=int, dest="wake_lead_us",
                    help="wake a hybrid client when its job's estimated work left drops to "
                    "this many microseconds (default 0: just before the job's last copy)")

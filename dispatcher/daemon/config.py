@@ -57,6 +57,7 @@ class DaemonConfig:
     plugin_timeout_seconds: float = 10.0  # a plug-in call running longer is interrupted (0: never)
     lookahead: int = 1                  # kernels of a job's stream released ahead (1: none)
     wake_lead_us: int = 0               # hybrid clients' wake-up this far ahead (0: at the mark)
+    slice_us: int = 100                 # kernel slicing's bound on a more urgent class's wait (0: off)
     kernel_core: str = "auto"           # auto | c | python | off (docs/dispatcher.md)
     effect_workers: int = 0             # sim: processes computing answers (0: auto)
     effect_deadline_seconds: float = 120.0  # sim: an answer computing longer fails its job
@@ -143,6 +144,10 @@ class DaemonConfig:
             raise ConfigError(f"wake_lead_us must be an int 0..1000000 (microseconds of "
                               f"estimated work left when a hybrid client is woken; 0: only "
                               f"before the job's last copy), got {shown(self.wake_lead_us)}")
+        if type(self.slice_us) is not int or not 0 <= self.slice_us <= 1_000_000:
+            raise ConfigError(f"slice_us must be an int 0..1000000 (microseconds: the longest "
+                              f"a kernel slice of a less urgent class may make more urgent "
+                              f"work wait; 0 turns kernel slicing off), got {shown(self.slice_us)}")
         if type(self.effect_workers) is not int or not 0 <= self.effect_workers <= 256:
             raise ConfigError(f"effect_workers must be an int 0..256 (processes computing the "
                               f"simulated GPU's answers; 0: one per core but the loop's, at "
@@ -209,7 +214,7 @@ class DaemonConfig:
 
 SECTIONS = {
     "daemon": ("socket", "models", "backend", "gpu", "sim_mode", "cpu", "rt_priority", "idle",
-               "idle_spin_us", "drain_seconds", "plugin_timeout_seconds", "lookahead", "wake_lead_us", "kernel_core",
+               "idle_spin_us", "drain_seconds", "plugin_timeout_seconds", "lookahead", "wake_lead_us", "slice_us", "kernel_core",
                "effect_workers", "effect_deadline_seconds", "effect_queue", "echo", "noop", "log_level", "metrics_port",
                "metrics_addr"),
     "access": ("allowed_users", "allowed_groups", "socket_mode", "trace_users", "class_default",

@@ -148,6 +148,7 @@ class DispatcherExecutor:
                                    fairness_threshold=fair, policy_options=params or None,
                                    instruments=instruments, lookahead=cfg.lookahead,
                                    wake_lead=cfg.wake_lead_us * 1e-6,
+                                   slice_us=cfg.slice_us,
                                    kernel_core=None if cfg.kernel_core == "off"
                                    else cfg.kernel_core)
         except PolicyError as e:           # the policy refused its parameters

@@ -149,3 +149,29 @@ def test_bad_stream_is_refused(kernels):
     (k,) = kernels(dev, KernelInfo("k", 16, duration=1e-4))
     with pytest.raises(ValueError, match="stream 99"):
         dev.launch(k, 1, 32, 99, 1)
+
+
+def test_a_more_urgent_stream_places_its_blocks_first(kernels):
+    # A wide kernel fills the GPU in ten waves of 100 us; a one-block kernel of 100 us
+    # launched after it on another stream (and queue) waits, without priorities, until
+    # every block of the first is placed (launch order). With stream 1 more urgent
+    # (CUDA's lower number), its block takes the first resources that free up: nothing
+    # running is preempted, so it waits one wave, not ten.
+    def run(priority: int | None) -> list[float]:
+        dev = tiny_gpu(queues=2)
+        wide, one = kernels(dev, KernelInfo("wide", 16, duration=1000 * US),
+                            KernelInfo("one", 16, duration=100 * US))
+        if priority is not None:
+            dev.set_stream_priority(1, priority)
+        per_wave = 22 * 8                                # 22 SMs x 8 blocks of 128 threads
+        return timeline(dev, [(wide, 10 * per_wave, 128, 0), (one, 1, 128, 1)])
+    L = tiny_gpu().cost.launch_latency
+    plain, urgent, lazy = run(None), run(-1), run(1)
+    assert plain[1] == pytest.approx(L + 1000 * US + 100 * US)    # behind all ten waves
+    assert urgent[1] == pytest.approx(L + 100 * US + 100 * US)    # one wave, then its block
+    assert urgent[0] == pytest.approx(plain[0] + 100 * US)        # one of its blocks a wave later
+    assert lazy == plain                                 # less urgent than 0: as without
+    with pytest.raises(ValueError, match="outside -64..64"):
+        tiny_gpu().set_stream_priority(1, 100)
+    with pytest.raises(ValueError, match="stream"):
+        tiny_gpu().set_stream_priority(99, -1)
