@@ -1235,6 +1235,20 @@ static int pack_value(unsigned char *dst, int size, PyObject *v, const char *kna
         memcpy(dst, PyBytes_AS_STRING(v), size);
         return 0;
     }
+    if (PyObject_CheckBuffer(v)) {           /* a numpy scalar of the parameter's size (a
+                                                plan's ScalarArg.typed(): np.uint32, ...) */
+        Py_buffer b;
+        if (PyObject_GetBuffer(v, &b, PyBUF_SIMPLE) < 0) {
+            PyErr_Clear();
+            goto type;
+        }
+        int fits = b.len == size;
+        if (fits)
+            memcpy(dst, b.buf, size);
+        PyBuffer_Release(&b);
+        if (fits)
+            return 0;
+    }
 type:
     PyErr_Format(PyExc_TypeError, "kernel %s parameter %d is %d bytes; a %.50s cannot fill it",
                  kname, idx, size, Py_TYPE(v)->tp_name);
