@@ -123,8 +123,10 @@ class DispatcherHost:
         return self.disp.register_model(name, adaptor, profile_runs=profile_runs)
 
     def submit(self, model_id: int, io: np.ndarray, clients: list[int],
-               on_done: Callable[[int, str | None], None]) -> None:
-        self._part_ids = submit_job(self.disp, model_id, io, clients, on_done, self._part_ids)
+               on_done: Callable[[int, str | None], None], stream: str | None = None,
+               priority: int = 0) -> None:
+        self._part_ids = submit_job(self.disp, model_id, io, clients, on_done, self._part_ids,
+                                    stream=stream, priority=priority)
 
     def alloc(self, nbytes: int) -> int:
         return self.disp.alloc(nbytes)      # (reclaims idle buffers when full)

@@ -222,7 +222,8 @@ class SchedulerContext(Protocol):
         launch plan and SRPT profile. Returns its id, for :meth:`submit`."""
 
     def submit(self, model_id: int, io: Any, clients: "list[int]",
-               on_done: "Callable[[int, str | None], None]", stream: str | None = None) -> None:
+               on_done: "Callable[[int, str | None], None]", stream: str | None = None,
+               priority: int = 0) -> None:
         """Run one job of internal model ``model_id`` on ``io`` (a 1-D uint8 numpy
         array the scheduler owns; a request's own ``req.io`` is allowed too) on behalf
         of ``clients`` (client ids, one part each: the policy's fairness and the GPU
@@ -232,7 +233,9 @@ class SchedulerContext(Protocol):
         ``stream``: run the job's ops on a real stream of the scheduler's own, reserved
         under that name (DVABatch: one per stage executor); jobs of one name follow one
         another in that stream's order (``Dispatcher.stream_named``). None: streams from
-        the dispatcher's pool, as any job."""
+        the dispatcher's pool, as any job. ``priority``: the class the job runs at (its
+        most urgent request's, as ``Request.priority``: 1 the most urgent; 0 the
+        default), which every built-in policy orders by first."""
 
     def alloc(self, nbytes: int) -> int:
         """Device memory (a pointer) owned by this scheduler; freed by :meth:`free`, or

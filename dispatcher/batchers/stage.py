@@ -483,11 +483,12 @@ class BatchingStage:
 
 
 def submit_job(disp: Any, model_id: int, io: np.ndarray, clients: list[int], done: Any,
-               last_id: int, *args: Any, stream: str | None = None) -> int:
+               last_id: int, *args: Any, stream: str | None = None, priority: int = 0) -> int:
     """One job of ``model_id`` on ``io`` with one part (an internal request) per client;
     ``done(*args, status, error)`` once every part ended: OK if any part ran OK, else the
     first part's status. Returns the last part id used (parts are numbered from
-    ``last_id + 1``). ``stream``: the named stream its ops go to (``submit_group``)."""
+    ``last_id + 1``). ``stream``: the named stream its ops go to (``submit_group``);
+    ``priority``: its parts' class (``Request.priority``; 0 the default)."""
     if not clients:
         raise ValueError("a job needs at least one client to run for")
     state = [len(clients), False, None]          # parts left, any OK, first failure
@@ -504,7 +505,8 @@ def submit_job(disp: Any, model_id: int, io: np.ndarray, clients: list[int], don
     parts = []
     for cid in clients:
         last_id += 1
-        parts.append(Request(last_id, int(cid), model_id, io, on_complete=part_done))
+        parts.append(Request(last_id, int(cid), model_id, io, on_complete=part_done,
+                             priority=priority))
     disp.submit_group(parts, io, model_id=model_id, stream=stream)
     return last_id
 
@@ -553,7 +555,7 @@ class StageContext:
         return mid
 
     def submit(self, model_id: int, io: np.ndarray, clients: list[int],
-               on_done: Any, stream: str | None = None) -> None:
+               on_done: Any, stream: str | None = None, priority: int = 0) -> None:
         if self.closed or self.failed:
             raise RuntimeError(f"scheduler of {self.name} submitted a job after it was "
                                f"{'closed' if self.closed else 'taken out of service'}")
@@ -562,7 +564,8 @@ class StageContext:
                              f"(or one of its bundle's variants)")
         self._part_ids = submit_job(self.stage.disp, model_id, io, clients, self._job_done,
                                     self._part_ids, on_done,
-                                    stream=None if stream is None else f"{self.name}/{stream}")
+                                    stream=None if stream is None else f"{self.name}/{stream}",
+                                    priority=priority)
         self.jobs += 1
         self.stage.stats.scheduler_jobs += 1
 

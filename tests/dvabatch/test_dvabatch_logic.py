@@ -234,3 +234,33 @@ def test_one_buffer_pair_serializes_two_pipeline():
     assert most == 1 and done == pytest.approx([4.0, 8.0])
     most, done = overlapping_batches(2)
     assert most == 2 and done == pytest.approx([4.0, 5.0])
+
+
+def test_the_most_urgent_class_is_batched_first_and_never_mixed():
+    # Issue 38: six queries wait when the window closes, classes 200 (best effort) and 1
+    # (urgent), the best-effort ones first. The first batch is the urgent ones alone,
+    # although they came last; a query of another class never joins (stretch) a batch.
+    qs = [Query(i, 0.0) for i in range(6)]
+    level = {0: 200, 1: 200, 2: 200, 3: 1, 4: 1, 5: 1}
+    cfg = DvaConfig(2, lambda s, b, l: 1.0, pairs=1, bs_max=8, window=0.5, split=False,
+                    class_of=lambda q: level[q.id])
+    done, pipe = simulate(cfg, lambda s, r, l: (1.0, 1.0), qs)
+    urgent = sorted(q.done for q in done if level[q.id] == 1)
+    best = sorted(q.done for q in done if level[q.id] == 200)
+    assert urgent == pytest.approx([2.5] * 3)           # window, then two stages
+    assert min(best) > max(urgent)                      # the next batch, after them
+    assert pipe.stats.new == 2 and pipe.stats.stretch == 0
+    # the same queries with one class: one batch of six
+    one, pipe = simulate(DvaConfig(2, lambda s, b, l: 1.0, pairs=1, bs_max=8, window=0.5,
+                                   split=False), lambda s, r, l: (1.0, 1.0),
+                         [Query(i, 0.0) for i in range(6)])
+    assert pipe.stats.new == 1 and {q.done for q in one} == {2.5}
+    # a late urgent query does not stretch a running best-effort batch
+    late = [Query(0, 0.0), Query(1, 0.6)]
+    cls = {0: 200, 1: 1}
+    _, pipe = simulate(DvaConfig(2, lambda s, b, l: 1.0, pairs=2, window=0.0, split=False,
+                                 class_of=lambda q: cls[q.id]), lambda s, r, l: (1.0, 1.0), late)
+    assert pipe.stats.stretch == 0 and pipe.stats.new == 2
+    _, pipe = simulate(DvaConfig(2, lambda s, b, l: 1.0, pairs=2, window=0.0, split=False),
+                       lambda s, r, l: (1.0, 1.0), [Query(0, 0.0), Query(1, 0.6)])
+    assert pipe.stats.stretch == 1                      # (one class: it would)

@@ -212,3 +212,33 @@ def test_a_three_stage_unet_with_skips_across_stages(tmp_path):
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
     st = m.batcher.stats_dict()
     assert st["stretch"] > 0 and st["split"] > 0 and st["stage_runs"] >= 3 * st["new"]
+
+
+def test_a_batch_runs_at_its_class_and_the_urgent_class_is_batched_first(bundle):
+    """Issue 38: rows of an urgent class waiting beside best-effort ones form their own
+    batch, first, and its stage jobs run at that class (the kernel scheduler's order)."""
+    from paella.dispatcher.instruments import Instrument
+
+    class Levels(Instrument):
+        seen: list = []
+
+        def op_released(self, op, t):
+            self.seen.append((t, op.job.level))
+    m = Served(bundle, pairs=2, split=False, stretch=False, window_us=200.0)
+    m.ex.disp.instruments.add(Levels())
+    answered: dict[int, float] = {}
+    plain = m._complete
+    m._complete = lambda req, st, err: (answered.setdefault(req.req_id, m.dev.now()),
+                                        plain(req, st, err))
+    best = [m.send(client=1) for _ in range(3)]
+    for r in best:
+        r.priority = 200
+    urgent = [m.send(client=2) for _ in range(2)]
+    for r in urgent:
+        r.priority = 1
+    m.ex.stage.run_until_idle()
+    assert all(m.done[r.req_id] == (rings.OK, None) for r in best + urgent)
+    levels = [lv for _, lv in Levels.seen if lv != 128]    # (128: the stages' profiling)
+    assert set(levels) == {1, 200}
+    assert levels[0] == 1                       # the urgent batch's first stage job goes first
+    assert max(answered[r.req_id] for r in urgent) < min(answered[r.req_id] for r in best)

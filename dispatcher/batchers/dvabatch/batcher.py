@@ -33,6 +33,7 @@ import numpy as np
 from paella import rings
 from paella.bundle import split_rows
 from paella.shapes import layout as request_layout
+from paella.wire import DEFAULT_PRIORITY
 
 from ..base import BatcherError, ModelVariants, RequestRefused, SchedulerBatcher
 from ..registry import register_batcher
@@ -138,7 +139,8 @@ class DvaBatcher(SchedulerBatcher):
                         window=self.window, stretch=self.stretch, t_comp_wait=self.t_comp_wait,
                         stretch_idle_only=self.stretch_idle_only, split=split,
                         split_factor=self.split_factor,
-                        length_buckets=sm.buckets if sm.buckets != (0,) else ())
+                        length_buckets=sm.buckets if sm.buckets != (0,) else (),
+                        class_of=_class_of)
         self.pipe = DvaPipeline(cfg, self, self._exit, ctx.now, on_error=self._failed,
                                 on_join=self._join)
         self._free: dict[int, list[np.ndarray]] = {}
@@ -230,8 +232,9 @@ class DvaBatcher(SchedulerBatcher):
         sm = self.stages
         pieces = split_rows(row, rows, sm.sizes)
         left = [len(pieces), None]       # pieces in flight, first error
-        clients = sorted({q.req.client_id for k in range(row, row + rows)
-                          if (q := self._at.get((pair, k))) is not None}) or [0]
+        queries = [q for k in range(row, row + rows) if (q := self._at.get((pair, k))) is not None]
+        clients = sorted({q.req.client_id for q in queries}) or [0]
+        level = min(map(_class_of, queries), default=0)   # a batch is of one class
         for at, size in pieces:
             v = sm.variant(stage, size, seq_len)
             io = self._staging(v)
@@ -250,7 +253,7 @@ class DvaBatcher(SchedulerBatcher):
                     done(left[1])
             self.stats.jobs += 1
             self.ctx.submit(self.model_ids[v.index], io, clients, piece_done,
-                            stream=f"s{stage}" if self.own_streams else None)
+                            stream=f"s{stage}" if self.own_streams else None, priority=level)
 
     def _staging(self, v: StageVariant) -> np.ndarray:
         free = self._free.get(v.index)
@@ -267,6 +270,11 @@ class DvaBatcher(SchedulerBatcher):
             lay = self._client_layouts[bucket] = tuple(request_layout(tensors, 1, bucket, 1,
                                                                       bucket)[0])
         return lay
+
+
+def _class_of(q: "_Query") -> int:
+    """A query's priority class (its request's; none named: the default, 128)."""
+    return q.req.priority or DEFAULT_PRIORITY
 
 
 @dataclass

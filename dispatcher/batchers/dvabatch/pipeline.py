@@ -67,6 +67,9 @@ class DvaConfig:
     #: stages a query needs (None: all): a query done after fewer stages leaves there
     #: (multi-exit for input diversity, Figure 3 Case-I's short queries).
     stages_of: Callable[[Any], int] | None = None
+    #: a query's priority class (1 the most urgent; None: one class): a new batch takes
+    #: the most urgent class waiting, a batch never mixes classes (as turbo-dp's).
+    class_of: Callable[[Any], int] | None = None
 
     def t_remain(self, stage: int, bs: int, seq_len: int) -> float:
         return sum(self.stage_time(s, bs, seq_len) for s in range(stage, self.n_stages))
@@ -171,6 +174,9 @@ class DvaPipeline:
         row = self.table.stretchable()
         if row is None or not may_stretch(row.time, now, self.cfg.t_comp_wait):
             return False
+        if self.cfg.class_of is not None and row.queries and \
+                self.cfg.class_of(row.queries[0]) != self.cfg.class_of(q):
+            return False                    # a batch never mixes classes
         if self.cfg.stretch_idle_only and not self._first_stage_free():
             return False
         if self.cfg.length_buckets:
@@ -205,7 +211,11 @@ class DvaPipeline:
             pair = self.pool.free_pair()
             if pair is None:
                 return
-            take = self.waiting[:cfg.bs_max]
+            waiting = self.waiting
+            if cfg.class_of is not None:   # the most urgent class first, never mixed
+                top = min(map(cfg.class_of, waiting))
+                waiting = [q for q in waiting if cfg.class_of(q) == top]
+            take = waiting[:cfg.bs_max]
             if cfg.group_lengths:         # the oldest query's group first (no starving)
                 first = length_bucket(take[0].seq_len, cfg.length_buckets)
                 bucket, group = next(g for g in group_by_length(take, cfg.length_buckets)
