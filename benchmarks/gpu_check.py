@@ -197,8 +197,13 @@ def add1_check(dev, func, n: int, launch_id: int) -> CheckResult:
                        f"{bad}/{n} elements wrong" if bad else "")
 
 
-def run_bundle(dev, bundle, inputs: dict[str, np.ndarray], first_id: int = 1) -> dict[str, np.ndarray]:
-    """Run a bundle's launch plan (variant 0) on ``dev``; returns its outputs."""
+def run_bundle(dev, bundle, inputs: dict[str, np.ndarray], first_id: int = 1,
+               pieces: int = 0) -> dict[str, np.ndarray]:
+    """Run a bundle's launch plan (variant 0) on ``dev``; returns its outputs.
+    ``pieces`` > 0: launch every instrumented kernel as that many slices of its grid (1-D
+    launches, the block offset its last argument: paella.dispatcher.slicing), as the
+    dispatcher does for a less urgent job."""
+    from paella.dispatcher.slicing import slices
     from paella.dispatcher.devices.base import KernelInfo, ModuleImage
     v = bundle.variants[0]
     files = bundle.manifest.files
@@ -223,12 +228,18 @@ def run_bundle(dev, bundle, inputs: dict[str, np.ndarray], first_id: int = 1) ->
             elif op.op == "launch":
                 args = [ptrs[a.buffer] + a.offset if a.buffer is not None else np.dtype(a.dtype).type(a.scalar)
                         for a in op.args]
-                dev.launch(funcs[op.kernel], tuple(op.grid), tuple(op.block), s, lid, dyn_smem=op.dyn_smem,
-                           args=args, instrumented=v.kernel(op.kernel).instrumented,
-                           group=bundle.manifest.group)
-                lid += 1
-                dev.synchronize()        # one kernel at a time: no notifQ flow control here
-                drain(dev)
+                instrumented = v.kernel(op.kernel).instrumented
+                total = int(np.prod(op.grid))
+                cut = slices(total, -(-total // pieces)) if pieces and instrumented else None
+                for offset, count in cut or [(0, 0)]:
+                    if cut is not None:
+                        args[-1] = np.uint32(offset)
+                    dev.launch(funcs[op.kernel], (count, 1, 1) if cut else tuple(op.grid), tuple(op.block),
+                               s, lid, dyn_smem=op.dyn_smem, args=args, instrumented=instrumented,
+                               group=bundle.manifest.group)
+                    lid += 1
+                    dev.synchronize()    # one kernel at a time: no notifQ flow control here
+                    drain(dev)
             else:
                 raise ValueError(f"unknown plan op {op.op!r}")
         dev.synchronize()
@@ -250,6 +261,19 @@ def bundle_check(dev, bundle, *, seed: int = 0, rtol: float = 1e-3, atol: float 
             problems.append(f"{name}: max abs error {err:.3g}")
     return CheckResult(f"bundle {bundle.model}: GPU vs CPU build", "FAIL" if problems else "PASS",
                        "; ".join(problems))
+
+
+def sliced_check(dev, bundle, *, pieces: int = 3, seed: int = 0) -> CheckResult:
+    """Every kernel launched as ``pieces`` slices gives the same bytes as launched whole
+    (the compiler pass's block offset; issue 38)."""
+    rng = np.random.default_rng(seed)
+    inputs = {t.name: rng.standard_normal(t.shape).astype(t.dtype) for t in bundle.inputs}
+    whole = run_bundle(dev, bundle, inputs)
+    cut = run_bundle(dev, bundle, inputs, pieces=pieces)
+    bad = [name for name in whole if not np.array_equal(whole[name], cut[name])]
+    return CheckResult(f"bundle {bundle.model}: every kernel in {pieces} slices vs whole",
+                       "FAIL" if bad else "PASS",
+                       "; ".join(f"{n}: {int((whole[n] != cut[n]).sum())} elements differ" for n in bad))
 
 
 def time_launches(dev, func, grid: int, iterations: int, *, instrumented: bool, group: int,
@@ -325,7 +349,9 @@ def main(argv: list[str] | None = None) -> int:
         results.append(add1_check(dev, mods[16]["paella_check_add1"], 1000, 3000))
         if args.bundle:
             from paella.bundle import load_bundle
-            results.append(bundle_check(dev, load_bundle(args.bundle)))
+            bundle = load_bundle(args.bundle)
+            results.append(bundle_check(dev, bundle))
+            results.append(sliced_check(dev, bundle))
         else:
             results.append(CheckResult("bundle vs CPU build", "SKIP", "pass --bundle DIR (from `paella compile`)"))
         if args.skip_fig15:

@@ -649,6 +649,16 @@ class FakeDriver:
             view = self._device_view(ptr, 4 * n)
             arr = np.frombuffer(view, dtype=np.float32)
             view[:] = (arr + np.float32(1)).tobytes()
+        elif k.body == "add1_f32_blocks":                  # (float* x, int n, uint offset, ...)
+            # As `paella compile` emits a kernel: block b of the launch is block
+            # offset + b of the grid, each block its blockDim.x elements (slicing).
+            ptr, n, offset = rec.args[0], rec.args[1], rec.args[2]
+            view = self._device_view(ptr, 4 * n)
+            arr = np.frombuffer(view, dtype=np.float32).copy()
+            t = rec.block[0]
+            for b in range(offset, offset + blocks):
+                arr[b * t:min((b + 1) * t, n)] += np.float32(1)
+            view[:] = arr.tobytes()
 
 
 _STICKY_CACHE: frozenset | None = None

@@ -163,6 +163,58 @@ def test_run_bundle_walks_the_plan_and_compares_with_the_cpu_build(tmp_path):
     dev.close()
 
 
+def _offset_bundle(tmp_path, body: str, n: int = 40, threads: int = 4):
+    """A one-kernel bundle whose kernel takes (x, n, block offset), as `paella compile`
+    emits kernels since format 2; ``body`` says whether it honours the offset."""
+    kernels = [kernel_spec("k", [8, 4, 4, 8, 4], body=body)]
+    (tmp_path / "k.cubin").write_bytes(fake_cubin(75, kernels))
+    kern = SimpleNamespace(name="k", registers=32, static_smem=0, flops=0, bytes=0, instrumented=True)
+    op = lambda **kw: SimpleNamespace(**{"stream": 0, "buffer_offset": 0, "dyn_smem": 0, **kw})  # noqa: E731
+    arg = lambda **kw: SimpleNamespace(**{"buffer": None, "offset": 0, "scalar": None, "dtype": None, **kw})  # noqa: E731
+    variant = SimpleNamespace(
+        kernels=[kern], buffers=[SimpleNamespace(id=0, nbytes=4 * n)], kernel=lambda name: kern,
+        plan=[op(op="h2d", buffer=0, io_offset=0, nbytes=4 * n),
+              op(op="launch", kernel="k", grid=[n // threads // 2, 2, 1], block=[threads],
+                 args=[arg(buffer=0), arg(scalar=n, dtype="int32"), arg(scalar=0, dtype="uint32")]),
+              op(op="d2h", buffer=0, io_offset=4 * n, nbytes=4 * n)])
+
+    class Bundle:
+        model, variants = "offsets", [variant]
+        manifest = SimpleNamespace(files={"cubin": "k.cubin"}, group=16)
+        inputs = [SimpleNamespace(name="x", shape=[n], dtype="float32")]
+
+        def file(self, key):
+            return tmp_path / "k.cubin"
+
+        def param_bytes(self):
+            return {}
+
+        def pack_inputs(self, inputs):
+            io = np.zeros(8 * n, np.uint8)
+            io[:4 * n] = inputs["x"].view(np.uint8)
+            return io
+
+        def unpack_outputs(self, io):
+            return {"y": io[4 * n:].view(np.float32).copy()}
+    return Bundle()
+
+
+def test_the_sliced_check_compares_slices_with_the_whole_grid(tmp_path):
+    # Issue 38's check for the day a GPU is there: every kernel launched in 3 slices
+    # (1-D launches at offsets 0, 4, 8 of a 5 x 2 grid) must give the whole launch's bytes.
+    dev, _ = fake_device(16)
+    good = _offset_bundle(tmp_path, "add1_f32_blocks")
+    r = gc.sliced_check(dev, good)
+    assert r.status == "PASS", r.detail
+    launches = [rec for rec in dev.drv.launches if rec.kernel == "k"]
+    assert [(rec.grid, rec.args[2]) for rec in launches] == [
+        ((5, 2, 1), 0), ((4, 1, 1), 0), ((4, 1, 1), 4), ((2, 1, 1), 8)]
+    # a kernel that ignores the offset (every slice redoes the grid's first blocks) fails
+    r = gc.sliced_check(dev, _offset_bundle(tmp_path, "add1_f32"))
+    assert r.status == "FAIL" and "y: " in r.detail and "elements differ" in r.detail
+    dev.close()
+
+
 # --- the real kernels compile against the compiler pass's header ------------------------------------------------
 
 @pytest.mark.skipif(shutil.which("nvcc") is None and not shutil.os.access("/usr/local/cuda/bin/nvcc", 1),

@@ -78,6 +78,9 @@ for policy in ("paella", "rr", "ms-kbk"):
     assert (k.run_core("c", plans, policy, 1, 0, times, picks, True, False, True)
             == k.run_core("python", plans, policy, 1, 0, times, picks, True, False, True))
 k.test_a_refused_launch_fails_its_job_and_the_others_go_on()
+import test_slicing as sl                   # classes, the class rule and sliced plans
+sl.test_every_path_gives_the_same_schedule_with_classes_and_slices(1)
+sl.test_no_less_urgent_kernel_goes_while_an_urgent_job_is_live("c")
 k.test_a_plan_spec_that_lies_is_refused_with_a_reason()
 print("sanitized run ok")
 '''

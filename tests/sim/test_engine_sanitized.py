@@ -126,6 +126,18 @@ dev.gpu.bulk(t.tobytes(), (np.arange(t.size, dtype=np.int32) // 8 % 1024).tobyte
 dev.run()
 assert len(dev.gpu.record) == t.size and dev.gpu.placements == t.size
 
+# stream priorities: a more urgent stream's kernel placed before an earlier one's blocks
+dev = SimDevice("t4", n_streams=4)
+fs = dev.load_module(ModuleImage("f", [KernelInfo("k", 32, duration=1e-3), KernelInfo("one", 32, duration=1e-5)]))
+dev.set_stream_priority(1, -2)
+dev.set_stream_priority(2, 3)
+ends = {}
+for s, grid in ((0, 2000), (2, 100), (1, 1)):
+    dev.launch(fs["one"] if s == 1 else fs["k"], grid, 256, s, 10 + s, instrumented=False,
+               on_complete=lambda s=s: ends.__setitem__(s, dev.now()))
+dev.run()
+assert ends[1] < 2e-4 < ends[0] < ends[2], ends
+
 # a callback that raises surfaces, and the engine stays usable
 dev = SimDevice("t4")
 f = dev.load_module(ModuleImage("f", [KernelInfo("k", 32, flops=1e8)]))["k"]
