@@ -20,9 +20,10 @@ What a trace shows (docs/service.md, "Traces"):
   blocks and warps resident on the SMs;
 * flow arrows from each request to the kernels of its job;
 * process "policy": an instant per decision the dispatcher makes visible: ``pick``
-  (a kernel released, with the job the policy chose) and ``fallback`` (a failing plug-in
-  policy replaced by fifo, with the reason). The policies do not report a "hold" yet,
-  and kernels are not sliced yet (issue 38): neither appears.
+  (a kernel released, with the job the policy chose), ``slice`` (the kernel released is
+  a slice of a longer one: its blocks and the kernel's, paella.dispatcher.slicing) and
+  ``fallback`` (a failing plug-in policy replaced by fifo, with the reason). The
+  policies do not report a "hold" (a pick that releases nothing) yet.
 
 Bounded: at ``max_events`` records the recorder stops recording and the trace ends with
 an instant saying so (``otherData.truncated`` in the file).
@@ -43,7 +44,7 @@ DEFAULT_MAX_EVENTS = 400_000
 #: Bytes of JSON per record, roughly: how a byte budget becomes a record budget.
 BYTES_PER_EVENT = 160
 
-_REQ, _REL, _START, _END, _FALLBACK, _STOPPED = range(6)
+_REQ, _REL, _START, _END, _FALLBACK, _STOPPED, _SLICE = range(7)
 _PID_REQUESTS, _PID_GPU, _PID_POLICY = 1, 2, 3
 _COPY_TRACKS = 1000                 # tid of stream s's copies: _COPY_TRACKS + s
 
@@ -133,6 +134,9 @@ class TraceRecorder(Instrument):
                 self._model_of[q] = name
             self._jobs[seq] = (name, reqs, min(r.priority for r in job.requests))
         self.records.append((_REL, id(op), seq, op.kind, op.key, op.stream, t))
+        launch = op.launch
+        if launch is not None and launch.whole:
+            self.records.append((_SLICE, t, seq, op.key, launch.blocks, launch.whole, op.stream))
         d = self.dispatcher
         if d.policy_fallbacks != self._fallbacks:
             self._fallbacks = d.policy_fallbacks
@@ -210,6 +214,12 @@ def _to_events(records: list[tuple], jobs: dict[int, tuple[str, tuple, int]]) ->
                 kernels_of_job.setdefault(op["seq"], []).append((start, op["stream"]))
             out.append({"ph": "C", "name": "SM residency", "pid": _PID_GPU, "tid": 0,
                         "ts": _us(r[2]), "args": {"blocks": r[3], "warps": r[4]}})
+        elif kind == _SLICE:
+            _, t, seq, name, blocks, whole, stream = r
+            out.append({"ph": "i", "s": "t", "name": "slice", "cat": "policy",
+                        "pid": _PID_POLICY, "tid": 0, "ts": _us(t),
+                        "args": {"model": jobs[seq][0], "job": seq, "kernel": name,
+                                 "blocks": blocks, "of": whole, "stream": stream}})
         elif kind == _FALLBACK:
             out.append({"ph": "i", "s": "p", "name": "fallback", "cat": "policy",
                         "pid": _PID_POLICY, "tid": 0, "ts": _us(r[1]),

@@ -14,13 +14,16 @@ timeline, so a reader of docs/EXPERIMENTS.md sees the schedule without opening a
   of 300 us) on the GTX 1660 SUPER at 30k jobs/s; a 3 ms stretch under ``paella`` and
   under ``ms-jbj``, whose 32 hardware queues hold each job's whole chain.
 
-A stretch of the priority experiment joins them when that experiment exists (issue 38).
+* **Priorities** (``paella experiment priority``, issue 38): ResNet-18 (urgent, red)
+  beside ResNet-50 at batch 8 (best effort, blue), a 12 ms stretch, under ``paella``
+  with classes and kernel slicing and under ``paella`` without classes.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import sys
 import time
 from typing import Any
 
@@ -31,7 +34,7 @@ from paella.dispatcher.core import Dispatcher, Request
 from paella.dispatcher.devices.sim import SimDevice
 from paella.dispatcher.trace import TraceRecorder, write_trace
 from paella.dispatcher.virtual_time import VirtualDriver
-from paella.experiments.cli import add_common
+from paella.experiments.cli import add_common, add_zoo_dir
 from paella.experiments.workload import lognormal_arrivals
 from paella.gpus import preset
 
@@ -39,6 +42,7 @@ MS = 1e-3
 #: Two SMs of a GTX 1660 SUPER: a 1024-thread block fills one.
 TWO_SMS = preset("gtx1660s").with_(name="two-sm", sm_count=2)
 POLICIES = ("paella", "ms-jbj")
+PRIORITY_MECHANISMS = ("paella-classes", "paella")
 
 
 def _traced(d: Dispatcher, arrivals: list[float], models: list[int],
@@ -71,6 +75,27 @@ def figure1(policy: str) -> tuple[TraceRecorder, dict[int, float]]:
     return _traced(d, [0.0] * 4, models, 1)
 
 
+def priority_stretch(mechanism: str, bundles: dict, n_hp: int,
+                     seed: int = 1) -> tuple[TraceRecorder, dict]:
+    """The priority experiment's ``mechanism`` (its own run, ``n_hp`` urgent requests),
+    traced: the recorder sits in the dispatcher the run makes."""
+    from paella.dispatcher.instruments import instrument_every_dispatcher
+    from paella.experiments import priority as P
+    recs: list[TraceRecorder] = []
+
+    def make(d: Dispatcher) -> TraceRecorder | None:
+        if recs:
+            return None
+        recs.append(TraceRecorder(d))
+        return recs[0]
+    with instrument_every_dispatcher(make):
+        pt = P.run_mechanism(mechanism, bundles, hp_rate=1 / 3 / P.isolated_seconds(bundles["hp"]),
+                             n_hp=n_hp, sigma=1.0, be_depth=2, seed=seed, slice_us=100.0,
+                             cpu_scale=0.0)
+    recs[0].stop()
+    return recs[0], pt
+
+
 def figure2(policy: str, rate: float = 30e3, jobs: int = 400,
             seed: int = 1) -> tuple[TraceRecorder, dict[int, float]]:
     """The Figure 2 job at ``rate`` jobs/s under ``policy``."""
@@ -86,11 +111,15 @@ def figure2(policy: str, rate: float = 30e3, jobs: int = 400,
 
 # -- drawing ------------------------------------------------------------------------------
 def draw(ax: Any, events: list[dict], title: str, t0_us: float = 0.0,
-         t1_us: float | None = None, rows: str = "stream", max_rows: int = 40) -> None:
+         t1_us: float | None = None, rows: str = "stream", max_rows: int = 40,
+         colors: dict[str, str] | None = None, running: bool = False) -> None:
     """The GPU's kernels between ``t0_us`` and ``t1_us`` (microseconds from the first
-    kernel), coloured by job: one row per stream that ran any (``rows="stream"``), or
-    one row per job (``"job"``: the first ``max_rows`` jobs admitted in the window, each
-    over a grey bar from its request's admission to its answer: grey alone is waiting)."""
+    kernel), coloured by job, or by model (``colors``: model name -> colour; a sliced
+    twin, "NAME (sliced)", is its model's): one row per stream that ran any
+    (``rows="stream"``), or one row per job (``"job"``: the first ``max_rows`` jobs
+    admitted in the window, each over a grey bar from its request's admission to its
+    answer: grey alone is waiting; ``running``: also the jobs admitted before and still
+    unanswered at ``t0_us``)."""
     kernels = [e for e in events if e.get("cat") == "kernel"]
     if not kernels:
         ax.set_title(title + " (no kernels)", fontsize=8)
@@ -103,8 +132,10 @@ def draw(ax: Any, events: list[dict], title: str, t0_us: float = 0.0,
     else:                             # the jobs admitted first in the window
         admitted = {e["args"]["job"]: e for e in events
                     if e.get("cat") == "request" and e["args"]["job"] is not None}
-        keys = sorted((k for k, r in admitted.items() if t0_us <= r["ts"] - base <= t1_us),
-                      key=lambda k: admitted[k]["ts"])[:max_rows]
+        shown = {k for k, r in admitted.items()
+                 if t0_us <= r["ts"] - base <= t1_us
+                 or running and r["ts"] - base < t0_us <= r["ts"] + r["dur"] - base}
+        keys = sorted(shown, key=lambda k: admitted[k]["ts"])[:max_rows]
     row = {k: i for i, k in enumerate(keys)}
     cmap = _colormap()
     if rows == "job":                 # each job's request, admission to answer, in grey
@@ -116,9 +147,10 @@ def draw(ax: Any, events: list[dict], title: str, t0_us: float = 0.0,
         a = e["ts"] - base
         if key(e) not in row or a + e["dur"] < t0_us or a > t1_us:
             continue
+        face = (cmap(e["args"]["job"] % 20) if colors is None else
+                colors.get(e["args"]["model"].split(" (")[0], "0.5"))
         ax.broken_barh([(a / 1e3, max(e["dur"], 1.0) / 1e3)], (row[key(e)] - 0.4, 0.8),
-                       facecolors=cmap(e["args"]["job"] % 20), edgecolors="black",
-                       linewidth=0.3)
+                       facecolors=face, edgecolors="black", linewidth=0.3)
     ax.set_xlim(t0_us / 1e3, t1_us / 1e3)
     ax.set_ylim(-0.6, len(keys) - 0.4)
     if rows == "stream":
@@ -137,8 +169,19 @@ def _colormap():
     return matplotlib.colormaps["tab20"]
 
 
+def _served_window(events: list[dict], after_us: float = 5000.0,
+                   span_us: float = 12000.0) -> tuple[float, float]:
+    """A window ``after_us`` into the served requests (the profiling runs come first),
+    as :func:`draw` takes it: microseconds from the first kernel."""
+    base = min(e["ts"] for e in events if e.get("cat") == "kernel")
+    start = min(e["ts"] for e in events if e.get("cat") == "request" and e["args"]["request"] >= 0)
+    t0 = start - base + after_us
+    return t0, t0 + span_us
+
+
 def render(path: str, panels: list[tuple[list[dict], str, float, float | None]],
-           rows: str = "stream") -> None:
+           rows: str = "stream", colors: dict[str, str] | None = None,
+           running: bool = False) -> None:
     """One figure, a row per panel: (events, title, t0_us, t1_us)."""
     import matplotlib
     matplotlib.use("Agg")
@@ -148,7 +191,7 @@ def render(path: str, panels: list[tuple[list[dict], str, float, float | None]],
     fig, axes = plt.subplots(len(panels), 1, figsize=(7.5, sum(heights) + 0.4),
                              gridspec_kw={"height_ratios": heights}, squeeze=False)
     for ax, (events, title, t0, t1) in zip(axes[:, 0], panels):
-        draw(ax, events, title, t0, t1, rows)
+        draw(ax, events, title, t0, t1, rows, colors=colors, running=running)
     fig.tight_layout()
     fig.savefig(path, dpi=130)
     plt.close(fig)
@@ -172,6 +215,18 @@ def run(args: argparse.Namespace) -> dict:
             for name, r in ((f"figure1_{policy}", rec), (f"figure2_{policy}", rec2)):
                 with open(os.path.join(args.trace_dir, f"timeline_{name}.json"), "w") as f:
                     write_trace(f, r, scenario=name)
+    from paella.experiments import priority as P
+    bundles = P.compile_models(args.zoo_dir, progress=lambda m: print(m, file=sys.stderr))
+    out["priority"] = {}
+    for mech in PRIORITY_MECHANISMS:
+        rec, pt = priority_stretch(mech, bundles, 60 if args.quick else 150, args.seed)
+        out["priority"][mech] = {"hp_p50_ms": round(pt["hp"]["p50_ms"], 3),
+                                 "hp_p99_ms": round(pt["hp"]["p99_ms"], 3),
+                                 "be_throughput": round(pt["be_throughput"], 1)}
+        traces[f"priority_{mech}"] = rec.events()
+        if args.trace_dir:
+            with open(os.path.join(args.trace_dir, f"timeline_priority_{mech}.json"), "w") as f:
+                write_trace(f, rec, scenario=f"priority_{mech}")
     out["traces"] = {k: len(v) for k, v in traces.items()}
     if args.plot:
         stem, ext = os.path.splitext(args.plot)
@@ -183,6 +238,12 @@ def run(args: argparse.Namespace) -> dict:
                  f"per job, admission to answer in grey, its kernels in colour; p99 "
                  f"{out['figure2'][p]['p99_ms']:g} ms", 4000.0, 16000.0) for p in POLICIES],
                rows="job")
+        render(f"{stem}_priority{ext or '.png'}",
+               [(traces[f"priority_{m}"], f"priority under {m}: ResNet-18 (urgent) in red, "
+                 f"ResNet-50 b8 (best effort) in blue; a row per job; ResNet-18 p99 "
+                 f"{out['priority'][m]['hp_p99_ms']:g} ms", *_served_window(traces[f"priority_{m}"]))
+                for m in PRIORITY_MECHANISMS], rows="job",
+               colors={"hp": "tab:red", "be": "tab:blue"}, running=True)
     return out
 
 
@@ -190,6 +251,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("timelines", help="the schedules of Figures 1 and 2, drawn from traces",
                        description=__doc__.split("\n\n")[0])
     add_common(p)
+    add_zoo_dir(p)
     p.add_argument("--trace-dir", metavar="DIR",
                    help="also write each scenario's trace (Trace Event JSON) into DIR")
     p.set_defaults(func=_main)

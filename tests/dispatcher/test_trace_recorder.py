@@ -103,3 +103,25 @@ def test_max_events_is_checked():
     d = Dispatcher(SimDevice("t4"), "paella")
     with pytest.raises(ValueError, match="max_events"):
         TraceRecorder(d, max_events=3)
+
+
+@pytest.mark.parametrize("core", ["c", None])
+def test_each_slice_of_a_kernel_is_an_instant_and_a_kernel_slice(core):
+    """Issue 43's ``slice`` decisions: a best-effort job's sliced kernel shows as one
+    instant per slice (its blocks and the kernel's), whose blocks add up to the kernel."""
+    from test_slicing import _dispatcher, _io
+    dev = SimDevice("t4", n_streams=64, seed=1)
+    d, be, hp = _dispatcher(dev, core)
+    d.submit(Request(0, 0, hp, _io(), priority=1))          # a more urgent class exists
+    d.run_until_idle()
+    rec = TraceRecorder(d).start()
+    d.submit(Request(1, 1, be, _io(), priority=200))
+    d.run_until_idle()
+    rec.stop()
+    events = rec.events()
+    cut = [e["args"] for e in events if e.get("name") == "slice"]
+    assert len(cut) > 1 and {(a["kernel"], a["of"]) for a in cut} == {("big", 4000)}
+    assert sum(a["blocks"] for a in cut) == 4000
+    kernels = [e for e in events if e.get("cat") == "kernel" and e["name"] == "big"]
+    assert len(kernels) == len(cut)
+    assert not [e for e in events if e.get("name") == "slice" and e["args"]["kernel"] == "small"]

@@ -30,5 +30,10 @@ def test_the_command_writes_json_plots_and_traces(tmp_path):
     assert d["figure2"]["paella"]["p99_ms"] < d["figure2"]["ms-jbj"]["p99_ms"]
     assert (tmp_path / "t.png").stat().st_size > 10_000
     assert (tmp_path / "t_hol.png").stat().st_size > 10_000
+    assert (tmp_path / "t_priority.png").stat().st_size > 10_000
+    p = d["priority"]                  # a stretch of the priority experiment (issue 38)
+    assert p["paella-classes"]["hp_p99_ms"] < p["paella"]["hp_p99_ms"] / 2
+    doc = json.loads((tmp_path / "timeline_priority_paella-classes.json").read_text())
+    assert any(e.get("name") == "slice" for e in doc["traceEvents"])
     doc = json.loads((tmp_path / "timeline_figure1_paella.json").read_text())
     assert sum(1 for e in doc["traceEvents"] if e.get("cat") == "kernel") == 12
