@@ -380,7 +380,9 @@ typedef struct {
     PyObject *client_units;      /* client id -> unit index (client mode) */
     double G, share;
     int n_live;
-    int *lvl, *lvl_count, nlvl;  /* priority: levels with kernels on the device */
+    int *lvl, *lvl_count, nlvl;  /* priority: levels with kernels on the device; paella:
+                                    levels of live jobs (the class rule) */
+    int lvl_cap;                 /* their capacity: grown, never shrunk (no realloc per job) */
     int error;                   /* a Python error inside a drain callback */
     /* the real GPU's driver (use_driver): its launch, streams, notifQ region, counters */
     void *cu_lib;
@@ -543,14 +545,22 @@ static int lvl_add(Core *c, int level, int n)
             return 0;
         }
     }
-    int *a = PyMem_Realloc(c->lvl, (c->nlvl + 1) * sizeof(int));
-    if (a == NULL)
-        return -1;
-    c->lvl = a;
-    int *b = PyMem_Realloc(c->lvl_count, (c->nlvl + 1) * sizeof(int));
-    if (b == NULL)
-        return -1;
-    c->lvl_count = b;
+    if (c->nlvl == c->lvl_cap) {
+        int cap = c->lvl_cap ? 2 * c->lvl_cap : 4;
+        int *a = PyMem_Realloc(c->lvl, cap * sizeof(int));
+        if (a == NULL) {
+            PyErr_NoMemory();
+            return -1;
+        }
+        c->lvl = a;
+        int *b = PyMem_Realloc(c->lvl_count, cap * sizeof(int));
+        if (b == NULL) {
+            PyErr_NoMemory();
+            return -1;
+        }
+        c->lvl_count = b;
+        c->lvl_cap = cap;
+    }
     c->lvl[c->nlvl] = level;
     c->lvl_count[c->nlvl++] = n;
     return 0;
