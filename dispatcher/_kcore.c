@@ -22,7 +22,8 @@
 enum { KERNEL = 0, H2D = 1, D2H = 2, MARKER = 3 };
 enum { WAITING = 0, READY = 1, RELEASED = 2, DONE = 3, DROPPED = 4 };
 enum { EV_ALMOST = 1, EV_FINISHED = 2, EV_REFUSED = 3, EV_FAULT = 4,
-       EV_OP_RELEASED = 5, EV_OP_ENDED = 6 };   /* op events: only while `ops` is set */
+       EV_OP_RELEASED = 5, EV_OP_ENDED = 6,     /* op events: only while `ops` is set */
+       EV_OP_HELD = 7 };                        /* (kind, None, queued, t): a hold */
 enum { P_PAELLA, P_SJF, P_RR, P_PRIORITY, P_MSKBK, P_FIFO, P_MSJBJ };
 enum { M_POOL, M_STICKY, M_SINGLE };
 
@@ -350,6 +351,7 @@ typedef struct {
     PyObject *launch_checked, *memcpy_htod, *memcpy_dtoh, *record_event, *event_query;
     int policy, gated, mode, eager, lookahead, group, by_client, n_streams, npairs;
     int ops;                     /* report op events (an instrument listens to ops) */
+    int held;                    /* a hold reported since the last release (EV_OP_HELD) */
     int64_t lead;
     double threshold, hold, now;
     /* plans and profiles, owned */
@@ -1356,8 +1358,20 @@ static int release_loop(Core *c)
         int32_t id = pick(c);
         if (id == -2)
             return -1;
-        if (id < 0)
+        if (id < 0) {
+            if (c->ops && !c->held) {        /* the policy holds ready work back */
+                c->held = 1;
+                if (c->events == NULL && (c->events = PyList_New(0)) == NULL)
+                    return -1;
+                PyObject *t = Py_BuildValue("(iOid)", EV_OP_HELD, Py_None, c->queued, c->now);
+                if (t == NULL || PyList_Append(c->events, t) < 0) {
+                    Py_XDECREF(t);
+                    return -1;
+                }
+                Py_DECREF(t);
+            }
             return 0;
+        }
         Job *j = c->jobs[id];
         Plan *p = j->plan;
         int i = j->rq[j->rq_head];
@@ -1389,6 +1403,7 @@ static int release_loop(Core *c)
         c->slot_node[slot] = i;
         j->lid[i] = lid;
         c->released++;
+        c->held = 0;
         c->progress++;
         int ok = launch_kernel(c, id, j, i, k, s, lid);
         if (ok < 0)

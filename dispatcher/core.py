@@ -66,7 +66,7 @@ from .waitlist import DROPPED, RELEASED, Node, VStream
 log = logging.getLogger(__name__)
 
 #: The instrument hooks of ops: the kernel core reports them only while one listens.
-OP_HOOKS = ("op_issued", "op_released", "op_started", "op_ended")
+OP_HOOKS = ("op_issued", "op_released", "op_started", "op_ended", "policy_held")
 #: Completion statuses: the wire's own codes (``paella.rings``), one vocabulary from the
 #: dispatcher to the client's completion ring.
 STATUS_OK, STATUS_ERROR, STATUS_CANCELLED = rings.OK, rings.E_FAILED, rings.E_CANCELLED
@@ -244,6 +244,7 @@ class Dispatcher:
         #: whose jobs still run (their idle buffers can be reclaimed too).
         self._live: set[Model] = set()
         self._held_since = 0.0               # when pick() began holding an idle device back
+        self._hold_reported = False          # policy_held told since the last release
         self._held_iter = -2                 # ... the iteration that last saw it do so
         #: The kernel core that runs every job's kernels ("c" or "python"; None: this
         #: object's own per-kernel path, which the core reproduces). See "The kernel
@@ -370,6 +371,10 @@ class Dispatcher:
         """Apply what the kernel core reports: wake-ups, answers, failures."""
         for ev in events:
             kind, job = ev[0], ev[1]
+            if kind == kc.OP_HELD:
+                if "policy_held" in self.instruments:
+                    self.instruments.call("policy_held", ev[2], ev[3])
+                continue
             if kind == kc.ALMOST:
                 self._almost_finished(job)
             elif kind >= kc.OP_RELEASED:
@@ -560,6 +565,9 @@ class Dispatcher:
                 pool = streams.mode == "pool"
                 continue
             if job is None:
+                if not self._hold_reported and "policy_held" in instr:
+                    self._hold_reported = True
+                    instr.call("policy_held", self._queued, now)
                 return
             if job.__class__ is not Job or job.host is not self or not job.in_policy:
                 self._policy_failed("pick", PolicyError(
@@ -614,6 +622,7 @@ class Dispatcher:
             op.launch_id = lid = tracker.release(k.demand, op)
             op.t_release = now
             self._progress += 1
+            self._hold_reported = False
             try:
                 launch(k, s, lid, op.args, group)
             except DeviceError as e:

@@ -43,7 +43,7 @@ log = logging.getLogger(__name__)
 
 HOOKS = ("request_admitted", "request_started", "request_woken", "request_finished",
          "request_retried", "job_finished", "op_issued", "op_released", "op_started", "op_ended",
-         "model_removed")
+         "policy_held", "model_removed")
 
 
 class Instrument:
@@ -81,6 +81,11 @@ class Instrument:
 
     def op_ended(self, op: Any, t: float) -> None:
         """``op`` was seen completed on the device at ``t``."""
+
+    def policy_held(self, queued: int, t: float) -> None:
+        """The policy released nothing at ``t`` although ``queued`` jobs had a ready
+        kernel (a hold: paella's class, hold and order rules, a strict priority, a plug-in's
+        choice); reported at the first such pick after a release, not at every poll."""
 
 
 class Instruments(dict):

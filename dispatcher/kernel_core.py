@@ -58,6 +58,10 @@ ALMOST, FINISHED, REFUSED, FAULT = 1, 2, 3, 4
 #: when the kernel's first block was seen placed, < 0 for a copy (the core sees no copy
 #: start: take its release).
 OP_RELEASED, OP_ENDED = 5, 6
+#: ``(OP_HELD, None, queued, t)``, only while ``ops`` is set: the policy released nothing
+#: although ``queued`` jobs had a ready kernel (a hold: the class rule, the hold and order
+#: rules, a strict priority), reported at the first such pick after a release.
+OP_HELD = 7
 
 #: The built-in policies the core runs, with what each declares to the dispatcher
 #: (gated, stream mode, eager), read from their classes. Plug-ins run on the
@@ -347,6 +351,7 @@ class KernelCore:
         self.turn = 0                    # rr
         self.level_on_device: dict[int, int] = {}   # priority
         self.live_levels: dict[int, int] = {}       # paella: live jobs per class (class rule)
+        self.held = False            # a hold reported since the last release (OP_HELD)
         self.inflight = IndexedHeap()    # paella: live jobs by (remaining, seq)
         self.fifo: list = []             # paella: (seq, job) of queued jobs
         self.dheap = IndexedHeap()       # paella: units with a queued job by (-s, useq)
@@ -539,6 +544,9 @@ class KernelCore:
         while self.queued:
             job = self._pick()
             if job is None:
+                if self.ops and not self.held:
+                    self.held = True
+                    self.events.append((OP_HELD, None, self.queued, self.now))
                 return
             i = job.ready[0]
             plan = job.plan
@@ -564,6 +572,7 @@ class KernelCore:
             self.progress += 1
             job.t_rel[i] = self.now
             self.released += 1
+            self.held = False
             if self._launch(job, i, k, s, lid):
                 if self.ops:
                     self.events.append((OP_RELEASED, job.token, i, s, lid, self.now))
@@ -1048,5 +1057,5 @@ def make_core(impl: str, tracker: Any, device: Any, policy: str = "paella", *,
                float(hold_factor or 0.0), DeviceError, DeviceLost)
 
 
-__all__ = ["make_core", "set_operands", "job_operands", "register_model", "CoreModel", "ALMOST", "FINISHED", "REFUSED", "FAULT", "OP_RELEASED", "OP_ENDED", "POLICIES", "KernelSpec", "PlanSpec",
+__all__ = ["make_core", "set_operands", "job_operands", "register_model", "CoreModel", "ALMOST", "FINISHED", "REFUSED", "FAULT", "OP_RELEASED", "OP_ENDED", "OP_HELD", "POLICIES", "KernelSpec", "PlanSpec",
            "Profile", "KernelCore", "plan_spec", "to_ns"]

@@ -22,8 +22,9 @@ What a trace shows (docs/service.md, "Traces"):
 * process "policy": an instant per decision the dispatcher makes visible: ``pick``
   (a kernel released, with the job the policy chose), ``slice`` (the kernel released is
   a slice of a longer one: its blocks and the kernel's, paella.dispatcher.slicing) and
-  ``fallback`` (a failing plug-in policy replaced by fifo, with the reason). The
-  policies do not report a "hold" (a pick that releases nothing) yet.
+  ``hold`` (the policy released nothing although jobs had a ready kernel: how many; at
+  the first such pick after a release) and ``fallback`` (a failing plug-in policy
+  replaced by fifo, with the reason).
 
 Bounded: at ``max_events`` records the recorder stops recording and the trace ends with
 an instant saying so (``otherData.truncated`` in the file).
@@ -44,7 +45,7 @@ DEFAULT_MAX_EVENTS = 400_000
 #: Bytes of JSON per record, roughly: how a byte budget becomes a record budget.
 BYTES_PER_EVENT = 160
 
-_REQ, _REL, _START, _END, _FALLBACK, _STOPPED, _SLICE = range(7)
+_REQ, _REL, _START, _END, _FALLBACK, _STOPPED, _SLICE, _HOLD = range(8)
 _PID_REQUESTS, _PID_GPU, _PID_POLICY = 1, 2, 3
 _COPY_TRACKS = 1000                 # tid of stream s's copies: _COPY_TRACKS + s
 
@@ -142,6 +143,10 @@ class TraceRecorder(Instrument):
             self._fallbacks = d.policy_fallbacks
             self.records.append((_FALLBACK, t, str(getattr(d, "policy_failure", "") or "")))
 
+    def policy_held(self, queued: int, t: float) -> None:
+        if len(self.records) < self.max_events or not self._full():
+            self.records.append((_HOLD, t, queued))
+
     def op_started(self, op: Any, t: float) -> None:
         if len(self.records) < self.max_events or not self._full():
             self.records.append((_START, id(op), t))
@@ -220,6 +225,10 @@ def _to_events(records: list[tuple], jobs: dict[int, tuple[str, tuple, int]]) ->
                         "pid": _PID_POLICY, "tid": 0, "ts": _us(t),
                         "args": {"model": jobs[seq][0], "job": seq, "kernel": name,
                                  "blocks": blocks, "of": whole, "stream": stream}})
+        elif kind == _HOLD:
+            out.append({"ph": "i", "s": "t", "name": "hold", "cat": "policy",
+                        "pid": _PID_POLICY, "tid": 0, "ts": _us(r[1]),
+                        "args": {"queued": r[2]}})
         elif kind == _FALLBACK:
             out.append({"ph": "i", "s": "p", "name": "fallback", "cat": "policy",
                         "pid": _PID_POLICY, "tid": 0, "ts": _us(r[1]),

@@ -125,3 +125,24 @@ def test_each_slice_of_a_kernel_is_an_instant_and_a_kernel_slice(core):
     kernels = [e for e in events if e.get("cat") == "kernel" and e["name"] == "big"]
     assert len(kernels) == len(cut)
     assert not [e for e in events if e.get("name") == "slice" and e["args"]["kernel"] == "small"]
+
+
+def test_a_policy_hold_is_an_instant_and_every_path_reports_the_same():
+    """Issue 43's ``hold`` decisions: the class rule keeps best-effort kernels back while
+    an urgent job is live; each hold (the first pick after a release that releases
+    nothing) is an instant with the jobs it kept waiting, the same on every path."""
+    from test_slicing import CORES, _dispatcher, _io
+    seen = []
+    for core in CORES:
+        dev = SimDevice("t4", n_streams=64, seed=1)
+        d, be, hp = _dispatcher(dev, core, slice_us=0.0)
+        rec = TraceRecorder(d).start()
+        for i in range(4):
+            d.submit(Request(10 + i, 1, be, _io(), priority=200))
+        d.submit(Request(0, 0, hp, _io(), priority=1))
+        d.run_until_idle()
+        rec.stop()
+        holds = [(e["ts"], e["args"]["queued"]) for e in rec.events() if e.get("name") == "hold"]
+        seen.append(holds)
+    assert seen[0] and all(q >= 1 for _, q in seen[0])
+    assert seen[0] == seen[1] == seen[2]
