@@ -44,7 +44,7 @@ def stub(tmp_path_factory):
     return out, lib
 
 
-def serve(bundle, kernel_core, stub=None, n=4):
+def serve(bundle, kernel_core, stub=None, n=4, plan=None):
     drv = FakeDriver()
     dev = CudaDevice(driver=drv, n_streams=4, notifq_slots=256, counter_pairs=PAIRS)
     hook = None
@@ -60,7 +60,8 @@ def serve(bundle, kernel_core, stub=None, n=4):
         lib.stub_reset()
         lib.stub_set_hook(hook)
     d = Dispatcher(dev, "paella", counter_pairs=PAIRS, profile_runs=0, kernel_core=kernel_core)
-    mid = d.register_model("tiny", PlanAdaptor.from_bundle(bundle))
+    mid = d.register_model("tiny", PlanAdaptor(plan) if plan is not None
+                           else PlanAdaptor.from_bundle(bundle))
     done = {}
     ios = [submit(bundle, d, mid, i, done) for i in range(n)]
     drive(d, drv)
@@ -114,3 +115,35 @@ def test_a_refused_launch_fails_its_request_with_the_drivers_reason(bundle, stub
     failed = [k for k, (st, _) in done.items() if st != STATUS_OK]
     assert len(failed) == 1 and len(done) == 3
     assert "cuLaunchKernel" in done[failed[0]][1] and "CUDA_ERROR_INVALID_VALUE" in done[failed[0]][1]
+
+
+def test_sliced_kernels_launch_through_the_driver_as_on_the_python_backend(bundle, stub):
+    """A plan whose kernels are cut into slices (issue 38) on a real GPU's path: each
+    slice is a 1-D launch whose last own parameter is its block offset, the slices of a
+    kernel cover its grid once, and the C core's driver launches are the Python
+    backend's."""
+    from paella.dispatcher.adaptor import plan_from_bundle
+    from paella.dispatcher.slicing import slice_plan
+    import math
+    plan = plan_from_bundle(bundle)
+    assert plan.block_offsets
+    cut = {i: max(1, math.prod(op.grid) // 2) for i, op in enumerate(plan.ops)
+           if op.kind == "launch" and math.prod(op.grid) > 1}
+    assert cut, "the test bundle has a kernel of more than one block"
+    sliced = slice_plan(plan, cut)
+    ref_done, ref, _, _ = serve(bundle, None, n=2, plan=sliced)
+    assert ref_done == {i: (STATUS_OK, None) for i in range(2)}
+    done, got, _, d = serve(bundle, "c", stub, n=2, plan=sliced)
+    assert d._core_driver and done == ref_done and got == ref
+    from collections import Counter
+    want: Counter = Counter()                           # each cut kernel's blocks, per job
+    for i in cut:
+        op = plan.ops[i]
+        want.update((op.kernel, b) for b in range(math.prod(op.grid)) for _ in range(2))
+    seen: Counter = Counter()
+    for name, grid, block, smem, stream, args in got:
+        if any(name == k for k, _ in want):
+            assert grid[1:] == (1, 1)                   # a slice: a 1-D launch
+            # the block offset: the last own parameter, before the notifQ and launch id
+            seen.update((name, b) for b in range(args[-3], args[-3] + grid[0]))
+    assert seen == want                                 # every block once per job
