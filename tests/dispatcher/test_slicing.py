@@ -202,3 +202,9 @@ def test_no_less_urgent_kernel_goes_while_an_urgent_job_is_live(core):
     assert [1] * 5 == [lv for t, lv, _ in rec.log if lv == 1]
     assert not [k for t, lv, k in rec.log if lv == 200 and start < t < end]
     assert any(lv == 200 and t >= end for t, lv, _ in rec.log)  # best effort resumes after
+
+
+@pytest.mark.parametrize("bad", [-1, float("nan"), 2e6, "100", True])
+def test_a_bad_slice_bound_is_refused_with_the_range(bad):
+    with pytest.raises(ValueError, match=r"slice_us must be 0\.\.1000000 microseconds"):
+        Dispatcher(SimDevice("t4", n_streams=8), "paella", slice_us=bad)
