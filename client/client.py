@@ -543,18 +543,39 @@ class Client:
         ``priority`` as for :meth:`predict`.
         """
         m = self.model(model)
+        off, nbytes, options, outs = self._place(m, inputs, variant, rows, seq_len)
+        orphaned = False
+        try:
+            req_id = self.predict(m.model_id, nbytes, off, options, priority=priority)
+            try:
+                self.wait(req_id, timeout)
+            except ResultTimeout:
+                self._orphans[req_id] = off     # the daemon may still write the region
+                orphaned = True
+                raise
+            return {k: a.copy() for k, a in outs.items()}
+        finally:
+            if not orphaned:
+                self._alloc.free(off)
+
+    def _place(self, m: wire.ModelInfo, inputs: Mapping[str, np.ndarray], variant: int,
+               rows: int | None, seq_len: int) -> tuple[int, int, int, dict[str, np.ndarray]]:
+        """Reserve a region for one request of ``m`` and copy ``inputs`` into it: its
+        offset, length, options and output views (what :meth:`infer` does before it
+        predicts; shared with the asyncio client). ValueError, the region freed, when
+        the inputs are not the model's."""
         if rows is None:
             if not 0 <= variant < len(m.variants):
                 raise ValueError(f"{m.name} has {len(m.variants)} variant(s); no variant {variant}")
             v = m.variants[variant]
-            names, nbytes = [t.name for t in v.inputs], v.io_bytes
+            names, nbytes, options = [t.name for t in v.inputs], v.io_bytes, variant
         else:
             names = [t.name for t in m.variants[0].inputs]
             nbytes = shapes.request_layout(m.variants, rows, seq_len)[1]
+            options = shapes.RequestShape(rows, seq_len).options()
         if set(inputs) != set(names):
             raise ValueError(f"{m.name} takes inputs {sorted(names)}, got {sorted(inputs)}")
         off = self._alloc.alloc(nbytes)
-        orphaned = False
         try:
             if rows is None:
                 ins, outs = self.io_views(m.model_id, off, variant)
@@ -566,19 +587,10 @@ class Client:
                     raise ValueError(f"{m.name} input {name!r} must have shape {view.shape} "
                                      f"({view.dtype}), got {a.shape}")
                 view[...] = a
-            req_id = (self.predict(m.model_id, nbytes, off, variant, priority=priority)
-                      if rows is None else
-                      self.predict_shaped(m.model_id, off, rows, seq_len, priority=priority))
-            try:
-                self.wait(req_id, timeout)
-            except ResultTimeout:
-                self._orphans[req_id] = off     # the daemon may still write the region
-                orphaned = True
-                raise
-            return {k: a.copy() for k, a in outs.items()}
-        finally:
-            if not orphaned:
-                self._alloc.free(off)
+        except BaseException:
+            self._alloc.free(off)
+            raise
+        return off, nbytes, options, outs
 
     def generate(self, model: str | int, prompt_ids, max_tokens: int,
                  timeout: float | None = None, *, priority: int = 0) -> Iterator[int]:
@@ -597,33 +609,13 @@ class Client:
         for :meth:`predict` (``orca`` orders by it with ``priorities = true``)."""
         m = self.model(model)
         v = m.variants[0]
-        ins = {t.name: t for t in v.inputs}
-        outs = {t.name: t for t in v.outputs}
-        if set(ins) != {"prompt", "lengths"} or set(outs) != {"tokens", "n_tokens"}:
-            raise ValueError(f"{m.name} is not a generative model (its inputs are "
-                             f"{sorted(ins)}, a generative model's are ['lengths', 'prompt'])")
-        prompt = np.asarray(prompt_ids)
-        if prompt.ndim != 1 or (prompt.size and prompt.dtype.kind not in "iu"):
-            raise ValueError(f"prompt_ids must be a 1-D sequence of token ids, got "
-                             f"{prompt.dtype} of shape {prompt.shape}")
-        cap = ins["prompt"].shape[0]
-        if prompt.size > cap:
-            raise ValueError(f"the prompt has {prompt.size} tokens; {m.name} takes at most {cap}")
-        if type(max_tokens) is not int or not 0 <= max_tokens < 2 ** 31:
-            raise ValueError(f"max_tokens must be an int in 0..2**31-1, got {max_tokens!r}")
-        i32 = np.iinfo(np.int32)
-        if prompt.size and (prompt.min() < i32.min or prompt.max() > i32.max):
-            raise ValueError("token ids must fit in int32")
+        prompt = self._generation_args(m, prompt_ids, max_tokens)
         deadline = _deadline(timeout)
         off = self._alloc.alloc(v.io_bytes)
         done = False
         req_id = None
         try:
-            views_in, views_out = self.io_views(m.model_id, off)
-            views_in["prompt"][:prompt.size] = prompt
-            views_in["prompt"][prompt.size:] = 0
-            views_in["lengths"][:] = (prompt.size, max_tokens)
-            views_out["n_tokens"][:] = 0
+            views_out = self._place_generation(m, off, prompt, max_tokens)
             req_id = self.predict(m.model_id, v.io_bytes, off, wire.STREAM, _track=True,
                                   priority=priority)
             tokens, seen = views_out["tokens"], 0
@@ -654,6 +646,40 @@ class Client:
                     self._orphans[req_id] = off
             if done or req_id is None:
                 self._alloc.free(off)
+
+    @staticmethod
+    def _generation_args(m: wire.ModelInfo, prompt_ids, max_tokens: int) -> np.ndarray:
+        """The prompt of a generation by ``m`` as an array, every argument checked
+        (ValueError naming what is wrong)."""
+        v = m.variants[0]
+        ins = {t.name: t for t in v.inputs}
+        outs = {t.name: t for t in v.outputs}
+        if set(ins) != {"prompt", "lengths"} or set(outs) != {"tokens", "n_tokens"}:
+            raise ValueError(f"{m.name} is not a generative model (its inputs are "
+                             f"{sorted(ins)}, a generative model's are ['lengths', 'prompt'])")
+        prompt = np.asarray(prompt_ids)
+        if prompt.ndim != 1 or (prompt.size and prompt.dtype.kind not in "iu"):
+            raise ValueError(f"prompt_ids must be a 1-D sequence of token ids, got "
+                             f"{prompt.dtype} of shape {prompt.shape}")
+        cap = ins["prompt"].shape[0]
+        if prompt.size > cap:
+            raise ValueError(f"the prompt has {prompt.size} tokens; {m.name} takes at most {cap}")
+        if type(max_tokens) is not int or not 0 <= max_tokens < 2 ** 31:
+            raise ValueError(f"max_tokens must be an int in 0..2**31-1, got {max_tokens!r}")
+        i32 = np.iinfo(np.int32)
+        if prompt.size and (prompt.min() < i32.min or prompt.max() > i32.max):
+            raise ValueError("token ids must fit in int32")
+        return prompt
+
+    def _place_generation(self, m: wire.ModelInfo, off: int, prompt: np.ndarray,
+                          max_tokens: int) -> dict[str, np.ndarray]:
+        """Write a generation's inputs into the region at ``off``; its output views."""
+        views_in, views_out = self.io_views(m.model_id, off)
+        views_in["prompt"][:prompt.size] = prompt
+        views_in["prompt"][prompt.size:] = 0
+        views_in["lengths"][:] = (prompt.size, max_tokens)
+        views_out["n_tokens"][:] = 0
+        return views_out
 
     @property
     def in_flight(self) -> int:

@@ -62,7 +62,10 @@ RESOURCE_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENO
 #: a client dialling while it is full is refused at once (EAGAIN) on a Unix socket.
 LISTEN_BACKLOG = min(socket.SOMAXCONN, 4096)
 #: The control frames a client may send; any other kind is refused "unexpected".
-CLIENT_SENDS = frozenset({wire.KICK, wire.HELLO, wire.LIST_MODELS, wire.STATUS, wire.TRACE})
+CLIENT_SENDS = frozenset({wire.KICK, wire.HELLO, wire.LIST_MODELS, wire.STATUS, wire.TRACE,
+                          wire.REPOSITORY_INDEX, wire.LOAD, wire.UNLOAD})
+#: Model control frames (``paella model``): the daemon answers them, maybe much later.
+MODEL_CONTROL = frozenset({wire.REPOSITORY_INDEX, wire.LOAD, wire.UNLOAD})
 #: The longest trace a client may ask for (TRACE "milliseconds").
 MAX_TRACE_MS = 600_000
 #: What a lock file may hold: nothing (new) or a daemon's pid.
@@ -108,6 +111,8 @@ class FrontendConfig:
     max_clients_per_uid: int = 64      # connections (handshaking or ready) of one uid
     trace_users: tuple[str | int, ...] = ()   # uids besides the owner (and root) that
                                               # may take a trace (TRACE)
+    control_users: tuple[str | int, ...] = ()  # users, uids or "@group"s besides the owner
+                                              # (and root) that may LOAD and UNLOAD models
     class_default: dict[str, int] = field(default_factory=dict)   # tenant -> class of a
                                               # request naming none (see TenantClasses)
     class_highest: dict[str, int] = field(default_factory=dict)   # tenant -> the most
@@ -148,6 +153,11 @@ class ClientConn:
     mode: str = ""
     #: It asked for a trace (TRACE): no handshake deadline; closed once it is sent.
     tracing: bool = False
+    #: Model control messages of it still unanswered (a LOAD may take minutes): no
+    #: handshake deadline meanwhile; without HELLO, closed once the last is answered.
+    controls: int = 0
+    #: Answered, no session: closed once the rest of its outbox is sent (:meth:`_flush`).
+    close_when_sent: bool = False
     #: Its tenant's priority classes (TenantClasses): a request naming none gets
     #: ``class_default``; one more urgent than ``class_highest`` is clamped to it.
     class_default: int = 0
@@ -189,14 +199,31 @@ class ModelTable:
         return [m.to_dict() for m in sorted(self.by_id.values(), key=lambda m: m.model_id)]
 
 
-def _resolve_id(name: str | int, lookup, field: str, what: str) -> int:
-    """A user or group name (or number) as its numeric id; unknown names are errors."""
+def _resolve_id(name: str | int, lookup, field: str, what: str,
+                setting: str | None = None) -> int:
+    """A user or group name (or number) as its numeric id; unknown names are errors
+    (naming ``setting``, the [access] setting that lists it, when given)."""
     if isinstance(name, int) or (str(name).isascii() and str(name).isdigit()):
         return int(name)
     try:
         return getattr(lookup(name), field)
     except (KeyError, ValueError, TypeError):
-        raise FrontendError(f"allowed {what} {name!r} does not exist") from None
+        if setting is None:
+            raise FrontendError(f"allowed {what} {name!r} does not exist") from None
+        raise FrontendError(f"[access] {setting}: there is no {what} {name!r} on this "
+                            f"system; correct the name or remove it") from None
+
+
+def resolve_users(entries: tuple[str | int, ...], setting: str) -> tuple[set[int], set[int]]:
+    """The uids and gids of an [access] list of users, uids and ``"@group"`` names."""
+    uids: set[int] = set()
+    gids: set[int] = set()
+    for who in entries:
+        if isinstance(who, str) and who.startswith("@"):
+            gids.add(_resolve_id(who[1:], grp.getgrnam, 'gr_gid', 'group', setting))
+        else:
+            uids.add(_resolve_id(who, pwd.getpwnam, 'pw_uid', 'user', setting))
+    return uids, gids
 
 
 class TenantClasses:
@@ -303,6 +330,10 @@ class Frontend:
         #: Starts a trace of ``seconds`` for a client allowed to take one (TRACE); the
         #: daemon answers with :meth:`send_trace`. None: this front end takes no traces.
         self.on_trace: Callable[["ClientConn", float], None] | None = None
+        #: Takes a model control message (REPOSITORY_INDEX, or a LOAD or UNLOAD from a
+        #: client allowed to send one) as ``(client, kind, message)``; the daemon answers
+        #: each with one :meth:`control_reply`. None: no model control here.
+        self.on_model_control: Callable[["ClientConn", int, dict], None] | None = None
         self.clients: dict[int, ClientConn] = {}
         self.ready: list[ClientConn] = []      # round-robin order
         self._rr = 0
@@ -341,6 +372,10 @@ class Frontend:
         #: Who may take a trace: it shows every tenant's kernels and timing.
         self.trace_uids = {_resolve_id(u, pwd.getpwnam, 'pw_uid', 'user')
                            for u in cfg.trace_users} | {os.geteuid(), 0}
+        #: Who may load and unload models: that changes what every tenant is served.
+        self.control_uids, self.control_gids = resolve_users(cfg.control_users,
+                                                             "control_users")
+        self.control_uids |= {os.geteuid(), 0}
         #: Counters the daemon logs at exit ("stopped cleanly; stats {...}").
         self.stats = {"accepted": 0, "refused": 0, "lost": 0, "requests": 0, "rejected": 0,
                       "priority_clamped": 0,
@@ -559,8 +594,8 @@ class Frontend:
         now = time.monotonic()
         while q:
             c = q[0]
-            if not c.alive or c.seg is not None or c.tracing:
-                q.popleft()                       # gone, its HELLO came in time, or tracing
+            if not c.alive or c.seg is not None or c.tracing or c.controls:
+                q.popleft()           # gone, its HELLO came in time, tracing or controlling
             elif c.deadline <= now:
                 q.popleft()
                 self.stats["handshake_timeouts"] += 1
@@ -633,6 +668,50 @@ class Frontend:
             self.send(c, self._status_frame())
         elif kind == wire.TRACE:
             self._trace(c, msg["milliseconds"])
+        elif kind in MODEL_CONTROL:
+            self._model_control(c, kind, msg)
+
+    def may_control(self, c: ClientConn) -> bool:
+        """Whether ``c`` may LOAD and UNLOAD models: the daemon's owner, root, a user of
+        ``[access] control_users`` or a member (primary or supplementary group, as the
+        kernel's pid names it) of one of its ``"@group"``s."""
+        if c.uid in self.control_uids:
+            return True
+        return bool(self.control_gids) and bool(self.control_gids & peer_groups(c.pid, c.gid))
+
+    def _model_control(self, c: ClientConn, kind: int, msg: dict) -> None:
+        """REPOSITORY_INDEX (any admitted client: it only reads), LOAD and UNLOAD (they
+        change what every tenant is served: :meth:`may_control` only), for the daemon."""
+        if kind != wire.REPOSITORY_INDEX and not self.may_control(c):
+            self.send(c, wire.error(
+                "permission", f"loading and unloading models changes what every tenant is "
+                              f"served: only the daemon's owner (uid {os.geteuid()}), root, or "
+                              f"a user or \"@group\" listed in its [access] control_users "
+                              f"(--control-user) may, and you are uid {c.uid}; ask its "
+                              f"operator to add you there"))
+            return
+        if self.on_model_control is None:
+            self.send(c, wire.error("unsupported", "this daemon does not control models"))
+            return
+        c.controls += 1
+        self.on_model_control(c, kind, msg)
+
+    def control_reply(self, c: ClientConn, frame: bytes) -> None:
+        """The one answer to a model control message of ``c``. A connection that asked
+        without a session (no HELLO, as ``paella model`` does) is closed once its last
+        answer is sent: at once, or when the peer has read what did not fit its socket
+        (one that never reads holds its connection as a session client that never reads
+        does, within its uid's connection limit)."""
+        c.controls -= 1
+        if not c.alive:
+            return
+        self.send(c, frame)
+        if c.seg is not None or c.controls or c.tracing or not c.alive:
+            return
+        if c.outbox:
+            c.close_when_sent = True
+        else:
+            self.drop_client(c, "its answer was sent")
 
     def _trace(self, c: ClientConn, ms: int) -> None:
         if not 1 <= ms <= MAX_TRACE_MS:
@@ -802,6 +881,8 @@ class Frontend:
         del c.outbox[:n]
         if not c.outbox:
             self.sel.modify(c.sock, selectors.EVENT_READ, c)
+            if c.close_when_sent and c.seg is None:
+                self.drop_client(c, "its answer was sent")
 
     # -- the ring side ---------------------------------------------------------------
     def poll_rings(self, admit: bool = True) -> int:

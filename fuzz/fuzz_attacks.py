@@ -302,7 +302,7 @@ def attack_frames(ctx: Context) -> int:
 
 def _hostile_frame(rng: random.Random) -> bytes:
     r = rng.random()
-    kinds = list(wire.NAMES) + [0, 9, 10, 255, 0x8001, 0xFFFF]
+    kinds = list(wire.NAMES) + [0, max(wire.NAMES) + 1, 255, 0x8001, 0xFFFF]   # + unknown ones
     if r < 0.2:
         return rng.randbytes(rng.randint(1, 300))
     if r < 0.35:                                # a header with a boundary length
@@ -318,7 +318,9 @@ def _hostile_frame(rng: random.Random) -> bytes:
                            b"[" * wire.MAX_PAYLOAD])
         return frame(wire.HELLO, body[:wire.MAX_PAYLOAD])
     if r < 0.6:                                 # hostile JSON in any JSON-typed frame
-        kind = rng.choice([wire.HELLO, wire.LIST_MODELS, wire.KICK, wire.WELCOME, wire.ERROR])
+        kind = rng.choice([wire.HELLO, wire.LIST_MODELS, wire.KICK, wire.WELCOME, wire.ERROR,
+                           wire.STATUS, wire.TRACE, wire.REPOSITORY_INDEX, wire.LOAD,
+                           wire.UNLOAD])
         return frame(kind, hostile_json(rng).encode("utf-8", "surrogatepass"))
     if r < 0.65:                                # id frames a client may not send
         return frame(rng.choice([wire.WAKE, wire.DONE]),

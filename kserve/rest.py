@@ -1,4 +1,4 @@
-"""The KServe v2 REST API over HTTP/1.1 (the standard library's threading HTTP server).
+"""The KServe v2 REST API as an ASGI application (served by uvicorn: :mod:`.command`).
 
     GET  /v2/health/live                            200 while the process runs
     GET  /v2/health/ready                           200 when a daemon answers, else 503
@@ -8,19 +8,14 @@
     POST /v2/models/NAME[/versions/V]/infer         inference (JSON, binary-tensor extension)
     POST /v2/models/NAME[/versions/V]/generate      a generation, all its tokens at once
     POST /v2/models/NAME[/versions/V]/generate_stream   ... each token as a server-sent event
+    POST /v2/repository/index                       model repository: every model, its state
+    POST /v2/repository/models/NAME/load            load (or reload) a model
+    POST /v2/repository/models/NAME/unload          stop serving a model
+    /v1/...                                         the OpenAI-compatible API (:mod:`.openai_api`)
 
 Errors are KServe error bodies, ``{"error": "..."}``, with a 4xx/5xx status. A hostile
-body costs its own connection at most: the length must be declared and within
-``max_body`` (else 411/413 and the connection closes without reading it), the JSON is
-parsed with its nesting bounded, and every field is checked before anything reaches
-the daemon (:mod:`.tensors`). Any other failure is a 500 for that request; the server
-keeps serving.
-
-The binary-tensor extension: a request whose ``Inference-Header-Content-Length`` header
-is N carries N bytes of JSON and then the raw tensors, in input order, of the inputs
-whose ``parameters.binary_data_size`` says how many bytes are theirs. Outputs are sent
-raw the same way when the request asks (``binary_data`` on an output, or
-``binary_data_output`` on the request), else as JSON ``data``.
+body costs its own connection at most (:mod:`.http` bounds it, :mod:`.rest_body` checks
+it); any other failure is a 500 for that request, and the server keeps serving.
 
 The generate extension (Triton's ``generate`` and ``generate_stream``, for the daemon's
 generative models): the body is JSON, ``{"prompt_ids": [ids], "max_tokens": N,
@@ -28,336 +23,210 @@ generative models): the body is JSON, ``{"prompt_ids": [ids], "max_tokens": N,
 answers ``{"model_name", "model_version", "token_ids"}``; ``generate_stream`` answers
 ``text/event-stream``, one ``data: {"model_name", "model_version", "token_id",
 "index"}`` event per token as the daemon makes it, then ``data: {"model_name",
-"model_version", "done": true, "n_tokens"}``, and closes the connection. A request the
-daemon refuses before its first token gets an error status as ``infer``'s; a failure
-after it is a last event ``data: {"error": "..."}``.
+"model_version", "done": true, "n_tokens"}``. A request the daemon refuses before its
+first token gets an error status as ``infer``'s; a failure after it is a last event
+``data: {"error": "..."}``.
+
+The application is one object, :class:`KServeApp`, so another ASGI server or framework
+can mount it (the multi-GPU deployment's ingress does).
 """
 from __future__ import annotations
 
-import itertools
 import json
 import logging
-import re
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any
-from urllib.parse import unquote
 
-import numpy as np
-
-from paella.wire import MAX_DEPTH, json_depth
-
+from . import http
+from .http import ClientGone, Request, Send
+from .repository_control import RepositoryControl
+from .http import LENGTH
+from .rest_body import (HEADER_LENGTH, encode_response, generate_args, params_of,
+                        parse_json, read_inputs, request_timeout, requested_outputs)
 from .service import VERSION, InferenceService, ModelSpec, request_priority
-from .tensors import InferError, TensorSpec, check_input, from_bytes, from_json_data, to_json_data
+from .tensors import InferError
 
 log = logging.getLogger("paella.kserve")
 
-HEADER_LENGTH = "Inference-Header-Content-Length"
-_MODEL = re.compile(r"^/v2/models/([^/]+)(?:/versions/([^/]+))?"
-                    r"(/ready|/infer|/generate|/generate_stream)?/?$")
-_POSTS = ("/infer", "/generate", "/generate_stream")
-#: A length header: ASCII digits (str.isdigit also takes "²"), at most 18 of them.
-_LENGTH = re.compile(r"[0-9]{1,18}")
+_POSTS = ("infer", "generate", "generate_stream")
 
 
-class KServeHTTPServer(ThreadingHTTPServer):
-    """One thread per connection; ``service`` does the work."""
-    daemon_threads = True
-    allow_reuse_address = True
+class KServeApp:
+    """The ASGI application: KServe v2 under ``/v2``, OpenAI's API under ``/v1`` (when
+    ``openai`` is given), model control under ``/v2/repository`` (``control``)."""
 
-    def __init__(self, addr: tuple[str, int], service: InferenceService,
-                 max_body: int = 64 << 20):
+    def __init__(self, service: InferenceService, max_body: int = 64 << 20,
+                 control: RepositoryControl | None = None, openai=None):
         self.service = service
         self.max_body = max_body
-        super().__init__(addr, _Handler)
+        self.control = control or RepositoryControl(service.socket, allowed=False)
+        self.openai = openai
 
-
-class _Handler(BaseHTTPRequestHandler):
-    protocol_version = "HTTP/1.1"          # keep-alive, as tritonclient expects
-    # Headers and body leave in two writes: with Nagle's algorithm on, the body waits
-    # for the client's delayed ACK of the headers, 40 ms per response.
-    disable_nagle_algorithm = True
-    server: KServeHTTPServer
-
-    def log_message(self, fmt: str, *args: Any) -> None:   # the access log: debug only
-        log.debug("%s " + fmt, self.address_string(), *args)
-
-    # -- responses -------------------------------------------------------------------
-    def _send(self, status: int, body: bytes = b"", ctype: str = "application/json",
-              headers: dict[str, str] | None = None) -> None:
-        self.send_response(status)
-        self.send_header("Content-Type", ctype)
-        self.send_header("Content-Length", str(len(body)))
-        for k, v in (headers or {}).items():
-            self.send_header(k, v)
-        if self.close_connection:
-            self.send_header("Connection", "close")
-        self.end_headers()
-        if body and self.command != "HEAD":
-            self.wfile.write(body)
-
-    def _json(self, status: int, obj: Any) -> None:
-        self._send(status, json.dumps(obj).encode())
-
-    def _error(self, status: int, message: str) -> None:
-        self._json(status, {"error": message})
-
-    # -- routing ---------------------------------------------------------------------
-    def _path(self) -> str:
-        """The request's path without its query; the server read it as Latin-1, so raw
-        UTF-8 (a model named in another script) is recovered (percent-encoding is
-        decoded per segment, after matching)."""
-        raw = self.path.split("?", 1)[0]
-        return raw.encode("latin-1", "replace").decode("utf-8", "replace")
-
-    def do_GET(self) -> None:
-        self._guard(self._get)
-
-    def do_POST(self) -> None:
-        self._guard(self._post)
-
-    def _guard(self, fn) -> None:
+    async def __call__(self, scope: dict, receive, send: Send) -> None:
+        if scope["type"] == "lifespan":
+            return await _lifespan(receive, send)
+        if scope["type"] != "http":
+            return                            # (websockets: not served)
+        req = Request.of(scope, receive, self.max_body)
+        if self.openai is not None and req.path.startswith("/v1/"):
+            return await self.openai(req, send)
         try:
-            fn()
+            await self._route(req, send)
         except InferError as e:
-            self._error(e.status, str(e))
-        except (ConnectionError, TimeoutError):
-            self.close_connection = True          # the peer went away mid-request
+            if req.method == "POST" and not req.close and e.status == 404:
+                await req.discard_body()
+            await http.respond_json(send, e.status, {"error": str(e)}, close=req.close, linger=req)
+        except ClientGone:
+            pass
         except Exception as e:  # noqa: BLE001 - a bug fails this request only
-            log.exception("KServe %s %s failed", self.command, self.path[:200])
-            self.close_connection = True
+            log.exception("KServe %s %s failed", req.method, req.path[:200])
             try:
-                self._error(500, f"internal error: {type(e).__name__}: {e}")
-            except OSError:
-                pass      # the connection is gone as well
+                await http.respond_json(send, 500, {"error": f"internal error: "
+                                                             f"{type(e).__name__}: {e}"},
+                                        close=True)
+            except Exception:  # noqa: BLE001 - the answer had started, or the peer left
+                pass
 
-    def _get(self) -> None:
-        svc = self.server.service
-        path = self._path()
-        if path == "/v2/health/live":
-            self._send(200)
-        elif path == "/v2/health/ready":
-            self._send(200 if svc.ready() else 503)
-        elif path in ("/v2", "/v2/"):
-            self._json(200, svc.server_metadata())
-        else:
-            m = _MODEL.match(path)
-            if m is None or m.group(3) in _POSTS:
-                raise InferError(404, f"no such endpoint: GET {path[:200]}")
-            name, version, what = unquote(m.group(1)), unquote(m.group(2) or ""), m.group(3)
-            if what == "/ready":
+    async def _route(self, req: Request, send: Send) -> None:
+        path, svc = req.path, self.service
+        if req.method in ("GET", "HEAD"):
+            if path == "/v2/health/live":
+                return await http.respond(send, 200)
+            if path == "/v2/health/ready":
+                return await http.respond(send, 200 if await svc.ready() else 503)
+            if path in ("/v2", "/v2/"):
+                return await http.respond_json(send, 200, svc.server_metadata())
+        where = http.segments(path, "/v2/repository")
+        if where is not None and req.method == "POST":
+            return await self._repository(req, send, where)
+        parts = http.segments(path, "/v2/models/")
+        if parts is None or not parts or not parts[0]:
+            raise InferError(404, f"no such endpoint: {req.method} {path[:200]}")
+        name, version, what = _model_route(parts)
+        if what is None:
+            raise InferError(404, f"no such endpoint: {req.method} {path[:200]}")
+        if req.method == "POST" and what in _POSTS:
+            body = await req.body()
+            m = await svc.model(name, version)
+            if what == "infer":
+                status, payload, headers = await self._infer(m, req, body)
+                return await http.respond(send, status, payload, headers)
+            return await self._generate(m, body, send, stream=what == "generate_stream")
+        if req.method in ("GET", "HEAD") and what in ("", "ready"):
+            if what == "ready":
                 try:
-                    svc.model(name, version)
+                    await svc.model(name, version)
                 except InferError as e:
                     if e.status != 404:
                         raise
-                    self._send(404)
-                    return
-                self._send(200)
-            else:
-                self._json(200, svc.model(name, version).metadata())
-
-    def _post(self) -> None:
-        path = self._path()
-        m = _MODEL.match(path)
-        if m is None or m.group(3) not in _POSTS:
-            self._discard_body()
-            raise InferError(404, f"no such endpoint: POST {path[:200]}")
-        body = self._read_body()
-        model = self.server.service.model(unquote(m.group(1)), unquote(m.group(2) or ""))
-        if m.group(3) == "/infer":
-            status, payload, headers = self._infer(model, body)
-            self._send(status, payload, headers=headers)
-        else:
-            self._generate(model, body, stream=m.group(3) == "/generate_stream")
-
-    # -- bodies ----------------------------------------------------------------------
-    def _read_body(self) -> bytes:
-        if self.headers.get("Transfer-Encoding"):
-            self.close_connection = True
-            raise InferError(411, "chunked bodies are not accepted: send Content-Length")
-        text = self.headers.get("Content-Length")
-        if text is None or not _LENGTH.fullmatch(text):
-            self.close_connection = True
-            raise InferError(411, "a request body needs a Content-Length")
-        n = int(text)
-        if n > self.server.max_body:
-            self.close_connection = True          # its body is not read
-            raise InferError(413, f"request body of {n} bytes exceeds the limit of "
-                                  f"{self.server.max_body}")
-        data = self.rfile.read(n)
-        if len(data) != n:
-            self.close_connection = True
-            raise InferError(400, f"the body ended after {len(data)} of {n} bytes")
-        return data
-
-    def _discard_body(self) -> None:
-        text = self.headers.get("Content-Length", "0")
-        n = int(text) if _LENGTH.fullmatch(text) else -1
-        if 0 <= n <= self.server.max_body:
-            self.rfile.read(n)
-        else:
-            self.close_connection = True
+                    return await http.respond(send, 404)
+                return await http.respond(send, 200)
+            return await http.respond_json(send, 200, (await svc.model(name, version)).metadata())
+        raise InferError(404, f"no such endpoint: {req.method} {path[:200]}")
 
     # -- inference -------------------------------------------------------------------
-    def _infer(self, m: ModelSpec, body: bytes) -> tuple[int, bytes, dict[str, str]]:
-        hlen = self.headers.get(HEADER_LENGTH)
+    async def _infer(self, m: ModelSpec, req: Request, body: bytes
+                     ) -> tuple[int, bytes, list[tuple[bytes, bytes]]]:
+        hlen = req.headers.get(HEADER_LENGTH.lower())
         if hlen is not None:
-            if not _LENGTH.fullmatch(hlen) or int(hlen) > len(body):
+            if not LENGTH.fullmatch(hlen) or int(hlen) > len(body):
                 raise InferError(400, f"{HEADER_LENGTH} {hlen[:20]!r} is not a length within "
                                       f"the body's {len(body)} bytes")
             header, binary = body[:int(hlen)], memoryview(body)[int(hlen):]
         else:
             header, binary = body, memoryview(b"")
-        req = parse_json(header)
-        inputs = read_inputs(m, req, binary)
-        wanted = requested_outputs(m, req)       # (checked before the daemon runs it)
-        priority = request_priority(_params(req, "request").get("priority"))
-        outputs = self.server.service.infer(m, inputs, priority)
-        return encode_response(m, req, wanted, outputs)
+        obj = parse_json(header)
+        inputs = read_inputs(m, obj, binary)
+        wanted = requested_outputs(m, obj)       # (checked before the daemon runs it)
+        params = params_of(obj, "request")
+        outputs = await self.service.infer(m, inputs, request_priority(params.get("priority")),
+                                           request_timeout(params))
+        status, payload, extra = encode_response(m, obj, wanted, outputs)
+        headers = [(b"content-type", b"application/octet-stream" if extra else b"application/json")]
+        headers += [(k.encode(), v.encode()) for k, v in extra.items()]
+        return status, payload, headers
 
     # -- the generate extension ------------------------------------------------------
-    def _generate(self, m: ModelSpec, body: bytes, stream: bool) -> None:
-        req = parse_json(body)
-        params = _params(req, "request")
-        prompt, max_tokens = generate_args(req, params)
-        tokens = self.server.service.generate(m, prompt, max_tokens,
-                                              request_priority(params.get("priority")))
+    async def _generate(self, m: ModelSpec, body: bytes, send: Send, stream: bool) -> None:
+        obj = parse_json(body)
+        params = params_of(obj, "request")
+        prompt, max_tokens = generate_args(obj, params)
+        tokens = self.service.generate(m, prompt, max_tokens,
+                                       request_priority(params.get("priority")))
         head = {"model_name": m.name, "model_version": VERSION}
         try:
-            first = next(tokens, None)           # a refusal raises here: an error status
+            first = await _first(tokens)         # a refusal raises here: an error status
             if not stream:
-                out = [] if first is None else [first, *tokens]
-                self._json(200, {**head, "token_ids": out})
-                return
-            self.close_connection = True         # the stream ends with the connection
-            self.send_response(200)
-            self.send_header("Content-Type", "text/event-stream")
-            self.send_header("Cache-Control", "no-cache")
-            self.send_header("Connection", "close")
-            self.end_headers()
+                out = [] if first is None else [first, *[t async for t in tokens]]
+                return await http.respond_json(send, 200, {**head, "token_ids": out})
+            await http.start_events(send)
             n = 0
             try:
-                for tok in itertools.chain([] if first is None else [first], tokens):
-                    self._event({**head, "token_id": tok, "index": n})
-                    n += 1
+                if first is not None:
+                    await http.event(send, json.dumps({**head, "token_id": first,
+                                                       "index": 0}).encode())
+                    n = 1
+                    async for tok in tokens:
+                        await http.event(send, json.dumps({**head, "token_id": tok,
+                                                           "index": n}).encode())
+                        n += 1
             except InferError as e:              # after the first token: a last event
-                self._event({"error": str(e)})
-                return
-            self._event({**head, "done": True, "n_tokens": n})
+                await http.event(send, json.dumps({"error": str(e)}).encode())
+            else:
+                await http.event(send, json.dumps({**head, "done": True,
+                                                   "n_tokens": n}).encode())
+            await http.end_events(send)
         finally:
-            tokens.close()                       # (the daemon's connection goes back)
+            await tokens.aclose()                # (a caller gone: the daemon finishes)
 
-    def _event(self, obj: dict) -> None:
-        self.wfile.write(b"data: " + json.dumps(obj).encode() + b"\n\n")
-        self.wfile.flush()
+    # -- model control ---------------------------------------------------------------
+    async def _repository(self, req: Request, send: Send, where: list[str]) -> None:
+        body = await req.body()
+        obj = parse_json(body) if body.strip() else {}
+        if where == ["index"]:
+            ready_only = obj.get("ready", False)
+            if type(ready_only) is not bool:
+                raise InferError(400, "index: \"ready\" must be true or false")
+            return await http.respond_json(send, 200, await self.control.index(ready_only))
+        if len(where) == 3 and where[0] == "models" and where[2] in ("load", "unload"):
+            params = params_of(obj, where[2])
+            if params:
+                raise InferError(400, f"{where[2]}: parameters are not supported (got "
+                                      f"{', '.join(sorted(params))[:80]}); the model's folder "
+                                      f"in the repository is what is loaded")
+            if where[2] == "load":
+                await self.control.load(where[1])
+            else:
+                await self.control.unload(where[1])
+            self.service.forget_models()
+            return await http.respond(send, 200)
+        raise InferError(404, f"no such endpoint: POST {req.path[:200]}")
 
 
-def generate_args(req: dict, params: dict) -> tuple[list[int], int]:
-    """A generate request's prompt ids and token budget, checked (400 otherwise)."""
-    prompt = req.get("prompt_ids")
-    if (not isinstance(prompt, list) or len(prompt) > 1 << 20
-            or any(type(t) is not int for t in prompt)):
-        raise InferError(400, "a generate request needs \"prompt_ids\": a list of integer "
-                              "token ids")
-    if any(not 0 <= t < 2 ** 31 for t in prompt):
-        raise InferError(400, "prompt_ids must be token ids in 0..2**31-1")
-    max_tokens = req.get("max_tokens", params.get("max_tokens"))
-    if type(max_tokens) is not int or not 0 <= max_tokens < 2 ** 31:
-        raise InferError(400, f"a generate request needs \"max_tokens\": an integer in "
-                              f"0..2**31-1, got {str(max_tokens)[:20]!r}")
-    return prompt, max_tokens
+def _model_route(parts: list[str]) -> tuple[str, str, str | None]:
+    """NAME[/versions/V][/WHAT] -> (name, version, what); what None: no such route."""
+    name, rest = parts[0], parts[1:]
+    version = ""
+    if len(rest) >= 2 and rest[0] == "versions":
+        version, rest = rest[1], rest[2:]
+    if not rest:
+        return name, version, ""
+    if len(rest) == 1 and rest[0] in ("ready", *_POSTS):
+        return name, version, rest[0]
+    return name, version, None
 
 
-def parse_json(data: bytes) -> dict:
-    """The request's JSON object; nesting is bounded before the parser runs."""
-    if data.count(b"[") + data.count(b"{") > MAX_DEPTH and json_depth(data) > MAX_DEPTH:
-        raise InferError(400, f"request JSON nests deeper than {MAX_DEPTH}")
+async def _first(tokens):
+    """The first item of an async iterator, or None if it has none."""
     try:
-        obj = json.loads(data)
-    except (ValueError, RecursionError) as e:
-        raise InferError(400, f"request body is not valid JSON: {str(e)[:200]}") from None
-    if not isinstance(obj, dict):
-        raise InferError(400, "request body must be a JSON object")
-    return obj
+        return await tokens.__anext__()
+    except StopAsyncIteration:
+        return None
 
 
-def _params(obj: dict, where: str) -> dict:
-    p = obj.get("parameters", {})
-    if not isinstance(p, dict):
-        raise InferError(400, f"{where}: parameters must be a JSON object")
-    return p
-
-
-def read_inputs(m: ModelSpec, req: dict, binary: memoryview) -> dict[str, np.ndarray]:
-    """The request's input tensors, checked against the model."""
-    items = req.get("inputs")
-    if not isinstance(items, list) or not items:
-        raise InferError(400, "request needs \"inputs\": a non-empty array")
-    out: dict[str, np.ndarray] = {}
-    pos = 0
-    for item in items:
-        if not isinstance(item, dict) or not isinstance(item.get("name"), str):
-            raise InferError(400, "each input must be an object with a \"name\"")
-        spec = m.input(item["name"])
-        if spec.name in out:
-            raise InferError(400, f"input {spec.name!r} given twice")
-        check_input(spec, m.name, item.get("datatype"), item.get("shape"))
-        size = _params(item, f"input {spec.name!r}").get("binary_data_size")
-        if size is not None:
-            if type(size) is not int or size < 0 or pos + size > len(binary):
-                raise InferError(400, f"input {spec.name!r}: binary_data_size {str(size)[:20]} "
-                                      f"exceeds the {len(binary) - pos} binary bytes left")
-            out[spec.name] = from_bytes(spec, binary[pos:pos + size])
-            pos += size
-        elif "data" in item:
-            out[spec.name] = from_json_data(spec, m.name, item["data"])
-        else:
-            raise InferError(400, f"input {spec.name!r} has neither \"data\" nor "
-                                  f"binary_data_size")
-    if pos != len(binary):
-        raise InferError(400, f"{len(binary) - pos} binary bytes after the inputs' data")
-    return out
-
-
-def requested_outputs(m: ModelSpec, req: dict) -> list[tuple[TensorSpec, bool]]:
-    """The outputs a request asks for (all by default), each with whether it goes raw."""
-    binary_all = bool(_params(req, "request").get("binary_data_output", False))
-    asked = req.get("outputs")
-    if asked is None:
-        return [(t, binary_all) for t in m.outputs]
-    if not isinstance(asked, list):
-        raise InferError(400, "\"outputs\" must be an array")
-    by_name = {t.name: t for t in m.outputs}
-    wanted = []
-    for o in asked:
-        name = o.get("name") if isinstance(o, dict) else None
-        if type(name) is not str or name not in by_name:
-            raise InferError(400, f"model {m.name!r} has outputs "
-                                  f"{', '.join(by_name)}; asked for "
-                                  f"{str(name if isinstance(o, dict) else o)[:40]}")
-        p = _params(o, f"output {name!r}")
-        wanted.append((by_name[name], bool(p.get("binary_data", binary_all))))
-    return wanted
-
-
-def encode_response(m: ModelSpec, req: dict, wanted: list[tuple[TensorSpec, bool]],
-                    outputs: dict[str, np.ndarray]) -> tuple[int, bytes, dict[str, str]]:
-    """The response body: JSON, then the raw outputs that were asked for in binary."""
-    desc, chunks = [], []
-    for spec, binary in wanted:
-        a = np.ascontiguousarray(outputs[spec.name], dtype=spec.dtype.newbyteorder("<"))
-        d = {"name": spec.name, "datatype": spec.datatype, "shape": list(spec.shape)}
-        if binary:
-            raw = a.tobytes()
-            d["parameters"] = {"binary_data_size": len(raw)}
-            chunks.append(raw)
-        else:
-            d["data"] = to_json_data(a)
-        desc.append(d)
-    resp = {"model_name": m.name, "model_version": VERSION, "outputs": desc}
-    if isinstance(req.get("id"), str):
-        resp["id"] = req["id"]
-    header = json.dumps(resp).encode()
-    if not chunks:
-        return 200, header, {}
-    return 200, header + b"".join(chunks), {HEADER_LENGTH: str(len(header))}
+async def _lifespan(receive, send: Send) -> None:
+    while True:
+        msg = await receive()
+        if msg["type"] == "lifespan.startup":
+            await send({"type": "lifespan.startup.complete"})
+        elif msg["type"] == "lifespan.shutdown":
+            await send({"type": "lifespan.shutdown.complete"})
+            return

@@ -23,6 +23,7 @@ COMMANDS = [
     ("paella.dispatcher.daemon", ("serve",), "serve"),
     ("paella.dispatcher.daemon.unit", ("unit",), "serve"),
     ("paella.client.status", ("status",), ""),
+    ("paella.client.repository", ("model",), ""),
     ("paella.client.perf", ("perf",), ""),
     ("paella.trace_command", ("trace",), ""),
     ("paella.kserve.command", ("kserve",), "kserve"),
@@ -37,7 +38,7 @@ COMMANDS = [
 #: What each extra brings that the commands import (looked up, not imported, so that
 #: ``paella --help`` stays fast).
 EXTRA_MODULES = {"serve": ("greenlet", "posix_ipc"), "compile": ("tvm", "onnx"),
-                 "kserve": ("grpc", "google.protobuf"),
+                 "kserve": ("grpc", "google.protobuf", "uvicorn", "httptools"),
                  "all": ("greenlet", "posix_ipc", "tvm", "onnx", "matplotlib")}
 
 

@@ -26,9 +26,22 @@ DONE) carry one little-endian uint64 request id and are packed with a precompile
                                   and socket modes; only for requests sent with STREAM)
     12    TRACE        c -> d     {"milliseconds"}: record a kernel-level trace for that long
                                   (``paella trace``; allowed before HELLO; the daemon's owner
-                                  or a uid of [daemon] trace_users only)
+                                  or a uid of [access] trace_users only)
     13    TRACE_REPLY  d -> c     {"trace": {"events", "requests", "kernels", "truncated",
                                   "bytes"}} + fd: the Trace Event JSON, in a memfd
+    14    REPOSITORY_INDEX        c -> d  {} or empty: the model folders of the daemon's
+                                          repository and their states (``paella model
+                                          index``; allowed before HELLO)
+    15    REPOSITORY_INDEX_REPLY  d -> c  {"models": [{"name", "version", "state",
+                                          "reason"}]}: state one of :data:`MODEL_STATES`
+    16    LOAD         c -> d     {"name"}: load (or reload) that model folder of the
+                                  repository; answered once it is served, or with ERROR
+                                  (allowed before HELLO; the daemon's owner or a user of
+                                  [access] control_users only)
+    17    LOAD_REPLY   d -> c     {"model": {"name", "version", "state", "reason"}}
+    18    UNLOAD       c -> d     {"name"}: serve that model no more (its requests in
+                                  flight finish); as LOAD for who may
+    19    UNLOAD_REPLY d -> c     {"model": {"name", "version", "state", "reason"}}
 
 Decoding is where a hostile peer's bytes are first interpreted, so it is strict and
 total: every failure, whatever Python would raise (a JSON syntax error, an integer of
@@ -54,14 +67,25 @@ from paella.shapes import Slot
 PROTOCOL_VERSION = 1
 
 (HELLO, WELCOME, LIST_MODELS, MODELS, WAKE, DONE, ERROR, KICK, STATUS, STATUS_REPLY,
- PROGRESS, TRACE, TRACE_REPLY) = range(1, 14)
+ PROGRESS, TRACE, TRACE_REPLY, REPOSITORY_INDEX, REPOSITORY_INDEX_REPLY, LOAD, LOAD_REPLY,
+ UNLOAD, UNLOAD_REPLY) = range(1, 20)
 NAMES = {HELLO: "HELLO", WELCOME: "WELCOME", LIST_MODELS: "LIST_MODELS", MODELS: "MODELS",
          WAKE: "WAKE", DONE: "DONE", ERROR: "ERROR", KICK: "KICK", STATUS: "STATUS",
          STATUS_REPLY: "STATUS_REPLY", PROGRESS: "PROGRESS", TRACE: "TRACE",
-         TRACE_REPLY: "TRACE_REPLY"}
+         TRACE_REPLY: "TRACE_REPLY", REPOSITORY_INDEX: "REPOSITORY_INDEX",
+         REPOSITORY_INDEX_REPLY: "REPOSITORY_INDEX_REPLY", LOAD: "LOAD",
+         LOAD_REPLY: "LOAD_REPLY", UNLOAD: "UNLOAD", UNLOAD_REPLY: "UNLOAD_REPLY"}
 JSON_TYPES = frozenset({HELLO, WELCOME, LIST_MODELS, MODELS, ERROR, STATUS, STATUS_REPLY,
-                        TRACE, TRACE_REPLY})
+                        TRACE, TRACE_REPLY, REPOSITORY_INDEX, REPOSITORY_INDEX_REPLY, LOAD,
+                        LOAD_REPLY, UNLOAD, UNLOAD_REPLY})
 ID_TYPES = frozenset({WAKE, DONE, PROGRESS})
+
+#: A model's state in the repository index and the LOAD / UNLOAD replies (Triton's
+#: names): served; not served (``reason`` says why: "unloaded", a load error, ...); its
+#: load running or waiting its turn; unloaded, its requests in flight still finishing.
+MODEL_STATES = ("READY", "UNAVAILABLE", "LOADING", "UNLOADING")
+#: The one version of every model, as clients see it (KServe's model version).
+MODEL_VERSION = "1"
 
 #: Client wait modes (HELLO "mode"): which notification the daemon sends per request.
 MODES = ("hybrid", "polling", "socket")
@@ -121,6 +145,12 @@ SCHEMAS: dict[int, dict[str, tuple[type, bool]]] = {
     STATUS_REPLY: {"status": (dict, True)},
     TRACE: {"milliseconds": (int, True)},
     TRACE_REPLY: {"trace": (dict, True)},
+    REPOSITORY_INDEX: {},
+    REPOSITORY_INDEX_REPLY: {"models": (list, True)},
+    LOAD: {"name": (str, True)},
+    LOAD_REPLY: {"model": (dict, True)},
+    UNLOAD: {"name": (str, True)},
+    UNLOAD_REPLY: {"model": (dict, True)},
 }
 
 _JSON_NAMES = {int: "an integer", str: "a string", dict: "an object", list: "an array"}

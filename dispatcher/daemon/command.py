@@ -84,6 +84,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--trace-user", dest="trace_users", action="append", metavar="USER",
                    help="a user who may take traces (`paella trace`) besides the daemon's "
                         "owner (repeatable): a trace shows every tenant's timing")
+    p.add_argument("--control-user", dest="control_users", action="append", metavar="WHO",
+                   help="a user (name or uid) or \"@group\" who may load and unload models "
+                        "(`paella model load|unload`) besides the daemon's owner and root "
+                        "(repeatable)")
     p.add_argument("--socket-mode", dest="socket_mode",
                    help="mode of the socket file, octal (default 0666)")
     for name in SECTIONS["limits"]:

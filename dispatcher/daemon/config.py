@@ -75,6 +75,9 @@ class DaemonConfig:
     allowed_groups: list[str] = field(default_factory=list)
     socket_mode: int = 0o666
     trace_users: list[str] = field(default_factory=list)   # may take traces, besides the owner
+    # May load and unload models (`paella model load|unload`: they change what every
+    # tenant is served), besides the owner and root: user names, uids, "@group".
+    control_users: list[str] = field(default_factory=list)
     # Priority classes (1 the most urgent .. 255; 0 names none), per tenant: a user name
     # or uid, "@group", or "*" for everyone else. class_default: the class of a request
     # that names none; class_highest: the most urgent class a tenant may ask for (a
@@ -121,6 +124,12 @@ class DaemonConfig:
                         or (type(v) is str and _NAME.fullmatch(v))):
                     raise ConfigError(f"{name} must list user or group names or numeric "
                                       f"ids, got {shown(v)}")
+        for v in self.control_users:
+            if not ((type(v) is int and v >= 0)
+                    or (type(v) is str and _NAME.fullmatch(v.removeprefix("@")))):
+                raise ConfigError(f"control_users must list user names, uids or \"@group\" "
+                                  f"names (who may load and unload models besides the "
+                                  f"daemon's owner and root), got {shown(v)}")
         if not 0 <= self.rt_priority <= 99:
             raise ConfigError(f"rt_priority must be 0..99, got {self.rt_priority}")
         if not 0 <= self.drain_seconds <= MAX_SECONDS:     # (also refuses nan and inf)
@@ -217,8 +226,8 @@ SECTIONS = {
                "idle_spin_us", "drain_seconds", "plugin_timeout_seconds", "lookahead", "wake_lead_us", "slice_us", "kernel_core",
                "effect_workers", "effect_deadline_seconds", "effect_queue", "echo", "noop", "log_level", "metrics_port",
                "metrics_addr"),
-    "access": ("allowed_users", "allowed_groups", "socket_mode", "trace_users", "class_default",
-               "class_highest"),
+    "access": ("allowed_users", "allowed_groups", "socket_mode", "trace_users", "control_users",
+               "class_default", "class_highest"),
     "limits": ("max_clients", "max_inflight_per_client", "arena_bytes", "max_arena_bytes",
                "ring_slots", "max_clients_per_uid", "handshake_seconds", "device_memory",
                "trace_max_bytes"),

@@ -18,6 +18,11 @@ load in two:
 
 :class:`BackgroundScan` runs :func:`scan` in a thread for a reload. The thread holds the
 GIL only for Python work: reading a shared object and TVM's CPU kernels release it.
+
+Model control (``paella model``: REPOSITORY_INDEX, LOAD, UNLOAD) uses the same two
+halves for one model: :func:`scan_one` reads one folder a client named (checked first by
+:func:`name_problem`: a name, never a path) and :func:`model_folders` lists the
+repository, both in a :class:`Background` thread.
 """
 from __future__ import annotations
 
@@ -87,6 +92,7 @@ class Scan:
     prepared: list[Prepared] = field(default_factory=list)
     kept: dict[str, str] = field(default_factory=dict)       # directory -> unchanged model
     failed: dict[str, str] = field(default_factory=dict)     # directory -> why
+    skipped: list[str] = field(default_factory=list)         # folders of ``skip``: not read
     interrupted: bool = False                                # stop() said so midway
     seconds: float = 0.0
 
@@ -98,6 +104,67 @@ class Scan:
 
 #: A version subfolder's name: ASCII digits (str.isdigit also takes "²", which int() refuses).
 _VERSION = re.compile(r"[0-9]{1,18}")
+
+#: The longest model name, in bytes: a folder name's limit (NAME_MAX).
+MAX_NAME_BYTES = 255
+#: Model folders an error message names at most (a repository may hold thousands).
+_LISTED_NAMES = 20
+
+
+def name_problem(name: str) -> str | None:
+    """Why ``name`` cannot name a model folder of the repository, or None. A client's
+    LOAD names a folder *in* the repository: this runs before the name touches the file
+    system, so no path (``../x``, ``a/b``), no hidden folder and nothing the scan would
+    refuse as a model name reaches it."""
+    if not name:
+        return "it is empty"
+    try:
+        size = len(os.fsencode(name))
+    except UnicodeEncodeError:               # (a lone surrogate JSON may carry)
+        return "it is not a valid file name"
+    if size > MAX_NAME_BYTES:
+        return f"it is {size} bytes long; a model folder's name has at most {MAX_NAME_BYTES}"
+    if "/" in name or name in (".", ".."):
+        return "it is a path; name a folder of the model repository"
+    if name.startswith("."):
+        return "folders whose name starts with '.' are not models (the repository skips them)"
+    if not name.isprintable() or name != name.strip():
+        return "it has control characters or surrounding spaces"
+    return None
+
+
+def _holds_model(folder: str) -> bool:
+    """Whether ``folder`` looks like a model folder: a bundle, a config.toml, or a
+    version subfolder holding a bundle (names and file types only, nothing is read)."""
+    if any(os.path.lexists(os.path.join(folder, f)) for f in ("manifest.json", "config.toml")):
+        return True
+    try:
+        entries = os.listdir(folder)
+    except OSError:
+        return False                         # unreadable: the scan reports it if it can
+    return any(_VERSION.fullmatch(e) and os.path.isfile(os.path.join(folder, e, "manifest.json"))
+               for e in entries)
+
+
+def model_folders(path: str) -> list[str]:
+    """The names of the model folders of the repository ``path``, sorted: what
+    REPOSITORY_INDEX lists. Reads names and file types only (a thread runs it anyway: the
+    repository may sit on slow storage)."""
+    return [d for d in sorted(os.listdir(path))
+            if not d.startswith(".") and os.path.isdir(os.path.join(path, d))
+            and _holds_model(os.path.join(path, d))]
+
+
+def _listing(path: str) -> str:
+    """The model folders of ``path`` for an error message, cut to a few."""
+    try:
+        names = model_folders(path)
+    except OSError as e:
+        return f"the repository cannot be listed ({e.strerror or e})"
+    if not names:
+        return "it holds no model folder"
+    more = f", ... ({len(names) - _LISTED_NAMES} more)" if len(names) > _LISTED_NAMES else ""
+    return "its model folders: " + ", ".join(names[:_LISTED_NAMES]) + more
 
 
 def bundle_folder(folder: str, pinned: int | None) -> tuple[str, str] | None:
@@ -133,7 +200,9 @@ def bundle_folder(folder: str, pinned: int | None) -> tuple[str, str] | None:
 
 
 def scan(path: str, known: dict[str, tuple], make_adaptor: Callable[[Any, str, int], Any],
-         stop: Callable[[], bool] = lambda: False, reserved: tuple[str, ...] = ()) -> Scan:
+         stop: Callable[[], bool] = lambda: False, reserved: tuple[str, ...] = (), *,
+         only: str | None = None, taken: dict[str, str] | None = None,
+         skip: frozenset[str] = frozenset()) -> Scan:
     """Read every model folder under ``path``: the folder name is the model name, its
     ``config.toml`` its settings, its bundle either in the folder or in numbered
     version subfolders (the latest served, or the one config.toml pins).
@@ -142,7 +211,10 @@ def scan(path: str, known: dict[str, tuple], make_adaptor: Callable[[Any, str, i
     unchanged is only listed in ``kept``. ``make_adaptor(bundle, label, variant)`` builds
     each variant's adaptor; if it has a ``warm()`` method, that runs here too.
     ``reserved``: names already taken (the built-in models). ``stop()`` is asked between
-    models (SIGTERM during start-up). Touches no loop state.
+    models (SIGTERM during start-up). ``only``: read that folder alone (a LOAD), with
+    ``taken`` the names other folders hold (lower case -> folder), since the others are
+    not listed. ``skip``: folders not to read (models unloaded explicitly), listed in
+    ``skipped``. Touches no loop state.
     """
     from paella.bundle import BundleError, load_bundle
     from paella.dispatcher.batchers import (BatcherError, ModelVariants, VariantSpec, get_batcher,
@@ -153,9 +225,14 @@ def scan(path: str, known: dict[str, tuple], make_adaptor: Callable[[Any, str, i
     t0 = time.monotonic()
     out = Scan(path)
     seen: dict[str, str] = {r.lower(): "the daemon's built-in models" for r in reserved}
-    for d in sorted(os.listdir(path)):
+    seen.update(taken or {})
+    for d in [only] if only is not None else sorted(os.listdir(path)):
         folder = os.path.join(path, d)
         if d.startswith(".") or not os.path.isdir(folder):
+            continue
+        if d in skip:
+            seen.setdefault(d.lower(), folder)
+            out.skipped.append(folder)
             continue
         if not d.isprintable() or d != d.strip():
             # (a newline in a model's name split the daemon's log lines; a blank name)
@@ -250,24 +327,53 @@ def scan(path: str, known: dict[str, tuple], make_adaptor: Callable[[Any, str, i
     return out
 
 
-class BackgroundScan:
-    """:func:`scan` in a thread of its own. ``done`` turns True (then ``notify()`` is
-    called, to wake the loop) once ``result`` or ``error`` is set."""
+class NoModelFolder(LookupError):
+    """A LOAD named no model folder of the repository (the message lists them)."""
 
-    def __init__(self, notify: Callable[[], None], *args: Any, **kwargs: Any):
-        self.result: Scan | None = None
+
+def scan_one(path: str, name: str, known: dict[str, tuple],
+             make_adaptor: Callable[[Any, str, int], Any], reserved: tuple[str, ...] = (),
+             taken: dict[str, str] | None = None) -> Scan:
+    """:func:`scan` of the one model folder ``name`` (a LOAD; ``name`` passed
+    :func:`name_problem`). :class:`NoModelFolder`, naming the repository's model
+    folders, when ``path`` has no model folder of that name."""
+    folder = os.path.join(path, name)
+    if not os.path.isdir(folder):
+        raise NoModelFolder(f"the model repository {path} has no folder {name!r}; "
+                            f"{_listing(path)}")
+    out = scan(path, known, make_adaptor, reserved=reserved, only=name, taken=taken)
+    if not out.found:
+        raise NoModelFolder(f"{folder} is not a model folder (no manifest.json in it or in a "
+                            f"version subfolder, and no config.toml); {_listing(path)}")
+    return out
+
+
+class Background:
+    """``fn(*args, **kwargs)`` in a thread of its own. ``done`` turns True (then
+    ``notify()`` is called, to wake the loop) once ``result`` or ``error`` is set."""
+
+    def __init__(self, notify: Callable[[], None], fn: Callable[..., Any], *args: Any,
+                 thread_name: str = "paella-model-load", **kwargs: Any):
+        self.result: Any = None
         self.error: BaseException | None = None
         self.done = False
         self._notify = notify
-        self._args, self._kwargs = args, kwargs
+        self._fn, self._args, self._kwargs = fn, args, kwargs
         # A daemon thread: a SIGTERM must not wait for a slow model to finish loading.
-        self.thread = threading.Thread(target=self._run, name="paella-model-load", daemon=True)
+        self.thread = threading.Thread(target=self._run, name=thread_name, daemon=True)
         self.thread.start()
 
     def _run(self) -> None:
         try:
-            self.result = scan(*self._args, **self._kwargs)
+            self.result = self._fn(*self._args, **self._kwargs)
         except BaseException as e:  # noqa: BLE001 - reported to the loop, which logs it
             self.error = e
         self.done = True
         self._notify()
+
+
+class BackgroundScan(Background):
+    """:func:`scan` in a thread of its own (a SIGHUP reload): ``result`` is its Scan."""
+
+    def __init__(self, notify: Callable[[], None], *args: Any, **kwargs: Any):
+        super().__init__(notify, scan, *args, **kwargs)

@@ -21,6 +21,13 @@ unlinks every segment and exits 0. SIGHUP reloads the model repository in a back
 thread and swaps the new models in between two iterations of the loop
 (:mod:`.repository`). READY=1 goes to $NOTIFY_SOCKET once the models are loaded and the
 socket listens.
+
+Model control (``paella model``, Triton's model-repository extension): REPOSITORY_INDEX
+lists the repository's model folders and their states; LOAD reads one folder the same
+way off the loop and swaps it in; UNLOAD takes one model out of the table (its requests
+in flight finish, as a removed folder's do at a reload). LOADs, UNLOADs and SIGHUP
+reloads run one at a time in the order they came, so the last one asked wins; an
+explicit UNLOAD holds across reloads until a LOAD of that model.
 """
 from __future__ import annotations
 
@@ -30,6 +37,7 @@ import math
 import os
 import signal
 import time
+from collections import deque
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -42,7 +50,7 @@ from paella.dispatcher.frontend import Frontend, FrontendConfig, ModelTable
 from . import repository
 from .builtin_models import echo_model, noop_adaptor, noop_info
 from .bundles import FunctionalCache, bundle_adaptor
-from .config import ConfigError, DaemonConfig
+from .config import ConfigError, DaemonConfig, shown
 from .executors import DispatcherExecutor, HostExecutor, Router
 from .traces import TraceSessions
 from .system import (freeze_heap, freeze_new_objects, pin_and_prioritize, raise_fd_limit,
@@ -115,8 +123,26 @@ EXIT_DEVICE_LOST = 3
 EXIT_PLUGIN_HUNG = 4
 
 
+#: LOAD and UNLOAD operations that may wait their turn; one more is refused "busy".
+MAX_CONTROL_QUEUE = 64
+#: Repository listings (REPOSITORY_INDEX) running at once; one more is refused "busy".
+MAX_LISTINGS = 4
+#: The longest reason an index entry carries (a load error can be long): an index of
+#: thousands of models must fit one frame.
+MAX_REASON_CHARS = 500
+
+
 class StartupInterrupted(Exception):
     """SIGTERM arrived while the daemon was starting: stop before serving."""
+
+
+@dataclass(eq=False)
+class ControlJob:
+    """A LOAD or UNLOAD of one model, waiting its turn or under way, and the clients
+    (the front end's ClientConns) its one answer goes to."""
+    op: int                    # wire.LOAD or wire.UNLOAD
+    name: str                  # the model (its folder's name)
+    clients: list[Any]
 
 
 @dataclass
@@ -158,7 +184,8 @@ class Daemon:
             max_arena_bytes=cfg.max_arena_bytes, max_clients=cfg.max_clients,
             max_inflight_per_client=cfg.max_inflight_per_client,
             max_clients_per_uid=cfg.max_clients_per_uid, handshake_seconds=cfg.handshake_seconds,
-            trace_users=tuple(cfg.trace_users), class_default=dict(cfg.class_default),
+            trace_users=tuple(cfg.trace_users), control_users=tuple(cfg.control_users),
+            class_default=dict(cfg.class_default),
             class_highest=dict(cfg.class_highest))
         self.front = Frontend(fcfg, self.table)
         self.router = Router()
@@ -171,6 +198,7 @@ class Daemon:
         #: Traces being taken (``paella trace``): see traces.py.
         self.traces = TraceSessions(self.front, self._wake_loop, cfg.trace_max_bytes)
         self.front.on_trace = self._on_trace
+        self.front.on_model_control = self._on_model_control
         self.started = time.monotonic()
         self._arenas: dict[int, np.ndarray] = {}     # client id -> arena, while mapped
         self._pinned: set[int] = set()               # clients whose arena is page-locked
@@ -181,7 +209,19 @@ class Daemon:
         #: Bundles not served at the last load, directory -> why (the log says it too).
         self.unserved: dict[str, str] = {}
         self._functional = FunctionalCache()
-        self._loader: repository.BackgroundScan | None = None
+        #: The background load running: a SIGHUP reload's scan or a LOAD's (_loading).
+        self._loader: repository.Background | None = None
+        #: The LOAD the running background load serves; None while it is a reload.
+        self._loading: ControlJob | None = None
+        #: LOADs and UNLOADs waiting their turn: model operations run one at a time (a
+        #: reload among them) in the order they came, so the last one asked wins.
+        self._controls: deque[ControlJob] = deque()
+        #: Models UNLOADed explicitly: a reload skips their folders until a LOAD of them.
+        self.unloaded: set[str] = set()
+        #: Of those, the dispatcher models each left, still finishing requests in flight.
+        self._unloading: dict[str, frozenset[int]] = {}
+        #: Repository listings (REPOSITORY_INDEX) running off the loop, and who asked.
+        self._listings: list[tuple[repository.Background, Any]] = []
         self.draining = False        # SIGTERM seen (set by the handler)
         self.admitting = True        # cleared by the loop once the final sweep is done
         self.drain_deadline = 0.0
@@ -248,10 +288,12 @@ class Daemon:
         """Names a repository folder may not take: the built-in models'."""
         return tuple(m.name for m in self._builtins)
 
-    def _swap(self, scan: repository.Scan | None) -> None:
+    def _swap(self, scan: repository.Scan | None, whole: bool = True) -> None:
         """Register what ``scan`` prepared and replace the model table. The loop calls
         it between two iterations, so a client sees the old models or the new ones;
-        requests already running keep the version they started with."""
+        requests already running keep the version they started with. ``whole``: the scan
+        read the whole repository (a model whose folder it did not see goes); else it
+        read one folder (a LOAD), and the other models stay as they are."""
         if scan is not None:
             failed = dict(scan.failed)
             ex = self._dispatcher() if scan.prepared else None
@@ -288,17 +330,27 @@ class Daemon:
                          p.seconds, time.monotonic() - t0)
             for d, model in scan.kept.items():
                 self._served[model].directory = d
-            current = ({p.directory for p in scan.prepared} | set(scan.kept) | set(failed))
-            for model, sb in list(self._served.items()):
-                if sb.directory not in current:
-                    del self._served[model]          # its directory is gone
-                    if self.dispatcher is not None:  # (its requests finish, then it goes)
-                        self.dispatcher.remove_model(sb.info.model_id)
+            if whole:
+                current = ({p.directory for p in scan.prepared} | set(scan.kept) | set(failed))
+                for model, sb in list(self._served.items()):
+                    if sb.directory not in current:
+                        del self._served[model]          # its directory is gone
+                        if self.dispatcher is not None:  # (its requests finish, then it goes)
+                            self.dispatcher.remove_model(sb.info.model_id)
             for d, why in sorted(failed.items()):
                 old = next((m for m, sb in self._served.items() if sb.directory == d), None)
                 log.error("bundle %s not served: %s%s", d, why,
                           f" (still serving the previous version of {old})" if old else "")
-            self.unserved = failed
+            if whole:
+                self.unserved = failed
+            else:
+                for d in {p.directory for p in scan.prepared} | set(scan.kept):
+                    self.unserved.pop(d, None)
+                self.unserved.update(failed)
+        self._publish()
+
+    def _publish(self) -> None:
+        """Replace the model table clients see: the built-ins and the bundles served."""
         self.table.replace(self._builtins + [sb.info for sb in self._served.values()])
         log.info("serving %d model(s): %s", len(self.table.by_id),
                  ", ".join(m.name for m in self.table.by_id.values()) or "none")
@@ -685,6 +737,7 @@ class Daemon:
                      self.router.in_flight, self.cfg.drain_seconds)
             sd_notify("STOPPING=1")
             self.front.stop_accepting()
+            self._refuse_controls()
             # Requests already on the rings were sent before we stopped: serve them.
             # Anything pushed from now on is answered "shutting down".
             for _ in range(self.cfg.ring_slots):      # bounded: a client may keep pushing
@@ -709,8 +762,10 @@ class Daemon:
 
     # -- reloads -----------------------------------------------------------------------
     def _housekeeping(self) -> None:
-        """Between two iterations: finish a background load, start one for a SIGHUP,
-        freeze the heap once nothing is in flight after a swap."""
+        """Between two iterations: finish a background load (a reload's or a LOAD's) and
+        answer the repository listings done, start the next model operation (a SIGHUP's
+        reload first, then the LOADs and UNLOADs waiting), freeze the heap once nothing
+        is in flight after a swap."""
         self.housekeeping = False
         if self.device is not None and getattr(self.device, "effect_ready", None) is not None:
             self.device.open_answered()
@@ -719,10 +774,18 @@ class Daemon:
         loader = self._loader
         if loader is not None and loader.done:
             self._loader = None
-            self._finish_reload(loader)
-        if self._hup and self._loader is None and not self.draining:
-            self._hup = False
-            self._start_reload()
+            job, self._loading = self._loading, None
+            if job is None:
+                self._finish_reload(loader)
+            else:
+                self._finish_load(job, loader)
+        if self._listings:
+            self._finish_listings()
+        if self._loader is None and not self.draining:
+            if self._hup:
+                self._hup = False
+                self._start_reload()
+            self._run_controls()
         if self._refreeze:
             if self.router.in_flight == 0 and not self.front.any_pending():
                 self._refreeze = False
@@ -743,7 +806,8 @@ class Daemon:
         log.info("SIGHUP: reading the model repository %s in the background", self.cfg.models)
         known = {model: sb.key for model, sb in self._served.items()}
         self._loader = repository.BackgroundScan(self._wake_loop, self.cfg.models, known,
-                                                 self._make_adaptor, reserved=self._reserved())
+                                                 self._make_adaptor, reserved=self._reserved(),
+                                                 skip=frozenset(self.unloaded))
 
     def _finish_reload(self, loader: repository.BackgroundScan) -> None:
         if loader.error is not None:
@@ -752,12 +816,227 @@ class Daemon:
         else:
             scan = loader.result
             log.info("SIGHUP: repository read in %.2f s off the loop (%d new or changed, "
-                     "%d unchanged, %d not served)", scan.seconds, len(scan.prepared),
-                     len(scan.kept), len(scan.failed))
+                     "%d unchanged, %d not served%s)", scan.seconds, len(scan.prepared),
+                     len(scan.kept), len(scan.failed),
+                     f", {len(scan.skipped)} unloaded by UNLOAD and skipped" if scan.skipped
+                     else "")
             self._swap(scan)
             self._refreeze = True
             self.housekeeping = True
         sd_notify("READY=1")
+
+    # -- model control (paella model) ------------------------------------------------------
+    def _on_model_control(self, client: Any, kind: int, msg: dict) -> None:
+        """REPOSITORY_INDEX, LOAD or UNLOAD from a client the front end let through. The
+        front end counts the answer owed: every path ends in one :meth:`_answer`."""
+        if kind == wire.REPOSITORY_INDEX:
+            self._start_listing(client)
+            return
+        name = msg["name"]
+        refused = self._refusal(name)
+        if refused is not None:
+            log.info("%s of %s refused: %s", wire.NAMES[kind], shown(name, 60), refused[1])
+            self._answer(client, wire.error(*refused))
+            return
+        self._enqueue(kind, name, client)
+
+    def _refusal(self, name: str) -> tuple[str, str] | None:
+        """Why a LOAD or UNLOAD of ``name`` is refused at once (error code, message), or
+        None. Nothing here touches the file system: the name is checked first."""
+        why = repository.name_problem(name)
+        if why is not None:
+            return "bad_name", f"{shown(name, 60)} is not a model name: {why}"
+        if name in self._reserved():
+            return "builtin", (f"{name} is a built-in model of the daemon, not a folder of its "
+                               f"repository: it is neither loaded nor unloaded (`paella serve "
+                               f"--no-{name}` serves without it)")
+        if not self.cfg.models:
+            return "no_repository", ("the daemon serves no model repository: start it with "
+                                     "--models DIR ([daemon] models)")
+        if self.draining:
+            return "shutting_down", "the daemon is stopping (SIGTERM)"
+        if len(self._controls) >= MAX_CONTROL_QUEUE:
+            return "busy", (f"{MAX_CONTROL_QUEUE} model operations are waiting their turn "
+                            f"already; try again once they are done")
+        return None
+
+    def _enqueue(self, kind: int, name: str, client: Any) -> None:
+        """Queue a LOAD or UNLOAD. One of the same kind already waiting for that model,
+        with no other operation on it after, takes this client too: one load (or unload)
+        answers both, and both were asked before it started."""
+        last = next((j for j in reversed(self._controls) if j.name == name), None)
+        if last is not None and last.op == kind:
+            last.clients.append(client)
+        else:
+            self._controls.append(ControlJob(kind, name, [client]))
+        self.housekeeping = True
+
+    def _run_controls(self) -> None:
+        """Start the waiting operations, in order, until one needs the background load."""
+        while self._controls and self._loader is None:
+            job = self._controls.popleft()
+            if job.op == wire.UNLOAD:
+                self._unload(job)
+            else:
+                self._start_load(job)
+
+    def _refuse_controls(self) -> None:
+        """SIGTERM: the operations still waiting their turn will not run; say so."""
+        for job in self._controls:
+            self._answer_job(job, wire.error("shutting_down", "the daemon is stopping "
+                                             "(SIGTERM) before this model operation's turn"))
+        self._controls.clear()
+
+    def _start_load(self, job: ControlJob) -> None:
+        """A LOAD's turn: read its folder off the loop, as a reload reads the repository."""
+        name = job.name
+        log.info("LOAD %s: reading %s in the background", name,
+                 os.path.join(self.cfg.models, name))
+        known = {model: sb.key for model, sb in self._served.items()}
+        taken = {m.lower(): sb.directory for m, sb in self._served.items() if m != name}
+        self._loading = job
+        self._loader = repository.Background(
+            self._wake_loop, repository.scan_one, self.cfg.models, name, known,
+            self._make_adaptor, reserved=self._reserved(), taken=taken)
+
+    def _finish_load(self, job: ControlJob, loader: repository.Background) -> None:
+        """A LOAD's folder is read: swap it in (the rest stays as it is) and answer."""
+        name, folder = job.name, os.path.join(self.cfg.models, job.name)
+        if isinstance(loader.error, repository.NoModelFolder):
+            log.warning("LOAD %s refused: %s", name, loader.error)
+            self._answer_job(job, wire.error("unknown_model", str(loader.error)))
+            return
+        if loader.error is not None:
+            log.error("LOAD %s failed: %s: %s", name, type(loader.error).__name__, loader.error)
+            self._answer_job(job, wire.error(
+                "load_failed", f"{name}: {type(loader.error).__name__}: {loader.error}"))
+            return
+        self.unloaded.discard(name)          # (this LOAD is the operator's last word on it)
+        self._unloading.pop(name, None)
+        self._swap(loader.result, whole=False)
+        self._refreeze = True
+        self.housekeeping = True
+        why = self.unserved.get(folder)
+        if why is not None:
+            still = " (its previous version is still served)" if name in self._served else ""
+            self._answer_job(job, wire.error("load_failed", f"{name} is not served: {why}{still}"))
+            return
+        log.info("LOAD %s: served", name)
+        self._answer_job(job, wire.encode(wire.LOAD_REPLY, {"model": self._entry(name)}))
+
+    def _unload(self, job: ControlJob) -> None:
+        """An UNLOAD's turn, on the loop: the model leaves the table at once (a request
+        for it is then refused as for any unknown model), its requests in flight finish
+        on it, then its device memory goes (the path of a folder removed at a reload)."""
+        name = job.name
+        sb = self._served.get(name)
+        if sb is None:
+            state, reason = self._state(name)
+            known = name in self.unloaded or os.path.join(self.cfg.models, name) in self.unserved
+            served = ", ".join(sorted(self._served)) or "none"
+            self._answer_job(job, wire.error(
+                "unknown_model", f"the daemon serves no model {name!r}"
+                                 f"{f' ({state}: {reason})' if known else ''}; nothing to "
+                                 f"unload (served from its repository: {served[:400]})"))
+            return
+        mid = sb.info.model_id
+        left = self._dispatcher_models(mid)
+        del self._served[name]
+        self.dispatcher.remove_model(mid)             # (a served bundle has the dispatcher)
+        self.unloaded.add(name)
+        if left:
+            self._unloading[name] = left
+        self._publish()
+        log.info("UNLOAD %s: not served any more; its requests in flight finish", name)
+        self._answer_job(job, wire.encode(wire.UNLOAD_REPLY, {"model": self._entry(name)}))
+
+    def _dispatcher_models(self, model_id: int) -> frozenset[int]:
+        """The dispatcher's models behind a client's model: its variants, a scheduler's
+        own models. Once none is left in the dispatcher, its requests have all finished."""
+        served = self.dispatcher.stage.models.get(model_id) if self.dispatcher else None
+        if served is None:
+            return frozenset()
+        ids = {sv.model_id for sv in served.served.values()}
+        if served.ctx is not None:
+            ids |= served.ctx.own_models
+        return frozenset(ids)
+
+    def _finishing(self, name: str) -> bool:
+        """An unloaded model still has requests in flight (its dispatcher models remain)."""
+        left = self._unloading.get(name)
+        if left is None:
+            return False
+        if self.dispatcher is None or left.isdisjoint(self.dispatcher.disp.models):
+            del self._unloading[name]
+            return False
+        return True
+
+    def _state(self, name: str) -> tuple[str, str]:
+        """A repository model's state (wire.MODEL_STATES) and why it is not served."""
+        if name in self._served:
+            return "READY", ""
+        if self._loading is not None and self._loading.name == name:
+            return "LOADING", "loading"
+        if any(j.name == name and j.op == wire.LOAD for j in self._controls):
+            return "LOADING", "its LOAD waits for the model operations before it"
+        if self._finishing(name):
+            return "UNLOADING", "unloaded; its requests in flight are finishing"
+        if name in self.unloaded:
+            return "UNAVAILABLE", "unloaded"
+        why = self.unserved.get(os.path.join(self.cfg.models, name))
+        if why is not None:
+            return "UNAVAILABLE", why
+        return "UNAVAILABLE", ("not loaded: the folder is newer than the last load (LOAD it, "
+                               "or reload the repository with SIGHUP)")
+
+    def _entry(self, name: str) -> dict:
+        """One model's entry in REPOSITORY_INDEX_REPLY, LOAD_REPLY and UNLOAD_REPLY."""
+        state, reason = self._state(name)
+        if len(reason) > MAX_REASON_CHARS:
+            reason = reason[:MAX_REASON_CHARS - 3] + "..."
+        return {"name": name, "version": wire.MODEL_VERSION, "state": state, "reason": reason}
+
+    def _start_listing(self, client: Any) -> None:
+        """REPOSITORY_INDEX: list the repository's model folders off the loop (it may sit
+        on slow storage); :meth:`_finish_listings` answers."""
+        if not self.cfg.models:
+            self._answer(client, wire.encode(wire.REPOSITORY_INDEX_REPLY, {"models": []}))
+            return
+        if len(self._listings) >= MAX_LISTINGS:
+            self._answer(client, wire.error("busy", f"{MAX_LISTINGS} repository listings are "
+                                                    f"running already; try again in a moment"))
+            return
+        task = repository.Background(self._wake_loop, repository.model_folders, self.cfg.models,
+                                     thread_name="paella-repository-index")
+        self._listings.append((task, client))
+
+    def _finish_listings(self) -> None:
+        """Answer the listings done: each folder with its state now, and the models still
+        served whose folder has gone (until a reload)."""
+        done = [(t, c) for t, c in self._listings if t.done]
+        if not done:
+            return
+        self._listings = [(t, c) for t, c in self._listings if not t.done]
+        for task, client in done:
+            if task.error is not None:
+                self._answer(client, wire.error(
+                    "repository", f"cannot list the model repository {self.cfg.models}: "
+                                  f"{type(task.error).__name__}: {task.error}"))
+                continue
+            entries = [self._entry(n) for n in sorted(set(task.result) | set(self._served))]
+            try:
+                frame = wire.encode(wire.REPOSITORY_INDEX_REPLY, {"models": entries})
+            except wire.WireError:
+                frame = wire.error("too_large", f"the index of {len(entries)} models exceeds "
+                                                f"one frame ({wire.MAX_PAYLOAD} bytes)")
+            self._answer(client, frame)
+
+    def _answer(self, client: Any, frame: bytes) -> None:
+        self.front.control_reply(client, frame)
+
+    def _answer_job(self, job: ControlJob, frame: bytes) -> None:
+        for client in job.clients:
+            self._answer(client, frame)
 
 
 def _effects_status(device) -> dict | None:

@@ -96,6 +96,18 @@ CASES = [
     ("allowed-users-nul", [], '[access]\nallowed_users = ["a\\u0000b"]\n',
      "allowed_users must list user or group names or numeric ids"),
     ("allow-user-unknown", ["--allow-user", "\u00b2"], None, "allowed user '\u00b2' does not exist"),
+    ("control-users-empty-group", [], '[access]\ncontrol_users = ["@"]\n',
+     'control_users must list user names, uids or "@group" names (who may load and unload '
+     'models besides the daemon\'s owner and root), got \'@\''),
+    ("control-users-bool", [], "[access]\ncontrol_users = [true]\n",
+     'control_users must list user names, uids or "@group" names'),
+    ("control-users-not-a-list", [], '[access]\ncontrol_users = "ops"\n',
+     "setting control_users must be list, got 'ops'"),
+    ("control-user-unknown", ["--control-user", "no_such_user_x"], None,
+     "[access] control_users: there is no user 'no_such_user_x' on this system; correct the "
+     "name or remove it"),
+    ("control-group-unknown", ["--control-user", "@no_such_group_x"], None,
+     "[access] control_users: there is no group 'no_such_group_x' on this system"),
     # TOML reads 440 and 0o670 alike: an integer mode was taken as 0o670 (rw-rwx---).
     ("socket-mode-int", [], "[access]\nsocket_mode = 440\n",
      'socket_mode must be a string holding an octal file mode, such as "0660", got 440'),

@@ -162,7 +162,8 @@ def test_a_content_length_that_is_not_a_length_is_a_client_error(kserve, length)
             reply += chunk
     finally:
         s.close()
-    assert reply.startswith(b"HTTP/1.1 411"), reply[:200]
+    # (httptools refuses it as malformed HTTP: 400; a server that parses it: 411)
+    assert reply[:12] in (b"HTTP/1.1 400", b"HTTP/1.1 411"), reply[:200]
     ok, _, data = raw(kserve[0], "POST", "/v2/models/ech%6F/infer", _infer_body())  # (percent-
     assert ok == 200 and json.loads(data)["model_name"] == "echo"               # encoded name)
 

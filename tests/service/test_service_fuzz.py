@@ -172,6 +172,14 @@ def test_fuzz_control_socket(daemon):
         _frame(wire.HELLO, b'{"a":' * 3000 + b"1" + b"}" * 3000),
         _frame(wire.HELLO, b'{"version": ' + b"1" * 5000 + b"}"),   # int() digit limit
         _frame(wire.LIST_MODELS, b'{"x": ' + b"9" * 4301 + b"}"),
+        _frame(wire.LOAD, b"{}"),                                  # model control
+        _frame(wire.LOAD, json.dumps({"name": 3}).encode()),
+        _frame(wire.LOAD, json.dumps({"name": "../../etc"}).encode()),
+        _frame(wire.UNLOAD, json.dumps({"name": "a\u0000b"}).encode()),
+        _frame(wire.UNLOAD, json.dumps({"name": "x" * 60000}).encode()),
+        _frame(wire.REPOSITORY_INDEX, json.dumps({"path": "/"}).encode()),
+        _frame(wire.LOAD_REPLY, json.dumps({"model": {}}).encode()),   # daemon-only
+        _frame(wire.REPOSITORY_INDEX_REPLY, json.dumps({"models": []}).encode()),
     ]
     after_hello = [_frame(wire.HELLO, json.dumps({"version": 1}).encode()),   # HELLO twice
                    _frame(wire.DONE, struct.pack("<Q", 1))]
