@@ -19,6 +19,17 @@ from .tensors import InferError
 _STATUS = {"permission": 403, "unknown_model": 404, "busy": 409}
 
 
+def check_parameters(what: str, names) -> None:
+    """A load or unload takes no parameters: the model folder is what is loaded (Triton's
+    ``config`` and ``file:`` overrides are not served). ``unload_dependents``, which
+    tritonclient always sends, is accepted: no model here depends on another."""
+    others = sorted(n for n in names if n != "unload_dependents")
+    if others:
+        raise InferError(400, f"{what}: parameters are not supported (got "
+                              f"{', '.join(others)[:80]}); the model's folder in the "
+                              f"repository is what is loaded")
+
+
 class RepositoryControl:
     """``allowed``: the front end lets its clients control models at all."""
 

@@ -37,7 +37,7 @@ import logging
 
 from . import http
 from .http import ClientGone, Request, Send
-from .repository_control import RepositoryControl
+from .repository_control import RepositoryControl, check_parameters
 from .http import LENGTH
 from .rest_body import (HEADER_LENGTH, encode_response, generate_args, params_of,
                         parse_json, read_inputs, request_timeout, requested_outputs)
@@ -187,11 +187,7 @@ class KServeApp:
                 raise InferError(400, "index: \"ready\" must be true or false")
             return await http.respond_json(send, 200, await self.control.index(ready_only))
         if len(where) == 3 and where[0] == "models" and where[2] in ("load", "unload"):
-            params = params_of(obj, where[2])
-            if params:
-                raise InferError(400, f"{where[2]}: parameters are not supported (got "
-                                      f"{', '.join(sorted(params))[:80]}); the model's folder "
-                                      f"in the repository is what is loaded")
+            check_parameters(where[2], params_of(obj, where[2]))
             if where[2] == "load":
                 await self.control.load(where[1])
             else:

@@ -27,7 +27,7 @@ import grpc
 import numpy as np
 
 from . import grpc_predict_v2_pb2 as pb
-from .repository_control import RepositoryControl
+from .repository_control import RepositoryControl, check_parameters
 from .rest_body import request_timeout
 from .service import VERSION, InferenceService, ModelSpec, request_priority
 from .tensors import InferError, check_input, from_bytes
@@ -197,26 +197,17 @@ class Servicer:
 
     async def RepositoryModelLoad(self, req: pb.RepositoryModelLoadRequest, ctx
                                   ) -> pb.RepositoryModelLoadResponse:
-        _no_parameters(req, "load")
+        check_parameters("load", req.parameters)
         await self.control.load(req.model_name)
         self.svc.forget_models()
         return pb.RepositoryModelLoadResponse()
 
     async def RepositoryModelUnload(self, req: pb.RepositoryModelUnloadRequest, ctx
                                     ) -> pb.RepositoryModelUnloadResponse:
-        _no_parameters(req, "unload")
+        check_parameters("unload", req.parameters)
         await self.control.unload(req.model_name)
         self.svc.forget_models()
         return pb.RepositoryModelUnloadResponse()
-
-
-def _no_parameters(req, what: str) -> None:
-    # (tritonclient's unload sends unload_dependents = false: a no-op here)
-    keys = [k for k in req.parameters if k != "unload_dependents"]
-    if keys:
-        raise InferError(400, f"{what}: parameters are not supported (got "
-                              f"{', '.join(sorted(keys))[:80]}); the model's folder in the "
-                              f"repository is what is loaded")
 
 
 def _timeout(req: pb.ModelInferRequest) -> float | None:

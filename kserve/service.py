@@ -67,7 +67,7 @@ def model_spec(info: wire.ModelInfo) -> ModelSpec | None:
     try:
         return ModelSpec(info.name, tuple(spec_of(t.name, t.dtype, t.shape) for t in v.inputs),
                          tuple(spec_of(t.name, t.dtype, t.shape) for t in v.outputs),
-                         getattr(info, "tokenizer", None))
+                         info.tokenizer or None)
     except ValueError as e:
         log.warning("model %s not offered over KServe: %s", info.name, e)
         return None

@@ -303,16 +303,23 @@ class ModelInfo:
     model_id: int
     name: str
     variants: tuple[VariantInfo, ...]
+    #: A generative model's tokenizer.json (absolute path on the daemon's host; "" none):
+    #: the network front end reads it to take text prompts.
+    tokenizer: str = ""
 
     def to_dict(self) -> dict:
-        return {"id": self.model_id, "name": self.name,
-                "variants": [v.to_dict() for v in self.variants]}
+        d = {"id": self.model_id, "name": self.name,
+             "variants": [v.to_dict() for v in self.variants]}
+        if self.tokenizer:
+            d["tokenizer"] = self.tokenizer
+        return d
 
     @classmethod
     def from_dict(cls, d: dict) -> "ModelInfo":
         try:
             return cls(int(d["id"]), str(d["name"]),
-                       tuple(VariantInfo.from_dict(v) for v in d["variants"]))
+                       tuple(VariantInfo.from_dict(v) for v in d["variants"]),
+                       str(d.get("tokenizer", "")))
         except (KeyError, TypeError, ValueError) as e:
             raise WireError("bad_model", f"malformed model description {d!r}: {e}") from None
 

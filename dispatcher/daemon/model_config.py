@@ -3,6 +3,8 @@
 ::
 
     version = 2                   # serve this version (subfolder 2), not the latest
+    tokenizer = "tokenizer.json"  # a generative model's tokenizer (Hugging Face's JSON,
+                                  # beside this file): the OpenAI API then takes text
 
     [batching]
     batcher = "dynamic"           # a batcher by name (built-in or plug-in); default identity
@@ -31,7 +33,7 @@ from typing import Any
 from paella.dispatcher.batchers import BatcherError, DEFAULT_BATCHER, check_options, options_of
 
 CONFIG = "config.toml"
-TOP_KEYS = ("version", "batching", "policy", "memory")
+TOP_KEYS = ("version", "tokenizer", "batching", "policy", "memory")
 ALLOCATORS = ("sets", "chunked")
 POLICY_KEYS = {"profile_runs": int}
 MAX_PROFILE_RUNS = 20
@@ -49,6 +51,7 @@ class ModelConfig:
     profile_runs: int | None = None
     allocator: str = "sets"         # per-request buffers: "sets" or "chunked"
     mtime: float = 0.0              # of the file (0: none): a changed file reloads the model
+    tokenizer: str = ""             # absolute path of the tokenizer.json ("" none)
 
 
 def load_model_config(folder: str | Path) -> ModelConfig:
@@ -77,6 +80,8 @@ def load_model_config(folder: str | Path) -> ModelConfig:
             raise ModelConfigError(f"{path}: version must be a version number (the name of "
                                    f"a subfolder, such as 2), got {v!r}")
         cfg.version = v
+    if "tokenizer" in data:
+        cfg.tokenizer = _tokenizer(path, data["tokenizer"])
     batching = _table(data, "batching", path)
     name = batching.pop("batcher", DEFAULT_BATCHER)
     try:
@@ -120,3 +125,16 @@ def _table(data: dict, key: str, path: Path) -> dict:
     if not isinstance(t, dict):
         raise ModelConfigError(f"{path}: {key!r} must be a [{key}] table, got {t!r}")
     return dict(t)
+
+
+def _tokenizer(path: Path, value: Any) -> str:
+    """The ``tokenizer`` file, checked to exist (its content is the front end's to read:
+    the daemon never parses it)."""
+    if not isinstance(value, str) or not value or "\0" in value:
+        raise ModelConfigError(f"{path}: tokenizer must be the file name of a tokenizer.json "
+                               f"(relative to the model's folder), got {value!r}")
+    file = (path.parent / value).resolve()
+    if not file.is_file():
+        raise ModelConfigError(f"{path}: tokenizer {value!r} is not a file ({file}); put the "
+                               f"model's tokenizer.json there or remove the key")
+    return str(file)

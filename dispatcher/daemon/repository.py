@@ -81,8 +81,10 @@ class Prepared:
                 raise ValueError(f"scheduler {self.config.batcher!r}: client_variants() must "
                                  f"return a list of wire.VariantInfo, got {variants!r:.120} "
                                  f"({type(e).__name__}: {e})") from None
-            return info
-        return model_info_from_bundle(model_id, self.bundle, self.model)
+        else:
+            info = model_info_from_bundle(model_id, self.bundle, self.model)
+        tokenizer = getattr(self.config, "tokenizer", "")
+        return replace(info, tokenizer=tokenizer) if tokenizer else info
 
 
 @dataclass

@@ -157,15 +157,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_kserve(sock: str) -> tuple[subprocess.Popen, int, int, "Path"]:
-    """``paella kserve`` for the daemon at ``sock``: (process, HTTP port, gRPC port, log)."""
+def start_kserve(sock: str, *args: str) -> tuple[subprocess.Popen, int, int, "Path"]:
+    """``paella kserve`` for the daemon at ``sock`` (and ``args``): (process, HTTP port,
+    gRPC port, log)."""
     from pathlib import Path
     hp, gp = free_port(), free_port()
     log = Path(sock).with_name(f"kserve.{hp}.log")
     paella = str(Path(sys.executable).with_name("paella"))
     with open(log, "w") as f:
         proc = subprocess.Popen([paella, "kserve", "--socket", sock, "--http-port", str(hp),
-                                 "--grpc-port", str(gp), "--timeout", "10"],
+                                 "--grpc-port", str(gp), "--timeout", "10", *args],
                                 stdout=f, stderr=subprocess.STDOUT)
     deadline = time.monotonic() + 30
     while "HTTP on" not in log.read_text():

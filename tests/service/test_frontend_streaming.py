@@ -13,13 +13,35 @@ import pytest
 tritongrpc = pytest.importorskip("tritonclient.grpc")
 openai = pytest.importorskip("openai")
 
-from service_daemon import cleanup, start_kserve  # noqa: E402
-from test_generation import CFG, W, generate_reference, serve  # noqa: E402
+from service_daemon import cleanup, start_daemon, start_kserve  # noqa: E402
+from test_generation import CFG, W, generate_reference, model_repository  # noqa: E402
+
+#: The words of the test tokenizer: word i is token id i.
+WORDS = [f"w{i}" for i in range(CFG.vocab)]
+
+
+def write_tokenizer(path) -> None:
+    """A word-level tokenizer.json (the ``tokenizers`` library's format): "w5" is id 5."""
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from tokenizers.pre_tokenizers import WhitespaceSplit
+    tok = Tokenizer(WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token="w0"))
+    tok.pre_tokenizer = WhitespaceSplit()
+    tok.save(str(path))
 
 
 @pytest.fixture(scope="module")
 def daemon(tmp_path_factory):
-    dp = serve(tmp_path_factory.mktemp("fe"))
+    pytest.importorskip("tokenizers")
+    root = tmp_path_factory.mktemp("fe")
+    models = model_repository(root)
+    (models / "gpt-text").mkdir()
+    write_tokenizer(models / "gpt-text" / "tokenizer.json")
+    (models / "gpt-text" / "config.toml").write_text(
+        'tokenizer = "tokenizer.json"\n[batching]\nbatcher = "orca"\nconfig = "tiny"\n'
+        'max_bs = 4\nn_slots = 256\n')
+    dp = start_daemon("--backend", "sim", "--models", str(models),
+                      env={"PYTHONPATH": str(root / "plugin")})
     yield dp
     cleanup(dp)
 
@@ -177,3 +199,18 @@ def test_openai_errors_in_openais_format(front, kw, status, text):
     err = e.value.body
     assert text in err["message"], err
     assert {"message", "type", "param", "code"} <= set(err)
+
+
+def test_openai_text_prompts_with_the_models_tokenizer(front):
+    """A model whose config.toml names a tokenizer takes text, and answers text."""
+    hp, _, _ = front
+    client = _openai(hp)
+    want = generate_reference(CFG, W, [3, 1, 4], 6)
+    r = client.completions.create(model="gpt-text", prompt="w3 w1 w4", max_tokens=6)
+    assert r.choices[0].model_extra["token_ids"] == want
+    assert r.choices[0].text == " ".join(WORDS[t] for t in want)
+    assert r.usage.prompt_tokens == 3
+    chunks = list(client.completions.create(model="gpt-text", prompt="w3 w1 w4", max_tokens=6,
+                                            stream=True))
+    text = "".join(ch.text for c in chunks for ch in c.choices)
+    assert text == " ".join(WORDS[t] for t in want)

@@ -224,7 +224,12 @@ def test_model_folders_that_cannot_be_read_are_reported_not_skipped(tmp_path):
 
 CONFIG_ERRORS = [
     ("unknown-top-key", "batcher = 'dynamic'\n",
-     "config.toml: unknown key 'batcher'; valid keys: version, batching, policy, memory"),
+     "config.toml: unknown key 'batcher'; valid keys: version, tokenizer, batching, policy, "
+     "memory"),
+    ("tokenizer-missing", "tokenizer = 'tok.json'\n",
+     "config.toml: tokenizer 'tok.json' is not a file"),
+    ("tokenizer-not-a-name", "tokenizer = 5\n",
+     "config.toml: tokenizer must be the file name of a tokenizer.json"),
     ("unknown-batching-key", "[batching]\nbatcher = 'dynamic'\nmax_delay_us = 5\n",
      "[batching] batcher 'dynamic' has no option 'max_delay_us'; valid options: "
      "default_priority_level, default_queue_policy, max_batch_size, max_inflight_batches, "
