@@ -179,6 +179,9 @@ class AsyncClient(Client):
         """A place among the requests in flight (ResultTimeout if none frees in time)."""
         if self._gone is not None:
             raise self._gone
+        if not self._slots.locked():      # the common case: no task, no timer
+            await self._slots.acquire()
+            return
         try:
             await asyncio.wait_for(self._slots.acquire(), _left(self._loop, deadline))
         except asyncio.TimeoutError:
@@ -207,11 +210,13 @@ class AsyncClient(Client):
             raise
         fut = self._loop.create_future()
         self._pending[req_id] = fut
+        # a timer on the future itself: asyncio.wait_for would make a task per request
+        timer = None if deadline is None else self._loop.call_at(deadline, _expire, fut)
         try:
-            status, reason = await asyncio.wait_for(fut, _left(self._loop, deadline))
-        except (asyncio.TimeoutError, asyncio.CancelledError) as e:
+            status, reason = await fut
+        except (_Expired, asyncio.CancelledError) as e:
             self._abandon(req_id, off)
-            if isinstance(e, asyncio.TimeoutError):
+            if isinstance(e, _Expired):
                 raise ResultTimeout(f"no answer from the daemon at {self.path} within "
                                     f"{timeout} s ({self.load} in flight)") from None
             raise
@@ -219,6 +224,9 @@ class AsyncClient(Client):
             self._alloc.free(off)        # the daemon is gone: nothing writes it any more
             self._slots.release()
             raise
+        finally:
+            if timer is not None:
+                timer.cancel()
         try:
             self._result(req_id, status, reason)
             return {k: a.copy() for k, a in outs.items()}
@@ -332,6 +340,15 @@ class AsyncClient(Client):
         """The daemon's STATUS reply, as :meth:`Client.status`."""
         _, msg = await self._ask(wire.encode(wire.STATUS), timeout)
         return msg["status"]
+
+
+class _Expired(Exception):
+    """A request's own timer fired (becomes ResultTimeout)."""
+
+
+def _expire(fut: asyncio.Future) -> None:
+    if not fut.done():
+        fut.set_exception(_Expired())
 
 
 def _deadline(loop: asyncio.AbstractEventLoop, timeout: float | None) -> float | None:

@@ -8,6 +8,7 @@ The errors are :class:`InferError` with the HTTP status they map to.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any
 
 import numpy as np
@@ -36,12 +37,12 @@ class TensorSpec:
     datatype: str
     shape: tuple[int, ...]
 
-    @property
+    @cached_property
     def dtype(self) -> np.dtype:
         return np.dtype(DATATYPES[self.datatype])
 
-    @property
-    def nbytes(self) -> int:
+    @cached_property
+    def nbytes(self) -> int:            # (cached: asked for every tensor of every request)
         return int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
 
     def to_dict(self) -> dict:
