@@ -72,7 +72,7 @@ class Tokenizers:
             from tokenizers import Tokenizer
         except ImportError:
             raise OpenAIError(503, "text prompts need the tokenizers library: pip install "
-                                   "'paella-py[kserve]'") from None
+                                   "'paella-py[text]'") from None
         try:
             tok = Tokenizer.from_file(path)
         except Exception as e:  # noqa: BLE001 - the library's own error types

@@ -39,8 +39,8 @@ def test_base_dependencies_are_numpy_only_and_the_extras_exist():
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     assert [d.split(">")[0] for d in project["dependencies"]] == ["numpy"]
     extras = project["optional-dependencies"]
-    assert {"serve", "compile", "cuda", "plots", "kserve", "all", "dev"} <= set(extras)
-    assert extras["all"] == ["paella-py[serve,compile,cuda,plots,kserve]"]
+    assert {"serve", "compile", "cuda", "plots", "kserve", "text", "all", "dev"} <= set(extras)
+    assert extras["all"] == ["paella-py[serve,compile,cuda,plots,kserve,text]"]
     assert extras["cuda"] == ["cuda-python>=12.6,<14"]     # docs/cuda-backend.md, "Versions"
     assert "'.[all,dev,windtunnel]'" in (ROOT / "Makefile").read_text()
 
