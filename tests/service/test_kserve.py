@@ -240,3 +240,42 @@ def test_our_proto_is_the_protocols_field_for_field():
     for m in svc.methods:
         t = theirs_svc.methods_by_name[m.name]
         assert (m.input_type.name, m.output_type.name) == (t.input_type.name, t.output_type.name)
+
+
+def test_a_restarted_daemon_is_served_again(fresh_daemon):
+    """The daemon dies and comes back on the same socket: the front end answers 503
+    meanwhile, then serves again on new connections (the dead ones are dialled again)."""
+    import signal
+    dp = fresh_daemon()
+    proc, hp, gp, log = start_kserve(dp.socket)
+    try:
+        c = tritonhttp.InferenceServerClient(f"127.0.0.1:{hp}")
+        inp = tritonhttp.InferInput("x", [256], "FP32")
+        inp.set_data_from_numpy(X)
+        assert np.array_equal(c.infer("echo", [inp]).as_numpy("y"), X)
+        dp.proc.send_signal(signal.SIGKILL)
+        dp.proc.wait(10)
+        with pytest.raises(InferenceServerException) as e:
+            c.infer("echo", [inp])
+        assert "[503]" in str(e.value) and "daemon" in str(e.value)
+        os.unlink(dp.socket)
+        again = fresh_daemon(sock_dir=dp.dir)
+        assert again.socket == dp.socket
+        import time
+        deadline = time.monotonic() + 10
+        while True:                           # (the model list is refreshed within 1 s)
+            try:
+                out = c.infer("echo", [inp])
+                break
+            except InferenceServerException:
+                assert time.monotonic() < deadline
+                time.sleep(0.2)
+        assert np.array_equal(out.as_numpy("y"), X)
+        g = tritongrpc.InferenceServerClient(f"127.0.0.1:{gp}")
+        gi = tritongrpc.InferInput("x", [256], "FP32")
+        gi.set_data_from_numpy(X)
+        assert np.array_equal(g.infer("echo", [gi]).as_numpy("y"), X)
+    finally:
+        proc.terminate()
+        assert proc.wait(15) == 0, log.read_text()
+    assert "Traceback" not in log.read_text(), log.read_text()
