@@ -448,6 +448,7 @@ class Daemon:
             if stats is not None:                 # a batcher's own counters (dvabatch's)
                 m["batcher"] = {"name": served.batcher.name, **stats()}
         st["dispatcher"] = None if ex is None else self._device_status(ex)
+        st["queued_work_us"] = 0 if ex is None else queued_work_us(ex.disp)
         return st
 
     @staticmethod
@@ -1037,6 +1038,17 @@ class Daemon:
     def _answer_job(self, job: ControlJob, frame: bytes) -> None:
         for client in job.clients:
             self._answer(client, frame)
+
+
+def queued_work_us(disp) -> int:
+    """The work a dispatcher holds, in microseconds of its own GPU: the sum over its live
+    jobs of the policy's remaining-time estimates (SRPT, dispatcher/profile.py), what a
+    router reads from STATUS to weigh replicas (paella.cluster.router, ``p2c-work``).
+    Requests a batcher still holds are not jobs yet and are not counted. Under the kernel
+    core (``--kernel-core``, the default) a job's own estimate is not charged as it runs,
+    so a started job counts at its whole estimate: an over-estimate by the work its
+    kernels have done. Reads only (one C-level copy of the job set)."""
+    return round(sum([j.remaining for j in list(disp.jobs)]) * 1e6)
 
 
 def _effects_status(device) -> dict | None:
