@@ -40,11 +40,15 @@ def model_info_from_bundle(model_id: int, bundle, name: str | None = None) -> wi
 
 
 def _staged_model_info(model_id: int, bundle, name: str | None) -> wire.ModelInfo:
+    """Per stage-0 variant the whole model, then per stage ``k`` but the last the same
+    sizes again as *exit variants*: stage 0's inputs, stage ``k``'s outputs (a request
+    selecting one leaves after stage ``k``: dvabatch's ``early_exits``)."""
     from paella.shapes import layout
     last = bundle.n_stages - 1
     out = []
-    for first in (v for v in bundle.variants if v.stage == 0):
-        end = next(v for v in bundle.variants if v.stage == last and v.rows == first.rows
+    firsts = [v for v in bundle.variants if v.stage == 0]
+    for after, first in [(last, f) for f in firsts] + [(k, f) for k in range(last) for f in firsts]:
+        end = next(v for v in bundle.variants if v.stage == after and v.rows == first.rows
                    and v.seq_len == first.seq_len)
         ts = [(t.name, tuple(t.shape), t.dtype) for t in (*first.inputs, *end.outputs)]
         slots, io_bytes = layout(ts, first.rows, first.seq_len, first.rows, first.seq_len)

@@ -212,6 +212,14 @@ class DaemonCollector:
             if "device_memory_bytes" in m:
                 mem.add_metric([m["name"], "1"], m["device_memory_bytes"])
         yield mem
+        ops = CounterMetricFamily("paella_batcher_ops", "A scheduler batcher's own counters "
+                                  "(dvabatch: requests, rows, exits, and the meta-operations "
+                                  "new, stretch and split)", labels=[*labels, "batcher", "op"])
+        for m in st["models"]:
+            for key, val in m.get("batcher", {}).items():
+                if key != "name" and isinstance(val, (int, float)) and not isinstance(val, bool):
+                    ops.add_metric([m["name"], "1", m["batcher"]["name"], key], val)
+        yield ops
         inflight = GaugeMetricFamily("paella_requests_in_flight",
                                      "Requests accepted and not yet completed")
         inflight.add_metric([], st["in_flight"])

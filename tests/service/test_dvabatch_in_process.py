@@ -132,13 +132,10 @@ def test_a_client_leaving_mid_batch_is_answered_once_and_the_others_complete(bun
 def test_waiting_rows_of_a_leaving_client_are_withdrawn_and_short_rows_are_padded(bundle):
     """One pair, no stretch: the first row's batch holds the pair, the others wait; the
     client of two waiting ones leaves (withdrawn, answered once); rows shorter than the
-    length bucket come back at their own length; a request of 2 rows is refused."""
+    length bucket come back at their own length."""
     m = Served(bundle, pairs=1, stretch=False, split=False)
     first = m.send(client=1, seq_len=5)
     waiting = [m.send(client=2), m.send(client=3, seq_len=3), m.send(client=2)]
-    refused = m.send(client=1, rows=2)
-    assert m.done[refused.req_id][0] == rings.E_OPTIONS
-    assert "dvabatch serves one row per request" in m.done[refused.req_id][1]
     m.advance(5e-6)
     m.ex.cancel_client(2)
     assert [m.done.get(r.req_id, (None,))[0] for r in waiting] == \
@@ -177,10 +174,93 @@ def test_a_failing_stage_job_fails_its_rows_with_the_reason_and_the_others_go_on
 
 
 def test_the_model_is_described_to_clients_as_the_whole_model(bundle):
+    """The whole model per batch size, then the exit variants (stage 0's inputs, stage
+    0's outputs: a request selecting one leaves after stage 0)."""
     info = model_info_from_bundle(1, bundle, "bert")
     assert [(v.batch, [t.name for t in v.inputs], [t.name for t in v.outputs])
-            for v in info.variants] == [(b, ["x", "mask"], ["output0"]) for b in (1, 2, 4)]
+            for v in info.variants] == [(b, ["x", "mask"], ["output0"]) for b in (1, 2, 4)] + \
+        [(b, ["x", "mask"], ["cut1.0", "cut1.1"]) for b in (1, 2, 4)]
     assert info.variants[0].outputs[0].shape == (1, 8, 16)
+    # a shaped request is laid out as the whole model (the exit variants come after)
+    slots, _ = shapes.request_layout(info.variants, 3, 8)
+    assert [s.name for s in slots] == ["x", "mask", "output0"]
+
+
+def test_a_request_of_several_rows_gets_each_rows_whole_model_answer(bundle):
+    """Rows of one request are queries of their own in the pipeline (they may join
+    different batches); the request is answered once its last row left."""
+    s = Served(bundle, split_factor=0.0, t_comp_wait_us=3000)
+    rng = np.random.default_rng(5)
+    reqs = []
+    for rows in (3, 1, 4, 2):
+        slots, need = shapes.request_layout(s.info.variants, rows, 8)
+        io = np.zeros(need, np.uint8)
+        xs = [query(rng) for _ in range(rows)]
+        x = np.concatenate([a for a, _ in xs])
+        mask = np.concatenate([m for _, m in xs])
+        for sl, a in zip(slots, (x, mask)):
+            io[sl.offset:sl.offset + a.nbytes] = a.view(np.uint8).reshape(-1)
+        req = Request(len(s.reqs), 1, 1, io, rows=rows, seq_len=8, layout=tuple(slots),
+                      on_complete=s._complete)
+        req.want = np.concatenate([reference(bundle, a, m) for a, m in xs])
+        s.reqs.append(req)
+        reqs.append(req)
+        s.ex.submit(req)
+    s.advance(0.2)
+    assert all(s.done.get(r.req_id, (None,))[0] == rings.OK for r in reqs), s.done
+    for r in reqs:
+        np.testing.assert_allclose(s.output(r), r.want, rtol=1e-5, atol=1e-5)
+    st = s.batcher.stats_dict()
+    assert st["requests"] == 4 and st["rows"] == 10 and st["exited"] == 4, st
+
+
+def exit_request(s: "Served", rng, variant: int, rows: int):
+    """A request of exit variant ``variant`` (laid out as the model info says)."""
+    v = s.info.variants[variant]
+    io = np.zeros(v.io_bytes, np.uint8)
+    xs = [query(rng) for _ in range(rows)]
+    x = np.concatenate([a for a, _ in xs])
+    mask = np.concatenate([m for _, m in xs])
+    for t, a in zip(v.inputs, (x, mask)):
+        io[t.offset:t.offset + a.nbytes] = a.view(np.uint8).reshape(-1)
+    req = Request(len(s.reqs), 1, 1, io, variant, rows=rows, seq_len=8,
+                  on_complete=s._complete)
+    s.reqs.append(req)
+    s.ex.submit(req)
+    return req, x, mask
+
+
+def test_a_request_exits_early_after_stage_0_with_stage_0s_outputs(bundle):
+    """Exit variant 3 (batch 1, after stage 0) and 5 (batch 4): the answer is stage 0's
+    outputs (``cut1.0``, ``cut1.1``), the CPU replay of stage 0's plan on the same
+    input; whole-model requests beside them get the whole model's answer."""
+    s = Served(bundle, t_comp_wait_us=3000)
+    rng = np.random.default_rng(9)
+    whole = [s.send() for _ in range(2)]
+    early = [exit_request(s, rng, 3, 1), exit_request(s, rng, 5, 4)]
+    whole.append(s.send())
+    s.advance(0.2)
+    for r in whole:
+        assert s.done[r.req_id][0] == rings.OK
+        np.testing.assert_allclose(s.output(r), r.want, rtol=1e-5, atol=1e-5)
+    s0 = {v.rows: k for k, v in enumerate(bundle.variants) if v.stage == 0}
+    for req, x, mask in early:
+        assert s.done[req.req_id][0] == rings.OK, s.done[req.req_id]
+        v = s.info.variants[req.options]
+        want = bundle.run_stage_cpu({"x": x, "mask": mask}, s0[req.rows])
+        for t in v.outputs:
+            got = req.io[t.offset:t.offset + t.nbytes].view(t.dtype).reshape(t.shape)
+            np.testing.assert_allclose(got, want[t.name], rtol=1e-5, atol=1e-5)
+    st = s.batcher.stats_dict()
+    assert st["early_exits"] == 2 and st["exited"] == 5, st
+
+
+def test_an_exit_that_is_not_enabled_is_refused_with_the_reason(bundle):
+    s = Served(bundle, early_exits=[])
+    req, _, _ = exit_request(s, np.random.default_rng(1), 3, 1)
+    s.advance(0.01)
+    assert s.done[req.req_id] == (rings.E_OPTIONS, "bert: an early exit after stage 0 is not "
+                                  "enabled (early_exits = [])")
 
 
 def test_a_three_stage_unet_with_skips_across_stages(tmp_path):

@@ -11,6 +11,8 @@ import re
 import shutil
 import signal
 import threading
+import time
+import urllib.request
 
 import numpy as np
 import pytest
@@ -19,7 +21,7 @@ from paella import rings
 from paella.bundle import load_bundle
 from paella.client import connect
 from dvabatch_bundle import SEQ, query, reference, staged_bert
-from service_daemon import cleanup, run_client, start_daemon
+from service_daemon import cleanup, free_port, run_client, start_daemon
 from test_config_errors import assert_clean_error, serve
 from test_lifecycle import read_all
 
@@ -48,7 +50,9 @@ def repo_with(tmp_path, built, config: str):
 @pytest.fixture(scope="module")
 def served(tmp_path_factory, built):
     repo = repo_with(tmp_path_factory.mktemp("repo"), built, CONFIG)
-    dp = start_daemon("--models", str(repo), "--no-noop")
+    port = free_port()
+    dp = start_daemon("--models", str(repo), "--no-noop", "--metrics-port", str(port))
+    dp.metrics_port = port
     yield dp, load_bundle(repo / "bert")
     cleanup(dp)
 
@@ -91,6 +95,61 @@ def test_concurrent_clients_get_the_whole_models_answer_through_stretch_and_spli
     assert st["name"] == "dvabatch" and st["exited"] >= 18 and st["failed"] == 0
     assert st["stretch"] > 0 and st["split"] > 0, st
     assert "registered bert (6 variant(s)" in dp.log() and "batcher dvabatch" in dp.log()
+
+
+def test_a_request_of_several_rows_gets_each_rows_whole_model_answer(served):
+    """Shaped requests of 3 and 4 rows, pipelined beside single rows: every row equals
+    the whole model's CPU build for its own input."""
+    dp, bundle = served
+    rng = np.random.default_rng(21)
+    with connect(dp.socket) as c:
+        pending = []
+        for rows in (3, 1, 4):
+            xs = [query(rng) for _ in range(rows)]
+            ins, outs, _ = c.shaped_views("bert", off := c.alloc(16384), rows, SEQ)
+            ins["x"][...] = np.concatenate([x for x, _ in xs])
+            ins["mask"][...] = np.concatenate([m for _, m in xs])
+            pending.append((c.predict_shaped("bert", off, rows, SEQ), xs, outs))
+        for req_id, xs, outs in pending:
+            c.wait(req_id, timeout=30)
+            want = np.concatenate([reference(bundle, x, m) for x, m in xs])
+            np.testing.assert_allclose(outs["output0"], want, rtol=1e-5, atol=1e-5)
+        st = next(m for m in c.status()["models"] if m["name"] == "bert")["batcher"]
+    assert st["rows"] - st["requests"] >= 5, st       # (3 - 1) + (4 - 1) extra rows at least
+
+
+def test_a_request_exits_early_after_stage_0_with_stage_0s_outputs(served):
+    """The exit variants (after the whole model's: stage 0's inputs, stage 0's outputs):
+    the answer is stage 0's outputs, the CPU replay of stage 0's plan on the input;
+    ``paella status`` and the metrics count the exits and the meta-operations."""
+    dp, bundle = served
+    rng = np.random.default_rng(22)
+    with connect(dp.socket) as c:
+        info = c.model("bert")
+        exits = [k for k, v in enumerate(info.variants) if v.outputs[0].name == "cut1.0"]
+        assert len(exits) == 3, info                  # batch 1, 2, 4
+        s0 = {v.rows: k for k, v in enumerate(bundle.variants) if v.stage == 0}
+        for k in (exits[0], exits[2]):
+            rows = info.variants[k].batch
+            xs = [query(rng) for _ in range(rows)]
+            x, mask = np.concatenate([a for a, _ in xs]), np.concatenate([m for _, m in xs])
+            got = c.infer("bert", {"x": x, "mask": mask}, variant=k)
+            want = bundle.run_stage_cpu({"x": x, "mask": mask}, s0[rows])
+            assert sorted(got) == ["cut1.0", "cut1.1"]
+            for name in got:
+                np.testing.assert_allclose(got[name], want[name], rtol=1e-5, atol=1e-5)
+        time.sleep(0.06)                              # (a STATUS reply is reused for 50 ms)
+        st = next(m for m in c.status()["models"] if m["name"] == "bert")["batcher"]
+    assert st["early_exits"] >= 2, st
+    time.sleep(0.06)                                  # (a STATUS reply is reused for 50 ms)
+    with urllib.request.urlopen(f"http://127.0.0.1:{dp.metrics_port}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    for op in ("new", "stretch", "split", "early_exits"):
+        m = re.search(rf'paella_batcher_ops_total\{{batcher="dvabatch",model="bert",op="{op}",'
+                      r'version="1"\} (\S+)', text)
+        assert m is not None, (op, [ln for ln in text.splitlines() if "batcher" in ln])
+        if op in ("new", "early_exits"):
+            assert float(m.group(1)) >= 2, (op, m.group(0))
 
 
 def test_a_client_vanishing_mid_batch_costs_the_others_nothing(served):
@@ -159,7 +218,10 @@ def test_sigterm_answers_every_accepted_request_exactly_once(tmp_path, built):
     ("[batching]\nbatcher = 'dvabatch'\nsplit_factor = -1.0\n", "split_factor must be a number >= 0"),
     ("[batching]\nbatcher = 'dvabatch'\nstages = 3\n",
      "[batching] batcher 'dvabatch' has no option 'stages'"),
-], ids=["pairs", "split-factor", "unknown-option"])
+    ("[batching]\nbatcher = 'dvabatch'\nearly_exits = [1]\n",
+     "early_exits must be a list of the stages after which a request may leave, each one "
+     "of [0] (bert has 2 stages, 0..1; leaving after the last is the whole model), got [1]"),
+], ids=["pairs", "split-factor", "unknown-option", "exit-past-the-last-stage"])
 def test_a_bad_dvabatch_option_is_a_clean_error(tmp_path, built, config, expected):
     repo = repo_with(tmp_path, built, config)
     r, sock = serve(tmp_path, ["--models", str(repo), "--no-noop"])

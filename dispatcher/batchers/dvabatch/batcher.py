@@ -44,22 +44,43 @@ log = logging.getLogger(__name__)
 
 
 @dataclass(eq=False)
-class _Query:
-    """One request in the pipeline (the pipeline's query: it reads ``seq_len``)."""
+class _Group:
+    """One request: its rows' queries report here; it is answered once, when its last
+    row left (or at its first failure, or when its client left)."""
     req: Any
-    seq_len: int
     slots: tuple
+    stages: int                   # the stages its rows run (n_stages: the whole model)
+    left: int                     # its rows not out yet
+    answered: bool = False        # failed, or its client left: nothing more to send
+
+
+@dataclass(eq=False)
+class _Query:
+    """One row of a request in the pipeline (the pipeline's query: it reads
+    ``seq_len``; ``stages``: the policy's ``stages_of``)."""
+    group: _Group
+    part: int                     # its row in the request
+    seq_len: int
     pair: int = -1
     row: int = -1
     bucket: int = 0               # the length its batch is padded to
-    answered: bool = False        # failed, or its client left: nothing more to send
+
+    @property
+    def req(self) -> Any:
+        return self.group.req
+
+    @property
+    def stages(self) -> int:
+        return self.group.stages
 
 
 @dataclass
 class DvaStats:
     """What the batcher did (``paella status``'s ``batcher`` entry of the model)."""
     requests: int = 0
+    rows: int = 0                 # rows of those requests (a request may have several)
     exited: int = 0
+    early_exits: int = 0          # requests that left after an earlier stage than the last
     failed: int = 0
     dropped: int = 0              # rows run for a client that had left
     jobs: int = 0
@@ -77,7 +98,10 @@ class DvaBatcher(SchedulerBatcher):
     * ``stretch_idle_only`` stretch only when the first stage can start the catch-up now;
     * ``split``            policy II on/off; ``split_factor`` its test
                            ``T_remain(bs) >= split_factor x T_remain(bs/2)`` (the paper: 2);
-    * ``own_streams``      each stage executor on a real stream of its own (the paper's).
+    * ``own_streams``      each stage executor on a real stream of its own (the paper's);
+    * ``early_exits``      the stages after which a request may leave (a client selects
+                           an *exit variant*: stage 0's inputs, stage k's outputs; default:
+                           every stage but the last).
     """
 
     name = "dvabatch"
@@ -88,7 +112,7 @@ class DvaBatcher(SchedulerBatcher):
     def __init__(self, model: ModelVariants, pairs: int = 2, bs_max: int = 0,
                  window_us: float = 0.0, stretch: bool = True, t_comp_wait_us: float = 0.0,
                  stretch_idle_only: bool = False, split: bool = True, split_factor: float = 2.0,
-                 own_streams: bool = True):
+                 own_streams: bool = True, early_exits: list | None = None):
         super().__init__(model)
         if not any(v.stage >= 0 for v in model.variants):
             raise BatcherError(f"batcher 'dvabatch' needs a model cut into stages; "
@@ -109,6 +133,16 @@ class DvaBatcher(SchedulerBatcher):
             raise BatcherError(f"split_factor must be a number >= 0 (the paper's 2: split when "
                                f"the remaining stages at batch b take at least twice their "
                                f"time at b/2), got {split_factor!r}")
+        n_stages = 1 + max(v.stage for v in model.variants)
+        if early_exits is None:
+            early_exits = list(range(n_stages - 1))
+        if not isinstance(early_exits, (list, tuple)) or any(
+                type(k) is not int or not 0 <= k < n_stages - 1 for k in early_exits):
+            raise BatcherError(f"early_exits must be a list of the stages after which a request "
+                               f"may leave, each one of {list(range(n_stages - 1))} ({model.name} "
+                               f"has {n_stages} stages, 0..{n_stages - 1}; leaving after the "
+                               f"last is the whole model), got {early_exits!r:.80}")
+        self.early_exits = frozenset(early_exits)
         self.pairs, self.bs_max = pairs, bs_max
         self.window = window_us * 1e-6
         self.t_comp_wait = t_comp_wait_us * 1e-6 if t_comp_wait_us else math.inf
@@ -140,11 +174,17 @@ class DvaBatcher(SchedulerBatcher):
                         stretch_idle_only=self.stretch_idle_only, split=split,
                         split_factor=self.split_factor,
                         length_buckets=sm.buckets if sm.buckets != (0,) else (),
-                        class_of=_class_of)
+                        class_of=_class_of, stages_of=_stages_of)
         self.pipe = DvaPipeline(cfg, self, self._exit, ctx.now, on_error=self._failed,
                                 on_join=self._join)
         self._free: dict[int, list[np.ndarray]] = {}
-        self._client_layouts: dict[int, tuple] = {}
+        self._client_layouts: dict[tuple[int, int, int], tuple] = {}
+        # The client-visible variants (model_info_from_bundle's order): per stage-0
+        # variant the whole model, then per early exit k the same sizes, exiting after k.
+        firsts = [(sv.spec.rows, sv.spec.seq_len) for _, sv in sorted(ctx.variants.items())
+                  if sv.spec.stage == 0]
+        self.client_variants = [(sm.n_stages - 1, r, ln) for r, ln in firsts] + \
+            [(k, r, ln) for k in range(sm.n_stages - 1) for r, ln in firsts]
         log.info("dvabatch %s: %d stages, batch sizes %s, %d pair(s) of %d rows (%.1f KB of "
                  "boundary buffers per length bucket)", ctx.name, sm.n_stages, list(sm.sizes),
                  self.pairs, bs_max, sum(nb for b in range(sm.n_stages + 1)
@@ -152,18 +192,30 @@ class DvaBatcher(SchedulerBatcher):
                  * bs_max * self.pairs / 1024)
 
     def add(self, req: Any, now: float) -> None:
-        if req.rows != 1:
-            raise RequestRefused(f"dvabatch serves one row per request (a query is one row "
-                                 f"of a batch); this one has {req.rows}: send the rows as "
-                                 f"separate requests")
         sm = self.stages
         try:
             bucket = sm.bucket(req.seq_len) if sm.buckets != (0,) else 0
         except BatcherError as e:
             raise RequestRefused(str(e)) from None
-        slots = tuple(req.layout) if req.layout is not None else self._whole_layout(bucket)
+        last = sm.n_stages - 1
+        if req.layout is not None:           # a shaped request: the whole model
+            slots, after = tuple(req.layout), last
+        else:                                # a variant: maybe an exit variant
+            k = req.options or 0
+            if not 0 <= k < len(self.client_variants):
+                raise RequestRefused(f"no variant {k} (it has {len(self.client_variants)})")
+            after, rows, bucket = self.client_variants[k]
+            if after != last and after not in self.early_exits:
+                raise RequestRefused(f"an early exit after stage {after} is not enabled "
+                                     f"(early_exits = {sorted(self.early_exits)})")
+            slots = self._whole_layout(bucket, rows, after)
+        if req.rows < 1:
+            raise RequestRefused(f"a request needs at least one row, got {req.rows}")
         self.stats.requests += 1
-        self.pipe.add(_Query(req, req.seq_len if bucket else 0, slots), now)
+        self.stats.rows += req.rows
+        group = _Group(req, slots, after + 1, req.rows)
+        for part in range(req.rows):
+            self.pipe.add(_Query(group, part, req.seq_len if bucket else 0), now)
         self.pipe.poll(now)
 
     def poll(self, now: float) -> None:
@@ -175,8 +227,8 @@ class DvaBatcher(SchedulerBatcher):
     def remove_client(self, client_id: int) -> None:
         self.pipe.withdraw(lambda q: q.req.client_id != client_id)
         for q in self._at.values():
-            if q.req.client_id == client_id and not q.answered:
-                q.answered = True          # its rows go on; the stage answers it cancelled
+            if q.req.client_id == client_id and not q.group.answered:
+                q.group.answered = True    # its rows go on; the stage answers it cancelled
                 self.stats.dropped += 1
 
     def close(self) -> None:
@@ -200,24 +252,31 @@ class DvaBatcher(SchedulerBatcher):
         q.pair, q.row, q.bucket = pair, row, seq_len
         self._at[(pair, row)] = q
         self.stats.gathered_bytes += gather_request(self.data, self.stages,
-                                                    _Req(q.req.io, q.slots), pair, row, seq_len)
+                                                    _Req(q.req.io, q.group.slots), pair, row,
+                                                    seq_len, part=q.part)
 
     def _exit(self, q: _Query, now: float) -> None:
         self._at.pop((q.pair, q.row), None)
-        if q.answered:
+        g = q.group
+        g.left -= 1
+        if g.answered:
             return
-        q.answered = True
-        scatter_request(self.data, self.stages, _Req(q.req.io, q.slots), q.pair, q.row,
-                        q.bucket)
-        self.stats.exited += 1
-        self.ctx.complete(q.req)
+        scatter_request(self.data, self.stages, _Req(g.req.io, g.slots), q.pair, q.row,
+                        q.bucket, part=q.part, boundary=g.stages)
+        if g.left == 0:
+            g.answered = True
+            self.stats.exited += 1
+            if g.stages < self.stages.n_stages:
+                self.stats.early_exits += 1
+            self.ctx.complete(g.req)
 
     def _failed(self, q: _Query, why: str) -> None:
-        if q.answered:
+        g = q.group
+        if g.answered:
             return
-        q.answered = True
+        g.answered = True
         self.stats.failed += 1
-        self.ctx.complete(q.req, rings.E_FAILED, why)
+        self.ctx.complete(g.req, rings.E_FAILED, why)
 
     # -- the runner (the pipeline's StageRunner) --------------------------------------------
     def run(self, stage: int, rows: int, seq_len: int, done: Callable[..., None]) -> None:
@@ -259,17 +318,27 @@ class DvaBatcher(SchedulerBatcher):
         free = self._free.get(v.index)
         return free.pop() if free else np.zeros(v.io_bytes, np.uint8)
 
-    def _whole_layout(self, bucket: int) -> tuple:
-        """The io slots of a whole-variant request (no shape given): the client-visible
-        batch-1 variant's (stage 0's inputs, the last stage's outputs)."""
-        lay = self._client_layouts.get(bucket)
+    def _whole_layout(self, bucket: int, rows: int = 1, after: int | None = None) -> tuple:
+        """The io slots of a variant request (no shape given): the client-visible
+        variant's of ``rows`` rows (stage 0's inputs, then the outputs of stage
+        ``after``: the last stage's by default, an earlier one for an exit variant), as
+        ``model_info_from_bundle`` lays them out."""
+        sm = self.stages
+        after = sm.n_stages - 1 if after is None else after
+        key = (bucket, rows, after)
+        lay = self._client_layouts.get(key)
         if lay is None:
-            sm = self.stages
-            first, last = sm.variant(0, 1, bucket), sm.variant(sm.n_stages - 1, 1, bucket)
+            first, last = sm.variant(0, rows, bucket), sm.variant(after, rows, bucket)
             tensors = [(t.name, t.shape, t.dtype) for t in (*first.inputs, *last.outputs)]
-            lay = self._client_layouts[bucket] = tuple(request_layout(tensors, 1, bucket, 1,
-                                                                      bucket)[0])
+            lay = self._client_layouts[key] = tuple(request_layout(tensors, rows, bucket, rows,
+                                                                   bucket)[0])
         return lay
+
+
+def _stages_of(q: "_Query") -> int:
+    """The stages a query runs (policy I's early exits: fewer than all for an exit
+    variant's rows)."""
+    return q.group.stages
 
 
 def _class_of(q: "_Query") -> int:

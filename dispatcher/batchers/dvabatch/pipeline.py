@@ -179,6 +179,9 @@ class DvaPipeline:
             return False                    # a batch never mixes classes
         if self.cfg.stretch_idle_only and not self._first_stage_free():
             return False
+        need = self.cfg.stages_of
+        if need is not None and row.queries and need(q) > need(row.queries[-1]):
+            return False                    # behind the tail, it would hold the tail's exit
         if self.cfg.length_buckets:
             b = length_bucket(q.seq_len, self.cfg.length_buckets)
             if b > row.seq_len or (self.cfg.group_lengths and b != row.seq_len):

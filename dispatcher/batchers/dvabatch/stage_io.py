@@ -175,16 +175,16 @@ def _view(buf: np.ndarray, s: Slot) -> np.ndarray:
 
 
 def gather_request(data: PairData, model: StageModel, req: Any, pair: int, row: int,
-                   seq_len: int) -> int:
-    """The request's inputs into row ``row`` of boundary 0 (bucket ``seq_len``); a
-    shorter sequence is zero-padded (axis 1). ``req.layout``: its slots, inputs then
-    outputs (the client's request layout). Returns the bytes copied."""
+                   seq_len: int, part: int = 0) -> int:
+    """Row ``part`` of the request's inputs into row ``row`` of boundary 0 (bucket
+    ``seq_len``); a shorter sequence is zero-padded (axis 1). ``req.layout``: its slots,
+    inputs then outputs (the client's request layout). Returns the bytes copied."""
     v = model.variant(0, 1, seq_len)
     bufs = data.buffers(pair, 0, seq_len)
     copied = 0
     for t, mine in zip(v.inputs, req.layout[:len(v.inputs)]):
         dst = bufs[t.name][row].view(np.dtype(t.dtype)).reshape(t.shape[1:])
-        src = _view(req.io, mine)[0]
+        src = _view(req.io, mine)[part]
         if src.shape == dst.shape:
             dst[...] = src
         else:
@@ -195,14 +195,17 @@ def gather_request(data: PairData, model: StageModel, req: Any, pair: int, row: 
 
 
 def scatter_request(data: PairData, model: StageModel, req: Any, pair: int, row: int,
-                    seq_len: int) -> None:
-    """Row ``row`` of the last boundary into the request's outputs (cut to its length)."""
-    last = model.variant(model.n_stages - 1, 1, seq_len)
-    bufs = data.buffers(pair, model.n_stages, seq_len)
+                    seq_len: int, part: int = 0, boundary: int | None = None) -> None:
+    """Row ``row`` of boundary ``boundary`` (default the last: the model's outputs; ``k``
+    for a request leaving after stage ``k - 1``) into row ``part`` of the request's
+    outputs (cut to its length)."""
+    boundary = model.n_stages if boundary is None else boundary
+    last = model.variant(boundary - 1, 1, seq_len)
+    bufs = data.buffers(pair, boundary, seq_len)
     n_in = len(req.layout) - len(last.outputs)
     for t, mine in zip(last.outputs, req.layout[n_in:]):
         src = bufs[t.name][row].view(np.dtype(t.dtype)).reshape(t.shape[1:])
-        dst = _view(req.io, mine)[0]
+        dst = _view(req.io, mine)[part]
         dst[...] = src[tuple(slice(0, n) for n in dst.shape)]
 
 
