@@ -264,3 +264,21 @@ def test_the_most_urgent_class_is_batched_first_and_never_mixed():
     _, pipe = simulate(DvaConfig(2, lambda s, b, l: 1.0, pairs=2, window=0.0, split=False),
                        lambda s, r, l: (1.0, 1.0), [Query(0, 0.0), Query(1, 0.6)])
     assert pipe.stats.stretch == 1                      # (one class: it would)
+
+
+def test_a_stretch_never_puts_a_longer_query_behind_one_that_exits_earlier():
+    """Early exits leave from a batch's tail, so a query needing more stages than the
+    tail does not stretch that batch (it would hold the tail's exit back: the short
+    query would run stages it did not ask for); a query needing no more stages than the
+    tail does stretch it and leaves with it."""
+    cost = lambda s, rows, l: (1.0, 0.1)  # noqa: E731
+    cfg = DvaConfig(4, lambda s, b, l: 1.0, split=False, stages_of=lambda q: q.stages)
+    qs = [Query(0, 0.0, stages=2), Query(1, 0.5, stages=4), Query(2, 0.6, stages=2)]
+    done, pipe = simulate(cfg, cost, qs)
+    # query 1 (4 stages) did not stretch query 0's batch (2 stages): a batch of its own;
+    # query 2 (2 stages) stretched query 1's and left from its tail after stage 1
+    batches = {a.batch for a in pipe.accesses}
+    assert pipe.stats.new == 2 and pipe.stats.stretch == 1 and batches == {0, 1}, pipe.stats
+    assert [(a.batch, a.stage, a.num) for a in pipe.accesses] == [
+        (0, 0, 1), (1, 0, 2), (0, 1, 1), (1, 1, 2), (1, 2, 1), (1, 3, 1)]
+    assert [q.done for q in done] == pytest.approx([2.0, 5.0, 3.0])
