@@ -27,6 +27,7 @@ EXPERIMENTS = [
     "paella.experiments.batching",
     "paella.experiments.dvabatch",
     "paella.experiments.timelines",
+    "paella.experiments.cluster",
 ]
 
 
