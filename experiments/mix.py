@@ -71,9 +71,12 @@ GPU = "t4"
 DISPATCHER_POLICIES = ["fifo", "ms-jbj", "ms-kbk", "paella", "sjf", "rr"]
 DIRECT = ["cuda-ss", "cuda-ms"]
 SYSTEMS = DIRECT + DISPATCHER_POLICIES
+#: Policies beyond Table 3 that ``--systems`` may name (any registered policy is accepted;
+#: these are the ones measured for issue 38's item 3, docs/policies.md "`slack`").
+EXTRA_POLICIES = ["slack"]
 LABELS = {"cuda-ss": "CUDA-SS", "cuda-ms": "CUDA-MS", "fifo": "Paella-SS (fifo)",
           "ms-jbj": "Paella-MS-jbj", "ms-kbk": "Paella-MS-kbk", "paella": "Paella",
-          "sjf": "Paella-SJF", "rr": "Paella-RR"}
+          "sjf": "Paella-SJF", "rr": "Paella-RR", "slack": "Paella-slack (EDF)"}
 FULL_RATES = [300, 400, 500, 600, 700, 800, 1000, 1400, 1800]
 QUICK_RATES = [300, 600, 900]
 #: --quick runs the headline comparison only (paella, ms-jbj, and CUDA-MS for reference).
@@ -145,10 +148,16 @@ def isolated_ms(bundles: dict) -> dict[str, float]:
 
 
 def run(bundles: dict, rates: list[float], sigmas: list[float], n: int, seed: int,
-        systems: list[str], cpu_scale: float, slo_x: float, progress=None) -> dict:
-    unknown = sorted(set(systems) - set(SYSTEMS))
+        systems: list[str], cpu_scale: float, slo_x: float, progress=None,
+        extra_blocks: int | None = None) -> dict:
+    """``extra_blocks``: the dispatcher's B (the +B rule) for every dispatcher system
+    (None: its default, the GPU's SM count)."""
+    from paella.dispatcher.policies import policy_names
+    known = set(SYSTEMS) | set(policy_names())
+    unknown = sorted(set(systems) - known)
     if unknown:
-        raise ValueError(f"unknown systems {unknown}; choose from {SYSTEMS}")
+        raise ValueError(f"unknown systems {unknown}; choose from {SYSTEMS + EXTRA_POLICIES} "
+                         f"(or any registered policy)")
     plans = {name: plan_from_bundle(b) for name, b in bundles.items()}
     workloads = [Workload(name, (lambda b=b: PlanAdaptor.from_bundle(b))) for name, b in bundles.items()]
     iso = isolated_ms(bundles)
@@ -165,7 +174,8 @@ def run(bundles: dict, rates: list[float], sigmas: list[float], n: int, seed: in
                     pt = direct_point(system, rate, sigma, n, seed, plans)
                 else:
                     pt = run_point(PointConfig(system, rate, sigma, n, seed, gpu=GPU,
-                                               cpu_scale=cpu_scale), workloads)
+                                               cpu_scale=cpu_scale, extra_blocks=extra_blocks),
+                                   workloads)
                 pt["wall_seconds"] = time.perf_counter() - t0
                 per[system].append(pt)
                 if progress:
@@ -173,7 +183,7 @@ def run(bundles: dict, rates: list[float], sigmas: list[float], n: int, seed: in
     setting = {"gpu": GPU, "models": list(bundles), "isolated_ms": iso, "mean_isolated_ms": mean_iso,
                "slo_x": slo_x, "slo_ms": slo_ms, "overall_slo_ms": slo_x * mean_iso, "rates": rates, "sigmas": sigmas,
                "requests_per_point": n, "warmup": WARMUP, "seed": seed, "cpu_scale": cpu_scale,
-               "cuda_ms_streams": DEFAULT_STREAMS}
+               "cuda_ms_streams": DEFAULT_STREAMS, "extra_blocks": extra_blocks}
     return {"setting": setting, "results": results,
             "summary": summarize(results, slo_ms, slo_x * mean_iso)}
 
@@ -201,16 +211,16 @@ def _ratio(a: float, b: float) -> float:
     return math.inf if a > 0 else math.nan
 
 
-def _compare(results: dict, ok: Callable[[dict], bool]) -> dict:
-    """Sustained loads per sigma and system under the SLO ``ok``; paella over ms-jbj."""
+def _compare(results: dict, ok: Callable[[dict], bool], system: str = "paella") -> dict:
+    """Sustained loads per sigma and system under the SLO ``ok``; ``system`` over ms-jbj."""
     sustained, ratios, p99_ratios, mean_ratios = {}, {}, {}, {}
     for key, per in results.items():
         sustained[key] = {s: sustained_load(pts, ok) for s, pts in per.items()}
-        if "paella" in per and "ms-jbj" in per:
-            ratios[key] = _ratio(sustained[key]["paella"], sustained[key]["ms-jbj"])
-            # latency at the highest load ms-jbj sustains (paella ran the same loads).
+        if system in per and "ms-jbj" in per:
+            ratios[key] = _ratio(sustained[key][system], sustained[key]["ms-jbj"])
+            # latency at the highest load ms-jbj sustains (``system`` ran the same loads).
             base = sustained[key]["ms-jbj"]
-            at = [(p, q) for p, q in zip(per["paella"], per["ms-jbj"]) if q["offered"] == base]
+            at = [(p, q) for p, q in zip(per[system], per["ms-jbj"]) if q["offered"] == base]
             p99_ratios[key] = at[0][1]["p99_ms"] / at[0][0]["p99_ms"] if at else math.nan
             mean_ratios[key] = at[0][1]["mean_ms"] / at[0][0]["mean_ms"] if at else math.nan
     finite = [r for r in ratios.values() if not math.isnan(r)]
@@ -222,12 +232,12 @@ def _compare(results: dict, ok: Callable[[dict], bool]) -> dict:
             "paella_beats_ms_jbj": bool(finite) and overall > 1.0}
 
 
-def _saturation(results: dict) -> dict:
+def _saturation(results: dict, system: str = "paella") -> dict:
     """Throughput at saturation: the highest any load reached, per sigma and system."""
     peak = {key: {s: max(p["throughput"] for p in pts) for s, pts in per.items()}
             for key, per in results.items()}
-    ratios = {key: _ratio(v["paella"], v["ms-jbj"]) for key, v in peak.items()
-              if "paella" in v and "ms-jbj" in v}
+    ratios = {key: _ratio(v[system], v["ms-jbj"]) for key, v in peak.items()
+              if system in v and "ms-jbj" in v}
     finite = [r for r in ratios.values() if not math.isnan(r)]
     return {"throughput": peak, "ratio_vs_ms_jbj_per_sigma": ratios,
             "ratio_vs_ms_jbj": min(finite) if finite else math.nan}
@@ -260,7 +270,34 @@ def summarize(results: dict, slo_ms: dict[str, float], overall_slo_ms: float) ->
            "saturation": _saturation(results),
            "paper": {"load_ratio": 1.4, "latency_ratio": 1.35}}
     out["claims"] = _claims(out)
+    out["vs_ms_jbj"] = versus_ms_jbj(results, slo_ms, overall_slo_ms)
     return out
+
+
+def versus_ms_jbj(results: dict, slo_ms: dict[str, float], overall_slo_ms: float) -> dict:
+    """Issue 38's three ratios for every dispatcher system that ran beside ms-jbj, per
+    sigma: sustained load under the per-model SLO and under one overall bound, and the
+    throughput at saturation, each over ms-jbj's; ``dominates`` says whether all three
+    reach their targets (2x, 1.4x, 1x) at every sigma."""
+    systems = sorted({s for per in results.values() for s in per
+                      if s not in DIRECT and s != "ms-jbj"})
+    if not any("ms-jbj" in per for per in results.values()):
+        return {}
+    targets = {"per_model_load": 2.0, "overall_load": 1.4, "saturation": 1.0}
+
+    def overall_ok(p: dict) -> bool:
+        return not saturated(p) and p["p99_ms"] <= overall_slo_ms
+    out = {}
+    for system in systems:
+        row = {"per_model_load": _compare(results, lambda p: meets_slo(p, slo_ms), system)[
+                   "load_ratio_vs_ms_jbj_per_sigma"],
+               "overall_load": _compare(results, overall_ok, system)["load_ratio_vs_ms_jbj_per_sigma"],
+               "saturation": _saturation(results, system)["ratio_vs_ms_jbj_per_sigma"]}
+        row["dominates"] = all(bool(row[k]) and all(not math.isnan(v) and v >= t
+                                                    for v in row[k].values())
+                               for k, t in targets.items())
+        out[system] = row
+    return {"targets": targets, "systems": out}
 
 
 def worst_slo_ratio(point: dict, slo_ms: dict[str, float]) -> float:
@@ -311,9 +348,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--rates", default=None, help="comma-separated offered loads in req/s "
                    f"(default {','.join(map(str, FULL_RATES))}; quick {','.join(map(str, QUICK_RATES))})")
     p.add_argument("--sigmas", default=None, help="comma-separated lognormal sigmas (default 1.5,2; quick 1.5)")
-    p.add_argument("--systems", default=None, help=f"subset of {','.join(SYSTEMS)} (default all; "
+    p.add_argument("--systems", default=None, help=f"subset of {','.join(SYSTEMS)}, or any registered policy (e.g. "
+                   f"{','.join(EXTRA_POLICIES)}) (default all of the first; "
                    f"quick {','.join(QUICK_SYSTEMS)})")
     add_cpu_scale(p)
+    p.add_argument("--extra-blocks", type=int, default=None,
+                   help="the dispatcher's B (+B rule) for every dispatcher system (default: the "
+                        "GPU's SM count)")
     p.add_argument("--slo-x", type=float, default=10.0,
                    help="per-model p99 SLO as a multiple of each model's isolated time (default 10); "
                         "the overall bound uses the same multiple of the mix's mean isolated time")
@@ -342,7 +383,8 @@ def main(args: argparse.Namespace) -> int:
               file=sys.stderr, flush=True)
 
     bundles = ensure_bundles(list(TABLE2_MS))
-    data = run(bundles, rates, sigmas, n, args.seed, systems, args.cpu_scale, args.slo_x, progress)
+    data = run(bundles, rates, sigmas, n, args.seed, systems, args.cpu_scale, args.slo_x, progress,
+               extra_blocks=args.extra_blocks)
     s = data["summary"]
     print(f"SLO: every model's p99 <= {args.slo_x:g}x its isolated time; sustained load per system:",
           file=sys.stderr)
