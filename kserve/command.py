@@ -74,6 +74,7 @@ async def _serve(args: argparse.Namespace) -> int:
     from paella.cli import CLIError, version
     from paella.client import default_socket
 
+    from .http_protocol import GuardedHttpToolsProtocol
     from .openai_api import OpenAIApp
     from .repository_control import RepositoryControl
     from .rest import KServeApp
@@ -86,7 +87,7 @@ async def _serve(args: argparse.Namespace) -> int:
     control = RepositoryControl(svc.socket, allowed=args.model_control)
     app = KServeApp(svc, max_body, control, OpenAIApp(svc, max_body))
     config = uvicorn.Config(app, host=args.host, port=args.http_port, loop="none",
-                            http="httptools", lifespan="off", access_log=False,
+                            http=GuardedHttpToolsProtocol, lifespan="off", access_log=False,
                             log_level="warning", backlog=4096, server_header=False,
                             timeout_keep_alive=int(max(1, args.idle_timeout)),
                             timeout_graceful_shutdown=int(args.grace) or None)

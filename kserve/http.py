@@ -53,18 +53,22 @@ class Request:
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
         return cls(scope["method"], path, headers, receive, max_body)
 
-    async def body(self) -> bytes:
-        """The whole body, within ``max_body`` (InferError 411/413/400 otherwise)."""
+    async def body(self, limit: int | None = None, what: str = "") -> bytes:
+        """The whole body, within ``max_body`` and ``limit`` (what the route can need at
+        most, ``what`` says why: a 61 MB JSON array for a 256-element input is refused
+        before it is read, not parsed on the loop); InferError 411/413/400 otherwise."""
+        most = self.max_body if limit is None else min(limit, self.max_body)
+        why = f" ({what})" if what and most < self.max_body else ""
         text = self.headers.get("content-length")
         if text is not None:
             if not LENGTH.fullmatch(text):
                 self.close = True
                 raise InferError(411, "a request body needs a Content-Length of ASCII digits")
             n = int(text)
-            if n > self.max_body:
+            if n > most:
                 self.close = True                 # its body is not read
                 raise InferError(413, f"request body of {n} bytes exceeds the limit of "
-                                      f"{self.max_body}")
+                                      f"{most}{why}")
         chunks, got = [], 0
         while True:
             msg = await self.receive()
@@ -73,9 +77,9 @@ class Request:
                 raise ClientGone()
             part = msg.get("body", b"")
             got += len(part)
-            if got > self.max_body:
+            if got > most:
                 self.close = True
-                raise InferError(413, f"request body exceeds the limit of {self.max_body} bytes")
+                raise InferError(413, f"request body exceeds the limit of {most} bytes{why}")
             if part:
                 chunks.append(part)
             if not msg.get("more_body", False):

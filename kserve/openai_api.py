@@ -39,6 +39,8 @@ _ERROR_TYPE = {400: "invalid_request_error", 403: "permission_error", 404: "not_
 _IGNORED = {"temperature", "top_p", "seed", "stop", "user", "presence_penalty",
             "frequency_penalty", "logit_bias"}
 _REFUSED = {"echo", "logprobs", "suffix"}
+#: The largest completion request: a prompt of 1 MiB of text, or its ids, with room.
+MAX_COMPLETION_BODY = 2 << 20
 _KNOWN = {"model", "prompt", "max_tokens", "stream", "stream_options", "n", "best_of",
           *_IGNORED, *_REFUSED}
 
@@ -130,7 +132,7 @@ class OpenAIApp:
         return m
 
     async def _completions(self, req: Request, send: Send) -> None:
-        body = parse_json(await req.body())
+        body = parse_json(await req.body(MAX_COMPLETION_BODY, "a completion request's JSON"))
         args = completion_args(body)
         m = await self._model(body.get("model"))
         tok = self.tokenizers.get(m.tokenizer)

@@ -39,7 +39,7 @@ from . import http
 from .http import ClientGone, Request, Send
 from .repository_control import RepositoryControl, check_parameters
 from .http import LENGTH
-from .rest_body import (HEADER_LENGTH, encode_response, generate_args, params_of,
+from .rest_body import (HEADER_LENGTH, body_limit, encode_response, generate_args, params_of,
                         parse_json, read_inputs, request_timeout, requested_outputs)
 from .service import VERSION, InferenceService, ModelSpec, request_priority
 from .tensors import InferError
@@ -104,8 +104,8 @@ class KServeApp:
         if what is None:
             raise InferError(404, f"no such endpoint: {req.method} {path[:200]}")
         if req.method == "POST" and what in _POSTS:
-            body = await req.body()
             m = await svc.model(name, version)
+            body = await req.body(*body_limit(m, what))
             if what == "infer":
                 status, payload, headers = await self._infer(m, req, body)
                 return await http.respond(send, status, payload, headers)

@@ -26,6 +26,24 @@ from .tensors import InferError, TensorSpec, check_input, from_bytes, from_json_
 HEADER_LENGTH = "Inference-Header-Content-Length"
 
 
+#: Room for a request's JSON besides its tensors' data (names, shapes, parameters).
+JSON_ROOM = 64 << 10
+#: The most characters a number takes in JSON data ("-1.2345678901234567e-308,").
+NUMBER_CHARS = 32
+
+
+def body_limit(m: ModelSpec, what: str) -> tuple[int, str]:
+    """The largest body a request to ``m``'s ``what`` route can need, and why: its
+    tensors as JSON numbers or raw bytes, whichever is larger, plus room for the rest
+    (a generation: its prompt's ids)."""
+    if what == "infer":
+        n = sum(t.nbytes // t.dtype.itemsize for t in m.inputs)
+        return (JSON_ROOM + n * NUMBER_CHARS + sum(t.nbytes for t in m.inputs),
+                f"what model {m.name!r}'s inputs can take")
+    cap = max((t.shape[0] for t in m.inputs if t.name == "prompt" and t.shape), default=0)
+    return JSON_ROOM + cap * NUMBER_CHARS, f"model {m.name!r} takes prompts of at most {cap} tokens"
+
+
 def request_timeout(params: dict) -> float | None:
     """Triton's ``timeout`` request parameter (microseconds, 0 or absent: none), in
     seconds."""

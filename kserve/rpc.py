@@ -107,8 +107,9 @@ class Servicer:
         return resp
 
     # -- streaming -------------------------------------------------------------------
-    async def ModelStreamInfer(self, bodies: AsyncIterator[bytes], ctx
-                               ) -> AsyncIterator[pb.ModelStreamInferResponse]:
+    async def ModelStreamInfer(self, bodies: AsyncIterator[bytes], ctx) -> None:
+        # Responses go out with ctx.write inside a try, not by yielding: a generator that
+        # yields into a cancelled call makes grpc log a traceback per stream.
         out: asyncio.Queue = asyncio.Queue(maxsize=STREAM_INFLIGHT)
         room = asyncio.Semaphore(STREAM_INFLIGHT)
         tasks: set[asyncio.Task] = set()
@@ -129,13 +130,20 @@ class Servicer:
                     t.add_done_callback(tasks.discard)
                 if tasks:
                     await asyncio.gather(*tasks, return_exceptions=True)
-            finally:
-                await out.put(None)
+            except asyncio.CancelledError:
+                raise                             # (the call is over: nobody reads out)
+            except Exception:  # noqa: BLE001 - the client's half broke: end the stream
+                pass
+            await out.put(None)
 
         reader = asyncio.ensure_future(read())
         try:
             while (resp := await out.get()) is not None:
-                yield resp
+                await ctx.write(resp)
+        except asyncio.CancelledError:
+            raise
+        except Exception:  # noqa: BLE001 - the call ended under us (cancelled, reset)
+            return
         finally:
             reader.cancel()
             for t in list(tasks):

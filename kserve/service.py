@@ -18,7 +18,7 @@ from typing import AsyncIterator, Mapping
 
 import numpy as np
 
-from paella import wire
+from paella import rings, wire
 from paella.client import (DaemonGone, DaemonUnavailable, PaellaError, RequestFailed,
                            ResultTimeout)
 from paella.client.aio import AsyncClient
@@ -26,6 +26,12 @@ from paella.client.aio import AsyncClient
 from .tensors import InferError, TensorSpec, spec_of
 
 log = logging.getLogger("paella.kserve")
+
+#: A request the daemon refused, by its status: the client's fault (400: bad options or
+#: values, such as a prompt past the model's context), a model gone meanwhile (404), a
+#: daemon shutting down (503); anything else, the model's failure (500).
+_FAILED_STATUS = {rings.E_OPTIONS: 400, rings.E_LENGTH: 400, rings.E_RANGE: 400,
+                  rings.E_MODEL: 404, rings.E_CANCELLED: 503}
 
 #: The one version every model has: the daemon serves one version of each at a time.
 VERSION = "1"
@@ -203,7 +209,8 @@ class InferenceService:
             raise InferError(504, f"model {m.name!r} did not {what} within {self.timeout} s") \
                 from None
         except RequestFailed as e:
-            raise InferError(500, f"model {m.name!r} failed: {e.reason}") from None
+            raise InferError(_FAILED_STATUS.get(e.status, 500),
+                             f"model {m.name!r} failed: {e.reason}") from None
         except (DaemonGone, DaemonUnavailable) as e:
             c.close()
             raise InferError(503, f"lost the paella daemon: {e}") from None

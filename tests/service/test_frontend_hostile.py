@@ -401,8 +401,8 @@ def closed_by_peer(socks: list[socket.socket]) -> int:
                          ids=["silent", "partial-request-line", "partial-headers"])
 def test_ten_thousand_idle_connections_cost_no_thread_and_little_memory(daemon, front, first):
     """10,000 connections that send nothing (or half a request) are accepted and held
-    (they are below the descriptor limit, and well within the 60 s idle timeout: today
-    they are held for good, see the xfail below); meanwhile others are served promptly,
+    (they are below the descriptor limit, and well within the 60 s idle timeout, after
+    which they are closed: see the test below); meanwhile others are served promptly,
     the front end keeps its handful of threads and stays under 200 MB. Closing them
     frees every descriptor."""
     hard = raise_nofile()
@@ -414,7 +414,8 @@ def test_ten_thousand_idle_connections_cost_no_thread_and_little_memory(daemon, 
     socks = open_many(front.hp, MANY, first)
     try:
         opened = time.monotonic() - t
-        assert wait_for(lambda: front.fds() >= base_fds + MANY, 20), \
+        # (within a few: a keep-alive connection of an earlier check may close meanwhile)
+        assert wait_for(lambda: front.fds() >= base_fds + MANY - 5, 20), \
             f"the front end holds {front.fds() - base_fds} of {MANY} connections"
         worst = 0.0
         for _ in range(3):                      # held a while, others served meanwhile
@@ -448,11 +449,6 @@ def test_keepalive_connections_are_closed_after_the_idle_timeout(small):
     served(small)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "BUG: uvicorn's httptools protocol arms --idle-timeout only after a response "
-    "(on_response_complete); a connection that never completes a request (silent, or "
-    "headers trickling in) has no timer at all and is held forever, so idle connections "
-    "can pin every descriptor of the front end for good"))
 def test_connections_that_never_finish_a_request_are_closed_in_time(small):
     """A connection that sends nothing, or half a request line, is not kept past the
     idle timeout (1 s here) plus a margin."""
@@ -526,13 +522,6 @@ def test_slow_body(front):
     assert_bounded(front)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "BUG: uvicorn's httptools protocol parses every pipelined request of each read "
-    "(256 KiB) into its queue (HttpToolsProtocol.pipeline), and resumes reading for each "
-    "request it starts (RequestResponseCycle.receive -> flow.resume_reading) and after "
-    "each response (on_response_complete) even while requests are queued: a client that "
-    "pipelines and never reads makes the front end read and queue all it sends, ~2 MB "
-    "of memory per MB sent (800 MB RSS after 400 MB), kept after the client leaves"))
 def test_a_client_that_pipelines_and_never_reads_costs_bounded_memory(fresh_front):
     """Echo requests pipelined on one connection without ever reading an answer: the
     front end stops reading once its answers back up (the client can push no more than
@@ -600,14 +589,6 @@ def test_a_request_line_of_one_megabyte_is_refused(front):
     assert_bounded(front)
 
 
-_HEADER_LIMIT = (
-    "BUG: no limit on the size of a request's head: httptools (llhttp) has none and "
-    "uvicorn's httptools protocol adds none (its h11 protocol has "
-    "h11_max_incomplete_event_size, 16 KiB), so headers of any size are read, "
-    "concatenated (httptools' _on_header_value: bytes +=, quadratic) and answered")
-
-
-@pytest.mark.xfail(strict=True, reason=_HEADER_LIMIT)
 @pytest.mark.parametrize("head", [
     b"GET /v2/health/live HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * (1 << 20) + b"\r\n\r\n",
     b"GET /v2/health/live HTTP/1.1\r\nHost: x\r\n"
@@ -622,10 +603,6 @@ def test_a_huge_request_head_is_refused(front, head):
     assert not reply or 400 <= status_of(reply) < 500, reply[:300]
 
 
-@pytest.mark.xfail(strict=True, reason=_HEADER_LIMIT + (
-    "; a header streamed in grows the front end's memory by about twice its size (100 "
-    "MB: peak RSS 300 MB), and its quadratic concatenation on the event loop stalls "
-    "everyone: while 45 MB came in (6 s), a gRPC echo missed its 5 s deadline"))
 def test_a_hundred_megabyte_header_streamed_in_is_cut_off(fresh_front):
     """A header streamed in 64 KiB pieces up to 100 MB: the front end answers 4xx or
     closes long before the end, its memory stays bounded, others are served promptly."""
@@ -723,7 +700,8 @@ def test_a_chunked_body_over_the_limit_is_cut_off(small):
         closed_in = time.monotonic() - t
     finally:
         s.close()
-    assert status_of(reply) == 413 and b"exceeds the limit of 1048576" in reply, reply[:300]
+    # (the limit is the model's: echo's inputs need far less than --max-body-mb)
+    assert status_of(reply) == 413 and b"exceeds the limit of" in reply, reply[:300]
     assert answered_after < 16 << 20, f"no answer before {answered_after >> 20} MB were sent"
     assert closed_in < 5
     served(small)
@@ -731,23 +709,21 @@ def test_a_chunked_body_over_the_limit_is_cut_off(small):
 
 
 def test_json_nested_100000_deep_is_a_400(front):
-    for path in ("/v2/models/echo/infer", "/v1/completions"):
-        reply, _ = exchange(front.hp, post(path, b"[" * 100_000 + b"]" * 100_000),
+    """Deep nesting is refused before the parser runs (echo's infer route takes 74 KB at
+    most: 30,000 deep there; a larger body is a 413 before it is read)."""
+    for path, deep in (("/v2/models/echo/infer", 30_000), ("/v1/completions", 100_000)):
+        reply, _ = exchange(front.hp, post(path, b"[" * deep + b"]" * deep),
                             until_closed=False)
         assert status_of(reply) == 400 and b"nests deeper than" in reply, reply[:300]
-        reply, _ = exchange(front.hp, post(path, b'{"a":' * 100_000 + b"1" + b"}" * 100_000),
-                            until_closed=False)
+        reply, _ = exchange(front.hp, post(path, b'{"a":' * (deep // 3) + b"1"
+                                           + b"}" * (deep // 3)), until_closed=False)
         assert status_of(reply) == 400 and b"nests deeper than" in reply, reply[:300]
+    reply, _ = exchange(front.hp, post("/v2/models/echo/infer",
+                                       b"[" * 100_000 + b"]" * 100_000), until_closed=False)
+    assert status_of(reply) == 413 and b"exceeds the limit" in reply, reply[:300]
     served(front)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "BUG: a JSON body within the 64 MiB limit is parsed whole on the event loop before "
-    "any size check (rest_body.parse_json -> json.loads; then tensors.from_json_data runs "
-    "np.asarray over all of it before comparing its size with the shape; openai_api "
-    "checks the prompt's length only after parsing): 61 MB of \"0,\" stalls every "
-    "other client for 1.5-4.5 s and peaks the front end at 450 MB (/v1) or 640 MB (/v2), "
-    "~390 MB kept after"))
 @pytest.mark.parametrize("path", ["/v2/models/echo/infer", "/v1/completions"],
                          ids=["v2-infer-data", "v1-prompt"])
 def test_a_json_array_as_large_as_the_body_limit(fresh_front, path):
@@ -817,7 +793,7 @@ def test_a_body_that_ends_early_then_the_client_vanishes(front, daemon, how):
             s.shutdown(socket.SHUT_WR)
             s.settimeout(5)
             reply = s.recv(65536)               # (an answer, if any, is an error)
-            assert not reply or status_of(reply) == 400, reply[:300]
+            assert not reply or status_of(reply) in (400, 413), reply[:300]
         s.close()
     assert wait_for(lambda: front.fds() <= base + 2, 10), (base, front.fds())
     assert_nothing_in_flight(daemon.socket)
@@ -932,13 +908,6 @@ def test_grpc_stream_that_never_reads_its_responses(fresh_front, daemon):
     assert_bounded(f, peak=True)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "BUG: cancelling a ModelStreamInfer stream whose responses back up logs errors: "
-    "(1) grpc logs 'ExecuteBatchError raised in core by servicer method' with a traceback "
-    "when the servicer's async generator yields into the cancelled call (rpc.py "
-    "ModelStreamInfer yields; a ctx.write in a try would not); (2) 'Task was destroyed "
-    "but it is pending!': read()'s finally awaits out.put(None) on the full queue after "
-    "reader.cancel(), so the reader never ends (a leak until the cyclic GC)"))
 def test_grpc_cancelling_blocked_streams_logs_no_error(fresh_front):
     f = fresh_front()
     for _ in range(5):                          # (the first is racy; five make it sure)
@@ -1024,8 +993,8 @@ def test_openai_bodies_that_are_not_a_request(front, body, text):
 
 
 def test_openai_prompt_of_two_million_token_ids(fresh_front):
-    """2 million token ids (a 10 MB body): a 400 naming the prompt, promptly; the
-    memory of parsing it is bounded (a front end of its own: its peak is this)."""
+    """2 million token ids (a 10 MB body): a 413 (past a completion request's 2 MiB),
+    promptly, without reading it (a front end of its own: its peak is this)."""
     front = fresh_front()
     rng = np.random.default_rng(1)
     body = json.dumps({"model": "gpt-tiny", "max_tokens": 2,
@@ -1033,7 +1002,7 @@ def test_openai_prompt_of_two_million_token_ids(fresh_front):
     t = time.monotonic()
     status, err = _completion(front, body)
     took = time.monotonic() - t
-    assert status == 400 and err["error"]["param"] == "prompt", err
+    assert status == 413 and "exceeds the limit" in err["error"]["message"], err
     assert took < 5, took
     st = assert_bounded(front, peak=True)
     print(f"\n2M-id prompt refused in {took:.2f} s; front end peak RSS {st['hwm_mb']:.0f} MB")
@@ -1041,11 +1010,7 @@ def test_openai_prompt_of_two_million_token_ids(fresh_front):
 
 
 @pytest.mark.parametrize("max_tokens", [
-    pytest.param(2 ** 31 - 1, marks=pytest.mark.xfail(strict=True, reason=(
-        "BUG: a prompt plus max_tokens beyond the model's context is the client's error, "
-        "but the daemon's refusal comes back as RequestFailed, which service._session maps "
-        "to 500 (\"model 'gpt-tiny' failed: ... exceeds the model's context of 64 tokens\", "
-        "type server_error): OpenAI's clients retry a 500 (twice by default)"))),
+    2 ** 31 - 1,
     2 ** 31, 10 ** 30, -1], ids=["2**31-1", "2**31", "10**30", "-1"])
 def test_openai_max_tokens_huge(front, daemon, max_tokens):
     """A budget beyond the context (or beyond the protocol) is a 400 naming max_tokens,

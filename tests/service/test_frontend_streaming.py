@@ -187,7 +187,8 @@ def test_openai_stream_chunks_then_done(front):
     ({"prompt": [1], "echo": True}, 400, "echo is not supported"),
     ({"prompt": [1], "model": "echo"}, 404, "not generative"),
     ({"prompt": [1], "model": "nope"}, 404, "does not exist"),
-    ({"prompt": [CFG.vocab + 5], "max_tokens": 2}, 500, "failed"),
+    ({"prompt": [CFG.vocab + 5], "max_tokens": 2}, 400, "outside the vocabulary"),
+    ({"prompt": [1, 2], "max_tokens": 63}, 400, "exceeds the model's context"),
 ])
 def test_openai_errors_in_openais_format(front, kw, status, text):
     hp, _, _ = front

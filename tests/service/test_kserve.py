@@ -112,7 +112,10 @@ HOSTILE = [
     ("ragged-data", _infer_body(data=[[1.0], [1.0, 2.0]]), {}, 400, "not a regular array"),
     ("malformed-json", b'{"inputs": [', {}, 400, "not valid JSON"),
     ("not-an-object", b"[1, 2]", {}, 400, "must be a JSON object"),
-    ("deep-nesting", b"[" * 100000 + b"]" * 100000, {}, 400, "nests deeper than"),
+    ("deep-nesting", b"[" * 30000 + b"]" * 30000, {}, 400, "nests deeper than"),
+    # larger than echo's inputs can need: refused unread
+    ("deeper-than-the-model-needs", b"[" * 100000 + b"]" * 100000, {}, 413,
+     "exceeds the limit of 74752 (what model 'echo''s inputs can take)"),
     ("no-inputs", b"{}", {}, 400, "needs \"inputs\""),
     ("unknown-input", _infer_body(name="z"), {}, 400, "has no input 'z'"),
     ("binary-size-past-the-end", _infer_body(parameters={"binary_data_size": 1024}),
