@@ -1,7 +1,9 @@
 """``paella perf``: a load generator for a running daemon, like Triton's perf_analyzer.
 
-Two kinds of sweep, over the local rings (the client library) or KServe v2 over HTTP
-(``--kserve HOST:PORT``, binary tensors, one keep-alive connection per worker):
+Three transports: the local rings (the client library, ``--socket``), KServe v2 over
+HTTP (``--kserve HOST:PORT``, binary tensors, one keep-alive connection per worker) and
+KServe v2 over gRPC (``--grpc HOST:PORT``, ``ModelInfer``, one connection per worker).
+Two kinds of sweep:
 
 * ``--concurrency 1,2,4``: closed loop, N workers each sending its next request as
   soon as the last one answered;
@@ -10,10 +12,31 @@ Two kinds of sweep, over the local rings (the client library) or KServe v2 over 
   latency counts from the scheduled time, so a generator that falls behind shows as
   latency rather than hiding it.
 
-Per point: p50, p90 and p99 latency, mean, throughput, errors; to ``--csv`` (the
-columns perf_analyzer writes, in microseconds), ``--json`` and ``--plot`` (latency
-percentiles against throughput, needs matplotlib: the ``plots`` extra). Progress goes
-to stderr once a second. Inputs are random, of the model's shapes and dtypes.
+``--stream`` (a generative model, e.g. one served by ``orca``): each request is a
+generation of ``--max-tokens`` after ``--prompt-len`` random token ids, streamed token
+by token (``Client.generate`` on the rings, ``generate_stream`` server-sent events over
+HTTP, ``ModelStreamInfer`` over gRPC, one stream per worker); each point then also has
+the time to the first token (TTFT) and between tokens (TBT). Without ``--stream`` a
+generative model's requests are the same generations answered whole.
+
+``--server-pid PID`` (the daemon, ``paella kserve``): the CPU time those processes
+spent over the measured window (not the warm-up), per request served: the front end's
+"CPU per request". Read from ``/proc/PID/stat`` (all the process's threads, not its
+children), whose unit is a clock tick (10 ms): over a window of a few seconds and
+thousands of requests that is a few microseconds per request at most.
+
+Per point: p50, p90 and p99 latency, mean, throughput, errors, this generator's own CPU
+per request (if it nears a core, the generator is the bottleneck); to ``--csv`` (the
+columns perf_analyzer writes, in microseconds, then ours), ``--json`` and ``--plot``
+(latency percentiles against throughput, needs matplotlib: the ``plots`` extra).
+Progress goes to stderr once a second. Inputs are random, of the model's shapes and
+dtypes.
+
+Why the network workers speak HTTP/1.1 and HTTP/2 themselves: on a small machine the
+generator shares the cores with the server it measures, and http.client spends about
+100 us of CPU per request, grpcio's client about 185 us (measured against ``echo`` on
+2 cores), where a request encoded once, sent whole and answered with the least parsing
+costs 30 to 60 us. ``--grpc-client grpcio`` uses grpcio instead, to cross-check.
 """
 from __future__ import annotations
 
@@ -24,11 +47,14 @@ import json
 import math
 import os
 import queue
+import resource
+import socket as sockets
+import struct
 import sys
 import threading
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Callable
+from typing import Callable, Iterator, Sequence
 
 import numpy as np
 
@@ -39,15 +65,37 @@ from paella.client.errors import PaellaError
 KSERVE_DTYPES = {"BOOL": "bool", "UINT8": "uint8", "UINT16": "uint16", "UINT32": "uint32",
                  "UINT64": "uint64", "INT8": "int8", "INT16": "int16", "INT32": "int32",
                  "INT64": "int64", "FP16": "float16", "FP32": "float32", "FP64": "float64"}
+#: A generative model's tensors (``paella.stepsched.orca_batcher``; what the front end's
+#: ``ModelSpec.generative`` and ``Client.generate`` check).
+GENERATIVE_INPUTS, GENERATIVE_OUTPUTS = {"prompt", "lengths"}, {"tokens", "n_tokens"}
+#: Prompt token ids are drawn from 1..PROMPT_IDS-1: valid for any vocabulary this size
+#: or larger (the tiny GPT's is 64).
+PROMPT_IDS = 32
+GRPC_SERVICE = "/inference.GRPCInferenceService/"
+
+#: What a worker's ``send()`` returns: nothing, or (streaming) each token's arrival time.
+Send = Callable[[], "list[float] | None"]
 
 
 class PerfError(Exception):
     """A setting or a target that cannot be measured: the message says why."""
 
 
+@dataclass(frozen=True)
+class Workload:
+    """What every request asks. ``stream``: a generation, token by token (a generative
+    model only); a generative model's requests are ``prompt_len`` random token ids and
+    ``max_tokens``, streamed or not. ``priority`` as the daemon takes it (0: none)."""
+    stream: bool = False
+    prompt_len: int = 8
+    max_tokens: int = 16
+    priority: int = 0
+
+
 @dataclass
 class Point:
-    """One measured load point."""
+    """One measured load point. The stream fields are None without ``--stream``, the
+    server CPU ones without ``--server-pid``."""
     concurrency: int | None
     rate: float | None
     seconds: float
@@ -59,16 +107,26 @@ class Point:
     p99_ms: float
     mean_ms: float
     first_error: str = ""
+    ttft_p50_ms: float | None = None
+    ttft_p99_ms: float | None = None
+    tbt_p50_ms: float | None = None
+    tbt_p99_ms: float | None = None
+    tokens_per_s: float | None = None
+    server_cpu_us_per_request: float | None = None
+    server_cpu_us_per_request_by_pid: dict[str, float] | None = None
+    client_cpu_us_per_request: float | None = None
 
 
 @dataclass
 class Sender:
     """Makes one worker's ``send()``: runs one request, raises on failure. ``close()``
     closes the connections made so far (after each point)."""
-    make: Callable[[], Callable[[], None]]
+    make: Callable[[], Send]
     closers: list[Callable[[], None]] = field(default_factory=list)
+    #: What the target keeps over the whole run (closed by :meth:`shutdown`).
+    keep: list[Callable[[], None]] = field(default_factory=list)
 
-    def workers(self, n: int) -> list[Callable[[], None]]:
+    def workers(self, n: int) -> list[Send]:
         try:
             return [self.make() for _ in range(n)]
         except (PaellaError, OSError) as e:
@@ -79,14 +137,118 @@ class Sender:
         while self.closers:
             self.closers.pop()()
 
+    def shutdown(self) -> None:
+        self.close()
+        while self.keep:
+            self.keep.pop()()
 
-# --- targets --------------------------------------------------------------------------
+
+# --- server CPU ---------------------------------------------------------------------------
+_TICK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+
+def process_cpu(pid: int) -> float:
+    """CPU seconds process ``pid`` has spent, user and system, all its threads (not its
+    children): fields 14 and 15 of ``/proc/PID/stat``. OSError if there is no such
+    process."""
+    with open(f"/proc/{pid}/stat", "rb") as f:
+        fields = f.read().rpartition(b")")[2].split()     # (the name may hold spaces)
+    return (int(fields[11]) + int(fields[12])) / _TICK
+
+
+class Meter:
+    """CPU seconds of the server processes and of this one between two marks: the
+    measured window of one point (its warm-up left out)."""
+
+    def __init__(self, pids: Sequence[int]):
+        self.pids = list(pids)
+        self.marks: list[tuple[list[float], float]] = []
+
+    def mark(self) -> None:
+        ru = resource.getrusage(resource.RUSAGE_SELF)
+        self.marks.append(([self._cpu(p) for p in self.pids], ru.ru_utime + ru.ru_stime))
+
+    @staticmethod
+    def _cpu(pid: int) -> float:
+        try:
+            return process_cpu(pid)
+        except (OSError, ValueError, IndexError):
+            return math.nan                      # (it exited meanwhile: no figure)
+
+    def per_request(self, served: int) -> tuple[dict[int, float], float] | None:
+        """({pid: server CPU us per request}, client CPU us per request), or None
+        before both marks."""
+        if len(self.marks) < 2 or not served:
+            return None
+        (s0, c0), (s1, c1) = self.marks[0], self.marks[-1]
+        return ({p: (b - a) * 1e6 / served for p, a, b in zip(self.pids, s0, s1)},
+                (c1 - c0) * 1e6 / served)
+
+
+def _sleep_until(t: float) -> None:
+    while (left := t - time.perf_counter()) > 0:
+        time.sleep(left)
+
+
+# --- inputs -------------------------------------------------------------------------------
+def _random(rng: np.random.Generator, dtype: str, shape: tuple[int, ...]) -> np.ndarray:
+    dt = np.dtype(dtype)
+    if dt.kind == "f":
+        return rng.random(shape).astype(dt)
+    if dt.kind == "b":
+        return rng.random(shape) < 0.5
+    return rng.integers(0, 100, size=shape).astype(dt)
+
+
+def request_arrays(model: str, inputs: dict[str, tuple[str, tuple[int, ...]]],
+                   outputs: set[str], work: Workload) -> dict[str, np.ndarray]:
+    """One request's inputs (name: (numpy dtype, shape)): random ones, or for a
+    generative model a prompt of ``work.prompt_len`` random token ids, padded, and
+    ``lengths`` = [prompt length, max tokens]. PerfError for ``--stream`` with a model
+    that does not generate, or a prompt longer than the model takes."""
+    rng = np.random.default_rng(0)
+    inputs = {n: (dt, tuple(max(d, 1) for d in shape))        # (a variable dimension: 1)
+              for n, (dt, shape) in inputs.items()}
+    if set(inputs) != GENERATIVE_INPUTS or not GENERATIVE_OUTPUTS <= outputs:
+        if work.stream:
+            raise PerfError(f"--stream needs a generative model (inputs prompt and lengths, "
+                            f"outputs tokens and n_tokens: one served by a streaming "
+                            f"scheduler such as orca); {model!r} has the inputs "
+                            f"{', '.join(sorted(inputs))}")
+        return {n: _random(rng, dt, shape) for n, (dt, shape) in inputs.items()}
+    dtype, shape = inputs["prompt"]
+    cap = int(np.prod(shape))
+    if work.prompt_len > cap:
+        raise PerfError(f"--prompt-len {work.prompt_len}: model {model!r} takes prompts of "
+                        f"{cap} tokens at most")
+    prompt = np.zeros(shape, dtype)
+    prompt.reshape(-1)[:work.prompt_len] = prompt_ids(work.prompt_len)
+    lengths = np.zeros(inputs["lengths"][1], inputs["lengths"][0])
+    lengths.reshape(-1)[:2] = (work.prompt_len, work.max_tokens)
+    return {"prompt": prompt, "lengths": lengths}
+
+
+def prompt_ids(n: int) -> list[int]:
+    """The prompt every generation of a run starts from (seeded: runs compare)."""
+    return np.random.default_rng(0).integers(1, PROMPT_IDS, n).tolist()
+
+
+def _address(option: str, address: str) -> tuple[str, int]:
+    """HOST:PORT (HOST may be empty: 127.0.0.1; or [IPv6]) checked, or PerfError."""
+    host, _, port = address.rpartition(":")
+    if not (port.isascii() and port.isdigit() and 0 < int(port) < 65536):
+        raise PerfError(f"{option} wants HOST:PORT with a TCP port 1..65535, got {address!r}")
+    return host.strip("[]") or "127.0.0.1", int(port)
+
+
+# --- the local rings ----------------------------------------------------------------------
 def local_target(socket: str, model: str, timeout: float, mode: str = "socket",
-                 priority: int = 0) -> Sender:
+                 priority: int = 0, work: Workload | None = None) -> Sender:
     """Requests over the rings, one connection per worker, in wait ``mode``. The default
     is ``socket``: the workers are threads of one process, and a hybrid or polling waiter
     spins on its ring holding the GIL, so the other workers wait for the interpreter's
     switch interval (5 ms) and the generator, not the daemon, sets the latency."""
+    work = work or Workload(priority=priority)
     try:
         probe = connect(socket)
     except PaellaError as e:
@@ -96,24 +258,178 @@ def local_target(socket: str, model: str, timeout: float, mode: str = "socket",
         if m is None:
             raise PerfError(f"the daemon serves no model {model!r}; it serves "
                             f"{', '.join(sorted(probe.models)) or 'none'}")
-    rng = np.random.default_rng(0)
-    inputs = {t.name: _random(rng, t.dtype, t.shape) for t in m.variants[0].inputs}
-    sender = Sender(lambda: None)
+    v = m.variants[0]
+    inputs = request_arrays(model, {t.name: (t.dtype, tuple(t.shape)) for t in v.inputs},
+                            {t.name for t in v.outputs}, work)
+    prompt = prompt_ids(work.prompt_len)
+    sender = Sender(lambda: None)                     # type: ignore[arg-type,return-value]
 
-    def make() -> Callable[[], None]:
+    def make() -> Send:
         c = connect(socket, mode=mode)
         sender.closers.append(c.close)
-        return lambda: c.infer(model, inputs, timeout=timeout, priority=priority) and None
+        if not work.stream:
+            return lambda: c.infer(model, inputs, timeout=timeout,
+                                   priority=work.priority) and None
+        clock = time.perf_counter
+
+        def send() -> list[float]:
+            return [clock() for _ in c.generate(model, prompt, work.max_tokens,
+                                                timeout=timeout, priority=work.priority)]
+        return send
     sender.make = make
     return sender
 
 
-def kserve_target(address: str, model: str, timeout: float, priority: int = 0) -> Sender:
-    """Requests to a KServe v2 REST endpoint, binary tensors, a connection per worker."""
-    host, _, port = address.rpartition(":")
-    if not (port.isascii() and port.isdigit() and int(port) < 65536):
-        raise PerfError(f"--kserve wants HOST:PORT, got {address!r}")
-    conn = http.client.HTTPConnection(host, int(port), timeout=timeout)
+# --- KServe over HTTP/1.1 -----------------------------------------------------------------
+def _connect(host: str, port: int, timeout: float) -> sockets.socket:
+    """A TCP connection for one worker: no Nagle delay, and ``timeout`` as the kernel's
+    (SO_RCVTIMEO, SO_SNDTIMEO) rather than Python's, which makes every blocking call a
+    non-blocking try, a poll() and a second try: three system calls for one."""
+    sock = sockets.create_connection((host, port), timeout)
+    sock.settimeout(None)
+    sock.setsockopt(sockets.IPPROTO_TCP, sockets.TCP_NODELAY, 1)
+    tv = struct.pack("ll", int(timeout), int(timeout % 1 * 1e6))
+    sock.setsockopt(sockets.SOL_SOCKET, sockets.SO_RCVTIMEO, tv)
+    sock.setsockopt(sockets.SOL_SOCKET, sockets.SO_SNDTIMEO, tv)
+    return sock
+
+
+def _send_all(sock: sockets.socket, parts: Sequence[bytes]) -> None:
+    """``parts`` in one system call where the kernel takes them all (no joined copy)."""
+    sent = sock.sendmsg(parts)
+    if sent < sum(map(len, parts)):
+        sock.sendall(b"".join(parts)[sent:])
+
+
+class Http1:
+    """One keep-alive HTTP/1.1 connection on a plain socket, opened on first use and
+    again after a failure or a ``Connection: close``. Answers are read with the least
+    parsing: the status, then Content-Length bytes or chunks."""
+
+    def __init__(self, host: str, port: int, timeout: float):
+        self.addr, self.timeout = (host, port), timeout
+        self.sock: sockets.socket | None = None
+        self.buf = bytearray()
+
+    def close(self) -> None:
+        if self.sock is not None:
+            self.sock.close()
+            self.sock = None
+
+    def send(self, parts: Sequence[bytes]) -> None:
+        if self.sock is None:
+            self.sock = _connect(*self.addr, self.timeout)
+            self.buf.clear()
+        _send_all(self.sock, parts)
+
+    def _fill(self) -> float:
+        """More bytes into the buffer; the time they came."""
+        n = _recv(self.sock, self.buf) if self.sock is not None else 0
+        if not n:
+            self.close()
+            raise ConnectionError("the server closed the connection")
+        return time.perf_counter()
+
+    def head(self) -> tuple[int, bytes]:
+        """The next answer's status and its header lines, lower-cased."""
+        while (i := self.buf.find(b"\r\n\r\n")) < 0:
+            self._fill()
+        head = bytes(self.buf[:i]).lower()
+        del self.buf[:i + 4]
+        try:
+            return int(head[9:12]), head
+        except ValueError:
+            self.close()
+            raise ConnectionError(f"not an HTTP answer: {head[:60]!r}") from None
+
+    def pieces(self, head: bytes) -> Iterator[tuple[bytes, float]]:
+        """The body of the answer ``head`` began, as it arrives: (bytes, the time the last
+        of them came), de-chunked."""
+        t = time.perf_counter()
+        length = _header(head, b"content-length")
+        if length is not None:
+            left = int(length)
+            while left:
+                if not self.buf:
+                    t = self._fill()
+                piece = bytes(self.buf[:left])
+                del self.buf[:len(piece)]
+                left -= len(piece)
+                yield piece, t
+        elif _header(head, b"transfer-encoding") == b"chunked":
+            while True:
+                while (i := self.buf.find(b"\r\n")) < 0:
+                    t = self._fill()
+                size = int(bytes(self.buf[:i]).split(b";")[0], 16)
+                while len(self.buf) < i + size + 4:
+                    t = self._fill()
+                piece = bytes(self.buf[i + 2:i + 2 + size])
+                del self.buf[:i + size + 4]               # (no trailers after the last)
+                if not size:
+                    break
+                yield piece, t
+        if b"\r\nconnection: close" in head:
+            self.close()
+
+    def body(self, head: bytes) -> bytes:
+        return b"".join(p for p, _ in self.pieces(head))
+
+    def answer(self) -> tuple[int, bytes]:
+        """The next answer's status and body: :meth:`head` and :meth:`body`, with the
+        common case (a Content-Length) inline, as it is every request's cost."""
+        status, head = self.head()
+        i = head.find(b"\r\ncontent-length:")
+        if i < 0:
+            return status, self.body(head)
+        j = head.find(b"\r\n", i + 2)
+        n = int(head[i + 17:j if j > 0 else None])
+        buf = self.buf
+        while len(buf) < n:
+            self._fill()
+        body = bytes(buf[:n])
+        del buf[:n]
+        if b"\r\nconnection: close" in head:
+            self.close()
+        return status, body
+
+
+_RECV = threading.local()
+
+
+def _recv(sock: sockets.socket, buf: bytearray) -> int:
+    """Receive into ``buf``'s end; the bytes received (0: the peer closed). Through a
+    scratch buffer of the thread's: ``recv(n)`` allocates n bytes per call, and n large
+    enough for a big answer is an mmap and page faults per call."""
+    scratch = getattr(_RECV, "view", None)
+    if scratch is None:
+        scratch = _RECV.view = memoryview(bytearray(1 << 18))
+    try:
+        n = sock.recv_into(scratch)
+    except BlockingIOError:                      # (SO_RCVTIMEO ran out)
+        raise TimeoutError("timed out waiting for the answer") from None
+    buf += scratch[:n]
+    return n
+
+
+def _header(head: bytes, name: bytes) -> bytes | None:
+    """A header's value in lower-cased header lines, or None."""
+    i = head.find(b"\r\n" + name + b":")
+    if i < 0:
+        return None
+    j = head.find(b"\r\n", i + 2)
+    return head[i + len(name) + 3:j if j >= 0 else None].strip()
+
+
+def _http_error(status: int, body: bytes) -> RuntimeError:
+    try:
+        why = json.loads(body)["error"]
+    except (ValueError, KeyError, TypeError):
+        why = body[:200]
+    return RuntimeError(f"HTTP {status}: {why}")
+
+
+def _kserve_metadata(host: str, port: int, address: str, model: str, timeout: float) -> dict:
+    conn = http.client.HTTPConnection(host, port, timeout=min(timeout, 10.0))
     try:
         conn.request("GET", f"/v2/models/{model}")
         r = conn.getresponse()
@@ -125,87 +441,659 @@ def kserve_target(address: str, model: str, timeout: float, priority: int = 0) -
     if r.status != 200:
         raise PerfError(f"KServe endpoint {address}: model {model!r}: "
                         f"{json.loads(body or b'{}').get('error', r.status)}")
-    md = json.loads(body)
-    rng = np.random.default_rng(0)
-    header, raw = [], b""
-    for t in md["inputs"]:
-        a = _random(rng, KSERVE_DTYPES[t["datatype"]], tuple(t["shape"]))
-        header.append({"name": t["name"], "datatype": t["datatype"], "shape": t["shape"],
-                       "parameters": {"binary_data_size": a.nbytes}})
-        raw += a.tobytes()
+    return json.loads(body)
+
+
+def _tensors(md: list[dict]) -> dict[str, tuple[str, tuple[int, ...]]]:
+    return {t["name"]: (KSERVE_DTYPES.get(t["datatype"], "float32"), tuple(t["shape"]))
+            for t in md}
+
+
+def kserve_target(address: str, model: str, timeout: float, priority: int = 0,
+                  work: Workload | None = None) -> Sender:
+    """Requests to a KServe v2 REST endpoint, a connection per worker: ``infer`` with
+    binary tensors, or (``--stream``) ``generate_stream``, its events timed as they
+    arrive."""
+    work = work or Workload(priority=priority)
+    host, port = _address("--kserve", address)
+    md = _kserve_metadata(host, port, address, model, timeout)
+    dtypes = {t["name"]: t["datatype"] for t in md["inputs"]}
+    arrays = request_arrays(model, _tensors(md["inputs"]), {t["name"] for t in md["outputs"]},
+                            work)
     params: dict = {"binary_data_output": True}
-    if priority:
-        params["priority"] = priority        # (Triton's request parameter)
-    head = json.dumps({"inputs": header, "parameters": params}).encode()
-    payload = head + raw
-    headers = {"Inference-Header-Content-Length": str(len(head)),
-               "Content-Type": "application/octet-stream"}
-    path = f"/v2/models/{model}/infer"
-    sender = Sender(lambda: None)
+    if work.priority:
+        params["priority"] = work.priority          # (Triton's request parameter)
+    if work.stream:
+        head = b""
+        body = json.dumps({"prompt_ids": prompt_ids(work.prompt_len),
+                           "max_tokens": work.max_tokens,
+                           "parameters": {"priority": work.priority} if work.priority
+                           else {}}).encode()
+        what, ctype = "generate_stream", b"application/json"
+    else:
+        header = [{"name": n, "datatype": dtypes[n], "shape": list(a.shape),
+                   "parameters": {"binary_data_size": a.nbytes}} for n, a in arrays.items()]
+        head = json.dumps({"inputs": header, "parameters": params}).encode()
+        body = head + b"".join(a.tobytes() for a in arrays.values())
+        what, ctype = "infer", b"application/octet-stream"
+    request = [b"POST /v2/models/%s/%s HTTP/1.1\r\nHost: %s\r\nContent-Type: %s\r\n"
+               b"%sContent-Length: %d\r\n\r\n"
+               % (model.encode(), what.encode(), address.encode(), ctype,
+                  b"Inference-Header-Content-Length: %d\r\n" % len(head) if head else b"",
+                  len(body)), body]
+    sender = Sender(lambda: None)                     # type: ignore[arg-type,return-value]
 
-    def make() -> Callable[[], None]:
-        c = http.client.HTTPConnection(host, int(port), timeout=timeout)
-        sender.closers.append(c.close)
+    def make() -> Send:
+        conn = Http1(host, port, timeout)
+        sender.closers.append(conn.close)
+        run = _sse_request if work.stream else _http_request
 
-        def send() -> None:
-            c.request("POST", path, body=payload, headers=headers)
-            r = c.getresponse()
-            data = r.read()
-            if r.status != 200:
-                raise RuntimeError(f"HTTP {r.status}: {data[:200]!r}")
+        def send() -> list[float] | None:
+            try:
+                return run(conn, request)
+            except BaseException:
+                conn.close()        # (in no known state: the next request opens another)
+                raise
         return send
     sender.make = make
     return sender
 
 
-def _random(rng: np.random.Generator, dtype: str, shape: tuple[int, ...]) -> np.ndarray:
-    dt = np.dtype(dtype)
-    if dt.kind == "f":
-        return rng.random(shape).astype(dt)
-    if dt.kind == "b":
-        return rng.random(shape) < 0.5
-    return rng.integers(0, 100, size=shape).astype(dt)
+def _http_request(conn: Http1, request: list[bytes]) -> None:
+    conn.send(request)
+    status, body = conn.answer()
+    if status != 200:
+        raise _http_error(status, body)
 
 
-# --- load -------------------------------------------------------------------------------
+def _sse_request(conn: Http1, request: list[bytes]) -> list[float]:
+    """One ``generate_stream``: each token event's arrival time. The stream must end
+    with its ``done`` event; an ``error`` event fails the request."""
+    conn.send(request)
+    status, head = conn.head()
+    if status != 200:
+        raise _http_error(status, conn.body(head))
+    times: list[float] = []
+    pending, done, error = b"", False, b""
+    for piece, t in conn.pieces(head):
+        pending += piece
+        while (i := pending.find(b"\n\n")) >= 0:
+            event, pending = pending[:i], pending[i + 2:]
+            if b'"token_id"' in event:
+                times.append(t)
+            elif b'"done"' in event:
+                done = True
+            elif b'"error"' in event:
+                error = event
+    if error or not done:
+        raise RuntimeError(f"generate_stream: {error[6:300].decode(errors='replace')}"
+                           if error else "generate_stream ended without its done event")
+    return times
+
+
+# --- KServe over gRPC: a minimal HTTP/2 client ----------------------------------------------
+_DATA, _HEADERS, _RST, _SETTINGS, _PING, _GOAWAY, _WINDOW = 0, 1, 3, 4, 6, 7, 8
+_END_STREAM, _END_HEADERS, _PADDED, _ACK = 0x1, 0x4, 0x8, 0x1
+_FRAME = struct.Struct(">HBBBI")          # length (24 bits as 16 + 8), type, flags, stream
+_MAX_WINDOW = 2 ** 31 - 1
+
+
+def _frame(kind: int, flags: int, sid: int, payload: bytes = b"") -> bytes:
+    n = len(payload)
+    return _FRAME.pack(n >> 8, n & 0xFF, kind, flags, sid) + payload
+
+
+def _hpack_int(value: int, prefix: int, first: int = 0) -> bytes:
+    top = (1 << prefix) - 1
+    if value < top:
+        return bytes((first | value,))
+    out, value = [first | top], value - top
+    while value >= 128:
+        out.append(value & 127 | 128)
+        value >>= 7
+    return bytes(out + [value])
+
+
+def _hpack_str(s: bytes) -> bytes:
+    return _hpack_int(len(s), 7) + s
+
+
+def grpc_headers(authority: str, method: str) -> bytes:
+    """A gRPC call's request headers as an HPACK block: static-table entries and
+    literals never added to a table, so the block is the same for every call."""
+    return (b"\x83\x86"                                            # :method POST, :scheme http
+            + _hpack_int(4, 4) + _hpack_str((GRPC_SERVICE + method).encode())     # :path
+            + _hpack_int(1, 4) + _hpack_str(authority.encode())                  # :authority
+            + _hpack_int(31, 4) + _hpack_str(b"application/grpc")             # content-type
+            + b"\x00" + _hpack_str(b"te") + _hpack_str(b"trailers"))
+
+
+class H2:
+    """One HTTP/2 connection to a gRPC server over plain TCP (h2c with prior knowledge,
+    as gRPC does without TLS), for the load generator's workers: a request is HEADERS
+    (a block encoded once, :func:`grpc_headers`) and DATA frames; the answer's frames
+    are read and their headers never decoded. A call succeeded if its answer carries a
+    message: a failing gRPC call is answered by trailers alone (its status is in them;
+    the caller asks grpcio why). Our receive windows are opened to the maximum and
+    topped up; the server's are respected (a large request waits for WINDOW_UPDATE)."""
+
+    PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
+
+    def __init__(self, host: str, port: int, timeout: float):
+        self.sock = _connect(host, port, timeout)
+        # no header table (we decode no headers), no push, the largest windows and frames
+        settings = struct.pack(">HIHIHIHI", 1, 0, 2, 0, 4, _MAX_WINDOW, 5, 2 ** 24 - 1)
+        self.sock.sendall(self.PREFACE + _frame(_SETTINGS, 0, 0, settings)
+                          + _frame(_WINDOW, 0, 0, struct.pack(">I", _MAX_WINDOW - 65535)))
+        self.buf, self.pos = bytearray(), 0
+        self.t_recv = 0.0                       # when the last bytes came
+        self.next_sid = 1
+        self.closed = False                     # GOAWAY: no new streams on this one
+        self.send_conn, self.send_initial, self.max_frame = 65535, 65535, 16384
+        self.send_window: dict[int, int] = {}   # open streams' windows toward the server
+        self.received: dict[int, int] = {0: 0}  # bytes received not yet given back
+
+    def close(self) -> None:
+        self.closed = True
+        self.sock.close()
+
+    def open(self, block: bytes, data: bytes = b"", end: bool = False) -> int:
+        """A new stream: HEADERS, then ``data`` as gRPC's message frame (``end``: the
+        request's last). Its id."""
+        if self.next_sid > _MAX_WINDOW or self.closed:
+            raise ConnectionError("this HTTP/2 connection takes no more streams")
+        sid, self.next_sid = self.next_sid, self.next_sid + 2
+        self.send_window[sid] = self.send_initial
+        self.received[sid] = 0
+        flags = _END_HEADERS | (_END_STREAM if end and not data else 0)
+        headers = _frame(_HEADERS, flags, sid, block)
+        if data:
+            self.send(sid, data, end, headers)
+        else:
+            self.sock.sendall(headers)
+        return sid
+
+    def send(self, sid: int, data: bytes, end: bool, first: bytes = b"") -> None:
+        """``data`` (a gRPC message with its 5-byte prefix) on stream ``sid``, as the
+        server's windows allow; ``first``: frames to send before it."""
+        view, n = memoryview(data), len(data)
+        if n <= min(self.send_conn, self.send_window[sid], self.max_frame):
+            self.send_conn -= n
+            self.send_window[sid] -= n
+            _send_all(self.sock, [first, _FRAME.pack(n >> 8, n & 0xFF, _DATA,
+                                                     _END_STREAM if end else 0, sid), data])
+            return
+        if first:
+            self.sock.sendall(first)
+        while view:
+            room = min(self.send_conn, self.send_window[sid], self.max_frame, len(view))
+            if room <= 0:
+                got = self.poll()                 # (a WINDOW_UPDATE, in the end)
+                if got and got[2] == sid and (got[0] == _RST or got[1] & _END_STREAM):
+                    raise RuntimeError("the server ended the call before its request")
+                continue
+            last = end and room == len(view)
+            self.sock.sendall(_FRAME.pack(room >> 8, room & 0xFF, _DATA,
+                                          _END_STREAM if last else 0, sid) + view[:room])
+            self.send_conn -= room
+            self.send_window[sid] -= room
+            view = view[room:]
+
+    def done(self, sid: int) -> None:
+        """Stream ``sid`` ended: forget it."""
+        self.send_window.pop(sid, None)
+        self.received.pop(sid, None)
+
+    def frame(self) -> tuple[int, int, int, bytes]:
+        """The next frame of a stream (DATA, HEADERS, RST_STREAM): (type, flags, stream,
+        payload; DATA without its padding). Connection frames are handled on the way."""
+        while (got := self.poll()) is None:
+            pass
+        return got
+
+    def poll(self) -> tuple[int, int, int, bytes] | None:
+        """The next frame: a stream's as :meth:`frame` returns it, or None for a
+        connection frame (handled)."""
+        kind, flags, sid, payload = self._next()
+        if kind == _DATA:
+            self._consumed(sid, len(payload))
+            if flags & _PADDED:
+                payload = payload[1:len(payload) - payload[0]]
+            return kind, flags, sid, payload
+        if kind in (_HEADERS, _RST):
+            return kind, flags, sid, payload
+        self._control(kind, flags, sid, payload)
+        return None
+
+    def _next(self) -> tuple[int, int, int, bytes]:
+        buf = self.buf
+        while True:
+            p = self.pos
+            if len(buf) - p >= 9:
+                hi, lo, kind, flags, sid = _FRAME.unpack_from(buf, p)
+                n = hi << 8 | lo
+                if len(buf) - p >= 9 + n:
+                    self.pos = p + 9 + n
+                    return kind, flags, sid & _MAX_WINDOW, bytes(buf[p + 9:p + 9 + n])
+            if p:
+                del buf[:p]
+                self.pos = 0
+            if not _recv(self.sock, buf):
+                self.closed = True
+                raise ConnectionError("the server closed the HTTP/2 connection")
+            self.t_recv = time.perf_counter()
+
+    def _consumed(self, sid: int, n: int) -> None:
+        """Give the server back its window once a large part of it is used."""
+        for s in (0, sid):
+            if s in self.received:
+                self.received[s] += n
+                if self.received[s] >= 1 << 30:
+                    self.sock.sendall(_frame(_WINDOW, 0, s, struct.pack(">I", self.received[s])))
+                    self.received[s] = 0
+
+    def _control(self, kind: int, flags: int, sid: int, payload: bytes) -> None:
+        if kind == _SETTINGS and not flags & _ACK:
+            for i in range(0, len(payload) - 5, 6):
+                key, value = struct.unpack_from(">HI", payload, i)
+                if key == 4:                                # INITIAL_WINDOW_SIZE
+                    for s in self.send_window:
+                        self.send_window[s] += value - self.send_initial
+                    self.send_initial = value
+                elif key == 5:                              # MAX_FRAME_SIZE
+                    self.max_frame = value
+            self.sock.sendall(_frame(_SETTINGS, _ACK, 0))
+        elif kind == _PING and not flags & _ACK:
+            self.sock.sendall(_frame(_PING, _ACK, 0, payload))
+        elif kind == _WINDOW and len(payload) == 4:
+            inc = struct.unpack(">I", payload)[0] & _MAX_WINDOW
+            if sid == 0:
+                self.send_conn += inc
+            elif sid in self.send_window:
+                self.send_window[sid] += inc
+        elif kind == _GOAWAY:
+            self.closed = True                    # (streams it names may still finish)
+
+
+def _grpc_message(body: bytes) -> bytes:
+    """gRPC's length-prefixed message (uncompressed)."""
+    return b"\x00" + struct.pack(">I", len(body)) + body
+
+
+# The few KServe v2 messages the generator sends and reads, encoded by hand: the client
+# library does not import the front end (paella.kserve, where the generated module is),
+# and these are a handful of fields (grpc_predict_v2.proto).
+def _varint(n: int) -> bytes:
+    n &= (1 << 64) - 1                        # (an int64 below zero: two's complement)
+    out = bytearray()
+    while n >= 128:
+        out.append(n & 127 | 128)
+        n >>= 7
+    out.append(n)
+    return bytes(out)
+
+
+def _pb_bytes(no: int, data: bytes) -> bytes:
+    """A length-delimited field (string, bytes, message, packed numbers)."""
+    return _varint(no << 3 | 2) + _varint(len(data)) + data
+
+
+def _pb_fields(buf: bytes) -> Iterator[tuple[int, int, int | bytes]]:
+    """(field number, wire type, value) of each field of a message: an int for a varint,
+    bytes otherwise."""
+    i, n = 0, len(buf)
+    while i < n:
+        key, i = _read_varint(buf, i)
+        kind = key & 7
+        if kind == 0:
+            value, i = _read_varint(buf, i)
+            yield key >> 3, kind, value
+            continue
+        if kind == 2:
+            size, i = _read_varint(buf, i)
+        elif kind in (1, 5):
+            size = 8 if kind == 1 else 4
+        else:
+            raise ValueError(f"protobuf wire type {kind} is not one this message has")
+        if i + size > n:
+            raise ValueError("a truncated protobuf message")
+        yield key >> 3, kind, buf[i:i + size]
+        i += size
+
+
+def _read_varint(buf: bytes, i: int) -> tuple[int, int]:
+    value = shift = 0
+    while True:
+        if i >= len(buf) or shift > 63:
+            raise ValueError("a truncated protobuf varint")
+        b = buf[i]
+        i += 1
+        value |= (b & 127) << shift
+        if b < 128:
+            return value - (1 << 64) if value >= 1 << 63 else value, i
+        shift += 7
+
+
+def infer_request(model: str, tensors: Sequence[tuple[str, str, Sequence[int], bytes]],
+                  params: dict[str, int]) -> bytes:
+    """A ModelInferRequest: inputs (name, datatype, shape, raw little-endian contents)
+    and int64 request parameters."""
+    out = [_pb_bytes(1, model.encode())]
+    for key, value in params.items():        # map entry: key 1, InferParameter 2
+        out.append(_pb_bytes(4, _pb_bytes(1, key.encode())
+                             + _pb_bytes(2, _varint(2 << 3) + _varint(value))))
+    for name, datatype, shape, _ in tensors:
+        out.append(_pb_bytes(5, _pb_bytes(1, name.encode()) + _pb_bytes(2, datatype.encode())
+                             + _pb_bytes(3, b"".join(_varint(d) for d in shape))))
+    out += [_pb_bytes(7, raw) for *_, raw in tensors]
+    return b"".join(out)
+
+
+def _tensor_metadata(buf: bytes) -> tuple[str, str, tuple[int, ...]]:
+    name, datatype, shape = "", "", []
+    for no, kind, value in _pb_fields(buf):
+        if no == 1 and kind == 2:
+            name = bytes(value).decode()                    # type: ignore[arg-type]
+        elif no == 2 and kind == 2:
+            datatype = bytes(value).decode()                # type: ignore[arg-type]
+        elif no == 3 and kind == 0:
+            shape.append(value)                             # (unpacked)
+        elif no == 3 and kind == 2:
+            i = 0
+            while i < len(value):                           # type: ignore[arg-type]
+                d, i = _read_varint(value, i)               # type: ignore[arg-type]
+                shape.append(d)
+    return name, datatype, tuple(shape)                     # type: ignore[arg-type]
+
+
+def model_metadata(buf: bytes) -> tuple[dict[str, tuple[str, tuple[int, ...]]], set[str]]:
+    """A ModelMetadataResponse: ({input: (datatype, shape)}, output names)."""
+    inputs, outputs = {}, set()
+    for no, kind, value in _pb_fields(buf):
+        if kind == 2 and no in (4, 5):
+            name, datatype, shape = _tensor_metadata(value)  # type: ignore[arg-type]
+            if no == 4:
+                inputs[name] = (datatype, shape)
+            else:
+                outputs.add(name)
+    return inputs, outputs
+
+
+def stream_response(buf: bytes) -> tuple[str, bool]:
+    """A ModelStreamInferResponse: (its error message, whether it is a request's final
+    response: parameter ``triton_final_response`` true)."""
+    error, final = "", False
+    for no, kind, value in _pb_fields(buf):
+        if no == 1 and kind == 2:
+            error = bytes(value).decode(errors="replace")   # type: ignore[arg-type]
+        elif no == 2 and kind == 2:
+            for no2, kind2, entry in _pb_fields(value):     # type: ignore[arg-type]
+                if no2 == 4 and kind2 == 2 and b"triton_final_response" in entry:  # type: ignore
+                    final = final or _bool_parameter(entry)  # type: ignore[arg-type]
+    return error, final
+
+
+def _bool_parameter(entry: bytes) -> bool:
+    """A parameters map entry's value as its bool (False for another key or kind)."""
+    key, value = b"", b""
+    for no, kind, v in _pb_fields(entry):
+        if kind == 2 and no == 1:
+            key = v                                         # type: ignore[assignment]
+        elif kind == 2 and no == 2:
+            value = v                                       # type: ignore[assignment]
+    return key == b"triton_final_response" and any(
+        no == 1 and kind == 0 and v for no, kind, v in _pb_fields(value))
+
+
+class GrpcTarget:
+    """What a gRPC worker needs: the address, the encoded request, and grpcio for what
+    is not the hot path (metadata, and an error's explanation)."""
+
+    def __init__(self, address: str, model: str, timeout: float, work: Workload):
+        try:
+            import grpc
+        except ImportError:
+            raise PerfError("--grpc needs grpcio: pip install grpcio (or the kserve extra: "
+                            "pip install 'paella-py[kserve]')") from None
+        self.grpc = grpc
+        self.host, self.port = _address("--grpc", address)
+        self.address, self.model, self.timeout, self.work = address, model, timeout, work
+        self.target = f"{self.host}:{self.port}" if ":" not in self.host else \
+            f"[{self.host}]:{self.port}"
+        self.channel = grpc.insecure_channel(self.target, options=[
+            ("grpc.max_receive_message_length", -1), ("grpc.max_send_message_length", -1)])
+        inputs, outputs = model_metadata(self._metadata())
+        tensors = {n: (KSERVE_DTYPES.get(dt, "float32"), shape) for n, (dt, shape) in
+                   inputs.items()}
+        arrays = request_arrays(model, tensors, outputs, work)
+        self.request = self._request(arrays, {n: dt for n, (dt, _) in inputs.items()})
+        self.explained = ""
+
+    def _metadata(self) -> bytes:
+        call = self.channel.unary_unary(GRPC_SERVICE + "ModelMetadata")
+        try:
+            return call(_pb_bytes(1, self.model.encode()), timeout=min(self.timeout, 10))
+        except self.grpc.RpcError as e:
+            self.channel.close()
+            if e.code() in (self.grpc.StatusCode.UNAVAILABLE,
+                            self.grpc.StatusCode.DEADLINE_EXCEEDED):
+                raise PerfError(f"no KServe gRPC endpoint answers on {self.address}: "
+                                f"{e.details()}") from None
+            raise PerfError(f"KServe gRPC endpoint {self.address}: model {self.model!r}: "
+                            f"{e.details()}") from None
+
+    def _request(self, arrays: dict[str, np.ndarray], datatypes: dict[str, str]) -> bytes:
+        """The ModelInferRequest every call sends: the model's inputs as raw contents, or
+        (``--stream``) ``prompt_ids`` and the ``max_tokens`` parameter."""
+        params = {"priority": self.work.priority} if self.work.priority else {}
+        if self.work.stream:
+            ids = np.array(prompt_ids(self.work.prompt_len), "<i4")
+            return infer_request(self.model, [("prompt_ids", "INT32", [ids.size], ids.tobytes())],
+                                 {"max_tokens": self.work.max_tokens, **params})
+        le = {n: np.ascontiguousarray(a, a.dtype.newbyteorder("<")) for n, a in arrays.items()}
+        return infer_request(self.model, [(n, datatypes[n], a.shape, a.tobytes())
+                                          for n, a in le.items()], params)
+
+    def why(self) -> str:
+        """Why calls fail, once (asked through grpcio: the raw client reads no
+        trailers); later failures repeat the first answer."""
+        if not self.explained:
+            call = self.channel.unary_unary(GRPC_SERVICE + "ModelInfer")
+            try:
+                call(self.request, timeout=self.timeout)
+                self.explained = "a call failed (the same call through grpcio then succeeded)"
+            except self.grpc.RpcError as e:
+                self.explained = f"gRPC {e.code().name}: {e.details()}"
+        return self.explained
+
+    def close(self) -> None:
+        self.channel.close()
+
+
+def grpc_target(address: str, model: str, timeout: float, work: Workload,
+                client: str = "h2") -> Sender:
+    """Requests to a KServe v2 gRPC endpoint, a connection per worker: ``ModelInfer``, or
+    (``--stream``) ``ModelStreamInfer``, one stream per worker and one request at a time
+    on it. ``client``: ``h2`` (:class:`H2`) or ``grpcio``."""
+    g = GrpcTarget(address, model, timeout, work)
+    sender = Sender(lambda: None, keep=[g.close])     # type: ignore[arg-type,return-value]
+    if client == "grpcio":
+        sender.make = lambda: _grpcio_worker(g, sender)
+    else:
+        sender.make = lambda: _h2_worker(g, sender)
+    return sender
+
+
+def _h2_worker(g: GrpcTarget, sender: Sender) -> Send:
+    """A worker over its own :class:`H2` connection (made again after a failure)."""
+    conn: list[H2] = []
+    method = "ModelStreamInfer" if g.work.stream else "ModelInfer"
+    block = grpc_headers(f"{g.host}:{g.port}", method)
+    message = _grpc_message(g.request)
+    stream: list[int] = []                          # the open ModelStreamInfer's id
+
+    def connection() -> H2:
+        if not conn or conn[0].closed:
+            if conn:
+                conn.pop().close()
+            stream.clear()
+            conn.append(H2(g.host, g.port, g.timeout))
+        return conn[0]
+
+    def close() -> None:
+        if conn:
+            conn.pop().close()
+    sender.closers.append(close)
+
+    def unary() -> None:
+        c = connection()
+        sid = c.open(block, message, end=True)
+        got = bytearray()
+        try:
+            while True:
+                kind, flags, fsid, payload = c.frame()
+                if fsid != sid:
+                    continue
+                if kind == _RST:
+                    raise RuntimeError(f"the server reset the call (HTTP/2 error "
+                                       f"{int.from_bytes(payload[:4], 'big')})")
+                if kind == _DATA:
+                    got += payload
+                if flags & _END_STREAM:
+                    break
+        except BaseException:
+            close()
+            raise
+        c.done(sid)
+        if len(got) < 5:
+            raise RuntimeError(g.why())
+
+    def streamed() -> list[float]:
+        c = connection()
+        try:
+            if not stream:
+                stream.append(c.open(block))
+            sid = stream[0]
+            c.send(sid, message, end=False)
+            return _stream_tokens(g, c, sid)
+        except BaseException:
+            close()
+            raise
+    return streamed if g.work.stream else unary
+
+
+def _stream_tokens(g: GrpcTarget, c: H2, sid: int) -> list[float]:
+    """The responses to one request on ``ModelStreamInfer`` stream ``sid``: each token's
+    arrival time, until the final response."""
+    times: list[float] = []
+    acc = bytearray()
+    while True:
+        kind, flags, fsid, payload = c.frame()
+        if fsid != sid:
+            continue
+        if kind == _RST or flags & _END_STREAM:
+            raise RuntimeError("the server ended the stream")
+        if kind != _DATA:
+            continue
+        acc += payload
+        while len(acc) >= 5 and len(acc) >= 5 + (n := int.from_bytes(acc[1:5], "big")):
+            error, final = stream_response(bytes(acc[5:5 + n]))
+            del acc[:5 + n]
+            if error:
+                raise RuntimeError(f"ModelStreamInfer: {error}")
+            if final:
+                if acc:
+                    raise RuntimeError("ModelStreamInfer answered past the final response")
+                return times
+            times.append(c.t_recv)
+
+
+def _grpcio_worker(g: GrpcTarget, sender: Sender) -> Send:
+    """A worker through grpcio (``--grpc-client grpcio``), a channel of its own."""
+    grpc = g.grpc
+    ch = grpc.insecure_channel(g.target, options=[("grpc.max_receive_message_length", -1),
+                                                  ("grpc.max_send_message_length", -1),
+                                                  ("grpc.use_local_subchannel_pool", 1)])
+    sender.closers.append(ch.close)
+    if not g.work.stream:
+        call = ch.unary_unary(GRPC_SERVICE + "ModelInfer")
+
+        def unary() -> None:
+            try:
+                call(g.request, timeout=g.timeout)
+            except grpc.RpcError as e:
+                raise RuntimeError(f"gRPC {e.code().name}: {e.details()}") from None
+        return unary
+    requests: queue.Queue[bytes | None] = queue.Queue()
+    responses = ch.stream_stream(GRPC_SERVICE + "ModelStreamInfer")(iter(requests.get, None))
+    sender.closers.append(lambda: requests.put(None))
+    clock = time.perf_counter
+
+    def streamed() -> list[float]:
+        requests.put(g.request)
+        times = []
+        try:
+            for body in responses:
+                error, final = stream_response(body)
+                if error:
+                    raise RuntimeError(f"ModelStreamInfer: {error}")
+                if final:
+                    return times
+                times.append(clock())
+        except grpc.RpcError as e:
+            raise RuntimeError(f"gRPC {e.code().name}: {e.details()}") from None
+        raise RuntimeError("the server ended the stream")
+    return streamed
+
+
+# --- load -----------------------------------------------------------------------------------
 class Recorder:
-    """Latencies and errors of one point, shared by its workers."""
+    """Latencies, token times and errors of one point, shared by its workers."""
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.latencies: list[float] = []
+        self.ttft: list[float] = []
+        self.gaps: list[float] = []
+        self.tokens = 0
         self.errors = 0
         self.first_error = ""
 
-    def record(self, send: Callable[[], None], t0: float, measuring: bool) -> None:
+    def record(self, send: Send, t0: float, measuring: bool) -> None:
         try:
-            send()
+            times = send()
         except Exception as e:  # noqa: BLE001 - every failure counts, the run goes on
             with self.lock:
                 self.errors += measuring
                 self.first_error = self.first_error or f"{type(e).__name__}: {e}"
             return
-        if measuring:
-            lat = time.perf_counter() - t0
-            with self.lock:
-                self.latencies.append(lat)
+        if not measuring:
+            return
+        lat = time.perf_counter() - t0
+        with self.lock:
+            self.latencies.append(lat)
+            if times:
+                self.ttft.append(times[0] - t0)
+                self.gaps += [b - a for a, b in zip(times, times[1:])]
+                self.tokens += len(times)
 
 
 def run_concurrency(sender: Sender, n: int, seconds: float, warmup: float,
-                    progress: Callable[[Recorder, float], None]) -> tuple[Recorder, float]:
+                    progress: Callable[[Recorder, float], None],
+                    meter: Meter | None = None) -> tuple[Recorder, float]:
     rec = Recorder()
     sends = sender.workers(n)
     t_start = time.perf_counter() + warmup
     t_end = t_start + seconds
 
-    def worker(send: Callable[[], None]) -> None:
+    def worker(send: Send) -> None:
         while True:
             t0 = time.perf_counter()
             if t0 >= t_end:
                 return
             rec.record(send, t0, t0 >= t_start)
-    return rec, _run_threads([threading.Thread(target=worker, args=(s,)) for s in sends],
-                             rec, t_start, t_end, progress)
+    threads = [threading.Thread(target=worker, args=(s,)) for s in sends]
+    return rec, _run_threads(threads, rec, t_start, t_end, progress, meter)
 
 
 def arrival_gaps(rate: float, arrivals: str, sigma: float, n: int, seed: int = 1) -> np.ndarray:
@@ -221,8 +1109,8 @@ def arrival_gaps(rate: float, arrivals: str, sigma: float, n: int, seed: int = 1
 
 
 def run_rate(sender: Sender, rate: float, arrivals: str, sigma: float, seconds: float,
-             warmup: float, workers: int, progress: Callable[[Recorder, float], None]
-             ) -> tuple[Recorder, float]:
+             warmup: float, workers: int, progress: Callable[[Recorder, float], None],
+             meter: Meter | None = None) -> tuple[Recorder, float]:
     rec = Recorder()
     sends = sender.workers(workers)
     todo: queue.Queue[float | None] = queue.Queue()
@@ -230,7 +1118,7 @@ def run_rate(sender: Sender, rate: float, arrivals: str, sigma: float, seconds: 
     t_end = t_start + seconds
     gaps = arrival_gaps(rate, arrivals, sigma, int(rate * (seconds + warmup) * 1.5) + 16)
 
-    def worker(send: Callable[[], None]) -> None:
+    def worker(send: Send) -> None:
         while (t0 := todo.get()) is not None:
             rec.record(send, t0, t_start <= t0 < t_end)
 
@@ -248,11 +1136,19 @@ def run_rate(sender: Sender, rate: float, arrivals: str, sigma: float, seconds: 
             todo.put(None)
     threads = [threading.Thread(target=worker, args=(s,)) for s in sends]
     threads.append(threading.Thread(target=schedule))
-    return rec, _run_threads(threads, rec, t_start, t_end, progress)
+    return rec, _run_threads(threads, rec, t_start, t_end, progress, meter)
 
 
 def _run_threads(threads: list[threading.Thread], rec: Recorder, t_start: float, t_end: float,
-                 progress: Callable[[Recorder, float], None]) -> float:
+                 progress: Callable[[Recorder, float], None], meter: Meter | None = None
+                 ) -> float:
+    """Run the point's threads, and ``meter``'s marks at the measured window's ends."""
+    if meter is not None:
+        def marks() -> None:
+            for t in (t_start, t_end):
+                _sleep_until(t)
+                meter.mark()
+        threads = [*threads, threading.Thread(target=marks)]
     for t in threads:
         t.daemon = True
         t.start()
@@ -262,15 +1158,31 @@ def _run_threads(threads: list[threading.Thread], rec: Recorder, t_start: float,
     return t_end - t_start
 
 
-def summarize(rec: Recorder, seconds: float, concurrency: int | None, rate: float | None) -> Point:
+def _pct(values: list[float], q: float) -> float:
+    return float(np.percentile(values, q)) * 1e3 if values else math.nan
+
+
+def summarize(rec: Recorder, seconds: float, concurrency: int | None, rate: float | None,
+              stream: bool = False, meter: Meter | None = None) -> Point:
     lat = np.array(rec.latencies) * 1e3
     pct = (lambda q: float(np.percentile(lat, q))) if lat.size else (lambda q: math.nan)
-    return Point(concurrency, rate, seconds, int(lat.size), rec.errors, lat.size / seconds,
-                 pct(50), pct(90), pct(99), float(lat.mean()) if lat.size else math.nan,
-                 rec.first_error)
+    p = Point(concurrency, rate, seconds, int(lat.size), rec.errors, lat.size / seconds,
+              pct(50), pct(90), pct(99), float(lat.mean()) if lat.size else math.nan,
+              rec.first_error)
+    if stream:
+        p.ttft_p50_ms, p.ttft_p99_ms = _pct(rec.ttft, 50), _pct(rec.ttft, 99)
+        p.tbt_p50_ms, p.tbt_p99_ms = _pct(rec.gaps, 50), _pct(rec.gaps, 99)
+        p.tokens_per_s = rec.tokens / seconds
+    cpu = meter.per_request(p.requests + p.errors) if meter is not None else None
+    if cpu is not None:
+        by_pid, p.client_cpu_us_per_request = cpu
+        if by_pid:
+            p.server_cpu_us_per_request = sum(by_pid.values())
+            p.server_cpu_us_per_request_by_pid = {str(k): v for k, v in by_pid.items()}
+    return p
 
 
-# --- output -----------------------------------------------------------------------------
+# --- output ---------------------------------------------------------------------------------
 @dataclass
 class RoundTrip:
     """Closed-loop round trips of one model in one wait mode (:func:`time_round_trips`)."""
@@ -287,7 +1199,6 @@ def time_round_trips(sock: str, model: str, mode: str, n: int, warmup: int = 300
     """``n`` requests back to back from one client, predict to read_result on one
     buffer (no input written, no output copied): the service path's own cost, which the
     demo and ``bench_roundtrip`` both report, so they time it the same way."""
-    import resource
     with connect(sock, mode=mode) as c:
         v = c.models[model].variants[0]
         off = c.alloc(v.io_bytes)
@@ -312,16 +1223,70 @@ def time_round_trips(sock: str, model: str, mode: str, n: int, warmup: int = 300
                      float(us.mean()), cpu)
 
 
-def write_csv(path: str, points: list[Point]) -> None:
-    """perf_analyzer's columns (latencies in microseconds), plus ours."""
+def _us(ms: float | None) -> str:
+    return "" if ms is None or math.isnan(ms) else str(round(ms * 1e3))
+
+
+def write_csv(path: str, points: list[Point], pids: Sequence[int] = ()) -> None:
+    """perf_analyzer's columns (latencies in microseconds), then ours: the stream's (if
+    any point has them), the servers' CPU per request, the generator's."""
+    stream = any(p.ttft_p50_ms is not None for p in points)
     with open(path, "w", newline="") as f:
         w = csv.writer(f)
         w.writerow(["Concurrency", "Request Rate", "Inferences/Second", "p50 latency",
-                    "p90 latency", "p99 latency", "Avg latency", "Requests", "Errors"])
+                    "p90 latency", "p99 latency", "Avg latency", "Requests", "Errors"]
+                   + (["TTFT p50", "TTFT p99", "TBT p50", "TBT p99", "Tokens/Second"]
+                      if stream else [])
+                   + (["Server CPU us/request"] if pids else [])
+                   + [f"Server CPU us/request {pid}" for pid in pids if len(pids) > 1]
+                   + ["Client CPU us/request"])
         for p in points:
-            w.writerow([p.concurrency or "", p.rate or "", f"{p.throughput_rps:.2f}",
-                        round(p.p50_ms * 1e3), round(p.p90_ms * 1e3), round(p.p99_ms * 1e3),
-                        round(p.mean_ms * 1e3), p.requests, p.errors])
+            row = [p.concurrency or "", p.rate or "", f"{p.throughput_rps:.2f}",
+                   _us(p.p50_ms), _us(p.p90_ms), _us(p.p99_ms), _us(p.mean_ms), p.requests,
+                   p.errors]
+            if stream:
+                row += [_us(p.ttft_p50_ms), _us(p.ttft_p99_ms), _us(p.tbt_p50_ms),
+                        _us(p.tbt_p99_ms), "" if p.tokens_per_s is None
+                        else f"{p.tokens_per_s:.2f}"]
+            by_pid = p.server_cpu_us_per_request_by_pid or {}
+            if pids:
+                row.append(_fmt(p.server_cpu_us_per_request, ".1f"))
+            row += [_fmt(by_pid.get(str(pid)), ".1f") for pid in pids if len(pids) > 1]
+            row.append(_fmt(p.client_cpu_us_per_request, ".1f"))
+            w.writerow(row)
+
+
+def _fmt(x: float | None, spec: str) -> str:
+    return "" if x is None or math.isnan(x) else format(x, spec)
+
+
+def table(points: list[Point], open_loop: bool, pids: Sequence[int]) -> str:
+    """The points as the terminal shows them (ms; CPU in us per request)."""
+    stream = any(p.ttft_p50_ms is not None for p in points)
+    cols = [("concurrency" if not open_loop else "rate/s", 11)] + [
+        (c, w) for c, w in (("req/s", 9), ("p50 ms", 8), ("p90 ms", 8), ("p99 ms", 8),
+                            ("errors", 6))]
+    if stream:
+        cols += [("TTFT p50", 9), ("TTFT p99", 9), ("TBT p50", 8), ("TBT p99", 8),
+                 ("tok/s", 8)]
+    if pids:
+        cols += [("srv us/req", 10)] + [(f"us/req {pid}", 13) for pid in pids if len(pids) > 1]
+    cols += [("cli us/req", 10)]
+    lines = [" ".join(f"{c:>{w}}" for c, w in cols)]
+    for p in points:
+        vals = [f"{p.concurrency or p.rate:>11g}", f"{p.throughput_rps:>9.1f}",
+                f"{p.p50_ms:>8.3f}", f"{p.p90_ms:>8.3f}", f"{p.p99_ms:>8.3f}", f"{p.errors:>6}"]
+        if stream:
+            vals += [f"{_fmt(p.ttft_p50_ms, '.3f'):>9}", f"{_fmt(p.ttft_p99_ms, '.3f'):>9}",
+                     f"{_fmt(p.tbt_p50_ms, '.3f'):>8}", f"{_fmt(p.tbt_p99_ms, '.3f'):>8}",
+                     f"{_fmt(p.tokens_per_s, '.1f'):>8}"]
+        if pids:
+            by_pid = p.server_cpu_us_per_request_by_pid or {}
+            vals.append(f"{_fmt(p.server_cpu_us_per_request, '.1f'):>10}")
+            vals += [f"{_fmt(by_pid.get(str(pid)), '.1f'):>13}" for pid in pids if len(pids) > 1]
+        vals.append(f"{_fmt(p.client_cpu_us_per_request, '.1f'):>10}")
+        lines.append(" ".join(vals))
+    return "\n".join(lines)
 
 
 def plot(path: str, points: list[Point], title: str) -> None:
@@ -349,7 +1314,7 @@ def plot(path: str, points: list[Point], title: str) -> None:
     plt.close(fig)
 
 
-# --- command ----------------------------------------------------------------------------
+# --- command --------------------------------------------------------------------------------
 def _numbers(text: str, kind: type) -> list:
     try:
         vals = [kind(x) for x in text.split(",") if x.strip()]
@@ -360,14 +1325,33 @@ def _numbers(text: str, kind: type) -> list:
     return vals
 
 
+def server_pids(values: list[str] | None) -> list[int]:
+    """``--server-pid`` values (each a pid or a comma list), each a live process."""
+    pids: list[int] = []
+    for text in values or ():
+        for part in text.split(","):
+            part = part.strip()
+            if not (part.isascii() and part.isdigit() and 0 < int(part) < 2 ** 31):
+                raise PerfError(f"--server-pid wants process ids, got {text!r}")
+            if int(part) not in pids:
+                pids.append(int(part))
+    for pid in pids:
+        try:
+            process_cpu(pid)
+        except (OSError, ValueError, IndexError):
+            raise PerfError(f"--server-pid {pid}: no such process") from None
+    return pids
+
+
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("perf", help="load generator for a running daemon (like perf_analyzer)",
                        description=__doc__.splitlines()[0])
-    p.add_argument("model", help="model name (e.g. echo, noop, resnet18)")
+    p.add_argument("model", help="model name (e.g. echo, noop, resnet18, gpt-tiny)")
     where = p.add_mutually_exclusive_group()
     where.add_argument("--socket", help="the daemon's control socket (local rings; default "
                                         "$PAELLA_SOCKET or /run/paella/paella.sock)")
     where.add_argument("--kserve", metavar="HOST:PORT", help="a KServe v2 REST endpoint instead")
+    where.add_argument("--grpc", metavar="HOST:PORT", help="a KServe v2 gRPC endpoint instead")
     load = p.add_mutually_exclusive_group()
     load.add_argument("--concurrency", type=lambda t: _numbers(t, int),
                       help="closed-loop sweep, e.g. 1,2,4,8 (default 1)")
@@ -384,9 +1368,22 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--priority", type=int, default=0,
                    help=f"every request's priority, 1 (most urgent) .. {wire.MAX_PRIORITY}; "
                         "default none (the batchers' and the priority policy's middle level)")
+    p.add_argument("--stream", action="store_true",
+                   help="a generative model's generations, streamed token by token: adds "
+                        "time to first token and between tokens")
+    p.add_argument("--prompt-len", type=int, default=8,
+                   help="generative models: prompt tokens per request (default 8)")
+    p.add_argument("--max-tokens", type=int, default=16,
+                   help="generative models: tokens generated per request (default 16)")
+    p.add_argument("--server-pid", action="append", metavar="PID",
+                   help="report this process's CPU time per request over each point "
+                        "(repeatable, or a comma list: the daemon, paella kserve)")
     p.add_argument("--wait-mode", choices=("socket", "hybrid", "polling"), default="socket",
                    help="local rings: how workers wait (default socket: they are threads of "
                         "one process, and a spinning waiter holds the GIL)")
+    p.add_argument("--grpc-client", choices=("h2", "grpcio"), default="h2",
+                   help="--grpc: this generator's own HTTP/2 client (default; about a third "
+                        "of grpcio's CPU per call) or grpcio")
     p.add_argument("--csv", help="write the points as CSV (perf_analyzer's columns)")
     p.add_argument("--json", help="write the points as JSON")
     p.add_argument("--plot", help="write latency against throughput as an image")
@@ -394,12 +1391,15 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_perf)
 
 
-def _perf(args: argparse.Namespace) -> int:
+def _check(args: argparse.Namespace) -> None:
+    """Every setting, before anything is measured (CLIError: exit 2)."""
     from paella.cli import CLIError
     if not (0 < args.seconds <= 1e6 and 0 <= args.warmup <= 1e6 and 1 <= args.workers <= 4096
             and 0 < args.sigma <= 100 and 0 < args.timeout <= 1e6):    # (nan and inf too)
         raise CLIError("--seconds, --workers, --sigma and --timeout must be positive, "
                        "--warmup >= 0 (all finite; at most 4096 workers)")
+    if not (1 <= args.prompt_len <= 1 << 20 and 1 <= args.max_tokens <= 1 << 20):
+        raise CLIError("--prompt-len and --max-tokens must be 1 .. 1048576")
     for opt in ("csv", "json", "plot"):         # (checked now, not after the whole run)
         out = getattr(args, opt)
         if out and (os.path.isdir(out) or not os.path.isdir(os.path.dirname(os.path.abspath(out)))):
@@ -407,39 +1407,51 @@ def _perf(args: argparse.Namespace) -> int:
     if not 0 <= args.priority <= wire.MAX_PRIORITY:
         raise CLIError(f"--priority must be 1 (most urgent) .. {wire.MAX_PRIORITY}, or 0 for "
                        f"none; got {args.priority}")
+
+
+def _target(args: argparse.Namespace, work: Workload) -> tuple[Sender, str]:
+    if args.grpc:
+        return grpc_target(args.grpc, args.model, args.timeout, work, args.grpc_client), \
+            "kserve-grpc"
+    if args.kserve:
+        return kserve_target(args.kserve, args.model, args.timeout, work=work), "kserve-http"
+    sock = args.socket or default_socket()
+    return local_target(sock, args.model, args.timeout, args.wait_mode, work=work), \
+        "local-rings"
+
+
+def _perf(args: argparse.Namespace) -> int:
+    from paella.cli import CLIError
+    _check(args)
+    work = Workload(args.stream, args.prompt_len, args.max_tokens, args.priority)
     try:
-        if args.kserve:
-            sender = kserve_target(args.kserve, args.model, args.timeout, args.priority)
-            transport = "kserve-http"
-        else:
-            sock = args.socket or default_socket()
-            sender = local_target(sock, args.model, args.timeout, args.wait_mode, args.priority)
-            transport = "local-rings"
-        points = _sweep(args, sender)
+        pids = server_pids(args.server_pid)
+        sender, transport = _target(args, work)
+        try:
+            points = _sweep(args, sender, pids)
+        finally:
+            sender.shutdown()
     except PerfError as e:
         raise CLIError(str(e)) from None
-    finally:
-        if "sender" in locals():
-            sender.close()
-    print(f"{'concurrency' if args.rate is None else 'rate/s':>11} {'req/s':>9} {'p50 ms':>8} "
-          f"{'p90 ms':>8} {'p99 ms':>8} {'errors':>6}")
-    for p in points:
-        print(f"{p.concurrency or p.rate:>11g} {p.throughput_rps:>9.1f} {p.p50_ms:>8.3f} "
-              f"{p.p90_ms:>8.3f} {p.p99_ms:>8.3f} {p.errors:>6}")
+    print(table(points, args.rate is not None, pids))
     failed = [p for p in points if p.errors]
     if failed:
         print(f"first error: {failed[0].first_error}", file=sys.stderr)
     result = {"model": args.model, "transport": transport,
+              "grpc_client": args.grpc_client if args.grpc else None,
               "arrivals": None if args.rate is None else args.arrivals,
               "sigma": args.sigma if args.arrivals == "lognormal" and args.rate else None,
               "seconds": args.seconds, "priority": args.priority or None,
-              "points": [asdict(p) for p in points]}
+              "stream": args.stream,
+              "prompt_len": args.prompt_len if args.stream else None,
+              "max_tokens": args.max_tokens if args.stream else None,
+              "server_pids": pids, "points": [asdict(p) for p in points]}
     try:
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(result, f, indent=1)
         if args.csv:
-            write_csv(args.csv, points)
+            write_csv(args.csv, points, pids)
     except OSError as e:
         raise CLIError(f"cannot write {e.filename}: {e.strerror}") from None
     if args.plot:
@@ -451,7 +1463,7 @@ def _perf(args: argparse.Namespace) -> int:
     return 1 if any(p.requests == 0 for p in points) else 0
 
 
-def _sweep(args: argparse.Namespace, sender: Sender) -> list[Point]:
+def _sweep(args: argparse.Namespace, sender: Sender, pids: Sequence[int] = ()) -> list[Point]:
     points = []
     loads = args.rate if args.rate is not None else (args.concurrency or [1])
     for load in loads:
@@ -465,12 +1477,14 @@ def _sweep(args: argparse.Namespace, sender: Sender) -> list[Point]:
             phase = "warm-up" if t < 0 else f"{t:4.1f}/{args.seconds:g} s"
             print(f"[{label}] {phase}: {n} requests, {errors} errors", file=sys.stderr,
                   flush=True)
+        meter = Meter(pids)
         if args.rate is not None:
             rec, secs = run_rate(sender, load, args.arrivals, args.sigma, args.seconds,
-                                 args.warmup, args.workers, progress)
-            points.append(summarize(rec, secs, None, load))
+                                 args.warmup, args.workers, progress, meter)
+            points.append(summarize(rec, secs, None, load, args.stream, meter))
         else:
-            rec, secs = run_concurrency(sender, load, args.seconds, args.warmup, progress)
-            points.append(summarize(rec, secs, load, None))
+            rec, secs = run_concurrency(sender, load, args.seconds, args.warmup, progress,
+                                        meter)
+            points.append(summarize(rec, secs, load, None, args.stream, meter))
         sender.close()
     return points

@@ -1,18 +1,20 @@
-"""``paella perf`` against a real daemon: local rings and KServe, both sweeps, the
-outputs (JSON, CSV, plot), and the arrival processes' statistics."""
+"""``paella perf`` against a real daemon: local rings and KServe (HTTP and gRPC), both
+sweeps, streamed generations (time to first token, between tokens), the servers' CPU per
+request, the outputs (JSON, CSV, plot), and the arrival processes' statistics."""
 from __future__ import annotations
 
 import csv
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from paella.client.perf import arrival_gaps
-from service_daemon import start_kserve
+from paella.client.perf import H2, arrival_gaps, grpc_headers
+from service_daemon import cleanup, start_kserve
 
 PAELLA = str(Path(sys.executable).with_name("paella"))
 
@@ -124,3 +126,166 @@ def test_arrival_processes_have_the_asked_mean_and_spread(arrivals, cv):
     gaps = arrival_gaps(250.0, arrivals, 1.0, 200_000)
     assert gaps.mean() == pytest.approx(1 / 250, rel=0.03)
     assert gaps.std() / gaps.mean() == pytest.approx(cv, abs=0.06)
+
+
+# --- gRPC, streaming, server CPU ---------------------------------------------------------
+@pytest.fixture(scope="module")
+def front(daemon):
+    """``paella kserve`` in front of the echo daemon: (process, HTTP port, gRPC port)."""
+    pytest.importorskip("grpc")
+    proc, hp, gp, log = start_kserve(daemon.socket)
+    yield proc, hp, gp
+    proc.terminate()
+    proc.wait(15)
+    assert "Traceback" not in log.read_text(), log.read_text()
+
+
+@pytest.mark.parametrize("client", ["h2", "grpcio"])
+def test_over_grpc_with_the_servers_cpu_per_request(daemon, front, client, tmp_path):
+    proc, _hp, gp = front
+    r = perf("echo", "--grpc", f"127.0.0.1:{gp}", "--grpc-client", client, "--concurrency",
+             "1,4", "--seconds", "1", "--warmup", "0.2", "--server-pid", str(proc.pid),
+             "--server-pid", str(daemon.pid), "--json", str(tmp_path / "g.json"), "--csv",
+             str(tmp_path / "g.csv"), "-q")
+    assert r.returncode == 0, r.stderr
+    res = json.loads((tmp_path / "g.json").read_text())
+    assert res["transport"] == "kserve-grpc" and res["grpc_client"] == client
+    assert res["server_pids"] == [proc.pid, daemon.pid]
+    for p in res["points"]:
+        assert p["requests"] > 0 and p["errors"] == 0, p["first_error"]
+        by_pid = p["server_cpu_us_per_request_by_pid"]
+        # both processes work for every request: the front end decodes and answers it,
+        # the daemon runs it (10 ms ticks over a 1 s window of hundreds of requests)
+        assert by_pid[str(proc.pid)] > 0 and by_pid[str(daemon.pid)] > 0
+        assert p["server_cpu_us_per_request"] == pytest.approx(sum(by_pid.values()))
+        assert p["client_cpu_us_per_request"] > 0
+    assert "srv us/req" in r.stdout and f"us/req {proc.pid}" in r.stdout
+    rows = list(csv.DictReader(open(tmp_path / "g.csv")))
+    assert float(rows[0]["Server CPU us/request"]) == pytest.approx(
+        res["points"][0]["server_cpu_us_per_request"], abs=0.1)
+
+
+def test_grpc_errors_and_a_message_larger_than_the_flow_control_windows(front):
+    _proc, _hp, gp = front
+    r = perf("nope", "--grpc", f"127.0.0.1:{gp}", "-q")
+    assert r.returncode == 2 and "unknown model 'nope'" in r.stderr, r.stderr
+    r = perf("echo", "--grpc", f"127.0.0.1:{gp}", "--stream", "-q")
+    assert r.returncode == 2 and "--stream needs a generative model" in r.stderr, r.stderr
+    assert "'echo' has the inputs x" in r.stderr
+    # the load generator's own HTTP/2 client waits for the server's WINDOW_UPDATEs: a
+    # 12 MB request (the server's windows are 4 MB) arrives whole, and is refused by shape
+    from paella.kserve import grpc_predict_v2_pb2 as pb
+    c = H2("127.0.0.1", gp, 20)
+    block = grpc_headers(f"127.0.0.1:{gp}", "ModelInfer")
+    for n, ok in ((3_000_000, False), (256, True), (3_000_000, False), (256, True)):
+        req = pb.ModelInferRequest(model_name="echo")
+        req.inputs.add(name="x", datatype="FP32", shape=[n])
+        req.raw_input_contents.append(np.ones(n, np.float32).tobytes())
+        body = req.SerializeToString()
+        sid = c.open(block, b"\x00" + len(body).to_bytes(4, "big") + body, end=True)
+        got = b""
+        while True:
+            kind, flags, fsid, payload = c.frame()
+            if fsid == sid:
+                got += payload if kind == 0 else b""
+                if flags & 1:
+                    break
+        c.done(sid)
+        assert (len(got) > 5) == ok
+        if ok:
+            y = pb.ModelInferResponse.FromString(got[5:]).raw_output_contents[0]
+            assert np.frombuffer(y, np.float32).tolist() == [1.0] * 256
+    c.close()
+
+
+def perf_here(capsys, *args: str) -> tuple[int, str]:
+    """``paella perf`` in this process (for settings refused before any request: no
+    interpreter to start): (exit status, stderr)."""
+    from paella.cli import main
+    capsys.readouterr()
+    code = main(["perf", *args])
+    return code, capsys.readouterr().err
+
+
+def test_bad_ports_and_pids_are_clear_errors(daemon, capsys):
+    for opt in ("--grpc", "--kserve"):
+        for bad in ("127.0.0.1:99999", "127.0.0.1:x", "127.0.0.1:0", "nohost", ":\u00b2"):
+            code, err = perf_here(capsys, "echo", opt, bad, "-q")
+            assert code == 2, err
+            assert f"paella: error: {opt} wants HOST:PORT with a TCP port 1..65535" in err
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    for bad, text in ((str(gone.pid), f"--server-pid {gone.pid}: no such process"),
+                      ("1,abc", "--server-pid wants process ids, got '1,abc'"),
+                      ("-5", "--server-pid wants process ids")):
+        code, err = perf_here(capsys, "echo", "--socket", daemon.socket, "--server-pid", bad)
+        assert code == 2 and f"paella: error: {text}" in err, err
+    code, err = perf_here(capsys, "echo", "--socket", daemon.socket, "--stream")
+    assert code == 2 and "--stream needs a generative model" in err
+    for args in (["--prompt-len", "0"], ["--max-tokens", "-1"]):
+        code, err = perf_here(capsys, "echo", "--socket", daemon.socket, *args)
+        assert code == 2 and "--prompt-len and --max-tokens must be" in err
+    # and as a command: the message, status 2, no traceback
+    r = perf("echo", "--grpc", "127.0.0.1:65536", "--server-pid", str(gone.pid), "-q")
+    assert r.returncode == 2 and "paella: error: --server-pid" in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr
+
+
+@pytest.fixture(scope="module")
+def generative(tmp_path_factory):
+    """A daemon serving the tiny GPT (``orca``) and ``paella kserve`` in front of it:
+    (daemon, HTTP port, gRPC port)."""
+    pytest.importorskip("grpc")
+    from test_generation import serve
+    from paella.client import connect
+    dp = serve(tmp_path_factory.mktemp("perfgen"))
+    with connect(dp.socket) as c:           # the first generation is slow (its set-up),
+        assert len(list(c.generate("gpt-tiny", [1, 2], 2, timeout=60))) == 2  # not timed
+    proc, hp, gp, _log = start_kserve(dp.socket)
+    yield dp, hp, gp
+    proc.terminate()
+    proc.wait(15)
+    cleanup(dp)
+
+
+@pytest.mark.parametrize("where", ["rings", "kserve", "grpc", "grpcio"])
+def test_streamed_generations_report_time_to_first_token_and_between_tokens(
+        generative, where, tmp_path):
+    dp, hp, gp = generative
+    target = {"rings": ["--socket", dp.socket], "kserve": ["--kserve", f"127.0.0.1:{hp}"],
+              "grpc": ["--grpc", f"127.0.0.1:{gp}"],
+              "grpcio": ["--grpc", f"127.0.0.1:{gp}", "--grpc-client", "grpcio"]}[where]
+    r = perf("gpt-tiny", *target, "--stream", "--prompt-len", "5", "--max-tokens", "6",
+             "--concurrency", "2", "--seconds", "1", "--warmup", "0.2", "--json",
+             str(tmp_path / "s.json"), "--csv", str(tmp_path / "s.csv"), "-q")
+    assert r.returncode == 0, r.stderr
+    res = json.loads((tmp_path / "s.json").read_text())
+    assert res["stream"] and (res["prompt_len"], res["max_tokens"]) == (5, 6)
+    [p] = res["points"]
+    assert p["requests"] > 0 and p["errors"] == 0, p["first_error"]
+    assert 0 < p["ttft_p50_ms"] <= p["ttft_p99_ms"] and 0 < p["tbt_p50_ms"] <= p["tbt_p99_ms"]
+    # each request's first token comes before its end, so every percentile does too
+    assert p["ttft_p50_ms"] <= p["p50_ms"] and p["ttft_p99_ms"] <= p["p99_ms"]
+    assert p["tokens_per_s"] == pytest.approx(p["requests"] * 6 / p["seconds"])
+    assert "TTFT p50" in r.stdout and "TBT p99" in r.stdout
+    [row] = csv.DictReader(open(tmp_path / "s.csv"))
+    assert int(row["TTFT p50"]) == round(p["ttft_p50_ms"] * 1e3)
+
+
+def test_generative_models_without_stream_and_bad_lengths(generative, tmp_path):
+    dp, hp, _gp = generative
+    # unstreamed: whole generations of the asked length (valid inputs, not random ones)
+    r = perf("gpt-tiny", "--kserve", f"127.0.0.1:{hp}", "--concurrency", "1", "--seconds",
+             "0.5", "--warmup", "0", "--json", str(tmp_path / "w.json"), "-q")
+    assert r.returncode == 0, r.stderr
+    [p] = json.loads((tmp_path / "w.json").read_text())["points"]
+    assert p["requests"] > 0 and p["errors"] == 0 and p["ttft_p50_ms"] is None
+    r = perf("gpt-tiny", "--socket", dp.socket, "--stream", "--prompt-len", "65", "-q")
+    assert r.returncode == 2 and "--prompt-len 65: model 'gpt-tiny' takes prompts of 64 " \
+        "tokens at most" in r.stderr, r.stderr
+    # refused by the daemon (the context is 64 tokens): errors, with the daemon's reason
+    t0 = time.monotonic()
+    r = perf("gpt-tiny", "--socket", dp.socket, "--stream", "--prompt-len", "60",
+             "--max-tokens", "30", "--seconds", "0.3", "--warmup", "0", "-q")
+    assert r.returncode == 1 and "exceeds the model's context of 64 tokens" in r.stderr
+    assert time.monotonic() - t0 < 30
