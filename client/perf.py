@@ -48,19 +48,19 @@ import math
 import os
 import queue
 import resource
-import socket as sockets
-import struct
 import sys
 import threading
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Callable, Iterator, Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 
 from paella import wire
 from paella.client.client import connect, default_socket
 from paella.client.errors import PaellaError
+from paella.client.kserve_messages import pb_bytes, infer_request, model_metadata, stream_response
+from paella.client.perf_http import DATA, END_STREAM, GRPC_SERVICE, H2, Http1, RST, grpc_headers, grpc_message, http_error
 
 KSERVE_DTYPES = {"BOOL": "bool", "UINT8": "uint8", "UINT16": "uint16", "UINT32": "uint32",
                  "UINT64": "uint64", "INT8": "int8", "INT16": "int16", "INT32": "int32",
@@ -71,7 +71,6 @@ GENERATIVE_INPUTS, GENERATIVE_OUTPUTS = {"prompt", "lengths"}, {"tokens", "n_tok
 #: Prompt token ids are drawn from 1..PROMPT_IDS-1: valid for any vocabulary this size
 #: or larger (the tiny GPT's is 64).
 PROMPT_IDS = 32
-GRPC_SERVICE = "/inference.GRPCInferenceService/"
 
 #: What a worker's ``send()`` returns: nothing, or (streaming) each token's arrival time.
 Send = Callable[[], "list[float] | None"]
@@ -280,154 +279,6 @@ def local_target(socket: str, model: str, timeout: float, mode: str = "socket",
     return sender
 
 
-# --- KServe over HTTP/1.1 -----------------------------------------------------------------
-def _connect(host: str, port: int, timeout: float) -> sockets.socket:
-    """A TCP connection for one worker: no Nagle delay, and ``timeout`` as the kernel's
-    (SO_RCVTIMEO, SO_SNDTIMEO) rather than Python's, which makes every blocking call a
-    non-blocking try, a poll() and a second try: three system calls for one."""
-    sock = sockets.create_connection((host, port), timeout)
-    sock.settimeout(None)
-    sock.setsockopt(sockets.IPPROTO_TCP, sockets.TCP_NODELAY, 1)
-    tv = struct.pack("ll", int(timeout), int(timeout % 1 * 1e6))
-    sock.setsockopt(sockets.SOL_SOCKET, sockets.SO_RCVTIMEO, tv)
-    sock.setsockopt(sockets.SOL_SOCKET, sockets.SO_SNDTIMEO, tv)
-    return sock
-
-
-def _send_all(sock: sockets.socket, parts: Sequence[bytes]) -> None:
-    """``parts`` in one system call where the kernel takes them all (no joined copy)."""
-    sent = sock.sendmsg(parts)
-    if sent < sum(map(len, parts)):
-        sock.sendall(b"".join(parts)[sent:])
-
-
-class Http1:
-    """One keep-alive HTTP/1.1 connection on a plain socket, opened on first use and
-    again after a failure or a ``Connection: close``. Answers are read with the least
-    parsing: the status, then Content-Length bytes or chunks."""
-
-    def __init__(self, host: str, port: int, timeout: float):
-        self.addr, self.timeout = (host, port), timeout
-        self.sock: sockets.socket | None = None
-        self.buf = bytearray()
-
-    def close(self) -> None:
-        if self.sock is not None:
-            self.sock.close()
-            self.sock = None
-
-    def send(self, parts: Sequence[bytes]) -> None:
-        if self.sock is None:
-            self.sock = _connect(*self.addr, self.timeout)
-            self.buf.clear()
-        _send_all(self.sock, parts)
-
-    def _fill(self) -> float:
-        """More bytes into the buffer; the time they came."""
-        n = _recv(self.sock, self.buf) if self.sock is not None else 0
-        if not n:
-            self.close()
-            raise ConnectionError("the server closed the connection")
-        return time.perf_counter()
-
-    def head(self) -> tuple[int, bytes]:
-        """The next answer's status and its header lines, lower-cased."""
-        while (i := self.buf.find(b"\r\n\r\n")) < 0:
-            self._fill()
-        head = bytes(self.buf[:i]).lower()
-        del self.buf[:i + 4]
-        try:
-            return int(head[9:12]), head
-        except ValueError:
-            self.close()
-            raise ConnectionError(f"not an HTTP answer: {head[:60]!r}") from None
-
-    def pieces(self, head: bytes) -> Iterator[tuple[bytes, float]]:
-        """The body of the answer ``head`` began, as it arrives: (bytes, the time the last
-        of them came), de-chunked."""
-        t = time.perf_counter()
-        length = _header(head, b"content-length")
-        if length is not None:
-            left = int(length)
-            while left:
-                if not self.buf:
-                    t = self._fill()
-                piece = bytes(self.buf[:left])
-                del self.buf[:len(piece)]
-                left -= len(piece)
-                yield piece, t
-        elif _header(head, b"transfer-encoding") == b"chunked":
-            while True:
-                while (i := self.buf.find(b"\r\n")) < 0:
-                    t = self._fill()
-                size = int(bytes(self.buf[:i]).split(b";")[0], 16)
-                while len(self.buf) < i + size + 4:
-                    t = self._fill()
-                piece = bytes(self.buf[i + 2:i + 2 + size])
-                del self.buf[:i + size + 4]               # (no trailers after the last)
-                if not size:
-                    break
-                yield piece, t
-        if b"\r\nconnection: close" in head:
-            self.close()
-
-    def body(self, head: bytes) -> bytes:
-        return b"".join(p for p, _ in self.pieces(head))
-
-    def answer(self) -> tuple[int, bytes]:
-        """The next answer's status and body: :meth:`head` and :meth:`body`, with the
-        common case (a Content-Length) inline, as it is every request's cost."""
-        status, head = self.head()
-        i = head.find(b"\r\ncontent-length:")
-        if i < 0:
-            return status, self.body(head)
-        j = head.find(b"\r\n", i + 2)
-        n = int(head[i + 17:j if j > 0 else None])
-        buf = self.buf
-        while len(buf) < n:
-            self._fill()
-        body = bytes(buf[:n])
-        del buf[:n]
-        if b"\r\nconnection: close" in head:
-            self.close()
-        return status, body
-
-
-_RECV = threading.local()
-
-
-def _recv(sock: sockets.socket, buf: bytearray) -> int:
-    """Receive into ``buf``'s end; the bytes received (0: the peer closed). Through a
-    scratch buffer of the thread's: ``recv(n)`` allocates n bytes per call, and n large
-    enough for a big answer is an mmap and page faults per call."""
-    scratch = getattr(_RECV, "view", None)
-    if scratch is None:
-        scratch = _RECV.view = memoryview(bytearray(1 << 18))
-    try:
-        n = sock.recv_into(scratch)
-    except BlockingIOError:                      # (SO_RCVTIMEO ran out)
-        raise TimeoutError("timed out waiting for the answer") from None
-    buf += scratch[:n]
-    return n
-
-
-def _header(head: bytes, name: bytes) -> bytes | None:
-    """A header's value in lower-cased header lines, or None."""
-    i = head.find(b"\r\n" + name + b":")
-    if i < 0:
-        return None
-    j = head.find(b"\r\n", i + 2)
-    return head[i + len(name) + 3:j if j >= 0 else None].strip()
-
-
-def _http_error(status: int, body: bytes) -> RuntimeError:
-    try:
-        why = json.loads(body)["error"]
-    except (ValueError, KeyError, TypeError):
-        why = body[:200]
-    return RuntimeError(f"HTTP {status}: {why}")
-
-
 def _kserve_metadata(host: str, port: int, address: str, model: str, timeout: float) -> dict:
     conn = http.client.HTTPConnection(host, port, timeout=min(timeout, 10.0))
     try:
@@ -503,7 +354,7 @@ def _http_request(conn: Http1, request: list[bytes]) -> None:
     conn.send(request)
     status, body = conn.answer()
     if status != 200:
-        raise _http_error(status, body)
+        raise http_error(status, body)
 
 
 def _sse_request(conn: Http1, request: list[bytes]) -> list[float]:
@@ -512,7 +363,7 @@ def _sse_request(conn: Http1, request: list[bytes]) -> list[float]:
     conn.send(request)
     status, head = conn.head()
     if status != 200:
-        raise _http_error(status, conn.body(head))
+        raise http_error(status, conn.body(head))
     times: list[float] = []
     pending, done, error = b"", False, b""
     for piece, t in conn.pieces(head):
@@ -529,320 +380,6 @@ def _sse_request(conn: Http1, request: list[bytes]) -> list[float]:
         raise RuntimeError(f"generate_stream: {error[6:300].decode(errors='replace')}"
                            if error else "generate_stream ended without its done event")
     return times
-
-
-# --- KServe over gRPC: a minimal HTTP/2 client ----------------------------------------------
-_DATA, _HEADERS, _RST, _SETTINGS, _PING, _GOAWAY, _WINDOW = 0, 1, 3, 4, 6, 7, 8
-_END_STREAM, _END_HEADERS, _PADDED, _ACK = 0x1, 0x4, 0x8, 0x1
-_FRAME = struct.Struct(">HBBBI")          # length (24 bits as 16 + 8), type, flags, stream
-_MAX_WINDOW = 2 ** 31 - 1
-
-
-def _frame(kind: int, flags: int, sid: int, payload: bytes = b"") -> bytes:
-    n = len(payload)
-    return _FRAME.pack(n >> 8, n & 0xFF, kind, flags, sid) + payload
-
-
-def _hpack_int(value: int, prefix: int, first: int = 0) -> bytes:
-    top = (1 << prefix) - 1
-    if value < top:
-        return bytes((first | value,))
-    out, value = [first | top], value - top
-    while value >= 128:
-        out.append(value & 127 | 128)
-        value >>= 7
-    return bytes(out + [value])
-
-
-def _hpack_str(s: bytes) -> bytes:
-    return _hpack_int(len(s), 7) + s
-
-
-def grpc_headers(authority: str, method: str) -> bytes:
-    """A gRPC call's request headers as an HPACK block: static-table entries and
-    literals never added to a table, so the block is the same for every call."""
-    return (b"\x83\x86"                                            # :method POST, :scheme http
-            + _hpack_int(4, 4) + _hpack_str((GRPC_SERVICE + method).encode())     # :path
-            + _hpack_int(1, 4) + _hpack_str(authority.encode())                  # :authority
-            + _hpack_int(31, 4) + _hpack_str(b"application/grpc")             # content-type
-            + b"\x00" + _hpack_str(b"te") + _hpack_str(b"trailers"))
-
-
-class H2:
-    """One HTTP/2 connection to a gRPC server over plain TCP (h2c with prior knowledge,
-    as gRPC does without TLS), for the load generator's workers: a request is HEADERS
-    (a block encoded once, :func:`grpc_headers`) and DATA frames; the answer's frames
-    are read and their headers never decoded. A call succeeded if its answer carries a
-    message: a failing gRPC call is answered by trailers alone (its status is in them;
-    the caller asks grpcio why). Our receive windows are opened to the maximum and
-    topped up; the server's are respected (a large request waits for WINDOW_UPDATE)."""
-
-    PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
-
-    def __init__(self, host: str, port: int, timeout: float):
-        self.sock = _connect(host, port, timeout)
-        # no header table (we decode no headers), no push, the largest windows and frames
-        settings = struct.pack(">HIHIHIHI", 1, 0, 2, 0, 4, _MAX_WINDOW, 5, 2 ** 24 - 1)
-        self.sock.sendall(self.PREFACE + _frame(_SETTINGS, 0, 0, settings)
-                          + _frame(_WINDOW, 0, 0, struct.pack(">I", _MAX_WINDOW - 65535)))
-        self.buf, self.pos = bytearray(), 0
-        self.t_recv = 0.0                       # when the last bytes came
-        self.next_sid = 1
-        self.closed = False                     # GOAWAY: no new streams on this one
-        self.send_conn, self.send_initial, self.max_frame = 65535, 65535, 16384
-        self.send_window: dict[int, int] = {}   # open streams' windows toward the server
-        self.received: dict[int, int] = {0: 0}  # bytes received not yet given back
-
-    def close(self) -> None:
-        self.closed = True
-        self.sock.close()
-
-    def open(self, block: bytes, data: bytes = b"", end: bool = False) -> int:
-        """A new stream: HEADERS, then ``data`` as gRPC's message frame (``end``: the
-        request's last). Its id."""
-        if self.next_sid > _MAX_WINDOW or self.closed:
-            raise ConnectionError("this HTTP/2 connection takes no more streams")
-        sid, self.next_sid = self.next_sid, self.next_sid + 2
-        self.send_window[sid] = self.send_initial
-        self.received[sid] = 0
-        flags = _END_HEADERS | (_END_STREAM if end and not data else 0)
-        headers = _frame(_HEADERS, flags, sid, block)
-        if data:
-            self.send(sid, data, end, headers)
-        else:
-            self.sock.sendall(headers)
-        return sid
-
-    def send(self, sid: int, data: bytes, end: bool, first: bytes = b"") -> None:
-        """``data`` (a gRPC message with its 5-byte prefix) on stream ``sid``, as the
-        server's windows allow; ``first``: frames to send before it."""
-        view, n = memoryview(data), len(data)
-        if n <= min(self.send_conn, self.send_window[sid], self.max_frame):
-            self.send_conn -= n
-            self.send_window[sid] -= n
-            _send_all(self.sock, [first, _FRAME.pack(n >> 8, n & 0xFF, _DATA,
-                                                     _END_STREAM if end else 0, sid), data])
-            return
-        if first:
-            self.sock.sendall(first)
-        while view:
-            room = min(self.send_conn, self.send_window[sid], self.max_frame, len(view))
-            if room <= 0:
-                got = self.poll()                 # (a WINDOW_UPDATE, in the end)
-                if got and got[2] == sid and (got[0] == _RST or got[1] & _END_STREAM):
-                    raise RuntimeError("the server ended the call before its request")
-                continue
-            last = end and room == len(view)
-            self.sock.sendall(_FRAME.pack(room >> 8, room & 0xFF, _DATA,
-                                          _END_STREAM if last else 0, sid) + view[:room])
-            self.send_conn -= room
-            self.send_window[sid] -= room
-            view = view[room:]
-
-    def done(self, sid: int) -> None:
-        """Stream ``sid`` ended: forget it."""
-        self.send_window.pop(sid, None)
-        self.received.pop(sid, None)
-
-    def frame(self) -> tuple[int, int, int, bytes]:
-        """The next frame of a stream (DATA, HEADERS, RST_STREAM): (type, flags, stream,
-        payload; DATA without its padding). Connection frames are handled on the way."""
-        while (got := self.poll()) is None:
-            pass
-        return got
-
-    def poll(self) -> tuple[int, int, int, bytes] | None:
-        """The next frame: a stream's as :meth:`frame` returns it, or None for a
-        connection frame (handled)."""
-        kind, flags, sid, payload = self._next()
-        if kind == _DATA:
-            self._consumed(sid, len(payload))
-            if flags & _PADDED:
-                payload = payload[1:len(payload) - payload[0]]
-            return kind, flags, sid, payload
-        if kind in (_HEADERS, _RST):
-            return kind, flags, sid, payload
-        self._control(kind, flags, sid, payload)
-        return None
-
-    def _next(self) -> tuple[int, int, int, bytes]:
-        buf = self.buf
-        while True:
-            p = self.pos
-            if len(buf) - p >= 9:
-                hi, lo, kind, flags, sid = _FRAME.unpack_from(buf, p)
-                n = hi << 8 | lo
-                if len(buf) - p >= 9 + n:
-                    self.pos = p + 9 + n
-                    return kind, flags, sid & _MAX_WINDOW, bytes(buf[p + 9:p + 9 + n])
-            if p:
-                del buf[:p]
-                self.pos = 0
-            if not _recv(self.sock, buf):
-                self.closed = True
-                raise ConnectionError("the server closed the HTTP/2 connection")
-            self.t_recv = time.perf_counter()
-
-    def _consumed(self, sid: int, n: int) -> None:
-        """Give the server back its window once a large part of it is used."""
-        for s in (0, sid):
-            if s in self.received:
-                self.received[s] += n
-                if self.received[s] >= 1 << 30:
-                    self.sock.sendall(_frame(_WINDOW, 0, s, struct.pack(">I", self.received[s])))
-                    self.received[s] = 0
-
-    def _control(self, kind: int, flags: int, sid: int, payload: bytes) -> None:
-        if kind == _SETTINGS and not flags & _ACK:
-            for i in range(0, len(payload) - 5, 6):
-                key, value = struct.unpack_from(">HI", payload, i)
-                if key == 4:                                # INITIAL_WINDOW_SIZE
-                    for s in self.send_window:
-                        self.send_window[s] += value - self.send_initial
-                    self.send_initial = value
-                elif key == 5:                              # MAX_FRAME_SIZE
-                    self.max_frame = value
-            self.sock.sendall(_frame(_SETTINGS, _ACK, 0))
-        elif kind == _PING and not flags & _ACK:
-            self.sock.sendall(_frame(_PING, _ACK, 0, payload))
-        elif kind == _WINDOW and len(payload) == 4:
-            inc = struct.unpack(">I", payload)[0] & _MAX_WINDOW
-            if sid == 0:
-                self.send_conn += inc
-            elif sid in self.send_window:
-                self.send_window[sid] += inc
-        elif kind == _GOAWAY:
-            self.closed = True                    # (streams it names may still finish)
-
-
-def _grpc_message(body: bytes) -> bytes:
-    """gRPC's length-prefixed message (uncompressed)."""
-    return b"\x00" + struct.pack(">I", len(body)) + body
-
-
-# The few KServe v2 messages the generator sends and reads, encoded by hand: the client
-# library does not import the front end (paella.kserve, where the generated module is),
-# and these are a handful of fields (grpc_predict_v2.proto).
-def _varint(n: int) -> bytes:
-    n &= (1 << 64) - 1                        # (an int64 below zero: two's complement)
-    out = bytearray()
-    while n >= 128:
-        out.append(n & 127 | 128)
-        n >>= 7
-    out.append(n)
-    return bytes(out)
-
-
-def _pb_bytes(no: int, data: bytes) -> bytes:
-    """A length-delimited field (string, bytes, message, packed numbers)."""
-    return _varint(no << 3 | 2) + _varint(len(data)) + data
-
-
-def _pb_fields(buf: bytes) -> Iterator[tuple[int, int, int | bytes]]:
-    """(field number, wire type, value) of each field of a message: an int for a varint,
-    bytes otherwise."""
-    i, n = 0, len(buf)
-    while i < n:
-        key, i = _read_varint(buf, i)
-        kind = key & 7
-        if kind == 0:
-            value, i = _read_varint(buf, i)
-            yield key >> 3, kind, value
-            continue
-        if kind == 2:
-            size, i = _read_varint(buf, i)
-        elif kind in (1, 5):
-            size = 8 if kind == 1 else 4
-        else:
-            raise ValueError(f"protobuf wire type {kind} is not one this message has")
-        if i + size > n:
-            raise ValueError("a truncated protobuf message")
-        yield key >> 3, kind, buf[i:i + size]
-        i += size
-
-
-def _read_varint(buf: bytes, i: int) -> tuple[int, int]:
-    value = shift = 0
-    while True:
-        if i >= len(buf) or shift > 63:
-            raise ValueError("a truncated protobuf varint")
-        b = buf[i]
-        i += 1
-        value |= (b & 127) << shift
-        if b < 128:
-            return value - (1 << 64) if value >= 1 << 63 else value, i
-        shift += 7
-
-
-def infer_request(model: str, tensors: Sequence[tuple[str, str, Sequence[int], bytes]],
-                  params: dict[str, int]) -> bytes:
-    """A ModelInferRequest: inputs (name, datatype, shape, raw little-endian contents)
-    and int64 request parameters."""
-    out = [_pb_bytes(1, model.encode())]
-    for key, value in params.items():        # map entry: key 1, InferParameter 2
-        out.append(_pb_bytes(4, _pb_bytes(1, key.encode())
-                             + _pb_bytes(2, _varint(2 << 3) + _varint(value))))
-    for name, datatype, shape, _ in tensors:
-        out.append(_pb_bytes(5, _pb_bytes(1, name.encode()) + _pb_bytes(2, datatype.encode())
-                             + _pb_bytes(3, b"".join(_varint(d) for d in shape))))
-    out += [_pb_bytes(7, raw) for *_, raw in tensors]
-    return b"".join(out)
-
-
-def _tensor_metadata(buf: bytes) -> tuple[str, str, tuple[int, ...]]:
-    name, datatype, shape = "", "", []
-    for no, kind, value in _pb_fields(buf):
-        if no == 1 and kind == 2:
-            name = bytes(value).decode()                    # type: ignore[arg-type]
-        elif no == 2 and kind == 2:
-            datatype = bytes(value).decode()                # type: ignore[arg-type]
-        elif no == 3 and kind == 0:
-            shape.append(value)                             # (unpacked)
-        elif no == 3 and kind == 2:
-            i = 0
-            while i < len(value):                           # type: ignore[arg-type]
-                d, i = _read_varint(value, i)               # type: ignore[arg-type]
-                shape.append(d)
-    return name, datatype, tuple(shape)                     # type: ignore[arg-type]
-
-
-def model_metadata(buf: bytes) -> tuple[dict[str, tuple[str, tuple[int, ...]]], set[str]]:
-    """A ModelMetadataResponse: ({input: (datatype, shape)}, output names)."""
-    inputs, outputs = {}, set()
-    for no, kind, value in _pb_fields(buf):
-        if kind == 2 and no in (4, 5):
-            name, datatype, shape = _tensor_metadata(value)  # type: ignore[arg-type]
-            if no == 4:
-                inputs[name] = (datatype, shape)
-            else:
-                outputs.add(name)
-    return inputs, outputs
-
-
-def stream_response(buf: bytes) -> tuple[str, bool]:
-    """A ModelStreamInferResponse: (its error message, whether it is a request's final
-    response: parameter ``triton_final_response`` true)."""
-    error, final = "", False
-    for no, kind, value in _pb_fields(buf):
-        if no == 1 and kind == 2:
-            error = bytes(value).decode(errors="replace")   # type: ignore[arg-type]
-        elif no == 2 and kind == 2:
-            for no2, kind2, entry in _pb_fields(value):     # type: ignore[arg-type]
-                if no2 == 4 and kind2 == 2 and b"triton_final_response" in entry:  # type: ignore
-                    final = final or _bool_parameter(entry)  # type: ignore[arg-type]
-    return error, final
-
-
-def _bool_parameter(entry: bytes) -> bool:
-    """A parameters map entry's value as its bool (False for another key or kind)."""
-    key, value = b"", b""
-    for no, kind, v in _pb_fields(entry):
-        if kind == 2 and no == 1:
-            key = v                                         # type: ignore[assignment]
-        elif kind == 2 and no == 2:
-            value = v                                       # type: ignore[assignment]
-    return key == b"triton_final_response" and any(
-        no == 1 and kind == 0 and v for no, kind, v in _pb_fields(value))
 
 
 class GrpcTarget:
@@ -872,7 +409,7 @@ class GrpcTarget:
     def _metadata(self) -> bytes:
         call = self.channel.unary_unary(GRPC_SERVICE + "ModelMetadata")
         try:
-            return call(_pb_bytes(1, self.model.encode()), timeout=min(self.timeout, 10))
+            return call(pb_bytes(1, self.model.encode()), timeout=min(self.timeout, 10))
         except self.grpc.RpcError as e:
             self.channel.close()
             if e.code() in (self.grpc.StatusCode.UNAVAILABLE,
@@ -929,7 +466,7 @@ def _h2_worker(g: GrpcTarget, sender: Sender) -> Send:
     conn: list[H2] = []
     method = "ModelStreamInfer" if g.work.stream else "ModelInfer"
     block = grpc_headers(f"{g.host}:{g.port}", method)
-    message = _grpc_message(g.request)
+    message = grpc_message(g.request)
     stream: list[int] = []                          # the open ModelStreamInfer's id
 
     def connection() -> H2:
@@ -954,12 +491,12 @@ def _h2_worker(g: GrpcTarget, sender: Sender) -> Send:
                 kind, flags, fsid, payload = c.frame()
                 if fsid != sid:
                     continue
-                if kind == _RST:
+                if kind == RST:
                     raise RuntimeError(f"the server reset the call (HTTP/2 error "
                                        f"{int.from_bytes(payload[:4], 'big')})")
-                if kind == _DATA:
+                if kind == DATA:
                     got += payload
-                if flags & _END_STREAM:
+                if flags & END_STREAM:
                     break
         except BaseException:
             close()
@@ -991,9 +528,9 @@ def _stream_tokens(g: GrpcTarget, c: H2, sid: int) -> list[float]:
         kind, flags, fsid, payload = c.frame()
         if fsid != sid:
             continue
-        if kind == _RST or flags & _END_STREAM:
+        if kind == RST or flags & END_STREAM:
             raise RuntimeError("the server ended the stream")
-        if kind != _DATA:
+        if kind != DATA:
             continue
         acc += payload
         while len(acc) >= 5 and len(acc) >= 5 + (n := int.from_bytes(acc[1:5], "big")):

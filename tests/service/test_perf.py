@@ -13,7 +13,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from paella.client.perf import H2, arrival_gaps, grpc_headers
+from paella.client.perf import arrival_gaps
+from paella.client.perf_http import H2, grpc_headers
 from service_daemon import cleanup, start_kserve
 
 PAELLA = str(Path(sys.executable).with_name("paella"))
@@ -289,3 +290,31 @@ def test_generative_models_without_stream_and_bad_lengths(generative, tmp_path):
              "--max-tokens", "30", "--seconds", "0.3", "--warmup", "0", "-q")
     assert r.returncode == 1 and "exceeds the model's context of 64 tokens" in r.stderr
     assert time.monotonic() - t0 < 30
+
+
+def test_hand_encoded_kserve_messages_match_the_generated_ones():
+    """paella perf encodes the few KServe messages it needs by hand (the client does not
+    import the front end): what it writes parses as the protocol's message, and what it
+    reads of the protocol's messages is what they hold."""
+    from paella.client.kserve_messages import infer_request, model_metadata, stream_response
+    from paella.kserve import grpc_predict_v2_pb2 as pb
+    raw = np.arange(6, dtype=np.float32).tobytes()
+    req = pb.ModelInferRequest.FromString(
+        infer_request("echo", [("x", "FP32", [2, 3], raw)], {"priority": 3, "timeout": -1}))
+    assert req.model_name == "echo" and req.raw_input_contents == [raw]
+    assert [(t.name, t.datatype, list(t.shape)) for t in req.inputs] == [("x", "FP32", [2, 3])]
+    assert req.parameters["priority"].int64_param == 3
+    assert req.parameters["timeout"].int64_param == -1
+    md = pb.ModelMetadataResponse(name="m", inputs=[
+        pb.ModelMetadataResponse.TensorMetadata(name="a", datatype="INT32", shape=[64]),
+        pb.ModelMetadataResponse.TensorMetadata(name="b", datatype="FP16", shape=[1, 2])],
+        outputs=[pb.ModelMetadataResponse.TensorMetadata(name="y", datatype="FP32", shape=[4])])
+    assert model_metadata(md.SerializeToString()) == (
+        {"a": ("INT32", (64,)), "b": ("FP16", (1, 2))}, {"y"})
+    for final in (True, False):
+        r = pb.ModelStreamInferResponse()
+        r.infer_response.parameters["triton_final_response"].bool_param = final
+        r.infer_response.parameters["index"].int64_param = 5
+        assert stream_response(r.SerializeToString()) == ("", final)
+    assert stream_response(pb.ModelStreamInferResponse(error_message="no").SerializeToString()) \
+        == ("no", False)
