@@ -117,39 +117,34 @@ def _refused(e: DaemonError) -> int:
 
 
 def _index(args: argparse.Namespace) -> int:
-    from paella.cli import CLIError
-    timeout = _timeout(args)
-    try:
-        models = index(args.socket, timeout)
-    except DaemonUnavailable as e:
-        raise CLIError(str(e)) from None
-    except DaemonError as e:
-        return _refused(e)
-    print(json.dumps(models, indent=1) if args.json else format_index(models))
-    return 0
+    ok, models = _ask(args, index)
+    if ok:
+        print(json.dumps(models, indent=1) if args.json else format_index(models))
+    return 0 if ok else 1
 
 
 def _load(args: argparse.Namespace) -> int:
-    from paella.cli import CLIError
-    timeout = _timeout(args)
-    try:
-        load(args.name, args.socket, timeout)
-    except DaemonUnavailable as e:
-        raise CLIError(str(e)) from None
-    except DaemonError as e:
-        return _refused(e)
-    print(f"loaded {args.name}")
-    return 0
+    ok, _ = _ask(args, load, args.name)
+    if ok:
+        print(f"loaded {args.name}")
+    return 0 if ok else 1
 
 
 def _unload(args: argparse.Namespace) -> int:
+    ok, _ = _ask(args, unload, args.name)
+    if ok:
+        print(f"unloaded {args.name}: new requests for it are refused; those in flight finish")
+    return 0 if ok else 1
+
+
+def _ask(args: argparse.Namespace, fn, *names: str) -> tuple[bool, object]:
+    """``fn(*names, socket, timeout)``: (True, its result); a refusal printed, (False,
+    None); no daemon at all a CLIError (exit 2)."""
     from paella.cli import CLIError
-    timeout = _timeout(args)
     try:
-        unload(args.name, args.socket, timeout)
+        return True, fn(*names, args.socket, _timeout(args))
     except DaemonUnavailable as e:
         raise CLIError(str(e)) from None
     except DaemonError as e:
-        return _refused(e)
-    print(f"unloaded {args.name}: new requests for it are refused; those in flight finish")
-    return 0
+        _refused(e)
+        return False, None

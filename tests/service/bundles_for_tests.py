@@ -61,3 +61,13 @@ def set_dtype(bdir: Path, dtype: str) -> None:
     def edit(m: dict) -> None:
         m["variants"][0]["inputs"][0]["dtype"] = dtype
     _edit_manifest(bdir, edit)
+
+
+def slow_repository(tmp_path_factory, kernel_seconds: float, name: str = "slow") -> Path:
+    """A model repository holding the tiny MLP as ``name``, each kernel lasting about
+    ``kernel_seconds`` (:func:`make_slow_running`)."""
+    repo = tmp_path_factory.mktemp("slowrepo")
+    m = tiny_mlp(tmp_path_factory.mktemp("mlp") / name)
+    make_slow_running(m, kernel_seconds)
+    shutil.copytree(m, repo / name)
+    return repo

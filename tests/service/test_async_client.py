@@ -5,13 +5,12 @@ that dies fails every waiter at once; generation; a full ring makes callers wait
 from __future__ import annotations
 
 import asyncio
-import shutil
 import signal
 
 import numpy as np
 import pytest
 
-from bundles_for_tests import make_slow_running, tiny_mlp
+from bundles_for_tests import slow_repository
 from paella.client import DaemonGone, RequestFailed, ResultTimeout
 from paella.client.aio import AsyncClient
 from service_daemon import cleanup, start_daemon
@@ -59,11 +58,7 @@ def test_bad_inputs_raise_and_leak_nothing(daemon):
 @pytest.fixture(scope="module")
 def slow(tmp_path_factory):
     """A daemon serving a tiny MLP whose kernels last ~50 ms each."""
-    repo = tmp_path_factory.mktemp("slowrepo")
-    m = tiny_mlp(tmp_path_factory.mktemp("mlp") / "slow")
-    make_slow_running(m, 0.05)
-    shutil.copytree(m, repo / "slow")
-    dp = start_daemon("--models", str(repo))
+    dp = start_daemon("--models", str(slow_repository(tmp_path_factory, 0.05)))
     yield dp
     cleanup(dp)
 
@@ -96,11 +91,7 @@ def test_timeout_and_cancel_keep_the_region_until_the_answer(slow):
 
 
 def test_a_daemon_that_dies_fails_every_waiter(tmp_path_factory):
-    repo = tmp_path_factory.mktemp("dierepo")
-    m = tiny_mlp(tmp_path_factory.mktemp("mlp") / "slow")
-    make_slow_running(m, 0.2)
-    shutil.copytree(m, repo / "slow")
-    dp = start_daemon("--models", str(repo))
+    dp = start_daemon("--models", str(slow_repository(tmp_path_factory, 0.2)))
     x = np.ones((2, 16), np.float32)
 
     async def main():

@@ -4,12 +4,11 @@ reads, paella.cluster.router), falling as they finish, 0 again at the end."""
 from __future__ import annotations
 
 import asyncio
-import shutil
 
 import numpy as np
 import pytest
 
-from bundles_for_tests import make_slow_running, tiny_mlp
+from bundles_for_tests import slow_repository
 from paella.client.aio import AsyncClient
 from service_daemon import cleanup, start_daemon
 
@@ -18,11 +17,7 @@ KERNEL_S = 0.05
 
 @pytest.fixture(scope="module")
 def slow(tmp_path_factory):
-    repo = tmp_path_factory.mktemp("qwrepo")
-    m = tiny_mlp(tmp_path_factory.mktemp("mlp") / "slow")
-    make_slow_running(m, KERNEL_S)
-    shutil.copytree(m, repo / "slow")
-    dp = start_daemon("--models", str(repo))
+    dp = start_daemon("--models", str(slow_repository(tmp_path_factory, KERNEL_S)))
     yield dp
     cleanup(dp)
 
