@@ -258,6 +258,14 @@ class Dispatcher:
         #: "auto": the core runs while it can serve everything (see _leave_core).
         self._core_auto = kernel_core == "auto"
         self._core_hooks = -1                # len(instruments) when last checked
+        self._core_realtime = False          # the core launches into a real-time engine
+        #: Real time (the daemon): step() may spin in the kernel core (``Core.spin``)
+        #: until this CLOCK_MONOTONIC time (seconds; 0: one pass), returning early when a
+        #: word ``spin_probe`` points at changes (the clients' request-ring tails) or when
+        #: the device's next event is more than ``spin_near`` seconds away.
+        self.spin_until = 0.0
+        self.spin_probe: Any = None
+        self.spin_near = 250e-6
         #: The instruments' views of the core's ops (while one listens to op events).
         self._core_ops: dict[Job, dict[int, CoreOp]] = {}
         #: What a CoreOp takes from its plan node, per (CoreModel, node).
@@ -302,6 +310,7 @@ class Dispatcher:
             self._check_direct()
             if getattr(dev, "realtime", False):
                 self.core.real_time(dev.loop._t0, dev.loop.speed)
+                self._core_realtime = True
         #: On a real GPU the C core calls the driver's cuLaunchKernel itself.
         self._core_driver = impl == "c" and hasattr(dev, "core_driver")
         if self._core_driver:
@@ -493,7 +502,12 @@ class Dispatcher:
             # (``pending_arrivals``: answers that freed a buffer set for a waiting job).
             # In real time the clock moves during the pass (work may complete meanwhile):
             # idle only after a pass that changed nothing.
-            events = core.step(now)
+            if self.spin_until and self._core_realtime and core.direct:
+                # Real time: passes in C until the control plane is due (Core.spin).
+                events = core.spin(self.spin_until, self.spin_probe, self.spin_near)
+                self.now = dev.now()
+            else:
+                events = core.step(now)
             self.iterations += 1
             self.idle = self._one_pass or events is None
             if events:
@@ -1369,7 +1383,8 @@ class Dispatcher:
         return s
 
     def submit_group(self, requests: list[Request], io: np.ndarray,
-                     model_id: int | None = None, stream: str | None = None) -> None:
+                     model_id: int | None = None, stream: str | None = None,
+                     bindings: Any = None) -> None:
         """Accept requests of one model served by one job whose work reads and writes
         ``io`` (the seam for batchers: how the requests' inputs get into ``io`` and their
         outputs out of it is the batcher's). Each request completes, is woken and can be
@@ -1377,7 +1392,10 @@ class Dispatcher:
         registered model the job runs (a compiled variant of the requests' model, with
         its own plan and SRPT profile); default the requests' own. ``stream``: run
         the job's ops on the real stream reserved under that name (:meth:`stream_named`)
-        instead of streams from the pool."""
+        instead of streams from the pool. ``bindings``: the job's buffer set, bound by
+        the caller (a batcher binding a plan's tensors to its own device memory at a row
+        offset: DVABatch's stage hand-off); it goes back to the model's pool's
+        ``release`` when the job finishes, as an acquired one does."""
         if not requests:
             raise ValueError("submit_group needs at least one request")
         mid = requests[0].model_id
@@ -1410,6 +1428,8 @@ class Dispatcher:
         job = Job(self, model, list(requests), io, self._seq)
         if stream is not None:
             job.pin = self.stream_named(stream)
+        if bindings is not None:
+            job.bindings = bindings
         self.jobs.add(job)
         model.jobs += 1
         if model.parent is not None:

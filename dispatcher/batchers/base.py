@@ -223,7 +223,7 @@ class SchedulerContext(Protocol):
 
     def submit(self, model_id: int, io: Any, clients: "list[int]",
                on_done: "Callable[[int, str | None], None]", stream: str | None = None,
-               priority: int = 0) -> None:
+               priority: int = 0, bindings: Any = None) -> None:
         """Run one job of internal model ``model_id`` on ``io`` (a 1-D uint8 numpy
         array the scheduler owns; a request's own ``req.io`` is allowed too) on behalf
         of ``clients`` (client ids, one part each: the policy's fairness and the GPU
@@ -235,7 +235,12 @@ class SchedulerContext(Protocol):
         another in that stream's order (``Dispatcher.stream_named``). None: streams from
         the dispatcher's pool, as any job. ``priority``: the class the job runs at (its
         most urgent request's, as ``Request.priority``: 1 the most urgent; 0 the
-        default), which every built-in policy orders by first."""
+        default), which every built-in policy orders by first. ``bindings``: the job's
+        buffer set, bound by the scheduler (its model's pool takes it back when the job
+        ends; DVABatch binds stage plans to its pairs' device memory)."""
+
+    def adaptor(self, model_id: int) -> Any:
+        """The job adaptor of a variant or of a model it registered (its plan)."""
 
     def alloc(self, nbytes: int) -> int:
         """Device memory (a pointer) owned by this scheduler; freed by :meth:`free`, or

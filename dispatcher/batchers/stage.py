@@ -483,12 +483,14 @@ class BatchingStage:
 
 
 def submit_job(disp: Any, model_id: int, io: np.ndarray, clients: list[int], done: Any,
-               last_id: int, *args: Any, stream: str | None = None, priority: int = 0) -> int:
+               last_id: int, *args: Any, stream: str | None = None, priority: int = 0,
+               bindings: Any = None) -> int:
     """One job of ``model_id`` on ``io`` with one part (an internal request) per client;
     ``done(*args, status, error)`` once every part ended: OK if any part ran OK, else the
     first part's status. Returns the last part id used (parts are numbered from
     ``last_id + 1``). ``stream``: the named stream its ops go to (``submit_group``);
-    ``priority``: its parts' class (``Request.priority``; 0 the default)."""
+    ``priority``: its parts' class (``Request.priority``; 0 the default); ``bindings``:
+    a buffer set the caller bound (``submit_group``)."""
     if not clients:
         raise ValueError("a job needs at least one client to run for")
     state = [len(clients), False, None]          # parts left, any OK, first failure
@@ -507,7 +509,7 @@ def submit_job(disp: Any, model_id: int, io: np.ndarray, clients: list[int], don
         last_id += 1
         parts.append(Request(last_id, int(cid), model_id, io, on_complete=part_done,
                              priority=priority))
-    disp.submit_group(parts, io, model_id=model_id, stream=stream)
+    disp.submit_group(parts, io, model_id=model_id, stream=stream, bindings=bindings)
     return last_id
 
 
@@ -555,7 +557,8 @@ class StageContext:
         return mid
 
     def submit(self, model_id: int, io: np.ndarray, clients: list[int],
-               on_done: Any, stream: str | None = None, priority: int = 0) -> None:
+               on_done: Any, stream: str | None = None, priority: int = 0,
+               bindings: Any = None) -> None:
         if self.closed or self.failed:
             raise RuntimeError(f"scheduler of {self.name} submitted a job after it was "
                                f"{'closed' if self.closed else 'taken out of service'}")
@@ -565,7 +568,7 @@ class StageContext:
         self._part_ids = submit_job(self.stage.disp, model_id, io, clients, self._job_done,
                                     self._part_ids, on_done,
                                     stream=None if stream is None else f"{self.name}/{stream}",
-                                    priority=priority)
+                                    priority=priority, bindings=bindings)
         self.jobs += 1
         self.stage.stats.scheduler_jobs += 1
 
@@ -577,6 +580,12 @@ class StageContext:
         self._call("on_done", on_done, status, err)
         if self.retired:
             self._close_if_done()
+
+    def adaptor(self, model_id: int) -> Any:
+        """The job adaptor of one of its models (a variant's plan, to derive another)."""
+        if model_id not in self._own_models:
+            raise ValueError(f"model id {model_id} is not one of {self.name}'s")
+        return self.stage.disp.models[model_id].adaptor
 
     def alloc(self, nbytes: int) -> int:
         ptr = self.stage.disp.alloc(nbytes)      # (reclaims idle buffers when full)

@@ -190,22 +190,7 @@ def test_a_request_of_several_rows_gets_each_rows_whole_model_answer(bundle):
     """Rows of one request are queries of their own in the pipeline (they may join
     different batches); the request is answered once its last row left."""
     s = Served(bundle, split_factor=0.0, t_comp_wait_us=3000)
-    rng = np.random.default_rng(5)
-    reqs = []
-    for rows in (3, 1, 4, 2):
-        slots, need = shapes.request_layout(s.info.variants, rows, 8)
-        io = np.zeros(need, np.uint8)
-        xs = [query(rng) for _ in range(rows)]
-        x = np.concatenate([a for a, _ in xs])
-        mask = np.concatenate([m for _, m in xs])
-        for sl, a in zip(slots, (x, mask)):
-            io[sl.offset:sl.offset + a.nbytes] = a.view(np.uint8).reshape(-1)
-        req = Request(len(s.reqs), 1, 1, io, rows=rows, seq_len=8, layout=tuple(slots),
-                      on_complete=s._complete)
-        req.want = np.concatenate([reference(bundle, a, m) for a, m in xs])
-        s.reqs.append(req)
-        reqs.append(req)
-        s.ex.submit(req)
+    reqs = _several_row_requests(s, bundle, 5, (3, 1, 4, 2))
     s.advance(0.2)
     assert all(s.done.get(r.req_id, (None,))[0] == rings.OK for r in reqs), s.done
     for r in reqs:
@@ -322,3 +307,84 @@ def test_a_batch_runs_at_its_class_and_the_urgent_class_is_batched_first(bundle)
     assert set(levels) == {1, 200}
     assert levels[0] == 1                       # the urgent batch's first stage job goes first
     assert max(answered[r.req_id] for r in urgent) < min(answered[r.req_id] for r in best)
+
+
+def _several_row_requests(s: "Served", bundle, seed: int, counts=(3, 1, 4, 2, 1)) -> list:
+    """Requests of ``counts`` rows each, sent; ``req.want``: each row's CPU-build answer."""
+    rng = np.random.default_rng(seed)
+    reqs = []
+    for rows in counts:
+        slots, need = shapes.request_layout(s.info.variants, rows, 8)
+        io = np.zeros(need, np.uint8)
+        xs = [query(rng) for _ in range(rows)]
+        for sl, a in zip(slots, (np.concatenate([a for a, _ in xs]),
+                                 np.concatenate([m for _, m in xs]))):
+            io[sl.offset:sl.offset + a.nbytes] = a.view(np.uint8).reshape(-1)
+        req = Request(len(s.reqs), 1, 1, io, rows=rows, seq_len=8, layout=tuple(slots),
+                      on_complete=s._complete)
+        req.want = np.concatenate([reference(bundle, a, m) for a, m in xs])
+        s.reqs.append(req)
+        reqs.append(req)
+        s.ex.submit(req)
+    return reqs
+
+
+@pytest.mark.parametrize("handoff", ["device", "host"])
+def test_stage_boundaries_stay_in_device_memory_and_rows_equal_the_cpu_build(bundle, handoff):
+    """``handoff = "device"``: every stage job is bound to its rows of the pair's device
+    memory (no boundary copy in its plan, none through the host: ``boundary_host_bytes``
+    stays 0) and multi-row requests still get the whole model's CPU-build answer per row,
+    through stretch and split; "host" (the old path) gives the same answers and copies."""
+    s = Served(bundle, split_factor=0.0, t_comp_wait_us=3000, handoff=handoff)
+    reqs = _several_row_requests(s, bundle, 5)
+    s.advance(0.2)
+    assert all(s.done.get(r.req_id, (None,))[0] == rings.OK for r in reqs), s.done
+    for r in reqs:
+        np.testing.assert_allclose(s.output(r), r.want, rtol=1e-5, atol=1e-5)
+    st = s.batcher.stats_dict()
+    assert st["handoff"] == handoff and st["rows"] == 11 and st["exited"] == 5, st
+    assert (st["boundary_host_bytes"] == 0) == (handoff == "device"), st
+    if handoff == "device":
+        # The stage jobs ran the hand-off plans: stage 1's without its H2D copies, and
+        # no stage-0 job copied its outputs back.
+        disp = s.ex.disp
+        ran = {m.name.split("@")[0]: m for m in disp.models.values() if "handoff" in
+               m.adaptor.plan.name}
+        assert ran, "no hand-off model registered"
+        for m in ran.values():
+            kinds = [op.kind for op in m.adaptor.plan.ops]
+            stage = int(m.adaptor.plan.name.split("/s")[-1][0])
+            assert ("h2d" in kinds) == (stage == 0), (m.name, kinds)
+            assert ("d2h" in kinds) == m.adaptor.plan.name.endswith("+fetch"), (m.name, kinds)
+
+
+def test_the_simulated_device_carries_the_boundary_bytes_device_to_device(bundle):
+    """After stage 0 of a batch, rows of boundary 1 in the pair's *device* memory hold
+    stage 0's outputs (the CPU replay of stage 0's plan): the simulated device moved
+    them, nothing on the host did."""
+    s = Served(bundle, handoff="device", early_exits=[], split=False, stretch=False)
+    rng = np.random.default_rng(3)
+    x, mask = query(rng)
+    slots, need = shapes.request_layout(s.info.variants, 1, 8)
+    io = np.zeros(need, np.uint8)
+    for sl, a in zip(slots, (x, mask)):
+        io[sl.offset:sl.offset + a.nbytes] = a.view(np.uint8).reshape(-1)
+    req = Request(0, 1, 1, io, rows=1, seq_len=8, layout=tuple(slots), on_complete=s._complete)
+    s.reqs.append(req)
+    s.ex.submit(req)
+    s.advance(0.2)
+    assert s.done[0][0] == rings.OK
+    b = s.batcher
+    s0 = next(k for k, v in enumerate(bundle.variants) if v.stage == 0 and v.rows == 1)
+    want = bundle.run_stage_cpu({"x": x, "mask": mask}, s0)
+    ctx = b.ctx
+    for name, nb in b.stages.boundaries[(1, 8)]:
+        got = ctx.view(b.dev.ptr(0, 1, 8, name, 0), nb)
+        np.testing.assert_array_equal(got, np.ascontiguousarray(want[name]).view(np.uint8)
+                                      .reshape(-1))
+    assert b.stats.boundary_host_bytes == 0
+
+
+def test_a_bad_handoff_option_is_refused_with_the_choices(bundle):
+    with pytest.raises(Exception, match=r"handoff must be one of \['auto', 'device', 'host'\]"):
+        Served(bundle, handoff="gpu")

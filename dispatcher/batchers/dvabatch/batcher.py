@@ -37,6 +37,7 @@ from paella.wire import DEFAULT_PRIORITY
 
 from ..base import BatcherError, ModelVariants, RequestRefused, SchedulerBatcher
 from ..registry import register_batcher
+from .handoff import HandoffAdaptor, HandoffUnavailable, handoff_plan, make_handoff
 from .pipeline import DvaConfig, DvaPipeline
 from .stage_io import PairData, StageModel, StageVariant, gather_request, scatter_request
 
@@ -85,6 +86,12 @@ class DvaStats:
     dropped: int = 0              # rows run for a client that had left
     jobs: int = 0
     gathered_bytes: int = 0
+    #: Bytes of stage boundaries (between two stages, not a request's inputs or
+    #: answers) copied through host memory: 0 with the device hand-off.
+    boundary_host_bytes: int = 0
+    #: Where stage boundaries live: "device" (the pairs' device memory, bound per job)
+    #: or "host" (copied through host memory around every stage job).
+    handoff: str = ""
 
 
 @register_batcher("dvabatch")
@@ -101,7 +108,11 @@ class DvaBatcher(SchedulerBatcher):
     * ``own_streams``      each stage executor on a real stream of its own (the paper's);
     * ``early_exits``      the stages after which a request may leave (a client selects
                            an *exit variant*: stage 0's inputs, stage k's outputs; default:
-                           every stage but the last).
+                           every stage but the last);
+    * ``handoff``          where stage boundaries live: "device" (the pairs' device
+                           memory, each stage job bound to its rows: no host copy between
+                           stages), "host" (copied through host memory), "auto" (the
+                           default: device when every stage variant can be bound).
     """
 
     name = "dvabatch"
@@ -112,7 +123,8 @@ class DvaBatcher(SchedulerBatcher):
     def __init__(self, model: ModelVariants, pairs: int = 2, bs_max: int = 0,
                  window_us: float = 0.0, stretch: bool = True, t_comp_wait_us: float = 0.0,
                  stretch_idle_only: bool = False, split: bool = True, split_factor: float = 2.0,
-                 own_streams: bool = True, early_exits: list | None = None):
+                 own_streams: bool = True, early_exits: list | None = None,
+                 handoff: str = "auto"):
         super().__init__(model)
         if not any(v.stage >= 0 for v in model.variants):
             raise BatcherError(f"batcher 'dvabatch' needs a model cut into stages; "
@@ -143,6 +155,10 @@ class DvaBatcher(SchedulerBatcher):
                                f"has {n_stages} stages, 0..{n_stages - 1}; leaving after the "
                                f"last is the whole model), got {early_exits!r:.80}")
         self.early_exits = frozenset(early_exits)
+        if handoff not in HANDOFFS:
+            raise BatcherError(f"handoff must be one of {list(HANDOFFS)} (where stage boundaries "
+                               f"live), got {handoff!r:.40}")
+        self.handoff = handoff
         self.pairs, self.bs_max = pairs, bs_max
         self.window = window_us * 1e-6
         self.t_comp_wait = t_comp_wait_us * 1e-6 if t_comp_wait_us else math.inf
@@ -164,6 +180,7 @@ class DvaBatcher(SchedulerBatcher):
         self.model_ids = {k: sv.model_id for k, sv in ctx.variants.items()}
         bs_max = self.bs_max or sm.max_rows
         self.data = PairData(sm, self.pairs, bs_max)
+        self._open_handoff(ctx, sm, bs_max)
         split = self.split
         if split and not any(v.cost_s > 0 for v in variants):
             log.warning("dvabatch %s: the stage variants are not profiled ([policy] "
@@ -190,6 +207,45 @@ class DvaBatcher(SchedulerBatcher):
                  self.pairs, bs_max, sum(nb for b in range(sm.n_stages + 1)
                                          for _, nb in sm.boundaries[(b, sm.buckets[0])])
                  * bs_max * self.pairs / 1024)
+
+    def _open_handoff(self, ctx: Any, sm: StageModel, bs_max: int) -> None:
+        """The device hand-off (``handoff`` "device" or "auto"): the pairs' device memory
+        and, per stage variant, hand-off models without boundary copies (a fetching one
+        too, keeping the D2H of its outputs, for runs with rows leaving after it)."""
+        self.stats.handoff = "host"
+        self.handoff_ids: dict[tuple[int, bool], int] = {}
+        self.pools: dict[tuple[int, bool], Any] = {}
+        if self.handoff == "host":
+            return
+        try:
+            adaptors = {k: ctx.adaptor(sv.model_id) for k, sv in ctx.variants.items()
+                        if sv.spec.stage >= 0}
+            self.dev, found = make_handoff(sm, adaptors, self.pairs, bs_max, ctx.alloc)
+        except (HandoffUnavailable, AttributeError) as e:
+            if self.handoff == "device":
+                raise BatcherError(f"handoff = \"device\": {ctx.name} cannot be bound to device "
+                                   f"memory: {e}") from None
+            log.warning("dvabatch %s: stage boundaries go through host memory: %s", ctx.name, e)
+            return
+        last = sm.n_stages - 1
+        for v in sm.by_key.values():
+            pb = found[v.index]
+
+            def ptrs(pair: int, row: int, v: StageVariant = v, pb: Any = pb) -> dict:
+                out = {b: self.dev.ptr(pair, v.stage, v.seq_len, n, row) for n, b in pb.ins}
+                out.update({b: self.dev.ptr(pair, v.stage + 1, v.seq_len, n, row)
+                            for n, b in pb.outs})
+                return out
+            for fetch in ((True,) if v.stage == last else (False, True)):
+                ad = HandoffAdaptor(handoff_plan(adaptors[v.index].plan, v.stage, fetch),
+                                    adaptors[v.index], pb.buffers, ptrs)
+                self.handoff_ids[(v.index, fetch)] = ctx.register_model(
+                    f"s{v.stage}_b{v.rows}_l{v.seq_len}{'_fetch' if fetch else ''}", ad,
+                    profile_runs=1)
+                self.pools[(v.index, fetch)] = ad.buffer_pool
+        self.stats.handoff = "device"
+        log.info("dvabatch %s: stage boundaries in device memory (%.1f KB)", ctx.name,
+                 self.dev.nbytes / 1024)
 
     def add(self, req: Any, now: float) -> None:
         sm = self.stages
@@ -294,15 +350,32 @@ class DvaBatcher(SchedulerBatcher):
         queries = [q for k in range(row, row + rows) if (q := self._at.get((pair, k))) is not None]
         clients = sorted({q.req.client_id for q in queries}) or [0]
         level = min(map(_class_of, queries), default=0)   # a batch is of one class
+        device = self.stats.handoff == "device"
+        last = sm.n_stages - 1
         for at, size in pieces:
             v = sm.variant(stage, size, seq_len)
             io = self._staging(v)
-            sm.load(self.data, v, pair, at, io)
+            bindings = None
+            if not device:
+                sm.load(self.data, v, pair, at, io)
+                fetch = True
+                if stage:
+                    self.stats.boundary_host_bytes += v.in_bytes
+                if stage < last:
+                    self.stats.boundary_host_bytes += v.out_bytes
+                model_id = self.model_ids[v.index]
+            else:
+                if stage == 0:                   # the requests' inputs, from the host
+                    sm.load(self.data, v, pair, at, io)
+                fetch = stage == last or self._leaving(pair, at, v.rows, stage)
+                model_id = self.handoff_ids[(v.index, fetch)]
+                bindings = self.pools[(v.index, fetch)].bind(pair, at)
 
             def piece_done(status: int, err: str | None, v: StageVariant = v,
-                           io: np.ndarray = io, at: int = at) -> None:
+                           io: np.ndarray = io, at: int = at, fetch: bool = fetch) -> None:
                 if status == rings.OK:
-                    sm.store(self.data, v, pair, at, io)
+                    if fetch:
+                        sm.store(self.data, v, pair, at, io)
                 elif status != rings.E_CANCELLED and left[1] is None:
                     left[1] = (f"{self.ctx.name}: stage {stage} of {sm.n_stages} failed on rows "
                                f"{at}..{at + v.rows - 1} of its batch (variant {v.index}): {err}")
@@ -311,8 +384,18 @@ class DvaBatcher(SchedulerBatcher):
                 if left[0] == 0:
                     done(left[1])
             self.stats.jobs += 1
-            self.ctx.submit(self.model_ids[v.index], io, clients, piece_done,
-                            stream=f"s{stage}" if self.own_streams else None, priority=level)
+            self.ctx.submit(model_id, io, clients, piece_done,
+                            stream=f"s{stage}" if self.own_streams else None, priority=level,
+                            bindings=bindings)
+
+    def _leaving(self, pair: int, row: int, rows: int, stage: int) -> bool:
+        """Some of rows ``row .. row+rows`` of ``pair`` leave after ``stage`` (an early
+        exit): the run brings its outputs to the host."""
+        for k in range(row, row + rows):
+            q = self._at.get((pair, k))
+            if q is not None and q.stages == stage + 1:
+                return True
+        return False
 
     def _staging(self, v: StageVariant) -> np.ndarray:
         free = self._free.get(v.index)
@@ -333,6 +416,10 @@ class DvaBatcher(SchedulerBatcher):
             lay = self._client_layouts[key] = tuple(request_layout(tensors, rows, bucket, rows,
                                                                    bucket)[0])
         return lay
+
+
+#: The ``handoff`` option's values.
+HANDOFFS = ("auto", "device", "host")
 
 
 def _stages_of(q: "_Query") -> int:

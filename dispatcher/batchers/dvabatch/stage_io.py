@@ -54,6 +54,14 @@ class StageVariant:
     io_bytes: int
     cost_s: float = 0.0             # profiled time (0: not profiled)
 
+    @property
+    def in_bytes(self) -> int:
+        return sum(t.nbytes for t in self.inputs)
+
+    @property
+    def out_bytes(self) -> int:
+        return sum(t.nbytes for t in self.outputs)
+
 
 def _row_bytes(t: Slot, rows: int) -> int:
     if not t.shape or t.shape[0] % rows:
