@@ -27,6 +27,11 @@ places. Steps:
    are the model's inputs, the last stage's outs its outputs), an H2D copy per in and a
    D2H copy per out. Boundary tensors are named ``cut<k>.<j>``: the ``j``-th tensor
    live across cut ``k`` (cut ``k`` is between stage ``k-1`` and stage ``k``).
+6. **Own buffers** (:func:`own_boundary_buffers`): every boundary tensor is moved to a
+   buffer of its own, exactly its bytes, so a runtime can bind it to rows of device
+   memory it owns (the daemon's DVABatch pairs: no host copy between stages). Where a
+   call straddles a boundary tensor's bytes, the variant keeps TVM's shared storage and
+   the runtime copies that model's boundaries through the host.
 """
 from __future__ import annotations
 
@@ -194,6 +199,163 @@ def stage_variant(v: Variant, stage: int, calls: range, ins: list[tuple[str, Vie
                    cuts=list(cuts), stage_seconds=seconds)
 
 
+class _Redirect:
+    """Which call arguments of a stage variant move to a boundary tensor's own buffer:
+    ``moves[(call, arg)] = (tensor index, byte offset in it)``."""
+
+    def __init__(self) -> None:
+        self.moves: dict[tuple[int, int], tuple[int, int]] = {}
+
+    def add(self, key: tuple[int, int], to: tuple[int, int]) -> None:
+        if self.moves.setdefault(key, to) != to:
+            raise StageError(f"call {key[0]} argument {key[1]} is both a boundary-in and a "
+                             f"boundary-out tensor's bytes")
+
+
+def _in_moves(sv: Variant, acc: list[list[str]], i: int, t: TensorSpec, red: _Redirect) -> None:
+    """Boundary-in ``t``: the reads of its bytes before any write in the stage overlaps them."""
+    lo, hi = t.buffer_offset, t.buffer_offset + t.nbytes
+    written: list[tuple[int, int]] = []    # bytes of its range rewritten in the stage
+    dirty = False                          # written over once
+    for c, call in enumerate(sv.calls):
+        mine = [(j, a) for j, a in enumerate(call.args)
+                if a.buffer == t.buffer and a.offset < hi and lo < a.offset + a.nbytes]
+        for j, a in mine:
+            if "r" not in acc[c][j]:
+                continue
+            if dirty:                      # after a write into it: must read only new bytes
+                if not _inside(a.offset, a.offset + a.nbytes, written):
+                    raise StageError(f"{call.primfunc} reads {t.name!r}'s bytes after part "
+                                     f"of them was overwritten")
+                continue
+            if not (lo <= a.offset and a.offset + a.nbytes <= hi):
+                raise StageError(f"{call.primfunc} reads across {t.name!r}'s bytes")
+            red.add((c, j), (i, a.offset - lo))
+        # A call reading and maybe writing it (in place) updates it in its own buffer, and
+        # later reads follow it there; once a call only writes over its bytes, later
+        # reads must read those new bytes, in the old buffer.
+        dirty = dirty or any("w" in acc[c][j] and "r" not in acc[c][j] for j, _ in mine)
+        written += [(a.offset, a.offset + a.nbytes) for j, a in mine
+                    if "w" in acc[c][j] and "r" not in acc[c][j]]
+
+
+def _inside(a: int, b: int, spans: list[tuple[int, int]]) -> bool:
+    """[a, b) lies within the union of ``spans``."""
+    pos = a
+    for s0, s1 in sorted(spans):
+        if s0 > pos:
+            break
+        pos = max(pos, s1)
+    return pos >= b
+
+
+def _out_moves(sv: Variant, acc: list[list[str]], k: int, t: TensorSpec, red: _Redirect) -> bool:
+    """Boundary-out ``t``: the writes that make its bytes and the reads of them after, back
+    from the stage's end to the write completing its bytes. False: nothing in the stage
+    writes them (it passes through)."""
+    lo, hi = t.buffer_offset, t.buffer_offset + t.nbytes
+    covered: list[tuple[int, int]] = []
+    moves: dict[tuple[int, int], tuple[int, int]] = {}   # (kept only if a write makes it)
+    for c in range(len(sv.calls) - 1, -1, -1):
+        call = sv.calls[c]
+        for j, a in enumerate(call.args):
+            if a.buffer != t.buffer or not (a.offset < hi and lo < a.offset + a.nbytes):
+                continue
+            if not (lo <= a.offset and a.offset + a.nbytes <= hi):
+                raise StageError(f"{call.primfunc} touches part of {t.name!r}'s bytes")
+            moves[(c, j)] = (k, a.offset - lo)
+            if "w" in acc[c][j]:
+                covered.append((a.offset, a.offset + a.nbytes))
+        if _inside(lo, hi, covered):
+            if any("r" in acc[c][j] and "w" in acc[c][j] for (cc, j) in moves if cc == c):
+                raise StageError(f"{t.name!r} is completed by an in-place update")
+            for key, to in moves.items():
+                red.add(key, to)
+            return True
+    if covered:
+        raise StageError(f"{t.name!r} is only partly written in its stage")
+    return False
+
+
+def own_boundary_buffers(sv: Variant) -> Variant:
+    """``sv`` with every boundary tensor (each in and out) in a buffer of its own,
+    exactly its bytes, so that a runtime may bind that buffer to rows of device memory it
+    owns (DVABatch's pairs, docs/dvabatch.md). TVM's static memory plan puts a boundary
+    tensor beside, or under, intermediates of the stage; here the calls' arguments that
+    read an in's bytes (before anything overwrites them) and those that write an out's
+    bytes (from the write completing them on) and read them after, move to the tensor's
+    buffer; everything else stays. An out nothing in the stage writes (it passes through)
+    shares its in's buffer. Raises :class:`StageError` where a call straddles a boundary
+    tensor's bytes or updates one in place; the caller then keeps the copies."""
+    acc = _call_access(sv)
+    launches = sv.launches()
+    if any(not (c.launches[0] <= i < c.launches[1] for c in sv.calls) for i in range(len(launches))):
+        raise StageError("a launch outside every call")
+    tensors = [*sv.inputs, *sv.outputs]
+    n_in = len(sv.inputs)
+    red = _Redirect()
+    for i, t in enumerate(sv.inputs):
+        _in_moves(sv, acc, i, t, red)
+    home: dict[int, int] = {}              # tensor -> the tensor whose buffer it takes
+    for k, t in enumerate(sv.outputs, n_in):
+        if not _out_moves(sv, acc, k, t, red):
+            src = next((i for i, u in enumerate(sv.inputs) if (u.buffer, u.buffer_offset, u.nbytes)
+                        == (t.buffer, t.buffer_offset, t.nbytes)), None)
+            if src is None:
+                raise StageError(f"{t.name!r} is written by no call of its stage and is no input")
+            home[k] = src
+    base = 1 + max(b.id for b in sv.buffers)
+    own: dict[int, int] = {}
+    buffers = list(sv.buffers)
+    for i, t in enumerate(tensors):
+        if i not in home:
+            own[i] = base + len(own)
+            buffers.append(BufferSpec(own[i], f"boundary:{t.name}", t.nbytes, "intermediate"))
+    for k, src in home.items():
+        own[k] = own[src]
+    calls, lmoves = [], {}
+    for c, call in enumerate(sv.calls):
+        args = list(call.args)
+        for j, a in enumerate(args):
+            to = red.moves.get((c, j))
+            if to is not None:
+                args[j] = ViewSpec(own[to[0]], to[1], list(a.shape), a.dtype)
+                key = (c, a.buffer, a.offset)
+                if lmoves.setdefault(key, (own[to[0]], to[1])) != (own[to[0]], to[1]):
+                    raise StageError(f"{call.primfunc}: one pointer, two tensors")
+        for j, a in enumerate(call.args):     # a pointer kept for one argument, moved for another
+            if (c, j) not in red.moves and (c, a.buffer, a.offset) in lmoves:
+                raise StageError(f"{call.primfunc}: one pointer, two tensors")
+        calls.append(replace(call, args=args))
+    call_of = {i: c for c, call in enumerate(sv.calls) for i in range(*call.launches)}
+    plan, li = [], 0
+    copies = {("h2d", t.offset): own[i] for i, t in enumerate(sv.inputs)}
+    copies.update({("d2h", t.offset): own[k] for k, t in enumerate(sv.outputs, n_in)})
+    for op in sv.plan:
+        if op.op == "launch":
+            c = call_of[li]
+            li += 1
+            op = replace(op, args=[KernelArg(*lmoves[(c, a.buffer, a.offset)])
+                                   if a.buffer is not None and (c, a.buffer, a.offset) in lmoves else a
+                                   for a in op.args])
+        elif (op.op, op.io_offset) in copies:
+            op = replace(op, buffer=copies[(op.op, op.io_offset)], buffer_offset=0)
+        plan.append(op)
+    tin = [replace(t, buffer=own[i], buffer_offset=0) for i, t in enumerate(sv.inputs)]
+    tout = [replace(t, buffer=own[k], buffer_offset=0) for k, t in enumerate(sv.outputs, n_in)]
+    used = {a.buffer for op in plan if op.op == "launch" for a in op.args if a.buffer is not None}
+    used |= {op.buffer for op in plan if op.op in ("h2d", "d2h")}
+    new = {b: i for i, b in enumerate(sorted(used))}        # ids 0..n-1 again
+    plan = [replace(op, args=[replace(a, buffer=new[a.buffer]) if a.buffer is not None else a
+                              for a in op.args]) if op.op == "launch" else
+            replace(op, buffer=new[op.buffer]) if op.op in ("h2d", "d2h") else op for op in plan]
+    calls = [replace(c, args=[replace(a, buffer=new[a.buffer]) if a.buffer in new else a
+                              for a in c.args]) for c in calls]
+    return replace(sv, inputs=[replace(t, buffer=new[t.buffer]) for t in tin],
+                   outputs=[replace(t, buffer=new[t.buffer]) for t in tout], plan=plan,
+                   calls=calls, buffers=[replace(b, id=new[b.id]) for b in buffers if b.id in used])
+
+
 def call_times(bundle, variant: int, gpu: str) -> list[float]:
     """Each call's time at ``variant`` on the simulated ``gpu``: its launches, each
     profiled alone on an idle GPU, summed (seconds)."""
@@ -240,6 +402,10 @@ def slice_bundle(path: str | Path, n: int, gpu: str, progress: Progress = lambda
             outs = None if b == bounds[-1] else [(f"cut{s + 1}.{j}", t) for j, t in enumerate(at[b][k])]
             secs = sum(times[v.rows][a:b])
             sv = stage_variant(v, s, range(a, b), ins, outs, cuts, secs)
+            try:
+                sv = own_boundary_buffers(sv)
+            except StageError as e:           # (the runtime copies this model's boundaries)
+                progress(f"stage {s} batch {v.rows}: boundary tensors keep shared buffers ({e})")
             check_variant(sv)
             out.append(sv)
             record["seconds"].setdefault(str(s), {})[str(v.rows)] = secs
@@ -252,4 +418,5 @@ def slice_bundle(path: str | Path, n: int, gpu: str, progress: Progress = lambda
     return record
 
 
-__all__ = ["StageError", "allowed_cuts", "boundaries", "call_times", "slice_bundle", "stage_variant"]
+__all__ = ["StageError", "allowed_cuts", "boundaries", "call_times", "own_boundary_buffers",
+           "slice_bundle", "stage_variant"]

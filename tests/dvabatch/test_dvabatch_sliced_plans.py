@@ -70,6 +70,24 @@ def test_chained_stages_give_the_whole_models_outputs(sliced, name):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(STAGES))
+def test_every_boundary_tensor_has_a_buffer_of_its_own(sliced, name):
+    """``own_boundary_buffers``: each stage variant's ins and outs are alone in their
+    buffer (byte 0, the buffer exactly their size), so the daemon can bind that buffer
+    to rows of a pair's device memory; an out that only passes through shares its in's.
+    (TVM's static plan had them beside intermediates; the chained stages above still
+    give the whole model's outputs, and a row range at an offset its rows': below.)"""
+    bundle, _ = sliced[name]
+    for v in bundle.variants:
+        ts = [*v.inputs, *v.outputs]
+        for t in ts:
+            assert t.buffer_offset == 0 and v.buffers[t.buffer].nbytes == t.nbytes, (v.name, t)
+        for t in v.outputs:
+            twin = [u for u in v.inputs if u.buffer == t.buffer]
+            assert not twin or twin[0].nbytes == t.nbytes, (v.name, t.name)
+        assert len({t.buffer for t in v.inputs}) == len(v.inputs), v.name
+
+
+@pytest.mark.parametrize("name", list(STAGES))
 def test_stage_io_is_boundary_in_then_out_and_batch_major(sliced, name):
     bundle, _ = sliced[name]
     n = bundle.n_stages

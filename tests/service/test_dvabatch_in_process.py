@@ -277,6 +277,9 @@ def test_a_three_stage_unet_with_skips_across_stages(tmp_path):
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
     st = m.batcher.stats_dict()
     assert st["stretch"] > 0 and st["split"] > 0 and st["stage_runs"] >= 3 * st["new"]
+    # Its boundary tensors (skips passing through the middle stage included) got
+    # buffers of their own from the compiler: they stay in device memory.
+    assert st["handoff"] == "device" and st["boundary_host_bytes"] == 0, st
 
 
 def test_a_batch_runs_at_its_class_and_the_urgent_class_is_batched_first(bundle):
