@@ -141,6 +141,9 @@ def test_a_request_exits_early_after_stage_0_with_stage_0s_outputs(served):
         time.sleep(0.06)                              # (a STATUS reply is reused for 50 ms)
         st = next(m for m in c.status()["models"] if m["name"] == "bert")["batcher"]
     assert st["early_exits"] >= 2, st
+    # The stage boundaries stayed in the pairs' device memory (the exits' answers came
+    # back with their run's own D2H): nothing crossed the host between the stages.
+    assert st["handoff"] == "device" and st["boundary_host_bytes"] == 0, st
     time.sleep(0.06)                                  # (a STATUS reply is reused for 50 ms)
     with urllib.request.urlopen(f"http://127.0.0.1:{dp.metrics_port}/metrics", timeout=10) as r:
         text = r.read().decode()
