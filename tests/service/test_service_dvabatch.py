@@ -219,12 +219,14 @@ def test_sigterm_answers_every_accepted_request_exactly_once(tmp_path, built):
      "pairs must be an integer 1..8 (buffer pairs: 1 runs the stages serially, 2 pipelines "
      "them), got 0"),
     ("[batching]\nbatcher = 'dvabatch'\nsplit_factor = -1.0\n", "split_factor must be a number >= 0"),
+    ("[batching]\nbatcher = 'dvabatch'\nhandoff = 'gpu'\n",
+     "handoff must be one of ['auto', 'device', 'host']"),
     ("[batching]\nbatcher = 'dvabatch'\nstages = 3\n",
      "[batching] batcher 'dvabatch' has no option 'stages'"),
     ("[batching]\nbatcher = 'dvabatch'\nearly_exits = [1]\n",
      "early_exits must be a list of the stages after which a request may leave, each one "
      "of [0] (bert has 2 stages, 0..1; leaving after the last is the whole model), got [1]"),
-], ids=["pairs", "split-factor", "unknown-option", "exit-past-the-last-stage"])
+], ids=["pairs", "split-factor", "handoff", "unknown-option", "exit-past-the-last-stage"])
 def test_a_bad_dvabatch_option_is_a_clean_error(tmp_path, built, config, expected):
     repo = repo_with(tmp_path, built, config)
     r, sock = serve(tmp_path, ["--models", str(repo), "--no-noop"])
