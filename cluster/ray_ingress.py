@@ -1,0 +1,148 @@
+"""The cluster's ingress: KServe v2 over REST, the front end's own implementation.
+
+Ray Serve's HTTP proxy hands each request to an ingress replica as ASGI, and
+``@serve.ingress`` accepts any ASGI application, so the ingress *is*
+:class:`paella.kserve.rest.KServeApp`: the same routes, parsing, checks and encodings as
+``paella kserve``. Only what is behind it changes: :class:`ClusterService` is the front
+end's :class:`~paella.kserve.service.InferenceService` whose inference goes to a GPU
+replica through a Ray deployment handle (routed by :mod:`.ray_router`) instead of to a
+local daemon.
+
+Faults. A request whose replica lost its daemon (or whose replica died) was not
+answered: it is sent once more, to another replica if there is one (``avoid``), within
+what is left of its timeout. A second failure, or a timeout, is the request's answer:
+a clear 503 or 504. A request is never sent again once a replica answered it, so it is
+answered at most once.
+
+Not served through the cluster: generation (``generate``, ``generate_stream``, the
+OpenAI API) and model control, which answer 501 and 403; gRPC (see docs/cluster.md).
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Any, AsyncIterator, Mapping
+
+import numpy as np
+
+from paella.kserve.rest import KServeApp
+from paella.kserve.service import InferenceService, ModelSpec
+from paella.kserve.tensors import InferError
+
+from .ray_config import ClusterConfig
+from .ray_replica import ReplicaFailure
+
+log = logging.getLogger("paella.cluster")
+
+
+class ClusterService(InferenceService):
+    """The front end's service over the cluster's replicas (see the module docstring).
+    ``handle``: the GPU replicas' deployment handle."""
+
+    def __init__(self, handle: Any, models: tuple[str, ...], timeout: float,
+                 name: str = "paella-cluster"):
+        super().__init__(socket="", clients=1, timeout=timeout, name=name)
+        self.handle = handle
+        self.names = models
+
+    async def _fetch_models(self) -> dict[str, ModelSpec]:
+        """Each configured model's tensors, from a replica that serves it; a model no
+        replica answers for within 5 s is left out (not ready) until the next look."""
+        limit = min(self.timeout, 5.0)
+        got = await asyncio.gather(*(self._spec(m, limit) for m in self.names),
+                                   return_exceptions=True)
+        specs = {m: s for m, s in zip(self.names, got) if isinstance(s, ModelSpec)}
+        if not specs:
+            why = next((str(e) for e in got if isinstance(e, BaseException)), "none ready")
+            raise InferError(503, f"no replica of the cluster answers: {why}")
+        self._models, self._models_at = specs, time.monotonic()
+        return specs
+
+    async def _spec(self, model: str, limit: float) -> ModelSpec:
+        return await asyncio.wait_for(self._remote("spec", model=model), limit)
+
+    async def _remote(self, method: str, **kwargs: Any) -> Any:
+        """``handle.METHOD.remote(**kwargs)``'s result, as a request of its own.
+
+        Ray Serve gives every call made while serving one HTTP request that request's
+        internal id, and its request router hands a chosen replica to the pending call
+        *with that id*: two calls of one request in flight at once (the model list's
+        concurrent lookups, a background refresh beside an inference) would get each
+        other's replicas, so a call could land on a replica without its model, or
+        never be routed. Each call here runs in its own task (``wait_for``), with a
+        fresh internal id set in that task's copy of the request context."""
+        from ray.serve._private.utils import generate_request_id
+        from ray.serve.context import _set_request_context
+        _set_request_context(_internal_request_id=generate_request_id())
+        return await getattr(self.handle, method).remote(**kwargs)
+
+    async def infer(self, m: ModelSpec, inputs: Mapping[str, np.ndarray],
+                    priority: int = 0, timeout: float | None = None) -> dict[str, np.ndarray]:
+        """The inference on a replica the router picks; retried once elsewhere if that
+        replica lost its daemon, within the request's timeout."""
+        limit = self.timeout if timeout is None else min(timeout, self.timeout)
+        deadline = time.monotonic() + limit
+        avoid = None
+        for attempt in (1, 2):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            try:
+                call = self._remote("infer", model=m.name, inputs=dict(inputs),
+                                    priority=priority, timeout=left, avoid=avoid)
+                return await asyncio.wait_for(call, left)
+            except asyncio.TimeoutError:
+                break
+            except Exception as e:  # noqa: BLE001 - sorted below: retry, or the answer
+                failure = _failure(e)
+                if failure is None:
+                    raise InferError(500, f"internal error: {type(e).__name__}: {e}") from None
+                if not failure.daemon_lost or attempt == 2:
+                    raise InferError(failure.status, failure.message) from None
+                log.warning("retrying a request of %s: %s", m.name, failure.message)
+                avoid = failure.replica or None
+        raise InferError(504, f"model {m.name!r} did not answer within {limit:g} s "
+                              f"(the cluster's replicas)")
+
+    async def generate(self, m: ModelSpec, prompt_ids: list[int], max_tokens: int,
+                       priority: int = 0) -> AsyncIterator[int]:
+        raise InferError(501, "generation is not served through paella cluster yet; "
+                              "use paella kserve on one daemon")
+        yield 0                                                  # (an async generator)
+
+    def close(self) -> None:
+        pass
+
+
+def _failure(e: BaseException) -> ReplicaFailure | None:
+    """What a replica's failure means for the request: a :class:`ReplicaFailure` (its
+    own, as Ray re-raises it), one standing for a dead replica (retried like a lost
+    daemon), or None (anything else: a bug)."""
+    from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
+    if isinstance(e, ReplicaFailure):
+        return ReplicaFailure(e.status, e.message, e.replica, e.daemon_lost)
+    cause = getattr(e, "cause", None)
+    if isinstance(cause, ReplicaFailure):
+        return cause
+    if isinstance(e, (ActorDiedError, ActorUnavailableError, RayActorError)):
+        return ReplicaFailure(503, f"a replica died under the request: {e}", "", True)
+    return None
+
+
+def ingress_deployment(config: ClusterConfig):
+    """The ingress deployment class: :class:`KServeApp` on :class:`ClusterService`."""
+    from ray import serve
+
+    class PaellaIngress:
+        """Ray Serve's ASGI ingress: the KServe v2 REST front end over the cluster."""
+
+        def __init__(self, replicas: Any):
+            self.service = ClusterService(replicas, config.models, config.timeout_s)
+
+        def __serve_build_asgi_app__(self) -> KServeApp:
+            return KServeApp(self.service)
+
+    return serve.deployment(serve.ingress()(PaellaIngress), name="PaellaIngress",
+                            num_replicas=1, ray_actor_options={"num_cpus": 0},
+                            max_ongoing_requests=1000)
