@@ -12,7 +12,7 @@ STAMP := $(VENV)/.installed-stamp
 $(STAMP): pyproject.toml setup.py $(wildcard dispatcher/*.c dispatcher/devices/sim/*.c)
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
-	$(BIN)/pip install --quiet -e '.[all,dev,windtunnel]'
+	$(BIN)/pip install --quiet -e '.[all,dev,windtunnel,ray]'
 	touch $(STAMP)
 
 install: $(STAMP)

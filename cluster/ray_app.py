@@ -64,6 +64,9 @@ def gpu_replicas(config: ClusterConfig, n_replicas: int, seed: int | None = None
         ray_actor_options={"num_cpus": 0, "num_gpus": res["num_gpus"],
                            **({"resources": res["resources"]} if "resources" in res else {})},
         max_ongoing_requests=256,
+        # a daemon that cannot start (no GPU, a bad bundle) fails the same way again:
+        # a few tries, then the deployment is DEPLOY_FAILED with the daemon's error
+        max_constructor_retry_count=3,
         health_check_period_s=config.health_check_period_s,
         health_check_timeout_s=max(10.0, config.health_check_period_s),
         request_router_config=RequestRouterConfig(

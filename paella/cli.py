@@ -27,6 +27,7 @@ COMMANDS = [
     ("paella.client.perf", ("perf",), ""),
     ("paella.trace_command", ("trace",), ""),
     ("paella.kserve.command", ("kserve",), "kserve"),
+    ("paella.cluster.ray_command", ("cluster",), "ray"),
     ("paella.compiler_pass.cli", ("compile",), "compile"),
     ("paella.experiments.cli", ("experiment",), "all"),
     ("paella.cli", ("occupancy",), ""),
@@ -39,6 +40,7 @@ COMMANDS = [
 #: ``paella --help`` stays fast).
 EXTRA_MODULES = {"serve": ("greenlet", "posix_ipc"), "compile": ("tvm", "onnx"),
                  "kserve": ("grpc", "google.protobuf", "uvicorn", "httptools"),
+                 "ray": ("ray", "uvicorn"),
                  "all": ("greenlet", "posix_ipc", "tvm", "onnx", "matplotlib")}
 
 
