@@ -367,9 +367,15 @@ def call_times(bundle, variant: int, gpu: str) -> list[float]:
 
 
 def slice_bundle(path: str | Path, n: int, gpu: str, progress: Progress = lambda _m: None) -> dict:
-    """Rewrite the bundle at ``path`` (whole-model variants, one per batch size) into its
-    stage variants (see the module docstring); returns the slicing record (cuts, per
-    stage and batch size the profiled seconds)."""
+    """Rewrite the bundle at ``path`` (whole-model variants, one per batch size and length
+    bucket) into its stage variants (see the module docstring); returns the slicing
+    record (cuts, per stage and batch size the profiled seconds; with several length
+    buckets, that record per bucket under ``buckets``).
+
+    Each length bucket is cut on its own (its own profile, its own cuts: a longer
+    sequence shifts where the preferred batch size changes), into the same ``n`` stages,
+    so one served model holds every bucket's stages and a runtime keeps one boundary
+    buffer per (cut, bucket)."""
     path = Path(path)
     bundle = load_bundle(path)
     variants = sorted(bundle.variants, key=lambda v: (v.seq_len, v.rows))
@@ -377,18 +383,40 @@ def slice_bundle(path: str | Path, n: int, gpu: str, progress: Progress = lambda
         raise StageError(f"bundle {path} is already cut into stages; compile the model again")
     if any(not v.calls for v in variants):
         raise StageError(f"bundle {path} records no PrimFunc calls; recompile it with this paella")
-    if len({v.seq_len for v in variants}) > 1:
-        raise StageError("--stages takes one length bucket: give --seq-lens a single length")
     if n < 1:
         raise StageError(f"--stages {n}: a model is cut into at least one stage")
+    buckets = sorted({v.seq_len for v in variants})
+    sizes = [sorted(v.rows for v in variants if v.seq_len == ln) for ln in buckets]
+    if any(s != sizes[0] for s in sizes):
+        raise StageError(f"the length buckets {buckets} are compiled for different batch sizes "
+                         f"{sizes}; compile every bucket for the same --batch-sizes")
+    index = {id(v): i for i, v in enumerate(bundle.variants)}
+    out, records = [], {}
+    for ln in buckets:
+        mine = [v for v in variants if v.seq_len == ln]
+        made, records[ln] = _slice_bucket(bundle, mine, index, n, gpu, progress)
+        out += made
+    mpath = path / MANIFEST
+    manifest = manifest_from_dict(json.loads(mpath.read_text()))
+    manifest.variants = out
+    mpath.write_text(json.dumps(manifest.to_dict(), indent=1))
+    if len(buckets) == 1:
+        return records[buckets[0]]
+    return {"stages": n, "gpu": gpu, "buckets": {str(ln): r for ln, r in records.items()}}
+
+
+def _slice_bucket(bundle, variants: list[Variant], index: dict[int, int], n: int, gpu: str,
+                  progress: Progress) -> tuple[list[Variant], dict]:
+    """The stage variants of one length bucket's whole-model ``variants`` (one per batch
+    size), and its slicing record."""
     ok, at = allowed_cuts(variants)
     units = sorted(set([0] + [c for c in range(1, len(ok) - 1) if ok[c]] + [len(ok) - 1]))
+    where = f" at length {variants[0].seq_len}" if variants[0].seq_len else ""
     if n > len(units) - 1:
-        raise StageError(f"--stages {n}: {bundle.model} can be cut into at most {len(units) - 1} "
+        raise StageError(f"--stages {n}: {bundle.model}{where} can be cut into at most {len(units) - 1} "
                          f"stages (it is cut between its {len(variants[0].calls)} fused operators, only "
                          f"where every live tensor is batch-major); use --stages {len(units) - 1} or fewer")
-    index = {id(v): i for i, v in enumerate(bundle.variants)}
-    progress(f"profiling {sum(len(v.launches()) for v in variants)} launches on the simulated {gpu}")
+    progress(f"profiling {sum(len(v.launches()) for v in variants)} launches{where} on the simulated {gpu}")
     times = {v.rows: call_times(bundle, index[id(v)], gpu) for v in variants}
     segs = [OpProfile(f"calls {a}..{b - 1}", tuple((bs, sum(times[bs][a:b])) for bs in sorted(times)))
             for a, b in zip(units, units[1:])]
@@ -405,17 +433,13 @@ def slice_bundle(path: str | Path, n: int, gpu: str, progress: Progress = lambda
             try:
                 sv = own_boundary_buffers(sv)
             except StageError as e:           # (the runtime copies this model's boundaries)
-                progress(f"stage {s} batch {v.rows}: boundary tensors keep shared buffers ({e})")
+                progress(f"stage {s} batch {v.rows}{where}: boundary tensors keep shared buffers ({e})")
             check_variant(sv)
             out.append(sv)
             record["seconds"].setdefault(str(s), {})[str(v.rows)] = secs
-        progress(f"stage {s}: calls {a}..{b - 1}, "
+        progress(f"stage {s}{where}: calls {a}..{b - 1}, "
                  + ", ".join(f"b{bs} {1e6 * t:.0f} us" for bs, t in record["seconds"][str(s)].items()))
-    mpath = path / MANIFEST
-    manifest = manifest_from_dict(json.loads(mpath.read_text()))
-    manifest.variants = out
-    mpath.write_text(json.dumps(manifest.to_dict(), indent=1))
-    return record
+    return out, record
 
 
 __all__ = ["StageError", "allowed_cuts", "boundaries", "call_times", "own_boundary_buffers",

@@ -20,7 +20,8 @@ import pytest
 from paella import rings
 from paella.bundle import load_bundle
 from paella.client import connect
-from dvabatch_bundle import SEQ, query, reference, staged_bert
+from dvabatch_bundle import (BUCKETS, SEQ, bucket_reference, query, reference, staged_bert,
+                             staged_bert_buckets)
 from service_daemon import cleanup, free_port, run_client, start_daemon
 from test_config_errors import assert_clean_error, serve
 from test_lifecycle import read_all
@@ -226,7 +227,10 @@ def test_sigterm_answers_every_accepted_request_exactly_once(tmp_path, built):
     ("[batching]\nbatcher = 'dvabatch'\nearly_exits = [1]\n",
      "early_exits must be a list of the stages after which a request may leave, each one "
      "of [0] (bert has 2 stages, 0..1; leaving after the last is the whole model), got [1]"),
-], ids=["pairs", "split-factor", "handoff", "unknown-option", "exit-past-the-last-stage"])
+    ("[batching]\nbatcher = 'dvabatch'\nlength_buckets = [16]\n",
+     "length_buckets must be a list of distinct compiled length buckets, each one of [8]"),
+], ids=["pairs", "split-factor", "handoff", "unknown-option", "exit-past-the-last-stage",
+        "bucket-not-compiled"])
 def test_a_bad_dvabatch_option_is_a_clean_error(tmp_path, built, config, expected):
     repo = repo_with(tmp_path, built, config)
     r, sock = serve(tmp_path, ["--models", str(repo), "--no-noop"])
@@ -242,3 +246,43 @@ def test_dvabatch_on_a_model_without_stages_is_a_clean_error(tmp_path):
     assert_clean_error(r, sock, "batcher 'dvabatch' needs a model cut into stages; mlp has "
                                 "whole-model variants only: compile it with `paella compile "
                                 "MODEL --stages N")
+
+
+@pytest.fixture(scope="module")
+def bucketed(tmp_path_factory):
+    """The encoder with two length buckets (4, 8) in one stage bundle, served with
+    ``length_buckets`` naming both."""
+    built = staged_bert_buckets(tmp_path_factory.mktemp("dvab2") / "bert")
+    repo = repo_with(tmp_path_factory.mktemp("repo2"), built,
+                     "[batching]\nbatcher = 'dvabatch'\nlength_buckets = [4, 8]\n"
+                     "t_comp_wait_us = 3000\n")
+    dp = start_daemon("--models", str(repo), "--no-noop")
+    yield dp, load_bundle(repo / "bert")
+    cleanup(dp)
+
+
+def test_requests_of_two_lengths_run_in_their_own_buckets(bucketed):
+    """Rows of lengths 3, 4 and 2 run in bucket 4, of 7 and 8 in bucket 8 (the smallest
+    bucket taking each; ``paella status`` counts the rows per bucket), and every answer
+    equals the whole model's CPU build of that bucket, cut to the row's length."""
+    dp, bundle = bucketed
+    assert sorted({v.seq_len for v in bundle.variants}) == list(BUCKETS)
+    rng = np.random.default_rng(31)
+    lengths = (3, 7, 4, 8, 2)
+    with connect(dp.socket) as c:
+        pending = []
+        for n in lengths:
+            x, mask = query(rng)
+            x, mask = x[:, :n], mask[:, :n]
+            ins, outs, _ = c.shaped_views("bert", off := c.alloc(4096), 1, n)
+            ins["x"][...], ins["mask"][...] = x, mask
+            pending.append((c.predict_shaped("bert", off, 1, n), x, mask, outs))
+        for req_id, x, mask, outs in pending:
+            c.wait(req_id, timeout=30)
+            assert outs["output0"].shape == (1, x.shape[1], 16)
+            np.testing.assert_allclose(outs["output0"], bucket_reference(bundle, x, mask),
+                                       rtol=1e-5, atol=1e-5)
+        time.sleep(0.06)                              # (a STATUS reply is reused for 50 ms)
+        st = next(m for m in c.status()["models"] if m["name"] == "bert")["batcher"]
+    assert (st["rows_l4"], st["rows_l8"]) == (3, 2), st
+    assert st["handoff"] == "device" and st["boundary_host_bytes"] == 0, st

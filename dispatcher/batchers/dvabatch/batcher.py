@@ -112,7 +112,12 @@ class DvaBatcher(SchedulerBatcher):
     * ``handoff``          where stage boundaries live: "device" (the pairs' device
                            memory, each stage job bound to its rows: no host copy between
                            stages), "host" (copied through host memory), "auto" (the
-                           default: device when every stage variant can be bound).
+                           default: device when every stage variant can be bound);
+    * ``length_buckets``   the compiled length buckets served (default: every one the
+                           bundle has); a request runs in the smallest that takes it;
+    * ``group_lengths``    policy I: a batch holds one length bucket (default); off, a
+                           batch takes every waiting query, padded to its longest one's
+                           bucket (the ZeroBatch / DelayBatch baselines of the experiment).
     """
 
     name = "dvabatch"
@@ -124,7 +129,8 @@ class DvaBatcher(SchedulerBatcher):
                  window_us: float = 0.0, stretch: bool = True, t_comp_wait_us: float = 0.0,
                  stretch_idle_only: bool = False, split: bool = True, split_factor: float = 2.0,
                  own_streams: bool = True, early_exits: list | None = None,
-                 handoff: str = "auto"):
+                 handoff: str = "auto", length_buckets: list | None = None,
+                 group_lengths: bool = True):
         super().__init__(model)
         if not any(v.stage >= 0 for v in model.variants):
             raise BatcherError(f"batcher 'dvabatch' needs a model cut into stages; "
@@ -159,6 +165,8 @@ class DvaBatcher(SchedulerBatcher):
             raise BatcherError(f"handoff must be one of {list(HANDOFFS)} (where stage boundaries "
                                f"live), got {handoff!r:.40}")
         self.handoff = handoff
+        self.length_buckets = _check_buckets(model, length_buckets)
+        self.group_lengths = bool(group_lengths)
         self.pairs, self.bs_max = pairs, bs_max
         self.window = window_us * 1e-6
         self.t_comp_wait = t_comp_wait_us * 1e-6 if t_comp_wait_us else math.inf
@@ -172,10 +180,12 @@ class DvaBatcher(SchedulerBatcher):
     # -- hooks -------------------------------------------------------------------------------
     def start(self, ctx: Any) -> None:
         super().start(ctx)
+        served = set(self.length_buckets)
         variants = [StageVariant(k, sv.spec.stage, sv.spec.rows, sv.spec.seq_len,
                                  sv.layout.inputs, sv.layout.outputs, sv.layout.io_bytes,
                                  sv.spec.cost_s)
-                    for k, sv in ctx.variants.items() if sv.spec.stage >= 0]
+                    for k, sv in ctx.variants.items()
+                    if sv.spec.stage >= 0 and (not served or sv.spec.seq_len in served)]
         self.stages = sm = StageModel(ctx.name, variants)
         self.model_ids = {k: sv.model_id for k, sv in ctx.variants.items()}
         bs_max = self.bs_max or sm.max_rows
@@ -191,6 +201,7 @@ class DvaBatcher(SchedulerBatcher):
                         stretch_idle_only=self.stretch_idle_only, split=split,
                         split_factor=self.split_factor,
                         length_buckets=sm.buckets if sm.buckets != (0,) else (),
+                        group_lengths=self.group_lengths,
                         class_of=_class_of, stages_of=_stages_of)
         self.pipe = DvaPipeline(cfg, self, self._exit, ctx.now, on_error=self._failed,
                                 on_join=self._join)
@@ -202,11 +213,12 @@ class DvaBatcher(SchedulerBatcher):
                   if sv.spec.stage == 0]
         self.client_variants = [(sm.n_stages - 1, r, ln) for r, ln in firsts] + \
             [(k, r, ln) for k in range(sm.n_stages - 1) for r, ln in firsts]
-        log.info("dvabatch %s: %d stages, batch sizes %s, %d pair(s) of %d rows (%.1f KB of "
-                 "boundary buffers per length bucket)", ctx.name, sm.n_stages, list(sm.sizes),
-                 self.pairs, bs_max, sum(nb for b in range(sm.n_stages + 1)
-                                         for _, nb in sm.boundaries[(b, sm.buckets[0])])
-                 * bs_max * self.pairs / 1024)
+        self.bucket_rows = {ln: 0 for ln in sm.buckets if ln}
+        log.info("dvabatch %s: %d stages, batch sizes %s%s, %d pair(s) of %d rows (%.1f KB of "
+                 "boundary buffers)", ctx.name, sm.n_stages, list(sm.sizes),
+                 f", length buckets {list(sm.buckets)}" if self.bucket_rows else "",
+                 self.pairs, bs_max, sum(nb for (_, ln), ts in sm.boundaries.items()
+                                         for _, nb in ts) * bs_max * self.pairs / 1024)
 
     def _open_handoff(self, ctx: Any, sm: StageModel, bs_max: int) -> None:
         """The device hand-off (``handoff`` "device" or "auto"): the pairs' device memory
@@ -218,8 +230,8 @@ class DvaBatcher(SchedulerBatcher):
         if self.handoff == "host":
             return
         try:
-            adaptors = {k: ctx.adaptor(sv.model_id) for k, sv in ctx.variants.items()
-                        if sv.spec.stage >= 0}
+            adaptors = {v.index: ctx.adaptor(ctx.variants[v.index].model_id)
+                        for v in sm.by_key.values()}
             self.dev, found = make_handoff(sm, adaptors, self.pairs, bs_max, ctx.alloc)
         except (HandoffUnavailable, AttributeError) as e:
             if self.handoff == "device":
@@ -249,29 +261,32 @@ class DvaBatcher(SchedulerBatcher):
 
     def add(self, req: Any, now: float) -> None:
         sm = self.stages
-        try:
-            bucket = sm.bucket(req.seq_len) if sm.buckets != (0,) else 0
-        except BatcherError as e:
-            raise RequestRefused(str(e)) from None
         last = sm.n_stages - 1
         if req.layout is not None:           # a shaped request: the whole model
-            slots, after = tuple(req.layout), last
+            try:                             # (its bucket: the smallest taking its length)
+                bucket = sm.bucket(req.seq_len) if sm.buckets != (0,) else 0
+            except BatcherError as e:
+                raise RequestRefused(str(e)) from None
+            slots, after, seq = tuple(req.layout), last, req.seq_len
         else:                                # a variant: maybe an exit variant
             k = req.options or 0
             if not 0 <= k < len(self.client_variants):
                 raise RequestRefused(f"no variant {k} (it has {len(self.client_variants)})")
             after, rows, bucket = self.client_variants[k]
+            if bucket not in sm.buckets:
+                raise RequestRefused(f"variant {k} is of length {bucket}, not a bucket served "
+                                     f"(length_buckets = {list(sm.buckets)})")
             if after != last and after not in self.early_exits:
                 raise RequestRefused(f"an early exit after stage {after} is not enabled "
                                      f"(early_exits = {sorted(self.early_exits)})")
-            slots = self._whole_layout(bucket, rows, after)
+            slots, seq = self._whole_layout(bucket, rows, after), bucket
         if req.rows < 1:
             raise RequestRefused(f"a request needs at least one row, got {req.rows}")
         self.stats.requests += 1
         self.stats.rows += req.rows
         group = _Group(req, slots, after + 1, req.rows)
         for part in range(req.rows):
-            self.pipe.add(_Query(group, part, req.seq_len if bucket else 0), now)
+            self.pipe.add(_Query(group, part, seq if bucket else 0), now)
         self.pipe.poll(now)
 
     def poll(self, now: float) -> None:
@@ -298,6 +313,7 @@ class DvaBatcher(SchedulerBatcher):
         """Counters for ``paella status`` (the pipeline's meta-operations included)."""
         p = self.pipe.stats if hasattr(self, "pipe") else None
         out = dict(vars(self.stats))
+        out.update({f"rows_l{ln}": n for ln, n in getattr(self, "bucket_rows", {}).items()})
         if p is not None:
             out.update(new=p.new, stretch=p.stretch, split=p.split, stage_runs=p.stage_runs,
                        rows_run=p.rows_run, failed_runs=p.failed_runs)
@@ -307,6 +323,8 @@ class DvaBatcher(SchedulerBatcher):
     def _join(self, q: _Query, pair: int, row: int, seq_len: int) -> None:
         q.pair, q.row, q.bucket = pair, row, seq_len
         self._at[(pair, row)] = q
+        if seq_len:
+            self.bucket_rows[seq_len] += 1
         self.stats.gathered_bytes += gather_request(self.data, self.stages,
                                                     _Req(q.req.io, q.group.slots), pair, row,
                                                     seq_len, part=q.part)
@@ -420,6 +438,25 @@ class DvaBatcher(SchedulerBatcher):
 
 #: The ``handoff`` option's values.
 HANDOFFS = ("auto", "device", "host")
+
+
+def _check_buckets(model: ModelVariants, buckets: list | None) -> tuple[int, ...]:
+    """The ``length_buckets`` option: a non-empty list of the bundle's compiled length
+    buckets (``paella compile --stages N --seq-lens ...``); () when not given: every
+    one. Raises :class:`BatcherError` naming the valid buckets otherwise."""
+    compiled = sorted({v.seq_len for v in model.variants if v.stage >= 0 and v.seq_len})
+    if buckets is None:
+        return ()
+    if not compiled:
+        raise BatcherError(f"length_buckets: {model.name} has no length axis (its stage "
+                           f"variants are compiled without --seq-lens); leave the option out")
+    if not isinstance(buckets, (list, tuple)) or not buckets or any(
+            type(b) is not int or b not in compiled for b in buckets) or \
+            len(set(buckets)) != len(buckets):
+        raise BatcherError(f"length_buckets must be a list of distinct compiled length buckets, "
+                           f"each one of {compiled} ({model.name}'s; compile others with "
+                           f"`paella compile --stages N --seq-lens ...`), got {buckets!r:.80}")
+    return tuple(sorted(buckets))
 
 
 def _stages_of(q: "_Query") -> int:
