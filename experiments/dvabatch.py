@@ -1,45 +1,43 @@
 """``paella experiment dvabatch``: DVABatch against ZeroBatch and DelayBatch (the
-paper's Figures 14-16, section 8).
+paper's Figures 14-16, section 8), served as the daemon serves them.
 
-Setting: three models -- Unet-like (operator diversity: its first half of operators
-fills the GPU only at large batches, its second half already at small ones),
-BERT-like (input diversity: time grows with the sequence length; lengths drawn from a
-GLUE-RTE-like distribution) and ResNet-152-like (load diversity only) -- on the
-simulated GPU behind the kernel scheduler (``paella`` policy, virtual time, a free
-dispatcher). Every stage run (DVABatch) or whole-model batch (the baselines) is a job
-of the dispatcher (:class:`paella.dispatcher.batchers.dvabatch.runner.DispatcherStageRunner`).
+Setting: three compiled networks -- U-Net-like (operator diversity: its encoder fills the
+GPU only at large batches, its decoder already at small ones), BERT-base (input
+diversity: lengths drawn like GLUE RTE's, four length buckets in one served model) and
+ResNet-152 (load diversity only) -- compiled for the batch sizes 1, 2, 4, ..., 64
+(timing-only bundles, ``paella compile --stages``, profiled on the simulated Titan RTX,
+the paper's GPU). Each load point is the daemon's execution path in virtual time: a
+:class:`~paella.dispatcher.batchers.stage.BatchingStage` in front of a dispatcher (the
+``paella`` policy, a free dispatcher) on the simulated GPU, the model's compiled variants
+registered as launch plans (:func:`~paella.dispatcher.adaptor.plan_from_bundle`: kernels
+timed by the simulator's warps, bandwidth and launch-latency model, as in every other
+experiment), the ``dvabatch`` batcher on the scheduler interface (stage jobs through
+:class:`~paella.dispatcher.batchers.stage.StageContext`, boundaries in the pairs' device
+memory) and requests with io regions, driven by the one virtual-time driver
+(:class:`~paella.dispatcher.virtual_time.VirtualDriver`).
 
-* **ZeroBatch**: a batch of everything queued (up to 64) whenever the model is free;
-  no batching window.
-* **DelayBatch**: the same with a batching window, tuned as the paper tunes it: the
-  window (from a grid) giving the highest peak throughput.
-* **DVABatch**: the model sliced into stages (:func:`paella.compiler_pass.stages.slice_stages`;
-  4 stages, 2 for BERT, the paper's best counts), two buffer pairs, the three policies;
-  no batching window, and the stretch bound ``T_comp_wait`` is the first stage's time at
-  batch 1 (a batch takes late queries while in its first stage), and only when the
-  first stage can start the late queries' catch-up at once (``stretch_idle_only``). The paper gives no
+* **DVABatch**: the model cut into stages (4, 2 for BERT, the paper's best counts), two
+  buffer pairs, the three policies; no batching window, and the stretch bound
+  ``T_comp_wait`` is the first stage's time at batch 1 of the longest length (a batch
+  takes late queries while in its first stage), and only when the first stage can start
+  the late queries' catch-up at once (``stretch_idle_only``). The paper gives no
   ``T_comp_wait`` and sets policy I's window to the first stage's time at batch 64; both
   made DVABatch slower here (docs/dvabatch.md has the measurements).
+* **ZeroBatch**: the same batcher on the model compiled in one stage (``--stages 1``),
+  one buffer pair, no stretch, no split, no length grouping (``group_lengths = false``:
+  a batch pads to its longest query's bucket): a batch of everything queued (up to 64)
+  whenever the model is free.
+* **DelayBatch**: ZeroBatch with a batching window, tuned as the paper tunes it: the
+  window (from a grid) giving the highest peak throughput.
+
+A run of rows between compiled sizes is the pieces :func:`paella.bundle.split_rows`
+gives (no padding row), as the daemon runs it, for every system.
 
 Peak throughput: the highest Poisson load whose p99 latency stays within the QoS target
 (200 ms) while completions keep up (bisection). The loads are 1/4, 3/5 and 9/10 of
-DelayBatch's peak; maximum batch 64.
-
-The models (``--kernels compiled``, the default) are the zoo's ``unet``, ``bert_base``
-and ``resnet152`` compiled for the batch sizes 1, 2, 4, ..., 64 (BERT per length bucket),
-timing-only, and cut into stages by ``paella compile --stages`` (profiled on the
-simulated Titan RTX): a stage run is the compiled stage variant's launches, each with
-its isolated time on the simulated GPU (:class:`CompiledModel`); a run of rows between
-compiled sizes is the pieces :func:`paella.bundle.split_rows` gives. The baselines run
-the same kernels, all stages in one job. The first run compiles (about 7 minutes here,
-into the zoo directory and the bundle cache); later runs load the bundles.
-
-``--kernels described`` keeps the models of before compiled stages existed: kernels
-described by their launch shapes and isolated times (like :mod:`paella.models.synthetic`):
-each operator has a number of blocks per query (times the length ratio for BERT) and a
-wave time, so its time is ``waves x wave time`` and its preferred batch size is where one
-query's blocks times the batch fill the GPU (288 blocks of 256 threads on the Titan RTX
-preset, the paper's GPU).
+DelayBatch's peak; maximum batch 64. The first run compiles (the whole models about 7
+minutes here, cached; the stage cuts are re-made, in seconds, when the slicing pass
+changes: the bundle's cache key hashes its source).
 """
 from __future__ import annotations
 
@@ -47,138 +45,43 @@ import argparse
 import math
 import sys
 import time
-from dataclasses import dataclass
-from typing import Callable
+from dataclasses import dataclass, field
+from typing import Any, Callable
 
 import numpy as np
 
-from paella.compiler_pass.stages import OpProfile, preferred_batch, slice_stages
-from paella.dispatcher.adaptor import Plan, PlanAdaptor, PlanOp
-from paella.dispatcher.devices.base import KernelInfo
-from paella.dispatcher.batchers.dvabatch import DvaConfig, DvaPipeline
-from paella.dispatcher.batchers.dvabatch.runner import DispatcherStageRunner
-from paella.dispatcher.core import Dispatcher
+from paella.compiler_pass.stages import OpProfile, preferred_batch
+from paella.dispatcher.adaptor import Plan, PlanAdaptor, plan_from_bundle
+from paella.dispatcher.batchers import ModelVariants, VariantSpec, make_batcher
+from paella.dispatcher.batchers.stage import BatchingStage, ServedModel, ServedVariant, layout_of
+from paella.dispatcher.core import STATUS_OK, Dispatcher, Request
 from paella.dispatcher.devices.sim import SimDevice
 from paella.dispatcher.virtual_time import VirtualDriver
 from paella.experiments.workload import latency_summary
-from paella.gpus import preset
+from paella.shapes import layout as request_layout
 
 GPU = "titanrtx"           # the paper's GPU (72 SMs, 1,024 threads each)
-#: Blocks of 256 threads (32 registers each: threads, not registers, bound) resident at
-#: once: 4 a SM, 288 on the Titan RTX.
 GPU_NAMES = {"titanrtx": "Titan RTX", "t4": "T4"}
-WAVE_BLOCKS = preset(GPU).sm_count * (preset(GPU).max_threads_per_sm // 256)
 BS_MAX = 64
 QOS_MS = 200.0
 LOADS = {"low": 1 / 4, "medium": 3 / 5, "high": 9 / 10}
 BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64)
+SYSTEMS = ("zerobatch", "delaybatch", "dvabatch")
 #: The paper's averages over its six models (section 8.2, Figures 14 and 16), percent.
 PAPER = {"avg_latency_reduction_vs_zerobatch": {"low": 16.1, "medium": 39.0, "high": 57.7},
          "avg_latency_reduction_vs_delaybatch": {"low": 35.4, "medium": 47.3, "high": 48.5},
          "p99_latency_reduction_vs_zerobatch": {"low": 16.9, "medium": 27.4, "high": 53.7},
          "peak_throughput_ratio": {"bert": 1.47, "unet": 1.0, "resnet152": 1.0}}
-
-
-@dataclass(frozen=True)
-class Op:
-    name: str
-    blocks: float               # blocks per query (at the longest length for BERT)
-    wave: float                 # seconds per wave of blocks
-    by_length: bool = False
-
-    def grid(self, bs: int, seq_len: int, max_len: int) -> int:
-        f = seq_len / max_len if self.by_length and seq_len else 1.0
-        return max(1, math.ceil(self.blocks * bs * f))
-
-    def time(self, bs: int, seq_len: int, max_len: int) -> float:
-        return math.ceil(self.grid(bs, seq_len, max_len) / WAVE_BLOCKS) * self.wave
-
-
-@dataclass
-class ModelSpec:
-    name: str
-    ops: list[Op]
-    n_stages: int
-    buckets: tuple[int, ...] = ()       # compiled lengths (BERT)
-
-    @property
-    def max_len(self) -> int:
-        return max(self.buckets, default=0)
-
-
-def unet() -> ModelSpec:
-    """12 encoder operators of 5 blocks a query (they fill the GPU only at large batches),
-    12 decoder operators of 40 (at small ones): the paper's Figure 6 shape."""
-    ops = [Op(f"enc{i}", 5, 0.3e-3) for i in range(12)] + \
-          [Op(f"dec{i}", 40, 0.3e-3) for i in range(12)]
-    return ModelSpec("unet", ops, 4)
-
-
-def resnet152() -> ModelSpec:
-    """32 operators of 10 blocks a query, all alike: load diversity only."""
-    return ModelSpec("resnet152", [Op(f"conv{i}", 10, 0.25e-3) for i in range(32)], 4)
-
-
-def bert() -> ModelSpec:
-    """12 operators (2 layers); a query of length 256 takes 32 blocks of each."""
-    return ModelSpec("bert", [Op(f"l{i // 6}op{i % 6}", 32, 0.2e-3, by_length=True)
-                              for i in range(12)], 2, buckets=(32, 64, 128, 256))
-
-
-MODELS: dict[str, Callable[[], ModelSpec]] = {"unet": unet, "bert": bert, "resnet152": resnet152}
-
-
-@dataclass(frozen=True)
-class KRow:
-    """One launch of a stage run, as the simulated GPU runs it: ``seconds`` is its
-    isolated time (the kernel alone on an idle GPU)."""
-    name: str
-    grid: int
-    block: int
-    regs: int
-    smem: int
-    seconds: float
-
-
-class DescribedModel:
-    """A :class:`ModelSpec` (kernels described by launch shapes and wave times), cut by
-    :func:`slice_stages` on the described operators: the experiment's models before
-    compiled stages existed, kept for ``--kernels described``."""
-    source = "described"
-
-    def __init__(self, m: ModelSpec):
-        self.m, self.name, self.buckets = m, m.name, m.buckets
-        self.max_len = m.max_len
-        self.ranges = stages_of(m)
-        self.n_stages = len(self.ranges)
-
-    def kernels(self, stage: int, rows: int, seq_len: int) -> list[KRow]:
-        """Stage ``stage``'s launches for ``rows`` rows (stage -1: the whole model)."""
-        idx = range(len(self.m.ops)) if stage < 0 else self.ranges[stage]
-        return [KRow(self.m.ops[i].name, self.m.ops[i].grid(rows, seq_len, self.max_len), 256, 32, 0,
-                     self.m.ops[i].time(rows, seq_len, self.max_len)) for i in idx]
-
-    def time(self, stage: int, rows: int, seq_len: int) -> float:
-        return sum(k.seconds for k in self.kernels(stage, rows, seq_len))
-
-    def record(self) -> dict:
-        return {"source": self.source, "stages": [[r.start, r.stop] for r in self.ranges],
-                "preferred_batch": preferred_batches(self.m)}
-
-
-def stages_of(m: ModelSpec) -> list[range]:
-    profiles = [OpProfile(op.name, tuple((b, op.time(b, m.max_len, m.max_len))
-                                         for b in BATCH_SIZES)) for op in m.ops]
-    return slice_stages(profiles, m.n_stages)
-
-
-def preferred_batches(m: ModelSpec) -> list[int]:
-    """The operators' preferred batch sizes, in order, each run of equal ones once."""
-    return _runs([preferred_batch(OpProfile(op.name, tuple((s, op.time(s, m.max_len, m.max_len))
-                                                         for s in BATCH_SIZES))) for op in m.ops])
+#: The compiled networks (zoo name, stages, length buckets).
+COMPILED = {"unet": ("unet", 4, ()), "bert": ("bert_base", 2, (32, 64, 128, 256)),
+            "resnet152": ("resnet152", 4, ())}
+MODELS = tuple(COMPILED)
+#: The served model's id (the clients'); its variants get the dispatcher's own ids.
+MODEL_ID = 1_000_000
 
 
 def _runs(xs: list[int]) -> list[int]:
+    """``xs`` with each run of equal values once."""
     out: list[int] = []
     for x in xs:
         if not out or out[-1] != x:
@@ -186,93 +89,88 @@ def _runs(xs: list[int]) -> list[int]:
     return out
 
 
-#: The compiled networks (zoo name, stages, length buckets) for ``--kernels compiled``.
-COMPILED = {"unet": ("unet", 4, ()), "bert": ("bert_base", 2, (32, 64, 128, 256)),
-            "resnet152": ("resnet152", 4, ())}
+@dataclass
+class StagedModel:
+    """One network's two bundles: ``staged`` cut into DVABatch's stages, ``whole`` in one
+    stage (the baselines); both with every length bucket in one bundle. Their variants'
+    launch plans are made once (:meth:`plans`) and shared by every load point."""
+    name: str
+    staged: Any                        # paella.bundle.Bundle
+    whole: Any
+    _plans: dict = field(default_factory=dict, repr=False)
 
-
-class CompiledModel:
-    """A zoo network compiled for the powers of two 1..64 (per length bucket for BERT)
-    and cut into stages by ``paella compile --stages`` (profiled on the simulated
-    Titan RTX): each stage run's launches are the compiled stage variant's kernels,
-    each with its isolated time on the simulated GPU. ``rows`` that are not a compiled
-    size run as :func:`paella.bundle.split_rows` says (e.g. 13 = 8 + 4 + 1, one after
-    the other in the same job), as a runtime runs them."""
-    source = "compiled"
-
-    def __init__(self, name: str, bundles: dict[int, "Bundle"]):
-        from paella.dispatcher.devices.sim.bundle_profile import launch_profile
-        self.name, self.bundles = name, bundles
-        self.buckets = tuple(sorted(b for b in bundles if b))
+    def __post_init__(self) -> None:
+        self.buckets = tuple(sorted({v.seq_len for v in self.staged.variants if v.seq_len}))
         self.max_len = max(self.buckets, default=0)
-        first = next(iter(bundles.values()))
-        self.n_stages = first.n_stages
-        self.sizes = sorted({v.rows for v in first.variants})
-        self._rows: dict[tuple[int, int, int], list[KRow]] = {}
-        self._calls: dict[tuple[int, int], list[float]] = {}      # (bucket, size) -> call times
-        for seq_len, b in bundles.items():
-            for i, v in enumerate(b.variants):
-                rows = [KRow(f"{v.name}/{op.kernel}", math.prod(op.grid), math.prod(op.block),
-                             v.kernel(op.kernel).registers, v.kernel(op.kernel).static_smem + op.dyn_smem,
-                             launch_profile(b, GPU, i, j, op)["isolated_us"] * 1e-6)
-                        for j, op in enumerate(v.launches())]
-                self._rows[(seq_len, v.stage, v.rows)] = rows
-                self._calls.setdefault((seq_len, v.rows), []).extend(
-                    sum(r.seconds for r in rows[c.launches[0]:c.launches[1]]) for c in v.calls)
+        self.n_stages = self.staged.n_stages
+        self.sizes = sorted({v.rows for v in self.staged.variants})
+        self._secs = {(b is self.whole, v.stage, v.rows, v.seq_len): v.stage_seconds
+                      for b in (self.staged, self.whole) for v in b.variants}
 
-    def _bucket(self, seq_len: int) -> int:
-        if not self.buckets:
-            return 0
-        return next((b for b in self.buckets if b >= seq_len), self.max_len)
+    def bundle(self, system: str) -> Any:
+        return self.staged if system == "dvabatch" else self.whole
 
-    def kernels(self, stage: int, rows: int, seq_len: int) -> list[KRow]:
-        from paella.bundle import split_rows
-        b = self._bucket(seq_len)
-        stages = range(self.n_stages) if stage < 0 else [stage]
-        return [k for s in stages for _, size in split_rows(0, rows, self.sizes)
-                for k in self._rows[(b, s, size)]]
+    def plans(self, system: str) -> list[Plan]:
+        """The bundle's variants as timing-only launch plans (weights' buffers allocated,
+        never uploaded: the simulator times kernels and computes nothing here)."""
+        b = self.bundle(system)
+        if id(b) not in self._plans:
+            self._plans[id(b)] = [plan_from_bundle(b, i, name=f"{self.name}@{v.name}", weights=False)
+                                  for i, v in enumerate(b.variants)]
+        return self._plans[id(b)]
 
     def time(self, stage: int, rows: int, seq_len: int) -> float:
-        return sum(k.seconds for k in self.kernels(stage, rows, seq_len))
+        """The compiler's profiled isolated time of ``rows`` rows through ``stage`` (-1:
+        the whole model), its pieces' times added."""
+        from paella.bundle import split_rows
+        b = next((x for x in self.buckets if x >= seq_len), self.max_len) if self.buckets else 0
+        return sum(self._secs[(stage < 0, max(stage, 0), size, b)]
+                   for _, size in split_rows(0, rows, self.sizes))
 
     def record(self) -> dict:
+        """The cuts and the operators' preferred batch sizes (at the longest length)."""
+        from paella.compiler_pass.stage_variants import call_times
         b = self.max_len
-        bundle = self.bundles[b]
-        calls = {size: self._calls[(b, size)] for size in self.sizes}
+        whole = {v.rows: i for i, v in enumerate(self.whole.variants) if v.seq_len == b}
+        calls = {size: call_times(self.whole, whole[size], GPU) for size in self.sizes}
         prefs = [preferred_batch(OpProfile(str(i), tuple((size, calls[size][i]) for size in self.sizes)))
                  for i in range(len(calls[self.sizes[0]]))]
-        cuts = bundle.variants[0].cuts
-        bounds = [0, *cuts, len(prefs)]
-        return {"source": self.source, "stages": [[a, e] for a, e in zip(bounds, bounds[1:])],
+        first = next(v for v in self.staged.variants if v.seq_len == b)
+        bounds = [0, *first.cuts, len(prefs)]
+        return {"source": "compiled", "stages": [[a, e] for a, e in zip(bounds, bounds[1:])],
                 "preferred_batch": _runs(prefs), "batch_sizes": self.sizes,
                 "fused_operators": len(prefs),
-                "launches": len(self.kernels(-1, 1, b)),
+                "launches": len(self.whole.variants[whole[1]].launches()),
                 "stage_ms_at_bs64": [1e3 * self.time(s, BS_MAX, b) for s in range(self.n_stages)],
-                "compile_seconds": sum(x.manifest.compile_seconds for x in self.bundles.values())}
+                "compile_seconds": self.staged.manifest.compile_seconds}
 
 
-def compiled_model(name: str, zoo_dir: str, log: Callable[[str], None] = print) -> CompiledModel:
-    """``name``'s stage bundles from ``zoo_dir`` (compiled there on first use, timing
-    only -- kernels and plans, no weights or CPU build; the bundle cache makes later runs
-    instant)."""
+def compiled_model(name: str, zoo_dir: str, log: Callable[[str], None] = print) -> StagedModel:
+    """``name``'s bundles in ``zoo_dir``, compiled there on first use: timing only
+    (kernels and plans, no weights or CPU build), every length bucket in one bundle, cut
+    in its stages and in one. ``compile_bundle`` keeps them current: a bundle whose cache
+    key (the models, and a hash of the slicing passes' source) differs is made again --
+    so a stage bundle cut before the boundaries had buffers of their own is re-cut, from
+    the bundle cache, not served with host copies."""
     from pathlib import Path
 
     from paella.bundle import load_bundle
     from paella.compiler_pass.build import compile_bundle
     from paella.models import zoo
     zname, n, buckets = COMPILED[name]
-    bundles = {}
-    for seq_len in buckets or (0,):
-        out = Path(zoo_dir) / (f"dvabatch_{zname}" + (f"_l{seq_len}" if seq_len else ""))
+    models = [zoo.get(zname, batch=b, seq_len=s or None) for s in buckets or (0,) for b in BATCH_SIZES]
+    out = {}
+    for tag, stages in (("", n), ("_whole", 1)):
+        path = Path(zoo_dir) / f"dvabatch_{zname}{tag}"
         t0 = time.perf_counter()
-        models = [zoo.get(zname, batch=b, seq_len=seq_len or None) for b in BATCH_SIZES]
-        compile_bundle(models, out, stages=n, stage_gpu=GPU, timing_only=True)
-        bundles[seq_len] = load_bundle(out)
+        compile_bundle(models, path, stages=stages, stage_gpu=GPU, timing_only=True)
+        out[tag] = load_bundle(path)
         took = time.perf_counter() - t0
         if took > 5:
-            log(f"{name}: compiled {out.name} ({len(BATCH_SIZES)} batch sizes, {n} stages) in "
+            log(f"{name}: compiled {path.name} ({len(BATCH_SIZES)} batch sizes"
+                f"{f' x {len(buckets)} lengths' if buckets else ''}, {stages} stage(s)) in "
                 f"{took:.0f} s (first time only; cached in {zoo_dir} and the bundle cache)")
-    return CompiledModel(name, bundles)
+    return StagedModel(name, out[""], out["_whole"])
 
 
 def rte_lengths(n: int, rng: np.random.Generator) -> np.ndarray:
@@ -280,101 +178,99 @@ def rte_lengths(n: int, rng: np.random.Generator) -> np.ndarray:
     return np.clip(np.round(rng.lognormal(math.log(60), 0.55, n)), 8, 256).astype(int)
 
 
-@dataclass
-class _Query:
-    i: int
-    arrival: float
-    seq_len: int
-    done: float = float("nan")
-
-
-def make_config(m, system: str, window: float = 0.0) -> DvaConfig:
-    """``m``: a :class:`DescribedModel` or :class:`CompiledModel`."""
+def batcher_options(m: StagedModel, system: str, window: float = 0.0) -> dict:
+    """The ``[batching]`` options of ``system`` (``config.toml``'s, for the dvabatch
+    batcher)."""
     if system == "dvabatch":
         # No window (stretch lets late queries join); a batch takes stretches while it
         # is in its first stage (Figure 3 Case-III's rule), bounded by the first
         # stage's time at batch 1 of the longest length.
-        return DvaConfig(m.n_stages, m.time, pairs=2, bs_max=BS_MAX, window=0.0,
-                         t_comp_wait=m.time(0, 1, m.max_len), length_buckets=m.buckets,
-                         stretch_idle_only=True)
-    return DvaConfig(1, lambda _s, bs, seq_len: m.time(-1, bs, seq_len), pairs=1, bs_max=BS_MAX,
-                     window=window, stretch=False, split=False, length_buckets=m.buckets,
-                     group_lengths=False)
+        return {"pairs": 2, "bs_max": BS_MAX, "window_us": 0.0,
+                "t_comp_wait_us": 1e6 * m.time(0, 1, m.max_len), "stretch_idle_only": True}
+    return {"pairs": 1, "bs_max": BS_MAX, "window_us": 1e6 * window, "stretch": False,
+            "split": False, "group_lengths": False}
 
 
-def _plan(name: str, rows: list[KRow]) -> Plan:
-    """A plan of ``rows``' launches in order on one stream (each kernel with its
-    isolated time, registers and shared memory: the simulator's occupancy and sharing
-    do the rest)."""
-    infos: dict[str, KernelInfo] = {}
-    ops = []
-    for r in rows:
-        infos.setdefault(r.name, KernelInfo(r.name, r.regs, static_smem=r.smem, duration=r.seconds))
-        ops.append(PlanOp("launch", kernel=r.name, grid=(r.grid,), block=(r.block,)))
-    return Plan(name, list(infos.values()), ops)
+class Server:
+    """One load point's daemon path: the simulated GPU, a dispatcher, a batching stage
+    serving ``m``'s bundle for ``system`` with the dvabatch batcher."""
+
+    def __init__(self, m: StagedModel, system: str, window: float, seed: int):
+        self.dev = SimDevice(GPU, n_streams=1024, seed=seed)
+        self.disp = Dispatcher(self.dev, "paella", profile_runs=0)
+        self.stage = BatchingStage(self.disp)
+        bundle = m.bundle(system)
+        served = {}
+        for vi, (v, plan) in enumerate(zip(bundle.variants, m.plans(system))):
+            mid = self.disp.register_model(plan.name, PlanAdaptor(plan))
+            spec = VariantSpec(vi, v.rows, v.seq_len, v.name, cost_s=v.stage_seconds, stage=v.stage)
+            served[vi] = ServedVariant(spec, mid, layout_of(v.inputs, v.outputs, v.io_bytes))
+        variants = ModelVariants(m.name, tuple(sv.spec for sv in served.values()))
+        self.batcher = make_batcher("dvabatch", variants, batcher_options(m, system, window))
+        self.stage.add_model(MODEL_ID, ServedModel(m.name, variants, served, self.batcher))
+        first = next(v for v in bundle.variants if v.stage == 0)
+        last = next(v for v in bundle.variants if v.stage == bundle.n_stages - 1)
+        self.tensors = [(t.name, tuple(t.shape), t.dtype) for t in (*first.inputs, *last.outputs)]
+        self.first = first
+        self._layouts: dict[int, tuple] = {}
+        self._io = np.zeros(0, np.uint8)
+
+    def request(self, i: int, seq_len: int, on_complete: Callable) -> Request:
+        """Request ``i``: one row of length ``seq_len``, shaped as the whole model. The
+        requests share one io region (timing only: their bytes are not checked here;
+        the tests check the answers on real bytes)."""
+        lay = self._layouts.get(seq_len)
+        if lay is None:
+            slots, nbytes = request_layout(self.tensors, self.first.rows, self.first.seq_len,
+                                           1, seq_len)
+            lay = self._layouts[seq_len] = (tuple(slots), nbytes)
+            if nbytes > self._io.size:
+                self._io = np.zeros(nbytes, np.uint8)
+        return Request(i, i % 8, MODEL_ID, self._io, rows=1, seq_len=seq_len, layout=lay[0],
+                       on_complete=on_complete)
+
+    def serve(self, arrivals: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+        """Request ``i`` submitted at ``arrivals[i]`` (device seconds); each one's
+        completion time."""
+        dev, stage = self.dev, self.stage
+        done = np.full(len(arrivals), np.nan)
+        failed: list[str] = []
+
+        def complete(req: Request, status: int, err: str | None) -> None:
+            done[req.req_id] = dev.now()
+            if status != STATUS_OK:
+                failed.append(f"request {req.req_id}: status {status}: {err}")
+
+        def arrive(due: range) -> None:
+            for i in due:
+                stage.submit(self.request(i, int(lengths[i]), complete))
+        VirtualDriver(self.disp, stage, on_stall=stage.unstall, name="dvabatch experiment").run(
+            list(arrivals), arrive)
+        if failed:
+            raise RuntimeError(f"{len(failed)} request(s) failed: {failed[0]}")
+        return done
 
 
-def run_point(m, system: str, rate: float, n: int, seed: int,
+def run_point(m: StagedModel, system: str, rate: float, n: int, seed: int,
               window: float = 0.0) -> dict:
-    """``n`` Poisson arrivals at ``rate``/s through ``system``; latency statistics."""
-    cfg = make_config(m, system, window)
-    dev = SimDevice(GPU, n_streams=1024, seed=seed)
-    disp = Dispatcher(dev, "paella", profile_runs=0)
-    whole = system != "dvabatch"
-
-    def adaptor(stage: int, rows: int, seq_len: int) -> PlanAdaptor:
-        return PlanAdaptor(_plan(f"{m.name}-s{stage}", m.kernels(-1 if whole else stage, rows, seq_len)))
-    runner = DispatcherStageRunner(disp, f"{m.name}-{system}", adaptor)
+    """``n`` Poisson arrivals at ``rate``/s through ``system``; latency statistics and the
+    batcher's counters."""
+    srv = Server(m, system, window, seed)
     rng = np.random.default_rng(seed)
-    t0 = dev.now()
-    arrivals = t0 + np.cumsum(rng.exponential(1.0 / rate, n))
+    arrivals = srv.dev.now() + np.cumsum(rng.exponential(1.0 / rate, n))
     lens = rte_lengths(n, rng) if m.buckets else np.zeros(n, int)
-    qs = [_Query(i, float(arrivals[i]), int(lens[i])) for i in range(n)]
-    pipe = DvaPipeline(cfg, runner, lambda q, now: setattr(q, "done", now), dev.now)
-    _drive(disp, dev, pipe, qs)
-    if runner.failed:
-        raise RuntimeError(f"{len(runner.failed)} stage jobs failed: {runner.failed[0]}")
+    done = srv.serve(arrivals, lens)
     warm = n // 10
-    kept = qs[warm:]
-    lat = np.array([q.done - q.arrival for q in kept])
-    span = max(q.done for q in kept) - kept[0].arrival
-    st = pipe.stats
-    return {"system": system, "offered": rate, "throughput": len(kept) / span,
+    lat = (done - arrivals)[warm:]
+    span = float(np.max(done[warm:]) - arrivals[warm])
+    st = srv.batcher.pipe.stats
+    bst = srv.batcher.stats
+    return {"system": system, "offered": rate, "throughput": (n - warm) / span,
             **latency_summary(lat), "new": st.new, "stretch": st.stretch, "split": st.split,
             "mean_stage_batch": float(np.mean(st.stage_rows)) if st.stage_rows else 0.0,
             "padded_token_share": st.padded_tokens / max(1, st.padded_tokens + int(lens.sum()))
-            if m.buckets else 0.0}
-
-
-def _drive(disp: Dispatcher, dev: SimDevice, pipe: DvaPipeline, qs: list[_Query]) -> None:
-    """The virtual-time loop (a free dispatcher, as the harness runs cpu_scale 0):
-    arrivals into the pipeline, the pipeline's window polled after each dispatcher step,
-    and the clock skipping to the next thing that can happen."""
-    def arrive(due: range) -> None:
-        now = dev.now()
-        for i in due:
-            pipe.add(qs[i], now)
-    VirtualDriver(disp, PipelineFront(pipe, dev), name="dvabatch driver").run(
-        [q.arrival for q in qs], arrive)
-
-
-class PipelineFront:
-    """A :class:`~paella.dispatcher.batchers.dvabatch.DvaPipeline` as the virtual-time
-    driver's front stage: polled at the device's time, its window's end a deadline."""
-
-    def __init__(self, pipe: DvaPipeline, dev: SimDevice):
-        self.pipe = pipe
-        self.dev = dev
-
-    @property
-    def busy(self) -> bool:
-        return not self.pipe.idle
-
-    def step(self) -> None:
-        self.pipe.poll(self.dev.now())
-
-    def deadline(self) -> float | None:
-        return self.pipe.deadline()
+            if m.buckets else 0.0,
+            "jobs": bst.jobs, "handoff": bst.handoff, "boundary_host_bytes": bst.boundary_host_bytes}
 
 
 def peak(m, system: str, n: int, seed: int, window: float = 0.0,
@@ -395,10 +291,10 @@ def peak(m, system: str, n: int, seed: int, window: float = 0.0,
 
 
 def run(models: list[str], n: int, seed: int, windows_ms: list[float], steps: int,
-        log: Callable[[str], None] = print, kernels: str = "compiled", zoo_dir: str = "") -> dict:
+        log: Callable[[str], None] = print, zoo_dir: str = "") -> dict:
     per_model = {}
     for name in models:
-        m = compiled_model(name, zoo_dir, log) if kernels == "compiled" else DescribedModel(MODELS[name]())
+        m = compiled_model(name, zoo_dir, log)
         best = None
         for w in windows_ms:
             p = peak(m, "delaybatch", n, seed, w / 1e3, steps)
@@ -425,7 +321,8 @@ def run(models: list[str], n: int, seed: int, windows_ms: list[float], steps: in
                            "loads": loads}
     return {"models": per_model, "summary": summarize(per_model), "paper": PAPER,
             "setting": {"gpu": GPU, "qos_ms": QOS_MS, "bs_max": BS_MAX, "queries": n,
-                        "seed": seed, "delay_windows_ms": windows_ms, "kernels": kernels}}
+                        "seed": seed, "delay_windows_ms": windows_ms, "kernels": "compiled",
+                        "path": "daemon batcher (BatchingStage + dvabatch, virtual time)"}}
 
 
 def _reduction(base: float, new: float) -> float:
@@ -476,11 +373,6 @@ def register(sub: argparse._SubParsersAction) -> None:
     from paella.experiments.cli import add_zoo_dir
     add_common(p)
     add_zoo_dir(p)
-    p.add_argument("--kernels", choices=("compiled", "described"), default="compiled",
-                   help="the models' kernels: compiled (default: the zoo's U-Net-like, BERT-like "
-                        "and ResNet-152-like networks, compiled for batch 1..64 (powers of two) "
-                        "and cut by `paella compile --stages`; the first run compiles them, "
-                        "minutes) or described (launch shapes and wave times, no compile)")
     p.add_argument("--queries", type=int, default=None,
                    help="queries per load point (default 1500, quick 400)")
     p.add_argument("--models", default=",".join(MODELS),
@@ -501,7 +393,7 @@ def main(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     log = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
     data = run(models, n, args.seed, windows, steps=3 if args.quick else 5, log=log,
-               kernels=args.kernels, zoo_dir=args.zoo_dir)
+               zoo_dir=args.zoo_dir)
     s = data["summary"]
     import json
     print(json.dumps(s, indent=1))

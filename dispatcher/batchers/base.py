@@ -217,9 +217,11 @@ class SchedulerContext(Protocol):
     def now(self) -> float:
         """The device clock (seconds)."""
 
-    def register_model(self, name: str, adaptor: Any, *, profile_runs: int = 0) -> int:
+    def register_model(self, name: str, adaptor: Any, *, profile_runs: int | None = 0) -> int:
         """Register an internal dispatcher model (an iteration, a stage variant): its own
-        launch plan and SRPT profile. Returns its id, for :meth:`submit`."""
+        launch plan and SRPT profile. Returns its id, for :meth:`submit`. ``profile_runs``:
+        jobs run to seed its profile (None: the dispatcher's own setting, as its variants
+        got)."""
 
     def submit(self, model_id: int, io: Any, clients: "list[int]",
                on_done: "Callable[[int, str | None], None]", stream: str | None = None,

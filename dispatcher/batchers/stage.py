@@ -546,7 +546,7 @@ class StageContext:
     def now(self) -> float:
         return self.stage.disp.now
 
-    def register_model(self, name: str, adaptor: Any, *, profile_runs: int = 0) -> int:
+    def register_model(self, name: str, adaptor: Any, *, profile_runs: int | None = 0) -> int:
         disp = self.stage.disp
         mid = self.stage.new_model_id()
         # Named with its id: a reloaded model's scheduler registers its models again

@@ -2,9 +2,9 @@
 dispatcher on the simulated GPU, and the experiment's summary keys."""
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
+from dataclasses import dataclass
 
 import numpy as np
 import pytest
@@ -12,12 +12,23 @@ import pytest
 from paella.compiler_pass.stages import OpProfile, preferred_batch, slice_stages
 from paella.dispatcher.adaptor import PlanAdaptor, synthetic_plan
 from paella.dispatcher.batchers.dvabatch import DvaConfig, DvaPipeline, check_hazards
-from paella.dispatcher.batchers.dvabatch.runner import DispatcherStageRunner
+from paella.dispatcher.batchers.dvabatch.runner import DispatcherStageRunner, drive_pipeline
 from paella.dispatcher.core import Dispatcher
 from paella.dispatcher.devices.sim import SimDevice
-from paella.experiments import dvabatch as exp
 
 SIZES = (1, 2, 4, 8, 16, 32, 64)
+
+
+@dataclass
+class _Query:
+    """A query of the bare pipeline (it reads ``seq_len``)."""
+    i: int
+    arrival: float
+    seq_len: int
+
+
+def _drive(disp, dev, pipe, qs) -> None:
+    drive_pipeline(disp, pipe, qs, lambda q: q.arrival)
 
 
 def op(name: str, pref: int, t: float = 1.0) -> OpProfile:
@@ -60,9 +71,9 @@ def test_stages_run_as_dispatcher_jobs_without_hazards():
     done = {}
     pipe = DvaPipeline(cfg, runner, lambda q, now: done.__setitem__(q.i, now), dev.now)
     rng = np.random.default_rng(0)
-    qs = [exp._Query(i, float(t), 0) for i, t in
+    qs = [_Query(i, float(t), 0) for i, t in
           enumerate(dev.now() + np.cumsum(rng.exponential(1 / 3000, 300)))]
-    exp._drive(disp, dev, pipe, qs)
+    _drive(disp, dev, pipe, qs)
     assert not runner.failed
     assert sorted(done) == list(range(300))
     assert all(done[q.i] >= q.arrival + sum(time_of(s, 1) for s in range(3)) - 1e-9 for q in qs)
@@ -72,24 +83,6 @@ def test_stages_run_as_dispatcher_jobs_without_hazards():
     assert {k[1] for k in runner.model_ids} >= {1, 4}
     assert all(disp.models[m].name == f"toy3/s{s}/b{b}/l{l}"
                for (s, b, l), m in runner.model_ids.items())
-
-
-def test_experiment_quick_subset_writes_the_issue_keys(tmp_path):
-    out = tmp_path / "d.json"
-    r = subprocess.run([sys.executable, "-m", "paella.cli", "experiment", "dvabatch", "--quick",
-                        "--models", "resnet152", "--queries", "150", "--kernels", "described",
-                        "--json", str(out)],
-                       capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stderr
-    data = json.loads(out.read_text())
-    s = data["summary"]
-    for key in ("avg_latency_reduction_vs_zerobatch", "p99_latency_reduction_vs_zerobatch",
-                "avg_latency_reduction_vs_delaybatch"):
-        assert set(s[key]) == {"low", "medium", "high"}
-        assert all(np.isfinite(v) for v in s[key].values())
-    assert s["peak_throughput_ratio"]["resnet152"] > 0
-    pts = data["models"]["resnet152"]["loads"]["low"]
-    assert pts["zerobatch"]["mean_ms"] > 0 and pts["dvabatch"]["new"] > 0
 
 
 def test_experiment_refuses_an_unknown_model():
@@ -128,7 +121,7 @@ def test_each_stage_executor_runs_on_its_own_stream():
     done = []
     pipe = DvaPipeline(cfg, runner, lambda q, now: done.append(q.i), dev.now)
     rng = np.random.default_rng(1)
-    qs = [exp._Query(i, float(t), 0) for i, t in
+    qs = [_Query(i, float(t), 0) for i, t in
           enumerate(dev.now() + np.cumsum(rng.exponential(1 / 4000, 120)))]
     from paella.dispatcher.core import Request
     # Reserved up front (as a served model does when it loads): from then on no other
@@ -136,7 +129,7 @@ def test_each_stage_executor_runs_on_its_own_stream():
     pinned = [disp.stream_named(runner.stream_name(s)) for s in range(3)]
     for i in range(20):                     # another model's jobs on the pool meanwhile
         disp.submit(Request(10_000 + i, 7, other, np.zeros(1, np.uint8)))
-    exp._drive(disp, dev, pipe, qs)
+    _drive(disp, dev, pipe, qs)
     assert not runner.failed and sorted(done) == list(range(120))
     assert check_hazards(pipe.accesses) == []
     assert [disp.stream_named(runner.stream_name(s)) for s in range(3)] == pinned

@@ -229,25 +229,63 @@ def test_bad_stages_values_are_errors(tmp_path, value, message):
     assert not (tmp_path / "b").exists()
 
 
-@pytest.mark.slow
-def test_the_experiment_runs_compiled_stage_kernels(sliced):
-    """``paella experiment dvabatch``'s compiled models: a stage run is the compiled
-    stage variants' launches (rows not compiled run in split_rows pieces), and queries
-    go through DVABatch and ZeroBatch on the dispatcher."""
+@pytest.fixture(scope="module")
+def experiment_model(sliced, tmp_path_factory):
+    """The small ResNet-152-like network as ``paella experiment dvabatch`` serves it: its
+    4-stage bundle (DVABatch) and its 1-stage bundle (the baselines)."""
     from paella.experiments import dvabatch as exp
     bundle, _ = sliced["resnet152_small"]
-    m = exp.CompiledModel("resnet152", {0: bundle})
-    assert m.n_stages == 4 and m.sizes == list(SIZES)
-    three = m.kernels(1, 3, 0)
-    v2, v1 = (bundle.variants[bundle.stage_variant(1, b)] for b in (2, 1))
-    assert len(three) == len(v2.launches()) + len(v1.launches())
+    models = [zoo.get("resnet152_small", batch=b) for b in SIZES]
+    one = load_bundle(compile_bundle(models, tmp_path_factory.mktemp("one") / "r", stages=1))
+    return exp.StagedModel("resnet152", bundle, one)
+
+
+@pytest.mark.slow
+def test_the_experiment_serves_through_the_daemons_batcher(experiment_model):
+    """Every system of ``paella experiment dvabatch`` is the ``dvabatch`` batcher behind
+    the batching stage, on the compiled variants' launch plans: DVABatch's stage jobs
+    bound to the pairs' device memory (no boundary byte through the host), runs of rows
+    between compiled sizes in pieces, and no query faster than its kernels allow."""
+    from paella.dispatcher.batchers.dvabatch.batcher import DvaBatcher
+    from paella.experiments import dvabatch as exp
+    m = experiment_model
+    assert m.n_stages == 4 and m.sizes == list(SIZES) and m.buckets == ()
     assert m.time(1, 3, 0) == pytest.approx(m.time(1, 2, 0) + m.time(1, 1, 0)) and m.time(1, 1, 0) > 0
-    assert m.time(-1, 2, 0) == pytest.approx(sum(m.time(s, 2, 0) for s in range(4)))
+    assert m.time(-1, 2, 0) == pytest.approx(sum(m.time(s, 2, 0) for s in range(4)), rel=1e-6)
     rec = m.record()
-    assert rec["stages"][1][0] == bundle.variants[0].cuts[0] and rec["source"] == "compiled"
-    for system in ("dvabatch", "zerobatch"):
-        pt = exp.run_point(m, system, rate=2000.0, n=60, seed=1)
-        assert pt["mean_ms"] > 0 and pt["throughput"] > 0
+    assert rec["stages"][1][0] == m.staged.variants[0].cuts[0] and rec["source"] == "compiled"
+    srv = exp.Server(m, "dvabatch", 0.0, seed=1)
+    assert isinstance(srv.batcher, DvaBatcher) and srv.stage.models[exp.MODEL_ID].ctx is not None
+    rate = 0.8 * 4 / m.time(-1, 4, 0)               # busy enough to batch
+    for system in ("dvabatch", "zerobatch", "delaybatch"):
+        pt = exp.run_point(m, system, rate=rate, n=80, seed=1, window=1e-3)
+        assert pt["handoff"] == "device" and pt["boundary_host_bytes"] == 0, pt
+        assert pt["throughput"] > 0 and pt["jobs"] >= pt["new"] > 0, pt
+        # No answer before its kernels can have run (the simulator's timing, not a
+        # fixed duration): the whole model's isolated time at batch 1.
+        assert pt["p50_ms"] >= 1e3 * m.time(-1, 1, 0) * 0.95, pt
+        if system == "dvabatch":
+            assert pt["mean_stage_batch"] > 1 and pt["new"] < 80, pt     # it batched
+        else:
+            assert pt["stretch"] == pt["split"] == 0, pt
+
+
+@pytest.mark.slow
+def test_the_experiment_writes_the_issue_keys(experiment_model, monkeypatch):
+    """``run`` (what the command runs), small: every summary key the issue names, finite,
+    for every load."""
+    from paella.experiments import dvabatch as exp
+    monkeypatch.setattr(exp, "compiled_model", lambda name, zoo_dir, log: experiment_model)
+    data = exp.run(["resnet152"], n=60, seed=1, windows_ms=[1.0], steps=1, log=lambda m: None)
+    s = data["summary"]
+    for key in ("avg_latency_reduction_vs_zerobatch", "p99_latency_reduction_vs_zerobatch",
+                "avg_latency_reduction_vs_delaybatch"):
+        assert set(s[key]) == {"low", "medium", "high"}
+        assert all(np.isfinite(v) for v in s[key].values())
+    assert s["peak_throughput_ratio"]["resnet152"] > 0
+    assert data["setting"]["path"].startswith("daemon batcher")
+    pts = data["models"]["resnet152"]["loads"]["high"]
+    assert pts["dvabatch"]["handoff"] == "device" and pts["zerobatch"]["mean_ms"] > 0
 
 
 def test_a_timing_only_bundle_has_kernels_and_plan_but_no_weights(tmp_path):

@@ -253,7 +253,7 @@ class DvaBatcher(SchedulerBatcher):
                                     adaptors[v.index], pb.buffers, ptrs)
                 self.handoff_ids[(v.index, fetch)] = ctx.register_model(
                     f"s{v.stage}_b{v.rows}_l{v.seq_len}{'_fetch' if fetch else ''}", ad,
-                    profile_runs=1)
+                    profile_runs=None)   # (the dispatcher's own setting, as for every model)
                 self.pools[(v.index, fetch)] = ad.buffer_pool
         self.stats.handoff = "device"
         log.info("dvabatch %s: stage boundaries in device memory (%.1f KB)", ctx.name,

@@ -69,4 +69,40 @@ class DispatcherStageRunner:
         return f"{self.name}/s{stage}"
 
 
-__all__ = ["DispatcherStageRunner"]
+class PipelineFront:
+    """A :class:`~.pipeline.DvaPipeline` as the virtual-time driver's front stage
+    (:class:`~paella.dispatcher.virtual_time.FrontStage`): polled at the device's time,
+    its window's end a deadline. (The tests drive a bare pipeline with it; the
+    experiment and the daemon drive the ``dvabatch`` batcher through the batching stage.)"""
+
+    def __init__(self, pipe: Any, dev: Any):
+        self.pipe = pipe
+        self.dev = dev
+
+    @property
+    def busy(self) -> bool:
+        return not self.pipe.idle
+
+    def step(self) -> None:
+        self.pipe.poll(self.dev.now())
+
+    def deadline(self) -> float | None:
+        return self.pipe.deadline()
+
+
+def drive_pipeline(disp: Any, pipe: Any, queries: list, arrival: Callable[[Any], float]) -> None:
+    """Run ``queries`` (sorted by ``arrival(q)``, device seconds) through ``pipe`` on
+    ``disp`` in virtual time, with the one driver
+    (:class:`~paella.dispatcher.virtual_time.VirtualDriver`)."""
+    from paella.dispatcher.virtual_time import VirtualDriver
+    dev = disp.device
+
+    def arrive(due: range) -> None:
+        now = dev.now()
+        for i in due:
+            pipe.add(queries[i], now)
+    VirtualDriver(disp, PipelineFront(pipe, dev), name="dvabatch pipeline").run(
+        [arrival(q) for q in queries], arrive)
+
+
+__all__ = ["DispatcherStageRunner", "PipelineFront", "drive_pipeline"]
