@@ -391,3 +391,27 @@ def test_the_simulated_device_carries_the_boundary_bytes_device_to_device(bundle
 def test_a_bad_handoff_option_is_refused_with_the_choices(bundle):
     with pytest.raises(Exception, match=r"handoff must be one of \['auto', 'device', 'host'\]"):
         Served(bundle, handoff="gpu")
+
+
+def test_a_bound_job_cancelled_before_it_starts_gives_its_buffer_set_back(bundle):
+    """A stage job submitted with a buffer set the batcher bound (the device hand-off)
+    whose only client leaves before the job started: the dispatcher drops the job and
+    the set goes back to its pool (none left in use, none lost), the pipeline goes on,
+    and the next request reuses the freed set instead of making another."""
+    m = Served(bundle, pairs=1, split=False, stretch=False, handoff="device")
+    pools = m.batcher.pools
+    gone = [m.send(client=2), m.send(client=2)]
+    # Submitted (the batch's stage-0 job holds a bound set), not started: no step yet.
+    assert m.batcher.stats.jobs >= 1 and sum(p.in_use for p in pools.values()) >= 1
+    created = sum(p.created for p in pools.values())
+    m.ex.cancel_client(2)
+    m.ex.stage.run_until_idle()
+    assert {m.done[r.req_id][0] for r in gone} == {rings.E_CANCELLED}
+    assert all(p.in_use == 0 for p in pools.values()), {k: p.in_use for k, p in pools.items()}
+    assert sum(len(p.free) for p in pools.values()) == sum(p.created for p in pools.values())
+    again = m.send(client=1)
+    m.ex.stage.run_until_idle()
+    assert m.done[again.req_id] == (rings.OK, None)
+    np.testing.assert_allclose(m.output(again), again.want, rtol=1e-5, atol=1e-5)
+    assert all(p.in_use == 0 for p in pools.values())
+    assert sum(p.created for p in pools.values()) <= created + 1   # (stage 1's set, at most)
