@@ -74,7 +74,7 @@ def gpu_replicas(config: ClusterConfig, n_replicas: int, seed: int | None = None
             request_router_kwargs={"policy": config.router, "seed": seed},
             request_routing_stats_period_s=config.stats_period_s,
             request_routing_stats_timeout_s=max(2.0, config.stats_period_s)))
-    return gpu.bind(config)
+    return gpu.bind(config, n_replicas)
 
 
 def run(config: ClusterConfig, blocking: bool = False, seed: int | None = None) -> Any:
@@ -85,3 +85,15 @@ def run(config: ClusterConfig, blocking: bool = False, seed: int | None = None) 
     serve.start(http_options={"host": config.http_host, "port": config.http_port})
     return serve.run(build_app(config, n, seed), name=config.app_name, route_prefix="/",
                      blocking=blocking)
+
+
+def failure_of(app_name: str) -> str:
+    """Why the application's deployments failed, from Serve's status: each failed
+    deployment's message (a replica's constructor error: the daemon's own words)."""
+    from ray import serve
+    app = serve.status().applications.get(app_name)
+    if app is None:
+        return "the application is gone"
+    parts = [f"{name}: {d.message}" for name, d in app.deployments.items()
+             if d.message and d.status not in ("HEALTHY", "UPDATING")]
+    return "\n".join(parts) or app.message or str(app.status)

@@ -77,8 +77,9 @@ def _serve(config: ClusterConfig) -> int:
     except ConfigError as e:
         raise CLIError(str(e)) from None
     except RuntimeError as e:          # (Serve's deployment failure: a replica's error)
+        why = ray_app.failure_of(config.app_name)
         serve.shutdown()
-        raise CLIError(f"the deployment failed: {e}") from None
+        raise CLIError(f"the deployment failed: {e}\n{why}") from None
     print(f"paella cluster: serving {', '.join(config.models)} on "
           f"http://{config.http_host}:{config.http_port}/v2 (KServe v2 REST); "
           f"daemons' sockets in {config.run_dir}; Ctrl-C to stop", flush=True)

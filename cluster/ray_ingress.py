@@ -47,20 +47,19 @@ class ClusterService(InferenceService):
         self.names = models
 
     async def _fetch_models(self) -> dict[str, ModelSpec]:
-        """Each configured model's tensors, from a replica that serves it; a model no
-        replica answers for within 5 s is left out (not ready) until the next look."""
-        limit = min(self.timeout, 5.0)
-        got = await asyncio.gather(*(self._spec(m, limit) for m in self.names),
-                                   return_exceptions=True)
-        specs = {m: s for m, s in zip(self.names, got) if isinstance(s, ModelSpec)}
+        """Each configured model's tensors, from a replica that serves it. A model no
+        replica answers for within 5 s keeps what was known of it (a model's tensors
+        do not change in a cluster), or stays out (not ready) until the next look."""
+        got = await asyncio.gather(*(self._call("spec", m, min(self.timeout, 5.0))
+                                     for m in self.names), return_exceptions=True)
+        specs = {m: s if isinstance(s, ModelSpec) else self._models.get(m)
+                 for m, s in zip(self.names, got)}
+        specs = {m: s for m, s in specs.items() if s is not None}
         if not specs:
             why = next((str(e) for e in got if isinstance(e, BaseException)), "none ready")
             raise InferError(503, f"no replica of the cluster answers: {why}")
         self._models, self._models_at = specs, time.monotonic()
         return specs
-
-    async def _spec(self, model: str, limit: float) -> ModelSpec:
-        return await asyncio.wait_for(self._remote("spec", model=model), limit)
 
     async def _remote(self, method: str, **kwargs: Any) -> Any:
         """``handle.METHOD.remote(**kwargs)``'s result, as a request of its own.
@@ -79,19 +78,26 @@ class ClusterService(InferenceService):
 
     async def infer(self, m: ModelSpec, inputs: Mapping[str, np.ndarray],
                     priority: int = 0, timeout: float | None = None) -> dict[str, np.ndarray]:
-        """The inference on a replica the router picks; retried once elsewhere if that
-        replica lost its daemon, within the request's timeout."""
+        """The inference on a replica the router picks (see :meth:`_call`)."""
         limit = self.timeout if timeout is None else min(timeout, self.timeout)
+        return await self._call("infer", m.name, limit, inputs=dict(inputs),
+                                priority=priority)
+
+    async def _call(self, method: str, model: str, limit: float, **kwargs: Any) -> Any:
+        """``method`` of a replica serving ``model``, within ``limit`` seconds; sent once
+        more, to another replica if there is one, if the first lost its daemon (or
+        died) under it. An :class:`InferError` otherwise: the replica's own failure,
+        the second loss, or a timeout (504)."""
         deadline = time.monotonic() + limit
         avoid = None
         for attempt in (1, 2):
             left = deadline - time.monotonic()
             if left <= 0:
                 break
+            extra = {"timeout": left} if method == "infer" else {}
             try:
-                call = self._remote("infer", model=m.name, inputs=dict(inputs),
-                                    priority=priority, timeout=left, avoid=avoid)
-                return await asyncio.wait_for(call, left)
+                return await asyncio.wait_for(
+                    self._remote(method, model=model, avoid=avoid, **extra, **kwargs), left)
             except asyncio.TimeoutError:
                 break
             except Exception as e:  # noqa: BLE001 - sorted below: retry, or the answer
@@ -100,9 +106,9 @@ class ClusterService(InferenceService):
                     raise InferError(500, f"internal error: {type(e).__name__}: {e}") from None
                 if not failure.daemon_lost or attempt == 2:
                     raise InferError(failure.status, failure.message) from None
-                log.warning("retrying a request of %s: %s", m.name, failure.message)
+                log.warning("retrying a request of %s: %s", model, failure.message)
                 avoid = failure.replica or None
-        raise InferError(504, f"model {m.name!r} did not answer within {limit:g} s "
+        raise InferError(504, f"model {model!r} did not answer within {limit:g} s "
                               f"(the cluster's replicas)")
 
     async def generate(self, m: ModelSpec, prompt_ids: list[int], max_tokens: int,
@@ -120,11 +126,11 @@ def _failure(e: BaseException) -> ReplicaFailure | None:
     own, as Ray re-raises it), one standing for a dead replica (retried like a lost
     daemon), or None (anything else: a bug)."""
     from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
-    if isinstance(e, ReplicaFailure):
-        return ReplicaFailure(e.status, e.message, e.replica, e.daemon_lost)
-    cause = getattr(e, "cause", None)
+    cause = getattr(e, "cause", None)          # (Ray's RayTaskError wraps the original)
     if isinstance(cause, ReplicaFailure):
         return cause
+    if isinstance(e, ReplicaFailure):
+        return ReplicaFailure(e.status, e.message, e.replica, e.daemon_lost)
     if isinstance(e, (ActorDiedError, ActorUnavailableError, RayActorError)):
         return ReplicaFailure(503, f"a replica died under the request: {e}", "", True)
     return None

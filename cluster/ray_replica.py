@@ -19,11 +19,13 @@ new one starts a new daemon. ``record_routing_stats`` is Ray's hook for what the
 request router (:mod:`.ray_router`) reads: the daemon's ``queued_work_us`` from
 STATUS, the models served, whether the daemon lives.
 
-A request whose daemon died under it raises :class:`ReplicaFailure` with
-``daemon_lost``: the ingress retries it once elsewhere (:mod:`.ray_ingress`).
+A request whose daemon died under it, or could not be reached, raises
+:class:`ReplicaFailure` with ``daemon_lost``: the ingress retries it once elsewhere
+(:mod:`.ray_ingress`).
 """
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import os
@@ -61,25 +63,47 @@ class PaellaReplica:
     """One GPU's daemon behind Ray Serve (see the module docstring). Deployed by
     :func:`paella.cluster.ray_app.build_app`, which sets its resources."""
 
-    def __init__(self, config: ClusterConfig):
+    def __init__(self, config: ClusterConfig, n_replicas: int):
         from ray import serve
         ctx = serve.get_replica_context()
         self.id = ctx.replica_id.unique_id
-        self.rank = ctx.rank.rank if ctx.rank is not None else 0
-        world = max(ctx.world_size or 1, self.rank + 1)
-        self.models = sorted(config.placed(world)[self.rank])
-        self.config = config
+        self.config, self.n_replicas = config, n_replicas
         self.served = 0
         self._stats: AsyncClient | None = None        # (STATUS, for the router)
         os.makedirs(config.run_dir, exist_ok=True)
-        base = os.path.join(config.run_dir, f"{config.app_name}-{self.rank}-{os.getpid()}")
+        self._start(ctx.rank.rank if ctx.rank is not None else 0)
+
+    def _start(self, rank: int) -> None:
+        """This rank's models on a new daemon (the constructor; a new rank's models)."""
+        c = self.config
+        self.rank = rank
+        # A replacement may get a rank past the others' while its predecessor stops; it
+        # serves that rank's slot modulo N until Ray gives it its rank back.
+        self.models = sorted(c.placed(self.n_replicas)[rank % self.n_replicas])
+        base = os.path.join(c.run_dir, f"{c.app_name}-{rank}-{os.getpid()}")
         self.daemon = ray_daemon.start(base + ".sock", self._daemon_args(base),
                                        env=self._daemon_env())
-        self.service = InferenceService(self.daemon.socket, clients=2,
-                                        timeout=config.timeout_s)
-        self._write_record(base)
-        log.warning("replica %s (rank %d): daemon pid %d on %s serves %s", self.id, self.rank,
+        self.service = InferenceService(self.daemon.socket, clients=2, timeout=c.timeout_s)
+        self._check_models()
+        self._write_record()
+        log.warning("replica %s (rank %d): daemon pid %d on %s serves %s", self.id, rank,
                     self.daemon.proc.pid, self.daemon.socket, ", ".join(self.models))
+
+    def reconfigure(self, user_config: Any, rank: Any = None) -> None:
+        """Ray gives this replica another rank (ranks are kept contiguous): if that
+        rank's models differ, the daemon is replaced by one serving them."""
+        new = getattr(rank, "rank", rank)
+        if new is None or new == self.rank:
+            return
+        models = sorted(self.config.placed(self.n_replicas)[new % self.n_replicas])
+        if models == self.models:
+            self._forget_record()
+            self.rank = new
+            self._write_record()
+            return
+        self._forget_record()
+        self._stop()
+        self._start(new)
 
     # -- the daemon ------------------------------------------------------------------
     def _daemon_args(self, base: str) -> list[str]:
@@ -95,6 +119,28 @@ class PaellaReplica:
             args += ["--models", _repository_of(base + "-models", c.model_repository, bundles)]
         return args + list(c.daemon_args)
 
+    def _check_models(self) -> None:
+        """The daemon serves every model this replica was given, or the replica fails
+        (a bundle the daemon skipped: its reason is in the daemon's log, quoted)."""
+        from paella.client import Client
+        try:
+            c = Client(self.daemon.socket)
+            try:
+                served = set(c.list_models())
+            finally:
+                c.close()
+        except Exception as e:  # noqa: BLE001 - any failure to ask is a failed start
+            self.daemon.stop()
+            raise ray_daemon.DaemonStartError(f"the paella daemon does not answer: {e}"
+                                              f"{self.daemon.last_words()}") from None
+        missing = sorted(set(self.models) - served)
+        if missing:
+            self.daemon.stop()
+            raise ray_daemon.DaemonStartError(
+                f"the paella daemon started without the model(s) {', '.join(missing)} "
+                f"(it serves {', '.join(sorted(served)) or 'nothing'}): a bad bundle? Its "
+                f"log{self.daemon.last_words()}")
+
     def _daemon_env(self) -> dict[str, str]:
         """The GPU Ray gave this replica, the only one its daemon sees (cuda)."""
         env = dict(os.environ)
@@ -107,10 +153,19 @@ class PaellaReplica:
             env["CUDA_VISIBLE_DEVICES"] = ",".join(str(i) for i in ids)
         return env
 
-    def _write_record(self, base: str) -> None:
+    def _record_path(self) -> str:
+        return os.path.join(self.config.run_dir, f"{self.config.app_name}-{self.rank}.json")
+
+    def _forget_record(self) -> None:
+        try:
+            os.unlink(self._record_path())
+        except FileNotFoundError:
+            pass
+
+    def _write_record(self) -> None:
         """``run_dir/APP-RANK.json``: where this rank's daemon is (``paella status
         --socket``), for operators and tests."""
-        path = os.path.join(self.config.run_dir, f"{self.config.app_name}-{self.rank}.json")
+        path = self._record_path()
         with open(path + ".tmp", "w") as f:
             json.dump({"replica": self.id, "rank": self.rank, "pid": os.getpid(),
                        "daemon_pid": self.daemon.proc.pid, "socket": self.daemon.socket,
@@ -137,13 +192,16 @@ class PaellaReplica:
                 log.warning("STATUS of the daemon failed: %s", e)
         return stats
 
+    def _stop(self) -> None:
+        self.service.close()
+        if self._stats is not None:
+            self._stats.close()
+            self._stats = None
+        self.daemon.stop()
+
     def __del__(self) -> None:
-        d = getattr(self, "daemon", None)
-        if d is not None:
-            self.service.close()
-            if self._stats is not None:
-                self._stats.close()
-            d.stop()
+        if getattr(self, "daemon", None) is not None:
+            self._stop()
 
     # -- requests (the ingress calls these with keyword arguments: the router reads
     #    ``model`` and ``avoid``) -------------------------------------------------------
@@ -164,10 +222,18 @@ class PaellaReplica:
         try:
             return await what
         except InferError as e:
-            lost = e.status == 503 and not self.daemon.alive
-            msg = (f"replica {self.rank} lost its daemon: {self.daemon.why_dead()}" if lost
-                   else str(e))
-            raise ReplicaFailure(e.status, msg, self.id, lost) from None
+            if e.status != 503:
+                raise ReplicaFailure(e.status, str(e), self.id) from None
+            # the daemon is unreachable: the request did not run to its answer here, and
+            # inference is idempotent, so the ingress may send it elsewhere. A daemon
+            # killed this instant may still look alive: its process is exiting.
+            for _ in range(25):
+                if not self.daemon.alive:
+                    break
+                await asyncio.sleep(0.02)
+            msg = (f"replica {self.rank} lost its daemon: {self.daemon.why_dead()}"
+                   if not self.daemon.alive else f"replica {self.rank}: {e}")
+            raise ReplicaFailure(503, msg, self.id, daemon_lost=True) from None
 
 
 def _repository_of(folder: str, repository: str, models: list[str]) -> str:
