@@ -434,8 +434,8 @@ def report_section(d: dict) -> list[str]:
            f"Reductions are in percent of the baseline's latency (positive: DVABatch lower), the mean "
            f"over the models as the paper averages over its six."
            + (" These figures are the `--quick` run (400 queries a point, 3 windows, 3 bisection "
-              "steps): the full run simulates about 20 times as much and was not run on the "
-              "shared 2-core machine." if st["queries"] <= 400 else ""), "",
+              "steps): the full run simulates about 10 times as much, hours on the daemon's path "
+              "on the shared 2-core machine, and was not made." if st["queries"] <= 400 else ""), "",
         *rows, "", *per, "", "Differences, one sentence each:", ""]
     z, dl, pz, pd = (r["avg_latency_reduction_vs_zerobatch"], r["avg_latency_reduction_vs_delaybatch"],
                      p["avg_latency_reduction_vs_zerobatch"], p["avg_latency_reduction_vs_delaybatch"])
@@ -522,7 +522,7 @@ def _models_paragraph(ms: dict, st: dict, compiled: bool) -> str:
                 f"{pref('resnet152', 0)}).")
     desc = {"unet": "U-Net-like (`unet`: width 64, four levels, 256x256)",
             "bert": "BERT-like (`bert_base`: 12 layers, hidden 768; lengths drawn like GLUE RTE's, "
-                    "one bundle per bucket 32/64/128/256)",
+                    "buckets 32/64/128/256 in one served model)",
             "resnet152": "ResNet-152 (`resnet152`, 224x224)"}
     parts = []
     for n, pm in ms.items():
@@ -530,9 +530,11 @@ def _models_paragraph(ms: dict, st: dict, compiled: bool) -> str:
         parts.append(f"{desc.get(n, n)}: {pm['fused_operators']} fused operators, stages of "
                      + " / ".join(f"{t:.0f}" for t in pm["stage_ms_at_bs64"])
                      + f" ms at batch 64, preferred batch sizes {', '.join(map(str, prefs))}")
-    return (f"Three compiled networks on the simulated {gpu} behind the kernel scheduler (`paella` "
-            f"policy, virtual time, a free dispatcher), each compiled for batch sizes "
+    return (f"Three compiled networks on the simulated {gpu}, each served as the daemon serves "
+            f"it: a batching stage in front of the kernel scheduler (`paella` policy, virtual time, "
+            f"a free dispatcher), the `dvabatch` batcher for every system, the compiled variants' "
+            f"launch plans timed by the simulator's model (warps, bandwidth, launch latency), "
+            f"compiled for batch sizes "
             f"{', '.join(map(str, next(iter(ms.values()))['batch_sizes']))} (timing-only bundles) and "
-            f"cut by `paella compile --stages`; a stage run is its compiled stage variant's kernels, "
-            f"each with its isolated time on the simulated GPU, and rows between compiled sizes run "
-            f"as pieces of compiled sizes: " + "; ".join(parts) + ".")
+            f"cut by `paella compile --stages` (the baselines: one stage); rows between compiled "
+            f"sizes run as pieces of compiled sizes: " + "; ".join(parts) + ".")
