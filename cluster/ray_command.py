@@ -84,11 +84,9 @@ def _serve(config: ClusterConfig) -> int:
           f"http://{config.http_host}:{config.http_port}/v2 (KServe v2 REST); "
           f"daemons' sockets in {config.run_dir}; Ctrl-C to stop", flush=True)
     stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    try:
-        stop.wait()
-    except KeyboardInterrupt:
-        pass
+    for sig in (signal.SIGTERM, signal.SIGINT):     # (Ray's own SIGINT handler swallows ^C)
+        signal.signal(sig, lambda *_: stop.set())
+    stop.wait()
     print("paella cluster: stopping", file=sys.stderr, flush=True)
     serve.shutdown()
     return 0
