@@ -42,7 +42,7 @@ def test_base_dependencies_are_numpy_only_and_the_extras_exist():
     assert {"serve", "compile", "cuda", "plots", "kserve", "text", "all", "dev"} <= set(extras)
     assert extras["all"] == ["paella-py[serve,compile,cuda,plots,kserve,text]"]
     assert extras["cuda"] == ["cuda-python>=12.6,<14"]     # docs/cuda-backend.md, "Versions"
-    assert "'.[all,dev,windtunnel]'" in (ROOT / "Makefile").read_text()
+    assert "'.[all,dev,windtunnel,ray]'" in (ROOT / "Makefile").read_text()   # (ray: paella cluster's tests)
 
 
 def test_client_and_its_commands_work_with_numpy_alone(daemon):
