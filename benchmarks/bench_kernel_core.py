@@ -61,7 +61,9 @@ def drive(dev: SimDevice, core: Any, m: Any, cm: Any, n_jobs: int, batch: int = 
     clock jumps when a step did nothing."""
     io = np.zeros(m.adaptor.io_bytes, np.uint8)
     sets = [m.pool.acquire() for _ in range(64 + batch)]
-    operands = [kc.job_operands(cm, m.replay, b.bound, io, dev.memory) for b in sets]
+    # As the dispatcher admits (Dispatcher._core_admit): operands made once per buffer
+    # set, the job's io buffer given per job.
+    operands = [kc.set_operands(cm, m.replay, b.bound, dev.memory) for b in sets]
     admitted = finished = 0
     step = core.step
     admit = core.admit
@@ -69,7 +71,7 @@ def drive(dev: SimDevice, core: Any, m: Any, cm: Any, n_jobs: int, batch: int = 
         k = 0
         while admitted < n_jobs and core.jobs < 64 and k < batch:
             args, copies = operands[admitted % len(operands)]
-            admit(admitted, admitted, cm.plan, cm.profile, 0, 0, -1, args, copies)
+            admit(admitted, admitted, cm.plan, cm.profile, 0, 0, -1, args, copies, io)
             admitted += 1
             k += 1
         ev = step(dev.now()) or ()

@@ -49,8 +49,11 @@ from paella.dispatcher.devices.sim import SimDevice
 DEFAULT_MODELS = ["resnet18", "squeezenet1_1", "googlenet"]
 
 
-def serve_one(disp: Dispatcher, model_id: int, io: np.ndarray, req_id: int) -> float:
-    """Submit one request and step the dispatcher until it completes: its wall latency."""
+def serve_one(disp: Dispatcher, model_id: int, io: np.ndarray, req_id: int,
+              spin: float = 0.0) -> float:
+    """Submit one request and step the dispatcher until it completes: its wall latency.
+    ``spin`` (seconds): each step may spin in the kernel core that long, as the
+    daemon's loop lets it (``Dispatcher.spin_until``)."""
     done = []
     req = Request(req_id, 0, model_id, io, on_complete=lambda r, st, err: done.append(st))
     perf = time.perf_counter
@@ -58,6 +61,8 @@ def serve_one(disp: Dispatcher, model_id: int, io: np.ndarray, req_id: int) -> f
     disp.submit(req)
     step = disp.step
     while not done:
+        if spin:
+            disp.spin_until = perf() + spin
         step()
     t = perf() - t0
     if done[0] != 0:
@@ -107,9 +112,10 @@ def spin_wait(seconds: float) -> None:
 
 def bench_model(bundle, name: str, n: int, policy: str, lookahead: int,
                 profiler: Any = None, gap: float = 0.0,
-                wait: Callable[[float], None] = time.sleep, early_lookup: bool = True) -> dict:
+                wait: Callable[[float], None] = time.sleep, early_lookup: bool = True,
+                kernel_core: str | None = "auto", spin: float = 100e-6) -> dict:
     dev = SimDevice("t4", realtime=True)
-    disp = Dispatcher(dev, policy, lookahead=lookahead)
+    disp = Dispatcher(dev, policy, lookahead=lookahead, kernel_core=kernel_core)
     adaptor = bundle_adaptor(bundle, name, dev, FunctionalCache(), early_lookup=early_lookup)
     adaptor.warm()
     mid = disp.register_model(name, adaptor)
@@ -125,7 +131,7 @@ def bench_model(bundle, name: str, n: int, policy: str, lookahead: int,
     for i in range(n):
         if gap:
             wait(gap)
-        lat.append(serve_one(disp, mid, io, 100 + i))
+        lat.append(serve_one(disp, mid, io, 100 + i, spin))
     if profiler is not None:
         profiler.disable()
     cpu = (time.process_time() - cpu0) / n     # (the sleeps take none)
@@ -233,6 +239,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--daemon-args", default="", help="--daemon: more options for paella serve")
     ap.add_argument("--engine", action="store_true",
                     help="also the simulated GPU's own CPU per request (no dispatcher)")
+    ap.add_argument("--kernel-core", default="auto", choices=("auto", "c", "python", "off"),
+                    help="the dispatcher's kernel core, as the daemon's kernel_core setting "
+                         "(default auto, the daemon's: the C core)")
+    ap.add_argument("--no-spin", action="store_true",
+                    help="one core pass per step, without spinning in C between the loop's "
+                         "passes (the daemon's loop before session 22)")
     ap.add_argument("--virtual", action="store_true",
                     help="only serve --requests requests on the virtual-time T4, one at a time "
                          "(the same code without wall-clock waits: for instruction counts "
@@ -259,7 +271,9 @@ def main(argv: list[str] | None = None) -> int:
     rows = [] if args.daemon_only else [
         bench_model(bundles[n], n, args.requests, args.policy, args.lookahead, profiler,
                     args.gap if args.pause else 0.0, spin_wait if args.spin else time.sleep,
-                    not args.late_lookup)
+                    not args.late_lookup,
+                    None if args.kernel_core == "off" else args.kernel_core,
+                    0.0 if args.no_spin else 100e-6)
         for n in names]
     print(f"{'model':<15}{'kernels':>8}{'isolated':>10}{'p50':>9}{'p90':>9}{'ratio':>7}"
           f"{'extra':>9}{'/kernel':>9}{'cpu/req':>9}")

@@ -15,6 +15,7 @@
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
+#include <time.h>
 #include <dlfcn.h>
 
 #include "capi.h"
@@ -32,6 +33,9 @@ static const char *policy_names[] = {"paella", "sjf", "rr", "priority", "ms-kbk"
 
 static PaellaTrackerAPI *TAPI;
 static PaellaEngineAPI *EAPI;
+/* The empty tuple (a pass that changed something and has nothing to report), held
+   here: most passes return it, and PyTuple_New(0) is a call each time. */
+static PyObject *EMPTY;
 
 #define REBASE 1e9
 /* Priority classes first, in every policy: a heap key is class * CLASS_SPAN + the
@@ -303,6 +307,12 @@ typedef struct {
     int64_t estimate, remaining;
     uint8_t in_policy, left_policy, almost_sent, finished, queued, infifo, failed, started;
     PyObject *client;
+    /* The one block the arrays above live in, kept with the job's slot when the job ends:
+       the next job in the slot reuses it (zeroed) if it is large enough. Speed (a trick,
+       labelled): no allocation per job on the hot path (a calloc cost ~370 instructions
+       per job). Freed with the core. */
+    char *blk;
+    size_t blk_bytes;
 } Job;
 
 typedef struct {
@@ -399,17 +409,39 @@ typedef struct {
     PyObject *cu_failed;         /* device.launch_failed(code, name): raises its error */
     long long progress;          /* things done: a driver's "did this step change anything" */
     long long device_calls;      /* the driver calls its launches and copies stand for */
+    /* Speed (a trick, labelled): the copies' queues are looked at only when something can
+       have changed there: a direct copy landed since the last look (the engine's
+       callback counts it), or a queue holds a copy whose completion only a device event
+       tells (polled every pass, as the reference does). Looking at every pass cost a
+       multi-stream plan ~900 instructions per kernel (session 22). */
+    long long landed, py_events;
     int realtime;                /* the engine follows the wall clock: sync before submitting */
     double wall_t0, wall_speed;
 } Core;
 
 static PyObject *new_ref_tuple(int kind, PyObject *token, const char *reason, long n)
 {
+    /* (kind, token[, count | reason]), built by hand: Py_BuildValue parses its format
+       string at every call (~500 instructions per event, two events per job) */
+    PyObject *third = NULL;
     if (kind == EV_FINISHED)
-        return Py_BuildValue("(iOl)", kind, token, n);
-    if (reason == NULL)
-        return Py_BuildValue("(iO)", kind, token);
-    return Py_BuildValue("(iOs)", kind, token, reason);
+        third = PyLong_FromLong(n);
+    else if (reason != NULL)
+        third = PyUnicode_FromString(reason);
+    if (third == NULL && (kind == EV_FINISHED || reason != NULL))
+        return NULL;
+    PyObject *t = PyTuple_New(third != NULL ? 3 : 2);
+    PyObject *k = t != NULL ? PyLong_FromLong(kind) : NULL;
+    if (k == NULL) {
+        Py_XDECREF(t);
+        Py_XDECREF(third);
+        return NULL;
+    }
+    PyTuple_SET_ITEM(t, 0, k);
+    PyTuple_SET_ITEM(t, 1, Py_NewRef(token));
+    if (third != NULL)
+        PyTuple_SET_ITEM(t, 2, third);
+    return t;
 }
 
 static int emit(Core *c, int kind, Job *j, const char *reason)
@@ -953,8 +985,7 @@ static int fail_job(Core *c, int32_t id, Job *j, int kind, const char *reason)
 
 static void free_job_arrays(Job *j)
 {
-    PyMem_Free(j->deps);         /* one block: see make_job */
-    j->deps = NULL;
+    j->deps = NULL;              /* its block stays with the slot: see Job.blk */
     Py_CLEAR(j->token);
     Py_CLEAR(j->args);
     Py_CLEAR(j->copies);
@@ -1031,6 +1062,7 @@ static void copy_landed(void *ctx, uint64_t tag)
 {
     Core *c = ctx;
     c->jobs[tag >> 32]->cdone[(uint32_t)tag] = 1;
+    c->landed++;
 }
 
 static int launch_copy(Core *c, int32_t id, Job *j, int i, int behind)
@@ -1094,6 +1126,7 @@ static int launch_copy(Core *c, int32_t id, Job *j, int i, int behind)
         Py_DECREF(ev);
         return -1;
     }
+    c->py_events++;
     j->st[i] = RELEASED;
     if (c->ops && emit_op(c, EV_OP_RELEASED, j, i, 0.0, c->now) < 0)
         return -1;
@@ -1126,6 +1159,7 @@ static int flush_copies(Core *c)
 static int poll_copies(Core *c)
 {
     int k = 0;
+    c->landed = 0;               /* (one that lands during this look is seen next pass) */
     while (k < c->ncev) {
         int s = c->cev_order[k];
         RefQ *q = &c->cev[s];
@@ -1148,7 +1182,10 @@ static int poll_copies(Core *c)
             Ref x = *r;
             refq_pop(q);
             c->progress++;
-            Py_XDECREF(x.event);
+            if (x.event != NULL) {
+                c->py_events--;
+                Py_DECREF(x.event);
+            }
             Job *j = job_of(c, x.job, x.seq);
             if (j != NULL && c->ops && emit_op(c, EV_OP_ENDED, j, x.node, -1.0, c->now) < 0)
                 return -1;
@@ -1440,10 +1477,17 @@ static int init_job_arrays(Job *j, Plan *p, Prof *pr)
     /* One block: int32 arrays, then int64, then bytes. */
     size_t n = p->n, nv = p->nv, nk = pr->nk;
     size_t i32 = 3 * n + 3 * nv + nk;   /* deps, stream, rq; ahead, tail, real; kcount */
-    size_t bytes = i32 * 4 + 8 + n * 8 * 4 + 3 * n;
-    char *mem = PyMem_Calloc(1, bytes + 8);
-    if (mem == NULL)
-        return -1;
+    size_t bytes = i32 * 4 + 8 + n * 8 * 4 + 3 * n + 8;
+    char *mem = j->blk;
+    if (mem != NULL && j->blk_bytes >= bytes)
+        memset(mem, 0, bytes);
+    else {
+        PyMem_Free(j->blk);
+        j->blk = NULL;
+        if ((mem = PyMem_Calloc(1, bytes)) == NULL)
+            return -1;
+        j->blk = mem, j->blk_bytes = bytes;
+    }
     int32_t *a = (int32_t *)mem;
     j->deps = a, a += n;
     j->stream = a, a += n;
@@ -1843,6 +1887,7 @@ static void *raw_bytes(PyObject *o, int writable, Py_ssize_t *len)
    device's Python path, which refuses it with the reason. */
 static int direct_copies(Job *j, Plan *p, PyObject *copies)
 {
+    char *io = NULL;                 /* the job's io buffer, taken once */
     for (int i = 0; i < p->n; i++) {
         if (p->kind[i] != H2D && p->kind[i] != D2H)
             continue;
@@ -1854,15 +1899,26 @@ static int direct_copies(Job *j, Plan *p, PyObject *copies)
         PyObject *h = PyTuple_GET_ITEM(e, 1);
         char *host;
         if (h == Py_None) {          /* the job's io buffer at the plan's offsets */
-            host = raw_bytes(j->io, 1, &nh);
-            if (host != NULL)
-                host += p->io_start[i];
+            if (io == NULL && (io = raw_bytes(j->io, 1, &nh)) == NULL)
+                return -1;
+            host = io + p->io_start[i];
             nh = p->io_end[i] - p->io_start[i];
         } else
             host = raw_bytes(h, !h2d, &nh);
-        void *dev = host != NULL ? raw_bytes(PyTuple_GET_ITEM(e, 2), h2d, &nd) : NULL;
-        if (dev == NULL)
+        void *dev = NULL;
+        if (host != NULL && PyTuple_GET_SIZE(e) >= 5) {
+            /* the view's address and size, read once per buffer set (set_operands) */
+            dev = PyLong_AsVoidPtr(PyTuple_GET_ITEM(e, 3));
+            nd = PyLong_AsSsize_t(PyTuple_GET_ITEM(e, 4));
+            if (PyErr_Occurred())
+                return -1;
+        } else if (host != NULL)
+            dev = raw_bytes(PyTuple_GET_ITEM(e, 2), h2d, &nd);
+        if (dev == NULL) {
+            if (!PyErr_Occurred())
+                PyErr_Format(PyExc_ValueError, "admit: copy node %d has no device address", i);
             return -1;
+        }
         if (nh != nd) {
             PyErr_Format(PyExc_ValueError, "admit: copy node %d has %zd host bytes and %zd "
                          "device bytes", i, nh, nd);
@@ -1986,9 +2042,11 @@ static PyObject *admit(Core *c, PyObject *token, long long seq, int plan, int pr
         for (int i = 0; i < p->n; i++) {
             PyObject *e = PyTuple_GET_ITEM(copies, i);
             if ((p->kind[i] == H2D || p->kind[i] == D2H)
-                    && (!PyTuple_Check(e) || PyTuple_GET_SIZE(e) < 2 || PyTuple_GET_SIZE(e) > 3)) {
-                PyErr_Format(PyExc_ValueError, "admit: copies[%d] must be (dptr, host) or "
-                             "(dptr, host, device view)", i);
+                    && (!PyTuple_Check(e) || PyTuple_GET_SIZE(e) < 2 || PyTuple_GET_SIZE(e) == 4
+                        || PyTuple_GET_SIZE(e) > 5)) {
+                PyErr_Format(PyExc_ValueError, "admit: copies[%d] must be (dptr, host), "
+                             "(dptr, host, device view) or (dptr, host, device view, its "
+                             "address, its bytes)", i);
                 return NULL;
             }
             if ((p->kind[i] == H2D || p->kind[i] == D2H) && PyTuple_GET_ITEM(e, 1) == Py_None) {
@@ -2016,7 +2074,10 @@ static PyObject *admit(Core *c, PyObject *token, long long seq, int plan, int pr
         c->free_slots[c->nfree++] = id;
         return PyErr_NoMemory();
     }
+    char *blk = j->blk;
+    size_t blk_bytes = j->blk_bytes;
     memset(j, 0, sizeof(Job));
+    j->blk = blk, j->blk_bytes = blk_bytes;
     if (init_job_arrays(j, p, pr) < 0) {
         c->free_slots[c->nfree++] = id;
         j->finished = 1;
@@ -2260,12 +2321,10 @@ static PyObject *Core_real_time(Core *c, PyObject *args)
     Py_RETURN_NONE;
 }
 
-/* step(now) -> events, or None when the pass changed nothing (a driver's idle test) */
-static PyObject *Core_step(Core *c, PyObject *arg)
+/* One pass at `now`: events, the empty tuple (something changed, nothing to report) or
+   None (nothing changed); NULL with an exception set. */
+static PyObject *core_pass(Core *c, double now)
 {
-    double now = PyFloat_AsDouble(arg);
-    if (now == -1.0 && PyErr_Occurred())
-        return NULL;
     long long p0 = c->progress;
     c->now = now;
     Py_CLEAR(c->events);         /* made by the first event (most steps have none) */
@@ -2274,7 +2333,7 @@ static PyObject *Core_step(Core *c, PyObject *arg)
     if (drained < 0 || c->error)
         goto fail;
     c->progress += drained;
-    if (c->ncev && poll_copies(c) < 0)
+    if (c->ncev && (c->landed || c->py_events) && poll_copies(c) < 0)
         goto fail;
     while (c->arrivals.n) {
         Ref r = *refq_front(&c->arrivals);
@@ -2288,13 +2347,122 @@ static PyObject *Core_step(Core *c, PyObject *arg)
     if (c->events == NULL) {
         if (c->progress == p0)
             Py_RETURN_NONE;
-        return PyTuple_New(0);   /* the empty tuple: a shared constant */
+        return Py_NewRef(EMPTY);
     }
     return Py_NewRef(c->events);
 fail:
     if (!PyErr_Occurred())
         PyErr_SetString(PyExc_RuntimeError, "kernel core: error in a completion");
     return NULL;
+}
+
+/* step(now) -> events, or None when the pass changed nothing (a driver's idle test) */
+static PyObject *Core_step(Core *c, PyObject *arg)
+{
+    /* (an exact float, the drivers' clock, is read without the conversion's call) */
+    double now = PyFloat_CheckExact(arg) ? PyFloat_AS_DOUBLE(arg) : PyFloat_AsDouble(arg);
+    if (now == -1.0 && PyErr_Occurred())
+        return NULL;
+    return core_pass(c, now);
+}
+
+static double monotonic_s(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+/* Did any word the probe points at change since `seen` was taken? */
+static int probe_changed(const uint64_t *addr, const uint64_t *seen, Py_ssize_t n)
+{
+    for (Py_ssize_t i = 0; i < n; i++)
+        if (*(volatile const uint64_t *)(uintptr_t)addr[i] != seen[i])
+            return 1;
+    return 0;
+}
+
+/* spin(until, probe, near) -> events, the empty tuple or None, as step().
+
+   Real time on the simulated GPU, launching into its engine: the paper's dispatcher
+   loop, in C. Pass after pass (bring the engine to the wall clock, drain the notifQ,
+   complete, release) until there is something for the control plane: events; nothing
+   in flight; the device's host side has something to collect (Gpu.reached); a word
+   of `probe` changed (a buffer of uint64 addresses: the clients' request-ring tails,
+   so a request pushed meanwhile ends the spin); CLOCK_MONOTONIC reached `until`
+   (seconds: the loop's other duties, sockets and batch timers, are due); or the
+   device's next event is more than `near` seconds of device time away (the loop may
+   sleep). Why: each pass of the Python loop costs microseconds, and at every kernel
+   boundary of a job the GPU waits for the pass that sees its kernel complete; here a
+   pass costs tens of nanoseconds when nothing happens.
+   Safety: the probe's addresses are the caller's (mappings it keeps alive for the
+   call). */
+static PyObject *Core_spin(Core *c, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 3) {
+        PyErr_SetString(PyExc_TypeError, "spin(until, probe, near)");
+        return NULL;
+    }
+    double until = PyFloat_AsDouble(args[0]), near = PyFloat_AsDouble(args[2]);
+    if (PyErr_Occurred())
+        return NULL;
+    if (!c->realtime || c->engine == Py_None) {
+        PyErr_SetString(PyExc_RuntimeError, "spin: the core must launch into a real-time "
+                        "engine (real_time() and direct launches)");
+        return NULL;
+    }
+    Py_buffer view = {0};
+    int have_view = 0;
+    uint64_t small[64], *seen = small;
+    const uint64_t *addr = NULL;
+    Py_ssize_t n = 0;
+    if (args[1] != Py_None) {
+        if (PyObject_GetBuffer(args[1], &view, PyBUF_SIMPLE) < 0)
+            return NULL;
+        have_view = 1;
+        n = view.len / (Py_ssize_t)sizeof(uint64_t);
+        addr = (const uint64_t *)view.buf;
+        if (n > 64 && (seen = PyMem_Malloc((size_t)n * sizeof(uint64_t))) == NULL) {
+            PyBuffer_Release(&view);
+            return PyErr_NoMemory();
+        }
+        for (Py_ssize_t i = 0; i < n; i++)
+            seen[i] = *(volatile const uint64_t *)(uintptr_t)addr[i];
+    }
+    PyObject *r = NULL;
+    int changed = 0;
+    for (;;) {
+        if (EAPI->sync_wall(c->engine, c->wall_t0, c->wall_speed) < 0)
+            goto done;
+        double mono = monotonic_s();
+        double now = (mono - c->wall_t0) * c->wall_speed;
+        r = core_pass(c, now);
+        if (r == NULL)
+            goto done;
+        if (r != Py_None) {
+            changed = 1;
+            if (!PyTuple_CheckExact(r) || PyTuple_GET_SIZE(r))
+                goto done;                       /* events: the control plane's turn */
+        }
+        Py_CLEAR(r);
+        if (c->live == 0 || EAPI->host_pending(c->engine) || mono >= until
+                || (n && probe_changed(addr, seen, n)))
+            break;
+        if (!c->queued && !c->copies.n) {
+            double next = EAPI->next_time(c->engine);
+            if (isnan(next))
+                goto done;
+            if (next - now > near * c->wall_speed)
+                break;                           /* far: the loop may sleep */
+        }
+    }
+    r = Py_NewRef(changed ? EMPTY : Py_None);
+done:
+    if (seen != small)
+        PyMem_Free(seen);
+    if (have_view)
+        PyBuffer_Release(&view);
+    return r;
 }
 
 static void Core_dealloc(Core *c)
@@ -2304,6 +2472,7 @@ static void Core_dealloc(Core *c)
         if (c->jobs[i] != NULL) {
             if (!c->jobs[i]->finished)
                 free_job_arrays(c->jobs[i]);
+            PyMem_Free(c->jobs[i]->blk);
             PyMem_Free(c->jobs[i]);
         }
     }
@@ -2540,6 +2709,9 @@ static PyMethodDef Core_methods[] = {
      "admit(token, seq, plan, profile, client=0, level=0, pin=-1, args=None, copies=None, "
      "io=None)"},
     {"step", (PyCFunction)Core_step, METH_O, "step(now) -> [events], or None: nothing changed"},
+    {"spin", (PyCFunction)(void (*)(void))Core_spin, METH_FASTCALL,
+     "spin(until, probe, near): real time, passes in C until the control plane is due; "
+     "returns as step()"},
     {"reserve", (PyCFunction)Core_reserve, METH_O, "reserve(stream): out of the pool"},
     {"real_time", (PyCFunction)Core_real_time, METH_VARARGS,
      "real_time(t0, speed): sync the engine to the wall clock before each submission"},
@@ -2595,6 +2767,8 @@ PyMODINIT_FUNC PyInit__kcore(void)
         return NULL;
     EAPI = import_api("paella.dispatcher.devices.sim._engine", PAELLA_ENGINE_CAPSULE);
     if (EAPI == NULL)
+        return NULL;
+    if (EMPTY == NULL && (EMPTY = PyTuple_New(0)) == NULL)
         return NULL;
     if (PyType_Ready(&CoreType) < 0)
         return NULL;

@@ -59,6 +59,12 @@ typedef struct {
     /* Real time: fire what is due by the wall clock ((CLOCK_MONOTONIC - t0) * speed), as
        Gpu.poll_wall does, before a submission. 0, or -1 with an exception set. */
     int (*sync_wall)(PyObject *g, double t0, double speed);
+    /* The time of the next event (INFINITY if none), or NAN with an exception set. */
+    double (*next_time)(PyObject *g);
+    /* 1 if the host has something to collect outside the notifQ (Gpu.reached lists a
+       notifying gate), else 0: a loop spinning in C returns to let the device's host
+       side see it. */
+    int (*host_pending)(PyObject *g);
 } PaellaEngineAPI;
 
 #define PAELLA_TRACKER_CAPSULE "paella.dispatcher._tracker._C_API"

@@ -336,6 +336,7 @@ class Frontend:
         self.on_model_control: Callable[["ClientConn", int, dict], None] | None = None
         self.clients: dict[int, ClientConn] = {}
         self.ready: list[ClientConn] = []      # round-robin order
+        self._probe: np.ndarray | None = None  # ring_probe()'s, until ``ready`` changes
         self._rr = 0
         self._next_cid = 1
         self.sel = selectors.DefaultSelector()
@@ -827,6 +828,7 @@ class Frontend:
             if not c.alive:
                 return
         self.ready.append(c)
+        self._probe = None
         if self.on_arena_mapped is not None:
             self.on_arena_mapped(c.cid, c.seg.arena)
         self._session_line("client %d (pid %d uid %d) ready: mode %s, segment %s, arena %d bytes",
@@ -910,6 +912,18 @@ class Frontend:
             if c.alive and r.hdr[_REQ_TAIL] != r.head:
                 taken += self._poll_client(c, admit)
         return taken
+
+    def ring_probe(self) -> np.ndarray:
+        """The addresses of the live clients' request-ring tail words (uint64), for a
+        loop that waits in C (``Core.spin``) to notice a push without a pass in Python.
+        Valid until ``ready`` changes: rebuilt then, before any mapping goes (a client is
+        dropped here first, its segment released later)."""
+        probe = self._probe
+        if probe is None:
+            probe = self._probe = np.array(
+                [c.reqs.hdr.ctypes.data + 8 * _REQ_TAIL for c in self.ready if c.alive],
+                dtype=np.uint64)
+        return probe
 
     def _poll_client(self, c: ClientConn, admit: bool) -> int:
         reqs, cmps = c.reqs, c.cmps
@@ -1119,6 +1133,7 @@ class Frontend:
         if not c.alive:
             return
         c.alive = False
+        self._probe = None
         self.stats["lost"] += 1
         self._session_line("client %d (pid %d) dropped: %s (%d in flight)", c.cid, c.pid, why,
                            len(c.inflight))

@@ -98,7 +98,7 @@ class _Trace(Instrument):
         self.ops = array("d")            # start, end, kind of each GPU operation
         self.sim = array("d")            # start, end of each simulator call
         self.functional = array("d")     # start, end of each run of the CPU build
-        self.depth = 0
+        self.device: Any = None          # the traced simulator (traced_sim)
 
     # -- the instruments: a request's admission, wake-up and delivered completion --------
     def request_admitted(self, req: Any) -> None:
@@ -125,23 +125,20 @@ class _Trace(Instrument):
             push = rec[2] if not math.isnan(rec[2]) else time.perf_counter()
             self.requests.append((req.client_id, req.req_id, rec[0], rec[1], push))
 
-    def timed(self, fn: Callable, sink: array) -> Callable:
-        """``fn``, with its outermost calls recorded in ``sink`` while a request is open."""
-        perf = time.perf_counter
-
-        def wrapper(*a: Any, **k: Any) -> Any:
-            if not self.open or self.depth:
-                return fn(*a, **k)
-            self.depth = 1
-            t = perf()
-            try:
-                return fn(*a, **k)
-            finally:
-                sink.extend((t, perf()))
-                self.depth = 0
-        return wrapper
+    def take_device_log(self) -> None:
+        """The simulated GPU's self-log (``Gpu.logging``) into ``ops`` and ``sim``, in
+        ``perf_counter`` seconds."""
+        dev = self.device
+        if dev is None:
+            return
+        ops_b, sim_b = dev.gpu.log_take()
+        ops = np.frombuffer(ops_b, dtype=float).reshape(-1, 3).copy()
+        ops[:, :2] += dev.offset
+        self.ops.extend(ops.ravel())
+        self.sim.extend(np.frombuffer(sim_b, dtype=float))
 
     def save(self, path: str) -> None:
+        self.take_device_log()
         np.savez(path, requests=np.array(self.requests, dtype=float).reshape(-1, 5),
                  ops=np.frombuffer(self.ops, dtype=float).reshape(-1, 3),
                  sim=np.frombuffer(self.sim, dtype=float).reshape(-1, 2),
@@ -149,77 +146,40 @@ class _Trace(Instrument):
 
 
 def traced_sim(trace: _Trace, gpu: str) -> Any:
-    """The real-time simulated GPU stepped in the daemon's loop, traced through its public
-    methods: every call into it is timed (the simulator's CPU, which now includes the CPU
-    build: it is the functional effect the simulated device applies when the plan's last
-    kernel completes, so ``functional`` stays empty and the "CPU build" component 0), and
-    each kernel's and copy's device interval is recorded from its launch (one request at a
-    time: the device is idle then, so an op starts when it is submitted) to its
-    ``on_complete`` (at the device event's time)."""
-    from paella.dispatcher.devices.base import D2H, H2D, KERNEL
+    """The real-time simulated GPU stepped in the daemon's loop, with its self-log on
+    (``Gpu.logging``): the engine itself records, in C, each kernel's and copy's device
+    interval (a kernel from its issue, so its launch latency is device time; a copy from
+    its start) and each stretch of its own work (firing due events, taking a launch or a
+    copy: the simulator's CPU, which includes the CPU build when it runs as the plan's
+    last kernel's effect, so ``functional`` stays empty and the "CPU build" component 0).
+    Nothing on the device is replaced in Python, so the daemon runs as it does untraced:
+    its kernel core launches into the engine directly and spins in C (``Core.spin``).
+    Before session 22 the device's methods were wrapped in Python, which took the core
+    off its direct path: the figure then measured a slower dispatcher than the one
+    users run."""
     from paella.dispatcher.devices.sim import SimDevice
 
-    class TracedSim(SimDevice):
-        def __init__(self) -> None:
-            super().__init__(gpu, realtime=True)
-            # Device time + offset = perf_counter time (the real-time clock at speed 1).
-            self.offset = time.perf_counter() - self.now()
-            for name in ("poll", "launch", "launch_checked", "memcpy_htod", "memcpy_dtoh",
-                         "record_event"):
-                setattr(self, name, trace.timed(getattr(self, name), trace.sim))
-
-        def _op(self, kind: int, then: Any) -> tuple[list, Any]:
-            """(a cell for the submission time, the completion callback recording both)."""
-            cell = [math.nan]
-
-            def done() -> None:
-                if trace.open:
-                    trace.ops.extend((cell[0] + self.offset, self.loop.now + self.offset, kind))
-                if then is not None:
-                    then()
-            return cell, done
-
-        # The device clock after a submission is the time it was submitted at (the
-        # real-time loop catches up before taking work).
-        def launch(self, *a: Any, on_complete: Any = None, **k: Any) -> None:
-            cell, done = self._op(KERNEL, on_complete)
-            super().launch(*a, on_complete=done, **k)
-            cell[0] = self.loop.now
-
-        def launch_checked(self, *a: Any, on_complete: Any = None, **k: Any) -> None:
-            cell, done = self._op(KERNEL, on_complete)
-            super().launch_checked(*a, on_complete=done, **k)
-            cell[0] = self.loop.now
-
-        def memcpy_htod(self, dst: int, src: np.ndarray, stream: int, on_complete: Any = None) -> None:
-            cell, done = self._op(H2D, on_complete)
-            super().memcpy_htod(dst, src, stream, done)
-            cell[0] = self.loop.now
-
-        def memcpy_dtoh(self, dst: np.ndarray, src: int, stream: int, on_complete: Any = None) -> None:
-            cell, done = self._op(D2H, on_complete)
-            super().memcpy_dtoh(dst, src, stream, done)
-            cell[0] = self.loop.now
-
-    return TracedSim()
+    dev = SimDevice(gpu, realtime=True)
+    # Device time + offset = perf_counter time (the real-time clock at speed 1).
+    dev.offset = time.perf_counter() - dev.now()
+    dev.gpu.logging = True
+    trace.device = dev
+    return dev
 
 
 def wrapper_cost_us(n: int = 20000) -> float:
-    """What one traced call adds (two clock reads and an append), measured here: times
-    the calls a request makes bound what tracing adds to its latency."""
-    trace = _Trace()
-    trace.open[(0, 0)] = [0.0, 0.0]
-    plain = lambda: None    # noqa: E731 - the cheapest callable
-    timed = trace.timed(plain, array("d"))
+    """What one self-log entry adds, bounded from above: two clock reads, timed here from
+    Python (the engine makes them in C, with a memcpy, and no call per entry)."""
     perf = time.perf_counter
     best = math.inf
     for _ in range(3):
         t = perf()
         for _ in range(n):
-            timed()
+            perf()
+            perf()
         mid = perf()
         for _ in range(n):
-            plain()
+            pass
         best = min(best, ((mid - t) - (perf() - mid)) / n)
     return best * 1e6
 

@@ -37,7 +37,7 @@ class HostExecutor:
         if "request_admitted" in self.instruments:
             self.instruments.call("request_admitted", req)
 
-    def step(self) -> bool:
+    def step(self, spin_until: float = 0.0) -> bool:
         q = self.queue
         n = len(q)                     # a snapshot: work queued meanwhile waits a pass
         instr = self.instruments
@@ -95,10 +95,16 @@ class Router:
     def submit(self, req: Request) -> None:
         self.by_model[req.model_id].submit(req)
 
-    def step(self) -> bool:
+    def step(self, spin_until: float = 0.0) -> bool:
+        """One pass of every path. ``spin_until`` (CLOCK_MONOTONIC seconds, 0: none): a
+        path may keep working in C until then (:meth:`DispatcherExecutor.step`), given
+        only while it is the one path with work, so that no other path's requests wait."""
         busy = False
-        for p in self.paths:
-            busy |= p.step()
+        paths = self.paths
+        if spin_until and len(paths) > 1 and sum(p.in_flight > 0 for p in paths) > 1:
+            spin_until = 0.0
+        for p in paths:
+            busy |= p.step(spin_until)
         return busy
 
     def cancel_client(self, client_id: int) -> None:
@@ -246,8 +252,17 @@ class DispatcherExecutor:
         if "request_finished" in instruments:
             instruments.call("request_finished", req)
 
-    def step(self) -> bool:
-        busy = self.disp.step()
+    def step(self, spin_until: float = 0.0) -> bool:
+        """The dispatcher's pass, then the batching stage's. With ``spin_until`` and
+        nothing in the batching stage, the dispatcher may spin in its kernel core until
+        then (``Dispatcher.spin_until``): at each of a job's kernel boundaries the GPU
+        then waits for a C pass, not for a pass of the Python loop."""
+        disp = self.disp
+        if spin_until and not self.stage.queued:
+            disp.spin_until, disp.spin_probe = spin_until, self.front.ring_probe()
+        else:
+            disp.spin_until = 0.0
+        busy = disp.step()
         return self.stage.step() or busy
 
     def cancel_client(self, client_id: int) -> None:

@@ -106,6 +106,10 @@ _EPOLL_TICK = 1e-3
 #: signals, hang-ups) at most this often (seconds) instead of every pass: see run().
 _IO_PERIOD_BUSY = 100e-6
 
+#: The longest the kernel core spins in C at a time (seconds) before the loop's Python
+#: runs again (signals, the effect workers' answers, which need the GIL): see run().
+_SPIN_MAX = 100e-6
+
 #: The most the model list may take: it travels in every client's WELCOME (and MODELS)
 #: frame, whose payload is at most ``wire.MAX_PAYLOAD``; the rest is room for the other
 #: fields. (6,000 variants passed the load and then every connection failed.)
@@ -688,9 +692,14 @@ class Daemon:
         last_work = time.monotonic()
         monotonic = time.monotonic
         io_due = 0.0
+        spin = self.cfg.kernel_core != "off"
         while True:
             taken = front.poll_rings(admit=self.admitting)
-            if router.step():
+            # The kernel core may spin in C until the sockets are due (Core.spin): it
+            # returns at once when a client pushes a request (the probe), when a job has
+            # news for the control plane, or when the device's next event is far.
+            if router.step(min(io_due, monotonic() + _SPIN_MAX) if spin and not
+                           (taken or self.housekeeping or self.draining) else 0.0):
                 # Work in flight: the sockets every _IO_PERIOD_BUSY, not every pass.
                 # Speed (a trick, labelled): nothing on them is urgent to the microsecond
                 # (handshakes, control requests, signals, a client's hang-up), while each

@@ -2,7 +2,7 @@
 both, loaded in a subprocess in place of the installed builds, and driven through the
 tracker's, the heap's and the compiled replay's edge cases and whole dispatcher runs
 (single- and multi-stream plans, compiled and reference replay), and the kernel core
-against its Python reference. A memory error or
+against its Python reference, its loop in C (``Core.spin``) included. A memory error or
 undefined behaviour aborts the subprocess, which fails the test. The subprocess runs
 with ``PYTHONMALLOC=malloc``: Python's own small-object allocator would otherwise serve
 most objects from its arenas, where ASan sees neither a use after free nor an
@@ -82,6 +82,10 @@ import test_slicing as sl                   # classes, the class rule and sliced
 sl.test_every_path_gives_the_same_schedule_with_classes_and_slices(1)
 sl.test_no_less_urgent_kernel_goes_while_an_urgent_job_is_live("c")
 k.test_a_plan_spec_that_lies_is_refused_with_a_reason()
+import test_core_spin as cs                 # the core's loop in C (real time)
+cs.test_spinning_answers_every_request_once_as_single_passes_do("c")
+cs.test_an_unchanged_probe_lets_the_spin_run_to_its_deadline()
+cs.test_the_spin_ends_at_its_deadline_while_a_kernel_runs()
 print("sanitized run ok")
 '''
 

@@ -159,6 +159,12 @@ typedef struct {
     PyObject *record;              /* list, or NULL: per-kernel records for profiling */
     PyObject *trace;               /* callable, or NULL: trace(kind, begin, end) per kernel/copy */
     PyObject *reached;             /* list, or NULL: handles of notifying gates at their head */
+    /* the self-log (Gpu.logging): each completed kernel's and copy's (start, end, kind) in
+       device time, and each stretch of the simulator's own work (start, end) in
+       CLOCK_MONOTONIC seconds, kept in C: no Python call per entry */
+    int logging;
+    double *lg_ops, *lg_sim;
+    Py_ssize_t lg_nops, lg_capops, lg_nsim, lg_capsim;
     /* bulk arrivals (benchmarks, naive drivers) */
     double *b_t;
     int32_t *b_stream;
@@ -170,6 +176,39 @@ typedef struct {
 } Gpu;
 
 /* -- small helpers ------------------------------------------------------------------ */
+static double mono_now(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+/* Append k doubles to a self-log buffer; -1 with MemoryError set. */
+static int lg_append(double **buf, Py_ssize_t *n, Py_ssize_t *cap, const double *v, int k)
+{
+    if (*n + k > *cap) {
+        Py_ssize_t c = *cap ? *cap * 2 : 4096;
+        while (c < *n + k)
+            c *= 2;
+        double *b = PyMem_Realloc(*buf, (size_t)c * sizeof(double));
+        if (b == NULL) {
+            PyErr_NoMemory();
+            return -1;
+        }
+        *buf = b;
+        *cap = c;
+    }
+    memcpy(*buf + *n, v, (size_t)k * sizeof(double));
+    *n += k;
+    return 0;
+}
+
+/* The simulator worked from t0 (CLOCK_MONOTONIC) until now: into the self-log. */
+static int lg_sim(Gpu *g, double t0)
+{
+    double v[2] = {t0, mono_now()};
+    return lg_append(&g->lg_sim, &g->lg_nsim, &g->lg_capsim, v, 2);
+}
 static int grow(void **p, int *cap, int need, size_t size)
 {
     if (need <= *cap)
@@ -1052,9 +1091,15 @@ static int flush(Gpu *g)
         void *fn_ctx = o->fn_ctx;
         uint64_t fn_tag = o->fn_tag;
         int kind = o->kind;
-        double begin = o->t_first, end = o->t_done;
+        double begin = o->t_first, end = o->t_done, issued = o->t_issue;
         op_free(g, i);
         int bad = 0;
+        if (g->logging && kind != K_MARKER && kind != K_GATE) {
+            /* a kernel from its issue (its launch latency is the device's time) */
+            double v[3] = {kind == K_KERNEL ? issued : begin, end, (double)kind};
+            if (lg_append(&g->lg_ops, &g->lg_nops, &g->lg_capops, v, 3) < 0)
+                bad = 1;
+        }
         if (g->trace && kind != K_MARKER && kind != K_GATE) {
             PyObject *r = PyObject_CallFunction(g->trace, "idd", kind, begin, end);
             if (r == NULL)
@@ -1230,8 +1275,9 @@ static PyObject *Gpu_launch(Gpu *g, PyObject *const *args, Py_ssize_t nargs)
         return NULL;
     }
     PyObject *cb = args[9] == Py_None ? NULL : args[9];
+    double t0 = g->logging ? mono_now() : 0.0;
     if (new_kernel(g, sh, blocks, flops, nbytes, duration, stream, (uint32_t)lid, instr, group, cb) < 0
-        || flush(g) < 0)
+        || flush(g) < 0 || (g->logging && lg_sim(g, t0) < 0))
         return NULL;
     Py_RETURN_NONE;
 }
@@ -1263,7 +1309,8 @@ static PyObject *Gpu_copy(Gpu *g, PyObject *args)
         Py_INCREF(cb);
         o->cb = cb;
     }
-    if (submit(g, i) < 0 || flush(g) < 0)
+    double t0 = g->logging ? mono_now() : 0.0;
+    if (submit(g, i) < 0 || flush(g) < 0 || (g->logging && lg_sim(g, t0) < 0))
         return NULL;
     Py_RETURN_NONE;
 }
@@ -1804,7 +1851,34 @@ static PyObject *Gpu_reached(Gpu *g, PyObject *unused)
     return r != NULL ? r : PyList_New(0);
 }
 
+static PyObject *Gpu_get_logging(Gpu *g, void *c)
+{
+    return PyBool_FromLong(g->logging);
+}
+
+static int Gpu_set_logging(Gpu *g, PyObject *v, void *c)
+{
+    int on = v == NULL ? 0 : PyObject_IsTrue(v);
+    if (on < 0)
+        return -1;
+    g->logging = on;
+    return 0;
+}
+
+static PyObject *Gpu_log_take(Gpu *g, PyObject *Py_UNUSED(x))
+{
+    PyObject *r = Py_BuildValue("(y#y#)", (const char *)g->lg_ops,
+                                g->lg_nops * (Py_ssize_t)sizeof(double),
+                                (const char *)g->lg_sim, g->lg_nsim * (Py_ssize_t)sizeof(double));
+    if (r != NULL)
+        g->lg_nops = g->lg_nsim = 0;
+    return r;
+}
+
 static PyGetSetDef Gpu_getset[] = {
+    {"logging", (getter)Gpu_get_logging, (setter)Gpu_set_logging,
+     "the self-log is on (Gpu.log_take): what an experiment uses to tell the simulator's own "
+     "work and the device's busy time from the dispatcher's, with no Python call per entry", NULL},
     {"now", (getter)Gpu_get_now, NULL, "virtual time, seconds", NULL},
     {"resident", (getter)Gpu_get_resident, NULL, "resident blocks", NULL},
     {"placements", (getter)Gpu_get_placements, NULL, "blocks placed so far", NULL},
@@ -1829,6 +1903,10 @@ static PyMethodDef Gpu_methods[] = {
      "returns its handle; notify: Gpu.reached() lists it once it is its stream's head"},
     {"open", (PyCFunction)Gpu_open, METH_O,
      "open a gate by handle: True if it was live, False if it had already completed"},
+    {"log_take", (PyCFunction)Gpu_log_take, METH_NOARGS,
+     "the self-log since the last call, as (ops, sim) bytes of float64: (start, end, kind) "
+     "per completed kernel and copy, device time; (start, end) per stretch of the "
+     "simulator's own work, CLOCK_MONOTONIC; see Gpu.logging"},
     {"reached", (PyCFunction)Gpu_reached, METH_NOARGS,
      "handles of the gates submitted with notify=True that reached their stream's head "
      "since the last call"},
@@ -2005,7 +2083,7 @@ static void Gpu_dealloc(Gpu *g)
                       g->sh_warps, g->sh_rpw, g->sh_per_sm, g->sh_smem, g->ops, g->grps, g->qhead,
                       g->qtail, g->shead, g->stail, g->scount, g->sprio, g->active, g->heap, g->pend,
                       g->defer, g->b_t, g->b_stream, g->b_lid, g->touched, g->is_touched,
-                      g->sm_head, g->sm_ver, g->sm_end};
+                      g->sm_head, g->sm_ver, g->sm_end, g->lg_ops, g->lg_sim};
     for (size_t i = 0; i < sizeof(arrays) / sizeof(arrays[0]); i++)
         PyMem_Free(arrays[i]);
     Py_TYPE(g)->tp_free((PyObject *)g);
@@ -2054,8 +2132,9 @@ static int api_launch(PyObject *o, int sh, long long blocks, double flops, doubl
         PyErr_SetString(PyExc_ValueError, "launch: not even one block of this shape fits on an SM");
         return -1;
     }
+    double t0 = g->logging ? mono_now() : 0.0;
     if (new_kernel(g, sh, blocks, flops, nbytes, duration, stream, lid, instr, group, NULL) < 0
-        || flush(g) < 0)
+        || flush(g) < 0 || (g->logging && lg_sim(g, t0) < 0))
         return -1;
     return 0;
 }
@@ -2081,7 +2160,8 @@ static int api_copy(PyObject *o, int kind, int stream, long long nbytes, void *d
     op->fn = fn;
     op->fn_ctx = ctx;
     op->fn_tag = tag;
-    if (submit(g, i) < 0 || flush(g) < 0)
+    double t0 = g->logging ? mono_now() : 0.0;
+    if (submit(g, i) < 0 || flush(g) < 0 || (g->logging && lg_sim(g, t0) < 0))
         return -1;
     return 0;
 }
@@ -2093,9 +2173,11 @@ static int api_sync_wall(PyObject *o, double t0, double speed)
     Gpu *g = (Gpu *)o;
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);
-    double t = ((double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec - t0) * speed;
+    double entry = (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+    double t = (entry - t0) * speed;
     if (t < g->now)
         t = g->now;
+    int fired = 0;
     for (;;) {
         if (settle(g) < 0)
             return -1;
@@ -2103,13 +2185,30 @@ static int api_sync_wall(PyObject *o, double t0, double speed)
             break;
         if (fire(g) < 0)
             return -1;
+        fired = 1;
     }
     g->now = t;
+    if (fired && g->logging && lg_sim(g, entry) < 0)  /* (nothing fired: the host's poll) */
+        return -1;
     return 0;
 }
 
+static double api_next_time(PyObject *o)
+{
+    Gpu *g = (Gpu *)o;
+    if ((g->npend || g->ntouched) && finalize(g) < 0)   /* as Gpu.peek */
+        return NAN;
+    clean_top(g);
+    return g->nheap ? g->heap[0].t : INFINITY;
+}
+
+static int api_host_pending(PyObject *o)
+{
+    return ((Gpu *)o)->reached != NULL;
+}
+
 static PaellaEngineAPI engine_api = {api_check, api_launch, api_copy,
-                                     api_sync_wall};
+                                     api_sync_wall, api_next_time, api_host_pending};
 
 PyMODINIT_FUNC PyInit__engine(void)
 {
