@@ -288,6 +288,66 @@ def test_the_experiment_writes_the_issue_keys(experiment_model, monkeypatch):
     assert pts["dvabatch"]["handoff"] == "device" and pts["zerobatch"]["mean_ms"] > 0
 
 
+def test_a_peak_probe_stops_only_when_its_p99_must_miss():
+    """The probe's early stop (``_late_count`` latencies over the limit) never changes
+    the verdict: with that many over, numpy's p99 is over; with one fewer, it can be
+    under."""
+    from paella.experiments import dvabatch as exp
+    rng = np.random.default_rng(3)
+    for m in (54, 360, 1350):
+        k = exp._late_count(m)
+        lat = rng.uniform(0, 1, m)
+        lat[:k] = 1.0 + 1e-9
+        assert np.percentile(lat, 99) > 1.0
+        lat = np.full(m, 0.5)
+        lat[:k - 1] = 1.0 + 1e-9
+        assert np.percentile(lat, 99) <= 1.0
+    done = np.array([0.1, np.nan, np.nan, 0.5])
+    arr = np.zeros(4)
+    assert exp._late(done, arr, 4, now=0.3, stop_late=(0, 2, 0.2))        # one unanswered counts
+    assert not exp._late(done, arr, 4, now=0.15, stop_late=(1, 2, 0.2))
+
+
+def test_the_peak_search_reuses_a_bracket(monkeypatch):
+    """A bracket another system met at ``lo`` and missed at ``hi`` is kept in two
+    probes; one met at ``hi`` too is searched upward; below, None when not wanted."""
+    from paella.experiments import dvabatch as exp
+    probes: list[float] = []
+
+    def point(cap):
+        def run_point(m, system, rate, n, seed, window=0.0, probe=False):
+            probes.append(rate)
+            return None if rate > cap else {"p99_ms": 1.0, "throughput": rate}
+        return run_point
+    m = type("M", (), {"time": lambda self, s, r, l: 1.0, "max_len": 0})()
+    monkeypatch.setattr(exp, "run_point", point(105.0))
+    assert exp.peak(m, "zerobatch", 10, 1, steps=3, bracket=(100.0, 110.0)) == (100.0, 110.0)
+    assert probes == [100.0, 110.0]
+    probes.clear()
+    monkeypatch.setattr(exp, "run_point", point(250.0))
+    lo, hi = exp.peak(m, "dvabatch", 10, 1, steps=3, bracket=(100.0, 110.0))
+    assert lo <= 250.0 < hi and hi - lo == pytest.approx(220.0 / 8) and probes[:3] == [100.0, 110.0, 220.0]
+    monkeypatch.setattr(exp, "run_point", point(50.0))
+    assert exp.peak(m, "delaybatch", 10, 1, steps=3, bracket=(100.0, 110.0), below=False) is None
+    lo, hi = exp.peak(m, "delaybatch", 10, 1, steps=3, bracket=(100.0, 110.0))
+    assert lo <= 50.0 < hi and hi - lo == pytest.approx(100.0 / 8)
+
+
+@pytest.mark.slow
+def test_a_stopped_probe_is_only_an_overloaded_one(experiment_model, monkeypatch):
+    """A probe (``run_point(probe=True)``) within the QoS runs to the end, point for
+    point the same as an ordinary run; one far past it stops (None) -- the small model
+    is fast, so the QoS target is made small enough for its queue to pass it."""
+    from paella.experiments import dvabatch as exp
+    m = experiment_model
+    rate = 0.3 * 4 / m.time(-1, 4, 0)
+    assert exp.run_point(m, "dvabatch", rate, 60, 1, probe=True) == exp.run_point(m, "dvabatch", rate, 60, 1)
+    monkeypatch.setattr(exp, "QOS_MS", 1e3 * m.time(-1, 1, 0))
+    over = 20 * 64 / m.time(-1, 64, 0)
+    assert exp.run_point(m, "zerobatch", over, 300, 1)["p99_ms"] > exp.QOS_MS
+    assert exp.run_point(m, "zerobatch", over, 300, 1, probe=True) is None
+
+
 def test_a_timing_only_bundle_has_kernels_and_plan_but_no_weights(tmp_path):
     """What the experiment compiles its full-size networks as: enough to time, nothing
     to serve -- and it says so instead of failing obscurely."""
