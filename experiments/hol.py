@@ -13,7 +13,12 @@ each job is 8 dependent kernels of one 128-thread block, 9 registers, no shared 
   notifications). Oldest job first.
 
 Goodput is the highest throughput whose p99 latency meets the SLO (``--slo-ms``,
-default 10x a job's isolated time).
+default 10x a job's isolated time). The sweep's grid is coarse where the knee may fall
+(20k, then 30k jobs/s), so after it each system's knee is refined by bisection
+(:func:`refine_knee`, ``KNEE_STEPS`` halvings of the gap between its last load point
+within the SLO and the first one past it): every system gets the same resolution, and
+a goodput is no longer rounded down to a grid point. The refined points are in
+``results`` with ``"refined": true``.
 
 ``--driver dispatcher`` reruns the same setting with the real dispatcher in place of
 the minimal drivers (:func:`run_dispatcher`): the virtual-time harness
@@ -44,6 +49,27 @@ GPU = "gtx1660s"
 NAIVE_STREAMS = 1024        # one stream per job (reused after 1024 jobs)
 FULL_RATES = [2e3, 4e3, 6e3, 8e3, 10e3, 12e3, 14e3, 16e3, 20e3, 30e3, 40e3, 50e3, 55e3, 60e3, 65e3, 70e3]
 QUICK_RATES = [4e3, 8e3, 12e3, 16e3, 30e3, 50e3, 60e3, 70e3]
+#: Bisections of each system's knee after the sweep (:func:`refine_knee`): 3 halve a
+#: 10k jobs/s gap to 1.25k.
+KNEE_STEPS = 3
+
+
+def refine_knee(points: list[dict], slo_ms: float, measure, steps: int = KNEE_STEPS) -> None:
+    """Bisect the offered load between the last point within the SLO and the next
+    point past it, ``steps`` times, appending each new point (``measure(rate, k)``, k
+    its index, for a seed of its own) to ``points`` (kept sorted by offered load). The
+    goodput (the highest throughput within the SLO) then has the same resolution for
+    every system, whatever the grid."""
+    for k in range(steps):
+        points.sort(key=lambda p: p["offered"])
+        ok = [i for i, p in enumerate(points) if p["p99_ms"] <= slo_ms]
+        if not ok or ok[-1] + 1 >= len(points):
+            return                       # nothing within the SLO, or no point past it
+        lo, hi = points[ok[-1]]["offered"], points[ok[-1] + 1]["offered"]
+        pt = measure((lo + hi) / 2, k)
+        pt["refined"] = True
+        points.append(pt)
+    points.sort(key=lambda p: p["offered"])
 
 
 class AwareDriver:
@@ -144,6 +170,9 @@ def run(rates: list[float], n_jobs: int, sigma: float, seed: int, slo_ms: float,
             results[mode].append(run_point(mode, rate, n_jobs, sigma, seed + i))
         if progress:
             progress(i + 1, len(rates), rate, results)
+    for mode, points in results.items():
+        refine_knee(points, slo_ms, lambda r, k, mode=mode: run_point(
+            mode, r, n_jobs, sigma, seed + len(rates) + k))
     spec = SimDevice(GPU).props
     possible = 8 * spec.sm_count   # 8 resident 128-thread blocks per SM (warp limit)
     good = {m: goodput(points, slo_ms) for m, points in results.items()}
@@ -171,15 +200,20 @@ def run_dispatcher(rates: list[float], n_jobs: int, sigma: float, seed: int, slo
     from paella.experiments.harness import run_point as harness_point
     workloads = [Workload("fig2", adaptor_for(figure2_job(), 64, 64))]
     results: dict[str, list[dict]] = {p: [] for p in policies}
+    def measure(pol: str, rate: float, seed_: int) -> dict:
+        t0 = time.perf_counter()
+        pt = harness_point(PointConfig(pol, rate, sigma, n_jobs, seed_, gpu=GPU,
+                                       cpu_scale=cpu_scale), workloads)
+        pt["wall_seconds"] = time.perf_counter() - t0
+        return pt
+
     for i, rate in enumerate(rates):
         for pol in policies:
-            t0 = time.perf_counter()
-            pt = harness_point(PointConfig(pol, rate, sigma, n_jobs, seed + i, gpu=GPU,
-                                           cpu_scale=cpu_scale), workloads)
-            pt["wall_seconds"] = time.perf_counter() - t0
-            results[pol].append(pt)
+            results[pol].append(measure(pol, rate, seed + i))
         if progress:
             progress(i + 1, len(rates), rate, results)
+    for pol, points in results.items():
+        refine_knee(points, slo_ms, lambda r, k, pol=pol: measure(pol, r, seed + len(rates) + k))
     good = {p: goodput(points, slo_ms) for p, points in results.items()}
     base = good[policies[1]] if len(policies) > 1 else float("nan")
     return {

@@ -135,14 +135,14 @@ def _hol_cpu_note(s: dict, ratio: float) -> str:
     if s["cpu_scale"] != 0:
         return (f"{budget}. Charged here at scale {s['cpu_scale']:g}: the C kernel core "
                 "(docs/dispatcher.md, \"The kernel core\") and the control plane's Python take "
-                "about 28 us of CPU per job, and every driver call its launches and copies stand for "
-                "is charged 2 us (14 per job: 8 launches, 2 copies with their events' record and "
-                "query: 28 us), so one job costs about 56 us of the dispatcher's core and paella "
-                f"meets the SLO up to about 20k jobs/s: {ratio:.2f}x (1.01x with the Python per-kernel "
-                "path, 52.7k instructions per kernel). With the driver calls free the same loop "
-                "sustains 27.6k jobs/s (2.26x at 30k offered); the paper's 2.2x is a C++ "
-                "dispatcher on a real driver. Scale-1 figures vary between runs with the "
-                "machine's load.")
+                "about 10-16 us of CPU per job (session 22; 28 us in round 11), and every driver "
+                "call its launches and copies stand for is charged 2 us (14 per job: 8 launches, 2 "
+                "copies with their events' record and query: 28 us), so one job costs about 38-44 us "
+                f"of the dispatcher's core: {ratio:.2f}x (1.01x with the Python per-kernel path, 52.7k "
+                "instructions per kernel; 1.73x in round 11). The driver calls are now most of the "
+                "cost; the paper's 2.2x is a C++ dispatcher on a real driver. Each knee is refined "
+                "by bisection (`refine_knee`), the same for both policies. Scale-1 figures vary "
+                "between runs with the machine's load.")
     return ("With the dispatcher free, the policy and the +B release rule fill the GPU as the ideal "
             f"driver does. {budget}; with its CPU charged (the next section) the dispatcher's own "
             "cost per job, not the policy, sets the goodput.")
@@ -458,11 +458,14 @@ MOVES: list[tuple[str, str, list, str, str]] = [
     ("hol_dispatcher", "Figure 2 through the dispatcher: paella over ms-jbj", ["goodput_ratio"], "the same",
      "one-block kernels that fit never wait; the +B slack counts the candidate, a little less lookahead "
      "at the highest loads (then 4.97; 5.00 on the kernel core of issue 36, whose copies complete as "
-     "one engine event instead of a copy and a marker)"),
+     "one engine event instead of a copy and a marker; since session 22 each knee is refined by "
+     "bisection, which finds ms-jbj's goodput at 12.9k jobs/s where the grid gave 12.2k)"),
     ("hol_dispatcher_cpu1", "... with its CPU charged", ["goodput_ratio"],
      "the same, within the run-to-run noise of measured CPU time",
      "measured CPU time: varies with the host's load from run to run (then 1.01; 1.73 on the C kernel "
-     "core of issue 36, docs/benchmarks.md round 11, and from the full grid of 16 loads)"),
+     "core of issue 36, docs/benchmarks.md round 11, and from the full grid of 16 loads; 2.02 in "
+     "session 22: the core's cheaper passes, round 14, and each knee refined by bisection, where "
+     "the grid jumped from 20k to 30k jobs/s and rounded paella's goodput down to 19.7k)"),
     ("short_long", "Figure 12: ResNet-18 p99, ms-jbj over paella", ["summary", "short_p99_speedup"],
      "synthetic kernels keep their Table 2 times; 0.5 us launch latency per kernel",
      "an InceptionV3 kernel that cannot start no longer waits in a hardware queue ahead of ResNet-18's next kernel"),
