@@ -5,7 +5,9 @@
 * ``PaellaGPU``: :class:`~.ray_replica.PaellaReplica`, one replica per GPU (``num_gpus=1``
   or ``{"paella_sim_gpu": 1}``), routed by :class:`~.ray_router.PaellaRequestRouter`,
   health-checked every ``health_check_period_s``;
-* ``PaellaIngress``: the KServe v2 REST front end (:mod:`.ray_ingress`).
+* ``PaellaIngress``: the KServe v2 REST front end, and gRPC on the config's
+  ``[grpc] port`` (:mod:`.ray_ingress`), one replica, on this process's node when
+  gRPC is on.
 
 :func:`run` deploys it on the Ray cluster the process is connected to (``ray.init``
 first), with Serve's HTTP proxy on the config's host and port.
@@ -50,7 +52,11 @@ def replica_count(config: ClusterConfig) -> int:
 
 def build_app(config: ClusterConfig, n_replicas: int, seed: int | None = None) -> Any:
     """The bound application (``serve.run`` takes it)."""
-    return ingress_deployment(config).bind(gpu_replicas(config, n_replicas, seed))
+    node = None
+    if config.grpc_port is not None:       # (gRPC where paella cluster says it is)
+        import ray
+        node = ray.util.get_node_ip_address()
+    return ingress_deployment(config, node).bind(gpu_replicas(config, n_replicas, seed))
 
 
 def gpu_replicas(config: ClusterConfig, n_replicas: int, seed: int | None = None) -> Any:

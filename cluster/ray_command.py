@@ -22,7 +22,8 @@ from .ray_config import SIM_GPU_RESOURCE, ClusterConfig, ConfigError, load_confi
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("cluster", help="serve on many GPUs: a daemon per GPU behind Ray Serve",
                        description="Deploy one paella daemon per GPU on a Ray cluster, with "
-                                   "the KServe v2 REST front end and a router by the "
+                                   "the KServe v2 front end (REST, and gRPC with "
+                                   "[grpc] port) and a router by the "
                                    "daemons' queued work (docs/cluster.md).")
     p.add_argument("config", help="the cluster's TOML config (models, [gpus], router, ...)")
     p.add_argument("--address", default="auto",
@@ -80,8 +81,10 @@ def _serve(config: ClusterConfig) -> int:
         why = ray_app.failure_of(config.app_name)
         serve.shutdown()
         raise CLIError(f"the deployment failed: {e}\n{why}") from None
+    grpc = (f" and {config.grpc_host}:{config.grpc_port} (KServe v2 gRPC)"
+            if config.grpc_port is not None else "")
     print(f"paella cluster: serving {', '.join(config.models)} on "
-          f"http://{config.http_host}:{config.http_port}/v2 (KServe v2 REST); "
+          f"http://{config.http_host}:{config.http_port}/v2 (KServe v2 REST){grpc}; "
           f"daemons' sockets in {config.run_dir}; Ctrl-C to stop", flush=True)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):     # (Ray's own SIGINT handler swallows ^C)

@@ -18,6 +18,10 @@ command says ``paella: error: ...`` instead of failing later inside a Ray replic
     host = "127.0.0.1"
     port = 8000
 
+    [grpc]                       # optional: KServe v2 over gRPC too (off without it)
+    port = 8001
+    host = "127.0.0.1"           # default: http.host
+
     [daemon]
     args = []                    # more `paella serve` options, for every daemon
     timeout_s = 30               # an inference's limit, retry included
@@ -38,9 +42,10 @@ BUILTIN_MODELS = ("echo", "noop")
 SIM_GPU_RESOURCE = "paella_sim_gpu"
 BACKENDS = ("sim", "cuda")
 
-_TOP = {"models", "model_repository", "placement", "router", "gpus", "http", "daemon",
-        "app_name", "run_dir"}
+_TOP = {"models", "model_repository", "placement", "router", "gpus", "http", "grpc",
+        "daemon", "app_name", "run_dir"}
 _TABLES = {"gpus": {"backend", "count", "preset"}, "http": {"host", "port"},
+           "grpc": {"host", "port"},
            "daemon": {"args", "timeout_s", "health_check_period_s", "stats_period_s"}}
 
 
@@ -62,6 +67,9 @@ class ClusterConfig:
     model_repository: str | None = None
     http_host: str = "127.0.0.1"
     http_port: int = 8000
+    #: The ingress's KServe v2 gRPC port; None: no gRPC (no ``[grpc]`` table).
+    grpc_port: int | None = None
+    grpc_host: str = "127.0.0.1"
     daemon_args: tuple[str, ...] = ()
     timeout_s: float = 30.0
     health_check_period_s: float = 2.0
@@ -114,14 +122,15 @@ def parse_config(raw: dict[str, Any]) -> ClusterConfig:
             raise ConfigError(f"model {m!r} is not a built-in ({', '.join(BUILTIN_MODELS)}) "
                               f"and not {where}")
     gpus, daemon, http = raw.get("gpus", {}), raw.get("daemon", {}), raw.get("http", {})
+    http_host = _string("http.host", http.get("host", "127.0.0.1"))
+    http_port = _int("http.port", http.get("port", 8000), 0, 65535)
     cfg = ClusterConfig(
         models=models, gpus=_count(gpus.get("count", "auto")),
         backend=_choice("gpus.backend", gpus.get("backend", "sim"), BACKENDS),
         preset=_string("gpus.preset", gpus.get("preset", "t4")),
         router=_choice("router", raw.get("router", "p2c-work"), tuple(ROUTERS)),
         model_repository=repo,
-        http_host=_string("http.host", http.get("host", "127.0.0.1")),
-        http_port=_int("http.port", http.get("port", 8000), 0, 65535),
+        http_host=http_host, http_port=http_port, **_grpc(raw, http_host, http_port),
         daemon_args=_args(daemon.get("args", [])),
         timeout_s=_number("daemon.timeout_s", daemon.get("timeout_s", 30.0)),
         health_check_period_s=_number("daemon.health_check_period_s",
@@ -136,6 +145,21 @@ def parse_config(raw: dict[str, Any]) -> ClusterConfig:
         except ValueError as e:
             raise ConfigError(f"placement: {e}") from None
     return cfg
+
+
+def _grpc(raw: dict[str, Any], http_host: str, http_port: int) -> dict[str, Any]:
+    """``[grpc]``: the port (no default: the table turns gRPC on) and the host."""
+    if "grpc" not in raw:
+        return {}
+    grpc = raw["grpc"]
+    if "port" not in grpc:
+        raise ConfigError("[grpc] needs a port (e.g. port = 8001), or leave the table out "
+                          "for no gRPC")
+    port = _int("grpc.port", grpc["port"], 1, 65535)
+    host = _string("grpc.host", grpc.get("host", http_host))
+    if port == http_port:
+        raise ConfigError(f"grpc.port {port} is http.port too; give gRPC a port of its own")
+    return {"grpc_port": port, "grpc_host": host}
 
 
 def _known_keys(raw: dict[str, Any]) -> None:

@@ -1,4 +1,4 @@
-"""The cluster's ingress: KServe v2 over REST, the front end's own implementation.
+"""The cluster's ingress: KServe v2 over REST and gRPC, the front end's own implementation.
 
 Ray Serve's HTTP proxy hands each request to an ingress replica as ASGI, and
 ``@serve.ingress`` accepts any ASGI application, so the ingress *is*
@@ -8,6 +8,18 @@ end's :class:`~paella.kserve.service.InferenceService` whose inference goes to a
 replica through a Ray deployment handle (routed by :mod:`.ray_router`) instead of to a
 local daemon.
 
+gRPC (``[grpc] port`` in the config) is the front end's own grpc.aio server
+(:func:`paella.kserve.rpc.make_server`: the same servicer, ``ModelStreamInfer``
+included) over the same :class:`ClusterService`, started in the ingress replica's
+asyncio loop when the replica starts and stopped, with a grace, when Ray stops it. Ray
+Serve's own gRPC proxy is not used: it needs generated ``*_pb2_grpc`` servicer modules
+and does not carry bidirectional streams. The port is bound without ``SO_REUSEPORT``
+(grpc's default is on, which would let a second server on the port, a stale one or
+``paella kserve``'s, take half the connections silently): a port in use fails the
+replica, naming it. One ingress replica per node (``max_replicas_per_node=1``), placed
+on the node that runs ``paella cluster``, so the port is bound once, where the command
+says it is.
+
 Faults. A request whose replica lost its daemon (or whose replica died) was not
 answered: it is sent once more, to another replica if there is one (``avoid``), within
 what is left of its timeout. A second failure, or a timeout, is the request's answer:
@@ -15,7 +27,8 @@ a clear 503 or 504. A request is never sent again once a replica answered it, so
 answered at most once.
 
 Not served through the cluster: generation (``generate``, ``generate_stream``, the
-OpenAI API) and model control, which answer 501 and 403; gRPC (see docs/cluster.md).
+OpenAI API: 501; a generative model's request on ``ModelStreamInfer``: that stream's
+``error_message``), and model control (403, PERMISSION_DENIED); see docs/cluster.md.
 """
 from __future__ import annotations
 
@@ -136,19 +149,55 @@ def _failure(e: BaseException) -> ReplicaFailure | None:
     return None
 
 
-def ingress_deployment(config: ClusterConfig):
-    """The ingress deployment class: :class:`KServeApp` on :class:`ClusterService`."""
+#: Seconds the gRPC server gives calls in flight when the ingress replica stops.
+GRPC_GRACE_S = 5.0
+
+
+async def start_grpc(service: InferenceService, host: str, port: int) -> Any:
+    """The front end's gRPC server over ``service`` on ``host:port``, started in the
+    running loop; an :class:`OSError` naming the address if it cannot bind."""
+    from paella.kserve.rpc import make_server
+    try:
+        server, _ = make_server(service, f"{host}:{port}", options=(("grpc.so_reuseport", 0),))
+    except (OSError, RuntimeError) as e:
+        raise OSError(f"the ingress cannot listen for gRPC on {host}:{port} (in use?): "
+                      f"{e}") from None
+    await server.start()
+    log.info("KServe v2 gRPC on %s:%d", host, port)
+    return server
+
+
+def ingress_deployment(config: ClusterConfig, node: str | None = None):
+    """The ingress deployment class: :class:`KServeApp` on :class:`ClusterService`, and
+    the gRPC server on it if the config has a gRPC port. ``node``: the IP of the node
+    the ingress runs on (Ray's ``node:IP`` resource; with gRPC, the node of ``paella
+    cluster``)."""
     from ray import serve
 
     class PaellaIngress:
-        """Ray Serve's ASGI ingress: the KServe v2 REST front end over the cluster."""
+        """Ray Serve's ASGI ingress: the KServe v2 REST front end over the cluster, and
+        its gRPC server (in this replica's loop) if the config has a port."""
 
-        def __init__(self, replicas: Any):
+        async def __init__(self, replicas: Any):
             self.service = ClusterService(replicas, config.models, config.timeout_s)
+            self.grpc = None
+            if config.grpc_port is not None:
+                self.grpc = await start_grpc(self.service, config.grpc_host,
+                                             config.grpc_port)
 
         def __serve_build_asgi_app__(self) -> KServeApp:
             return KServeApp(self.service)
 
+        async def __del__(self):
+            server, self.grpc = getattr(self, "grpc", None), None
+            if server is not None:                   # (calls in flight get the grace)
+                await server.stop(GRPC_GRACE_S)
+
+    options: dict[str, Any] = {"num_cpus": 0}
+    if node is not None:
+        options["resources"] = {f"node:{node}": 0.001}
     return serve.deployment(serve.ingress()(PaellaIngress), name="PaellaIngress",
-                            num_replicas=1, ray_actor_options={"num_cpus": 0},
-                            max_ongoing_requests=1000)
+                            num_replicas=1, max_replicas_per_node=1,
+                            # (a gRPC port in use stays in use: a few tries, then failed)
+                            max_constructor_retry_count=3,
+                            ray_actor_options=options, max_ongoing_requests=1000)

@@ -331,9 +331,11 @@ def _unary(fn: Callable, req_cls: Any, resp_cls: Any) -> grpc.RpcMethodHandler:
 
 
 def make_server(service: InferenceService, addr: str, control: RepositoryControl | None = None,
-                max_body: int = 64 << 20) -> tuple[grpc.aio.Server, int]:
+                max_body: int = 64 << 20, options: tuple[tuple[str, Any], ...] = ()
+                ) -> tuple[grpc.aio.Server, int]:
     """A grpc.aio server bound to ``addr`` ("host:port"), to be started in the running
-    loop; returns it and the port it bound (``:0`` picks one)."""
+    loop; returns it and the port it bound (``:0`` picks one). ``options``: more grpc
+    channel arguments (``paella cluster``'s ingress: ``("grpc.so_reuseport", 0)``)."""
     s = Servicer(service, control or RepositoryControl(service.socket, allowed=False))
     handlers = {name: _unary(getattr(s, name), getattr(pb, f"{name}Request"),
                              getattr(pb, f"{name}Response"))
@@ -345,7 +347,7 @@ def make_server(service: InferenceService, addr: str, control: RepositoryControl
         response_serializer=pb.ModelStreamInferResponse.SerializeToString)
     server = grpc.aio.server(options=[("grpc.max_receive_message_length", max_body),
                                       ("grpc.max_send_message_length", max_body),
-                                      ("grpc.max_concurrent_streams", 256)])
+                                      ("grpc.max_concurrent_streams", 256), *options])
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
     port = server.add_insecure_port(addr)
     if port == 0:

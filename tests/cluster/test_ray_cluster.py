@@ -1,6 +1,7 @@
 """The Ray Serve deployment, for real: a local Ray cluster with two simulated GPUs,
-the application of ``paella cluster`` on it, load through the KServe REST ingress with
-tritonclient (issue 41's "Done means").
+the application of ``paella cluster`` on it, load through the KServe ingress with
+tritonclient, over REST and over gRPC (unary and ``ModelStreamInfer``) (issue 41's "Done
+means").
 
 One Ray instance serves the module (starting Ray costs seconds on a 2-core machine); it
 is stopped by the fixture's finalizer whatever happens. Every answer is checked against
@@ -45,13 +46,14 @@ def cluster(tmp_path_factory):
     (config, KServe HTTP client URL)."""
     from ray import serve
     run_dir = str(tmp_path_factory.mktemp("paella-cluster"))
-    port = _free_port()
+    port, grpc_port = _free_port(), _free_port()
     cfg = parse_config({"models": ["echo"], "gpus": {"count": N_GPUS},
-                        "http": {"port": port}, "run_dir": run_dir,
+                        "http": {"port": port}, "grpc": {"port": grpc_port},
+                        "run_dir": run_dir,
                         "daemon": {"timeout_s": 10, "health_check_period_s": 1,
                                    "stats_period_s": 0.5}})
-    # (one more simulated GPU: the failing replicas' test)
-    ray.init(num_cpus=2, resources={SIM_GPU_RESOURCE: N_GPUS + 1}, include_dashboard=False,
+    # (two more simulated GPUs: the failing replicas' test, both cases at once)
+    ray.init(num_cpus=2, resources={SIM_GPU_RESOURCE: N_GPUS + 2}, include_dashboard=False,
              log_to_driver=False, configure_logging=False)
     try:
         ray_app.run(cfg, seed=1)
@@ -88,13 +90,19 @@ def _served(record: dict) -> int:
         c.close()
 
 
+def _unique(i: int) -> np.ndarray:
+    """Request ``i``'s input, unlike any other request's."""
+    v = np.full(256, i, np.float32)
+    v[0] = -i
+    return v
+
+
 def _infer(url: str, i: int) -> str:
     """One request with a unique input; "ok", or the error's text (checked by callers)."""
     c = httpclient.InferenceServerClient(url, network_timeout=30)
     try:
         x = httpclient.InferInput("x", [256], "FP32")
-        v = np.full(256, i, np.float32)
-        v[0] = -i
+        v = _unique(i)
         x.set_data_from_numpy(v)
         try:
             y = c.infer("echo", [x]).as_numpy("y")
@@ -119,15 +127,79 @@ def test_load_through_the_ingress_is_answered_by_both_daemons(cluster):
     records = _records(cfg)
     assert sorted(records) == list(range(N_GPUS))
     before = {r: _served(rec) for r, rec in records.items()}
-    results = _load(url, 1, 300)
-    assert results == ["ok"] * 300
+    results = _load(url, 1, 200)
+    assert results == ["ok"] * 200
     after = {r: _served(rec) for r, rec in records.items()}
     took = {r: after[r] - before[r] for r in records}
     assert all(n > 0 for n in took.values()), f"a daemon served nothing: {took}"
-    assert sum(took.values()) == 300, took           # each request once, on one daemon
+    assert sum(took.values()) == 200, took           # each request once, on one daemon
     # an unknown model is the front end's own 404, through the cluster
     with pytest.raises(InferenceServerException, match="unknown model"):
         c.infer("nope", [httpclient.InferInput("x", [1], "FP32")])
+
+
+def test_grpc_through_the_ingress_unary_and_streamed_is_answered_by_both_daemons(cluster):
+    """The ingress's own gRPC server (the front end's servicer over the cluster's
+    service): unmodified tritonclient.grpc, ``ModelInfer`` from threads and
+    ``ModelStreamInfer`` on one stream, every answer its own request's input."""
+    grpcclient = pytest.importorskip("tritonclient.grpc")
+    cfg, _ = cluster
+    addr = f"{cfg.grpc_host}:{cfg.grpc_port}"
+    c = grpcclient.InferenceServerClient(addr)
+    try:
+        assert c.is_server_live() and c.is_server_ready()
+        assert c.get_model_metadata("echo").outputs[0].name == "y"
+        records = _records(cfg)
+        before = {r: _served(rec) for r, rec in records.items()}
+
+        def x_of(i: int):
+            x = grpcclient.InferInput("x", [256], "FP32")
+            x.set_data_from_numpy(_unique(i))
+            return x
+
+        def unary(i: int) -> None:
+            y = c.infer("echo", [x_of(i)], request_id=str(i), client_timeout=30).as_numpy("y")
+            assert y is not None and np.array_equal(y, _unique(i)), f"request {i}"
+
+        with ThreadPoolExecutor(8) as pool:
+            list(pool.map(unary, range(30_000, 30_100)))
+
+        # one stream, 100 requests in flight together and an unknown model among them:
+        # each answer matched to its request by id, the unknown one an error on the
+        # stream (which goes on)
+        answers: dict[int, np.ndarray] = {}
+        errors: list[str] = []
+
+        def on_response(result, error) -> None:
+            if error is not None:
+                errors.append(str(error))
+            else:
+                rid = int(result.get_response().id)
+                assert rid not in answers, f"request {rid} answered twice"
+                answers[rid] = result.as_numpy("y")
+
+        c.start_stream(callback=on_response, stream_timeout=60)
+        for i in range(40_000, 40_100):
+            c.async_stream_infer("echo", [x_of(i)], request_id=str(i))
+            if i == 40_050:
+                c.async_stream_infer("nope", [x_of(0)], request_id="unknown")
+        c.stop_stream()                        # (waits for the stream's end)
+        assert sorted(answers) == list(range(40_000, 40_100))
+        for i, y in answers.items():
+            assert np.array_equal(y, _unique(i)), f"streamed request {i} got another answer"
+        assert len(errors) == 1 and "unknown model" in errors[0], errors
+
+        after = {r: _served(rec) for r, rec in records.items()}
+        took = {r: after[r] - before[r] for r in records}
+        assert all(n > 0 for n in took.values()), f"a daemon served nothing: {took}"
+        assert sum(took.values()) == 200, took       # each request once, on one daemon
+
+        # an unknown model is the front end's NOT_FOUND, through the cluster
+        with pytest.raises(InferenceServerException, match="unknown model") as e:
+            c.infer("nope", [x_of(0)])
+        assert e.value.status() == "StatusCode.NOT_FOUND"
+    finally:
+        c.close()
 
 
 def test_a_killed_daemon_loses_no_request_and_its_replica_comes_back(cluster):
@@ -175,27 +247,35 @@ def test_a_killed_daemon_loses_no_request_and_its_replica_comes_back(cluster):
         pytest.fail("the new daemon of rank 0 was never routed a request")
 
 
-@pytest.mark.parametrize("case", ["bad option", "bad bundle"])
-def test_a_replica_that_cannot_start_its_daemon_says_why(cluster, tmp_path, case):
+def test_replicas_that_cannot_start_their_daemons_say_why(cluster, tmp_path):
     """The replica's constructor raises with the daemon's own words; Ray shows them in
-    the deployment's status, where ``paella cluster`` reads them for its error."""
+    the deployment's status, where ``paella cluster`` reads them for its error (after
+    serve.run raised, as it does in ``paella cluster``). Both cases deploy at once: each
+    is three tries of a replica."""
     from ray import serve
     cfg0, _ = cluster
-    raw = {"models": ["echo"], "gpus": {"count": 1}, "run_dir": cfg0.run_dir,
-           "app_name": "broken"}
-    if case == "bad option":
-        raw["daemon"] = {"args": ["--policy", "no-such-policy"]}
-        want = "no-such-policy"
-    else:
-        (tmp_path / "broken").mkdir()               # a model folder without a bundle
-        raw.update(models=["broken"], model_repository=str(tmp_path))
-        want = "without the model(s) broken"
-    cfg = parse_config(raw)
-    try:
+    (tmp_path / "broken").mkdir()                   # a model folder without a bundle
+    cases = {
+        "broken-option": ({"daemon": {"args": ["--policy", "no-such-policy"]}},
+                          "no-such-policy"),
+        "broken-bundle": ({"models": ["broken"], "model_repository": str(tmp_path)},
+                          "without the model(s) broken"),
+    }
+
+    def deploy(name: str) -> None:
+        cfg = parse_config({"models": ["echo"], "gpus": {"count": 1}, "run_dir": cfg0.run_dir,
+                            "app_name": name, **cases[name][0]})
         with pytest.raises(RuntimeError):
-            serve.run(ray_app.gpu_replicas(cfg, 1), name="broken", route_prefix=None)
-        status = serve.status().applications["broken"]
-        assert want in status.deployments[ray_app.REPLICA_DEPLOYMENT].message
-        assert want in ray_app.failure_of("broken")
+            serve.run(ray_app.gpu_replicas(cfg, 1), name=name, route_prefix=None)
+
+    try:
+        with ThreadPoolExecutor(len(cases)) as pool:
+            for f in [pool.submit(deploy, name) for name in cases]:
+                f.result()
+        for name, (_, want) in cases.items():
+            status = serve.status().applications[name]
+            assert want in status.deployments[ray_app.REPLICA_DEPLOYMENT].message, name
+            assert want in ray_app.failure_of(name)
     finally:
-        serve.delete("broken")
+        for name in cases:
+            serve.delete(name)
