@@ -19,7 +19,9 @@ Per request:
 * **extra**: latency minus isolated, the host's cost on the critical path.
 
 Reported: medians over ``--requests`` requests after warm-up, the ratio latency /
-isolated, the extra per kernel, and the CPU per request (``--profile FILE`` writes
+isolated, the extra per kernel, the median gap between two of a request's device
+operations (the engine's self-log: the host's reaction at a kernel boundary), and the CPU
+per request (``--profile FILE`` writes
 cProfile's stats of the timed requests). ``--fifo`` runs under SCHED_FIFO when allowed
 (the daemon does by default, see docs/service.md).
 
@@ -128,10 +130,15 @@ def bench_model(bundle, name: str, n: int, policy: str, lookahead: int,
     cpu0 = time.process_time()
     if profiler is not None:
         profiler.enable()
+    dev.gpu.logging = True                    # the gaps between each request's ops
+    dev.gpu.log_take()
+    gaps: list[float] = []
     for i in range(n):
         if gap:
             wait(gap)
         lat.append(serve_one(disp, mid, io, 100 + i, spin))
+        gaps += request_gaps(dev)
+    dev.gpu.logging = False
     if profiler is not None:
         profiler.disable()
     cpu = (time.process_time() - cpu0) / n     # (the sleeps take none)
@@ -140,7 +147,20 @@ def bench_model(bundle, name: str, n: int, policy: str, lookahead: int,
     return {"model": name, "kernels": kernels, "isolated_ms": iso * 1e3, "p50_ms": p50 * 1e3,
             "p90_ms": float(np.percentile(lat, 90)) * 1e3, "ratio": p50 / iso,
             "extra_us": (p50 - iso) * 1e6, "extra_per_kernel_us": (p50 - iso) * 1e6 / kernels,
-            "cpu_ms_per_request": cpu * 1e3}
+            "cpu_ms_per_request": cpu * 1e3,
+            "gap_p50_us": float(np.median(gaps)) * 1e6 if gaps else float("nan")}
+
+
+def request_gaps(dev: SimDevice) -> list[float]:
+    """The idle gaps between the device operations of the request just served, from the
+    engine's self-log (``Gpu.logging``; taken and cleared): what the GPU waited between
+    two of the request's ops, the host's reaction at each kernel boundary."""
+    ops_b, _ = dev.gpu.log_take()
+    ops = np.frombuffer(ops_b).reshape(-1, 3)
+    ops = ops[np.argsort(ops[:, 0])]
+    ends = np.maximum.accumulate(ops[:, 1])
+    g = ops[1:, 0] - ends[:-1]
+    return [float(x) for x in g if x > 0]
 
 
 def engine_seconds(bundle, n: int = 300, repeat: int = 3) -> float:
@@ -276,11 +296,12 @@ def main(argv: list[str] | None = None) -> int:
                     0.0 if args.no_spin else 100e-6)
         for n in names]
     print(f"{'model':<15}{'kernels':>8}{'isolated':>10}{'p50':>9}{'p90':>9}{'ratio':>7}"
-          f"{'extra':>9}{'/kernel':>9}{'cpu/req':>9}")
+          f"{'extra':>9}{'/kernel':>9}{'cpu/req':>9}{'gap p50':>9}")
     for r in rows:
         print(f"{r['model']:<15}{r['kernels']:>8}{r['isolated_ms']:>8.3f}ms{r['p50_ms']:>7.3f}ms"
               f"{r['p90_ms']:>7.3f}ms{r['ratio']:>6.2f}x{r['extra_us']:>7.0f}us"
-              f"{r['extra_per_kernel_us']:>7.1f}us{r['cpu_ms_per_request']:>7.3f}ms")
+              f"{r['extra_per_kernel_us']:>7.1f}us{r['cpu_ms_per_request']:>7.3f}ms"
+              f"{r['gap_p50_us']:>7.2f}us")
     if args.engine:
         freeze_heap()
         print("the simulated GPU's own CPU per request (virtual time, no dispatcher):")

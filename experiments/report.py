@@ -245,10 +245,12 @@ def _overhead(d: dict) -> list[str]:
         f"real time), loop on core(s) {dm['cores']} under {fifo}, client on the other core of "
         f"{dm['machine_cores']}. Cases: {st['n']} requests back to back, {st['idle_n']} requests "
         f"{st['idle_gap_ms']:g} ms apart (the adaptive daemon has gone to sleep and needs a KICK), and "
-        f"{st['spin_n']} back to back with `--idle spin`. Timestamps from the client, the daemon (a "
-        "traced entry point that wraps the front end, the functional cache and the simulator) and the "
-        "simulated GPU, all on CLOCK_MONOTONIC; the components partition each request's end-to-end "
-        "interval.",
+        f"{st['spin_n']} back to back with `--idle spin`. Timestamps from the client, the daemon (its "
+        "instruments: a request's admission, wake-up and finish) and the simulated GPU's self-log "
+        "(`Gpu.logging`: each op's device interval and each stretch of the simulator's own work, "
+        "recorded in C; nothing of the device is replaced, so the daemon's kernel core launches into "
+        "the engine and spins in C as it does untraced), all on CLOCK_MONOTONIC; the components "
+        "partition each request's end-to-end interval.",
         "", *rows, "",
         "| | this project (median) | paper (Figure 10) |",
         "|---|---:|---|",
@@ -271,26 +273,30 @@ def _overhead(d: dict) -> list[str]:
            "turnaround often exceeds 200 us" if spin else "")
         + ". Scheduling and framework, "
         f"{med['scheduling_framework'] / 1e3:.1f} ms, is mostly the GPU waiting between the job's "
-        f"{d['cases'][cases[0]]['stats_us']['kernels']['p50']:.0f} kernels for this Python dispatcher "
-        f"to read their notifications and release the next one ({s['release_gap_us']:.0f} us per "
-        "kernel). Paella releases each kernel late by design, so this cost sits on the critical path; "
+        f"{d['cases'][cases[0]]['stats_us']['kernels']['p50']:.0f} kernels for the dispatcher's loop "
+        f"to read their notifications and release the next one ({s['release_gap_us']:.1f} us per "
+        "kernel: the C kernel core spinning, docs/dispatcher.md \"The loop in C\"; 4.3 us before "
+        "session 22), the job's start, and its completion, where the hybrid client's wake-up frame "
+        "(a socket send) outlasts the short output copy. Paella releases each kernel late by "
+        "design, so this cost sits on the critical path; "
         "the paper's text implies its C++ dispatcher's per-job cost is a small fraction of "
         "MobileNet's 1.67 ms (it allows about 30x more jobs per second before throughput suffers), "
-        f"while this Python one's overheads are {1 / s['gpu_over_overhead']:.1f}x the simulated GPU "
+        f"while this one's overheads are {1 / s['gpu_over_overhead']:.2f}x the simulated GPU "
         "time. The simulated GPU "
         f"is busy {s['gpu_busy_us']:.0f} us of the request's isolated time in virtual time "
         f"({s['isolated_device_us']:.0f} us, `paella profile`'s number, copies and the launch latency "
         "between kernels included; the paper's T4 takes 1.67 ms). "
         f"The simulator itself costs {s['simulator_cpu_us'] / 1e3:.1f} ms of the daemon loop's CPU per "
-        f"request, {s['simulator_cpu_us'] / s['gpu_busy_us']:.1f}x the GPU time it simulates, most of it "
-        "the Python calls into it (a poll per loop iteration, a launch per kernel); the part spent while "
-        "the GPU idles is counted as device time (the hardware's work), not as scheduling; on a real GPU "
-        "it would not exist.",
+        f"request while the GPU idles, {s['simulator_cpu_us'] / s['gpu_busy_us']:.2f}x the GPU time it "
+        "simulates (firing its events, placing blocks, moving the copies' bytes, looking up the "
+        "answer); it is counted as device time (the hardware's work), not as scheduling; on a real "
+        "GPU it would not exist.",
         "",
         f"Checks: the mean components add up to the mean end-to-end latency ({s['sum_of_means_us']:.1f} "
         f"against {s['e2e_mean_us']:.1f} us; largest residual {s['max_abs_residual_us']:.3f} us)."
-        + f" Tracing makes {d['cases'][cases[0]]['stats_us']['traced_calls']['p50']:.0f} timed calls per "
-        f"request at {d['wrapper_cost_us']:.2f} us each, so it adds about {s['tracing_estimate_us']:.0f} us"
+        + f" Tracing records {d['cases'][cases[0]]['stats_us']['traced_calls']['p50']:.0f} entries per "
+        f"request at most {d['wrapper_cost_us']:.2f} us each (two clock reads), so it adds at most "
+        f"about {s['tracing_estimate_us']:.0f} us"
         + (f"; an untraced daemon's median end to end is {d['untraced_e2e_us']['p50'] / 1e3:.1f} ms against "
            f"the traced one's {s['e2e_p50_us'] / 1e3:.1f} ms in this run." if "untraced_e2e_us" in d else ".")
         + f" Writing the input into the arena, before predict, takes the client "
