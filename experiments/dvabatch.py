@@ -538,8 +538,8 @@ def report_section(d: dict) -> list[str]:
         + "Per model at high load: " + "; ".join(
             f"{n} {_reduction(pm['loads']['high']['zerobatch']['mean_ms'], pm['loads']['high']['dvabatch']['mean_ms']):.0f}% "
             f"(DVABatch's mean stage batch {pm['loads']['high']['dvabatch']['mean_stage_batch']:.1f}, "
-            f"{pm['loads']['high']['dvabatch']['stretch']} stretches, "
-            f"{pm['loads']['high']['dvabatch']['split']} splits; ZeroBatch's batch "
+            f"stretches {pm['loads']['high']['dvabatch']['stretch']}, "
+            f"splits {pm['loads']['high']['dvabatch']['split']}; ZeroBatch's batch "
             f"{pm['loads']['high']['zerobatch']['mean_stage_batch']:.1f})" for n, pm in ms.items())
         + "; our reading, not isolated: the loads are fractions of DelayBatch's peak, so where "
         "DVABatch's peak is far above it (BERT, padding) the baselines are not near saturation "
