@@ -6,6 +6,12 @@ Ray shows an exception from a replica's constructor in its logs and in the deplo
 status, and the daemon's own words (no GPU, a bad bundle) are the useful part. So the
 daemon's stderr goes through a pipe: a thread copies every line to the replica's
 stderr (Ray's log of that replica) and keeps the last ones for the error.
+
+The daemon is spawned without a ``preexec_fn``, so that ``subprocess`` takes its vfork
+path: a replica has grpcio's threads running (Ray Serve loads it), and a plain fork
+runs grpcio's fork handlers in the child, which could abort it before its exec (seen
+once in the cluster test: the daemon dead at start). The child asks for its parent's
+death signal itself, first thing after the exec (:data:`DAEMON_CMD`).
 """
 from __future__ import annotations
 
@@ -19,11 +25,25 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from paella.child_daemon import DAEMON
-from paella.parent_death import end_with_parent
+
 
 #: Lines of the daemon's stderr kept for an error message.
 TAIL_LINES = 20
+
+
+#: ``paella serve`` (as :data:`paella.child_daemon.DAEMON` runs it), ended by SIGTERM
+#: when its parent (the replica, ``PAELLA_PARENT_PID``) exits, as
+#: :func:`paella.parent_death.end_with_parent` does from a ``preexec_fn``.
+DAEMON_CMD = (sys.executable, "-c",
+              "import ctypes, os, signal, sys\n"
+              "try:\n"
+              "    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM, 0, 0, 0)\n"
+              "except (OSError, AttributeError):\n"
+              "    pass\n"
+              "if os.getppid() != int(os.environ.pop('PAELLA_PARENT_PID', os.getppid())):\n"
+              "    sys.exit(0)                     # (the replica is gone already)\n"
+              "from paella.dispatcher.daemon import main\n"
+              "sys.exit(main())\n")
 
 
 class DaemonStartError(RuntimeError):
@@ -82,10 +102,10 @@ def start(socket_path: str, args: list[str], env: dict[str, str] | None = None,
     notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
     notify.bind(notify_path)
     notify.settimeout(0.2)
-    proc = subprocess.Popen([*DAEMON, "--socket", socket_path, *args],
-                            env=dict(env or os.environ, NOTIFY_SOCKET=notify_path),
-                            stdin=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                            preexec_fn=end_with_parent())
+    proc = subprocess.Popen([*DAEMON_CMD, "--socket", socket_path, *args],
+                            env=dict(env or os.environ, NOTIFY_SOCKET=notify_path,
+                                     PAELLA_PARENT_PID=str(os.getpid())),
+                            stdin=subprocess.DEVNULL, stderr=subprocess.PIPE)
     d = DaemonProcess(proc, socket_path, notify=notify)
     threading.Thread(target=_copy_stderr, args=(proc, d.tail), daemon=True,
                      name=f"paella-daemon-{proc.pid}-stderr").start()
