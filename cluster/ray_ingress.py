@@ -28,7 +28,9 @@ answered at most once.
 
 Not served through the cluster: generation (``generate``, ``generate_stream``, the
 OpenAI API: 501; a generative model's request on ``ModelStreamInfer``: that stream's
-``error_message``), and model control (403, PERMISSION_DENIED); see docs/cluster.md.
+``error_message``), and loading or unloading models (403, PERMISSION_DENIED: the
+config's models and placement say what each replica serves). The repository index is
+the config's models (:class:`ClusterControl`). See docs/cluster.md.
 """
 from __future__ import annotations
 
@@ -39,8 +41,9 @@ from typing import Any, AsyncIterator, Mapping
 
 import numpy as np
 
+from paella.kserve.repository_control import RepositoryControl
 from paella.kserve.rest import KServeApp
-from paella.kserve.service import InferenceService, ModelSpec
+from paella.kserve.service import VERSION, InferenceService, ModelSpec
 from paella.kserve.tensors import InferError
 
 from .ray_config import ClusterConfig
@@ -134,6 +137,30 @@ class ClusterService(InferenceService):
         pass
 
 
+class ClusterControl(RepositoryControl):
+    """Triton's model-repository extension through the cluster, for REST and gRPC: the
+    index is the config's models (READY while a replica answers for the model,
+    UNAVAILABLE otherwise); loading and unloading are refused (403)."""
+
+    def __init__(self, service: ClusterService):
+        super().__init__("", allowed=False)
+        self.service = service
+
+    def _check(self) -> None:
+        raise InferError(403, "model control is not served through paella cluster: the "
+                              "config's models and placement say what each replica serves")
+
+    async def index(self, ready_only: bool = False) -> list[dict]:
+        try:
+            ready = await self.service.models()
+        except InferError:
+            ready = {}
+        rows = [{"name": m, "version": VERSION, "state": "READY"} if m in ready else
+                {"name": m, "version": VERSION, "state": "UNAVAILABLE",
+                 "reason": "no replica answers for it"} for m in self.service.names]
+        return [r for r in rows if r["state"] == "READY"] if ready_only else rows
+
+
 def _failure(e: BaseException) -> ReplicaFailure | None:
     """What a replica's failure means for the request: a :class:`ReplicaFailure` (its
     own, as Ray re-raises it), one standing for a dead replica (retried like a lost
@@ -153,12 +180,14 @@ def _failure(e: BaseException) -> ReplicaFailure | None:
 GRPC_GRACE_S = 5.0
 
 
-async def start_grpc(service: InferenceService, host: str, port: int) -> Any:
+async def start_grpc(service: InferenceService, host: str, port: int,
+                     control: RepositoryControl | None = None) -> Any:
     """The front end's gRPC server over ``service`` on ``host:port``, started in the
     running loop; an :class:`OSError` naming the address if it cannot bind."""
     from paella.kserve.rpc import make_server
     try:
-        server, _ = make_server(service, f"{host}:{port}", options=(("grpc.so_reuseport", 0),))
+        server, _ = make_server(service, f"{host}:{port}", control,
+                                options=(("grpc.so_reuseport", 0),))
     except (OSError, RuntimeError) as e:
         raise OSError(f"the ingress cannot listen for gRPC on {host}:{port} (in use?): "
                       f"{e}") from None
@@ -180,13 +209,14 @@ def ingress_deployment(config: ClusterConfig, node: str | None = None):
 
         async def __init__(self, replicas: Any):
             self.service = ClusterService(replicas, config.models, config.timeout_s)
+            self.control = ClusterControl(self.service)
             self.grpc = None
             if config.grpc_port is not None:
                 self.grpc = await start_grpc(self.service, config.grpc_host,
-                                             config.grpc_port)
+                                             config.grpc_port, self.control)
 
         def __serve_build_asgi_app__(self) -> KServeApp:
-            return KServeApp(self.service)
+            return KServeApp(self.service, control=self.control)
 
         async def __del__(self):
             server, self.grpc = getattr(self, "grpc", None), None

@@ -124,6 +124,8 @@ def test_load_through_the_ingress_is_answered_by_both_daemons(cluster):
     c = httpclient.InferenceServerClient(url)
     assert c.is_server_ready()
     assert c.get_model_metadata("echo")["outputs"][0]["name"] == "y"
+    assert [(m["name"], m["state"]) for m in c.get_model_repository_index()] == \
+        [("echo", "READY")]                            # (the config's models)
     records = _records(cfg)
     assert sorted(records) == list(range(N_GPUS))
     before = {r: _served(rec) for r, rec in records.items()}
