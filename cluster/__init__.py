@@ -11,7 +11,7 @@ through its client). What is here has no distributed engine in it:
 The Ray Serve deployment (``paella cluster``, the ``ray_*`` modules, extra ``[ray]``)
 runs these on Ray's request-router interface: :mod:`~paella.cluster.ray_replica` (a
 replica per GPU and its daemon), :mod:`~paella.cluster.ray_router`,
-:mod:`~paella.cluster.ray_ingress` (the KServe REST front end), :mod:`~paella.cluster.ray_app`.
+:mod:`~paella.cluster.ray_ingress` (the KServe front end: REST, and gRPC), :mod:`~paella.cluster.ray_app`.
 ``paella experiment cluster`` runs the same routers over N simulated GPUs in virtual time
 (docs/cluster.md). Only the ``ray_*`` modules import Ray.
 """
