@@ -99,10 +99,13 @@ def test_the_ingress_serves_grpc_on_its_port_alone_and_closes_it_when_stopped(lo
             loop(start_grpc(ingress.service, "127.0.0.1", port))
         with pytest.raises((OSError, RuntimeError)):
             make_server(ingress.service, f"127.0.0.1:{port}")
-        # Ray's destructor call stops the server: the port is free, calls fail
+        # Ray's destructor call stops the server: the port is free (nobody listens: a
+        # listener of our own binds it, as a restarted ingress would), calls fail
         loop(ingress.__del__())
         with socket.socket() as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # (TIME_WAIT is no user)
             s.bind(("127.0.0.1", port))
+            s.listen()
         with pytest.raises(InferenceServerException, match="UNAVAILABLE|failed to connect"):
             c.is_server_live(client_timeout=2)
         loop(ingress.__del__())                      # (a second call: nothing to do)
