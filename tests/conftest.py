@@ -21,3 +21,19 @@ def kernels():
 @pytest.fixture
 def gtx():
     return SimDevice("gtx1660s")
+
+
+#: Test files that leave grpcio's threads (Ray's driver, an in-process grpc.aio server)
+#: running in this process. They run last: any fork after them (a daemon started with a
+#: ``preexec_fn``, an attacker started under another uid) runs grpcio's fork handlers in
+#: the child, which can abort it before its exec ("epoll_wait error: Bad file
+#: descriptor", seen twice in one suite run). The product does not fork after loading
+#: grpcio (the cluster's replicas spawn their daemons without a preexec_fn).
+_GRPC_THREADS_LAST = ("tests/cluster/test_ray_cluster.py", "tests/cluster/test_ray_ingress_grpc.py")
+
+
+def pytest_collection_modifyitems(config, items):
+    def leaves_grpc_threads(item) -> bool:
+        path = str(item.path).replace("\\", "/")
+        return any(path.endswith(p) for p in _GRPC_THREADS_LAST)
+    items.sort(key=leaves_grpc_threads)    # stable: the order is kept within each part
