@@ -107,17 +107,21 @@ class PluginRegistry:
         key = norm(name)
         if key not in self.classes:
             self.load_entry_points()
-        known = ", ".join(sorted(self.classes))
         if key in self.broken and key not in self.classes:
             raise self.error(f"{self.kind} {name!r} is unavailable: {self.broken[key]}; "
                              f"reinstall or remove that plug-in, or choose another "
-                             f"{self.short} ({known})")
+                             f"{self.short} ({self.known()})")
         try:
             return self.classes[key]
         except KeyError:
-            raise self.error(f"unknown {self.kind} {name!r}; known {self.plural}: {known} "
+            raise self.error(f"unknown {self.kind} {name!r}; known {self.plural}: {self.known()} "
                              f"(plug-ins register under the entry-point group "
                              f"{self.group!r})") from None
+
+    def known(self) -> str:
+        """The registered names, as the errors list them (a kind with sub-kinds may
+        group them)."""
+        return ", ".join(sorted(self.classes))
 
     def names(self) -> list[str]:
         self.load_entry_points()
