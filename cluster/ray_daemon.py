@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import collections
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -25,7 +24,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-
+from paella.child_daemon import await_ready, terminate
 
 #: Lines of the daemon's stderr kept for an error message.
 TAIL_LINES = 20
@@ -76,13 +75,7 @@ class DaemonProcess:
 
     def stop(self, timeout: float = 10.0) -> None:
         """SIGTERM (the daemon drains and removes its segments), SIGKILL if it hangs."""
-        if self.alive:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        terminate(self.proc, timeout)
         if self.notify is not None:
             self.notify.close()
             self.notify = None
@@ -118,20 +111,14 @@ def start(socket_path: str, args: list[str], env: dict[str, str] | None = None,
 
 
 def _await_ready(d: DaemonProcess, notify: socket.socket, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            if b"READY=1" in notify.recv(4096):
-                return
-        except socket.timeout:
-            pass
-        if not d.alive:
-            d.proc.wait()
-            time.sleep(0.1)                  # (the stderr thread reads the last lines)
-            raise DaemonStartError(f"could not start the paella daemon: {d.why_dead()}")
-        if time.monotonic() > deadline:
-            raise DaemonStartError(f"the paella daemon was not ready within {timeout:g} s"
-                                   f"{d.last_words()}")
+    if await_ready(notify, lambda: d.alive, timeout):
+        return
+    if not d.alive:
+        d.proc.wait()
+        time.sleep(0.1)                      # (the stderr thread reads the last lines)
+        raise DaemonStartError(f"could not start the paella daemon: {d.why_dead()}")
+    raise DaemonStartError(f"the paella daemon was not ready within {timeout:g} s"
+                           f"{d.last_words()}")
 
 
 def _copy_stderr(proc: subprocess.Popen, tail: collections.deque) -> None:

@@ -178,6 +178,13 @@ class PaellaReplica:
         if not self.daemon.alive:
             raise RuntimeError(self.daemon.why_dead())
 
+    def record_replica_metadata(self) -> dict[str, Any]:
+        """What the router knows of this replica from the moment Ray routes to it (Ray
+        reads it once, when the replica is initialized): its models and rank. The first
+        routing stats come a poll later; until then this says where a model is served,
+        so a fresh replica is routable at once."""
+        return {"models": self.models, "rank": self.rank}
+
     async def record_routing_stats(self) -> dict[str, Any]:
         """What the request router reads (Ray polls it): queued work, models, health."""
         stats: dict[str, Any] = {"models": self.models, "alive": self.daemon.alive,

@@ -12,9 +12,14 @@ The records are filled from:
 
 * ``routing_stats``: what each replica's ``record_routing_stats`` returned when Ray last
   polled it (``stats_period_s``): its daemon's ``queued_work_us`` (STATUS), the models
-  it serves, whether its daemon lives. A replica not polled yet is no candidate for a
-  model (its models are not known); a request with no replica to go to waits, with
-  Ray's backoff, until one is (a replica restarting), or until the ingress's timeout;
+  it serves, whether its daemon lives;
+* ``replica_metadata``: what the replica's ``record_replica_metadata`` returned once,
+  when it was initialized (its models), which Ray delivers with the replica itself. A
+  replica not polled yet is thus routable at once, as idle and alive (Ray routes only
+  to replicas it has seen initialized; a dead daemon fails Ray's health check). Its
+  stats, once polled, win: a replica given another rank may serve other models. A
+  request with no replica serving its model waits, with Ray's backoff, until one does
+  (a replica restarting), or until the ingress's timeout;
 * ``in_flight``: this router's own count of the requests it sent there and that have
   not completed (fresh, unlike the stats).
 
@@ -68,10 +73,13 @@ class PaellaRequestRouter(RequestRouter):
     def record(self, r: RunningReplica) -> Replica:
         """What the rule reads of one running replica."""
         stats = r.routing_stats or {}
-        return Replica(r.replica_id.unique_id, frozenset(stats.get("models", ())),
+        models = stats.get("models")
+        if models is None:                    # (not polled yet: what it said at its start)
+            models = (getattr(r, "replica_metadata", None) or {}).get("models", ())
+        return Replica(r.replica_id.unique_id, frozenset(models),
                        float(stats.get("queued_work_us", 0.0) or 0.0),
                        self._in_flight.get(r.replica_id, 0),
-                       bool(stats.get("alive", False)))
+                       bool(stats.get("alive", True)))
 
     # -- this router's count of requests in flight -----------------------------------
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID,

@@ -61,6 +61,7 @@ import numpy as np
 from paella.client import (NONBLOCK, DaemonGone, DaemonUnavailable, PaellaError, RequestFailed,
                            connect)
 from paella.fuzz import fuzz_attacks
+from paella.child_daemon import await_ready, terminate
 from paella.parent_death import end_with_parent
 
 #: The daemon alone (not every ``paella`` sub-command), with a stack dump on fatal
@@ -191,14 +192,7 @@ class DaemonUnderTest:
         notify.settimeout(0.2)
         try:
             act()
-            end = time.monotonic() + timeout
-            while time.monotonic() < end and self.alive():
-                try:
-                    if b"READY=1" in notify.recv(4096):
-                        return True
-                except socket.timeout:
-                    pass  # not yet
-            return False
+            return await_ready(notify, self.alive, timeout)
         finally:
             notify.close()
             os.unlink(notify_path)
@@ -257,17 +251,7 @@ class DaemonUnderTest:
             self.log_from = size
 
     def stop(self, timeout: float = 30.0) -> int | None:
-        if self.proc is None:
-            return None
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-                return None
-        return self.proc.returncode
+        return None if self.proc is None else terminate(self.proc, timeout)
 
 
 # --- what the daemon holds -------------------------------------------------------------------

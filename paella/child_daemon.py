@@ -16,6 +16,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from typing import Callable
 
 from paella.parent_death import end_with_parent
 
@@ -39,24 +40,49 @@ def start_daemon(*extra: str, timeout: float = 60.0,
     proc = subprocess.Popen([*command, "--socket", sock, "--log-level", "warning", *extra],
                             env=dict(os.environ, NOTIFY_SOCKET=notify_path),
                             preexec_fn=end_with_parent())
+    if not await_ready(notify, lambda: proc.poll() is None, timeout):
+        code = proc.poll()
+        terminate(proc, 0)
+        notify.close()
+        shutil.rmtree(d, ignore_errors=True)
+        raise RuntimeError(f"the daemon exited with status {code} before it was ready "
+                           f"(its error is above)" if code is not None else
+                           f"the daemon did not become ready within {timeout:g} s")
+    _notify_sockets[proc.pid] = notify      # kept open: the daemon reports STOPPING=1 too
+    return proc, sock, d
+
+
+def await_ready(notify: socket.socket, alive: Callable[[], bool], timeout: float) -> bool:
+    """Wait for ``READY=1`` (sd_notify) on ``notify`` while ``alive()``: True once it came,
+    False if the daemon exited or ``timeout`` seconds passed first. ``notify`` has a
+    short timeout of its own (0.2 s), so that an exit is seen soon. Every launcher of a
+    daemon (this module, a cluster replica, the fuzzer) waits this way."""
     deadline = time.monotonic() + timeout
     while True:
         try:
             if b"READY=1" in notify.recv(4096):
-                break
+                return True
         except socket.timeout:
             pass
-        code = proc.poll()
-        if code is not None or time.monotonic() > deadline:
-            proc.kill()
-            proc.wait()
-            notify.close()
-            shutil.rmtree(d, ignore_errors=True)
-            raise RuntimeError(f"the daemon exited with status {code} before it was ready "
-                               f"(its error is above)" if code is not None else
-                               f"the daemon did not become ready within {timeout:g} s")
-    _notify_sockets[proc.pid] = notify      # kept open: the daemon reports STOPPING=1 too
-    return proc, sock, d
+        if not alive() or time.monotonic() > deadline:
+            return False
+
+
+def terminate(proc: subprocess.Popen, timeout: float) -> int | None:
+    """SIGTERM (the daemon drains and removes its segments), then SIGKILL if it has not
+    exited within ``timeout`` seconds (0: at once); its exit status, or None if it had
+    to be killed."""
+    if proc.poll() is None:
+        if timeout > 0:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                return proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                pass
+        proc.kill()
+        proc.wait()
+        return None
+    return proc.returncode
 
 
 def notify_socket(proc: subprocess.Popen) -> socket.socket:
@@ -65,11 +91,11 @@ def notify_socket(proc: subprocess.Popen) -> socket.socket:
     return _notify_sockets[proc.pid]
 
 
-def stop_daemon(proc: subprocess.Popen) -> int:
-    """SIGTERM (the daemon drains and removes its segments); its exit status."""
-    proc.send_signal(signal.SIGTERM)
+def stop_daemon(proc: subprocess.Popen) -> int | None:
+    """SIGTERM (the daemon drains and removes its segments); its exit status, or None if
+    it did not stop within 30 s and was killed."""
     try:
-        return proc.wait(30)
+        return terminate(proc, 30.0)
     finally:
         sock = _notify_sockets.pop(proc.pid, None)
         if sock is not None:

@@ -28,6 +28,7 @@ from tritonclient.utils import InferenceServerException  # noqa: E402
 from paella.client import Client  # noqa: E402
 from paella.cluster import ray_app  # noqa: E402
 from paella.cluster.ray_config import SIM_GPU_RESOURCE, parse_config  # noqa: E402
+from paella.dispatcher.frontend import Frontend  # noqa: E402
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(300)]
 
@@ -79,7 +80,11 @@ def _records(cfg) -> dict[int, dict]:
 
 
 def _served(record: dict) -> int:
-    """Requests this daemon took (its STATUS), -1 if it does not answer."""
+    """Requests this daemon took (its STATUS), -1 if it does not answer. The daemon
+    reuses a STATUS reply for ``STATUS_REUSE`` seconds (the router polls it too), so
+    this waits that long first: a count read right after the last answer could
+    otherwise predate the last few requests."""
+    time.sleep(2 * Frontend.STATUS_REUSE)
     try:
         c = Client(record["socket"])
     except Exception:  # noqa: BLE001
