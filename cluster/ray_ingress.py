@@ -17,8 +17,7 @@ own loop, about one fresh cluster in five never routed a request from its ingres
 included); in its own loop, none in 14 tries. Ray
 Serve's own gRPC proxy is not used: it needs generated ``*_pb2_grpc`` servicer modules
 and does not carry bidirectional streams. The port is bound without ``SO_REUSEPORT``
-(grpc's default is on, which would let a second server on the port, a stale one or
-``paella kserve``'s, take half the connections silently): a port in use fails the
+(as every server of :func:`~paella.kserve.rpc.make_server`): a port in use fails the
 replica, naming it. One ingress replica per node (``max_replicas_per_node=1``), placed
 on the node that runs ``paella cluster``, so the port is bound once, where the command
 says it is.
@@ -190,8 +189,7 @@ async def start_grpc(service: InferenceService, host: str, port: int,
     running loop; an :class:`OSError` naming the address if it cannot bind."""
     from paella.kserve.rpc import make_server
     try:
-        server, _ = make_server(service, f"{host}:{port}", control,
-                                options=(("grpc.so_reuseport", 0),))
+        server, _ = make_server(service, f"{host}:{port}", control)
     except (OSError, RuntimeError) as e:
         raise OSError(f"the ingress cannot listen for gRPC on {host}:{port} (in use?): "
                       f"{e}") from None

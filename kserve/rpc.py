@@ -335,7 +335,12 @@ def make_server(service: InferenceService, addr: str, control: RepositoryControl
                 ) -> tuple[grpc.aio.Server, int]:
     """A grpc.aio server bound to ``addr`` ("host:port"), to be started in the running
     loop; returns it and the port it bound (``:0`` picks one). ``options``: more grpc
-    channel arguments (``paella cluster``'s ingress: ``("grpc.so_reuseport", 0)``)."""
+    channel arguments.
+
+    The port is bound without ``SO_REUSEPORT`` (grpc's default is on): with it, a second
+    server on the same port (a stale one, another ``paella kserve``, the cluster's
+    ingress) would silently take half of the connections; without it, a port in use is
+    an :class:`OSError` here."""
     s = Servicer(service, control or RepositoryControl(service.socket, allowed=False))
     handlers = {name: _unary(getattr(s, name), getattr(pb, f"{name}Request"),
                              getattr(pb, f"{name}Response"))
@@ -347,7 +352,8 @@ def make_server(service: InferenceService, addr: str, control: RepositoryControl
         response_serializer=pb.ModelStreamInferResponse.SerializeToString)
     server = grpc.aio.server(options=[("grpc.max_receive_message_length", max_body),
                                       ("grpc.max_send_message_length", max_body),
-                                      ("grpc.max_concurrent_streams", 256), *options])
+                                      ("grpc.max_concurrent_streams", 256),
+                                      ("grpc.so_reuseport", 0), *options])
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
     port = server.add_insecure_port(addr)
     if port == 0:

@@ -216,6 +216,31 @@ def test_without_a_daemon_it_is_live_but_not_ready(tmp_path):
     os.unlink(log)
 
 
+def test_a_grpc_port_in_use_is_a_clear_error_not_a_shared_port(tmp_path):
+    """grpc binds with SO_REUSEPORT by default, which would let a second server on the
+    port take half of the first one's connections in silence; ours refuses the port."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from service_daemon import free_port
+    first, hp, gp, log = start_kserve(str(tmp_path / "none.sock"))
+    try:
+        paella = str(Path(sys.executable).with_name("paella"))
+        second = subprocess.run([paella, "kserve", "--socket", str(tmp_path / "none.sock"),
+                                 "--http-port", str(free_port()), "--grpc-port", str(gp)],
+                                capture_output=True, text=True, timeout=60)
+        assert second.returncode == 2, second.stderr
+        assert f"cannot listen on 127.0.0.1:{gp}" in second.stderr, second.stderr
+        assert "Traceback" not in second.stderr
+        c = tritongrpc.InferenceServerClient(f"127.0.0.1:{gp}")   # (the first one serves on)
+        assert c.is_server_live()
+    finally:
+        first.terminate()
+        assert first.wait(15) == 0, log.read_text()
+    os.unlink(log)
+
+
 def test_our_proto_is_the_protocols_field_for_field():
     # Our grpc_predict_v2.proto against tritonclient's copy of the protocol: same message
     # names, field numbers, types and cardinality (a wrong number would garble the wire).
