@@ -65,6 +65,7 @@ def lstm_kernels(gpu_arch: str = "sm_75") -> dict:
 
 def run_point(system: str, rate: float, lengths: np.ndarray, kernels: dict, *, seed: int = 1,
               gpu: str = "v100", cpu_scale: float = 1.0, warmup: float = 0.1) -> dict:
+    from paella.dispatcher.batchers.stage import scheduler_context
     from paella.dispatcher.core import Dispatcher
     from paella.dispatcher.devices.sim import SimDevice
     from paella.stepsched.cell_scheduler import CellType, CellularScheduler
@@ -73,16 +74,16 @@ def run_point(system: str, rate: float, lengths: np.ndarray, kernels: dict, *, s
     from paella.stepsched.runtime import StepRuntime
 
     dev = SimDevice(gpu, n_streams=64, seed=seed)
-    d = Dispatcher(dev, "paella", profile_runs=0)
+    ctx = scheduler_context(Dispatcher(dev, "paella", profile_runs=0), system)
     n = len(lengths)
     arrivals = poisson_arrivals(rate, n, seed)
     if system == "cellular":
         policy = CellularScheduler([CellType("lstm", BSIZES)], MAX_TASKS)
-        rt = StepRuntime(d, policy, lambda t: kernels[t.batch_size], name="lstm", cpu_scale=cpu_scale)
+        rt = StepRuntime(ctx, policy, lambda t: kernels[t.batch_size], name="lstm", cpu_scale=cpu_scale)
         items = [(float(a), unfold_chain(i, int(L), arrival=float(a))) for i, (a, L) in enumerate(zip(arrivals, lengths))]
     elif system == "graph":
         policy = PaddingBatcher(max(BSIZES), WIDTH, BSIZES)
-        rt = StepRuntime(d, policy, lambda t: kernels[t.batch_size].repeated(t.steps), name="graph",
+        rt = StepRuntime(ctx, policy, lambda t: kernels[t.batch_size].repeated(t.steps), name="graph",
                          cpu_scale=cpu_scale)
         items = [(float(a), (i, int(L))) for i, (a, L) in enumerate(zip(arrivals, lengths))]
     else:

@@ -46,6 +46,7 @@ def trace(n: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
 
 def run_point(system: str, rate: float, prompts: np.ndarray, outs: np.ndarray, *, max_bs: int,
               n_slots: int, seed: int = 1, gpu: str = "v100", warmup: float = 0.1) -> dict:
+    from paella.dispatcher.batchers.stage import scheduler_context
     from paella.dispatcher.core import Dispatcher
     from paella.dispatcher.devices.sim import SimDevice
     from paella.experiments.cellular import poisson_arrivals
@@ -58,14 +59,14 @@ def run_point(system: str, rate: float, prompts: np.ndarray, outs: np.ndarray, *
 
     cfg = GPTConfig.gpt2_small()
     dev = SimDevice(gpu, n_streams=64, seed=seed)
-    d = Dispatcher(dev, "paella", profile_runs=0)
+    ctx = scheduler_context(Dispatcher(dev, "paella", profile_runs=0), system)
     n = len(prompts)
     arrivals = poisson_arrivals(rate, n, seed)
     first = np.full(n, np.nan)
     done = np.full(n, np.nan)
     gaps: list[float] = []
     if system == "orca":
-        eng = GenerationEngine(d, cfg, max_bs=max_bs, n_slots=n_slots)
+        eng = GenerationEngine(ctx, cfg, max_bs=max_bs, n_slots=n_slots)
         streams = {}
 
         def arrive(i: int) -> None:
@@ -79,7 +80,7 @@ def run_point(system: str, rate: float, prompts: np.ndarray, outs: np.ndarray, *
     elif system == "request":
         reqs = [GenRequest(i, int(p), int(p) + int(o), int(o), float(a))
                 for i, (p, o, a) in enumerate(zip(prompts, outs, arrivals))]
-        rt = StepRuntime(d, RequestBatcher(max_bs),
+        rt = StepRuntime(ctx, RequestBatcher(max_bs),
                          lambda t: request_level_generation(cfg, [r.prompt_len for r in t.requests],
                                                             [r.limit for r in t.requests]), name="ft")
         rt.drive([(r.arrival, r) for r in reqs])

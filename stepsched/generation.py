@@ -33,11 +33,12 @@ from typing import Any, Callable, Iterator
 
 import numpy as np
 
+from paella.dispatcher.batchers.base import SchedulerContext
 from paella.models.gpt import GPTConfig, selective_iteration
 
 from .iteration_scheduler import GenRequest, Iteration, IterationScheduler
 from .step_kernels import StepKernels, transformer_iteration
-from .runtime import StepRuntime, host_of
+from .runtime import StepRuntime
 
 
 class GenerationError(ValueError):
@@ -62,21 +63,22 @@ class Stream:
 
 
 class GenerationEngine:
-    """``disp``: a Dispatcher (virtual time) or a scheduler context (the daemon)."""
+    """Generations served through ``ctx``, a scheduler context (the daemon's, or one
+    built on a dispatcher in virtual time: ``stage.scheduler_context``)."""
 
-    def __init__(self, disp: Any, cfg: GPTConfig, *, max_bs: int, n_slots: int,
+    def __init__(self, ctx: SchedulerContext, cfg: GPTConfig, *, max_bs: int, n_slots: int,
                  weights: dict[str, np.ndarray] | None = None, name: str = "gpt",
                  priorities: bool = False, fairness_threshold: float | None = None,
                  preempt: bool = False, n_workers: int = 1, cpu_scale: float = 0.0,
                  seed: int | None = None):
-        self.host, self.cfg = host_of(disp), cfg
+        self.ctx, self.cfg = ctx, cfg
         self.weights = weights
         # Where the iterations' tokens are computed: the device's effect workers when the
         # weights can be made there (their seed) and the device has workers (the
         # daemon); else in this process, at the iteration's submission (virtual time: the
         # simulated clock does not see it).
         from paella.dispatcher.devices.sim.effect_workers import InlineEffects
-        runner = getattr(self.host, "effects", None)
+        runner = ctx.effects
         self.effects = runner if runner is not None and seed is not None else InlineEffects()
         self.seed = seed
         self.kv_shared = None
@@ -84,7 +86,7 @@ class GenerationEngine:
         self.sched = IterationScheduler(max_bs, n_slots, n_workers=n_workers, priorities=priorities,
                                         fairness_threshold=fairness_threshold, preempt=preempt,
                                         preempt_cost=self.preempt_cost)
-        self.runtime = StepRuntime(disp, self.sched, self._kernels, name=name, n_workers=n_workers,
+        self.runtime = StepRuntime(ctx, self.sched, self._kernels, name=name, n_workers=n_workers,
                                    client_of=lambda r: r.user,
                                    effect=self._effect if weights is not None else None,
                                    pending=self._pending if weights is not None else None,
@@ -92,9 +94,9 @@ class GenerationEngine:
         self.kv_ptr = None
         if weights is not None:
             nbytes = n_slots * cfg.kv_bytes_per_slot()
-            self.kv_ptr = self.host.alloc(nbytes)
+            self.kv_ptr = self.ctx.alloc(nbytes)
             if isinstance(self.effects, InlineEffects):
-                self.host.view(self.kv_ptr, nbytes)[:] = 0
+                self.ctx.view(self.kv_ptr, nbytes)[:] = 0
             else:
                 # Worker processes compute in place on the cache: its functional bytes
                 # live in shared memory (the device allocation still counts its size).
@@ -129,7 +131,7 @@ class GenerationEngine:
                                   f"the model's context of {self.cfg.n_ctx} tokens")
         if total > self.n_slots:
             raise GenerationError(f"prompt + max_tokens = {total} exceeds the KV cache's {self.n_slots} slots")
-        now = self.host.now()
+        now = self.ctx.now()
         req = GenRequest(object(), len(prompt), total, out_len, now, user, priority)
         s = Stream(req, prompt, t_submit=now, on_token=on_token, on_end=on_end)
         self.streams[req] = s
@@ -173,7 +175,7 @@ class GenerationEngine:
 
     # ---- preemption cost ------------------------------------------------------------------
     def preempt_cost(self, r: GenRequest) -> str:
-        p = self.host.device_props
+        p = self.ctx.device_props
         cfg = self.cfg
         swap = 2 * r.context * cfg.kv_bytes_per_slot() / p.pcie_bw
         n_params = cfg.n_layer * 12 * cfg.d * cfg.d + cfg.vocab * cfg.d
@@ -184,7 +186,7 @@ class GenerationEngine:
     def _kv(self) -> np.ndarray:
         cfg = self.cfg
         nbytes = self.n_slots * cfg.kv_bytes_per_slot()
-        raw = self.kv_shared.array if self.kv_shared is not None else self.host.view(self.kv_ptr, nbytes)
+        raw = self.kv_shared.array if self.kv_shared is not None else self.ctx.view(self.kv_ptr, nbytes)
         return raw.view(np.float32).reshape(2 * cfg.n_layer, self.n_slots, cfg.d)
 
     def close(self) -> None:
@@ -258,7 +260,7 @@ class GenerationEngine:
         it.result = it.answer.result()       # (done already when the device held the kernel)
 
     def _after(self, it: Iteration, finished: list) -> None:
-        now = self.host.now()
+        now = self.ctx.now()
         result = getattr(it, "result", None)
         failed = it.status != 0 and self.weights is not None and result is None
         for i, r in enumerate(it.requests):

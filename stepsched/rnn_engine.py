@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from paella.dispatcher.core import Dispatcher
+from paella.dispatcher.batchers.base import SchedulerContext
 from paella.models.rnn import lstm_reference
 
 from .cell_scheduler import CellType, CellularScheduler
@@ -25,19 +25,20 @@ from .runtime import StepRuntime
 
 
 class LSTMEngine:
-    def __init__(self, disp: Dispatcher, kernels: dict[int, Any], w: np.ndarray, b: np.ndarray, *,
-                 max_requests: int = 1024, max_tasks_to_submit: int = 5, name: str = "lstm"):
-        self.dev = disp.device
+    def __init__(self, ctx: SchedulerContext, kernels: dict[int, Any], w: np.ndarray,
+                 b: np.ndarray, *, max_requests: int = 1024, max_tasks_to_submit: int = 5,
+                 name: str = "lstm"):
+        self.ctx = ctx
         self.w, self.b = w, b
         self.hidden = w.shape[1] // 4
         self.rows = max_requests
-        self.state_ptr = self.dev.alloc(self.rows * 2 * self.hidden * 4)
+        self.state_ptr = ctx.alloc(self.rows * 2 * self.hidden * 4)
         self.free_rows: deque[int] = deque(range(self.rows))
         self.row: dict[Any, int] = {}
         self.inputs: dict[Any, np.ndarray] = {}
         self.results: dict[Any, np.ndarray] = {}
         sched = CellularScheduler([CellType("lstm", tuple(sorted(kernels)))], max_tasks_to_submit)
-        self.runtime = StepRuntime(disp, sched, lambda t: kernels[t.batch_size], name=name,
+        self.runtime = StepRuntime(ctx, sched, lambda t: kernels[t.batch_size], name=name,
                                    effect=self._effect, on_task_done=self._after)
 
     def submit(self, request: Any, xs: np.ndarray, kick: bool = True) -> None:
@@ -56,7 +57,7 @@ class LSTMEngine:
 
     def _state(self, view=None) -> np.ndarray:
         nbytes = self.rows * 2 * self.hidden * 4
-        raw = (view or self.dev.memory.view)(self.state_ptr, nbytes)
+        raw = (view or self.ctx.view)(self.state_ptr, nbytes)
         return raw.view(np.float32).reshape(self.rows, 2, self.hidden)
 
     def _effect(self, task: Any, view) -> None:

@@ -2,9 +2,9 @@
 
 :class:`StepRuntime` drives a step policy (:class:`~.cell_scheduler.CellularScheduler`,
 :class:`~.iteration_scheduler.IterationScheduler` or the graph-batching baseline
-:class:`~.padding.PaddingBatcher`) against a :class:`~paella.dispatcher.core.Dispatcher`.
+:class:`~.padding.PaddingBatcher`) through a scheduler context.
 Whenever a worker is idle it asks the policy for tasks and submits each as one job
-(``submit_group``) of the model's step adaptor, with one internal request per request in
+(``ctx.submit``) of the model's step adaptor, with one internal request per request in
 the task, carrying that request's client id. So Paella's policy sees the steps of every
 model sharing the GPU as ordinary jobs (SRPT across models, deficit counters across
 clients), and a client that goes away cancels its part of a running step like any
@@ -19,11 +19,13 @@ What a task launches comes from ``kernels_for(task)`` (:mod:`.step_kernels`); wh
 computes, on a device that runs no code, from ``effect(task, view)``, applied in device
 memory when the task's last kernel completes (the simulator's functional effects).
 
-Where the jobs go: a bare :class:`~paella.dispatcher.core.Dispatcher` (experiments and
-tests in virtual time, :class:`DispatcherHost`) or, in the daemon, the
-:class:`~paella.dispatcher.batchers.base.SchedulerContext` the batching stage gives a
-scheduler plug-in (:mod:`.orca_plugin`): the runtime uses only what both offer (the
-clock, registering a model, submitting a job for clients, device memory).
+Where the jobs go: the :class:`~paella.dispatcher.batchers.base.SchedulerContext`, the
+runtime's one way to the dispatcher. In the daemon it is the one the batching stage
+gives a scheduler plug-in (:mod:`.orca_plugin`); in virtual time (experiments, tests)
+the caller builds one on its dispatcher
+(:func:`paella.dispatcher.batchers.stage.scheduler_context`) and :meth:`StepRuntime.drive`
+steps it. The runtime uses the clock, registering a model, submitting a job for
+clients, and device memory.
 
 Host cost: with ``cpu_scale`` > 0 the CPU time the step scheduler spends forming a round
 of tasks (``time.thread_time`` around the policy) delays their submission by that much
@@ -44,10 +46,8 @@ import numpy as np
 
 from paella.dispatcher import cudart as cuda
 from paella.dispatcher.adaptor import JobAdaptor
-from paella.dispatcher.batchers.stage import submit_job
-from paella.dispatcher.core import Dispatcher
+from paella.dispatcher.batchers.base import SchedulerContext
 from paella.dispatcher.devices.base import Device, ModuleImage
-from paella.dispatcher.virtual_time import VirtualDriver
 
 from .step_kernels import StepKernels
 from .timeline import StepPolicy
@@ -108,49 +108,6 @@ class StepAdaptor(JobAdaptor):
         cuda.device_synchronize()
 
 
-class DispatcherHost:
-    """A bare Dispatcher seen through the scheduler context's methods (virtual time)."""
-
-    def __init__(self, disp: Dispatcher):
-        self.disp = disp
-        self.device = disp.device
-        self._part_ids = 0
-
-    def now(self) -> float:
-        return self.device.now()
-
-    def register_model(self, name: str, adaptor: Any, *, profile_runs: int = 0) -> int:
-        return self.disp.register_model(name, adaptor, profile_runs=profile_runs)
-
-    def submit(self, model_id: int, io: np.ndarray, clients: list[int],
-               on_done: Callable[[int, str | None], None], stream: str | None = None,
-               priority: int = 0) -> None:
-        self._part_ids = submit_job(self.disp, model_id, io, clients, on_done, self._part_ids,
-                                    stream=stream, priority=priority)
-
-    def alloc(self, nbytes: int) -> int:
-        return self.disp.alloc(nbytes)      # (reclaims idle buffers when full)
-
-    def free(self, ptr: int) -> None:
-        self.device.free(ptr)
-
-    def view(self, ptr: int, nbytes: int) -> np.ndarray:
-        return self.device.memory.view(ptr, nbytes)
-
-    @property
-    def effects(self) -> Any:
-        return getattr(self.device, "effects", None)
-
-    @property
-    def device_props(self) -> Any:
-        return self.device.props
-
-
-def host_of(target: Any) -> Any:
-    """The host of a runtime: a Dispatcher wrapped, a scheduler context as it is."""
-    return DispatcherHost(target) if isinstance(target, Dispatcher) else target
-
-
 @dataclass(eq=False)
 class _InFlight:
     task: Any
@@ -174,16 +131,17 @@ class StepStats:
 
 
 class StepRuntime:
-    def __init__(self, disp: Any, policy: StepPolicy, kernels_for: Callable[[Any], StepKernels],
+    """A step policy's tasks as jobs submitted through ``ctx`` (see the module docstring)."""
+
+    def __init__(self, ctx: SchedulerContext, policy: StepPolicy,
+                 kernels_for: Callable[[Any], StepKernels],
                  *, name: str = "steps", n_workers: int = 1,
                  client_of: Callable[[Any], int] = lambda req: 0,
                  effect: Callable[[Any, Callable], None] | None = None,
                  pending: Callable[[Any], Any] | None = None,
                  on_task_done: Callable[[Any, list], None] | None = None,
                  cpu_scale: float = 0.0):
-        self.host = host_of(disp)
-        #: The Dispatcher when the runtime drives one itself (virtual time), else None.
-        self.disp = disp if isinstance(disp, Dispatcher) else None
+        self.ctx = ctx
         self.policy = policy
         self.kernels_for = kernels_for
         self.client_of = client_of
@@ -197,7 +155,7 @@ class StepRuntime:
         self.queues = [deque() for _ in range(n_workers)]
         self.busy = [False] * n_workers
         self.adaptor = StepAdaptor(name, self)
-        self.model_id = self.host.register_model(name, self.adaptor, profile_runs=0)
+        self.model_id = self.ctx.register_model(name, self.adaptor, profile_runs=0)
         self.finished: dict[Any, float] = {}
         self.stats = StepStats()
         self._running: dict[int, _InFlight] = {}
@@ -210,7 +168,7 @@ class StepRuntime:
     def add(self, item: Any, kick: bool = True) -> None:
         """A request arrives (``kick=False``: more arrive at this instant; call
         :meth:`kick` after the last, so they can share the first step)."""
-        self.policy.add(item, self.host.now())
+        self.policy.add(item, self.ctx.now())
         if kick:
             self.kick()
 
@@ -221,7 +179,7 @@ class StepRuntime:
     # ---- workers -----------------------------------------------------------------------
     def kick(self) -> None:
         """Hand tasks to every idle worker (Algorithm 1 runs when a worker is idle)."""
-        now = self.host.now()
+        now = self.ctx.now()
         for w in range(self.n_workers):
             if self.busy[w] or self.queues[w]:
                 continue
@@ -240,13 +198,13 @@ class StepRuntime:
     def _next(self, w: int) -> None:
         ready_at, task = self.queues[w].popleft()
         self.busy[w] = True
-        if ready_at > self.host.now():
+        if ready_at > self.ctx.now():
             heapq.heappush(self._delayed, (ready_at, next(self._seq), w, task))
         else:
             self._submit(task)
 
     def release_delayed(self) -> None:
-        now = self.host.now()
+        now = self.ctx.now()
         while self._delayed and self._delayed[0][0] <= now:
             _, _, _, task = heapq.heappop(self._delayed)
             self._submit(task)
@@ -263,7 +221,7 @@ class StepRuntime:
         st.padded_cells += getattr(task, "padded_cells", 0)
         io = np.zeros(8, np.uint8)
         io.view(np.int64)[0] = tid
-        self.host.submit(self.model_id, io, [self.client_of(r) for r in reqs],
+        self.ctx.submit(self.model_id, io, [self.client_of(r) for r in reqs],
                          lambda status, err, tid=tid: self._task_done(tid, status))
 
     def _pending(self, tid: int) -> Any:
@@ -279,7 +237,7 @@ class StepRuntime:
         run.cancelled = status != 0
         task = run.task
         task.status = status
-        now = self.host.now()
+        now = self.ctx.now()
         done = self.policy.task_done(task, now)
         for req in done:
             self.finished[req] = now
@@ -301,17 +259,14 @@ class StepRuntime:
         ``on_arrival(item)``: what an arrival does instead of ``add(item, kick=False)``
         (an engine's own submit)."""
         arrive = on_arrival or (lambda item: self.add(item, kick=False))
-        if self.disp is None:
-            raise RuntimeError("drive() runs a runtime on a Dispatcher of its own (virtual "
-                               "time); in the daemon the loop drives it")
         arrivals = sorted(arrivals, key=lambda a: a[0])
 
         def submit(due: range) -> None:
             for k in due:
                 arrive(arrivals[k][1])
             self.kick()
-        VirtualDriver(self.disp, _DelayedTasks(self), name="step runtime").run(
-            [a[0] for a in arrivals], submit, until)
+        self.ctx.run_virtual(_DelayedTasks(self), [a[0] for a in arrivals], submit, until,
+                             name="step runtime")
 
 
 class _DelayedTasks:

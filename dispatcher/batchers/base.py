@@ -32,7 +32,7 @@ request's length (``r.seq_len <= variant.seq_len`` for length buckets); the stag
 checks that and fails the batch's requests with the reason if a plug-in gets it wrong.
 The rows a batch leaves empty are padding, counted in the stage's stats.
 
-Plug-ins register under the entry-point group ``paella.batchers`` (see
+Plug-ins of both kinds register under the entry-point group ``paella.batchers`` (see
 :mod:`.registry`); their options are the keyword parameters of ``__init__``.
 
 **Schedulers** (:class:`SchedulerBatcher`) are the second kind of plug-in: a step
@@ -43,7 +43,11 @@ variants), allocates device memory, submits jobs on io buffers it owns, streams 
 results (``ctx.progress``) and completes each request when it decides
 (``ctx.complete``). The stage keeps the ledger of the requests it handed over, so a
 scheduler that raises or misbehaves can neither lose a request nor answer one twice
-(:mod:`.stage`, docs/batching.md "Schedulers").
+(:mod:`.stage`, docs/batching.md "Schedulers"). The context is a scheduler's one way
+to the dispatcher, in the daemon and in virtual time alike (``stage.scheduler_context``
+builds one for a scheduler its caller drives); the built-in schedulers live in
+:mod:`paella.stepsched`, which import-linter keeps off the dispatcher's internals
+(pyproject.toml).
 """
 from __future__ import annotations
 
@@ -274,6 +278,14 @@ class SchedulerContext(Protocol):
 
     def held(self) -> "list[Any]":
         """The requests handed to this scheduler and not answered yet."""
+
+    def run_virtual(self, front: Any = None, arrivals: Any = (), submit: Any = None,
+                    until: Any = None, *, name: str = "scheduler") -> bool:
+        """Virtual time only (a scheduler its caller drives: experiments, tests): step
+        the dispatcher and ``front`` (a ``virtual_time.FrontStage``: the scheduler's own
+        work in front of it) until nothing is left, ``submit(due)`` called at each
+        instant of ``arrivals``; see ``VirtualDriver.run``. The daemon's loop drives a
+        served scheduler: there it raises."""
 
 
 class SchedulerBatcher(Batcher):

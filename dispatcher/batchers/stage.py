@@ -36,7 +36,8 @@ from paella.dispatcher.core import Request
 from paella.dispatcher.instruments import Instruments
 from paella.dispatcher.virtual_time import VirtualDriver
 
-from .base import Batch, Batcher, BatcherError, ModelVariants, RequestRefused, VariantSpec
+from .base import (Batch, Batcher, BatcherError, ModelVariants, RequestRefused, SchedulerBatcher,
+                   VariantSpec)
 from .gather import IoLayout, gather, in_place, scatter_one
 
 #: Hooks of a plain batcher that return the batches it forms (a list of Batch).
@@ -527,6 +528,12 @@ class StageContext:
         self.closed = False
         self.retired = False                 # replaced by a reload: no new requests
         self.jobs = 0                        # its jobs in flight
+        #: Let what its hooks and jobs' ``on_done`` raise reach the caller instead of
+        #: taking it out of service (a context its caller drives: :func:`scheduler_context`).
+        self.reraise = False
+        #: Where :meth:`now` reads: None, the dispatcher's time of its last step (the
+        #: daemon's loop calls the scheduler right after it); else a clock of its own.
+        self.clock: Any = None
         self._own_models: set[int] = {sv.model_id for sv in model.served.values()}
         self._ptrs: dict[int, int] = {}      # its scheduler's allocations: ptr -> bytes
         self._part_ids = 0
@@ -544,7 +551,7 @@ class StageContext:
 
     # -- the scheduler's side -------------------------------------------------------------
     def now(self) -> float:
-        return self.stage.disp.now
+        return self.stage.disp.now if self.clock is None else self.clock()
 
     def register_model(self, name: str, adaptor: Any, *, profile_runs: int | None = 0) -> int:
         disp = self.stage.disp
@@ -634,6 +641,13 @@ class StageContext:
     def held(self) -> list[Any]:
         return list(self.model.waiting.values())
 
+    def run_virtual(self, front: Any = None, arrivals: Any = (), submit: Any = None,
+                    until: Any = None, *, name: str = "scheduler") -> bool:
+        """Virtual time only: the one driver (:class:`VirtualDriver`) steps the
+        dispatcher and ``front`` (the scheduler's own work in front of it); see
+        :meth:`VirtualDriver.run`. On a device in real time (the daemon) it raises."""
+        return VirtualDriver(self.stage.disp, front, name=name).run(arrivals, submit, until)
+
     # -- the stage's side -----------------------------------------------------------------
     def add(self, req: Any) -> None:
         """A request for this scheduler: into the ledger, then the plug-in's ``add``."""
@@ -652,6 +666,8 @@ class StageContext:
             self.fail("add", e)
 
     def _call(self, hook: str, fn: Any, *args: Any) -> Any:
+        if self.reraise:
+            return fn(*args)
         try:
             return fn(*args)
         except PLUGIN_ERRORS as e:  # a plug-in may raise anything, sys.exit() included
@@ -710,6 +726,36 @@ class StageContext:
             self._close_if_done()
 
 
+class _CallerDriven(SchedulerBatcher):
+    """The scheduler of a :func:`scheduler_context`: its caller hands requests to its
+    engine itself, none comes through the stage."""
+
+    name = "caller-driven"
+
+    def add(self, req: Any, now: float) -> None:
+        raise BatcherError(f"{self.model.name}: its requests go to its caller's engine, "
+                           f"not through the batching stage")
+
+
+def scheduler_context(disp: Any, name: str = "steps") -> StageContext:
+    """A scheduler context on ``disp`` for a scheduler its caller drives itself: the
+    experiments, benchmarks and tests that run an engine (a step runtime, a DVABatch
+    pipeline) in virtual time, each request handed to it directly. The same
+    :class:`StageContext` a served scheduler gets, of a model ``name`` without a bundle
+    on a batching stage of its own, so a scheduler reaches the dispatcher one way
+    everywhere. What its jobs' ``on_done`` raises reaches the caller, and its clock is
+    the device's (its caller acts between the dispatcher's steps, at the driver's
+    instant, when the time of the dispatcher's last step is behind). Drive it with
+    :meth:`StageContext.run_virtual`."""
+    variants = ModelVariants(name, (VariantSpec(0, 1),))
+    model = ServedModel(name, variants, {}, _CallerDriven(variants))
+    BatchingStage(disp).add_model(0, model)
+    assert model.ctx is not None
+    model.ctx.reraise = True
+    model.ctx.clock = disp.device.now
+    return model.ctx
+
+
 def layout_of(inputs: list, outputs: list, io_bytes: int) -> IoLayout:
     """An :class:`IoLayout` from a bundle variant's TensorSpecs."""
     from paella.shapes import Slot
@@ -718,4 +764,4 @@ def layout_of(inputs: list, outputs: list, io_bytes: int) -> IoLayout:
 
 
 __all__ = ["BatchStats", "BatchingStage", "BatcherError", "ServedModel", "ServedVariant",
-           "StageContext", "layout_of", "submit_job"]
+           "StageContext", "layout_of", "scheduler_context", "submit_job"]

@@ -202,7 +202,7 @@ def test_a_jobs_own_allocation_and_a_schedulers_reclaim_idle_buffers_first():
     from paella.dispatcher import cudart as cuda
     from paella.dispatcher.adaptor import JobAdaptor
     from paella.dispatcher.devices.base import KernelInfo, ModuleImage
-    from paella.stepsched.runtime import DispatcherHost
+    from paella.dispatcher.batchers.stage import scheduler_context
 
     class Scratch(JobAdaptor):               # a job that mallocs 40 KiB of scratch
         name, io_bytes = "scratch", 64
@@ -228,7 +228,7 @@ def test_a_jobs_own_allocation_and_a_schedulers_reclaim_idle_buffers_first():
     assert rec.done[99][0] == STATUS_OK
     submit(disp, rec, ma, a, range(4, 8))    # a's sets again
     disp.run_until_idle()
-    ptr = DispatcherHost(disp).alloc(60 * KIB)   # a scheduler's own (orca's KV cache)
+    ptr = scheduler_context(disp).alloc(60 * KIB)   # a scheduler's own (orca's KV cache)
     assert dev.allocated_bytes <= 100 * KIB
     dev.free(ptr)
 

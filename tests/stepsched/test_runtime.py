@@ -4,6 +4,7 @@ a from-scratch numpy recomputation from the same weights."""
 import numpy as np
 import pytest
 
+from paella.dispatcher.batchers.stage import scheduler_context
 from paella.dispatcher.core import Dispatcher
 from paella.dispatcher.devices.sim import SimDevice
 from paella.dispatcher.instruments import Instrument
@@ -23,6 +24,12 @@ W = gpt_weights(CFG)
 def dispatcher(policy="paella"):
     dev = SimDevice("t4", n_streams=64, seed=0)
     return Dispatcher(dev, policy, profile_runs=0)
+
+
+def context(d=None, name="steps"):
+    """A scheduler context on ``d`` (a fresh dispatcher by default): the runtime's one
+    way to the dispatcher, in virtual time as in the daemon."""
+    return scheduler_context(d if d is not None else dispatcher(), name)
 
 
 @pytest.fixture(scope="module")
@@ -46,7 +53,7 @@ def test_cellular_steps_are_jobs_and_requests_leave_when_done(lstm_kernels):
     probe = Kernels()
     d.instruments.add(probe)
     log = []
-    rt = StepRuntime(d, CellularScheduler([CellType("lstm", (1, 2, 4))], 5),
+    rt = StepRuntime(context(d), CellularScheduler([CellType("lstm", (1, 2, 4))], 5),
                      lambda t: lstm_kernels[t.batch_size],
                      on_task_done=lambda t, done: log.append((t.requests, done)))
     lengths = {"a": 2, "b": 6, "c": 3, "d": 9, "e": 1}
@@ -66,7 +73,7 @@ def test_cellular_steps_are_jobs_and_requests_leave_when_done(lstm_kernels):
 
 def test_graph_batching_pads_and_holds_everyone_to_the_longest(lstm_kernels):
     d = dispatcher()
-    rt = StepRuntime(d, PaddingBatcher(4, width=10, bsizes=(1, 2, 4)),
+    rt = StepRuntime(context(d), PaddingBatcher(4, width=10, bsizes=(1, 2, 4)),
                      lambda t: lstm_kernels[t.batch_size].repeated(t.steps), name="graph")
     rt.drive([(0.0, ("a", 2)), (0.0, ("b", 9)), (0.0, ("c", 12))])
     assert rt.finished["a"] == rt.finished["b"] < rt.finished["c"]    # bucket 10 together
@@ -76,7 +83,7 @@ def test_graph_batching_pads_and_holds_everyone_to_the_longest(lstm_kernels):
 
 def test_generation_tokens_match_the_reference_while_requests_join_and_leave():
     d = dispatcher()
-    eng = GenerationEngine(d, CFG, max_bs=3, n_slots=64, weights=W)
+    eng = GenerationEngine(context(d), CFG, max_bs=3, n_slots=64, weights=W)
     a = eng.submit([3, 7, 1, 9], 6, kick=False)
     b = eng.submit([5, 2], 2)
     streamed = list(eng.generate([11, 12, 13], 5))        # joins the running a and b
@@ -91,7 +98,7 @@ def test_generation_tokens_match_the_reference_while_requests_join_and_leave():
 
 def test_a_vanishing_client_frees_its_slots_and_the_others_go_on():
     d = dispatcher()
-    eng = GenerationEngine(d, CFG, max_bs=4, n_slots=24, weights=W)
+    eng = GenerationEngine(context(d), CFG, max_bs=4, n_slots=24, weights=W)
     gone = eng.submit([1, 2, 3], 9, user=7, kick=False)        # 12 slots
     keep = eng.submit([4, 5], 6, user=8, kick=False)           # 8 slots
     wait = eng.submit([6], 8, user=9)                          # 9 slots: does not fit yet
@@ -113,7 +120,7 @@ def test_preempted_request_resumes_in_place_with_the_same_tokens(how):
         real = getattr(d.device, name)
         setattr(d.device, name, lambda dst, src, *a, real=real, name=name, **kw: (
             copied.append((name, (dst if name == "memcpy_dtoh" else src).nbytes)), real(dst, src, *a, **kw))[1])
-    eng = GenerationEngine(d, CFG, max_bs=4, n_slots=20, weights=W, priorities=True, preempt=True)
+    eng = GenerationEngine(context(d), CFG, max_bs=4, n_slots=20, weights=W, priorities=True, preempt=True)
     eng.preempt_cost = lambda r: how
     eng.sched.preempt_cost = eng.preempt_cost
     a = eng.submit([3, 7, 1, 9], 6, kick=False)             # 10 slots
@@ -139,19 +146,19 @@ def test_preempted_request_resumes_in_place_with_the_same_tokens(how):
 
 def test_preemption_cost_picks_swap_for_long_contexts_on_a_big_model():
     d = dispatcher()
-    eng = GenerationEngine(d, GPTConfig.gpt2_small(), max_bs=8, n_slots=4096)
+    eng = GenerationEngine(context(d), GPTConfig.gpt2_small(), max_bs=8, n_slots=4096)
     from paella.stepsched.iteration_scheduler import GenRequest
     r = GenRequest("x", 500, 600)
     r.generated = 20
     # GPT-2 small on a T4: recomputing 520 tokens (~130 GFLOP) costs more than moving
     # 520 x 72 KiB twice over PCIe: swap
     assert eng.preempt_cost(r) == "swap"
-    tiny = GenerationEngine(dispatcher(), CFG, max_bs=8, n_slots=64)
+    tiny = GenerationEngine(context(), CFG, max_bs=8, n_slots=64)
     assert tiny.preempt_cost(r) == "recompute"
 
 
 def test_bad_generation_requests_are_refused_with_the_cause():
-    eng = GenerationEngine(dispatcher(), CFG, max_bs=2, n_slots=32, weights=W)
+    eng = GenerationEngine(context(), CFG, max_bs=2, n_slots=32, weights=W)
     with pytest.raises(GenerationError, match="outside the vocabulary"):
         eng.submit([1, 64], 2)
     with pytest.raises(GenerationError, match="empty"):
@@ -159,17 +166,17 @@ def test_bad_generation_requests_are_refused_with_the_cause():
     with pytest.raises(GenerationError, match="exceeds the KV cache"):
         eng.submit([1] * 30, 5)
     with pytest.raises(GenerationError, match="context of 64"):
-        GenerationEngine(dispatcher(), CFG, max_bs=2, n_slots=100).submit([1] * 60, 5)
+        GenerationEngine(context(), CFG, max_bs=2, n_slots=100).submit([1] * 60, 5)
     assert not eng.runtime.active
 
 
 def test_steps_of_two_models_share_the_gpu_through_the_kernel_scheduler(lstm_kernels):
     d = dispatcher()
     ends = []
-    rnn = StepRuntime(d, CellularScheduler([CellType("lstm", (1, 2, 4))], 1),
+    rnn = StepRuntime(context(d), CellularScheduler([CellType("lstm", (1, 2, 4))], 1),
                       lambda t: lstm_kernels[t.batch_size], name="lstm",
                       on_task_done=lambda t, done: ends.append(d.device.now()))
-    eng = GenerationEngine(d, CFG, max_bs=2, n_slots=64, weights=W, name="gpt")
+    eng = GenerationEngine(context(d), CFG, max_bs=2, n_slots=64, weights=W, name="gpt")
     for k in "abc":
         rnn.add(unfold_chain(k, 20), kick=False)
     rnn.kick()
@@ -191,7 +198,7 @@ def test_seq2seq_encoder_and_decoder_cells_batch_separately_decoders_first(tmp_p
     d = dispatcher()
     log = []
     sch = CellularScheduler([CellType("encoder", (2,), priority=0), CellType("decoder", (2,), priority=1)], 1)
-    rt = StepRuntime(d, sch, lambda t: k[t.kind], name="s2s",
+    rt = StepRuntime(context(d), sch, lambda t: k[t.kind], name="s2s",
                      on_task_done=lambda t, done: log.append((t.kind, sorted(t.requests))))
     rt.drive([(0.0, unfold_seq2seq("a", 2, 3)), (0.0, unfold_seq2seq("b", 2, 2)),
               (0.0, unfold_seq2seq("c", 4, 1))])
@@ -210,7 +217,7 @@ def test_lstm_chains_computed_cell_by_cell_equal_each_chain_alone(lstm_kernels):
     from paella.models.rnn import lstm_reference
     from paella.stepsched.rnn_engine import LSTMEngine
     w, b = lstm_cell(1, RNNConfig.tiny()).params
-    eng = LSTMEngine(dispatcher(), lstm_kernels, w, b, max_requests=8)
+    eng = LSTMEngine(context(), lstm_kernels, w, b, max_requests=8)
     rng = np.random.default_rng(5)
     xs = {k: rng.standard_normal((n, 16)).astype(np.float32) for k, n in
           {"a": 7, "b": 2, "c": 11, "d": 4, "e": 1}.items()}
@@ -229,7 +236,7 @@ def test_lstm_chains_computed_cell_by_cell_equal_each_chain_alone(lstm_kernels):
 
 def test_cancelling_a_swapped_out_request_drops_its_host_copy():
     d = dispatcher()
-    eng = GenerationEngine(d, CFG, max_bs=4, n_slots=20, weights=W, priorities=True, preempt=True)
+    eng = GenerationEngine(context(d), CFG, max_bs=4, n_slots=20, weights=W, priorities=True, preempt=True)
     eng.preempt_cost = eng.sched.preempt_cost = lambda r: "swap"
     a = eng.submit([3, 7, 1, 9], 6, kick=False)
     b = eng.submit([5, 2, 8], 7)
@@ -249,7 +256,7 @@ def test_cancelling_a_swapped_out_request_drops_its_host_copy():
 
 def test_two_batches_in_flight_orca_pipeline_keeps_tokens_exact():
     d = dispatcher()
-    eng = GenerationEngine(d, CFG, max_bs=2, n_slots=64, weights=W, n_workers=2)
+    eng = GenerationEngine(context(d), CFG, max_bs=2, n_slots=64, weights=W, n_workers=2)
     prompts = [[1, 2], [3, 4, 5], [6], [7, 8, 9, 10]]
     streams = [eng.submit(p, 5, kick=False) for p in prompts]
     eng.runtime.kick()
