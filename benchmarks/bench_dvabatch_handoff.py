@@ -29,8 +29,8 @@ from typing import Callable
 import numpy as np
 
 from paella.dispatcher.adaptor import BufferArg, Plan, PlanAdaptor, PlanOp
-from paella.dispatcher.batchers.dvabatch.handoff import HandoffAdaptor
-from paella.dispatcher.batchers.dvabatch.stage_io import PairData, StageModel, StageVariant
+from paella.stepsched.dvabatch.handoff import HandoffAdaptor
+from paella.stepsched.dvabatch.stage_io import PairData, StageModel, StageVariant
 from paella.dispatcher.devices.base import KernelInfo
 from paella.dispatcher.devices.sim import SimDevice
 from paella.gpus import preset

@@ -2,7 +2,8 @@
 plug-in of the batching stage (:class:`~paella.dispatcher.batchers.base.SchedulerBatcher`).
 
 It registers under the entry-point group ``paella.batchers`` as ``orca`` (pyproject.toml),
-so the daemon loads it by name and the dispatcher never imports the step scheduler. A
+as every scheduler does, so the daemon loads it by name and the dispatcher never imports
+it; it reaches the dispatcher only through the scheduler context it is started with. A
 model repository folder with only a ``config.toml`` serves it (docs/step-scheduler.md,
 "Serving generation from the daemon")::
 
@@ -32,7 +33,8 @@ from typing import Any
 import numpy as np
 
 from paella import rings, wire
-from paella.dispatcher.batchers.base import ModelVariants, RequestRefused, SchedulerBatcher
+from paella.dispatcher.batchers.base import (ModelVariants, RequestRefused, SchedulerBatcher,
+                                             SchedulerContext)
 from paella.dispatcher.devices.base import OutOfMemory
 from paella.models.base import DEFAULT_SEED
 from paella.models.gpt import GPTConfig, gpt_weights
@@ -92,7 +94,7 @@ class OrcaScheduler(SchedulerBatcher):
     def client_variants(self) -> list[wire.VariantInfo]:
         return [self.io]
 
-    def start(self, ctx: Any) -> None:
+    def start(self, ctx: SchedulerContext) -> None:
         super().start(ctx)
         try:
             self.engine = GenerationEngine(ctx, self.cfg, max_bs=self.max_bs,

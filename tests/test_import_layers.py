@@ -59,3 +59,20 @@ def test_an_upward_import_breaks_them(tmp_path):
     assert r.returncode != 0
     assert "No import cycle among the project's modules BROKEN" in r.stdout
     assert "The dispatcher's layers, top to bottom BROKEN" in r.stdout
+
+
+def test_a_scheduler_reaching_past_the_context_breaks_them(tmp_path):
+    """A scheduler plug-in (Orca's) importing the dispatcher's core, or the batching stage
+    it is served by: the schedulers' contract (only the scheduler context and the job
+    API) reports each, and nothing else breaks."""
+    for planted in ("from paella.dispatcher import core", "from paella.dispatcher.batchers import stage"):
+        tree = installed_layout(tmp_path / planted.split()[-1])
+        plugin = tree / "paella" / "stepsched" / "orca_plugin.py"
+        text = plugin.read_text()
+        plugin.unlink()
+        plugin.write_text(text + f"\n{planted}  # noqa: planted\n")
+        r = lint(tree)
+        assert r.returncode != 0, planted
+        assert ("Schedulers reach the dispatcher only through the scheduler context BROKEN"
+                in r.stdout), planted
+        assert "1 broken" in r.stdout, r.stdout[-2000:]

@@ -1,8 +1,10 @@
 """DVABatch as a daemon batcher: ``[batching] batcher = "dvabatch"`` in a model's
 ``config.toml``, for a bundle compiled with ``paella compile --stages N``.
 
-A scheduler plug-in (:class:`~paella.dispatcher.batchers.base.SchedulerBatcher`): it
-drives its own jobs through the stage's context. Per model it keeps one
+A scheduler plug-in (:class:`~paella.dispatcher.batchers.base.SchedulerBatcher`),
+registered under the entry-point group ``paella.batchers`` (pyproject.toml) like every
+scheduler: it drives its own jobs through the scheduler context, its only way to the
+dispatcher. Per model it keeps one
 :class:`~.pipeline.DvaPipeline` (batch table, buffer pairs, the three policies) and
 moves real data through it (:mod:`.stage_io`):
 
@@ -35,8 +37,8 @@ from paella.bundle import split_rows
 from paella.shapes import layout as request_layout
 from paella.wire import DEFAULT_PRIORITY
 
-from ..base import BatcherError, ModelVariants, RequestRefused, SchedulerBatcher
-from ..registry import register_batcher
+from paella.dispatcher.batchers.base import (BatcherError, ModelVariants, RequestRefused,
+                                             SchedulerBatcher, SchedulerContext)
 from .handoff import HandoffAdaptor, HandoffUnavailable, handoff_plan, make_handoff
 from .pipeline import DvaConfig, DvaPipeline
 from .stage_io import PairData, StageModel, StageVariant, gather_request, scatter_request
@@ -94,7 +96,6 @@ class DvaStats:
     handoff: str = ""
 
 
-@register_batcher("dvabatch")
 class DvaBatcher(SchedulerBatcher):
     """Options (``[batching]`` keys):
 
@@ -178,7 +179,7 @@ class DvaBatcher(SchedulerBatcher):
         self._at: dict[tuple[int, int], _Query] = {}     # (pair, row) -> its query
 
     # -- hooks -------------------------------------------------------------------------------
-    def start(self, ctx: Any) -> None:
+    def start(self, ctx: SchedulerContext) -> None:
         super().start(ctx)
         served = set(self.length_buckets)
         variants = [StageVariant(k, sv.spec.stage, sv.spec.rows, sv.spec.seq_len,

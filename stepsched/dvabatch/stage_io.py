@@ -39,7 +39,7 @@ import numpy as np
 from paella.bundle import split_rows
 from paella.shapes import Slot
 
-from ..base import BatcherError
+from paella.dispatcher.batchers.base import BatcherError
 
 
 @dataclass(frozen=True)

@@ -7,10 +7,10 @@ import random
 
 import pytest
 
-from paella.dispatcher.batchers.dvabatch import (Access, BatchTable, BufferPool, BufferState,
+from paella.stepsched.dvabatch import (Access, BatchTable, BufferPool, BufferState,
                                                  DvaConfig, HazardError, QueueItem,
                                                  check_hazards, group_by_length, split_sizes)
-from paella.dispatcher.batchers.dvabatch.buffer_pairs import LEGAL, Buffer
+from paella.stepsched.dvabatch.buffer_pairs import LEGAL, Buffer
 
 from toy_gpu import Query, mean_latency, simulate
 

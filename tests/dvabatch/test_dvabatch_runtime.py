@@ -11,8 +11,9 @@ import pytest
 
 from paella.compiler_pass.stages import OpProfile, preferred_batch, slice_stages
 from paella.dispatcher.adaptor import PlanAdaptor, synthetic_plan
-from paella.dispatcher.batchers.dvabatch import DvaConfig, DvaPipeline, check_hazards
-from paella.dispatcher.batchers.dvabatch.runner import DispatcherStageRunner, drive_pipeline
+from paella.stepsched.dvabatch import DvaConfig, DvaPipeline, check_hazards
+from paella.stepsched.dvabatch.runner import DispatcherStageRunner, drive_pipeline
+from paella.dispatcher.batchers.stage import scheduler_context
 from paella.dispatcher.core import Dispatcher
 from paella.dispatcher.devices.sim import SimDevice
 
@@ -27,8 +28,8 @@ class _Query:
     seq_len: int
 
 
-def _drive(disp, dev, pipe, qs) -> None:
-    drive_pipeline(disp, pipe, qs, lambda q: q.arrival)
+def _drive(runner, pipe, qs) -> None:
+    drive_pipeline(runner.ctx, pipe, qs, lambda q: q.arrival)
 
 
 def op(name: str, pref: int, t: float = 1.0) -> OpProfile:
@@ -65,7 +66,7 @@ def test_stages_run_as_dispatcher_jobs_without_hazards():
     def adaptor(stage: int, rows: int, seq_len: int) -> PlanAdaptor:
         return PlanAdaptor(synthetic_plan(f"s{stage}", [
             (f"k{stage}", blocks[stage] * rows, 256, 32, time_of(stage, rows))]))
-    runner = DispatcherStageRunner(disp, "toy3", adaptor)
+    runner = DispatcherStageRunner(scheduler_context(disp, "toy3"), adaptor)
     cfg = DvaConfig(3, lambda s, b, l: time_of(s, b), pairs=2, bs_max=64,
                     t_comp_wait=time_of(0, 1))
     done = {}
@@ -73,7 +74,7 @@ def test_stages_run_as_dispatcher_jobs_without_hazards():
     rng = np.random.default_rng(0)
     qs = [_Query(i, float(t), 0) for i, t in
           enumerate(dev.now() + np.cumsum(rng.exponential(1 / 3000, 300)))]
-    _drive(disp, dev, pipe, qs)
+    _drive(runner, pipe, qs)
     assert not runner.failed
     assert sorted(done) == list(range(300))
     assert all(done[q.i] >= q.arrival + sum(time_of(s, 1) for s in range(3)) - 1e-9 for q in qs)
@@ -81,7 +82,7 @@ def test_stages_run_as_dispatcher_jobs_without_hazards():
     assert check_hazards(pipe.accesses) == []
     # Each run used the variant of its own size (stage, rows, length).
     assert {k[1] for k in runner.model_ids} >= {1, 4}
-    assert all(disp.models[m].name == f"toy3/s{s}/b{b}/l{l}"
+    assert all(disp.models[m].name == f"toy3/s{s}/b{b}/l{l}@{m}"
                for (s, b, l), m in runner.model_ids.items())
 
 
@@ -115,7 +116,7 @@ def test_each_stage_executor_runs_on_its_own_stream():
     def adaptor(stage: int, rows: int, seq_len: int) -> PlanAdaptor:
         return PlanAdaptor(synthetic_plan(f"s{stage}", [
             (f"k{stage}", 10 * rows, 256, 32, 0.2e-3 * (1 + rows // 8))] * 2))
-    runner = DispatcherStageRunner(disp, "toy", adaptor, own_streams=True)
+    runner = DispatcherStageRunner(scheduler_context(disp, "toy"), adaptor, own_streams=True)
     cfg = DvaConfig(3, lambda s, b, l: 0.2e-3 * (1 + b // 8), pairs=2, bs_max=16,
                     t_comp_wait=1e-3)
     done = []
@@ -129,7 +130,7 @@ def test_each_stage_executor_runs_on_its_own_stream():
     pinned = [disp.stream_named(runner.stream_name(s)) for s in range(3)]
     for i in range(20):                     # another model's jobs on the pool meanwhile
         disp.submit(Request(10_000 + i, 7, other, np.zeros(1, np.uint8)))
-    _drive(disp, dev, pipe, qs)
+    _drive(runner, pipe, qs)
     assert not runner.failed and sorted(done) == list(range(120))
     assert check_hazards(pipe.accesses) == []
     assert [disp.stream_named(runner.stream_name(s)) for s in range(3)] == pinned

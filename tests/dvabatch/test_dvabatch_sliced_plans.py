@@ -246,7 +246,7 @@ def test_the_experiment_serves_through_the_daemons_batcher(experiment_model):
     the batching stage, on the compiled variants' launch plans: DVABatch's stage jobs
     bound to the pairs' device memory (no boundary byte through the host), runs of rows
     between compiled sizes in pieces, and no query faster than its kernels allow."""
-    from paella.dispatcher.batchers.dvabatch.batcher import DvaBatcher
+    from paella.stepsched.dvabatch.batcher import DvaBatcher
     from paella.experiments import dvabatch as exp
     m = experiment_model
     assert m.n_stages == 4 and m.sizes == list(SIZES) and m.buckets == ()

@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from paella.dispatcher.batchers.dvabatch import DvaConfig, DvaPipeline
+from paella.stepsched.dvabatch import DvaConfig, DvaPipeline
 
 
 @dataclass
