@@ -74,6 +74,51 @@ class DecoderCell(nn.Module):
         return nxt, h2, c2
 
 
+class TreeLeafCell(nn.Module):
+    """A binary TreeLSTM's leaf (Tai et al. 2015, N-ary with N = 2): its input only, no
+    children: ``i, o, u`` gates of ``x``; ``c = i * u``, ``h = o * tanh(c)``."""
+
+    def __init__(self, hidden: int):
+        self.w = nn.Parameter((hidden, 3 * hidden), "float32")
+        self.b = nn.Parameter((3 * hidden,), "float32")
+
+    def forward(self, x: nn.Tensor):
+        z = nn.op.matmul(x, self.w) + self.b
+        i, o, u = nn.op.split(z, 3, axis=1)
+        c = nn.op.sigmoid(i) * nn.op.tanh(u)
+        return nn.op.sigmoid(o) * nn.op.tanh(c), c
+
+
+class TreeInternalCell(nn.Module):
+    """A binary TreeLSTM's internal node: its two children's states (a missing child is
+    zeros), no input of its own (a constituency tree's words are at its leaves); gates
+    ``i, f_l, f_r, o, u`` of ``[h_l, h_r]``."""
+
+    def __init__(self, hidden: int):
+        self.w = nn.Parameter((2 * hidden, 5 * hidden), "float32")
+        self.b = nn.Parameter((5 * hidden,), "float32")
+
+    def forward(self, hl: nn.Tensor, cl: nn.Tensor, hr: nn.Tensor, cr: nn.Tensor):
+        z = nn.op.matmul(nn.op.concat([hl, hr], dim=1), self.w) + self.b
+        i, fl, fr, o, u = nn.op.split(z, 5, axis=1)
+        c = nn.op.sigmoid(i) * nn.op.tanh(u) + nn.op.sigmoid(fl) * cl + nn.op.sigmoid(fr) * cr
+        return nn.op.sigmoid(o) * nn.op.tanh(c), c
+
+
+def tree_leaf_cell(batch: int = 1, cfg: RNNConfig = RNNConfig(), seed: int = DEFAULT_SEED + 2) -> ModelDef:
+    H = cfg.hidden
+    return export(f"tree_leaf_h{H}_b{batch}", TreeLeafCell(H), {"x": ((batch, H), "float32")}, seed,
+                  description=f"TreeLSTM leaf cell, hidden {H}, batch {batch}")
+
+
+def tree_internal_cell(batch: int = 1, cfg: RNNConfig = RNNConfig(), seed: int = DEFAULT_SEED + 3) -> ModelDef:
+    H = cfg.hidden
+    f = ((batch, H), "float32")
+    return export(f"tree_internal_h{H}_b{batch}", TreeInternalCell(H),
+                  {"hl": f, "cl": f, "hr": f, "cr": f}, seed,
+                  description=f"TreeLSTM internal cell, hidden {H}, batch {batch}")
+
+
 def lstm_cell(batch: int = 1, cfg: RNNConfig = RNNConfig(), seed: int = DEFAULT_SEED) -> ModelDef:
     H = cfg.hidden
     f = ((batch, H), "float32")
@@ -114,3 +159,47 @@ def decoder_reference(tok: np.ndarray, h: np.ndarray, c: np.ndarray, params: lis
     emb, w, b, proj = params
     h2, c2 = lstm_reference(emb[tok], h, c, w, b)
     return np.argmax(h2 @ proj, axis=1).astype(np.int32), h2, c2
+
+
+def tree_leaf_reference(x: np.ndarray, w: np.ndarray, b: np.ndarray):
+    i, o, u = np.split(x @ w + b, 3, axis=1)
+    c = _sigmoid(i) * np.tanh(u)
+    return (_sigmoid(o) * np.tanh(c)).astype(np.float32), c.astype(np.float32)
+
+
+def tree_internal_reference(hl: np.ndarray, cl: np.ndarray, hr: np.ndarray, cr: np.ndarray,
+                            w: np.ndarray, b: np.ndarray):
+    i, fl, fr, o, u = np.split(np.concatenate([hl, hr], axis=1) @ w + b, 5, axis=1)
+    c = _sigmoid(i) * np.tanh(u) + _sigmoid(fl) * cl + _sigmoid(fr) * cr
+    return (_sigmoid(o) * np.tanh(c)).astype(np.float32), c.astype(np.float32)
+
+
+def treelstm_reference(xs: np.ndarray, parents: list[int], leaf: list[np.ndarray],
+                       internal: list[np.ndarray]) -> np.ndarray:
+    """Every node's ``h`` of the tree ``parents`` (``parents[i]``: node i's parent, -1 at
+    the root), computed node by node at batch 1 (children before parents; a node's
+    children in index order, left then right). ``xs[i]``: leaf i's input."""
+    n, H = len(parents), xs.shape[1]
+    kids: dict[int, list[int]] = {}
+    for i, p in enumerate(parents):
+        if p >= 0:
+            kids.setdefault(p, []).append(i)
+    h = np.zeros((n, H), np.float32)
+    c = np.zeros((n, H), np.float32)
+    done: set[int] = set()
+
+    def visit(i: int) -> None:
+        for k in kids.get(i, ()):
+            visit(k)
+        ch = kids.get(i, [])
+        if not ch:
+            h[i], c[i] = (a[0] for a in tree_leaf_reference(xs[i:i + 1], *leaf))
+        else:
+            z = np.zeros((1, H), np.float32)
+            hl, cl = h[ch[0]:ch[0] + 1], c[ch[0]:ch[0] + 1]
+            hr, cr = (h[ch[1]:ch[1] + 1], c[ch[1]:ch[1] + 1]) if len(ch) > 1 else (z, z)
+            h[i], c[i] = (a[0] for a in tree_internal_reference(hl, cl, hr, cr, *internal))
+        done.add(i)
+
+    visit(parents.index(-1))
+    return h

@@ -19,6 +19,8 @@ The schedulers:
 
 * ``orca`` (:mod:`.orca_plugin`): Orca's iteration-level scheduling of a GPT
   (:mod:`.generation`, :mod:`.iteration_scheduler`);
+* ``cellular`` (:mod:`.cellular_plugin`): BatchMaker's cellular batching of LSTM,
+  Seq2Seq and TreeLSTM cells (:mod:`.cell_engine`, :mod:`.cell_scheduler`);
 * ``dvabatch`` (:mod:`.dvabatch`): DVABatch's multi-entry multi-exit batching over a
   model's stages;
 * the engines they and the experiments share: the step runtime (:mod:`.runtime`: every

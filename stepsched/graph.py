@@ -150,3 +150,85 @@ def unfold_tree(request: object, n_leaves: int, arrival: float = 0.0) -> StepGra
             nxt.append(i)
         level, depth = nxt, depth + 1
     return StepGraph(request, steps, arrival)
+
+
+class TreeError(ValueError):
+    """A parent-index array that is not a tree the cells can run."""
+
+
+def tree_order(parents: list[int], max_children: int = 2) -> list[int]:
+    """Check ``parents`` (``parents[i]``: node i's parent, -1 at the one root) and return
+    its nodes children first (each node after its children, children in index order).
+    Raises :class:`TreeError` naming the first fault: an empty tree, a parent out of
+    range, no root or several, a node its own ancestor (a cycle), too many children."""
+    n = len(parents)
+    if n < 1:
+        raise TreeError("the tree is empty; send at least one node")
+    kids: list[list[int]] = [[] for _ in range(n)]
+    roots = []
+    for i, p in enumerate(parents):
+        if type(p) is not int or not -1 <= p < n:
+            raise TreeError(f"node {i}: parent {p!r} is out of range (-1 for the root, else 0..{n - 1})")
+        if p == i:
+            raise TreeError(f"node {i} is its own parent (a cycle)")
+        if p == -1:
+            roots.append(i)
+        else:
+            kids[p].append(i)
+    if not roots:
+        raise TreeError("the tree has no root (parent -1): its parents form a cycle")
+    if len(roots) > 1:
+        raise TreeError(f"a tree has one root (parent -1); got {len(roots)}: nodes {roots[:8]}")
+    for i, k in enumerate(kids):
+        if len(k) > max_children:
+            raise TreeError(f"node {i} has {len(k)} children; these cells take at most {max_children}")
+    order, stack = [], [(roots[0], False)]
+    while stack:
+        i, expanded = stack.pop()
+        if expanded:
+            order.append(i)
+            continue
+        stack.append((i, True))
+        stack.extend((k, False) for k in reversed(kids[i]))
+    if len(order) != n:
+        lost = sorted(set(range(n)) - set(order))
+        raise TreeError(f"nodes {lost[:8]} do not reach the root: a cycle in the parents")
+    return order
+
+
+def unfold_parents(request: object, parents: list[int], arrival: float = 0.0) -> tuple[StepGraph, list[int]]:
+    """TreeLSTM over any binary tree given as a parent-index array (checked by
+    :func:`tree_order`): a ``leaf`` cell per childless node, each its own subgraph, and
+    an ``internal`` cell per other node, all in one subgraph (as :func:`unfold_tree`).
+    Returns the graph and the tree node of each step (step index -> node)."""
+    order = tree_order(parents)
+    pos = {node: k for k, node in enumerate(order)}
+    kids: dict[int, list[int]] = {}
+    for i, p in enumerate(parents):
+        if p >= 0:
+            kids.setdefault(p, []).append(i)
+    n, steps = len(parents), []
+    for k, node in enumerate(order):
+        ch = kids.get(node, [])
+        if ch:
+            steps.append(Step(k, "internal", tuple(pos[c] for c in ch), n, depth=k))
+        else:
+            steps.append(Step(k, "leaf", (), node, depth=0))
+    return StepGraph(request, steps, arrival), order
+
+
+def random_binary_tree(rng, n: int) -> list[int]:
+    """A random binary tree of ``n`` nodes as a parent-index array: node 0 the root, each
+    other node under a uniformly chosen earlier node with fewer than two children."""
+    parents, kids = [-1], [0] * n
+    open_ = [0]
+    for i in range(1, n):
+        k = int(rng.integers(len(open_)))
+        p = open_[k]
+        parents.append(p)
+        kids[p] += 1
+        if kids[p] == 2:
+            open_[k] = open_[-1]
+            open_.pop()
+        open_.append(i)
+    return parents

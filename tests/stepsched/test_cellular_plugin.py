@@ -1,0 +1,203 @@
+"""The ``cellular`` scheduler plug-in on the batching stage, in virtual time (the daemon's
+path without the daemon: tests/service/test_cellular_service.py has that): requests laid
+out as clients lay them out, outputs checked against each request computed alone, cell
+by cell, from the same seeded weights; requests joining and leaving running batches; the
+decoder's priority; bad input refused alone; a client leaving."""
+import numpy as np
+import pytest
+
+from paella import rings
+from paella.dispatcher.batchers import ModelVariants, VariantSpec, get_batcher, make_batcher
+from paella.dispatcher.batchers.stage import BatchingStage, ServedModel
+from paella.dispatcher.core import Dispatcher, Request
+from paella.dispatcher.devices.sim import SimDevice
+from paella.models import rnn
+from paella.stepsched.cell_engine import run_alone
+from paella.stepsched.graph import random_binary_tree
+from paella.stepsched.cellular_plugin import CellularPlugin, cell_request
+from paella.stepsched.graph import TreeError, tree_order
+
+CFG = rnn.RNNConfig.tiny()
+H = CFG.hidden
+
+
+def lstm_alone(xs):
+    return run_alone("lstm", CFG, xs=xs)["steps"]
+
+
+def seq2seq_alone(src, tgt_len):
+    r = run_alone("seq2seq", CFG, src=src, tgt_len=tgt_len)
+    return r["tokens"], r["steps"]
+
+
+def tree_alone(xs, parents):
+    return run_alone("treelstm", CFG, xs=xs, parents=parents)["steps"]
+
+
+class Req:
+    """One client request: its io region as ``cell_request`` fills it."""
+
+    def __init__(self, sched, rid, client=0, **inputs):
+        io_info = sched.io
+        self.info = io_info
+        self.io = np.zeros(io_info.io_bytes, np.uint8)
+        for t in io_info.inputs:
+            n = int(np.prod(t.shape)) * np.dtype(t.dtype).itemsize
+            self.io[t.offset:t.offset + n] = np.ascontiguousarray(
+                cell_request(io_info, **inputs)[t.name]).view(np.uint8).ravel()
+        self.progress, self.done = [], []
+        self.req = Request(rid, client, 5, self.io, on_complete=self._done,
+                           on_progress=lambda q, k: self.progress.append(k))
+
+    def _done(self, req, status, err):
+        self.done.append((status, err))
+
+    def out(self, name):
+        t = next(t for t in self.info.outputs if t.name == name)
+        n = int(np.prod(t.shape)) * np.dtype(t.dtype).itemsize
+        return self.io[t.offset:t.offset + n].view(t.dtype).reshape(t.shape)
+
+
+def stage_and(tmp_path, **options):
+    disp = Dispatcher(SimDevice("t4", n_streams=64, seed=0), "paella", profile_runs=0)
+    stage = BatchingStage(disp)
+    model = ModelVariants("cells", (VariantSpec(0, 1, 0, "cells"),))
+    sched = make_batcher("cellular", model, {"bundle_dir": str(tmp_path / "cells"), **options})
+    stage.add_model(5, ServedModel("cells", model, {}, sched))
+    return disp, stage, sched
+
+
+@pytest.fixture(scope="module")
+def cells_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("cellbundles")
+
+
+def test_registered_as_a_standalone_scheduler():
+    assert get_batcher("cellular") is CellularPlugin
+    assert CellularPlugin.drives_jobs and CellularPlugin.standalone
+
+
+def test_lstm_chains_of_different_lengths_join_and_leave_running_batches(cells_dir):
+    disp, stage, sched = stage_and(cells_dir, model="lstm", max_len=32)
+    rng = np.random.default_rng(1)
+    lens = [12, 3, 7, 1, 20]
+    xss = [rng.standard_normal((n, H)).astype(np.float32) for n in lens]
+    reqs = [Req(sched, i, client=i, xs=xs, per_step=(i % 2 == 0)) for i, xs in enumerate(xss)]
+    stage.submit(reqs[0].req)
+    stage.submit(reqs[1].req)
+    for _ in range(6):                   # a few cells in, then the others join
+        disp.step()
+        stage.step()
+        if disp.idle:
+            disp.device.run_until(max(disp.device.next_event_time(), disp.device.now()))
+    for r in reqs[2:]:
+        stage.submit(r.req)
+    stage.run_until_idle()
+    eng = sched.engine
+    for i, (r, n) in enumerate(zip(reqs, lens)):
+        assert r.done == [(rings.OK, None)]
+        want = lstm_alone(xss[i])
+        np.testing.assert_allclose(r.out("h"), want[-1], rtol=1e-5, atol=1e-6)
+        if i % 2 == 0:
+            np.testing.assert_allclose(r.out("steps")[:n], want, rtol=1e-5, atol=1e-6)
+            assert r.out("n_steps")[0] == n and r.progress == list(range(1, n + 1))
+        else:
+            assert r.out("n_steps")[0] == 0 and not r.progress
+    assert eng.runtime.stats.tasks < sum(lens)          # cells of several requests batched
+    assert eng.runtime.stats.rows == sum(lens)
+    assert not eng.live and len(eng.free_rows) == eng.rows and not sched.pending
+
+
+def test_seq2seq_decoders_first_and_tokens_equal_each_request_alone(cells_dir):
+    disp, stage, sched = stage_and(cells_dir, model="seq2seq", max_len=16)
+    rng = np.random.default_rng(2)
+    cases = [(rng.integers(0, CFG.vocab, s).tolist(), t) for s, t in [(5, 7), (9, 3), (2, 12)]]
+    reqs = [Req(sched, i, client=i, src=s, tgt_len=t, per_step=True) for i, (s, t) in enumerate(cases)]
+    for r in reqs:
+        stage.submit(r.req)
+    stage.run_until_idle()
+    for r, (s, t) in zip(reqs, cases):
+        assert r.done == [(rings.OK, None)]
+        toks, steps = seq2seq_alone(s, t)
+        assert r.out("tokens")[:t].tolist() == toks
+        np.testing.assert_allclose(r.out("steps")[:t], steps, rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(r.out("h"), steps[-1], rtol=1e-5, atol=1e-6)
+    ct = {c.name: c for c in sched.engine.sched.cell_types}
+    assert ct["decoder"].priority > ct["encoder"].priority
+
+
+def test_treelstm_equals_the_reference_run_node_by_node(cells_dir):
+    disp, stage, sched = stage_and(cells_dir, model="treelstm", max_len=32)
+    rng = np.random.default_rng(3)
+    trees = [random_binary_tree(rng, n) for n in (1, 5, 17, 31)]
+    trees.append([3, 3, 4, 4, -1])        # root last: children after their parents' index
+    reqs = []
+    for i, p in enumerate(trees):
+        xs = rng.standard_normal((len(p), H)).astype(np.float32)
+        reqs.append((Req(sched, i, client=i, xs=xs, parents=p, per_step=True), xs, p))
+    for r, _, _ in reqs:
+        stage.submit(r.req)
+    stage.run_until_idle()
+    for r, xs, p in reqs:
+        assert r.done == [(rings.OK, None)]
+        want = tree_alone(xs, p)
+        np.testing.assert_allclose(r.out("steps")[:len(p)], want, rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(r.out("h"), want[p.index(-1)], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("parents,reason", [
+    ([1, 0], "no root .*a cycle"),
+    ([-1, 0, 3, 2], "do not reach the root: a cycle"),
+    ([-1, 1], "node 1 is its own parent"),
+    ([-1, 7], "parent 7 is out of range"),
+    ([-1, -2], "parent -2 is out of range"),
+    ([-1, 0, 0, 0], "node 0 has 3 children"),
+    ([-1, -1], "got 2"),
+])
+def test_tree_faults_are_named(parents, reason):
+    with pytest.raises(TreeError, match=reason):
+        tree_order(parents)
+
+
+def test_bad_requests_are_refused_alone_and_the_others_served(cells_dir):
+    disp, stage, sched = stage_and(cells_dir, model="treelstm", max_len=8)
+    xs = np.ones((3, H), np.float32)
+    bad = [Req(sched, 1, xs=xs, parents=[1, 2, 0]),            # a cycle, no root
+           Req(sched, 2, xs=xs, parents=[-1, 5, 0]),           # out of range
+           Req(sched, 3, xs=np.zeros((0, H)))]                  # empty
+    over = Req(sched, 4, xs=xs, parents=[-1, 0, 0])
+    over.io[sched.io.inputs[-1].offset:][:4] = np.array([9], np.int32).view(np.uint8)   # 9 > max_len 8
+    good = Req(sched, 5, xs=xs, parents=[-1, 0, 0])
+    for r in [*bad, over, good]:
+        stage.submit(r.req)
+    stage.run_until_idle()
+    assert [r.done[0][0] for r in [*bad, over]] == [rings.E_OPTIONS] * 4
+    assert "cycle" in bad[0].done[0][1] and "out of range" in bad[1].done[0][1]
+    assert "empty" in bad[2].done[0][1] and "over the configured maximum max_len = 8" in over.done[0][1]
+    assert good.done == [(rings.OK, None)]
+    np.testing.assert_allclose(good.out("h"), tree_alone(xs, [-1, 0, 0])[0], rtol=1e-5, atol=1e-6)
+
+
+def test_a_client_leaving_withdraws_its_cells_and_the_others_go_on(cells_dir):
+    disp, stage, sched = stage_and(cells_dir, model="lstm", max_len=64, state_rows=128)
+    rng = np.random.default_rng(4)
+    a = Req(sched, 1, client=7, xs=rng.standard_normal((60, H)), per_step=True)
+    xb = rng.standard_normal((40, H))
+    b = Req(sched, 2, client=8, xs=xb)
+    stage.submit(a.req)
+    stage.submit(b.req)
+    dev = disp.device
+    while len(a.progress) < 5:
+        disp.step()
+        stage.step()
+        if disp.idle:
+            dev.run_until(max(dev.next_event_time(), dev.now()))
+    stage.cancel_client(7)
+    stage.run_until_idle()
+    assert a.done[0][0] == rings.E_CANCELLED and len(a.done) == 1
+    assert len(a.progress) < 60
+    rows = sched.engine.runtime.stats.rows
+    assert rows < 60 + 40                 # a's remaining cells never ran
+    assert b.done == [(rings.OK, None)]
+    np.testing.assert_allclose(b.out("h"), lstm_alone(xb)[-1], rtol=1e-5, atol=1e-6)
+    assert len(sched.engine.free_rows) == 128 and not sched.engine.live
