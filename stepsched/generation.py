@@ -29,7 +29,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import numpy as np
 
@@ -39,6 +39,9 @@ from paella.models.gpt import GPTConfig, selective_iteration
 from .iteration_scheduler import GenRequest, Iteration, IterationScheduler
 from .step_kernels import StepKernels, transformer_iteration
 from .runtime import StepRuntime
+
+if TYPE_CHECKING:
+    from .compiled_iteration import CompiledIteration
 
 
 class GenerationError(ValueError):
@@ -70,16 +73,22 @@ class GenerationEngine:
                  weights: dict[str, np.ndarray] | None = None, name: str = "gpt",
                  priorities: bool = False, fairness_threshold: float | None = None,
                  preempt: bool = False, n_workers: int = 1, cpu_scale: float = 0.0,
-                 seed: int | None = None):
+                 seed: int | None = None, compiled: "CompiledIteration | None" = None):
         self.ctx, self.cfg = ctx, cfg
         self.weights = weights
+        #: The compiled iteration (:mod:`.compiled_iteration`): its kernels time every
+        #: iteration and its CPU build computes the tokens (None: kernels from the
+        #: shapes, tokens from the numpy iteration with ``weights``).
+        self.compiled = compiled
+        functional = weights is not None or compiled is not None
         # Where the iterations' tokens are computed: the device's effect workers when the
         # weights can be made there (their seed) and the device has workers (the
         # daemon); else in this process, at the iteration's submission (virtual time: the
         # simulated clock does not see it).
         from paella.dispatcher.devices.sim.effect_workers import InlineEffects
         runner = ctx.effects
-        self.effects = runner if runner is not None and seed is not None else InlineEffects()
+        self.effects = (runner if runner is not None and (seed is not None or compiled is not None)
+                        else InlineEffects())
         self.seed = seed
         self.kv_shared = None
         self.n_slots = n_slots
@@ -88,11 +97,12 @@ class GenerationEngine:
                                         preempt_cost=self.preempt_cost)
         self.runtime = StepRuntime(ctx, self.sched, self._kernels, name=name, n_workers=n_workers,
                                    client_of=lambda r: r.user,
-                                   effect=self._effect if weights is not None else None,
-                                   pending=self._pending if weights is not None else None,
+                                   effect=self._effect if functional else None,
+                                   pending=self._pending if functional else None,
                                    on_task_done=self._after, cpu_scale=cpu_scale)
         self.kv_ptr = None
-        if weights is not None:
+        self.functional = functional
+        if functional:
             nbytes = n_slots * cfg.kv_bytes_per_slot()
             self.kv_ptr = self.ctx.alloc(nbytes)
             if isinstance(self.effects, InlineEffects):
@@ -121,7 +131,7 @@ class GenerationEngine:
             raise GenerationError("the prompt is empty; send at least one token id")
         if type(max_tokens) is not int or max_tokens < 1:
             raise GenerationError(f"max_tokens must be an int >= 1, got {max_tokens!r}")
-        if self.weights is not None:
+        if self.functional:
             bad = [t for t in prompt if type(t) is not int or not 0 <= t < self.cfg.vocab]
             if bad:
                 raise GenerationError(f"token id {bad[0]!r} is outside the vocabulary [0, {self.cfg.vocab})")
@@ -204,7 +214,7 @@ class GenerationEngine:
             if v.evicted == "swap":
                 self.swaps += 1
                 copies.append(("d2h", (v.context - 1) * slot))
-                if self.kv_ptr is not None:
+                if self.functional:
                     self.swapped[v] = self._kv()[:, self.slots[v][:v.context - 1]].copy()
             else:
                 self.recomputes += 1
@@ -218,9 +228,14 @@ class GenerationEngine:
                     saved = self.swapped.pop(r)
                     self._kv()[:, self.slots[r][:saved.shape[1]]] = saved
         contexts = [self._first(r, ph) + n for r, ph, n in zip(it.requests, it.phases, it.n_tokens)]
-        if self.weights is not None:
+        if self.compiled is not None:
+            it.variant = self.compiled.variant(sum(it.n_tokens), sum(contexts))
+            sk = self.compiled.kernels(it.variant)
+        else:
+            sk = transformer_iteration(self.cfg, it.n_tokens, contexts)
+        if self.functional:
             it.answer = self._compute(it)
-        return replace(transformer_iteration(self.cfg, it.n_tokens, contexts), copies=tuple(copies))
+        return replace(sk, copies=tuple(copies))
 
     def _first(self, r: GenRequest, phase: str) -> int:
         """Position of the first token this iteration processes for ``r``."""
@@ -242,6 +257,13 @@ class GenerationEngine:
                 new = [s.tokens[-1]]
             batch.append((new, self._first(r, phase), list(self.slots[r])))
         try:
+            if self.compiled is not None:
+                from .compiled_iteration import compiled_step, run_iteration
+                if self.kv_shared is not None:
+                    return self.effects.submit(compiled_step, self.compiled.ref, it.variant, self.cfg,
+                                               self.kv_shared.ref, self.n_slots, batch)
+                return self.effects.submit(run_iteration, self.compiled.bundle, it.variant, self.cfg,
+                                           self._kv(), batch)
             if self.kv_shared is not None:
                 return self.effects.submit(worker_iteration, self.cfg, self.seed,
                                            self.kv_shared.ref, self.n_slots, batch)
@@ -262,7 +284,7 @@ class GenerationEngine:
     def _after(self, it: Iteration, finished: list) -> None:
         now = self.ctx.now()
         result = getattr(it, "result", None)
-        failed = it.status != 0 and self.weights is not None and result is None
+        failed = it.status != 0 and self.functional and result is None
         for i, r in enumerate(it.requests):
             s = self.streams[r]
             if s.cancelled:

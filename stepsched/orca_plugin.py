@@ -28,6 +28,7 @@ The io a client sees (one variant): inputs ``prompt`` (int32 x context) and ``le
 """
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import numpy as np
@@ -63,30 +64,49 @@ def generation_io(cfg: GPTConfig) -> wire.VariantInfo:
 
 
 class OrcaScheduler(SchedulerBatcher):
-    """Options: ``config`` ("tiny" | "gpt2-small"), ``seed`` of the weights, ``max_bs``,
-    ``n_slots`` (KV slots; 0: ``max_bs`` x the context), ``priorities``,
-    ``fairness_threshold`` (0: off), ``preempt``."""
+    """Options: ``checkpoint`` (a GPT-2-family safetensors file, relative to the model's
+    folder: served on the compiled iteration), ``n_head`` (its heads; 0: d / 64);
+    without a checkpoint, ``config`` ("tiny" | "gpt2-small") and ``seed`` of built-in
+    seeded weights (kernels from the shapes, tokens in numpy); ``max_bs``, ``n_slots``
+    (KV slots; 0: ``max_bs`` x the context), ``priorities``, ``fairness_threshold``
+    (0: off), ``preempt``. ``folder`` is the model's folder (the daemon sets it)."""
 
     name = "orca"
     standalone = True
+    #: The repository passes the model's folder as ``folder`` (a checkpoint's base).
+    wants_folder = True
 
     def __init__(self, model: ModelVariants, *, config: str = "tiny", seed: int = DEFAULT_SEED,
+                 checkpoint: str = "", n_head: int = 0, folder: str = "",
                  max_bs: int = 8, n_slots: int = 0, priorities: bool = False,
                  fairness_threshold: float = 0.0, preempt: bool = False):
         super().__init__(model)
         if config not in CONFIGS:
             raise ValueError(f"config must be one of {', '.join(CONFIGS)}, got {config!r}")
-        if max_bs < 1 or n_slots < 0 or fairness_threshold < 0:
-            raise ValueError(f"max_bs must be >= 1, n_slots >= 0 and fairness_threshold >= 0; "
-                             f"got {max_bs}, {n_slots}, {fairness_threshold}")
-        self.cfg = CONFIGS[config]()
+        if max_bs < 1 or n_slots < 0 or fairness_threshold < 0 or n_head < 0:
+            raise ValueError(f"max_bs must be >= 1, n_slots >= 0, fairness_threshold >= 0 and "
+                             f"n_head >= 0; got {max_bs}, {n_slots}, {fairness_threshold}, {n_head}")
+        self.compiled = None
+        # The weights (and the compiled iteration) here, not in start(): a reload builds
+        # the scheduler off the loop.
+        if checkpoint:
+            from paella.models.gpt_checkpoint import load_checkpoint
+            path = os.path.join(folder, os.path.expanduser(checkpoint))
+            self.cfg, weights = load_checkpoint(path, n_head)
+        else:
+            self.cfg = CONFIGS[config]()
         self.max_bs = max_bs
         self.n_slots = n_slots or max_bs * self.cfg.n_ctx
         self.options = dict(priorities=priorities, preempt=preempt,
                             fairness_threshold=fairness_threshold or None)
-        # The weights here, not in start(): a reload builds the scheduler off the loop.
-        self.weights = gpt_weights(self.cfg, seed)
-        self.seed = seed
+        if checkpoint:
+            from .compiled_iteration import CompiledIteration
+            self.compiled = CompiledIteration(self.cfg, weights, max_tokens=max_bs * self.cfg.n_ctx,
+                                              max_slots=self.n_slots)
+            self.weights, self.seed = None, None
+        else:
+            self.weights = gpt_weights(self.cfg, seed)
+            self.seed = seed
         self.io = generation_io(self.cfg)
         self.engine: GenerationEngine | None = None
         self._streams: dict[int, Stream] = {}       # id(req) -> its generation
@@ -99,7 +119,8 @@ class OrcaScheduler(SchedulerBatcher):
         try:
             self.engine = GenerationEngine(ctx, self.cfg, max_bs=self.max_bs,
                                            n_slots=self.n_slots, weights=self.weights,
-                                           name="iteration", seed=self.seed, **self.options)
+                                           name="iteration", seed=self.seed,
+                                           compiled=self.compiled, **self.options)
         except (OSError, MemoryError, OutOfMemory) as e:   # the KV cache does not fit
             per_slot = self.cfg.kv_bytes_per_slot()
             need = self.n_slots * per_slot
@@ -109,8 +130,11 @@ class OrcaScheduler(SchedulerBatcher):
                                f"config.toml") from None
         except RuntimeError as e:        # (a device without a host view of its memory)
             fix = "" if "--sim-mode" in str(e) else "; serve it with --backend sim"
+            what = ("the compiled iteration's CPU build" if self.compiled is not None
+                    else "numpy")
             raise RuntimeError(f"orca computes its tokens as the simulated GPU's functional "
-                               f"effects{fix} ({e})") from None
+                               f"effects ({what}){fix}: running its compiled kernels on a real "
+                               f"GPU is not done yet ({e})") from None
         self.engine.keep_streams = False
 
     # -- requests ---------------------------------------------------------------------------
@@ -172,6 +196,8 @@ class OrcaScheduler(SchedulerBatcher):
         self._streams.clear()
         if self.engine is not None:
             self.engine.close()
+        if self.compiled is not None:
+            self.compiled.close()
 
     @property
     def pending(self) -> int:

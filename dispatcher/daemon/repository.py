@@ -261,8 +261,11 @@ def scan(path: str, known: dict[str, tuple], make_adaptor: Callable[[Any, str, i
                     out.kept[folder] = model
                     continue
                 # A scheduler that defines its own io (Orca): a config.toml and no bundle.
+                options = dict(cfg.batcher_options)
+                if getattr(kind, "wants_folder", False):   # (files it names are the folder's)
+                    options["folder"] = folder
                 batcher = make_batcher(cfg.batcher, ModelVariants(model, (VariantSpec(0, 1, 0, model),)),
-                                       cfg.batcher_options)
+                                       options)
                 out.prepared.append(Prepared(folder, model, key, None, [], f"{model}#{next(_generations)}",
                                              time.monotonic() - t1, cfg, batcher))
                 continue
