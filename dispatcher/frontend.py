@@ -171,6 +171,9 @@ class ClientConn:
     #: req_id -> True once the wake-up was sent (hybrid mode)
     inflight: dict[int, bool] = field(default_factory=dict)
     alive: bool = True
+    #: A request of it was answered since its last STATUS: its next STATUS is built anew
+    #: (a reused reply could predate the answers it already holds).
+    answered: bool = False
     reject_log: LogThrottle = field(default_factory=lambda: LogThrottle(10.0))
     message_log: LogThrottle = field(default_factory=lambda: LogThrottle(10.0))
 
@@ -666,7 +669,8 @@ class Frontend:
         elif kind == wire.LIST_MODELS:
             self.send(c, wire.encode(wire.MODELS, {"models": self.models.describe()}))
         elif kind == wire.STATUS:
-            self.send(c, self._status_frame())
+            self.send(c, self._status_frame(fresh=c.answered))
+            c.answered = False
         elif kind == wire.TRACE:
             self._trace(c, msg["milliseconds"])
         elif kind in MODEL_CONTROL:
@@ -753,13 +757,15 @@ class Frontend:
             self.drop_client(c, "its trace was sent")
 
     #: Seconds a built STATUS reply is reused: a client sending STATUS in a loop costs
-    #: the dispatcher loop one build per interval, not one per frame.
+    #: the dispatcher loop one build per interval, not one per frame. A client that had
+    #: a request answered since its last STATUS gets a new one (``fresh``): it sees its
+    #: own answers counted (a flood of STATUS alone still gets the reused reply).
     STATUS_REUSE = 0.05
 
-    def _status_frame(self) -> bytes:
+    def _status_frame(self, fresh: bool = False) -> bytes:
         now = time.monotonic()
         cached = getattr(self, "_status_cache", None)
-        if cached is not None and now - cached[0] < self.STATUS_REUSE:
+        if not fresh and cached is not None and now - cached[0] < self.STATUS_REUSE:
             return cached[1]
         st = self.on_status() if self.on_status is not None else self.status()
         frame = wire.encode(wire.STATUS_REPLY, {"status": st})
@@ -1093,6 +1099,7 @@ class Frontend:
         self._finish(c, req_id, woken, status, reason or "")
 
     def _finish(self, c: ClientConn, req_id: int, woken: bool, status: int, reason: str) -> None:
+        c.answered = True
         # Hybrid clients count one WAKE per completion, so every completion gets one.
         if c.mode == "hybrid" and not woken:
             self.send(c, wire.encode_id(wire.WAKE, req_id))

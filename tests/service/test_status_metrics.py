@@ -72,6 +72,19 @@ def test_status_lists_models_clients_and_occupancy(metrics_daemon):
     assert " B on the GPU" in text.split("noop", 1)[1].splitlines()[0]
 
 
+def test_a_clients_status_counts_the_requests_it_had_answered(metrics_daemon):
+    """The daemon reuses a STATUS reply for a few milliseconds (a STATUS flood costs it
+    little), but never one older than the asking client's own answers."""
+    with paella.connect(metrics_daemon.socket) as c:
+        for i in range(20):
+            before = c.status()["stats"]["requests"]        # (built now: reused below)
+            c.infer("echo", {"x": np.full(256, i, np.float32)}, timeout=10)
+            after = c.status()["stats"]["requests"]
+            assert after >= before + 1, (i, before, after)
+        flood = [c.status()["stats"]["requests"] for _ in range(50)]
+        assert flood == sorted(flood) and flood[-1] >= after
+
+
 def test_status_of_no_daemon_is_a_clear_error(tmp_path):
     r = subprocess.run([PAELLA, "status", "--socket", str(tmp_path / "none.sock")],
                        capture_output=True, text=True, timeout=60)
