@@ -28,6 +28,8 @@ token arrives with the last.
 from __future__ import annotations
 
 import argparse
+from functools import partial
+from typing import Any
 
 import numpy as np
 
@@ -45,7 +47,11 @@ def trace(n: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
 
 
 def run_point(system: str, rate: float, prompts: np.ndarray, outs: np.ndarray, *, max_bs: int,
-              n_slots: int, seed: int = 1, gpu: str = "v100", warmup: float = 0.1) -> dict:
+              n_slots: int, seed: int = 1, gpu: str = "v100", warmup: float = 0.1,
+              kernels: Any = None) -> dict:
+    """One load point; ``kernels``: the compiled iteration's kernels
+    (:class:`~paella.stepsched.compiled_iteration.IterationKernels`), None: the kernels
+    derived from the shapes (:func:`~paella.stepsched.step_kernels.transformer_iteration`)."""
     from paella.dispatcher.batchers.stage import scheduler_context
     from paella.dispatcher.core import Dispatcher
     from paella.dispatcher.devices.sim import SimDevice
@@ -66,7 +72,7 @@ def run_point(system: str, rate: float, prompts: np.ndarray, outs: np.ndarray, *
     done = np.full(n, np.nan)
     gaps: list[float] = []
     if system == "orca":
-        eng = GenerationEngine(ctx, cfg, max_bs=max_bs, n_slots=n_slots)
+        eng = GenerationEngine(ctx, cfg, max_bs=max_bs, n_slots=n_slots, iteration_kernels=kernels)
         streams = {}
 
         def arrive(i: int) -> None:
@@ -80,9 +86,14 @@ def run_point(system: str, rate: float, prompts: np.ndarray, outs: np.ndarray, *
     elif system == "request":
         reqs = [GenRequest(i, int(p), int(p) + int(o), int(o), float(a))
                 for i, (p, o, a) in enumerate(zip(prompts, outs, arrivals))]
+        if kernels is not None:
+            from paella.stepsched.compiled_iteration import request_level_compiled
+            level = partial(request_level_compiled, kernels)
+        else:
+            level = partial(request_level_generation, cfg)
         rt = StepRuntime(ctx, RequestBatcher(max_bs),
-                         lambda t: request_level_generation(cfg, [r.prompt_len for r in t.requests],
-                                                            [r.limit for r in t.requests]), name="ft")
+                         lambda t: level([r.prompt_len for r in t.requests],
+                                         [r.limit for r in t.requests]), name="ft")
         rt.drive([(r.arrival, r) for r in reqs])
         for r in reqs:
             first[r.req_id] = done[r.req_id] = rt.finished[r]
@@ -136,8 +147,20 @@ def run(args: argparse.Namespace) -> dict:
     rates = QUICK_RATES if args.quick else FULL_RATES
     n = args.requests or (150 if args.quick else 400)
     prompts, outs = trace(n, args.seed)
-    kw = dict(max_bs=args.max_bs, n_slots=args.slots, seed=args.seed, gpu=args.gpu)
+    kw: dict = dict(max_bs=args.max_bs, n_slots=args.slots, seed=args.seed, gpu=args.gpu)
+    compiled = args.kernels == "compiled"
+    if compiled:
+        from pathlib import Path
+
+        from paella.models.gpt import GPTConfig
+        from paella.stepsched.compiled_iteration import IterationKernels
+        out = Path(args.bundles or "bundles/orca-iteration")
+        kw["kernels"] = IterationKernels(GPTConfig.gpt2_small(), out,
+                                         progress=lambda m: print(f"  {m}", flush=True))
     data: dict = {"setting": {"gpu": args.gpu, "model": "GPT-2 small shapes (d 768, 12 layers)",
+                              "kernels": ("compiled (TVM's kernels of models/gpt.py:gpt_iteration, one "
+                                          "variant per (tokens, slots) bucket)" if compiled else
+                                          "from the shapes (step_kernels.transformer_iteration)"),
                               "max_bs": args.max_bs, "n_slots": args.slots, "requests_per_point": n,
                               "rates": rates, "prompts": "U(32, 512)", "outputs": "U(1, 128)"},
                   "paper": PAPER}
@@ -189,6 +212,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-bs", type=int, default=32, help="max batch size of both systems (default 32)")
     p.add_argument("--slots", type=int, default=32768, help="Orca's KV slots (default 32768)")
     p.add_argument("--requests", type=int, default=0, help="requests per load point (default 400; 150 with --quick)")
+    p.add_argument("--kernels", choices=("compiled", "shapes"), default="compiled",
+                   help="the iteration's kernels: compiled by TVM from models/gpt.py (default; each "
+                        "bucket built once, cached) or derived from the shapes")
+    p.add_argument("--bundles", default="", help="where the compiled iterations go (default "
+                   "bundles/orca-iteration)")
     p.set_defaults(func=main)
 
 

@@ -175,3 +175,63 @@ def compiled_step(ref: tuple[str, tuple], variant: int, cfg: GPTConfig, kv_ref: 
         b = _LOADED[ref] = load_bundle(ref[0])
     kv = attach(kv_ref).view(np.float32).reshape(2 * cfg.n_layer, n_slots, cfg.d)
     return run_iteration(b, variant, cfg, kv, batch)
+
+
+class IterationKernels:
+    """The compiled iteration's kernels alone (timing only: no CPU build, no weights),
+    one variant compiled the first time an iteration of its (tokens, slots) bucket
+    runs, and cached by ``paella compile``'s cache: for experiments in virtual time,
+    whose iterations span buckets no precompiled grid could hold (GPT-2 small, 32
+    requests of up to 640 tokens: tokens to 16384, slots to 32768). A variant of GPT-2
+    small takes about 5 s to build here, once per machine.
+
+    Every kernel's name carries its bucket (``t{T}_s{S}/``): TVM names kernels after
+    their operators, so two buckets' kernels would otherwise share names."""
+
+    def __init__(self, cfg: GPTConfig, out: str | Path, *, cache_dir: str | Path | None = None,
+                 progress: Callable[[str], None] = lambda _m: None):
+        self.cfg = cfg
+        self.out = Path(out)
+        self.cache_dir = cache_dir
+        self.progress = progress
+        self._kernels: dict[tuple[int, int], StepKernels] = {}
+        self.compiled = 0
+
+    def for_iteration(self, tokens: int, slots: int) -> StepKernels:
+        """The kernels of an iteration of ``tokens`` new tokens over ``slots`` gathered
+        KV slots (their buckets' variant)."""
+        key = (bucket(tokens), bucket(max(slots, tokens, 2)))
+        sk = self._kernels.get(key)
+        if sk is None:
+            from paella.bundle import load_bundle
+            from paella.compiler_pass.build import compile_bundle
+            from paella.models.gpt import gpt_iteration
+            t, s = key
+            m = gpt_iteration(self.cfg, t, s)
+            m.batch, m.seq_len = t, s
+            self.progress(f"compiling the GPT iteration for {t} tokens over {s} slots")
+            path = compile_bundle([m], self.out / f"gpt_d{self.cfg.d}_t{t}_s{s}", timing_only=True,
+                                  cache_dir=self.cache_dir)
+            sk = self._kernels[key] = tagged(from_bundle(load_bundle(path), 0), f"t{t}_s{s}")
+            self.compiled += 1
+        return sk
+
+
+def tagged(sk: StepKernels, tag: str) -> StepKernels:
+    """``sk`` with every kernel's name prefixed by ``tag/``."""
+    from dataclasses import replace
+    return StepKernels(f"{tag}/{sk.name}", [replace(k, name=f"{tag}/{k.name}") for k in sk.kernels],
+                       [replace(ln, kernel=f"{tag}/{ln.kernel}") for ln in sk.launches], sk.copies)
+
+
+def request_level_compiled(kernels: IterationKernels, prompts: list[int], outputs: list[int]) -> StepKernels:
+    """:func:`.step_kernels.request_level_generation` on the compiled iteration: one
+    prefill of every prompt padded to the longest, then ``max(outputs)`` decode
+    iterations of the whole batch, each over the batch's contexts."""
+    b, p = len(prompts), max(prompts)
+    parts = [kernels.for_iteration(b * p, b * p)]
+    for i in range(1, max(outputs)):
+        parts.append(kernels.for_iteration(b, b * (p + i)))
+    uniq = {k.name: k for sk in parts for k in sk.kernels}
+    return StepKernels(f"gen_b{b}_p{p}_o{max(outputs)}", list(uniq.values()),
+                       [ln for sk in parts for ln in sk.launches])

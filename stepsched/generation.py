@@ -41,7 +41,7 @@ from .step_kernels import StepKernels, transformer_iteration
 from .runtime import StepRuntime
 
 if TYPE_CHECKING:
-    from .compiled_iteration import CompiledIteration
+    from .compiled_iteration import CompiledIteration, IterationKernels
 
 
 class GenerationError(ValueError):
@@ -73,13 +73,16 @@ class GenerationEngine:
                  weights: dict[str, np.ndarray] | None = None, name: str = "gpt",
                  priorities: bool = False, fairness_threshold: float | None = None,
                  preempt: bool = False, n_workers: int = 1, cpu_scale: float = 0.0,
-                 seed: int | None = None, compiled: "CompiledIteration | None" = None):
+                 seed: int | None = None, compiled: "CompiledIteration | None" = None,
+                 iteration_kernels: "IterationKernels | None" = None):
         self.ctx, self.cfg = ctx, cfg
         self.weights = weights
         #: The compiled iteration (:mod:`.compiled_iteration`): its kernels time every
         #: iteration and its CPU build computes the tokens (None: kernels from the
         #: shapes, tokens from the numpy iteration with ``weights``).
         self.compiled = compiled
+        #: Timing only: the compiled iteration's kernels, compiled per bucket as met.
+        self.iteration_kernels = iteration_kernels
         functional = weights is not None or compiled is not None
         # Where the iterations' tokens are computed: the device's effect workers when the
         # weights can be made there (their seed) and the device has workers (the
@@ -102,11 +105,23 @@ class GenerationEngine:
                                    on_task_done=self._after, cpu_scale=cpu_scale)
         self.kv_ptr = None
         self.functional = functional
+        #: A real GPU runs the compiled iteration (:meth:`_job`): the KV cache is host
+        #: memory, each iteration's slots copied in and out with its inputs and outputs.
+        self.kv_host: np.ndarray | None = None
+        self._jobs: dict[str, int] = {}
         if functional:
             nbytes = n_slots * cfg.kv_bytes_per_slot()
             self.kv_ptr = self.ctx.alloc(nbytes)
             if isinstance(self.effects, InlineEffects):
-                self.ctx.view(self.kv_ptr, nbytes)[:] = 0
+                try:
+                    self.ctx.view(self.kv_ptr, nbytes)[:] = 0
+                except RuntimeError:         # no host view of device memory: a real GPU
+                    if compiled is None:
+                        raise
+                    self.ctx.free(self.kv_ptr)
+                    self.kv_ptr = None
+                    self.kv_host = np.zeros(nbytes, np.uint8)
+                    self.runtime.job_for = self._job
             else:
                 # Worker processes compute in place on the cache: its functional bytes
                 # live in shared memory (the device allocation still counts its size).
@@ -196,7 +211,8 @@ class GenerationEngine:
     def _kv(self) -> np.ndarray:
         cfg = self.cfg
         nbytes = self.n_slots * cfg.kv_bytes_per_slot()
-        raw = self.kv_shared.array if self.kv_shared is not None else self.ctx.view(self.kv_ptr, nbytes)
+        raw = (self.kv_shared.array if self.kv_shared is not None else self.kv_host
+               if self.kv_host is not None else self.ctx.view(self.kv_ptr, nbytes))
         return raw.view(np.float32).reshape(2 * cfg.n_layer, self.n_slots, cfg.d)
 
     def close(self) -> None:
@@ -231,21 +247,16 @@ class GenerationEngine:
         if self.compiled is not None:
             it.variant = self.compiled.variant(sum(it.n_tokens), sum(contexts))
             sk = self.compiled.kernels(it.variant)
+        elif self.iteration_kernels is not None:
+            sk = self.iteration_kernels.for_iteration(sum(it.n_tokens), sum(contexts))
         else:
             sk = transformer_iteration(self.cfg, it.n_tokens, contexts)
-        if self.functional:
+        if self.functional and self.kv_host is None:
             it.answer = self._compute(it)
         return replace(sk, copies=tuple(copies))
 
-    def _first(self, r: GenRequest, phase: str) -> int:
-        """Position of the first token this iteration processes for ``r``."""
-        return 0 if phase in ("prefill", "recompute") else r.prompt_len + r.generated - 1
-
-    def _compute(self, it: Iteration) -> Any:
-        """Start the iteration's tokens as it is submitted (the KV cache holds every
-        earlier iteration's keys and values, and its swaps are done): in a worker process
-        on the shared cache, or here. Returns the future; a failure to start is the
-        iteration's (its effect raises it)."""
+    def _batch(self, it: Iteration) -> list:
+        """Per request of ``it``: its new tokens, the position of the first, its slots."""
         batch = []
         for r, phase in zip(it.requests, it.phases):
             s = self.streams[r]
@@ -256,6 +267,43 @@ class GenerationEngine:
             else:
                 new = [s.tokens[-1]]
             batch.append((new, self._first(r, phase), list(self.slots[r])))
+        return batch
+
+    def _job(self, it: Iteration) -> tuple[int, np.ndarray]:
+        """A real GPU: the iteration is one job of its variant's plan (the compiled
+        kernels, the bundle's params uploaded once per variant), its io the inputs with
+        the requests' KV slots gathered; :meth:`_after` scatters them back."""
+        from paella.dispatcher.adaptor import PlanAdaptor
+
+        from .compiled_iteration import iteration_inputs
+        c = self.compiled
+        k = it.variant
+        v = c.bundle.variants[k]
+        mid = self._jobs.get(v.name)
+        if mid is None:
+            mid = self._jobs[v.name] = self.ctx.register_model(
+                f"{self.runtime.adaptor.name}/{v.name}", PlanAdaptor.from_bundle(c.bundle, k),
+                profile_runs=0)
+        inputs, it.gathered, it.ends = iteration_inputs(self.cfg, self._kv(), self._batch(it),
+                                                        v.rows, v.seq_len)
+        it.io = c.bundle.pack_inputs(inputs, k)
+        return mid, it.io
+
+    def _unpack(self, it: Iteration) -> list[int]:
+        nxt, kv = self.compiled.bundle.unpack_outputs(it.io, it.variant).values()
+        self._kv()[:, it.gathered] = kv[:, :len(it.gathered)]
+        return [int(nxt[e]) for e in it.ends]
+
+    def _first(self, r: GenRequest, phase: str) -> int:
+        """Position of the first token this iteration processes for ``r``."""
+        return 0 if phase in ("prefill", "recompute") else r.prompt_len + r.generated - 1
+
+    def _compute(self, it: Iteration) -> Any:
+        """Start the iteration's tokens as it is submitted (the KV cache holds every
+        earlier iteration's keys and values, and its swaps are done): in a worker process
+        on the shared cache, or here. Returns the future; a failure to start is the
+        iteration's (its effect raises it)."""
+        batch = self._batch(it)
         try:
             if self.compiled is not None:
                 from .compiled_iteration import compiled_step, run_iteration
@@ -283,6 +331,8 @@ class GenerationEngine:
 
     def _after(self, it: Iteration, finished: list) -> None:
         now = self.ctx.now()
+        if self.kv_host is not None and it.status == 0:
+            it.result = self._unpack(it)
         result = getattr(it, "result", None)
         failed = it.status != 0 and self.functional and result is None
         for i, r in enumerate(it.requests):

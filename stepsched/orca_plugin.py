@@ -129,12 +129,11 @@ class OrcaScheduler(SchedulerBatcher):
                                f"allocated ({type(e).__name__}: {e}); lower n_slots in "
                                f"config.toml") from None
         except RuntimeError as e:        # (a device without a host view of its memory)
-            fix = "" if "--sim-mode" in str(e) else "; serve it with --backend sim"
-            what = ("the compiled iteration's CPU build" if self.compiled is not None
-                    else "numpy")
-            raise RuntimeError(f"orca computes its tokens as the simulated GPU's functional "
-                               f"effects ({what}){fix}: running its compiled kernels on a real "
-                               f"GPU is not done yet ({e})") from None
+            fix = ("" if "--sim-mode" in str(e) else
+                   "; serve it with --backend sim, or name a checkpoint (checkpoint = ...) to "
+                   "serve it on its compiled kernels")
+            raise RuntimeError(f"orca without a checkpoint computes its tokens in numpy, as "
+                               f"the simulated GPU's functional effects{fix} ({e})") from None
         self.engine.keep_streams = False
 
     # -- requests ---------------------------------------------------------------------------

@@ -163,6 +163,10 @@ class StepRuntime:
         self._ids = itertools.count(1)
         self._seq = itertools.count()
         self._io = {}
+        #: ``job_for(task) -> (model id, io)``: the job a task runs instead of this
+        #: runtime's own step adaptor (a compiled plan registered through the context,
+        #: on a real GPU); None: the step adaptor.
+        self.job_for: Callable[[Any], tuple[int, np.ndarray]] | None = None
 
     # ---- requests ----------------------------------------------------------------------
     def add(self, item: Any, kick: bool = True) -> None:
@@ -219,9 +223,12 @@ class StepRuntime:
         st.rows += len(reqs)
         st.padded_rows += max(0, getattr(task, "batch_size", len(reqs)) - len(reqs))
         st.padded_cells += getattr(task, "padded_cells", 0)
-        io = np.zeros(8, np.uint8)
-        io.view(np.int64)[0] = tid
-        self.ctx.submit(self.model_id, io, [self.client_of(r) for r in reqs],
+        if self.job_for is not None:
+            model_id, io = self.job_for(task)
+        else:
+            model_id, io = self.model_id, np.zeros(8, np.uint8)
+            io.view(np.int64)[0] = tid
+        self.ctx.submit(model_id, io, [self.client_of(r) for r in reqs],
                          lambda status, err, tid=tid: self._task_done(tid, status))
 
     def _pending(self, tid: int) -> Any:

@@ -133,3 +133,22 @@ def test_vocabulary_is_checked_per_request(compiled):
     with pytest.raises(GenerationError, match="outside the vocabulary"):
         eng.submit([1, 64], 2)
     assert list(eng.generate([1, 2], 2)) == generate_reference(cfg, compiled[1], [1, 2], 2)
+
+
+def test_timing_only_kernels_are_compiled_per_bucket_as_met(tmp_path):
+    """The experiment's path: no weights, each (tokens, slots) bucket compiled when an
+    iteration first needs it; request-level batching's generations on the same kernels."""
+    from paella.stepsched.compiled_iteration import IterationKernels, request_level_compiled
+    from paella.stepsched.generation import GenerationEngine
+    kern = IterationKernels(CFG, tmp_path)
+    d = Dispatcher(SimDevice("t4"), "paella", profile_runs=0)
+    eng = GenerationEngine(scheduler_context(d, "gpt"), CFG, max_bs=2, n_slots=16, iteration_kernels=kern)
+    s = eng.submit([0] * 3, 2, out_len=2)
+    eng.runtime.drive([])
+    assert s.done and len(s.times) == 2 and s.times[0] > 0
+    assert set(kern._kernels) == {(4, 4), (1, 4)}        # prefill of 3, one decode over 4 slots
+    gen = request_level_compiled(kern, [3, 2], [2, 1])
+    # 2 prompts padded to 3 (6 tokens over 6 slots), then one decode over 2 x 4 slots
+    assert set(kern._kernels) == {(4, 4), (1, 4), (8, 8), (2, 8)}
+    assert len({k.name for k in gen.kernels}) == len(gen.kernels)
+    assert all(k.name.startswith(("t8_s8/", "t2_s8/")) for k in gen.kernels)

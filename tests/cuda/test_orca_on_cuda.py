@@ -1,0 +1,84 @@
+"""Orca's compiled iteration on the cuda backend, on the recording stand-in driver
+(issue 39, item 2): every iteration is one job of its (tokens, slots) variant's plan,
+the bundle's params uploaded once per variant, the requests' KV slots gathered into the
+io and copied in, the compiled kernels launched with the plan's pointers, the next
+tokens and the updated slots copied back and scattered into the cache. The stand-in
+computes nothing, so the tokens are what its memory holds (zeros); that the kernels
+compute the right ones is tests/stepsched/test_compiled_orca.py's (their CPU build)."""
+from __future__ import annotations
+
+import shutil
+
+import numpy as np
+import pytest
+
+pytest.importorskip("safetensors")
+
+from cuda_fake_driver import fake_cubin, kernel_spec
+from cuda_fixtures import PAIRS
+from paella.bundle import load_bundle
+from paella.dispatcher.batchers.stage import scheduler_context
+from paella.dispatcher.core import Dispatcher
+from paella.models.gpt import GPTConfig, gpt_weights
+
+CFG = GPTConfig(vocab=64, d=32, n_layer=2, n_head=2, n_ctx=16)
+
+
+@pytest.fixture(scope="module")
+def compiled(tmp_path_factory):
+    """The compiled iteration (the weights of tests/stepsched/test_compiled_orca.py:
+    the compile cache has it), every variant's cubin replaced by a stand-in image of
+    the same kernels."""
+    from paella.stepsched.compiled_iteration import CompiledIteration
+    root = tmp_path_factory.mktemp("orca-cuda")
+    c = CompiledIteration(CFG, gpt_weights(CFG, 7), max_tokens=2 * CFG.n_ctx, max_slots=16,
+                          out=root / "b")
+    path = root / "fake"
+    shutil.copytree(c.bundle.path, path)
+    c.close()
+    b = load_bundle(path)
+    for k, v in enumerate(b.variants):
+        specs = [kernel_spec(kn.name, [8 if p["kind"] == "buffer" else np.dtype(p["dtype"]).itemsize
+                                       for p in kn.params] + [8, 4], regs=kn.registers,
+                             smem=kn.static_smem) for kn in v.kernels]
+        cubin = b.file("cubin", k)
+        cubin.unlink()
+        cubin.write_bytes(fake_cubin(75, specs))
+    c.bundle = load_bundle(path)
+    return c
+
+
+def drive(d, drv, until, limit=20_000):
+    for _ in range(limit):
+        if until():
+            return
+        d.step()
+        drv.run()
+    raise AssertionError("the generations did not end")
+
+
+def test_iterations_run_the_compiled_plans_on_the_gpu(compiled, dev, drv):
+    from paella.stepsched.generation import GenerationEngine
+    d = Dispatcher(dev, "paella", counter_pairs=PAIRS, profile_runs=0)
+    eng = GenerationEngine(scheduler_context(d, "gpt"), CFG, max_bs=2, n_slots=16, compiled=compiled)
+    assert eng.kv_host is not None and eng.kv_ptr is None     # the cache: host memory
+    ran = []                                  # each iteration's variant, in order
+    job = eng._job
+    eng.runtime.job_for = lambda it: (ran.append(it.variant), job(it))[1]
+    a = eng.submit([3, 7, 1, 9], 3, kick=False)
+    b = eng.submit([5, 2], 2)
+    drive(d, drv, lambda: a.done and b.done)
+    assert a.tokens == [0, 0, 0] and b.tokens == [0, 0]       # what the stand-in's memory held
+    # 3 iterations (a and b's prefill together, then 2 decodes: b leaves after its
+    # second token), each its variant's plan launched in order, one plan registered
+    # per variant met (its params uploaded once).
+    bundle = compiled.bundle
+    assert len(ran) == 3 and len(eng._jobs) == len(set(ran))
+    assert [r.kernel for r in drv.launches] == \
+        [op.kernel for k in ran for op in bundle.variants[k].launches()]
+    assert bundle.variants[ran[0]].rows == 8            # 6 prompt tokens: the bucket of 8
+    # The slots came back; the next generation gets all 16.
+    assert sorted(eng.free_slots) == list(range(16))
+    c = eng.submit([1], 15)
+    drive(d, drv, lambda: c.done)
+    assert len(c.tokens) == 15 and sorted(eng.free_slots) == list(range(16))
