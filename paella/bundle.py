@@ -31,6 +31,7 @@ import numpy as np
 
 from paella.protocol import MAX_GROUP
 from paella.rings import MAX_ARENA_BYTES
+from paella.tvm_loader import load_tvm
 
 #: Where the compiled model zoo lives (override with $PAELLA_ZOO_DIR): `make zoo` fills it,
 #: the experiments read it, `paella profile NAME` finds a model there by name.
@@ -627,8 +628,8 @@ class Bundle:
         return order
 
     def _cpu(self, variant: int, arrays: list[np.ndarray], outputs: list[TensorSpec]) -> dict[str, np.ndarray]:
-        import tvm
-        from tvm import relax
+        tvm = load_tvm()
+        relax = tvm.relax
         lib_path = str(self.file("cpu_lib", variant))
         vm = self._vm.get(lib_path)
         if vm is None:
@@ -661,7 +662,7 @@ class Bundle:
         unscheduled PrimFunc (the ``fused_cpu`` file) on the views the call names. The
         CUDA kernels are the GPU lowering of those PrimFuncs (DLight only schedules them),
         so what it checks is the plan's dataflow, not the CUDA code generation."""
-        import tvm
+        tvm = load_tvm()
         v = self.variants[variant]
         if not v.calls:
             raise BundleError(f"variant {v.name!r} records no PrimFunc calls (a bundle from before "
@@ -713,7 +714,7 @@ class Bundle:
 def _replay_call(lib, c: CallSpec, mem: list[np.ndarray]) -> None:
     """One fused PrimFunc call on the CPU, on copies of its views; only the views the
     call changed are written back (an argument it only reads may overlap one it writes)."""
-    import tvm
+    tvm = load_tvm()
     if any(a is None for a in c.args):
         raise BundleError(f"a call of {c.primfunc} has a non-tensor argument; the CPU replay "
                           f"handles tensor arguments only")

@@ -265,13 +265,7 @@ class Daemon:
         if self.cfg.models:
             log.info("loading the model repository %s", self.cfg.models)
             if self.device.backend == "sim":
-                try:
-                    import tvm.relax  # noqa: F401 - now, not in a reload's thread: importing
-                    #                   TVM holds the GIL for ~0.5 s, a stall of the loop
-                except ImportError:
-                    raise ConfigError("serving bundles on the simulated GPU needs TVM (their "
-                                      "answers come from each bundle's CPU build): pip "
-                                      "install 'paella-py[compile]'") from None
+                self._check_tvm()
             scan = repository.scan(self.cfg.models, {}, self._make_adaptor,
                                    stop=lambda: self.draining, reserved=self._reserved())
             if scan.interrupted or self.draining:
@@ -281,6 +275,26 @@ class Daemon:
             raise ConfigError(f"no bundle of the model repository {self.cfg.models} can be "
                               f"served: " + "; ".join(f"{d}: {why}" for d, why in
                                                       sorted(self.unserved.items())))
+
+    def _check_tvm(self) -> None:
+        """Bundles on the simulated GPU need TVM: their answers come from each bundle's
+        CPU build. With effect workers (real time) the workers import it, so this
+        process only checks it is there; computing answers in this process (virtual
+        time), it imports it now, not in a reload's thread, where importing TVM would
+        hold the GIL for a stall of the loop."""
+        import importlib.util
+        if importlib.util.find_spec("tvm") is None:
+            raise ConfigError("serving bundles on the simulated GPU needs TVM (their answers "
+                              "come from each bundle's CPU build): pip install "
+                              "'paella-py[compile]'")
+        if not self._answers_off_loop():
+            from paella.tvm_loader import load_tvm
+            load_tvm()
+
+    def _answers_off_loop(self) -> bool:
+        """The simulated GPU's answers are computed in effect workers (real time)."""
+        dev = self.device
+        return bool(getattr(dev, "realtime", False) and hasattr(dev, "effect_ready"))
 
     def _make_adaptor(self, bundle, label: str, variant: int = 0):
         # The last kernel waits for its answer off the loop whatever the dispatcher's
@@ -396,7 +410,7 @@ class Daemon:
         pinned and raised to SCHED_FIFO: they and their thread keep every core and
         normal scheduling."""
         dev = self.device
-        if not (getattr(dev, "realtime", False) and hasattr(dev, "effect_ready")):
+        if not self._answers_off_loop():
             return
         from paella.dispatcher.devices.sim.effect_workers import EffectWorkers, default_workers
         cfg = self.cfg
