@@ -417,7 +417,10 @@ class Daemon:
         dev.effects = EffectWorkers(cfg.effect_workers or default_workers(),
                                     deadline=cfg.effect_deadline_seconds,
                                     max_queue=cfg.effect_queue)
-        dev.effects.start()
+        if cfg.models:               # (bundles and plug-ins compute answers: start them now;
+            dev.effects.warm()       # a daemon of built-in models only never needs them)
+        else:
+            dev.effects.start()
         dev.effect_ready = self._effect_ready
         self._functional.effects = dev.effects
 

@@ -118,6 +118,23 @@ def test_results_come_back(pools):
     assert pool.queued == 0 and pool.running == 0
 
 
+def test_workers_start_at_the_first_task_or_when_warmed(pools):
+    """A started pool (its manager thread) starts no process until a task comes: a daemon
+    of built-in models never pays for one; ``warm()`` starts them ahead of the first."""
+    idle = pools(1)
+    idle.start()
+    time.sleep(0.5)
+    assert idle.stats()["alive"] == 0 and children(idle.name) == []
+    assert idle.submit(square, 3).result(WAIT) == 9
+    assert idle.stats()["alive"] == 1
+    warm = pools(1)
+    warm.warm()
+    end = time.monotonic() + WAIT
+    while warm.stats()["alive"] == 0 and time.monotonic() < end:
+        time.sleep(0.05)
+    assert warm.stats()["alive"] == 1 and warm.stats()["completed"] == 0
+
+
 def test_many_tasks_over_two_workers_all_correct(pools):
     pool = pools(2)
     futures = {i: pool.submit(pid_and_square, i) for i in range(50)}

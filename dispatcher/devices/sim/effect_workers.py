@@ -234,7 +234,9 @@ class EffectWorkers:
     thread too: ``PR_SET_PDEATHSIG`` fires when the *thread* that started a process
     exits, and this one lives until :meth:`close`.
 
-    **Processes.** Started lazily (first :meth:`submit`, or :meth:`start`) with the
+    **Processes.** Started by the manager thread (which :meth:`start` starts) once the
+    first task is submitted, not before: a daemon that never computes an answer (echo,
+    host models) never pays for a Python process importing its models' code. They use the
     "spawn" context: the daemon has threads, and forking a threaded process is unsafe.
     A worker imports this package and the task's module, sets ``env`` in its
     ``os.environ`` first thing in its main (so a library read later sees it: TVM's
@@ -268,6 +270,7 @@ class EffectWorkers:
         self._running = 0
         self._count = _Counters()
         self._spawned = 0
+        self._wanted = False                     # a task was submitted: keep n workers
         self._startup_failures = 0
         self._next_spawn = 0.0                   # monotonic: no start attempt before
         self._closed = False
@@ -290,6 +293,14 @@ class EffectWorkers:
             self._thread.start()
             _LIVE.add(self)
 
+    def warm(self) -> None:
+        """Start the workers now rather than at the first task (a daemon that will
+        compute answers: its first client does not wait for a worker's start)."""
+        self.start()
+        with self._lock:
+            self._wanted = True
+            self._wake()
+
     def submit(self, fn: Callable[..., Any], *args: Any) -> Future:
         """Queue ``fn(*args)`` for a worker; the future completes with its value or with
         :class:`EffectFailed`. Raises :class:`EffectQueueFull` when ``max_queue`` tasks
@@ -310,6 +321,7 @@ class EffectWorkers:
                     f"worker(s), the most allowed (max_queue; the daemon's [daemon] "
                     f"effect_queue setting raises it, effect_workers adds workers)")
             self._queue.append(_Task(fn, args, future))
+            self._wanted = True
             self._wake()
         return future
 
@@ -553,7 +565,8 @@ class EffectWorkers:
             f"the task could not be sent to an effect worker ({_describe(e)})"))
 
     def _spawn_missing(self) -> None:
-        if len(self._workers) >= self.n or time.monotonic() < self._next_spawn:
+        if (not self._wanted or len(self._workers) >= self.n
+                or time.monotonic() < self._next_spawn):
             return
         while len(self._workers) < self.n and not self._closed:
             parent_end, child_end = self._ctx.Pipe(duplex=True)
