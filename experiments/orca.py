@@ -64,7 +64,9 @@ def run_point(system: str, rate: float, prompts: np.ndarray, outs: np.ndarray, *
     from paella.stepsched.runtime import StepRuntime
 
     cfg = GPTConfig.gpt2_small()
-    dev = SimDevice(gpu, n_streams=64, seed=seed)
+    # A compiled prefill of 32 long prompts launches kernels of up to 1.5 M blocks, each
+    # 16 posting two notifQ entries: more than the default ring holds.
+    dev = SimDevice(gpu, n_streams=64, seed=seed, notifq_slots=1 << 19)
     ctx = scheduler_context(Dispatcher(dev, "paella", profile_runs=0), system)
     n = len(prompts)
     arrivals = poisson_arrivals(rate, n, seed)
@@ -78,6 +80,7 @@ def run_point(system: str, rate: float, prompts: np.ndarray, outs: np.ndarray, *
         def arrive(i: int) -> None:
             streams[i] = eng.submit([0] * int(prompts[i]), int(outs[i]), out_len=int(outs[i]), kick=False)
 
+        _refuse_failures(eng.runtime)
         eng.runtime.drive([(float(a), i) for i, a in enumerate(arrivals)], on_arrival=arrive)
         for i, s in streams.items():
             first[i], done[i] = s.times[0], s.times[-1]
@@ -94,6 +97,7 @@ def run_point(system: str, rate: float, prompts: np.ndarray, outs: np.ndarray, *
         rt = StepRuntime(ctx, RequestBatcher(max_bs),
                          lambda t: level([r.prompt_len for r in t.requests],
                                          [r.limit for r in t.requests]), name="ft")
+        _refuse_failures(rt)
         rt.drive([(r.arrival, r) for r in reqs])
         for r in reqs:
             first[r.req_id] = done[r.req_id] = rt.finished[r]
@@ -114,6 +118,20 @@ def run_point(system: str, rate: float, prompts: np.ndarray, outs: np.ndarray, *
         g = np.array(gaps) * 1e3
         out.update(inter_token_p50_ms=float(np.percentile(g, 50)), inter_token_p99_ms=float(np.percentile(g, 99)))
     return out
+
+
+def _refuse_failures(rt: Any) -> None:
+    """A step whose job failed ends the experiment: its requests would otherwise count
+    as served at once."""
+    inner = rt.on_task_done
+
+    def hook(task: Any, done: list) -> None:
+        if task.status:
+            raise RuntimeError(f"a {rt.adaptor.name} step of {len(task.requests)} requests failed "
+                               f"(status {task.status}): the run is not valid")
+        if inner is not None:
+            inner(task, done)
+    rt.on_task_done = hook
 
 
 def throughput_at(points: list[dict], level_ms: float) -> float:

@@ -29,8 +29,7 @@ from __future__ import annotations
 
 import math
 import os
-import shutil
-import tempfile
+import sys
 from pathlib import Path
 from typing import Any, Callable
 
@@ -50,30 +49,39 @@ def grid(max_tokens: int, max_slots: int) -> list[tuple[int, int]]:
     return [(t, s) for t in ts for s in (1 << i for i in range(int(math.log2(top_s)) + 1)) if s >= max(t, 2)]
 
 
+class NotBuilt(RuntimeError):
+    """The compiled iteration is not in the compile cache and building was not asked for."""
+
+
 class CompiledIteration:
     """The compiled iteration of one model (``cfg``, ``weights`` by parameter name):
     :meth:`kernels` for the GPU's timing, :meth:`submit` for the tokens.
 
-    ``out``: where the bundle goes (None: a temporary folder, removed by :meth:`close`).
-    ``timing_only``: no CPU build (experiments; :meth:`submit` then cannot run)."""
+    ``out``: where the bundle goes (None: ``<cache>/../orca/<its cache key>``, shared by
+    every daemon serving the same model). ``build=False``: raise :class:`NotBuilt` unless
+    the compile cache already holds it (a daemon's plug-in, whose calls must be short:
+    ``python -m paella.stepsched.compiled_iteration FOLDER`` builds it). ``timing_only``:
+    no CPU build (its tokens cannot be computed)."""
 
     def __init__(self, cfg: GPTConfig, weights: dict[str, np.ndarray] | None, *,
                  max_tokens: int, max_slots: int, out: str | Path | None = None,
                  cache_dir: str | Path | None = None, timing_only: bool = False,
-                 progress: Callable[[str], None] = lambda _m: None):
+                 build: bool = True, progress: Callable[[str], None] = lambda _m: None):
         from paella.bundle import load_bundle
         from paella.compiler_pass.build import compile_bundle
         from paella.models.gpt import gpt_iteration
         self.cfg = cfg
         self.grid = grid(max_tokens, max_slots)
-        self._tmp = None
-        if out is None:
-            self._tmp = out = tempfile.mkdtemp(prefix="paella-orca-")
         models = []
         for t, s in self.grid:
             m = _export(cfg, t, s, weights) if weights is not None else gpt_iteration(cfg, t, s)
             m.batch, m.seq_len = t, s
             models.append(m)
+        key, cache = _cache_entry(models, cache_dir, timing_only)
+        if not build and not (cache / "manifest.json").is_file():
+            raise NotBuilt(f"its compiled iteration ({len(models)} variants) is not built yet")
+        if out is None:
+            out = cache.parent.parent / "orca" / key
         path = compile_bundle(models, Path(out) / f"gpt_d{cfg.d}_l{cfg.n_layer}_v{cfg.vocab}",
                               cache_dir=cache_dir, timing_only=timing_only, progress=progress)
         self.bundle = load_bundle(path)
@@ -104,9 +112,21 @@ class CompiledIteration:
         return sk
 
     def close(self) -> None:
-        if self._tmp is not None:
-            shutil.rmtree(self._tmp, ignore_errors=True)
-            self._tmp = None
+        """(Nothing to free: the bundle stays where it is, for the next load.)"""
+
+
+def _cache_entry(models: list, cache_dir: str | Path | None, timing_only: bool) -> tuple[str, Path]:
+    """The compile cache's key and folder for ``models`` (as ``compile_bundle`` names
+    them, on its default architecture and options)."""
+    import hashlib
+
+    from paella.compiler_pass.build import cache_key, default_cache_dir, variant_name
+    from paella.compiler_pass.instrument import InstrumentOptions
+    opts = InstrumentOptions()
+    key = hashlib.sha256("".join(cache_key(m, "sm_75", opts) + variant_name(m)
+                                 for m in models).encode()).hexdigest()[:24]
+    key += "-timing" if timing_only else ""
+    return key, Path(cache_dir or default_cache_dir()) / key
 
 
 def _export(cfg: GPTConfig, t: int, s: int, weights: dict[str, np.ndarray]):
@@ -209,7 +229,7 @@ class IterationKernels:
             t, s = key
             m = gpt_iteration(self.cfg, t, s)
             m.batch, m.seq_len = t, s
-            self.progress(f"compiling the GPT iteration for {t} tokens over {s} slots")
+            self.progress(f"the GPT iteration for {t} tokens over {s} slots (built, or from the cache)")
             path = compile_bundle([m], self.out / f"gpt_d{self.cfg.d}_t{t}_s{s}", timing_only=True,
                                   cache_dir=self.cache_dir)
             sk = self._kernels[key] = tagged(from_bundle(load_bundle(path), 0), f"t{t}_s{s}")
@@ -235,3 +255,27 @@ def request_level_compiled(kernels: IterationKernels, prompts: list[int], output
     uniq = {k.name: k for sk in parts for k in sk.kernels}
     return StepKernels(f"gen_b{b}_p{p}_o{max(outputs)}", list(uniq.values()),
                        [ln for sk in parts for ln in sk.launches])
+
+
+def build_folder(folder: str | Path, progress: Callable[[str], None] = print) -> Path:
+    """Build the compiled iteration a model folder's ``config.toml`` asks for (its
+    ``checkpoint``, ``n_head``, ``max_bs``, ``n_slots``) into the compile cache, where
+    the daemon's ``orca`` plug-in finds it."""
+    import tomllib
+
+    from paella.models.gpt_checkpoint import load_checkpoint
+    folder = Path(folder)
+    with open(folder / "config.toml", "rb") as f:
+        opts = tomllib.load(f).get("batching", {})
+    if not opts.get("checkpoint"):
+        raise ValueError(f"{folder / 'config.toml'} names no checkpoint ([batching] checkpoint = ...)")
+    cfg, w = load_checkpoint(folder / os.path.expanduser(opts["checkpoint"]), int(opts.get("n_head", 0)))
+    max_bs = int(opts.get("max_bs", 8))
+    n_slots = int(opts.get("n_slots", 0)) or max_bs * cfg.n_ctx
+    c = CompiledIteration(cfg, w, max_tokens=max_bs * cfg.n_ctx, max_slots=n_slots, progress=progress)
+    return c.bundle.path
+
+
+if __name__ == "__main__":       # python -m paella.stepsched.compiled_iteration FOLDER...
+    for arg in sys.argv[1:] or ["."]:
+        print(f"built {build_folder(arg)}")

@@ -100,9 +100,18 @@ class OrcaScheduler(SchedulerBatcher):
         self.options = dict(priorities=priorities, preempt=preempt,
                             fairness_threshold=fairness_threshold or None)
         if checkpoint:
-            from .compiled_iteration import CompiledIteration
-            self.compiled = CompiledIteration(self.cfg, weights, max_tokens=max_bs * self.cfg.n_ctx,
-                                              max_slots=self.n_slots)
+            from .compiled_iteration import CompiledIteration, NotBuilt
+            try:
+                # Not built here: a plug-in call must end within the daemon's
+                # plugin_timeout_seconds, and TVM's compiler cannot be interrupted.
+                self.compiled = CompiledIteration(self.cfg, weights, build=False,
+                                                  max_tokens=max_bs * self.cfg.n_ctx,
+                                                  max_slots=self.n_slots)
+            except NotBuilt as e:
+                raise ValueError(f"checkpoint {path}: {e}: build it with `python -m "
+                                 f"paella.stepsched.compiled_iteration {folder or '.'}` (about 4 s "
+                                 f"a variant for a small model), then reload the models "
+                                 f"(SIGHUP)") from None
             self.weights, self.seed = None, None
         else:
             self.weights = gpt_weights(self.cfg, seed)

@@ -30,10 +30,10 @@ SEED = 7
 OPTIONS = 'checkpoint = "model.safetensors"\nn_head = 2\nmax_bs = 2\nn_slots = 16\n'
 
 
-def write(path: Path, edit=None) -> None:
+def write(path: Path, edit=None, seed: int = SEED) -> None:
     from safetensors.numpy import save_file
     names = gpt2_names(CFG)
-    tensors = {names[k]: np.array(v) for k, v in gpt_weights(CFG, SEED).items()}
+    tensors = {names[k]: np.array(v) for k, v in gpt_weights(CFG, seed).items()}
     if edit is not None:
         edit(tensors)
     save_file(tensors, str(path))
@@ -52,12 +52,13 @@ BAD = {
 def daemon(tmp_path_factory):
     root = tmp_path_factory.mktemp("ckpt")
     models = root / "models"
-    for name in ("gpt-user", *BAD, "bad-truncated", "bad-absent"):
+    for name in ("gpt-user", *BAD, "bad-truncated", "bad-absent", "unbuilt"):
         (models / name).mkdir(parents=True)
         (models / name / "config.toml").write_text(f'[batching]\nbatcher = "orca"\n{OPTIONS}')
     write(models / "gpt-user" / "model.safetensors")
     for name, (edit, _) in BAD.items():
         write(models / name / "model.safetensors", edit)
+    write(models / "unbuilt" / "model.safetensors", seed=time.time_ns() % 2**31)   # weights never built
     whole = (models / "gpt-user" / "model.safetensors").read_bytes()
     (models / "bad-truncated" / "model.safetensors").write_bytes(whole[:len(whole) - 100])
     # Build the compiled iteration here first: the daemon finds it in the compile cache
@@ -86,6 +87,10 @@ def test_bad_checkpoints_are_skipped_with_their_reason(daemon):
     assert any("bad-truncated not served" in ln and "cannot be read as safetensors" in ln
                for ln in log.splitlines())
     assert any("bad-absent not served" in ln and "does not exist" in ln for ln in log.splitlines())
+    # The daemon does not compile (its plug-in calls must be short): the command that does.
+    line = next(ln for ln in log.splitlines() if "unbuilt not served" in ln)
+    assert "is not built yet: build it with `python -m paella.stepsched.compiled_iteration" in line
+    assert "unbuilt" not in names
 
 
 #: test_generation's client process, on this model.
