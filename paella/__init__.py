@@ -16,6 +16,10 @@ from __future__ import annotations
 
 __version__ = "0.1.0"
 
+from paella.tvm_loader import install as _hide_torch_from_tvm  # noqa: E402
+
+_hide_torch_from_tvm()        # (TVM imports torch otherwise: 3 s a process; see tvm_loader)
+
 _CLIENT_API = {"connect", "predict", "read_result", "infer", "generate", "NONBLOCK", "Client", "default_client",
                "PaellaError", "DaemonUnavailable", "DaemonGone", "DaemonError", "UnknownModel",
                "NothingInFlight", "RingFull", "ArenaFull", "RequestFailed", "ResultTimeout"}
