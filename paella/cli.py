@@ -96,11 +96,18 @@ def version() -> str:
         return "unknown (not installed)"
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(only: str | None = None) -> argparse.ArgumentParser:
+    """The ``paella`` command line. ``only``: a command's name, to register that command
+    alone (each command's module is imported to register it: a command line that names
+    one does not pay for importing the others'; :func:`main` passes the first word)."""
     parser = argparse.ArgumentParser(prog="paella", description=__doc__.splitlines()[0])
     parser.add_argument("--version", action="version", version=f"paella {version()}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    if only is not None and not any(only in names for _, names, _ in COMMANDS):
+        only = None
     for mod, names, extra in COMMANDS:
+        if only is not None and only not in names:
+            continue
         missing = next((m for m in EXTRA_MODULES.get(extra, ()) if find_spec(m) is None), None)
         if missing is not None:
             for name in names:
@@ -143,7 +150,9 @@ def run_command(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    return run_command(build_parser().parse_args(argv))
+    argv = sys.argv[1:] if argv is None else list(argv)
+    first = argv[0] if argv and not argv[0].startswith("-") else None
+    return run_command(build_parser(only=first).parse_args(argv))
 
 
 if __name__ == "__main__":
