@@ -290,7 +290,7 @@ def test_demo_counts_only_its_own_daemons_segments(tmp_path, fresh_daemon):
     in /dev/shm meanwhile) is not the demo's leak."""
     demo = subprocess.Popen(
         [sys.executable, "-c", "import sys; from paella.cli import main; sys.exit(main())",
-         "demo", "--models", "tiny_mlp", "--clients", "1", "--seconds", "1", "--rate", "5",
+         "demo", "--models", "tiny_mlp", "--clients", "1", "--seconds", "1", "--rate", "40",
          "--json", str(tmp_path / "demo.json")],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         env=dict(os.environ, PAELLA_ZOO_DIR=str(tmp_path / "zoo")))
