@@ -441,6 +441,26 @@ def _install(src: Path, out: Path, copy: bool) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+def bundle_key(model: ModelDef | list[ModelDef], arch: str = "sm_75",
+               options: InstrumentOptions = InstrumentOptions(), timing_only: bool = False) -> str:
+    """The compile cache's key of the bundle :func:`compile_bundle` makes of ``model``
+    (a list: one bundle with a variant each)."""
+    if isinstance(model, list):
+        key = hashlib.sha256("".join(cache_key(m, arch, options) + variant_name(m)
+                                     for m in model).encode()).hexdigest()[:24]
+    else:
+        key = cache_key(model, arch, options)
+    return key + "-timing" if timing_only else key
+
+
+def is_cached(model: ModelDef | list[ModelDef], cache_dir: str | Path | None = None,
+              arch: str = "sm_75", timing_only: bool = False) -> bool:
+    """Whether the compile cache holds the bundle of ``model`` (then :func:`compile_bundle`
+    only copies it: no compiling)."""
+    key = bundle_key(model, arch, InstrumentOptions(), timing_only)
+    return (Path(cache_dir or default_cache_dir()) / key / MANIFEST).is_file()
+
+
 def compile_bundle(model: ModelDef | list[ModelDef], out: str | Path, arch: str = "sm_75",
                    options: InstrumentOptions = InstrumentOptions(), progress: Progress = lambda _m: None,
                    cache_dir: str | Path | None = None, force: bool = False,
@@ -467,12 +487,7 @@ def compile_bundle(model: ModelDef | list[ModelDef], out: str | Path, arch: str 
         if not models:
             raise CompileError("no variant to compile")
         model = models[0]
-        key = hashlib.sha256("".join(cache_key(m, arch, options) + variant_name(m)
-                                     for m in models).encode()).hexdigest()[:24]
-    else:
-        key = cache_key(model, arch, options)
-    if timing_only:
-        key += "-timing"
+    key = bundle_key(models if models is not None else model, arch, options, timing_only)
     out_key = _post_key(key, streams, stages, stage_gpu)
     existing = out / MANIFEST
     if not force and existing.is_file():

@@ -721,7 +721,7 @@ SECTIONS: list[tuple[str, str, str, Callable[[dict], list[str]]]] = [
     ("nimble", "Nimble: multi-stream launch plans (Table 3.1)",
      "paella experiment nimble --json docs/figures/nimble.json --plot docs/figures/nimble.png",
      _nimble),
-    ("cellular", "Cellular batching: BatchMaker's LSTM (Figures 8 and 11)",
+    ("cellular", "Cellular batching: BatchMaker's LSTM, Seq2Seq and TreeLSTM (Figures 8, 11, 13 and 14)",
      "paella experiment cellular --json docs/figures/cellular.json --plot docs/figures/cellular.png",
      _cellular),
     ("orca", "Iteration-level scheduling: Orca (Figure 4.8)",

@@ -29,7 +29,7 @@ scheduling, jobs and kernels, no state.
 from __future__ import annotations
 
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
 import numpy as np
@@ -64,8 +64,9 @@ class CellModel:
         make, offset = self.makers[k], self.seeds[k]
         return lambda b: make(b, cfg, seed + offset)
 
-    def cell_types(self, bsizes: tuple[int, ...]) -> list[CellType]:
-        return [CellType(k, bsizes, p) for k, p in zip(self.kinds, self.priorities)]
+    def cell_types(self, bsizes: dict[str, tuple[int, ...]]) -> list[CellType]:
+        """The scheduler's cell types, each with its compiled batch sizes."""
+        return [CellType(k, bsizes[k], p) for k, p in zip(self.kinds, self.priorities)]
 
 
 MODELS = {
@@ -169,15 +170,24 @@ class CellEngine:
     def __init__(self, ctx: SchedulerContext, model: str, kernels: dict[str, dict[int, StepKernels]],
                  *, cfg: rnn.RNNConfig | None = None, seed: int = DEFAULT_SEED,
                  state_rows: int = 4096, max_tasks_to_submit: int = 5, n_workers: int = 1,
-                 compute: bool = True, cpu_scale: float = 0.0, name: str = "cells"):
+                 compute: bool = True, cpu_scale: float = 0.0, name: str = "cells",
+                 priorities: tuple[int, ...] | None = None):
         if model not in MODELS:
             raise ValueError(f"model must be one of {', '.join(MODELS)}, got {model!r}")
         self.ctx, self.model, self.m = ctx, model, MODELS[model]
         self.cfg = cfg or rnn.RNNConfig.tiny()
         self.seed, self.compute = seed, compute
         self.kernels = kernels
-        bsizes = sorted(next(iter(kernels.values())))
-        self.sched = CellularScheduler(self.m.cell_types(tuple(bsizes)), max_tasks_to_submit)
+        missing = set(self.m.kinds) - set(kernels)
+        if missing:
+            raise ValueError(f"no kernels for the {model} cells {sorted(missing)}")
+        # Each cell type's batch sizes are its compiled ones (BatchMaker-512,256: the
+        # encoder's may go higher than the decoder's).
+        # ``priorities``: the cell types' own, by default (later cells first); another
+        # order for an ablation.
+        m = self.m if priorities is None else replace(self.m, priorities=tuple(priorities))
+        self.sched = CellularScheduler(m.cell_types({k: tuple(kernels[k]) for k in self.m.kinds}),
+                                       max_tasks_to_submit)
         self.runtime = StepRuntime(ctx, self.sched, self._kernels, name=name, n_workers=n_workers,
                                    client_of=lambda r: r.user,
                                    effect=self._effect if compute else None,
@@ -203,9 +213,13 @@ class CellEngine:
         """Queue one request: ``xs`` [n, hidden] (lstm: one vector per step; treelstm:
         one per node, read at the leaves) with ``parents`` [n] (treelstm), or ``src``
         token ids and ``tgt_len`` (seq2seq). ``on_step(step, h)`` as each cell's state
-        is in; ``on_end(status)`` once, when the last is (0) or the request failed."""
+        is in; ``on_end(status)`` once, when the last is (0) or the request failed.
+        Timing only (``compute=False``): ``xs`` and ``src`` may be lengths."""
         now = self.ctx.now()
         nodes = None
+        if not self.compute:                 # timing only: lengths may stand for the data
+            xs = np.empty((xs, 0), np.float32) if isinstance(xs, (int, np.integer)) else xs
+            src = np.zeros(src, np.int32) if isinstance(src, (int, np.integer)) else src
         try:
             if self.model == "seq2seq":
                 inputs = self._tokens(src)
@@ -240,7 +254,7 @@ class CellEngine:
         if xs is None:
             raise CellError("no input vectors")
         xs = np.asarray(xs, np.float32)
-        if xs.ndim != 2 or xs.shape[1] != self.H:
+        if xs.ndim != 2 or (xs.shape[1] != self.H and self.compute):
             raise CellError(f"inputs must be [length, {self.H}], got {list(xs.shape)}")
         if len(xs) < 1:
             raise CellError("the sequence is empty; send at least one step")

@@ -75,7 +75,7 @@ class StepGraph:
         return self._left.get(kind, 0)
 
     def kinds(self) -> set[str]:
-        return {s.kind for s in self.steps}
+        return set(self._left)
 
     def _schedulable(self, s: Step) -> bool:
         """Inside its subgraph a predecessor needs only be submitted; outside, done."""

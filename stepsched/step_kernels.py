@@ -52,18 +52,35 @@ class StepKernels:
         """The same launches ``n`` times (a padded graph of ``n`` cells)."""
         return StepKernels(name or f"{self.name}x{n}", self.kernels, self.launches * n)
 
+    def named(self, tag: str) -> "StepKernels":
+        """The same with every kernel's name prefixed by ``tag/``: variants of one bundle
+        (and cells of different bundles) share kernel names, which one task running
+        several of them (:func:`concat`) must tell apart."""
+        from dataclasses import replace
+        return StepKernels(f"{tag}/{self.name}", [replace(k, name=f"{tag}/{k.name}") for k in self.kernels],
+                           [replace(ln, kernel=f"{tag}/{ln.kernel}") for ln in self.launches], self.copies)
 
-def compile_steps(make: Callable[[int], Any], batches: Sequence[int], out_dir: str | Path) -> dict[int, StepKernels]:
+
+class NotBuilt(RuntimeError):
+    """A step's bundle is not in the compile cache, and building it was not asked for."""
+
+
+def compile_steps(make: Callable[[int], Any], batches: Sequence[int], out_dir: str | Path,
+                  build: bool = True) -> dict[int, StepKernels]:
     """Compile the step ``make(batch)`` (a ModelDef) at every batch size as one bundle of
     variants (the batching layer's ``paella compile --batch-sizes``; the compile cache
-    makes repeats free) and return each variant's kernels by batch size."""
+    makes repeats free) and return each variant's kernels by batch size. ``build=False``:
+    raise :class:`NotBuilt` unless the compile cache holds the bundle (a daemon's plug-in,
+    whose calls must be short)."""
     from paella.bundle import load_bundle
-    from paella.compiler_pass.build import compile_bundle
+    from paella.compiler_pass.build import compile_bundle, is_cached
     models = []
     for b in batches:
         m = make(b)
         m.batch = b
         models.append(m)
+    if not build and not is_cached(models):
+        raise NotBuilt(f"{models[0].name} at batch sizes {list(batches)} is not compiled yet")
     Path(out_dir).mkdir(parents=True, exist_ok=True)
     bundle = load_bundle(compile_bundle(models, Path(out_dir) / models[0].name))
     return {b: from_bundle(bundle, i) for i, b in enumerate(batches)}
@@ -125,6 +142,14 @@ def request_level_generation(cfg: Any, prompts: list[int], outputs: list[int]) -
     parts = [transformer_iteration(cfg, [p] * b, [p] * b)]
     for i in range(1, max(outputs)):
         parts.append(transformer_iteration(cfg, [1] * b, [p + i] * b))
+    return concat(f"gen_b{b}_p{p}_o{max(outputs)}", parts)
+
+
+def concat(name: str, parts: Sequence[StepKernels]) -> StepKernels:
+    """One task running ``parts`` one after the other (a padded graph of several cell
+    types, a request-level batch's iterations): their kernels once each, every launch.
+    Kernels of one name must be the same kernel (:meth:`StepKernels.named` tells others
+    apart), and ``name`` must name this list of kernels (the runtime loads one module
+    per name)."""
     kernels = {k.name: k for sk in parts for k in sk.kernels}
-    return StepKernels(f"gen_b{b}_p{p}_o{max(outputs)}", list(kernels.values()),
-                       [ln for sk in parts for ln in sk.launches])
+    return StepKernels(name, list(kernels.values()), [ln for sk in parts for ln in sk.launches])

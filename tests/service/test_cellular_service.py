@@ -30,7 +30,9 @@ H = CFG.hidden
 MODELS = {"lstm": 'model = "lstm"\nmax_len = 64\n',
           "s2s": 'model = "seq2seq"\nmax_len = 32\n',
           "tree": 'model = "treelstm"\nmax_len = 64\n',
-          "lstm-long": 'model = "lstm"\nmax_len = 4096\nstate_rows = 4200\n'}
+          "lstm-long": 'model = "lstm"\nmax_len = 4096\nstate_rows = 4200\n',
+          # weights of a seed nobody compiled: refused at load, the others served
+          "lstm-unbuilt": 'model = "lstm"\nseed = 987654321\n'}
 
 
 def alone(model, **request):
@@ -214,3 +216,18 @@ def test_a_client_vanishing_mid_sequence_gets_its_cells_withdrawn(daemon):
     np.testing.assert_allclose(got["h"], alone("lstm", xs=xs)["h"], rtol=1e-5, atol=1e-6)
     # Measured on this 2-core machine: 4,000 steps alone 3.7 s, 300 steps 0.26 s.
     assert elapsed < 2.0, elapsed
+
+
+def test_a_model_whose_cells_are_not_built_is_refused_with_the_command(daemon):
+    """The daemon never compiles: the folder is refused with the command that builds its
+    cells, and the other models are served."""
+    from paella.client import UnknownModel
+    with connect(daemon.socket) as c:
+        with pytest.raises(UnknownModel):
+            c.model("lstm-unbuilt")
+        xs = np.ones((3, H), np.float32)
+        got = c.infer("lstm", cell_request(c.model("lstm").variants[0], xs=xs), timeout=20)
+    np.testing.assert_allclose(got["h"], alone("lstm", xs=xs)["h"], rtol=1e-5, atol=1e-6)
+    log = daemon.log()
+    assert "lstm-unbuilt" in log and "the lstm cells are not compiled yet" in log
+    assert "python -m paella.stepsched.cellular_plugin MODEL_FOLDER" in log

@@ -14,7 +14,7 @@ from paella.dispatcher.devices.sim import SimDevice
 from paella.models import rnn
 from paella.stepsched.cell_engine import run_alone
 from paella.stepsched.graph import random_binary_tree
-from paella.stepsched.cellular_plugin import CellularPlugin, cell_request
+from paella.stepsched.cellular_plugin import CellularPlugin, cell_request, compile_cells
 from paella.stepsched.graph import TreeError, tree_order
 
 CFG = rnn.RNNConfig.tiny()
@@ -69,7 +69,19 @@ def stage_and(tmp_path, **options):
 
 @pytest.fixture(scope="module")
 def cells_dir(tmp_path_factory):
-    return tmp_path_factory.mktemp("cellbundles")
+    """The cells compiled (the plug-in only takes them from the compile cache)."""
+    root = tmp_path_factory.mktemp("cellbundles")
+    for kind in ("lstm", "seq2seq", "treelstm"):
+        compile_cells(kind, CFG, (1, 2, 4, 8), bundle_dir=root / "cells")
+    return root
+
+
+def test_cells_not_compiled_yet_refuse_the_model_with_the_command_that_builds_them(cells_dir):
+    from paella.dispatcher.batchers import BatcherError
+    model = ModelVariants("cells", (VariantSpec(0, 1, 0, "cells"),))
+    with pytest.raises(BatcherError, match=r"the lstm cells are not compiled yet .*build them with: "
+                                           r"python -m paella.stepsched.cellular_plugin MODEL_FOLDER"):
+        make_batcher("cellular", model, {"bundle_dir": str(cells_dir / "cells"), "seed": 987654321})
 
 
 def test_registered_as_a_standalone_scheduler():
@@ -201,3 +213,54 @@ def test_a_client_leaving_withdraws_its_cells_and_the_others_go_on(cells_dir):
     assert b.done == [(rings.OK, None)]
     np.testing.assert_allclose(b.out("h"), lstm_alone(xb)[-1], rtol=1e-5, atol=1e-6)
     assert len(sched.engine.free_rows) == 128 and not sched.engine.live
+
+
+def test_a_device_without_host_views_refuses_the_model_with_the_reason(cells_dir, monkeypatch):
+    """On a real GPU the context has no host view of device memory: the model is refused
+    at load with what to do (the cells are computed as the simulated GPU's effects)."""
+    from paella.dispatcher.batchers.stage import StageContext
+
+    def no_view(self, ptr, nbytes):
+        raise RuntimeError("the cuda device has no host view of its memory")
+    monkeypatch.setattr(StageContext, "view", no_view)
+    disp = Dispatcher(SimDevice("t4", n_streams=64, seed=0), "paella", profile_runs=0)
+    model = ModelVariants("cells", (VariantSpec(0, 1, 0, "cells"),))
+    sched = make_batcher("cellular", model, {"bundle_dir": str(cells_dir / "cells")})
+    from paella.dispatcher.batchers.stage import scheduler_context
+    ctx = scheduler_context(disp, "cells")
+    with pytest.raises(RuntimeError, match="simulated GPU's functional effects; serve it with "
+                                           "--backend sim"):
+        sched.start(ctx)
+
+
+@pytest.mark.parametrize("options,reason", [
+    ({"model": "gru"}, "model must be one of lstm, seq2seq, treelstm"),
+    ({"config": "huge"}, "config must be one of tiny, paper"),
+    ({"bsizes": [0, 2]}, "bsizes must be a list of positive ints"),
+    ({"max_len": 0}, "max_len must be an int >= 1"),
+])
+def test_bad_options_are_refused_at_load(cells_dir, options, reason):
+    from paella.dispatcher.batchers import BatcherError
+    model = ModelVariants("cells", (VariantSpec(0, 1, 0, "cells"),))
+    with pytest.raises(BatcherError, match=reason):
+        make_batcher("cellular", model, {"bundle_dir": str(cells_dir / "cells"), **options})
+
+
+def test_graph_batching_baselines_run_seq2seq_and_trees_whole():
+    """Seq2Seq's padded graph: encoder then decoder steps of the two-dimensional bucket;
+    trees: merged and run level by level, every member leaving at the end."""
+    from paella.stepsched.padding import Seq2SeqPadding, TreeGraphBatcher
+    p = Seq2SeqPadding(4, 10, (1, 2, 4))
+    for i, (s, t) in enumerate([(3, 12), (9, 19), (11, 5), (2, 20)]):
+        p.add((i, s, t))
+    (task,) = p.schedule(0)
+    assert task.requests == [0, 1, 3] and task.parts == [("encoder", 4, 10), ("decoder", 4, 20)]
+    assert p.task_done(task) == [0, 1, 3] and p.waiting == [(2, (11, 5))]
+    tg = TreeGraphBatcher(2, {"leaf": (1, 2, 4), "internal": (1, 2, 4)})
+    for i, parents in enumerate([[-1, 0, 0, 1, 1], [-1, 0, 0], [-1]]):
+        tg.add((i, parents))
+    assert tg.levels([-1, 0, 0, 1, 1]) == [2, 1, 0, 0, 0]
+    (task,) = tg.schedule(0)
+    # level 0: 3 + 2 leaves (5: chunks 4 and 1); level 1: 1 + 1 internal; level 2: 1
+    assert task.parts == [("leaf", 4, 1), ("leaf", 1, 1), ("internal", 2, 1), ("internal", 1, 1)]
+    assert task.requests == [0, 1]

@@ -52,3 +52,17 @@ def test_orca_streams_first_tokens_long_before_request_level_batching():
     assert pts["orca"]["ttft_p50_ms"] < pts["request"]["ttft_p50_ms"]
     assert pts["orca"]["median_norm_latency_ms"] < pts["request"]["median_norm_latency_ms"]
     assert pts["orca"]["inter_token_p50_ms"] > 0 and "inter_token_p50_ms" not in pts["request"]
+
+
+@pytest.mark.parametrize("model", ["seq2seq", "treelstm"])
+def test_cellular_beats_graph_batching_on_seq2seq_and_trees_with_the_served_engine(model, tmp_path_factory):
+    """The experiment drives the engine the daemon serves (timing only), tiny cells."""
+    from paella.stepsched.cellular_plugin import compile_cells
+    k = compile_cells(model, RNNConfig.tiny(), (1, 2, 4, 8), bundle_dir=tmp_path_factory.mktemp("c"))
+    wl = cellular.seq2seq_lengths(80, 1) if model == "seq2seq" else cellular.treebank_like(80, 1)
+    pts = {s: cellular.run_point(s, 5000.0, wl, k, model=model, cpu_scale=0.0)
+           for s in ("cellular", "graph")}
+    assert pts["cellular"]["p90_ms"] < pts["graph"]["p90_ms"]
+    cells = wl.sum() if model == "seq2seq" else sum(len(p) for p in wl)
+    assert pts["cellular"]["rows"] == cells                 # every cell once
+    assert len(cellular.full_binary_tree(np.random.default_rng(0), 7)) == 13
