@@ -264,3 +264,28 @@ def test_graph_batching_baselines_run_seq2seq_and_trees_whole():
     # level 0: 3 + 2 leaves (5: chunks 4 and 1); level 1: 1 + 1 internal; level 2: 1
     assert task.parts == [("leaf", 4, 1), ("leaf", 1, 1), ("internal", 2, 1), ("internal", 1, 1)]
     assert task.requests == [0, 1]
+
+
+@pytest.mark.parametrize("model", ["lstm", "treelstm"])
+def test_two_workers_keep_every_subgraph_in_order(cells_dir, model):
+    """BatchMaker's workers (n_workers = 2): two batched cells in flight, a subgraph's
+    cells pinned to one worker; the answers are each request's alone."""
+    disp, stage, sched = stage_and(cells_dir, model=model, max_len=32, n_workers=2,
+                                   max_tasks_to_submit=2)
+    rt, workers = sched.engine.runtime, set()
+    kernels_for = rt.kernels_for
+    rt.kernels_for = lambda t: (workers.add(t.worker), kernels_for(t))[1]
+    rng = np.random.default_rng(6)
+    reqs = []
+    for i, n in enumerate([9, 20, 3, 14, 31, 6]):
+        xs = rng.standard_normal((n, H)).astype(np.float32)
+        parents = random_binary_tree(rng, n) if model == "treelstm" else None
+        reqs.append((Req(sched, i, client=i, xs=xs, parents=parents, per_step=True), xs, parents))
+    for r, _, _ in reqs:
+        stage.submit(r.req)
+    stage.run_until_idle()
+    for r, xs, parents in reqs:
+        assert r.done == [(rings.OK, None)]
+        want = run_alone(model, CFG, xs=xs, parents=parents)["steps"]
+        np.testing.assert_allclose(r.out("steps")[:len(xs)], want, rtol=1e-5, atol=1e-6)
+    assert workers == {0, 1}
