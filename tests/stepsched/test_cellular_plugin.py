@@ -143,18 +143,26 @@ def test_treelstm_equals_the_reference_run_node_by_node(cells_dir):
     rng = np.random.default_rng(3)
     trees = [random_binary_tree(rng, n) for n in (1, 5, 17, 31)]
     trees.append([3, 3, 4, 4, -1])        # root last: children after their parents' index
+    serve_and_check(stage, sched, "treelstm", rng, [len(p) for p in trees], trees)
+
+
+def serve_and_check(stage, sched, model, rng, lengths, trees=None):
+    """Requests of ``lengths`` (random inputs; ``trees``: their parents) from one client
+    each, all at once; each answer (every step's, and the last's) equals the request
+    computed alone."""
     reqs = []
-    for i, p in enumerate(trees):
-        xs = rng.standard_normal((len(p), H)).astype(np.float32)
-        reqs.append((Req(sched, i, client=i, xs=xs, parents=p, per_step=True), xs, p))
+    for i, n in enumerate(lengths):
+        xs = rng.standard_normal((n, H)).astype(np.float32)
+        parents = trees[i] if trees is not None else None
+        reqs.append((Req(sched, i, client=i, xs=xs, parents=parents, per_step=True), xs, parents))
     for r, _, _ in reqs:
         stage.submit(r.req)
     stage.run_until_idle()
-    for r, xs, p in reqs:
+    for r, xs, parents in reqs:
         assert r.done == [(rings.OK, None)]
-        want = tree_alone(xs, p)
-        np.testing.assert_allclose(r.out("steps")[:len(p)], want, rtol=1e-5, atol=1e-6)
-        np.testing.assert_allclose(r.out("h"), want[p.index(-1)], rtol=1e-5, atol=1e-6)
+        want = run_alone(model, CFG, xs=xs, parents=parents)
+        np.testing.assert_allclose(r.out("steps")[:len(xs)], want["steps"], rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(r.out("h"), want["h"], rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("parents,reason", [
@@ -276,16 +284,7 @@ def test_two_workers_keep_every_subgraph_in_order(cells_dir, model):
     kernels_for = rt.kernels_for
     rt.kernels_for = lambda t: (workers.add(t.worker), kernels_for(t))[1]
     rng = np.random.default_rng(6)
-    reqs = []
-    for i, n in enumerate([9, 20, 3, 14, 31, 6]):
-        xs = rng.standard_normal((n, H)).astype(np.float32)
-        parents = random_binary_tree(rng, n) if model == "treelstm" else None
-        reqs.append((Req(sched, i, client=i, xs=xs, parents=parents, per_step=True), xs, parents))
-    for r, _, _ in reqs:
-        stage.submit(r.req)
-    stage.run_until_idle()
-    for r, xs, parents in reqs:
-        assert r.done == [(rings.OK, None)]
-        want = run_alone(model, CFG, xs=xs, parents=parents)["steps"]
-        np.testing.assert_allclose(r.out("steps")[:len(xs)], want, rtol=1e-5, atol=1e-6)
+    lengths = [9, 20, 3, 14, 31, 6]
+    trees = [random_binary_tree(rng, n) for n in lengths] if model == "treelstm" else None
+    serve_and_check(stage, sched, model, rng, lengths, trees)
     assert workers == {0, 1}
