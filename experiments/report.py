@@ -725,7 +725,7 @@ SECTIONS: list[tuple[str, str, str, Callable[[dict], list[str]]]] = [
      "paella experiment cellular --json docs/figures/cellular.json --plot docs/figures/cellular.png",
      _cellular),
     ("orca", "Iteration-level scheduling: Orca (Figure 4.8)",
-     "paella experiment orca --json docs/figures/orca.json --plot docs/figures/orca.png", _orca),
+     "paella experiment orca --quick --json docs/figures/orca.json --plot docs/figures/orca.png", _orca),
     ("turbo", "TurboTransformers: variable-length batching and the chunked allocator (Figures 15-16)",
      "paella experiment turbo --json docs/figures/turbo.json --plot docs/figures/turbo.png", _turbo),
     ("dvabatch", "DVABatch against ZeroBatch and DelayBatch (DVABatch, Figures 14-16; issue 16)",
