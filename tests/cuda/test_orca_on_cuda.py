@@ -82,3 +82,45 @@ def test_iterations_run_the_compiled_plans_on_the_gpu(compiled, dev, drv):
     c = eng.submit([1], 15)
     drive(d, drv, lambda: c.done)
     assert len(c.tokens) == 15 and sorted(eng.free_slots) == list(range(16))
+
+
+def test_the_orca_plugin_serves_a_checkpoint_on_cuda(compiled, dev, drv, tmp_path):
+    """The plug-in through the batching stage on the cuda device: no refusal, a
+    request's tokens (the stand-in's zeros) streamed into its io and completed; without a
+    checkpoint it refuses, saying why."""
+    from paella import rings
+    from paella.dispatcher.batchers import ModelVariants, VariantSpec, make_batcher
+    from paella.dispatcher.batchers.stage import BatchingStage, ServedModel
+    from paella.dispatcher.core import Request
+    from paella.models.gpt_checkpoint import save_checkpoint
+    from paella.stepsched.orca_plugin import generation_io
+    save_checkpoint(tmp_path / "m.safetensors", CFG, gpt_weights(CFG, 7))
+    model = ModelVariants("gpt", (VariantSpec(0, 1, 0, "gpt"),))
+    sched = make_batcher("orca", model, {"checkpoint": "m.safetensors", "folder": str(tmp_path),
+                                         "n_head": 2, "max_bs": 2, "n_slots": 16})
+    sched.compiled = compiled                  # (the same bundle, its cubin the stand-in's)
+    d = Dispatcher(dev, "paella", counter_pairs=PAIRS, profile_runs=0)
+    stage = BatchingStage(d)
+    stage.add_model(5, ServedModel("gpt", model, {}, sched))
+    io_info = generation_io(CFG)
+    io = np.zeros(io_info.io_bytes, np.uint8)
+    p, lens = io_info.inputs
+    io[p.offset:p.offset + 8] = np.array([3, 7], np.int32).view(np.uint8)
+    io[lens.offset:lens.offset + 8] = np.array([2, 4], np.int32).view(np.uint8)
+    done, progress = [], []
+    stage.submit(Request(1, 0, 5, io, on_complete=lambda r, st, err: done.append((st, err)),
+                         on_progress=lambda r, k: progress.append(k)))
+    for _ in range(20_000):
+        if done:
+            break
+        d.step()
+        stage.step()
+        drv.run()
+    assert done == [(rings.OK, None)] and progress == [1, 2, 3, 4]
+    tokens, count = io_info.outputs
+    assert io[count.offset:count.offset + 4].view(np.int32)[0] == 4
+    assert len(sched.engine.free_slots) == 16
+    # Without a checkpoint: numpy effects, which a real GPU cannot run.
+    seeded = make_batcher("orca", model, {"max_bs": 2})
+    with pytest.raises(RuntimeError, match="name a checkpoint"):
+        stage.add_model(6, ServedModel("gpt2", model, {}, seeded))
