@@ -21,7 +21,7 @@ demo: $(STAMP)
 	$(BIN)/paella demo
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q --durations=15
 
 bench: $(STAMP)
 	$(BIN)/python -m paella.benchmarks.bench_sim
