@@ -598,7 +598,7 @@ class Client:
         model (one served by a streaming scheduler such as ``orca``): yields each token
         id as the iteration that made it completes, over the rings (progress entries).
 
-        The model's io (``paella.stepsched.orca_batcher``): inputs ``prompt`` (int32,
+        The model's io (``paella.stepsched.orca_plugin``): inputs ``prompt`` (int32,
         its capacity) and ``lengths`` (int32 [prompt length, max_tokens]); outputs
         ``tokens`` and ``n_tokens``. The daemon checks the ids, the lengths and the KV
         cache and answers a bad request with :class:`RequestFailed` (its reason) before

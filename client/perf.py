@@ -65,7 +65,7 @@ from paella.client.perf_http import DATA, END_STREAM, GRPC_SERVICE, H2, Http1, R
 KSERVE_DTYPES = {"BOOL": "bool", "UINT8": "uint8", "UINT16": "uint16", "UINT32": "uint32",
                  "UINT64": "uint64", "INT8": "int8", "INT16": "int16", "INT32": "int32",
                  "INT64": "int64", "FP16": "float16", "FP32": "float32", "FP64": "float64"}
-#: A generative model's tensors (``paella.stepsched.orca_batcher``; what the front end's
+#: A generative model's tensors (``paella.stepsched.orca_plugin``; what the front end's
 #: ``ModelSpec.generative`` and ``Client.generate`` check).
 GENERATIVE_INPUTS, GENERATIVE_OUTPUTS = {"prompt", "lengths"}, {"tokens", "n_tokens"}
 #: Prompt token ids are drawn from 1..PROMPT_IDS-1: valid for any vocabulary this size
