@@ -1,7 +1,17 @@
 """Shared fixtures: small simulated GPUs and kernels in virtual time."""
 from __future__ import annotations
 
-import pytest
+import os
+
+# Tests use gRPC clients in this process (tritonclient.grpc, grpc.aio servers) and then
+# fork: daemons started with a preexec_fn, the fuzzer's workers. With grpcio's fork
+# support on, its fork handlers ran in such a child and could abort it before its exec
+# ("epoll_wait error: Bad file descriptor": a daemon dead at start, in 3 of about 8
+# suite runs). No child here uses gRPC after a fork, so the handlers are turned off,
+# before anything starts gRPC's core (it reads this when it starts).
+os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
+
+import pytest  # noqa: E402
 
 from paella.dispatcher.devices.base import KernelInfo, ModuleImage
 from paella.dispatcher.devices.sim import SimDevice
