@@ -36,6 +36,7 @@ import numpy as np
 
 from paella import rings
 from paella.dispatcher.batchers.base import SchedulerContext
+from paella.dispatcher.devices.sim.effect_workers import submit_or_fail
 from paella.models import rnn
 from paella.models.base import DEFAULT_SEED
 
@@ -338,12 +339,8 @@ class CellEngine:
             else:
                 a["tok"] = np.array([g.request.tokens[s.depth - 1] if s.depth else 0
                                      for g, s in task.nodes], np.int32)
-        try:
-            return self.effects.submit(compute_cells, self.model, self.cfg, self.seed, kind, a)
-        except RuntimeError as e:            # the workers' queue is full, or they stopped
-            f: Future = Future()
-            f.set_exception(e)
-            return f
+        return submit_or_fail(self.effects, compute_cells, self.model, self.cfg, self.seed,
+                              kind, a)
 
     def _pending(self, task: Any) -> Any:
         f = getattr(task, "answer", None)

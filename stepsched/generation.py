@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator
 import numpy as np
 
 from paella.dispatcher.batchers.base import SchedulerContext
+from paella.dispatcher.devices.sim.effect_workers import submit_or_fail
 from paella.models.gpt import GPTConfig, selective_iteration
 
 from .iteration_scheduler import GenRequest, Iteration, IterationScheduler
@@ -304,23 +305,18 @@ class GenerationEngine:
         on the shared cache, or here. Returns the future; a failure to start is the
         iteration's (its effect raises it)."""
         batch = self._batch(it)
-        try:
-            if self.compiled is not None:
-                from .compiled_iteration import compiled_step, run_iteration
-                if self.kv_shared is not None:
-                    return self.effects.submit(compiled_step, self.compiled.ref, it.variant, self.cfg,
-                                               self.kv_shared.ref, self.n_slots, batch)
-                return self.effects.submit(run_iteration, self.compiled.bundle, it.variant, self.cfg,
-                                           self._kv(), batch)
+        if self.compiled is not None:
+            from .compiled_iteration import compiled_step, run_iteration
             if self.kv_shared is not None:
-                return self.effects.submit(worker_iteration, self.cfg, self.seed,
-                                           self.kv_shared.ref, self.n_slots, batch)
-            return self.effects.submit(selective_iteration, self.cfg, self.weights, self._kv(), batch)
-        except RuntimeError as e:            # the workers' queue is full, or they stopped
-            from concurrent.futures import Future
-            f: Future = Future()
-            f.set_exception(e)
-            return f
+                return submit_or_fail(self.effects, compiled_step, self.compiled.ref, it.variant,
+                                      self.cfg, self.kv_shared.ref, self.n_slots, batch)
+            return submit_or_fail(self.effects, run_iteration, self.compiled.bundle, it.variant,
+                                  self.cfg, self._kv(), batch)
+        if self.kv_shared is not None:
+            return submit_or_fail(self.effects, worker_iteration, self.cfg, self.seed,
+                                  self.kv_shared.ref, self.n_slots, batch)
+        return submit_or_fail(self.effects, selective_iteration, self.cfg, self.weights,
+                              self._kv(), batch)
 
     def _pending(self, it: Iteration) -> Any:
         f = getattr(it, "answer", None)

@@ -8,7 +8,6 @@ import os
 import threading
 import time
 from collections import OrderedDict
-from concurrent.futures import Future
 from typing import Callable
 
 import numpy as np
@@ -220,13 +219,10 @@ class FunctionalCache:
             self.misses += 1
         answer.inputs = {k: np.array(v) for k, v in inputs.items()}
         answer.t0 = time.perf_counter()
-        from paella.dispatcher.devices.sim.effect_workers import InlineEffects
+        from paella.dispatcher.devices.sim.effect_workers import InlineEffects, submit_or_fail
         target = bundle if isinstance(self.effects, InlineEffects) else BundleRef.of(bundle)
-        try:
-            answer.future = self.effects.submit(bundle_outputs, target, variant, answer.inputs)
-        except RuntimeError as e:            # the workers' queue is full, or they stopped:
-            answer.future = Future()         # this request fails with the reason
-            answer.future.set_exception(e)
+        answer.future = submit_or_fail(self.effects, bundle_outputs, target, variant,
+                                       answer.inputs)
 
     def _log_compute(self, name: str, answer: "Answer") -> None:
         held = self._log.admit()             # (a client sending new inputs in a loop

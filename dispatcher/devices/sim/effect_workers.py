@@ -102,6 +102,18 @@ def default_workers() -> int:
     return max(1, min(4, (os.cpu_count() or 2) - 1))
 
 
+def submit_or_fail(effects: Any, fn: Callable[..., Any], *args: Any) -> Future:
+    """``effects.submit(fn, *args)``, or a future already failed with the pool's reason
+    when it refuses (its queue is full, or it stopped): the request that wanted the
+    answer fails with that reason through the same path as any other failure."""
+    try:
+        return effects.submit(fn, *args)
+    except RuntimeError as e:
+        f: Future = Future()
+        f.set_exception(e)
+        return f
+
+
 # -- the worker process ---------------------------------------------------------------------
 def _end_with_parent(parent_pid: int) -> None:
     """Die (SIGKILL) when the thread that started this process exits: a crashed daemon
