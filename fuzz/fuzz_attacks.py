@@ -11,7 +11,10 @@ uid when it can, while legitimate clients check every answer.
 
 Attackers talk to the daemon with their own raw code (:class:`RawClient`), not the
 client library: a hostile tenant keeps the segment's file descriptor, writes any word
-anywhere in its segment, and never has to follow the protocol.
+anywhere in its segment, and never has to follow the protocol. They target every model
+the WELCOME lists; a request to a step model (a generation, a cell sequence or tree)
+often gets a plausible io first (:func:`plausible_io`), so that it is admitted and its
+work runs while its client scribbles on its rings, vanishes or stops reading.
 
 Everything an attacker needs is imported here, at module import: an attacker drops
 its privileges after the fork, and the interpreter's files may then be out of reach.
@@ -202,6 +205,10 @@ class RawClient:
         self.touchable = True
         self.models = {m["name"]: (m["id"], m["variants"][0]["io_bytes"])
                        for m in self.welcome["models"]}
+        #: the inputs of the models whose requests say their own lengths (the step
+        #: models: orca's generations, cellular's sequences and trees), by model id
+        self.step_inputs = {m["id"]: m["variants"][0]["inputs"] for m in self.welcome["models"]
+                            if any(t["name"] == "lengths" for t in m["variants"][0]["inputs"])}
 
     # -- ring words, written with single aligned stores (numpy uint64) --------------------
     def hdr(self, index: int, value: int) -> None:
@@ -256,6 +263,42 @@ class RawClient:
         if self.sock is not None:
             self.sock.close()
             self.sock = None
+
+
+def plausible_io(rng: random.Random, c: RawClient, model_id: int, offset: int) -> None:
+    """Fill a step model's io at ``offset`` of the arena with a request it may well take
+    (so the work is admitted, runs, and its client can vanish or scribble meanwhile):
+    lengths from 1 to a few steps, small token ids, normal floats, a tree as a heap
+    (node i under (i - 1) // 2); now and then one field hostile. Other models' io is
+    left as it is (their bytes are only data)."""
+    ins = c.step_inputs.get(model_id)
+    if not ins or not c.touchable:
+        return
+    first = ins[0]["shape"][0]                 # the context / max_len
+    generation = any(t["name"] == "prompt" for t in ins)
+    # (a generation's prompt and tokens fit in few KV slots; a sequence runs up to 8 cells)
+    n = rng.randint(1, max(1, min(first, 2 if generation else 8)))
+    base = c.layout.arena_offset + offset
+    for t in ins:
+        count = 1
+        for d in t["shape"]:
+            count *= d
+        if t["name"] == "lengths":   # orca: [prompt, max_tokens]; cellular: [n, tgt, per_step]
+            vals = [n, rng.randint(1, 2 if generation else 4), rng.randint(0, 1)][:count]
+            if rng.random() < 0.1:
+                vals[rng.randrange(count)] = rng.choice([0, -1, first, first + 1, 2 ** 31 - 1])
+            data = struct.pack(f"<{count}i", *vals)
+        elif t["name"] == "parents":
+            data = struct.pack(f"<{count}i", *[(i - 1) // 2 for i in range(count)])
+        elif t["dtype"] == "float32":
+            data = struct.pack(f"<{count}f", *[rng.gauss(0.0, 1.0) for _ in range(count)])
+        elif t["dtype"] == "int32":
+            data = struct.pack(f"<{count}i", *[rng.randrange(32) for _ in range(count)])
+        else:
+            continue
+        at = base + t["offset"]
+        if at + len(data) <= len(c.mm) and c.touchable:
+            c.mm[at:at + len(data)] = data
 
 
 def raw_connect(ctx: Context, hello: dict | None = None) -> RawClient | None:
@@ -396,6 +439,8 @@ def _entry(rng: random.Random, c: RawClient, req_id: int) -> tuple[int, int, int
         opts = rng.choice([1, 2, 0xFFFF, 1 << 16, 1 << 31, 2 ** 32 - 1])
     elif r < 0.65:
         req_id = rng.choice([0, 2 ** 64 - 1, 1])            # ids that collide
+    elif rng.random() < 0.5:
+        plausible_io(rng, c, mid, off)
     return req_id, mid, off, ln, opts
 
 
@@ -441,7 +486,9 @@ def attack_ring_indices(ctx: Context) -> int:
                 time.sleep(0.001)
                 continue
             mid, ln = rng.choice(slow)
-            c.push(i + 1, mid, (i * ln) % (c.layout.arena_bytes - ln), ln)
+            off = (i * ln) % (c.layout.arena_bytes - ln)
+            plausible_io(rng, c, mid, off)
+            c.push(i + 1, mid, off, ln)
         c.kick()
         if rng.random() < 0.5:        # wait until the daemon took them: they are in flight
             end = time.monotonic() + 0.05
@@ -547,7 +594,9 @@ def attack_segment(ctx: Context) -> int:
                 for i in range(rng.choice([0, 1, 8, 64])):
                     mid, ln = rng.choice(list(c.models.values()))
                     if c.room() > 0:
-                        c.push(i + 1, mid, (i * ln) % (lay.arena_bytes - ln), ln)
+                        off = (i * ln) % (lay.arena_bytes - ln)
+                        plausible_io(rng, c, mid, off)
+                        c.push(i + 1, mid, off, ln)
             c.kick()
             time.sleep(rng.choice([0.001, 0.01, 0.03]))
         read_some(c.sock, 0.02)
@@ -665,7 +714,9 @@ def attack_vanish(ctx: Context) -> int:
 
 def _valid_entry(rng: random.Random, c: RawClient, req_id: int) -> tuple[int, int, int, int, int]:
     mid, ln = rng.choice(list(c.models.values()))
-    return req_id, mid, rng.randrange(0, c.layout.arena_bytes - ln), ln, 0
+    off = rng.randrange(0, c.layout.arena_bytes - ln)
+    plausible_io(rng, c, mid, off)
+    return req_id, mid, off, ln, 0
 
 
 def _reap(pid: int, timeout: float) -> int:

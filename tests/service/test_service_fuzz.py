@@ -6,10 +6,13 @@ answer (an error completion or an ERROR frame / closed connection), and the daem
 must keep serving others. The last ones run the project's fuzzer
 (``paella.fuzz.fuzz_daemon``) for a few seconds: attackers of every family
 (as uid 65534 when the tests run as root) against one real daemon while legitimate
-clients check every answer; it must count no crash, no lost or wrong answer, no
-refused legitimate connection, no breach and no leak."""
+clients check every answer (echo, the tiny MLP, the built-in tiny GPT, a cellular LSTM
+and TreeLSTM, and the orca plug-in serving a user's safetensors checkpoint); it must
+count no crash, no lost or wrong answer, no refused legitimate connection, no breach
+and no leak."""
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import signal
@@ -233,6 +236,16 @@ def test_fuzzer_finds_no_fault():
     for family, n in report["inputs_by_family"].items():
         assert n > 0, f"family {family} tried nothing: {format_report(report)}"
     assert report["summary"]["legit_ok"] >= 50
+    # every model of the legitimate traffic was served and checked, the cell models and
+    # the checkpoint's compiled iteration among them (issue 39), none wrong or lost
+    # (the checkpoint needs safetensors, of the [serve] extra the daemon is installed with)
+    new = ("lstm", "tree") + (("gpt_ckpt",) if importlib.util.find_spec("safetensors") else ())
+    by_model = report["legit_by_model"]
+    assert {"echo", "noop", "tiny_mlp", "tiny_mlp (fresh)", "gpt_tiny", *new} <= set(by_model)
+    for name, d in by_model.items():
+        assert d["wrong"] == d["lost"] == 0, (name, d)
+    for name in new:
+        assert by_model[name]["ok"] >= 5, f"{name} served too little: {format_report(report)}"
     assert report["attacker_errors"] == 0, report["events"].get("attacker_error")
     if os.geteuid() == 0:
         assert report["cross_uid"] and report["attacker_uid"] == 65534
