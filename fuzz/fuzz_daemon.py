@@ -734,13 +734,15 @@ CELL_MODELS = {"lstm": "lstm", "tree": "treelstm"}
 #: Their longest sequence and largest tree (the legitimate ones vary from 1 to this).
 CELL_MAX_LEN = 16
 #: The user's checkpoint the ``orca`` plug-in loads (a GPT-2-family safetensors file
-#: written from seeded weights): its model and options. 4 KV slots make a grid of 5
-#: compiled-iteration variants ((tokens, slots) up to (4, 4): 20-30 s to build on a
-#: cold compile cache, then cached by content). The legitimate generations' prompt and
-#: tokens fit in them (a larger one is refused); concurrent ones wait for slots.
-CKPT_MODEL = dict(vocab=64, d=32, n_layer=2, n_head=2, n_ctx=8)
+#: written from seeded weights): its model and options. The model, weights and options
+#: of the test suite's compiled-iteration tests (tests/stepsched/test_compiled_orca.py,
+#: tests/service/test_generation_checkpoint.py), so the compile cache holds its 14
+#: variants ((tokens, slots) up to (16, 16)) once any of them built it (about 4 s a
+#: variant on a cold cache, then cached by content). The legitimate generations' prompt
+#: and tokens fit in them (a larger one is refused); concurrent ones wait for slots.
+CKPT_MODEL = dict(vocab=64, d=32, n_layer=2, n_head=2, n_ctx=16)
 CKPT_SEED = 7
-CKPT_OPTIONS = {"n_head": 2, "max_bs": 2, "n_slots": 4}
+CKPT_OPTIONS = {"n_head": 2, "max_bs": 2, "n_slots": 16}
 
 
 def _references(cfg: FuzzConfig, workdir: str, say: Callable[[str], None] = lambda m: None
@@ -869,7 +871,7 @@ def _checkpoint_start(repo: str, say) -> tuple[str, subprocess.Popen | None] | N
                           max_tokens=CKPT_OPTIONS["max_bs"] * mcfg.n_ctx).close()
         return folder, None
     except NotBuilt:
-        say("building the checkpoint's compiled iteration in the background (5 variants, "
+        say("building the checkpoint's compiled iteration in the background (14 variants, "
             "about 4 s each; then cached)")
         return folder, subprocess.Popen(
             [sys.executable, "-m", "paella.stepsched.compiled_iteration", folder],
