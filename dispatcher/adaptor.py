@@ -16,7 +16,8 @@ simulator):
 
 * **params** (``Plan.params``: weights, folded constants) are allocated once per model
   in ``init`` and uploaded there, synchronously (``memcpy_htod`` then
-  ``device.synchronize()``), before the model serves any request;
+  ``device.synchronize()``), before the model serves any request; the variants of one
+  model share them (:mod:`.shared_params`: one device copy per contents object);
 * **every other buffer** (inputs, intermediates, workspace, outputs) is per request:
   each job holds one :class:`BufferSet` from the model's :class:`BufferPool` for its
   whole life, so concurrent requests never share activations. The pool grows on
@@ -39,6 +40,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from paella.dispatcher.devices.base import Device, Function, KernelInfo, ModuleImage, dim3
+from paella.dispatcher.shared_params import shared_params, upload
 
 #: Default device memory one model may spend on per-request buffer sets (bytes).
 DEFAULT_BUFFER_BUDGET = 1 << 30
@@ -414,6 +416,7 @@ class PlanAdaptor(JobAdaptor):
         self.io_bytes = plan.io_bytes
         self.funcs: dict[str, Function] = {}
         self.buffers: dict[str, int] = {}    # the model's own (param) buffers: name -> pointer
+        self._shared: set[str] = set()       # those of them from the device's SharedParams
         self.buffer_pool = None
         self.device: Device | None = None
         self._set_bytes = sum(plan.request_buffers.values())
@@ -441,8 +444,6 @@ class PlanAdaptor(JobAdaptor):
                 # Refuse a kernel that can never run now, at registration, by name.
                 device.block_footprint(self.funcs[op.kernel], dim3(op.block, "block"), op.dyn_smem)
         try:
-            for name in plan.params:
-                self.buffers[name] = device.alloc(plan.buffers[name])
             self._upload_params(device)
             self._open_pool()
         except Exception:
@@ -458,12 +459,23 @@ class PlanAdaptor(JobAdaptor):
                                           self.max_buffer_sets, self._set_bytes)
 
     def _upload_params(self, device: Device) -> None:
-        """Copy every param's initial contents to the device and wait for it."""
+        """Allocate every param buffer and copy its initial contents to the device, then
+        wait for it. A param with contents is shared with the other plans holding the
+        same contents object (the model's other variants: :mod:`.shared_params`), and
+        uploaded only by the first; one without (timing only) is this plan's own."""
+        store = shared_params(device)
         pending = False
         for name, data in self.plan.params.items():
+            nbytes = self.plan.buffers[name]
             if data:
-                device.memcpy_htod(self.buffers[name], np.frombuffer(data, dtype=np.uint8), 0)
-                pending = True
+                ptr, new = store.acquire(device, data, nbytes)
+                self.buffers[name] = ptr
+                self._shared.add(name)
+                if new:
+                    upload(device, ptr, data)
+                    pending = True
+            else:
+                self.buffers[name] = device.alloc(nbytes)
         if pending:
             device.synchronize()
 
@@ -504,8 +516,13 @@ class PlanAdaptor(JobAdaptor):
         job releases them) and unload the kernels. Once is enough; again does nothing."""
         self._close_pool()
         buffers, self.buffers = self.buffers, {}
-        for ptr in buffers.values():
-            device.free(ptr)
+        shared, self._shared = self._shared, set()
+        store = shared_params(device) if shared else None
+        for name, ptr in buffers.items():
+            if name in shared:
+                store.release(device, ptr)
+            else:
+                device.free(ptr)
         funcs, self.funcs = self.funcs, {}
         device.unload_module(funcs)
 

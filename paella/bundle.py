@@ -519,7 +519,8 @@ class Bundle:
     def __init__(self, path: Path, manifest: Manifest) -> None:
         self.path = path
         self.manifest = manifest
-        self._params: dict[str, dict[str, np.ndarray]] = {}   # by params file
+        self._params: dict[str, dict[str, np.ndarray]] = {}
+        self._param_bytes: dict[str, dict[str, bytes]] = {}  # by params file, then name
         self._vm: dict[str, Any] = {}                          # by CPU build file
         self._orders: dict[str, list[str]] = {}                # by CPU params order file
 
@@ -576,9 +577,21 @@ class Bundle:
         return self._params[str(path)]
 
     def param_bytes(self, variant: int = 0) -> dict[int, bytes]:
-        """Initial contents per param buffer id."""
+        """Initial contents per param buffer id. Variants that share a params file get the
+        same ``bytes`` objects (made once per file and buffer name), so a device that
+        keys its copies by them (:class:`paella.dispatcher.adaptor.SharedParams`) holds
+        one copy of a model's weights, not one per variant."""
+        path = str(self.file("params", variant))
         p = self.params(variant)
-        return {b.id: p[b.name].tobytes() for b in self.variants[variant].buffers if b.kind == "param"}
+        made = self._param_bytes.setdefault(path, {})
+        out = {}
+        for b in self.variants[variant].buffers:
+            if b.kind == "param":
+                data = made.get(b.name)
+                if data is None:
+                    data = made[b.name] = p[b.name].tobytes()
+                out[b.id] = data
+        return out
 
     def pack_inputs(self, inputs: dict[str, np.ndarray], variant: int = 0) -> np.ndarray:
         """An io buffer (uint8) holding ``inputs`` at their offsets, outputs zeroed."""

@@ -22,3 +22,22 @@ INFOS = [KernelInfo("add1", regs_per_thread=24), KernelInfo("plain", regs_per_th
 def image(arch: int = 75, *, cubin: bool = True, ptx: bool = True) -> ModuleImage:
     return ModuleImage("m", INFOS, cubin=fake_cubin(arch, KERNELS) if cubin else None,
                        ptx=fake_ptx(KERNELS, terminate=False) if ptx else None)
+
+
+def stand_in_cubins(path):
+    """The bundle at ``path`` (a copy the test owns) with every variant's cubin replaced
+    by a stand-in image of the same kernels (parameter sizes from the manifest, then the
+    notifQ pair), loaded again. Each cubin is unlinked first: a fresh file, never one
+    shared by a hard link with the compile cache."""
+    import numpy as np
+
+    from paella.bundle import load_bundle
+    b = load_bundle(path)
+    for k, v in enumerate(b.variants):
+        specs = [kernel_spec(kn.name, [8 if p["kind"] == "buffer" else np.dtype(p["dtype"]).itemsize
+                                       for p in kn.params] + [8, 4], regs=kn.registers,
+                             smem=kn.static_smem) for kn in v.kernels]
+        cubin = b.file("cubin", k)
+        cubin.unlink()
+        cubin.write_bytes(fake_cubin(75, specs))
+    return load_bundle(path)

@@ -14,9 +14,7 @@ import pytest
 
 pytest.importorskip("safetensors")
 
-from cuda_fake_driver import fake_cubin, kernel_spec
-from cuda_fixtures import PAIRS
-from paella.bundle import load_bundle
+from cuda_fixtures import PAIRS, stand_in_cubins
 from paella.dispatcher.batchers.stage import scheduler_context
 from paella.dispatcher.core import Dispatcher
 from paella.models.gpt import GPTConfig, gpt_weights
@@ -36,15 +34,7 @@ def compiled(tmp_path_factory):
     path = root / "fake"
     shutil.copytree(c.bundle.path, path)
     c.close()
-    b = load_bundle(path)
-    for k, v in enumerate(b.variants):
-        specs = [kernel_spec(kn.name, [8 if p["kind"] == "buffer" else np.dtype(p["dtype"]).itemsize
-                                       for p in kn.params] + [8, 4], regs=kn.registers,
-                             smem=kn.static_smem) for kn in v.kernels]
-        cubin = b.file("cubin", k)
-        cubin.unlink()
-        cubin.write_bytes(fake_cubin(75, specs))
-    c.bundle = load_bundle(path)
+    c.bundle = stand_in_cubins(path)
     return c
 
 
