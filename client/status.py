@@ -72,8 +72,9 @@ def format_status(st: dict) -> str:
         e = d.get("effects")
         if e:                                # (the simulated GPU's answer workers)
             lines.append(f"  answer workers: {e['alive']} of {e['workers']} alive, {e['queued']} "
-                         f"queued, {e['running']} computing, {e['held_kernels']} kernel(s) "
-                         f"waiting for theirs; {e['completed']} computed, {e['failed']} failed "
+                         f"queued, {e['running']} computing, {e.get('awaiting_jobs', 0)} job(s) "
+                         f"and {e['held_kernels']} kernel(s) waiting for theirs; "
+                         f"{e['completed']} computed, {e['failed']} failed "
                          f"({e['crashed']} crashed, {e['timed_out']} timed out)")
     return "\n".join(lines)
 

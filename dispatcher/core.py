@@ -127,6 +127,13 @@ class Model:
     # of a less urgent class than the most urgent seen run; a twin names its model here.
     sliced: "Model | None" = None
     parent: "Model | None" = None
+    # Its adaptor's ``answer_ahead(io) -> Future | None`` (None: it has none): on the
+    # simulated GPU, a job whose answer is new waits for it before it takes anything.
+    answer_ahead: Any = None
+
+
+def _no_wake() -> None:
+    """A device with no loop to wake (its answers come in while it is stepped)."""
 
 
 def _launch_counts(plan: Any) -> dict[str, int]:
@@ -228,6 +235,11 @@ class Dispatcher:
         self._resume: list[Job] = []
         #: Jobs that found the device's memory full: they try again as a job ends.
         self._memory_waiting: deque[Job] = deque()
+        #: Jobs waiting for their answer to be computed before they start, and those
+        #: whose answer came in (appended by the effect workers' thread): see
+        #: :meth:`_await_answer`.
+        self._answering: dict[Job, Any] = {}
+        self._answered: deque[Job] = deque()
         #: Greenlet jobs whose own malloc found the device full: resumed as a job ends.
         self._memory_blocked: list[Job] = []
         #: Times a job waited for device memory, and requests failed for want of it.
@@ -487,6 +499,8 @@ class Dispatcher:
     def step(self) -> bool:
         dev = self.device
         dev.poll()
+        if self._answered:
+            self._take_answered()
         self.now = now = dev.now()
         core = self.core
         if core is not None:
@@ -826,6 +840,10 @@ class Dispatcher:
         instr = self.instruments
         while arrivals:
             job = arrivals.popleft()
+            ahead = job.model.answer_ahead
+            if ahead is not None and not job.answered and job.bindings is None \
+                    and self._await_answer(job, ahead):
+                continue
             pool = job.model.pool
             if pool is not None and job.bindings is None:
                 try:
@@ -860,6 +878,58 @@ class Dispatcher:
                     job.fail(e)
                 job.returned = True
             self._after_run(job)
+
+    def _await_answer(self, job: Job, ahead: Callable[[np.ndarray], Any]) -> bool:
+        """The simulated GPU's answers off the loop (issue 37): ``ahead(job.io)`` starts
+        computing the job's outputs from its host inputs when they are new and returns
+        the computation's future. Then the job waits here, holding nothing: no buffer
+        set, no stream, no kernel in the occupancy tracker, so every other job, on any
+        stream and under any policy (``fifo``'s one stream included), runs on. It starts
+        when its answer is in (or fails with the computation's failure). Its kernels
+        then find the answer cached; the device's own hold (``SimDevice._hold``) stays
+        for what this does not cover. Real time only in effect: with answers computed
+        in the loop's thread (virtual time) ``ahead`` returns None. True if it waits."""
+        try:
+            future = ahead(job.io)
+        except Exception:  # noqa: BLE001 - a hint only: the device's path decides
+            log.exception("answer_ahead of model %r failed; the job runs as usual", job.model.name)
+            future = None
+        if future is None:
+            return False
+        self._answering[job] = future
+        answered = self._answered
+        device = self.device
+
+        def done(_f: Any) -> None:           # (the workers' thread, or here if done)
+            answered.append(job)
+            getattr(device, "effect_ready", _no_wake)()
+        future.add_done_callback(done)
+        return True
+
+    def _take_answered(self) -> None:
+        """The jobs whose answer came in start (in the order their answers came); one
+        whose computation failed fails with the reason, as its kernel would have."""
+        answered = self._answered
+        while answered:
+            job = answered.popleft()
+            future = self._answering.pop(job, None)
+            if future is None:               # (cancelled meanwhile)
+                continue
+            exc = future.exception()
+            if exc is None:
+                job.answered = True
+                self._arrivals.append(job)
+                continue
+            job.left_policy = True           # never announced to the policy
+            job.error = f"answer not computed: {str(exc)[:300]}"
+            job.returned = True
+            self._progress += 1
+            self._finish(job)
+
+    @property
+    def answers_awaited(self) -> int:
+        """Jobs waiting for their answer before they start (``paella status``)."""
+        return len(self._answering)
 
     def _reclaiming(self, attempt: Callable[[], _T]) -> _T:
         """``attempt()``; on a full GPU, free every model's idle buffers and attempt once
@@ -1179,7 +1249,8 @@ class Dispatcher:
 
         weights = self._reclaiming(init) if isinstance(adaptor, PlanAdaptor) else init()
         old = self.models.get(model_id)
-        model = Model(model_id, name, adaptor, pool=adaptor.buffer_pool, weights_bytes=weights)
+        model = Model(model_id, name, adaptor, pool=adaptor.buffer_pool, weights_bytes=weights,
+                      answer_ahead=getattr(adaptor, "answer_ahead", None))
         if adaptor.plan is not None:         # a plan is replayed, never run() in a greenlet
             model.replay = ReplayPlan(adaptor.plan, adaptor.funcs, self.kernel_launch,
                                       compiled=self.compiled_replay)
@@ -1463,6 +1534,8 @@ class Dispatcher:
             elif job in self._memory_waiting:
                 self._memory_waiting.remove(job)
                 job.left_policy = True
+            elif self._answering.pop(job, None) is not None:   # waiting for its answer
+                job.left_policy = True
             if job.core >= 0:                # in the kernel core: it drains there
                 job.cancelled, job.error = True, job.error or reason
                 self._core_events(self.core.abort(job.core, job))
@@ -1506,6 +1579,7 @@ class Dispatcher:
         self._arrivals.clear()
         self._resume.clear()
         self._memory_waiting.clear()
+        self._answering.clear()
         self._memory_blocked.clear()
         if raised is not None:
             raise raised

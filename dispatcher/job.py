@@ -107,7 +107,7 @@ class Job:
                  "glet", "state", "returned", "error", "wait_op", "wait_all", "blocked",
                  "almost_sent", "almost_next", "cancelled", "allocations", "bindings",
                  "t_arrival", "t_start", "pin", "waited_memory", "waiting_memory", "core",
-                 "level", "__weakref__")
+                 "level", "answered", "__weakref__")
 
     def __init__(self, host: JobHost, model: Any, requests: list[Any], io: np.ndarray,
                  seq: int):
@@ -158,6 +158,9 @@ class Job:
         self.pin = -1
         #: Its handle in the dispatcher's kernel core (-1: not run by one).
         self.core = -1
+        #: Its answer was computed before it started (the dispatcher's ``answer_ahead``):
+        #: it is not asked again.
+        self.answered = False
 
     def __repr__(self) -> str:
         ids = ",".join(str(r.req_id) for r in self.requests)

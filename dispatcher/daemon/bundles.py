@@ -8,7 +8,7 @@ import os
 import threading
 import time
 from collections import OrderedDict
-from typing import Callable
+from typing import Any, Callable
 
 import numpy as np
 
@@ -101,6 +101,8 @@ class FunctionalCache:
         self.effects = effects if effects is not None else InlineEffects()
         # key -> [(inputs, outputs), ...] (one entry per distinct input sharing the key)
         self._entries: OrderedDict[tuple, list] = OrderedDict()
+        # key -> [(inputs, future), ...]: new inputs computed ahead of their jobs (ahead)
+        self._ahead: dict[tuple, list] = {}
         self._bytes = 0
         self.hits = self.misses = 0
         self._log = LogThrottle(10.0, burst=5)
@@ -179,6 +181,53 @@ class FunctionalCache:
         self._insert(answer.key, answer.inputs, outs)
         answer.outputs = outs
         return outs
+
+    def ahead(self, name: str, bundle, inputs: dict[str, np.ndarray], variant: int = 0):
+        """Before a job takes any device resource (a buffer set, a stream, a kernel
+        slot: ``Dispatcher._await_answer``): start computing ``inputs``' answer when
+        nothing is cached under their key. Returns the computation's future (the
+        dispatcher keeps the job back until it is done; its outputs are cached by then,
+        so the job's own lookup at its kernels hits), else None: a likely hit, or answers
+        computed in this thread (virtual time), both left to the device's path. A job
+        with the same new input as one being computed shares its future.
+
+        ``inputs`` are the job's host inputs (views of its io), which its input copies
+        will carry to the device. A client that rewrites them meanwhile only makes its
+        own job's lookup miss at its kernels: that job is then held on the device as
+        before (``SimDevice._hold``), and nobody else waits for it."""
+        if not self.off_loop:
+            return None
+        key = self._key(name, inputs)
+        with self._lock:
+            if key in self._entries:
+                return None
+            for seen, future in self._ahead.get(key, ()):
+                if self._same(inputs, seen):
+                    return future
+        answer = Answer(key, [], None)
+        self._compute(answer, bundle, variant, inputs)
+        future = answer.future
+        with self._lock:
+            self._ahead.setdefault(key, []).append((answer.inputs, future))
+
+        def cache(f) -> None:                # (the workers' thread, or here if done)
+            with self._lock:
+                same = self._ahead.get(key, [])
+                same[:] = [e for e in same if e[1] is not f]
+                if not same:
+                    self._ahead.pop(key, None)
+            if not f.cancelled() and f.exception() is None:
+                self._log_compute(name, answer)
+                self._insert(key, answer.inputs, f.result())
+        future.add_done_callback(cache)
+        return future
+
+    @property
+    def off_loop(self) -> bool:
+        """Whether new inputs are computed elsewhere (worker processes), not in the
+        calling thread."""
+        from paella.dispatcher.devices.sim.effect_workers import InlineEffects
+        return not isinstance(self.effects, InlineEffects)
 
     def outputs(self, name: str, bundle, inputs: dict[str, np.ndarray],
                 variant: int = 0) -> dict[str, np.ndarray]:
@@ -383,13 +432,21 @@ def functional_adaptor(bundle, name: str, cache: FunctionalCache | None = None,
     operands = [BufferArg(str(t.buffer), t.buffer_offset) for t in (*v.inputs, *v.outputs)]
     start_operands = operands[:len(v.inputs)]
 
+    def host_inputs(io: np.ndarray) -> dict[str, np.ndarray]:
+        return {t.name: io[t.offset:t.offset + t.nbytes].view(t.dtype).reshape(t.shape)
+                for t in v.inputs}
+
     def warm() -> None:
-        zeros = np.zeros(plan.io_bytes, np.uint8)
-        cache.outputs(key, bundle, {t.name: zeros[t.offset:t.offset + t.nbytes].view(
-            t.dtype).reshape(t.shape) for t in v.inputs}, variant)
+        cache.outputs(key, bundle, host_inputs(np.zeros(plan.io_bytes, np.uint8)), variant)
+
+    def ahead(io: np.ndarray):
+        if io.size < plan.io_bytes or not cache.off_loop:
+            return None                      # (another layout, or virtual time: the device's)
+        return cache.ahead(key, bundle, host_inputs(io), variant)
 
     return FunctionalBundleAdaptor(plan.with_effect(effect, operands, start if early_lookup else None,
-                                                    start_operands), warm)
+                                                    start_operands), warm,
+                                   ahead if answers_at_launch else None)
 
 
 class FunctionalBundleAdaptor(PlanAdaptor):
@@ -400,9 +457,12 @@ class FunctionalBundleAdaptor(PlanAdaptor):
     which only the cyclic collector frees, and the daemon freezes its heap after a
     reload (system.freeze_new_objects), so a retired version would never go."""
 
-    def __init__(self, plan, warm: Callable[[], None]):
+    def __init__(self, plan, warm: Callable[[], None], ahead: Callable[[np.ndarray], Any] | None = None):
         super().__init__(plan)
         self._warm = warm
+        #: ``answer_ahead(io) -> Future | None``: the dispatcher asks it before a job
+        #: takes any device resource (``FunctionalCache.ahead``); None: never asked.
+        self.answer_ahead = ahead
 
     def warm(self) -> None:
         """Off the loop, before registration: load the CPU build and answer the

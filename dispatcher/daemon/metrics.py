@@ -283,6 +283,8 @@ class DaemonCollector:
                  "answers, alive", "alive"),
                 ("paella_effect_queue", "Answers waiting for a worker", "queued"),
                 ("paella_effect_running", "Answers being computed", "running"),
+                ("paella_effect_awaiting_jobs", "Jobs waiting for their answer before they "
+                 "start (holding no stream)", "awaiting_jobs"),
                 ("paella_effect_held_kernels", "Kernels held back until their answer is in",
                  "held_kernels")))
             yield from _unlabelled(CounterMetricFamily, effects, (

@@ -486,7 +486,7 @@ class Daemon:
                 "notifq_depth": tracker.pending_entries, "notifications": tracker.notifications,
                 "policy_fallbacks": disp.policy_fallbacks,
                 "policy_failure": getattr(disp, "policy_failure", None),
-                "effects": _effects_status(disp.device)}
+                "effects": _effects_status(disp)}
 
     # -- client arenas -----------------------------------------------------------------
     def _arena_mapped(self, client_id: int, arena: np.ndarray) -> None:
@@ -1077,10 +1077,14 @@ def queued_work_us(disp) -> int:
     return round(sum([j.remaining for j in list(disp.jobs)]) * 1e6)
 
 
-def _effects_status(device) -> dict | None:
-    """The simulated GPU's answer workers (None elsewhere): their counters and queue, and
-    the kernels held back for an answer still being computed."""
+def _effects_status(disp) -> dict | None:
+    """The simulated GPU's answer workers (None elsewhere): their counters and queue, the
+    jobs waiting for their answer before they start, and the kernels held back on the
+    device for one (what the jobs' wait does not cover: a step plug-in's effects, an
+    input rewritten after its job was submitted)."""
+    device = disp.device
     effects = getattr(device, "effects", None)
     if effects is None:
         return None
-    return {**effects.stats(), "held_kernels": getattr(device, "gates", 0)}
+    return {**effects.stats(), "awaiting_jobs": disp.answers_awaited,
+            "held_kernels": getattr(device, "gates", 0)}

@@ -89,13 +89,14 @@ def wait_for(cond, timeout: float, what: str, dp) -> None:
         time.sleep(0.02)
 
 
-@pytest.mark.parametrize("release", [(), ("--lookahead", "3"), ("--policy", "ms-jbj")],
-                         ids=["lookahead-1", "lookahead-3", "eager-ms-jbj"])
+@pytest.mark.parametrize("release", [(), ("--lookahead", "3"), ("--policy", "ms-jbj"),
+                                     ("--policy", "fifo")],
+                         ids=["lookahead-1", "lookahead-3", "eager-ms-jbj", "one-stream-fifo"])
 def test_a_slow_new_input_does_not_stall_the_others(tmp_path, mlp, reference, fresh_daemon,
                                                      release):
-    # Whatever the release rule: a dispatcher that releases ahead (lookahead 3, ms-jbj's
-    # eager release) launches the last kernel before the input has landed; its answer is
-    # then asked when the kernel's stream reaches it, still off the loop.
+    # Whatever the release rule: the job of a new input waits for its answer before it
+    # takes a stream or a kernel slot (Dispatcher._await_answer), so even fifo, whose
+    # jobs all share one stream, serves the others meanwhile.
     repo = repo_with(tmp_path, mlp, "tiny_mlp")
     dp = fresh_daemon("--models", str(repo), "--no-noop", *release,
                       env={"PAELLA_SIM_EFFECT_FAULT": "delay:3"})
@@ -104,8 +105,10 @@ def test_a_slow_new_input_does_not_stall_the_others(tmp_path, mlp, reference, fr
     t0 = time.monotonic()
     rid = submit(slow, x)
     wait_for(lambda: effects_status(dp)["running"] == 1, 10, "the answer never ran", dp)
-    assert effects_status(dp)["held_kernels"] <= 1
-    assert "1 computing" in format_status(daemon_status(dp.socket))
+    # It waits as a job holding nothing, not as a kernel held on a stream.
+    st = effects_status(dp)
+    assert st["awaiting_jobs"] == 1 and st["held_kernels"] == 0, st
+    assert "1 computing, 1 job(s) and 0 kernel(s) waiting" in format_status(daemon_status(dp.socket))
     # Meanwhile: echo, and the same model with the input it warmed up with (cached).
     zeros = np.zeros(X_SHAPE, np.float32)
     for i in range(20):
