@@ -921,7 +921,9 @@ class Dispatcher:
                 self._arrivals.append(job)
                 continue
             job.left_policy = True           # never announced to the policy
-            job.error = f"answer not computed: {str(exc)[:300]}"
+            # (a refusal, e.g. the workers' queue full, is told as it is)
+            job.error = str(exc) if getattr(exc, "refusal", False) else \
+                f"answer not computed: {str(exc)[:300]}"
             job.returned = True
             self._progress += 1
             self._finish(job)

@@ -207,6 +207,15 @@ class FunctionalCache:
         answer = Answer(key, [], None)
         self._compute(answer, bundle, variant, inputs)
         future = answer.future
+        if future.done() and future.exception() is not None:
+            from concurrent.futures import Future
+
+            from paella.dispatcher.devices.sim.effect_workers import (EffectQueueFull, Overloaded,
+                                                                       overloaded_reason)
+            if isinstance(future.exception(), EffectQueueFull):
+                refused: Future = Future()   # (the client is told it as an overload)
+                refused.set_exception(Overloaded(overloaded_reason(self.effects)))
+                return refused
         with self._lock:
             self._ahead.setdefault(key, []).append((answer.inputs, future))
 
@@ -232,8 +241,17 @@ class FunctionalCache:
     def outputs(self, name: str, bundle, inputs: dict[str, np.ndarray],
                 variant: int = 0) -> dict[str, np.ndarray]:
         """``inputs``' outputs now (a lookup, else a computation waited for): for a
-        model's warm-up off the loop, and tests."""
-        return self.finish(name, bundle, inputs, variant)
+        model's warm-up off the loop, and tests. Never refused for a full queue: a
+        reload must not fail because the clients keep the workers busy."""
+        answer = Answer(self._key(name, inputs), [], None)
+        outs = self._hit(answer, inputs)
+        if outs is not None:
+            return outs
+        self._compute(answer, bundle, variant, inputs, bound=False)
+        outs = answer.future.result()
+        self._log_compute(name, answer)
+        self._insert(answer.key, answer.inputs, outs)
+        return outs
 
     # -- the parts -------------------------------------------------------------------
     def _hit(self, answer: "Answer", inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray] | None:
@@ -260,7 +278,8 @@ class FunctionalCache:
                     return outs
         return None
 
-    def _compute(self, answer: "Answer", bundle, variant: int, inputs: dict[str, np.ndarray]) -> None:
+    def _compute(self, answer: "Answer", bundle, variant: int, inputs: dict[str, np.ndarray],
+                 bound: bool = True) -> None:
         # A private copy: what is computed and cached is exactly these bytes. (Views of
         # a client's arena could be rewritten at any moment; device memory cannot, but
         # the copy is what travels to the worker anyway.)
@@ -271,7 +290,7 @@ class FunctionalCache:
         from paella.dispatcher.devices.sim.effect_workers import InlineEffects, submit_or_fail
         target = bundle if isinstance(self.effects, InlineEffects) else BundleRef.of(bundle)
         answer.future = submit_or_fail(self.effects, bundle_outputs, target, variant,
-                                       answer.inputs)
+                                       answer.inputs, bound=bound)
 
     def _log_compute(self, name: str, answer: "Answer") -> None:
         held = self._log.admit()             # (a client sending new inputs in a loop

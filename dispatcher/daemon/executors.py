@@ -169,6 +169,9 @@ class DispatcherExecutor:
         self.stage = BatchingStage(self.disp, stage_instruments)
         self._next_vid = self.VARIANT_IDS
         self.stage.new_model_id = self._new_vid      # schedulers' internal models
+        #: Client model ids whose new inputs are refused at their job's start when the
+        #: answer workers' queue is full, not at admission (see register_variants).
+        self._asks_ahead: set[int] = set()
 
     def _new_vid(self) -> int:
         vid = self._next_vid
@@ -211,6 +214,17 @@ class DispatcherExecutor:
                                        ModelVariants(name, tuple(s.spec for s in served.values())),
                                        config.batcher_options)
             self.stage.add_model(model_id, ServedModel(name, batcher.model, served, batcher))
+            # A compiled model (not cut into stages, whose jobs bind their own buffers)
+            # whose every variant asks for a new input's answer before its job starts
+            # (Dispatcher._await_answer): a full queue of the answer workers refuses only
+            # its new inputs, there; its cached ones are served. The others are refused
+            # at admission while it is full (_overloaded).
+            if served and all(self.disp.models[sv.model_id].answer_ahead is not None
+                              and getattr(v, "stage", -1) < 0
+                              for v, sv in zip(bundle.variants, served.values())):
+                self._asks_ahead.add(model_id)
+            else:
+                self._asks_ahead.discard(model_id)
         except BaseException:
             # Not served (the previous version stays): what it registered goes, or every
             # SIGHUP that tries this bundle again would leave another copy behind.
@@ -222,11 +236,12 @@ class DispatcherExecutor:
     def remove_model(self, model_id: int) -> None:
         """Serve ``model_id`` no more (its folder left the repository): its requests
         finish, then its variants are freed."""
+        self._asks_ahead.discard(model_id)
         self.stage.remove_model(model_id)
 
     def submit(self, req: Request) -> None:
         if req.model_id in self.stage.models:
-            if self._effects_full():
+            if req.model_id not in self._asks_ahead and self._effects_full():
                 self._overloaded(req)
                 return
             self.stage.submit(req)
@@ -242,10 +257,8 @@ class DispatcherExecutor:
         return bound is not None and effects.queued >= bound
 
     def _overloaded(self, req: Request) -> None:
-        effects = self.device.effects
-        # (Short: a client sees the first 120 bytes of a reason.)
-        error = (f"overloaded: {effects.queued} answers wait for the CPU workers; retry later "
-                 f"(or raise [daemon] effect_queue)")
+        from paella.dispatcher.devices.sim.effect_workers import overloaded_reason
+        error = overloaded_reason(self.device.effects)
         req.status, req.error = rings.E_FAILED, error
         req.on_complete(req, rings.E_FAILED, error)
         instruments = self.stage.instruments

@@ -184,17 +184,52 @@ def test_a_full_queue_refuses_as_overloaded_and_answers_each_once(tmp_path, mlp,
     for seed in range(6):
         x = fresh(10 + seed)
         xs[submit(c, x)] = x
-        time.sleep(0.15)             # (each one's first kernel sends it to the queue)
+        time.sleep(0.15)             # (each one's job sends it to the queue)
+    # The queue is full now: an input the daemon has answered before (the warm-up's
+    # zeros) is still served; only new ones are refused.
+    zeros = np.zeros(X_SHAPE, np.float32)
+    cached = submit(c, zeros)
+    xs[cached] = zeros
     got = read_all(c)
     assert sorted(got) == sorted(xs) and all(len(v) == 1 for v in got.values()), got
+    assert got[cached] == [rings.OK], got[cached]
     ok = [rid for rid, v in got.items() if v[0] == rings.OK]
     refused = [v[0] for v in got.values() if v[0] != rings.OK]
-    assert len(ok) >= 2 and refused, got
+    assert len(ok) >= 3 and refused, got
     for rid in ok:
         np.testing.assert_array_equal(output_of(c, rid), reference(xs[rid]))
     for status, reason in refused:
         assert status == rings.E_FAILED and reason.startswith("overloaded"), reason
         assert "effect_queue" in reason
+    c.close()
+    assert dp.stop() == 0
+
+
+def test_a_model_loaded_while_the_queue_is_full_is_served(tmp_path, mlp, reference,
+                                                           fresh_daemon):
+    """A model's warm-up (its profiling input's answer) goes past a full queue: clients
+    keeping the workers busy cannot make a LOAD or a reload fail."""
+    import shutil
+
+    from paella.client import repository
+    repo = repo_with(tmp_path, mlp, "tiny_mlp")
+    conf = tmp_path / "paella.toml"
+    conf.write_text("[daemon]\neffect_workers = 1\neffect_queue = 1\n")
+    dp = fresh_daemon("--config", str(conf), "--models", str(repo), "--no-noop",
+                      env={"PAELLA_SIM_EFFECT_FAULT": "delay:3"})
+    c = connect(dp.socket)
+    for seed in range(3):
+        submit(c, fresh(20 + seed))
+    wait_for(lambda: effects_status(dp)["queued"] >= 1, 10, "the queue never filled", dp)
+    # (one computing for 3 s, one waiting: the queue is full while the load warms up)
+    shutil.copytree(mlp, repo / "second")
+    repository.load("second", dp.socket, timeout=60)
+    zeros = np.zeros(X_SHAPE, np.float32)
+    with connect(dp.socket) as other:
+        np.testing.assert_array_equal(other.infer("second", {"x": zeros}, timeout=30)["output0"],
+                                      reference(zeros))
+    got = read_all(c)
+    assert len(got) == 3 and all(len(v) == 1 for v in got.values()), got
     c.close()
     assert dp.stop() == 0
 

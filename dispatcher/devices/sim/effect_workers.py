@@ -93,6 +93,21 @@ class EffectQueueFull(RuntimeError):
     """:meth:`EffectWorkers.submit` refused a task: ``max_queue`` tasks are waiting."""
 
 
+class Overloaded(RuntimeError):
+    """A request refused because the answer workers' queue is full; its text is what
+    the client is told (:func:`overloaded_reason`), and ``refusal`` says so to the
+    dispatcher, which fails the job with it as is."""
+
+    refusal = True
+
+
+def overloaded_reason(effects: Any) -> str:
+    """What a client refused for a full queue is told. (Short: a client sees the first
+    120 bytes of a reason.)"""
+    return (f"overloaded: {effects.queued} answers wait for the CPU workers; retry later "
+            f"(or raise [daemon] effect_queue)")
+
+
 def default_workers() -> int:
     """How many worker processes a daemon starts when not told: one core fewer than the
     machine has, because the dispatcher's loop owns one (pinned, under SCHED_FIFO, it
@@ -102,12 +117,13 @@ def default_workers() -> int:
     return max(1, min(4, (os.cpu_count() or 2) - 1))
 
 
-def submit_or_fail(effects: Any, fn: Callable[..., Any], *args: Any) -> Future:
+def submit_or_fail(effects: Any, fn: Callable[..., Any], *args: Any, bound: bool = True) -> Future:
     """``effects.submit(fn, *args)``, or a future already failed with the pool's reason
     when it refuses (its queue is full, or it stopped): the request that wanted the
-    answer fails with that reason through the same path as any other failure."""
+    answer fails with that reason through the same path as any other failure.
+    ``bound=False``: past a full queue (a model's warm-up)."""
     try:
-        return effects.submit(fn, *args)
+        return effects.submit(fn, *args, bound=bound) if not bound else effects.submit(fn, *args)
     except RuntimeError as e:
         f: Future = Future()
         f.set_exception(e)
@@ -313,10 +329,11 @@ class EffectWorkers:
             self._wanted = True
             self._wake()
 
-    def submit(self, fn: Callable[..., Any], *args: Any) -> Future:
+    def submit(self, fn: Callable[..., Any], *args: Any, bound: bool = True) -> Future:
         """Queue ``fn(*args)`` for a worker; the future completes with its value or with
         :class:`EffectFailed`. Raises :class:`EffectQueueFull` when ``max_queue`` tasks
-        are waiting, RuntimeError after :meth:`close`."""
+        are waiting (unless ``bound`` is False: a model's warm-up at a reload, which the
+        clients' new inputs must not make fail), RuntimeError after :meth:`close`."""
         if self._thread is None:
             self.start()
         future: Future = Future()
@@ -325,9 +342,9 @@ class EffectWorkers:
                 raise RuntimeError("the effect workers are closed (the daemon is stopping)")
             if self._broken is not None:
                 raise RuntimeError(self._broken)
-            if len(self._queue) >= self.max_queue:
+            if bound and len(self._queue) >= self.max_queue:
                 self._drop_cancelled()
-            if len(self._queue) >= self.max_queue:
+            if bound and len(self._queue) >= self.max_queue:
                 raise EffectQueueFull(
                     f"{len(self._queue)} tasks are already waiting for the {self.n} effect "
                     f"worker(s), the most allowed (max_queue; the daemon's [daemon] "
@@ -676,7 +693,7 @@ class InlineEffects:
     def start(self) -> None:
         """Nothing to start."""
 
-    def submit(self, fn: Callable[..., Any], *args: Any) -> Future:
+    def submit(self, fn: Callable[..., Any], *args: Any, bound: bool = True) -> Future:
         if self._closed:
             raise RuntimeError("the effects are closed (the daemon is stopping)")
         future: Future = Future()
