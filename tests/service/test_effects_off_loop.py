@@ -89,6 +89,16 @@ def wait_for(cond, timeout: float, what: str, dp) -> None:
         time.sleep(0.02)
 
 
+def configured_daemon(tmp_path, mlp, fresh_daemon, settings: str, fault: str):
+    """A daemon serving the tiny MLP with ``[daemon]`` ``settings`` and the workers'
+    ``fault`` (PAELLA_SIM_EFFECT_FAULT); returns it and its repository."""
+    repo = repo_with(tmp_path, mlp, "tiny_mlp")
+    conf = tmp_path / "paella.toml"
+    conf.write_text(f"[daemon]\n{settings}\n")
+    return fresh_daemon("--config", str(conf), "--models", str(repo), "--no-noop",
+                        env={"PAELLA_SIM_EFFECT_FAULT": fault}), repo
+
+
 @pytest.mark.parametrize("release", [(), ("--lookahead", "3"), ("--policy", "ms-jbj"),
                                      ("--policy", "fifo")],
                          ids=["lookahead-1", "lookahead-3", "eager-ms-jbj", "one-stream-fifo"])
@@ -151,13 +161,10 @@ def test_a_crashing_worker_fails_only_its_request(tmp_path, mlp, reference, fres
 
 
 def test_a_hanging_worker_is_killed_at_its_deadline(tmp_path, mlp, reference, fresh_daemon):
-    repo = repo_with(tmp_path, mlp, "tiny_mlp")
-    conf = tmp_path / "paella.toml"
     # (Not less: a worker's first task, the warm-up at load, imports TVM and loads the
     # bundle, seconds on a busy machine; it runs under the same deadline.)
-    conf.write_text("[daemon]\neffect_deadline_seconds = 10.0\n")
-    dp = fresh_daemon("--config", str(conf), "--models", str(repo), "--no-noop",
-                      env={"PAELLA_SIM_EFFECT_FAULT": "hang"})
+    dp, _ = configured_daemon(tmp_path, mlp, fresh_daemon, "effect_deadline_seconds = 10.0",
+                              "hang")
     c = connect(dp.socket)
     t0 = time.monotonic()
     with pytest.raises(RequestFailed) as e:
@@ -174,11 +181,8 @@ def test_a_hanging_worker_is_killed_at_its_deadline(tmp_path, mlp, reference, fr
 
 def test_a_full_queue_refuses_as_overloaded_and_answers_each_once(tmp_path, mlp, reference,
                                                                  fresh_daemon):
-    repo = repo_with(tmp_path, mlp, "tiny_mlp")
-    conf = tmp_path / "paella.toml"
-    conf.write_text("[daemon]\neffect_workers = 1\neffect_queue = 1\n")
-    dp = fresh_daemon("--config", str(conf), "--models", str(repo), "--no-noop",
-                      env={"PAELLA_SIM_EFFECT_FAULT": "delay:1.5"})
+    dp, _ = configured_daemon(tmp_path, mlp, fresh_daemon,
+                              "effect_workers = 1\neffect_queue = 1", "delay:1.5")
     c = connect(dp.socket)
     xs = {}
     for seed in range(6):
@@ -212,11 +216,8 @@ def test_a_model_loaded_while_the_queue_is_full_is_served(tmp_path, mlp, referen
     import shutil
 
     from paella.client import repository
-    repo = repo_with(tmp_path, mlp, "tiny_mlp")
-    conf = tmp_path / "paella.toml"
-    conf.write_text("[daemon]\neffect_workers = 1\neffect_queue = 1\n")
-    dp = fresh_daemon("--config", str(conf), "--models", str(repo), "--no-noop",
-                      env={"PAELLA_SIM_EFFECT_FAULT": "delay:3"})
+    dp, repo = configured_daemon(tmp_path, mlp, fresh_daemon,
+                                 "effect_workers = 1\neffect_queue = 1", "delay:3")
     c = connect(dp.socket)
     for seed in range(3):
         submit(c, fresh(20 + seed))
