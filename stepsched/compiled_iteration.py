@@ -30,8 +30,9 @@ from __future__ import annotations
 import math
 import os
 import sys
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import numpy as np
 
@@ -230,11 +231,25 @@ class IterationKernels:
             m = gpt_iteration(self.cfg, t, s)
             m.batch, m.seq_len = t, s
             self.progress(f"the GPT iteration for {t} tokens over {s} slots (built, or from the cache)")
-            path = compile_bundle([m], self.out / f"gpt_d{self.cfg.d}_t{t}_s{s}", timing_only=True,
-                                  cache_dir=self.cache_dir)
-            sk = self._kernels[key] = tagged(from_bundle(load_bundle(path), 0), f"t{t}_s{s}")
+            name = f"gpt_d{self.cfg.d}_t{t}_s{s}"
+            # Processes sharing ``out`` (the experiment's workers) build and install each
+            # variant one at a time: the second finds the first's bundle up to date.
+            with _locked(self.out / f".{name}.lock"):
+                path = compile_bundle([m], self.out / name, timing_only=True, cache_dir=self.cache_dir)
+                bundle = load_bundle(path)
+            sk = self._kernels[key] = tagged(from_bundle(bundle, 0), f"t{t}_s{s}")
             self.compiled += 1
         return sk
+
+
+@contextmanager
+def _locked(path: Path) -> Iterator[None]:
+    """An exclusive lock on ``path`` (made if missing) between processes, held inside."""
+    import fcntl
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        yield
 
 
 def tagged(sk: StepKernels, tag: str) -> StepKernels:

@@ -68,14 +68,18 @@ class Stream:
 
 class GenerationEngine:
     """Generations served through ``ctx``, a scheduler context (the daemon's, or one
-    built on a dispatcher in virtual time: ``stage.scheduler_context``)."""
+    built on a dispatcher in virtual time: ``stage.scheduler_context``).
+
+    ``plans``: each iteration a job of its kernels' launch plan, replayed by the
+    dispatcher (:mod:`.runtime`'s replayed steps: the same times, far less Python per
+    kernel); timing only, without preemption (the experiments in virtual time)."""
 
     def __init__(self, ctx: SchedulerContext, cfg: GPTConfig, *, max_bs: int, n_slots: int,
                  weights: dict[str, np.ndarray] | None = None, name: str = "gpt",
                  priorities: bool = False, fairness_threshold: float | None = None,
                  preempt: bool = False, n_workers: int = 1, cpu_scale: float = 0.0,
                  seed: int | None = None, compiled: "CompiledIteration | None" = None,
-                 iteration_kernels: "IterationKernels | None" = None):
+                 iteration_kernels: "IterationKernels | None" = None, plans: bool = False):
         self.ctx, self.cfg = ctx, cfg
         self.weights = weights
         #: The compiled iteration (:mod:`.compiled_iteration`): its kernels time every
@@ -85,6 +89,9 @@ class GenerationEngine:
         #: Timing only: the compiled iteration's kernels, compiled per bucket as met.
         self.iteration_kernels = iteration_kernels
         functional = weights is not None or compiled is not None
+        if plans and (functional or preempt):
+            raise ValueError("replayed iterations (plans=True) are timing only, without "
+                             "preemption: no weights, no compiled iteration, preempt=False")
         # Where the iterations' tokens are computed: the device's effect workers when the
         # weights can be made there (their seed) and the device has workers (the
         # daemon); else in this process, at the iteration's submission (virtual time: the
@@ -103,7 +110,7 @@ class GenerationEngine:
                                    client_of=lambda r: r.user,
                                    effect=self._effect if functional else None,
                                    pending=self._pending if functional else None,
-                                   on_task_done=self._after, cpu_scale=cpu_scale)
+                                   on_task_done=self._after, cpu_scale=cpu_scale, plans=plans)
         self.kv_ptr = None
         self.functional = functional
         #: A real GPU runs the compiled iteration (:meth:`_job`): the KV cache is host

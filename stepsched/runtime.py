@@ -27,6 +27,19 @@ the caller builds one on its dispatcher
 steps it. The runtime uses the clock, registering a model, submitting a job for
 clients, and device memory.
 
+Replayed steps (``plans=True``): each task runs instead as a job of a launch plan made
+of its kernel list (:meth:`StepRuntime._plan_model`: one dispatcher model per distinct
+list, registered through the context on first use), which the dispatcher replays with no
+greenlet, and its kernel core with no Python per kernel when the dispatcher runs one
+(``Dispatcher(kernel_core="auto")``: no step adaptor is registered then, which would take
+it off its core). The GPU sees the same launches in the same order, so in virtual time
+the steps end at the same instants (tests/stepsched/test_orca_replay.py: the orca
+experiment's points come out bit for bit the same either way); what differs is the
+dispatcher's bookkeeping: each kernel list is a model of its own, with its own kernel
+statistics for SRPT (the step adaptor's steps share one model's), and a list met once
+costs its registration. Timing-only steps: no functional effect and no copies (a
+preempting engine's swaps need the step adaptor).
+
 Host cost: with ``cpu_scale`` > 0 the CPU time the step scheduler spends forming a round
 of tasks (``time.thread_time`` around the policy) delays their submission by that much
 virtual time, times ``cpu_scale``, split evenly over the round's tasks (the GPU runs the
@@ -140,7 +153,7 @@ class StepRuntime:
                  effect: Callable[[Any, Callable], None] | None = None,
                  pending: Callable[[Any], Any] | None = None,
                  on_task_done: Callable[[Any, list], None] | None = None,
-                 cpu_scale: float = 0.0):
+                 cpu_scale: float = 0.0, plans: bool = False):
         self.ctx = ctx
         self.policy = policy
         self.kernels_for = kernels_for
@@ -155,7 +168,14 @@ class StepRuntime:
         self.queues = [deque() for _ in range(n_workers)]
         self.busy = [False] * n_workers
         self.adaptor = StepAdaptor(name, self)
-        self.model_id = self.ctx.register_model(name, self.adaptor, profile_runs=0)
+        #: Replayed steps (the module docstring), their models by kernel list name.
+        self.plans = plans
+        if plans and effect is not None:
+            raise ValueError(f"step runtime {name!r}: replayed steps (plans=True) are timing "
+                             f"only; a functional effect needs the step adaptor (plans=False)")
+        self._plan_models: dict[str, int] = {}
+        #: The step adaptor's model (-1 with replayed steps: none registered).
+        self.model_id = -1 if plans else self.ctx.register_model(name, self.adaptor, profile_runs=0)
         self.finished: dict[Any, float] = {}
         self.stats = StepStats()
         self._running: dict[int, _InFlight] = {}
@@ -225,11 +245,31 @@ class StepRuntime:
         st.padded_cells += getattr(task, "padded_cells", 0)
         if self.job_for is not None:
             model_id, io = self.job_for(task)
+        elif self.plans:
+            model_id, io = self._plan_model(sk), np.zeros(StepAdaptor.io_bytes, np.uint8)
         else:
             model_id, io = self.model_id, np.zeros(8, np.uint8)
             io.view(np.int64)[0] = tid
         self.ctx.submit(model_id, io, [self.client_of(r) for r in reqs],
                          lambda status, err, tid=tid: self._task_done(tid, status))
+
+    def _plan_model(self, sk: StepKernels) -> int:
+        """The dispatcher model whose launch plan is ``sk``'s launches, in order (one
+        stream, as the step adaptor launches them), registered on first use: ``sk.name``
+        names one kernel list (as for the step adaptor's modules)."""
+        if sk.copies:
+            raise ValueError(f"step runtime {self.adaptor.name!r}: step {sk.name!r} copies "
+                             f"{len(sk.copies)} buffer(s) (a swap), which replayed steps "
+                             f"(plans=True) do not; use the step adaptor (plans=False)")
+        mid = self._plan_models.get(sk.name)
+        if mid is None:
+            from paella.dispatcher.adaptor import Plan, PlanAdaptor, PlanOp
+            ops = [PlanOp("launch", kernel=ln.kernel, grid=ln.grid, block=ln.block, dyn_smem=ln.dyn_smem)
+                   for ln in sk.launches]
+            plan = Plan(sk.name, sk.kernels, ops, io_bytes=StepAdaptor.io_bytes)
+            mid = self._plan_models[sk.name] = self.ctx.register_model(
+                sk.name, PlanAdaptor(plan), profile_runs=0)
+        return mid
 
     def _pending(self, tid: int) -> Any:
         run = self._running.get(tid)
@@ -288,7 +328,10 @@ class _DelayedTasks:
         return self.runtime.active
 
     def step(self) -> None:
-        self.runtime.release_delayed()
+        # (Called at every iteration of the driver's loop: nothing to do, the usual case,
+        # costs one attribute test.)
+        if self.runtime._delayed:
+            self.runtime.release_delayed()
 
     def deadline(self) -> float | None:
         delayed = self.runtime._delayed
