@@ -36,6 +36,7 @@ import logging
 import operator
 import time
 from collections import deque
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, Callable, TypeVar
 
@@ -127,9 +128,14 @@ class Model:
     # of a less urgent class than the most urgent seen run; a twin names its model here.
     sliced: "Model | None" = None
     parent: "Model | None" = None
-    # Its adaptor's ``answer_ahead(io) -> Future | None`` (None: it has none): on the
-    # simulated GPU, a job whose answer is new waits for it before it takes anything.
+    # Its adaptor's ``answer_ahead(io)`` (None: it has none): on the simulated GPU, a
+    # job whose answer is new waits for it before it takes anything (a Future); a hint
+    # otherwise, handed back with the job's buffer set (``adaptor.answer_bound``).
     answer_ahead: Any = None
+
+
+#: :meth:`Dispatcher._ask_ahead`: the job waits for its answer.
+_WAITS = object()
 
 
 def _no_wake() -> None:
@@ -841,9 +847,11 @@ class Dispatcher:
         while arrivals:
             job = arrivals.popleft()
             ahead = job.model.answer_ahead
-            if ahead is not None and not job.answered and job.bindings is None \
-                    and self._await_answer(job, ahead):
-                continue
+            hint = None
+            if ahead is not None and not job.answered and job.bindings is None:
+                hint = self._ask_ahead(job, ahead)
+                if hint is _WAITS:
+                    continue
             pool = job.model.pool
             if pool is not None and job.bindings is None:
                 try:
@@ -855,6 +863,8 @@ class Dispatcher:
                     pool.waiting.append(job)
                     continue
                 job.bindings = bindings
+                if hint is not None:         # (what the lookup ahead found, to its kernels)
+                    job.model.adaptor.answer_bound(hint, bindings)
             replay = job.model.replay
             if self.core is None:
                 try:
@@ -879,23 +889,25 @@ class Dispatcher:
                 job.returned = True
             self._after_run(job)
 
-    def _await_answer(self, job: Job, ahead: Callable[[np.ndarray], Any]) -> bool:
+    def _ask_ahead(self, job: Job, ahead: Callable[[np.ndarray], Any]) -> Any:
         """The simulated GPU's answers off the loop (issue 37): ``ahead(job.io)`` starts
         computing the job's outputs from its host inputs when they are new and returns
-        the computation's future. Then the job waits here, holding nothing: no buffer
-        set, no stream, no kernel in the occupancy tracker, so every other job, on any
-        stream and under any policy (``fifo``'s one stream included), runs on. It starts
-        when its answer is in (or fails with the computation's failure). Its kernels
-        then find the answer cached; the device's own hold (``SimDevice._hold``) stays
-        for what this does not cover. Real time only in effect: with answers computed
-        in the loop's thread (virtual time) ``ahead`` returns None. True if it waits."""
+        the computation's future. Then the job waits here (returns ``_WAITS``), holding
+        nothing: no buffer set, no stream, no kernel in the occupancy tracker, so every
+        other job, on any stream and under any policy (``fifo``'s one stream included),
+        runs on. It starts when its answer is in (or fails with the computation's
+        failure). Its kernels then find the answer cached; the device's own hold
+        (``SimDevice._hold``) stays for what this does not cover. Otherwise ``ahead``
+        returns what its lookup found (returned here, for ``adaptor.answer_bound`` once
+        the job has its buffer set, so its kernels need not look again), or None (with
+        answers computed in the loop's thread, virtual time: nothing is asked ahead)."""
         try:
             future = ahead(job.io)
         except Exception:  # noqa: BLE001 - a hint only: the device's path decides
             log.exception("answer_ahead of model %r failed; the job runs as usual", job.model.name)
-            future = None
-        if future is None:
-            return False
+            return None
+        if not isinstance(future, Future):
+            return future
         self._answering[job] = future
         answered = self._answered
         device = self.device
@@ -904,7 +916,7 @@ class Dispatcher:
             answered.append(job)
             getattr(device, "effect_ready", _no_wake)()
         future.add_done_callback(done)
-        return True
+        return _WAITS
 
     def _take_answered(self) -> None:
         """The jobs whose answer came in start (in the order their answers came); one
