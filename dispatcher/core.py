@@ -36,7 +36,6 @@ import logging
 import operator
 import time
 from collections import deque
-from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, Callable, TypeVar
 
@@ -128,14 +127,9 @@ class Model:
     # of a less urgent class than the most urgent seen run; a twin names its model here.
     sliced: "Model | None" = None
     parent: "Model | None" = None
-    # Its adaptor's ``answer_ahead(io)`` (None: it has none): on the simulated GPU, a
-    # job whose answer is new waits for it before it takes anything (a Future); a hint
-    # otherwise, handed back with the job's buffer set (``adaptor.answer_bound``).
+    # Its adaptor's ``answer_ahead(io) -> Future | None`` (None: it has none): on the
+    # simulated GPU, a job whose answer is new waits for it before it takes anything.
     answer_ahead: Any = None
-
-
-#: :meth:`Dispatcher._ask_ahead`: the job waits for its answer.
-_WAITS = object()
 
 
 def _no_wake() -> None:
@@ -847,11 +841,9 @@ class Dispatcher:
         while arrivals:
             job = arrivals.popleft()
             ahead = job.model.answer_ahead
-            hint = None
-            if ahead is not None and not job.answered and job.bindings is None:
-                hint = self._ask_ahead(job, ahead)
-                if hint is _WAITS:
-                    continue
+            if ahead is not None and not job.answered and job.bindings is None \
+                    and self._await_answer(job, ahead):
+                continue
             pool = job.model.pool
             if pool is not None and job.bindings is None:
                 try:
@@ -863,8 +855,6 @@ class Dispatcher:
                     pool.waiting.append(job)
                     continue
                 job.bindings = bindings
-                if hint is not None:         # (what the lookup ahead found, to its kernels)
-                    job.model.adaptor.answer_bound(hint, bindings)
             replay = job.model.replay
             if self.core is None:
                 try:
@@ -889,25 +879,23 @@ class Dispatcher:
                 job.returned = True
             self._after_run(job)
 
-    def _ask_ahead(self, job: Job, ahead: Callable[[np.ndarray], Any]) -> Any:
+    def _await_answer(self, job: Job, ahead: Callable[[np.ndarray], Any]) -> bool:
         """The simulated GPU's answers off the loop (issue 37): ``ahead(job.io)`` starts
         computing the job's outputs from its host inputs when they are new and returns
-        the computation's future. Then the job waits here (returns ``_WAITS``), holding
-        nothing: no buffer set, no stream, no kernel in the occupancy tracker, so every
-        other job, on any stream and under any policy (``fifo``'s one stream included),
-        runs on. It starts when its answer is in (or fails with the computation's
-        failure). Its kernels then find the answer cached; the device's own hold
-        (``SimDevice._hold``) stays for what this does not cover. Otherwise ``ahead``
-        returns what its lookup found (returned here, for ``adaptor.answer_bound`` once
-        the job has its buffer set, so its kernels need not look again), or None (with
-        answers computed in the loop's thread, virtual time: nothing is asked ahead)."""
+        the computation's future. Then the job waits here, holding nothing: no buffer
+        set, no stream, no kernel in the occupancy tracker, so every other job, on any
+        stream and under any policy (``fifo``'s one stream included), runs on. It starts
+        when its answer is in (or fails with the computation's failure). Its kernels
+        then find the answer cached; the device's own hold (``SimDevice._hold``) stays
+        for what this does not cover. Real time only in effect: with answers computed
+        in the loop's thread (virtual time) ``ahead`` returns None. True if it waits."""
         try:
             future = ahead(job.io)
         except Exception:  # noqa: BLE001 - a hint only: the device's path decides
             log.exception("answer_ahead of model %r failed; the job runs as usual", job.model.name)
-            return None
-        if not isinstance(future, Future):
-            return future
+            future = None
+        if future is None:
+            return False
         self._answering[job] = future
         answered = self._answered
         device = self.device
@@ -916,7 +904,7 @@ class Dispatcher:
             answered.append(job)
             getattr(device, "effect_ready", _no_wake)()
         future.add_done_callback(done)
-        return _WAITS
+        return True
 
     def _take_answered(self) -> None:
         """The jobs whose answer came in start (in the order their answers came); one

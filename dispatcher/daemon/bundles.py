@@ -122,8 +122,7 @@ class FunctionalCache:
     def _same(a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> bool:
         return all(np.array_equal(_words(a[k]), _words(b[k])) for k in a)
 
-    def begin(self, name: str, bundle, inputs: dict[str, np.ndarray], variant: int = 0,
-              key: tuple | None = None) -> "Answer":
+    def begin(self, name: str, bundle, inputs: dict[str, np.ndarray], variant: int = 0) -> "Answer":
         """Start on ``inputs`` (views of device memory that nothing changes until the
         request's outputs are copied back): an input under a key nothing is cached under
         is sent to be computed at once; otherwise its comparison with the cached inputs
@@ -134,14 +133,8 @@ class FunctionalCache:
         input is in device memory and collects it when the model's last kernel is
         launched (:func:`~paella.dispatcher.devices.sim.functional.model_effects`), so
         the compare (100-150 us of memory traffic with cold caches) and any computation
-        run elsewhere while the kernels run, off the dispatcher loop.
-
-        ``key``: the inputs' key as :meth:`ahead` computed it from the job's host inputs,
-        which its input copies brought here (saves the digest). One that is not theirs
-        (the client rewrote them in between, a stale seed) costs only a miss: a hit is
-        always confirmed by comparing the whole input."""
-        if key is None:
-            key = self._key(name, inputs)
+        run elsewhere while the kernels run, off the dispatcher loop."""
+        key = self._key(name, inputs)
         with self._lock:
             candidates = list(self._entries.get(key, ()))
         answer = Answer(key, candidates, None)
@@ -194,10 +187,9 @@ class FunctionalCache:
         slot: ``Dispatcher._await_answer``): start computing ``inputs``' answer when
         nothing is cached under their key. Returns the computation's future (the
         dispatcher keeps the job back until it is done; its outputs are cached by then,
-        so the job's own lookup at its kernels hits); else, a likely hit, the inputs' key
-        (which the job's kernels then take instead of computing it again:
-        :meth:`begin`'s ``key``); None with answers computed in this thread (virtual
-        time). A job with the same new input as one being computed shares its future.
+        so the job's own lookup at its kernels hits), else None: a likely hit, or answers
+        computed in this thread (virtual time), both left to the device's path. A job
+        with the same new input as one being computed shares its future.
 
         ``inputs`` are the job's host inputs (views of its io), which its input copies
         will carry to the device. A client that rewrites them meanwhile only makes its
@@ -208,7 +200,7 @@ class FunctionalCache:
         key = self._key(name, inputs)
         with self._lock:
             if key in self._entries:
-                return key
+                return None
             for seen, future in self._ahead.get(key, ()):
                 if self._same(inputs, seen):
                     return future
@@ -436,7 +428,7 @@ def functional_adaptor(bundle, name: str, cache: FunctionalCache | None = None,
     the plan as on any backend (the path the benchmarks measure).
     """
     from paella.dispatcher.adaptor import BufferArg, plan_from_bundle
-    from paella.dispatcher.devices.sim.functional import MAX_STARTED, model_effects
+    from paella.dispatcher.devices.sim.functional import model_effects
 
     v = bundle.variants[variant]
     cache = cache or FunctionalCache()
@@ -449,16 +441,13 @@ def functional_adaptor(bundle, name: str, cache: FunctionalCache | None = None,
     # The cache's lookup starts at the first kernel after the input copies (a first-seen
     # input is sent to be computed then), the last kernel's launch waits for the answer
     # (the device holds it back meanwhile) and its effect writes it: see
-    # FunctionalCache.begin. Asked ahead (``ahead`` below), the start takes the key the
-    # dispatcher's lookup computed instead of computing it again (``seeds``).
-    asks_ahead = answers_at_launch and early_lookup
-    seeds: dict[tuple, Any] = {}
+    # FunctionalCache.begin.
     effect, start = model_effects(
-        v.inputs, v.outputs, lambda x, seed=None: cache.begin(key, bundle, x, variant, seed),
+        v.inputs, v.outputs, lambda x: cache.begin(key, bundle, x, variant),
         lambda x, started: cache.finish(key, bundle, x, variant, started),
         len(launches[-1].args),
         prepare=(lambda x, started: cache.prepare(key, bundle, x, variant, started))
-        if answers_at_launch else None, seeds=seeds if asks_ahead else None)
+        if answers_at_launch else None)
     operands = [BufferArg(str(t.buffer), t.buffer_offset) for t in (*v.inputs, *v.outputs)]
     start_operands = operands[:len(v.inputs)]
 
@@ -474,19 +463,9 @@ def functional_adaptor(bundle, name: str, cache: FunctionalCache | None = None,
             return None                      # (another layout, or virtual time: the device's)
         return cache.ahead(key, bundle, host_inputs(io), variant)
 
-    def bound(hint: Any, bindings: Any) -> None:
-        ptrs_of = getattr(bindings, "ptrs", None)
-        if ptrs_of is None:
-            return
-        ptrs = tuple(ptrs_of[a.buffer] + a.offset for a in start_operands)
-        seeds.pop(ptrs, None)                # (a stale one: that set's previous job's)
-        if len(seeds) >= MAX_STARTED:        # (jobs cancelled before their start ran)
-            del seeds[next(iter(seeds))]
-        seeds[ptrs] = hint
-
     return FunctionalBundleAdaptor(plan.with_effect(effect, operands, start if early_lookup else None,
                                                     start_operands), warm,
-                                   ahead if asks_ahead else None, bound)
+                                   ahead if answers_at_launch else None)
 
 
 class FunctionalBundleAdaptor(PlanAdaptor):
@@ -497,21 +476,12 @@ class FunctionalBundleAdaptor(PlanAdaptor):
     which only the cyclic collector frees, and the daemon freezes its heap after a
     reload (system.freeze_new_objects), so a retired version would never go."""
 
-    def __init__(self, plan, warm: Callable[[], None], ahead: Callable[[np.ndarray], Any] | None = None,
-                 bound: Callable[[Any, Any], None] | None = None):
+    def __init__(self, plan, warm: Callable[[], None], ahead: Callable[[np.ndarray], Any] | None = None):
         super().__init__(plan)
         self._warm = warm
-        #: ``answer_ahead(io)``: the dispatcher asks it before a job takes any device
-        #: resource (``FunctionalCache.ahead``: a future to wait for, or the input's key);
-        #: None: never asked.
+        #: ``answer_ahead(io) -> Future | None``: the dispatcher asks it before a job
+        #: takes any device resource (``FunctionalCache.ahead``); None: never asked.
         self.answer_ahead = ahead
-        self._bound = bound
-
-    def answer_bound(self, hint: Any, bindings: Any) -> None:
-        """The job whose lookup ahead gave ``hint`` (its input's key) has ``bindings``:
-        the start of its kernels takes the key from there, not from its bytes again."""
-        if self._bound is not None:
-            self._bound(hint, bindings)
 
     def warm(self) -> None:
         """Off the loop, before registration: load the CPU build and answer the

@@ -144,35 +144,3 @@ def test_a_failed_answer_fails_its_job_alone_and_a_waiting_job_can_be_cancelled(
     submit(bundle, d, mid, 3, np.zeros((2, 16), np.float32), done)
     drive(d, dev, lambda: 3 in done)
     assert done[3][:2] == (STATUS_OK, None)
-
-
-def test_a_cached_input_is_digested_once_and_a_stale_key_still_answers_right(bundle, monkeypatch):
-    """The lookup ahead hands its key to the kernels' own lookup (one digest per
-    request, not two); a client that rewrites its input after submitting it gets the
-    answer of what its input copy carried, not of the key computed before."""
-    d, dev, effects, mid = served(bundle, "paella")
-    calls = []
-    key_of = FunctionalCache._key
-    monkeypatch.setattr(FunctionalCache, "_key",
-                        staticmethod(lambda name, inputs: calls.append(name) or key_of(name, inputs)))
-    done: dict = {}
-    zeros = np.zeros((2, 16), np.float32)
-    for i in range(3):
-        submit(bundle, d, mid, i, zeros, done)
-    drive(d, dev, lambda: len(done) == 3)
-    assert len(calls) == 3                       # once per request, ahead of its job
-    assert all(done[i][:2] == (STATUS_OK, None) for i in range(3))
-    # Rewritten between the lookup ahead (zeros: cached) and its input copy.
-    effects.auto = True                          # (its answer is new: computed here)
-    x = fresh(11)
-    submit(bundle, d, mid, 9, zeros, done)
-    d.step()                                     # looked up ahead, admitted
-    assert d.answers_awaited == 0
-    (job,) = d.jobs
-    t = bundle.variants[0].inputs[0]
-    job.io[t.offset:t.offset + t.nbytes] = x.view(np.uint8).reshape(-1)
-    drive(d, dev, lambda: 9 in done)
-    st, err, io = done[9]
-    assert (st, err) == (STATUS_OK, None)
-    np.testing.assert_array_equal(bundle.unpack_outputs(io)["output0"],
-                                  bundle.run_cpu({"x": x})["output0"])

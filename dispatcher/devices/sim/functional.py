@@ -62,7 +62,6 @@ def model_effects(inputs: Sequence[Any], outputs: Sequence[Any],
                   compute: Callable[[dict[str, np.ndarray], Any], dict[str, np.ndarray]],
                   own_args: int, *,
                   prepare: Callable[[dict[str, np.ndarray], Any], tuple[Any, Any]] | None = None,
-                  seeds: dict[tuple, Any] | None = None,
                   ) -> tuple[KernelEffect, Callable[[int], KernelEffect]]:
     """A model's effect in two parts. ``end`` (for the last kernel, as
     :func:`model_effect`) passes ``compute(inputs, started)`` what ``begin(inputs)``
@@ -86,14 +85,7 @@ def model_effects(inputs: Sequence[Any], outputs: Sequence[Any],
     launches it sooner: the device then asks when a gate ahead of it reaches the
     stream's head; SimDevice._prepare_effect). When the start has not run yet at that
     point (a plan whose start kernel is on another stream), the kernel is held on a
-    placeholder the start completes.
-
-    ``seeds`` (optional, the caller's): input pointers -> what the caller already knows
-    of the input those buffers are about to receive (the dispatcher's lookup ahead of
-    the job, :meth:`~paella.dispatcher.daemon.bundles.FunctionalCache.ahead`); the start
-    then calls ``begin(inputs, seed)`` (the seed popped, None without one), else
-    ``begin(inputs)``. A seed only saves work: ``begin`` must still give the right
-    answer for the inputs it reads whatever the seed (a stale one included)."""
+    placeholder the start completes."""
     n_in = len(inputs)
     want_end = own_args + n_in + len(outputs)
     started: dict[tuple, Any] = {}
@@ -120,10 +112,7 @@ def model_effects(inputs: Sequence[Any], outputs: Sequence[Any],
             if len(args) != start_own_args + n_in:
                 return                       # a launch of this kernel without the operands
             ptrs = tuple(args[start_own_args:])
-            if seeds is None:
-                remember(ptrs, begin(values(view, ptrs)))
-            else:
-                remember(ptrs, begin(values(view, ptrs), seeds.pop(ptrs, None)))
+            remember(ptrs, begin(values(view, ptrs)))
             placeholder = waiting.pop(ptrs, None)
             if placeholder is not None and prepare is not None:
                 # The last kernel was launched before this start ran (released ahead):
