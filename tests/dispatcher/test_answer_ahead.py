@@ -144,3 +144,32 @@ def test_a_failed_answer_fails_its_job_alone_and_a_waiting_job_can_be_cancelled(
     submit(bundle, d, mid, 3, np.zeros((2, 16), np.float32), done)
     drive(d, dev, lambda: 3 in done)
     assert done[3][:2] == (STATUS_OK, None)
+
+
+def test_the_lookup_ahead_counts_cached_inputs_by_a_coarse_key(bundle):
+    """``ahead`` decides a likely hit on a coarse key (AHEAD_SAMPLE_BYTES sampled bytes),
+    counted per cached input as entries come and go; only a new input's job waits."""
+    from paella.dispatcher.daemon.bundles import AHEAD_SAMPLE_BYTES
+    effects = HandDriven()
+    effects.auto = False
+    n = 16384                                    # 64 KiB of float32: 256-byte steps
+    out = {"y": np.zeros(4, np.float32)}
+    cache = FunctionalCache(max_bytes=n * 4 + 16, effects=effects)   # room for one entry
+    x = np.zeros(n, np.float32)
+    cache._insert(cache._key("m", {"x": x}), {"x": x.copy()}, out)
+    assert len(cache._coarse) == 1
+    assert cache.ahead("m", bundle, {"x": x}) is None             # cached: a likely hit
+    crafted = x.copy()
+    crafted.view(np.uint8)[4] = 1                # byte 4: between two sampled bytes
+    assert (n * 4) // AHEAD_SAMPLE_BYTES > 8
+    assert cache.ahead("m", bundle, {"x": crafted}) is None       # passes as one (documented)
+    new = x.copy()
+    new.view(np.uint8)[0] = 1                    # byte 0: sampled
+    f = cache.ahead("m", bundle, {"x": new})
+    assert isinstance(f, Future) and not f.done() and len(effects.waiting) == 1
+    assert cache.ahead("m", bundle, {"x": new.copy()}) is f       # the same new input: shared
+    # Another input evicts x (room for one): x is new again, the counts follow.
+    y = np.full(n, 2.0, np.float32)
+    cache._insert(cache._key("m", {"y": y}), {"y": y.copy()}, out)
+    assert len(cache._coarse) == 1
+    assert isinstance(cache.ahead("m", bundle, {"x": x}), Future)
