@@ -63,8 +63,23 @@ KEY_SAMPLE_BYTES = 4096
 #: Distinct inputs kept under one key (see FunctionalCache): a lookup compares at most
 #: this many whole inputs.
 MAX_PER_KEY = 4
-#: Bytes of a job's host input the lookup ahead samples (FunctionalCache.ahead).
-AHEAD_SAMPLE_BYTES = 256
+#: The lookup ahead's coarse key (FunctionalCache.ahead): two runs of this many bytes
+#: of each input, at its start and at its middle (see coarse_spans).
+AHEAD_SPAN = 128
+
+
+def coarse_spans(nbytes: int) -> list[tuple[int, int]]:
+    """Where :meth:`FunctionalCache.ahead`'s coarse key reads an input of ``nbytes``:
+    ``[start, end)`` byte ranges (all of a small one)."""
+    if nbytes <= 2 * AHEAD_SPAN:
+        return [(0, nbytes)]
+    mid = nbytes // 2
+    return [(0, AHEAD_SPAN), (mid, mid + AHEAD_SPAN)]
+
+
+def coarse_digest(pieces: list) -> bytes:
+    """The coarse key's digest of ``pieces`` (uint8 arrays: every byte of each)."""
+    return _offload.digest(pieces, 1 << 30)
 
 
 class FunctionalCache:
@@ -101,6 +116,7 @@ class FunctionalCache:
         #: Where first-seen inputs are computed (``submit(fn, *args) -> Future``): in
         #: this thread unless the daemon gives its worker processes.
         self.effects = effects if effects is not None else InlineEffects()
+        self.off_loop = not isinstance(self.effects, InlineEffects)
         # key -> [(inputs, outputs), ...] (one entry per distinct input sharing the key)
         self._entries: OrderedDict[tuple, list] = OrderedDict()
         # key -> [(inputs, future), ...]: new inputs computed ahead of their jobs (ahead)
@@ -116,14 +132,25 @@ class FunctionalCache:
         self._lock = threading.Lock()
 
     @staticmethod
-    def _key(name: str, inputs: dict[str, np.ndarray], sample: int = KEY_SAMPLE_BYTES) -> tuple:
+    def _key(name: str, inputs: dict[str, np.ndarray]) -> tuple:
         names = sorted(inputs)
-        digest = _offload.digest([np.ascontiguousarray(inputs[k]) for k in names], sample)
+        digest = _offload.digest([np.ascontiguousarray(inputs[k]) for k in names],
+                                 KEY_SAMPLE_BYTES)
         return name, digest, tuple((k, inputs[k].dtype.str, inputs[k].shape) for k in names)
+
+    @staticmethod
+    def _coarse_key(name: str, inputs: dict[str, np.ndarray]) -> tuple:
+        """:meth:`ahead`'s key of ``inputs`` (those cached): the name and the
+        :func:`coarse_digest` of each input's :func:`coarse_spans`, by input name."""
+        pieces = []
+        for k in sorted(inputs):
+            b = np.ascontiguousarray(inputs[k]).reshape(-1).view(np.uint8)
+            pieces.extend(b[a:e] for a, e in coarse_spans(b.size))
+        return name, coarse_digest(pieces)
 
     def _count(self, name: str, inputs: dict[str, np.ndarray], n: int) -> None:
         """The cached inputs per coarse key (:meth:`ahead`'s), under the lock."""
-        ck = self._key(name, inputs, AHEAD_SAMPLE_BYTES)
+        ck = self._coarse_key(name, inputs)
         left = self._coarse.get(ck, 0) + n
         if left > 0:
             self._coarse[ck] = left
@@ -194,7 +221,8 @@ class FunctionalCache:
         answer.outputs = outs
         return outs
 
-    def ahead(self, name: str, bundle, inputs: dict[str, np.ndarray], variant: int = 0):
+    def ahead(self, name: str, bundle, inputs: dict[str, np.ndarray], variant: int = 0,
+              coarse: tuple | None = None):
         """Before a job takes any device resource (a buffer set, a stream, a kernel
         slot: ``Dispatcher._await_answer``): start computing ``inputs``' answer when
         nothing is cached under their key. Returns the computation's future (the
@@ -208,21 +236,23 @@ class FunctionalCache:
         own job's lookup miss at its kernels: that job is then held on the device as
         before (``SimDevice._hold``), and nobody else waits for it.
 
-        Speed (a trick, labelled): the likely hit, every cached input's case, is decided
-        on a coarse key of only ``AHEAD_SAMPLE_BYTES`` sampled bytes (the cached inputs
-        are counted per coarse key): the job's io was just written by the client on
-        another core, so each sampled cache line is a cold read, and the full key's 4,096
-        of them cost a ResNet-18 request about 20 us of the loop (measured, side by
-        side); its kernels then look the input up in device memory, warm from the input
-        copy, as before. The full key is computed only for a new input. An input crafted
-        to share its coarse key with a cached one passes as a likely hit: its job is
-        held on the device until its answer is in, as before this lookup existed."""
+        Speed (a trick, labelled): this runs on the loop before every job of a compiled
+        model, cached inputs included, where the kernels' own lookup follows anyway. So
+        the likely hit is decided on a coarse key (``coarse``, from the caller, read
+        straight from the job's io: two runs of ``AHEAD_SPAN`` bytes per input, see
+        :func:`coarse_spans`; the cached inputs are counted per coarse key), and the full
+        key is computed only for a new input. Measured in the daemon, the full key of a
+        602 KB input cost about 20 us here (the client's pages, cold), and building the
+        inputs' views, its property and call overheads a few more each (docs/service.md).
+        An input made to share its coarse key with a cached one (equal on those bytes)
+        passes as a likely hit: its job is then held on the device until its answer is
+        in, as before this lookup existed."""
         if not self.off_loop:
             return None
-        coarse = self._key(name, inputs, AHEAD_SAMPLE_BYTES)
-        with self._lock:
-            if coarse in self._coarse:
-                return None
+        if coarse is None:
+            coarse = self._coarse_key(name, inputs)
+        if coarse in self._coarse:           # (one dict lookup: atomic under the GIL)
+            return None
         key = self._key(name, inputs)
         with self._lock:
             if key in self._entries:
@@ -257,12 +287,13 @@ class FunctionalCache:
         future.add_done_callback(cache)
         return future
 
-    @property
-    def off_loop(self) -> bool:
-        """Whether new inputs are computed elsewhere (worker processes), not in the
-        calling thread."""
+    def use_effects(self, effects) -> None:
+        """Compute new inputs with ``effects`` from now on (the daemon's workers)."""
         from paella.dispatcher.devices.sim.effect_workers import InlineEffects
-        return not isinstance(self.effects, InlineEffects)
+        self.effects = effects
+        #: Whether new inputs are computed elsewhere (worker processes), not in the
+        #: calling thread (then :meth:`ahead` looks them up ahead of their jobs).
+        self.off_loop = not isinstance(effects, InlineEffects)
 
     def outputs(self, name: str, bundle, inputs: dict[str, np.ndarray],
                 variant: int = 0) -> dict[str, np.ndarray]:
@@ -488,10 +519,17 @@ def functional_adaptor(bundle, name: str, cache: FunctionalCache | None = None,
     def warm() -> None:
         cache.outputs(key, bundle, host_inputs(np.zeros(plan.io_bytes, np.uint8)), variant)
 
+    # The coarse key's byte ranges in the io, inputs by name (FunctionalCache._coarse_key).
+    spans = [(t.offset + a, t.offset + e) for t in sorted(v.inputs, key=lambda t: t.name)
+             for a, e in coarse_spans(t.nbytes)]
+
     def ahead(io: np.ndarray):
-        if io.size < plan.io_bytes or not cache.off_loop:
-            return None                      # (another layout, or virtual time: the device's)
-        return cache.ahead(key, bundle, host_inputs(io), variant)
+        if not cache.off_loop or io.size < plan.io_bytes:
+            return None                      # (virtual time, or another layout: the device's)
+        coarse = (key, coarse_digest([io[a:e] for a, e in spans]))
+        if coarse in cache._coarse:          # (the likely hit, every cached input's case)
+            return None
+        return cache.ahead(key, bundle, host_inputs(io), variant, coarse)
 
     return FunctionalBundleAdaptor(plan.with_effect(effect, operands, start if early_lookup else None,
                                                     start_operands), warm,

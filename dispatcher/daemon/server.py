@@ -422,7 +422,7 @@ class Daemon:
         else:
             dev.effects.start()
         dev.effect_ready = self._effect_ready
-        self._functional.effects = dev.effects
+        self._functional.use_effects(dev.effects)
 
     def _effect_ready(self) -> None:
         """A held kernel's answer is in (the workers' thread): the loop opens its gate at

@@ -147,9 +147,9 @@ def test_a_failed_answer_fails_its_job_alone_and_a_waiting_job_can_be_cancelled(
 
 
 def test_the_lookup_ahead_counts_cached_inputs_by_a_coarse_key(bundle):
-    """``ahead`` decides a likely hit on a coarse key (AHEAD_SAMPLE_BYTES sampled bytes),
+    """``ahead`` decides a likely hit on a coarse key (runs of AHEAD_SPAN bytes per input),
     counted per cached input as entries come and go; only a new input's job waits."""
-    from paella.dispatcher.daemon.bundles import AHEAD_SAMPLE_BYTES
+    from paella.dispatcher.daemon.bundles import AHEAD_SPAN, coarse_spans
     effects = HandDriven()
     effects.auto = False
     n = 16384                                    # 64 KiB of float32: 256-byte steps
@@ -160,11 +160,11 @@ def test_the_lookup_ahead_counts_cached_inputs_by_a_coarse_key(bundle):
     assert len(cache._coarse) == 1
     assert cache.ahead("m", bundle, {"x": x}) is None             # cached: a likely hit
     crafted = x.copy()
-    crafted.view(np.uint8)[4] = 1                # byte 4: between two sampled bytes
-    assert (n * 4) // AHEAD_SAMPLE_BYTES > 8
+    crafted.view(np.uint8)[AHEAD_SPAN + 4] = 1   # between the first two runs
+    assert coarse_spans(n * 4)[1][0] > AHEAD_SPAN + 4
     assert cache.ahead("m", bundle, {"x": crafted}) is None       # passes as one (documented)
     new = x.copy()
-    new.view(np.uint8)[0] = 1                    # byte 0: sampled
+    new.view(np.uint8)[0] = 1                    # in the first run
     f = cache.ahead("m", bundle, {"x": new})
     assert isinstance(f, Future) and not f.done() and len(effects.waiting) == 1
     assert cache.ahead("m", bundle, {"x": new.copy()}) is f       # the same new input: shared
