@@ -896,6 +896,12 @@ class Dispatcher:
             future = None
         if future is None:
             return False
+        self._wait_for(job, future)
+        return True
+
+    def _wait_for(self, job: Job, future: Any) -> None:
+        """``job`` starts once ``future`` is done (:meth:`_take_answered`), holding
+        nothing meanwhile."""
         self._answering[job] = future
         answered = self._answered
         device = self.device
@@ -904,7 +910,6 @@ class Dispatcher:
             answered.append(job)
             getattr(device, "effect_ready", _no_wake)()
         future.add_done_callback(done)
-        return True
 
     def _take_answered(self) -> None:
         """The jobs whose answer came in start (in the order their answers came); one
@@ -1457,7 +1462,7 @@ class Dispatcher:
 
     def submit_group(self, requests: list[Request], io: np.ndarray,
                      model_id: int | None = None, stream: str | None = None,
-                     bindings: Any = None) -> None:
+                     bindings: Any = None, ready: Any = None) -> None:
         """Accept requests of one model served by one job whose work reads and writes
         ``io`` (the seam for batchers: how the requests' inputs get into ``io`` and their
         outputs out of it is the batcher's). Each request completes, is woken and can be
@@ -1468,7 +1473,12 @@ class Dispatcher:
         instead of streams from the pool. ``bindings``: the job's buffer set, bound by
         the caller (a batcher binding a plan's tensors to its own device memory at a row
         offset: DVABatch's stage hand-off); it goes back to the model's pool's
-        ``release`` when the job finishes, as an acquired one does."""
+        ``release`` when the job finishes, as an acquired one does. ``ready``: the future
+        of what the job's kernels compute on the simulated GPU, being computed elsewhere
+        (a step plug-in's effect): the device holds the kernel that needs it on its
+        stream until it is done, which under a single-stream policy (``fifo``) would hold
+        every other job's work too; there the job waits for it before it starts, holding
+        nothing (as :meth:`_await_answer`)."""
         if not requests:
             raise ValueError("submit_group needs at least one request")
         mid = requests[0].model_id
@@ -1508,6 +1518,9 @@ class Dispatcher:
         if model.parent is not None:
             model.parent.jobs += 1
         self.in_flight += len(requests)
+        if ready is not None and not ready.done() and self.policy.stream_mode == "single":
+            self._wait_for(job, ready)
+            return
         self._arrivals.append(job)
 
     def cancel_client(self, client_id: int) -> int:

@@ -251,7 +251,8 @@ class StepRuntime:
             model_id, io = self.model_id, np.zeros(8, np.uint8)
             io.view(np.int64)[0] = tid
         self.ctx.submit(model_id, io, [self.client_of(r) for r in reqs],
-                         lambda status, err, tid=tid: self._task_done(tid, status))
+                         lambda status, err, tid=tid: self._task_done(tid, status),
+                         ready=self._pending(tid))
 
     def _plan_model(self, sk: StepKernels) -> int:
         """The dispatcher model whose launch plan is ``sk``'s launches, in order (one

@@ -229,7 +229,7 @@ class SchedulerContext(Protocol):
 
     def submit(self, model_id: int, io: Any, clients: "list[int]",
                on_done: "Callable[[int, str | None], None]", stream: str | None = None,
-               priority: int = 0, bindings: Any = None) -> None:
+               priority: int = 0, bindings: Any = None, ready: Any = None) -> None:
         """Run one job of internal model ``model_id`` on ``io`` (a 1-D uint8 numpy
         array the scheduler owns; a request's own ``req.io`` is allowed too) on behalf
         of ``clients`` (client ids, one part each: the policy's fairness and the GPU
@@ -243,7 +243,9 @@ class SchedulerContext(Protocol):
         most urgent request's, as ``Request.priority``: 1 the most urgent; 0 the
         default), which every built-in policy orders by first. ``bindings``: the job's
         buffer set, bound by the scheduler (its model's pool takes it back when the job
-        ends; DVABatch binds stage plans to its pairs' device memory)."""
+        ends; DVABatch binds stage plans to its pairs' device memory). ``ready``: the
+        future of what the job's kernels compute on the simulated GPU, being computed
+        elsewhere (``Dispatcher.submit_group``)."""
 
     def adaptor(self, model_id: int) -> Any:
         """The job adaptor of a variant or of a model it registered (its plan)."""

@@ -485,13 +485,14 @@ class BatchingStage:
 
 def submit_job(disp: Any, model_id: int, io: np.ndarray, clients: list[int], done: Any,
                last_id: int, *args: Any, stream: str | None = None, priority: int = 0,
-               bindings: Any = None) -> int:
+               bindings: Any = None, ready: Any = None) -> int:
     """One job of ``model_id`` on ``io`` with one part (an internal request) per client;
     ``done(*args, status, error)`` once every part ended: OK if any part ran OK, else the
     first part's status. Returns the last part id used (parts are numbered from
     ``last_id + 1``). ``stream``: the named stream its ops go to (``submit_group``);
     ``priority``: its parts' class (``Request.priority``; 0 the default); ``bindings``:
-    a buffer set the caller bound (``submit_group``)."""
+    a buffer set the caller bound; ``ready``: what its work waits for (both
+    ``submit_group``'s)."""
     if not clients:
         raise ValueError("a job needs at least one client to run for")
     state = [len(clients), False, None]          # parts left, any OK, first failure
@@ -510,7 +511,7 @@ def submit_job(disp: Any, model_id: int, io: np.ndarray, clients: list[int], don
         last_id += 1
         parts.append(Request(last_id, int(cid), model_id, io, on_complete=part_done,
                              priority=priority))
-    disp.submit_group(parts, io, model_id=model_id, stream=stream, bindings=bindings)
+    disp.submit_group(parts, io, model_id=model_id, stream=stream, bindings=bindings, ready=ready)
     return last_id
 
 
@@ -565,7 +566,7 @@ class StageContext:
 
     def submit(self, model_id: int, io: np.ndarray, clients: list[int],
                on_done: Any, stream: str | None = None, priority: int = 0,
-               bindings: Any = None) -> None:
+               bindings: Any = None, ready: Any = None) -> None:
         if self.closed or self.failed:
             raise RuntimeError(f"scheduler of {self.name} submitted a job after it was "
                                f"{'closed' if self.closed else 'taken out of service'}")
@@ -575,7 +576,7 @@ class StageContext:
         self._part_ids = submit_job(self.stage.disp, model_id, io, clients, self._job_done,
                                     self._part_ids, on_done,
                                     stream=None if stream is None else f"{self.name}/{stream}",
-                                    priority=priority, bindings=bindings)
+                                    priority=priority, bindings=bindings, ready=ready)
         self.jobs += 1
         self.stage.stats.scheduler_jobs += 1
 

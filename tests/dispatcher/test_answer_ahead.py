@@ -173,3 +173,32 @@ def test_the_lookup_ahead_counts_cached_inputs_by_a_coarse_key(bundle):
     cache._insert(cache._key("m", {"y": y}), {"y": y.copy()}, out)
     assert len(cache._coarse) == 1
     assert isinstance(cache.ahead("m", bundle, {"x": x}), Future)
+
+
+@pytest.mark.parametrize("policy, waits", [("fifo", True), ("paella", False)])
+def test_a_step_job_whose_effect_computes_waits_only_where_it_would_hold_everyone(policy, waits):
+    """``submit_group(ready=future)`` (a step plug-in's effect computing elsewhere): under
+    ``fifo``, one stream for every job, the job waits for it holding nothing, so the
+    others run; under a policy with a pool of streams it goes in at once (the device
+    holds its kernel on its own stream until the answer is in)."""
+    from paella.dispatcher.adaptor import PlanAdaptor, synthetic_plan
+    dev = SimDevice("t4", n_streams=4, seed=0)
+    d = Dispatcher(dev, policy, profile_runs=0)
+    step = d.register_model("step", PlanAdaptor(synthetic_plan("step", [("k", 40, 128, 32, 2e-4)])))
+    other = d.register_model("other", PlanAdaptor(synthetic_plan("other", [("j", 40, 128, 32, 1e-4)])))
+    done: dict = {}
+
+    def req(rid, mid):
+        return Request(rid, rid, mid, np.zeros(8, np.uint8),
+                       on_complete=lambda r, st, err: done.__setitem__(r.req_id, (st, err)))
+    ready: Future = Future()
+    d.submit_group([req(1, step)], np.zeros(8, np.uint8), ready=ready)
+    assert d.answers_awaited == (1 if waits else 0)
+    d.submit(req(2, other))
+    drive(d, dev, lambda: 2 in done and (waits or 1 in done))
+    assert done[2] == (STATUS_OK, None)
+    if waits:
+        assert 1 not in done
+        ready.set_result(None)
+        drive(d, dev, lambda: 1 in done)
+    assert done[1] == (STATUS_OK, None) and d.answers_awaited == 0
