@@ -213,6 +213,10 @@ class Daemon:
         #: Bundles not served at the last load, directory -> why (the log says it too).
         self.unserved: dict[str, str] = {}
         self._functional = FunctionalCache()
+        #: The answer workers of a simulator in its own process (``--sim-mode process``):
+        #: the functional cache's, which this daemon closes (a stepped simulator owns its
+        #: own, ``SimDevice.effects``).
+        self._own_workers: Any = None
         #: The background load running: a SIGHUP reload's scan or a LOAD's (_loading).
         self._loader: repository.Background | None = None
         #: The LOAD the running background load serves; None while it is a reload.
@@ -292,9 +296,17 @@ class Daemon:
             load_tvm()
 
     def _answers_off_loop(self) -> bool:
-        """The simulated GPU's answers are computed in effect workers (real time)."""
+        """The simulated GPU's answers are computed in effect workers (real time, the
+        simulator stepped from the loop or in its own process)."""
         dev = self.device
-        return bool(getattr(dev, "realtime", False) and hasattr(dev, "effect_ready"))
+        return bool(getattr(dev, "realtime", False) and hasattr(dev, "effect_ready")) \
+            or self._process_sim()
+
+    def _process_sim(self) -> bool:
+        """The simulator runs in a process of its own (it applies the effects as its
+        completions arrive: ``late_effects``)."""
+        dev = self.device
+        return getattr(dev, "backend", "") == "sim" and bool(getattr(dev, "late_effects", False))
 
     def _make_adaptor(self, bundle, label: str, variant: int = 0):
         # The last kernel waits for its answer off the loop whatever the dispatcher's
@@ -414,15 +426,21 @@ class Daemon:
             return
         from paella.dispatcher.devices.sim.effect_workers import EffectWorkers, default_workers
         cfg = self.cfg
-        dev.effects = EffectWorkers(cfg.effect_workers or default_workers(),
-                                    deadline=cfg.effect_deadline_seconds,
-                                    max_queue=cfg.effect_queue)
-        if cfg.models:               # (bundles and plug-ins compute answers: start them now;
-            dev.effects.warm()       # a daemon of built-in models only never needs them)
+        workers = EffectWorkers(cfg.effect_workers or default_workers(),
+                                deadline=cfg.effect_deadline_seconds, max_queue=cfg.effect_queue)
+        if self._process_sim():
+            # The compiled models' answers only: a new input is computed before its job
+            # starts (Dispatcher._await_answer), and found cached when the simulator's
+            # completion applies the effect (the process device holds no kernel back).
+            self._own_workers = workers
         else:
-            dev.effects.start()
+            dev.effects = workers
+        if cfg.models:               # (bundles and plug-ins compute answers: start them now;
+            workers.warm()           # a daemon of built-in models only never needs them)
+        else:
+            workers.start()
         dev.effect_ready = self._effect_ready
-        self._functional.use_effects(dev.effects)
+        self._functional.use_effects(workers)
 
     def _effect_ready(self) -> None:
         """A held kernel's answer is in (the workers' thread): the loop opens its gate at
@@ -468,12 +486,12 @@ class Daemon:
             stats = getattr(served.batcher, "stats_dict", None) if served is not None else None
             if stats is not None:                 # a batcher's own counters (dvabatch's)
                 m["batcher"] = {"name": served.batcher.name, **stats()}
-        st["dispatcher"] = None if ex is None else self._device_status(ex)
+        st["dispatcher"] = None if ex is None else self._device_status(ex, self._own_workers)
         st["queued_work_us"] = 0 if ex is None else queued_work_us(ex.disp)
         return st
 
     @staticmethod
-    def _device_status(ex: DispatcherExecutor) -> dict:
+    def _device_status(ex: DispatcherExecutor, own_workers: Any = None) -> dict:
         disp, tracker = ex.disp, ex.disp.tracker
         spec = tracker.spec
         warps = tracker.sm_warps
@@ -486,7 +504,7 @@ class Daemon:
                 "notifq_depth": tracker.pending_entries, "notifications": tracker.notifications,
                 "policy_fallbacks": disp.policy_fallbacks,
                 "policy_failure": getattr(disp, "policy_failure", None),
-                "effects": _effects_status(disp)}
+                "effects": _effects_status(disp, own_workers)}
 
     # -- client arenas -----------------------------------------------------------------
     def _arena_mapped(self, client_id: int, arena: np.ndarray) -> None:
@@ -588,6 +606,8 @@ class Daemon:
                 self.dispatcher.stage.abandon("cancelled: the daemon stopped")
             if self.device is not None:
                 self.device.close()
+            if self._own_workers is not None:
+                self._own_workers.close()
             self._restore_signals()
             if self._loader is not None and not self._loader.done:
                 # Its thread writes to the pipe when done: leave the pipe open (the
@@ -794,8 +814,9 @@ class Daemon:
         reload first, then the LOADs and UNLOADs waiting), freeze the heap once nothing
         is in flight after a swap."""
         self.housekeeping = False
-        if self.device is not None and getattr(self.device, "effect_ready", None) is not None:
-            self.device.open_answered()
+        open_answered = getattr(self.device, "open_answered", None)
+        if open_answered is not None and getattr(self.device, "effect_ready", None) is not None:
+            open_answered()
         if self.traces.sessions:
             self.traces.service()
         loader = self._loader
@@ -1077,13 +1098,13 @@ def queued_work_us(disp) -> int:
     return round(sum([j.remaining for j in list(disp.jobs)]) * 1e6)
 
 
-def _effects_status(disp) -> dict | None:
+def _effects_status(disp, own_workers: Any = None) -> dict | None:
     """The simulated GPU's answer workers (None elsewhere): their counters and queue, the
     jobs waiting for their answer before they start, and the kernels held back on the
     device for one (what the jobs' wait does not cover: a step plug-in's effects, an
     input rewritten after its job was submitted)."""
     device = disp.device
-    effects = getattr(device, "effects", None)
+    effects = getattr(device, "effects", None) or own_workers
     if effects is None:
         return None
     return {**effects.stats(), "awaiting_jobs": disp.answers_awaited,

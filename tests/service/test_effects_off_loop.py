@@ -100,13 +100,15 @@ def configured_daemon(tmp_path, mlp, fresh_daemon, settings: str, fault: str):
 
 
 @pytest.mark.parametrize("release", [(), ("--lookahead", "3"), ("--policy", "ms-jbj"),
-                                     ("--policy", "fifo")],
-                         ids=["lookahead-1", "lookahead-3", "eager-ms-jbj", "one-stream-fifo"])
+                                     ("--policy", "fifo"), ("--sim-mode", "process")],
+                         ids=["lookahead-1", "lookahead-3", "eager-ms-jbj", "one-stream-fifo",
+                              "simulator-process"])
 def test_a_slow_new_input_does_not_stall_the_others(tmp_path, mlp, reference, fresh_daemon,
                                                      release):
     # Whatever the release rule: the job of a new input waits for its answer before it
     # takes a stream or a kernel slot (Dispatcher._await_answer), so even fifo, whose
-    # jobs all share one stream, serves the others meanwhile.
+    # jobs all share one stream, serves the others meanwhile; and so does the simulator
+    # in a process of its own, which holds no kernel back.
     repo = repo_with(tmp_path, mlp, "tiny_mlp")
     dp = fresh_daemon("--models", str(repo), "--no-noop", *release,
                       env={"PAELLA_SIM_EFFECT_FAULT": "delay:3"})
