@@ -920,18 +920,13 @@ class Dispatcher:
             future = self._answering.pop(job, None)
             if future is None:               # (cancelled meanwhile)
                 continue
-            exc = future.exception()
+            exc = RuntimeError("cancelled") if future.cancelled() else future.exception()
             if exc is None:
                 job.answered = True
                 self._arrivals.append(job)
-                continue
-            job.left_policy = True           # never announced to the policy
-            # (a refusal, e.g. the workers' queue full, is told as it is)
-            job.error = str(exc) if getattr(exc, "refusal", False) else \
-                f"answer not computed: {str(exc)[:300]}"
-            job.returned = True
-            self._progress += 1
-            self._finish(job)
+            else:                            # (a refusal, e.g. a full queue, is told as is)
+                self._fail_unstarted(job, str(exc) if getattr(exc, "refusal", False) else
+                                     f"answer not computed: {str(exc)[:300]}")
 
     @property
     def answers_awaited(self) -> int:
@@ -957,10 +952,15 @@ class Dispatcher:
             self._count_memory_wait(job)
             return
         self.memory_failures += len(job.requests)
-        job.left_policy = True               # never announced to the policy
-        job.error = (f"{exc}; the model needs more device memory than is free with nothing "
-                     f"else running: serve fewer or smaller models on this GPU, or give "
-                     f"this one a smaller batch or length")
+        self._fail_unstarted(job, f"{exc}; the model needs more device memory than is free "
+                                  f"with nothing else running: serve fewer or smaller models "
+                                  f"on this GPU, or give this one a smaller batch or length")
+
+    def _fail_unstarted(self, job: Job, error: str) -> None:
+        """``job`` fails with ``error`` before it started (never announced to the policy,
+        holding nothing on the device)."""
+        job.left_policy = True
+        job.error = error
         job.returned = True
         self._progress += 1
         self._finish(job)

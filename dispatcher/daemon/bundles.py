@@ -189,12 +189,13 @@ class FunctionalCache:
         return answer
 
     def prepare(self, name: str, bundle, inputs: dict[str, np.ndarray], variant: int = 0,
-                answer: "Answer | None" = None) -> "tuple[Answer, object | None]":
+                answer: "Answer | None" = None, bound: bool = True) -> "tuple[Answer, object | None]":
         """``inputs``' answer as far as it can be known now (the request's last kernel is
         being launched): a hit, or a computation under way. Returns the answer and the
         computation's future while it is not done (the device holds the kernel back
         until it is), else None. ``answer``: what :meth:`begin` started (None: it did
-        not run; everything happens here)."""
+        not run; everything happens here). ``bound=False``: a computation goes past a
+        full queue (:meth:`outputs`)."""
         if answer is None:
             answer = Answer(self._key(name, inputs), [], None)
         if answer.outputs is None and answer.future is None:
@@ -202,17 +203,17 @@ class FunctionalCache:
             if outs is not None:
                 answer.outputs = outs
             else:
-                self._compute(answer, bundle, variant, inputs)
+                self._compute(answer, bundle, variant, inputs, bound)
         f = answer.future
         return answer, (f if f is not None and not f.done() else None)
 
     def finish(self, name: str, bundle, inputs: dict[str, np.ndarray], variant: int = 0,
-               answer: "Answer | None" = None) -> dict[str, np.ndarray]:
+               answer: "Answer | None" = None, bound: bool = True) -> dict[str, np.ndarray]:
         """The outputs, once the request's last kernel completed: the hit, or the
         computation's result (waited for if it is not in yet: in virtual time, where
         the device holds nothing back; the simulated clock does not move meanwhile),
         cached. Raises the computation's failure (the request's job fails with it)."""
-        answer, _ = self.prepare(name, bundle, inputs, variant, answer)
+        answer, _ = self.prepare(name, bundle, inputs, variant, answer, bound)
         if answer.outputs is not None:
             return answer.outputs
         outs = answer.future.result()        # (done already when the device held the kernel)
@@ -221,11 +222,13 @@ class FunctionalCache:
         answer.outputs = outs
         return outs
 
-    def ahead(self, name: str, bundle, inputs: dict[str, np.ndarray], variant: int = 0,
-              coarse: tuple | None = None):
+    def ahead(self, name: str, bundle, coarse: tuple,
+              inputs: Callable[[], dict[str, np.ndarray]], variant: int = 0):
         """Before a job takes any device resource (a buffer set, a stream, a kernel
         slot: ``Dispatcher._await_answer``): start computing ``inputs``' answer when
-        nothing is cached under their key. Returns the computation's future (the
+        nothing is cached under their key. ``coarse``: their coarse key, ``(name,
+        coarse_digest(...))`` (:meth:`_coarse_key`); ``inputs()``: the inputs, made only
+        when the coarse key is not cached. Returns the computation's future (the
         dispatcher keeps the job back until it is done; its outputs are cached by then,
         so the job's own lookup at its kernels hits), else None: a likely hit, or answers
         computed in this thread (virtual time), both left to the device's path. A job
@@ -238,7 +241,7 @@ class FunctionalCache:
 
         Speed (a trick, labelled): this runs on the loop before every job of a compiled
         model, cached inputs included, where the kernels' own lookup follows anyway. So
-        the likely hit is decided on a coarse key (``coarse``, from the caller, read
+        the likely hit is decided on a coarse key (``coarse``, which the caller reads
         straight from the job's io: two runs of ``AHEAD_SPAN`` bytes per input, see
         :func:`coarse_spans`; the cached inputs are counted per coarse key), and the full
         key is computed only for a new input. Measured in the daemon, the full key of a
@@ -247,12 +250,9 @@ class FunctionalCache:
         An input made to share its coarse key with a cached one (equal on those bytes)
         passes as a likely hit: its job is then held on the device until its answer is
         in, as before this lookup existed."""
-        if not self.off_loop:
+        if not self.off_loop or coarse in self._coarse:   # (a dict lookup: atomic under the GIL)
             return None
-        if coarse is None:
-            coarse = self._coarse_key(name, inputs)
-        if coarse in self._coarse:           # (one dict lookup: atomic under the GIL)
-            return None
+        inputs = inputs()
         key = self._key(name, inputs)
         with self._lock:
             if key in self._entries:
@@ -300,15 +300,7 @@ class FunctionalCache:
         """``inputs``' outputs now (a lookup, else a computation waited for): for a
         model's warm-up off the loop, and tests. Never refused for a full queue: a
         reload must not fail because the clients keep the workers busy."""
-        answer = Answer(self._key(name, inputs), [], None)
-        outs = self._hit(answer, inputs)
-        if outs is not None:
-            return outs
-        self._compute(answer, bundle, variant, inputs, bound=False)
-        outs = answer.future.result()
-        self._log_compute(name, answer)
-        self._insert(answer.key, answer.inputs, outs)
-        return outs
+        return self.finish(name, bundle, inputs, variant, bound=False)
 
     # -- the parts -------------------------------------------------------------------
     def _hit(self, answer: "Answer", inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray] | None:
@@ -526,10 +518,8 @@ def functional_adaptor(bundle, name: str, cache: FunctionalCache | None = None,
     def ahead(io: np.ndarray):
         if not cache.off_loop or io.size < plan.io_bytes:
             return None                      # (virtual time, or another layout: the device's)
-        coarse = (key, coarse_digest([io[a:e] for a, e in spans]))
-        if coarse in cache._coarse:          # (the likely hit, every cached input's case)
-            return None
-        return cache.ahead(key, bundle, host_inputs(io), variant, coarse)
+        return cache.ahead(key, bundle, (key, coarse_digest([io[a:e] for a, e in spans])),
+                           lambda: host_inputs(io), variant)
 
     return FunctionalBundleAdaptor(plan.with_effect(effect, operands, start if early_lookup else None,
                                                     start_operands), warm,

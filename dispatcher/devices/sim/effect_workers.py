@@ -123,7 +123,7 @@ def submit_or_fail(effects: Any, fn: Callable[..., Any], *args: Any, bound: bool
     answer fails with that reason through the same path as any other failure.
     ``bound=False``: past a full queue (a model's warm-up)."""
     try:
-        return effects.submit(fn, *args, bound=bound) if not bound else effects.submit(fn, *args)
+        return effects.submit(fn, *args, bound=bound)
     except RuntimeError as e:
         f: Future = Future()
         f.set_exception(e)
