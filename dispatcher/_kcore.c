@@ -266,6 +266,8 @@ typedef int (*cu_launch_fn)(uintptr_t, unsigned, unsigned, unsigned, unsigned, u
 typedef struct {
     int n, nv, nk, nready, pending0;
     uint8_t *kind, *pp0, *st0, *almost;
+    uint8_t *implied;            /* per node: an input copy whose completion its stream
+                                    successor tells (implied_copy); no event of its own */
     int32_t *succ, *dstart, *dep, *deps0, *ready, *kernel, *vstream, *pred;
     int64_t *io_start, *io_end;  /* copies: their bytes of the job's io buffer */
     int64_t io_need;             /* the largest io_end */
@@ -416,6 +418,7 @@ typedef struct {
        multi-stream plan ~900 instructions per kernel (session 22). */
     long long landed, py_events;
     int realtime;                /* the engine follows the wall clock: sync before submitting */
+    int implied_on;              /* implied_copies: Plan.implied copies record no event */
     double wall_t0, wall_speed;
 } Core;
 
@@ -944,7 +947,7 @@ static int release_succ(Core *c, int32_t id, Job *j, int i)
 static inline int behind_of(Core *c, Job *j, int i)
 {
     int p = j->plan->pred[i];
-    if (c->lookahead > 1 && p >= 0 && j->st[p] == RELEASED)
+    if (p >= 0 && j->st[p] == RELEASED && (c->lookahead > 1 || (c->implied_on && j->plan->implied[p])))
         return p;
     return -1;
 }
@@ -968,6 +971,8 @@ static int withdraw(Core *c, int32_t id, Job *j)
     return j->started ? job_finished(c, id, j) : 0;   /* (aborted before it started) */
 }
 
+static int orphan_before(Core *c, int32_t id, Job *j, int n);
+
 static int fail_job(Core *c, int32_t id, Job *j, int kind, const char *reason)
 {
     j->failed = 1;
@@ -977,6 +982,8 @@ static int fail_job(Core *c, int32_t id, Job *j, int kind, const char *reason)
         if (j->st[n] == WAITING || j->st[n] == READY) {
             j->st[n] = DROPPED;
             j->pending--;
+            if (orphan_before(c, id, j, n) < 0)
+                return -1;
         }
     }
     j->rq_n = 0;
@@ -1036,6 +1043,62 @@ static int op_done(Core *c, int32_t id, Job *j, int i)
     return 0;
 }
 
+/* The implied copies just ahead of node i on its stream (Plan.implied): done, oldest
+   first, now that i is seen done (a kernel's last block, a copy's event). Stream order
+   says they completed before i started. */
+static int implied_done(Core *c, int32_t id, Job *j, int i)
+{
+    Plan *p = j->plan;
+    int first = -1;
+    for (int q = p->pred[i]; q >= 0 && p->implied[q] && j->st[q] == RELEASED; q = p->pred[q])
+        first = q;
+    while (first >= 0 && first != i) {
+        int next = p->succ[first];
+        c->progress++;
+        if (c->ops && emit_op(c, EV_OP_ENDED, j, first, -1.0, c->now) < 0)
+            return -1;
+        if (op_done(c, id, j, first) < 0)
+            return -1;
+        first = next;
+    }
+    return 0;
+}
+
+/* Copy i's completion is told by the device event `ev` (a new reference, taken over). */
+static int push_event(Core *c, int s, int32_t id, Job *j, int i, PyObject *ev)
+{
+    if (c->cev[s].n == 0)        /* a stream with no events yet goes last (a dict's order) */
+        c->cev_order[c->ncev++] = s;
+    Ref ref = {id, j->seq, i, ev};
+    if (refq_push(&c->cev[s], ref) < 0) {
+        Py_DECREF(ev);
+        return -1;
+    }
+    c->py_events++;
+    return 0;
+}
+
+/* Node n will not run (dropped, refused): an implied copy just ahead of it, released,
+   has nothing left to tell its completion, so an event recorded behind it does (the two
+   driver calls it had saved). */
+static int orphan_before(Core *c, int32_t id, Job *j, int n)
+{
+    Plan *p = j->plan;
+    int q = p->pred[n];
+    if (!c->implied_on || q < 0 || p->succ[q] != n || !p->implied[q] || j->st[q] != RELEASED)
+        return 0;
+    int s = j->stream[q];
+    PyObject *stream = PyLong_FromLong(s);
+    if (stream == NULL)
+        return -1;
+    PyObject *ev = PyObject_CallOneArg(c->record_event, stream);
+    Py_DECREF(stream);
+    if (ev == NULL)
+        return -1;
+    c->device_calls += 2;
+    return push_event(c, s, id, j, q, ev);
+}
+
 /* A device call raised: DeviceError (not DeviceLost) fails the job with its message
    (returns 1); anything else stays raised (returns -1). */
 static int refused_reason(Core *c, char *buf, size_t n)
@@ -1068,8 +1131,10 @@ static void copy_landed(void *ctx, uint64_t tag)
 static int launch_copy(Core *c, int32_t id, Job *j, int i, int behind)
 {
     int s = assign(c, j, i, behind);
+    int imp = c->implied_on && j->plan->implied[i];
     c->progress++;
-    c->device_calls += 3;        /* the copy, its event's record, the query that sees it */
+    /* the copy, its event's record, the query that sees it; an implied copy: the copy */
+    c->device_calls += imp ? 1 : 3;
     if (j->plan->almost[i] && almost(c, j) < 0)
         return -1;
     if (j->cdst[i] != NULL) {
@@ -1079,15 +1144,17 @@ static int launch_copy(Core *c, int32_t id, Job *j, int i, int behind)
         if (EAPI->copy(c->engine, j->plan->kind[i], s, j->cbytes[i], j->cdst[i], j->csrc[i],
                        copy_landed, c, ((uint64_t)id << 32) | (uint32_t)i) < 0)
             return -1;
-        if (c->cev[s].n == 0)
-            c->cev_order[c->ncev++] = s;
-        Ref ref = {id, j->seq, i, NULL};
-        if (refq_push(&c->cev[s], ref) < 0)
-            return -1;
+        if (!imp) {
+            if (c->cev[s].n == 0)
+                c->cev_order[c->ncev++] = s;
+            Ref ref = {id, j->seq, i, NULL};
+            if (refq_push(&c->cev[s], ref) < 0)
+                return -1;
+        }
         j->st[i] = RELEASED;
         if (c->ops && emit_op(c, EV_OP_RELEASED, j, i, 0.0, c->now) < 0)
             return -1;
-        if (c->eager || c->lookahead > 1)
+        if (c->eager || c->lookahead > 1 || imp)
             return release_succ(c, id, j, i);
         return 0;
     }
@@ -1105,7 +1172,8 @@ static int launch_copy(Core *c, int32_t id, Job *j, int i, int behind)
     PyObject *r = j->plan->kind[i] == H2D
         ? PyObject_CallFunctionObjArgs(c->memcpy_htod, dptr, host, stream, NULL)
         : PyObject_CallFunctionObjArgs(c->memcpy_dtoh, host, dptr, stream, NULL);
-    PyObject *ev = r != NULL ? PyObject_CallOneArg(c->record_event, stream) : NULL;
+    PyObject *ev = r == NULL ? NULL
+        : imp ? Py_NewRef(Py_None) : PyObject_CallOneArg(c->record_event, stream);
     Py_DECREF(stream);
     Py_XDECREF(view);
     Py_XDECREF(r);
@@ -1114,23 +1182,21 @@ static int launch_copy(Core *c, int32_t id, Job *j, int i, int behind)
         if (refused_reason(c, reason, sizeof reason) < 0)
             return -1;
         stream_done(c, s);
+        if (orphan_before(c, id, j, i) < 0)
+            return -1;
         j->st[i] = RELEASED;
         if (fail_job(c, id, j, EV_REFUSED, reason) < 0 || finish_node(c, id, j, i) < 0)
             return -1;
         return j->pending == 0 && !j->finished ? finish_job(c, id, j) : 0;
     }
-    if (c->cev[s].n == 0)        /* a stream with no events yet goes last (a dict's order) */
-        c->cev_order[c->ncev++] = s;
-    Ref ref = {id, j->seq, i, ev};
-    if (refq_push(&c->cev[s], ref) < 0) {
+    if (imp)
         Py_DECREF(ev);
+    else if (push_event(c, s, id, j, i, ev) < 0)
         return -1;
-    }
-    c->py_events++;
     j->st[i] = RELEASED;
     if (c->ops && emit_op(c, EV_OP_RELEASED, j, i, 0.0, c->now) < 0)
         return -1;
-    if (c->eager || c->lookahead > 1)
+    if (c->eager || c->lookahead > 1 || imp)
         return release_succ(c, id, j, i);
     return 0;
 }
@@ -1187,6 +1253,8 @@ static int poll_copies(Core *c)
                 Py_DECREF(x.event);
             }
             Job *j = job_of(c, x.job, x.seq);
+            if (j != NULL && c->implied_on && implied_done(c, x.job, j, x.node) < 0)
+                return -1;
             if (j != NULL && c->ops && emit_op(c, EV_OP_ENDED, j, x.node, -1.0, c->now) < 0)
                 return -1;
             if (j != NULL && op_done(c, x.job, j, x.node) < 0)
@@ -1212,6 +1280,12 @@ static void kernel_done(void *ctx, int slot, PyObject *tok, double t_first)
     Job *j = c->jobs[id];
     Plan *p = j->plan;
     KSpec *k = &p->ks[p->kernel[i]];
+    int q = p->pred[i];
+    if (c->implied_on && q >= 0 && p->implied[q] && j->st[q] == RELEASED
+            && implied_done(c, id, j, i) < 0) {
+        c->error = 1;
+        return;
+    }
     prof_kernel(j->prof, k->key, c->now - t_first);
     if (c->ops && emit_op(c, EV_OP_ENDED, j, i, t_first, c->now) < 0) {
         c->error = 1;
@@ -1378,6 +1452,8 @@ static int launch_kernel(Core *c, int32_t id, Job *j, int i, KSpec *k, int s, lo
     if (TAPI->unrelease(c->tracker, lid) < 0)
         return -1;
     stream_done(c, s);
+    if (orphan_before(c, id, j, i) < 0)
+        return -1;
     j->st[i] = RELEASED;
     if (fail_job(c, id, j, EV_REFUSED, reason) < 0 || finish_node(c, id, j, i) < 0)
         return -1;
@@ -1637,9 +1713,9 @@ static PyObject *Core_add_plan(Core *c, PyObject *spec)
     if (p == NULL)
         return PyErr_NoMemory();
     p->n = (int)n, p->nv = (int)nv, p->nk = (int)nk, p->nready = (int)nready;
-    /* uint8 arrays: kind, pp0, st0, almost; int32: succ, dstart, dep, deps0, ready,
-       kernel, vstream, pred */
-    p->kind = PyMem_Calloc(4 * n + 1, 1);
+    /* uint8 arrays: kind, pp0, st0, almost, implied; int32: succ, dstart, dep, deps0,
+       ready, kernel, vstream, pred */
+    p->kind = PyMem_Calloc(5 * n + 1, 1);
     p->succ = PyMem_Calloc(7 * n + 1 + ndep + nready + 1, sizeof(int32_t));
     p->ks = PyMem_Calloc(nk + 1, sizeof(KSpec));
     if (p->kind == NULL || p->succ == NULL || p->ks == NULL) {
@@ -1647,6 +1723,7 @@ static PyObject *Core_add_plan(Core *c, PyObject *spec)
         return PyErr_NoMemory();
     }
     p->pp0 = p->kind + n, p->st0 = p->pp0 + n, p->almost = p->st0 + n;
+    p->implied = p->almost + n;
     p->dstart = p->succ + n, p->dep = p->dstart + n + 1, p->deps0 = p->dep + ndep;
     p->ready = p->deps0 + n, p->kernel = p->ready + nready, p->vstream = p->kernel + n;
     p->pred = p->vstream + n;
@@ -1677,6 +1754,10 @@ static PyObject *Core_add_plan(Core *c, PyObject *spec)
     rc = rc ? rc : attr_ints(spec, "vstream", n, p->vstream, 0, nv);
     rc = rc ? rc : attr_ints(spec, "pred", n, p->pred, -1, n);
     for (Py_ssize_t i = 0; rc == 0 && i < n; i++) {
+        /* kernel_core.implied_copies: the same rule */
+        int s = p->succ[i];
+        p->implied[i] = p->kind[i] == H2D && s >= 0 && (p->kind[s] == KERNEL || p->kind[s] == H2D)
+                        && p->pred[s] == i && p->dstart[i] == p->dstart[i + 1];
         if (p->kind[i] == KERNEL && p->kernel[i] < 0) {
             PyErr_Format(PyExc_ValueError, "PlanSpec: kernel node %zd names no kernel", i);
             rc = -1;
@@ -2608,6 +2689,7 @@ static int Core_init(Core *c, PyObject *args, PyObject *kw)
     c->mode = pol == P_FIFO ? M_SINGLE : pol == P_MSJBJ ? M_STICKY : M_POOL;
     c->eager = pol == P_FIFO || pol == P_MSJBJ;
     c->lookahead = lookahead, c->group = group, c->n_streams = n_streams;
+    c->implied_on = 1;
     c->lead = to_ns(lead), c->threshold = threshold, c->by_client = by_client, c->hold = hold;
     c->tracker = Py_NewRef(tracker);
     c->device = Py_NewRef(device);
@@ -2654,6 +2736,23 @@ static PyObject *get_device_calls(Core *c, void *x)
 
 static PyObject *get_direct(Core *c, void *x) { return PyBool_FromLong(c->engine != Py_None); }
 static PyObject *get_ops(Core *c, void *x) { return PyBool_FromLong(c->ops); }
+static PyObject *get_implied(Core *c, void *x) { return PyBool_FromLong(c->implied_on); }
+
+static int set_implied(Core *c, PyObject *v, void *x)
+{
+    int on = v != NULL ? PyObject_IsTrue(v) : -1;
+    if (on < 0) {
+        if (!PyErr_Occurred())
+            PyErr_SetString(PyExc_TypeError, "implied_copies cannot be deleted");
+        return -1;
+    }
+    if (c->live) {               /* (released copies were launched under the other rule) */
+        PyErr_SetString(PyExc_ValueError, "implied_copies can change only with no job live");
+        return -1;
+    }
+    c->implied_on = on;
+    return 0;
+}
 
 static int set_ops(Core *c, PyObject *v, void *x)
 {
@@ -2694,6 +2793,9 @@ static PyGetSetDef Core_getset[] = {
     {"ops", (getter)get_ops, (setter)set_ops,
      "report op events: (5, job, node, stream, launch id, t) released, "
      "(6, job, node, t_started, t) ended (t_started < 0: a copy)", NULL},
+    {"implied_copies", (getter)get_implied, (setter)set_implied,
+     "an input copy followed on its stream by a kernel or copy records no event: that op "
+     "tells its completion (kernel_core.implied_copies)", NULL},
     {"direct", (getter)get_direct, (setter)set_direct,
      "launches and copies go into the engine directly (else through the device)", NULL},
     {NULL},

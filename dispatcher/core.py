@@ -168,7 +168,8 @@ class Dispatcher:
                  policy_options: dict[str, Any] | None = None, profile_runs: int = 2,
                  instruments: "list[Instrument] | tuple[Instrument, ...]" = (),
                  lookahead: int = 1, compiled_replay: bool = True, wake_lead: float = 0.0,
-                 kernel_core: str | None = None, slice_us: float = 0.0):
+                 kernel_core: str | None = None, slice_us: float = 0.0,
+                 implied_copies: bool = True):
         if type(lookahead) is not int or lookahead < 1:
             raise ValueError(f"lookahead must be an int >= 1 (kernels of one stream released "
                              f"and not completed), got {lookahead!r}")
@@ -193,6 +194,10 @@ class Dispatcher:
         #: a profiled job's estimated unreleased work down to this (seconds; 0: only at the
         #: op the job marked, the paper's rule). See "Wake-up lead" in docs/dispatcher.md.
         self.wake_lead = float(wake_lead)
+        #: On a kernel core: an input copy that a kernel or copy follows on its stream
+        #: records no event, and that op is released behind it at once
+        #: (kernel_core.implied_copies). The dispatcher's own path keeps an event per copy.
+        self.implied_copies = bool(implied_copies)
         if (type(slice_us) not in (int, float) or slice_us != slice_us or slice_us < 0
                 or slice_us > 1e6):
             raise ValueError(f"slice_us must be 0..1000000 microseconds (the longest a kernel "
@@ -318,6 +323,7 @@ class Dispatcher:
             wake_lead=self.wake_lead, fairness_threshold=getattr(pol, "threshold", None),
             fairness_unit="client" if getattr(pol, "by_client", False) else "job",
             hold_factor=getattr(pol, "hold", None), direct=self._core_direct)
+        self.core.implied_copies = self.implied_copies
         if self._core_direct:
             self._check_direct()
             if getattr(dev, "realtime", False):

@@ -120,6 +120,9 @@ class PlanSpec:
     kernels: tuple[KernelSpec, ...]
     io_start: tuple[int, ...] = ()      # copies: their bytes of the job's io buffer
     io_end: tuple[int, ...] = ()
+    #: Derived, per node: 1 for an input copy whose completion its stream successor tells
+    #: (:func:`implied_copies`).
+    implied: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         n = len(self.kinds)
@@ -140,6 +143,28 @@ class PlanSpec:
             raise ValueError("PlanSpec: a node index is out of range")
         if any(not 0 <= v < self.n_vstreams for v in self.vstream):
             raise ValueError("PlanSpec: a virtual stream index is out of range")
+        object.__setattr__(self, "implied", implied_copies(self))
+
+
+def implied_copies(spec: "PlanSpec") -> tuple[int, ...]:
+    """Per node, 1 for an *implied* copy: an input (H2D) copy whose stream successor is a
+    kernel or another input copy, with no other dependent.
+
+    Why: a copy's completion is otherwise learned from an event recorded behind it and
+    queried (two driver calls, charged 2 us each by the experiments, and a round trip
+    before its kernel is released). But stream order already says it: the op behind it on
+    its stream cannot start before it completes. So the core launches such a copy with
+    no event, releases its successor at once (behind it on the same stream, whatever the
+    lookahead: a copy is not a kernel), and counts the copy done when that successor is
+    seen done. A successor that never runs (its job failed or was cancelled first) gets
+    the copy an event then (``_orphan_before``). The C core computes the same rule."""
+    kinds, succ, pred, dstart = spec.kinds, spec.succ, spec.pred, spec.dstart
+    out = []
+    for i, k in enumerate(kinds):
+        s = succ[i]
+        out.append(int(k == H2D and s >= 0 and kinds[s] in (KERNEL, H2D) and pred[s] == i
+                       and dstart[i] == dstart[i + 1]))
+    return tuple(out)
 
 
 def plan_spec(replay: Any, key_of: Callable[[str], int],
@@ -331,6 +356,8 @@ class KernelCore:
         #: The driver calls its launches and copies stand for (1 a kernel; 3 a copy: the
         #: copy, its event's record, the query that sees it): a harness charges them.
         self.device_calls = 0
+        #: Implied copies record no event (:func:`implied_copies`); set with no job live.
+        self._implied_on = True
         self.next_handle = 0
         self.progress = 0
         self.profiles: list[Profile] = []
@@ -542,7 +569,8 @@ class KernelCore:
 
     def _behind(self, job: CoreJob, i: int) -> int:
         p = job.plan.pred[i]
-        if self.lookahead > 1 and p >= 0 and job.st[p] == RELEASED:
+        if p >= 0 and job.st[p] == RELEASED and (
+                self.lookahead > 1 or (self._implied_on and job.plan.implied[p])):
             return p
         return -1
 
@@ -645,6 +673,7 @@ class KernelCore:
                 raise
             self.tracker.unrelease(lid)
             self._stream_done(s)
+            self._orphan_before(job, i)
             job.st[i] = RELEASED
             self._fail(job, REFUSED, f"{type(e).__name__}: {e}")
             self._finish_node(job, i)
@@ -668,8 +697,9 @@ class KernelCore:
 
     def _launch_copy(self, job: CoreJob, i: int, behind: int) -> None:
         s = self._assign(job, i, behind)
+        imp = self._implied_on and job.plan.implied[i]
         self.progress += 1
-        self.device_calls += 3
+        self.device_calls += 1 if imp else 3
         job.t_rel[i] = self.now
         if job.plan.almost[i]:
             self._almost(job)
@@ -680,25 +710,65 @@ class KernelCore:
                 dev.memcpy_htod(dptr, host, s)
             else:
                 dev.memcpy_dtoh(host, dptr, s)
-            ev = dev.record_event(s)
+            ev = None if imp else dev.record_event(s)
         except self.device_error as e:       # refused: that job fails
             if isinstance(e, self.device_lost):
                 raise
             self._stream_done(s)
+            self._orphan_before(job, i)
             job.st[i] = RELEASED
             self._fail(job, REFUSED, f"{type(e).__name__}: {e}")
             self._finish_node(job, i)
             if job.pending == 0 and not job.finished:
                 self._finish(job)
             return
-        self.copy_events.setdefault(s, deque()).append((ev, job, i))
+        if not imp:
+            self.copy_events.setdefault(s, deque()).append((ev, job, i))
         job.st[i] = RELEASED
         if self.ops:
             self.events.append((OP_RELEASED, job.token, i, s, -1, self.now))
-        if self.eager:
+        if self.eager or self.lookahead > 1 or imp:
             self._release_succ(job, i)
-        elif self.lookahead > 1:
-            self._release_succ(job, i)
+
+    @property
+    def implied_copies(self) -> bool:
+        """Whether implied copies record no event (:func:`implied_copies`; default on)."""
+        return self._implied_on
+
+    @implied_copies.setter
+    def implied_copies(self, on: bool) -> None:
+        if self.jobs:                        # (released copies went under the other rule)
+            raise ValueError("implied_copies can change only with no job live")
+        self._implied_on = bool(on)
+
+    def _implied_done(self, job: CoreJob, i: int) -> None:
+        """The implied copies just ahead of node ``i`` on its stream: done, oldest first,
+        now that ``i`` is seen done (stream order: they completed before it started)."""
+        plan = job.plan
+        first, q = -1, plan.pred[i]
+        while q >= 0 and plan.implied[q] and job.st[q] == RELEASED:
+            first, q = q, plan.pred[q]
+        while first >= 0 and first != i:
+            nxt = plan.succ[first]
+            self.progress += 1
+            if self.ops:
+                self.events.append((OP_ENDED, job.token, first, -1.0, self.now))
+            self._op_done(job, first)
+            first = nxt
+
+    def _orphan_before(self, job: CoreJob, n: int) -> None:
+        """Node ``n`` will not run (dropped, refused): an implied copy just ahead of it,
+        released, has nothing left to tell its completion, so an event recorded behind
+        it does (the two driver calls it had saved)."""
+        plan = job.plan
+        q = plan.pred[n]
+        if (not self._implied_on or q < 0 or plan.succ[q] != n or not plan.implied[q]
+                or job.st[q] != RELEASED):
+            return
+        s = job.stream[q]
+        ev = self.device.record_event(s)
+        self.device_calls += 2
+        self.copy_events.setdefault(s, deque()).append((ev, job, q))
 
     # -- completions --------------------------------------------------------------------------
     def _poll_copies(self) -> None:
@@ -708,6 +778,8 @@ class KernelCore:
             while q and query(q[0][0]):
                 _, job, i = q.popleft()
                 self.progress += 1
+                if self._implied_on and not job.finished:
+                    self._implied_done(job, i)
                 if self.ops and not job.finished:
                     self.events.append((OP_ENDED, job.token, i, -1.0, self.now))
                 self._op_done(job, i)
@@ -718,6 +790,9 @@ class KernelCore:
         job, i = token
         plan = job.plan
         k = plan.kernels[plan.kernel[i]]
+        q = plan.pred[i]
+        if self._implied_on and q >= 0 and plan.implied[q] and job.st[q] == RELEASED:
+            self._implied_done(job, i)
         job.profile.record_kernel(k.key, self.now - t_first)
         if self.ops:
             self.events.append((OP_ENDED, job.token, i, t_first, self.now))
@@ -760,6 +835,7 @@ class KernelCore:
             if st in (WAITING, READY):
                 job.st[n] = DROPPED
                 job.pending -= 1
+                self._orphan_before(job, n)
         job.ready.clear()
         self._withdraw(job)
 

@@ -44,7 +44,9 @@ def stub(tmp_path_factory):
     return out, lib
 
 
-def serve(bundle, kernel_core, stub=None, n=4, plan=None):
+def serve(bundle, kernel_core, stub=None, n=4, plan=None, implied=False, calls=None):
+    """``implied``: the core's implied copies (off: the own path's schedule, launch for
+    launch); ``calls``: a list given the driver's call names."""
     drv = FakeDriver()
     dev = CudaDevice(driver=drv, n_streams=4, notifq_slots=256, counter_pairs=PAIRS)
     hook = None
@@ -59,7 +61,8 @@ def serve(bundle, kernel_core, stub=None, n=4, plan=None):
         hook = HOOK(forward)                 # (kept alive until the end of the run)
         lib.stub_reset()
         lib.stub_set_hook(hook)
-    d = Dispatcher(dev, "paella", counter_pairs=PAIRS, profile_runs=0, kernel_core=kernel_core)
+    d = Dispatcher(dev, "paella", counter_pairs=PAIRS, profile_runs=0, kernel_core=kernel_core,
+                   implied_copies=implied)
     mid = d.register_model("tiny", PlanAdaptor(plan) if plan is not None
                            else PlanAdaptor.from_bundle(bundle))
     done = {}
@@ -68,6 +71,8 @@ def serve(bundle, kernel_core, stub=None, n=4, plan=None):
     if stub is not None:
         stub[1].stub_set_hook(HOOK(0))
     launches = [(r.kernel, r.grid, r.block, r.dyn_smem, r.stream, r.args) for r in drv.launches]
+    if calls is not None:
+        calls.extend(c[0] for c in drv.calls)
     out = [io.tobytes() for io in ios]
     dev.close()
     del hook
@@ -86,6 +91,25 @@ def test_the_c_core_launches_through_the_driver_as_the_python_backend(bundle, st
     assert len(calls) == len(got) > 0        # every launch went through the library
     for c, (name, grid, block, smem, stream, _) in zip(calls, got):
         assert (tuple(c.grid), tuple(c.block), c.smem) == (tuple(grid), tuple(block), smem)
+
+
+def test_implied_copies_on_the_driver_save_their_events_and_answer_the_same(bundle, stub):
+    """With implied copies (the default), an input copy that a kernel follows on its
+    stream records no event: the same kernels with the same parameter values, the same
+    answers, one cuEventRecord fewer per such copy (kernel_core.implied_copies)."""
+    ref_calls: list[str] = []
+    ref_done, ref, ref_out, _ = serve(bundle, "c", stub, implied=False, calls=ref_calls)
+    calls: list[str] = []
+    done, got, out, d = serve(bundle, "c", stub, implied=True, calls=calls)
+    assert d.core.implied_copies and d._core_driver
+    assert done == ref_done == {i: (STATUS_OK, None) for i in range(4)}
+    assert out == ref_out
+    strip = lambda rows: [(k, g, b, m, a) for k, g, b, m, _, a in rows]  # noqa: E731
+    assert strip(got) == strip(ref)          # streams may differ: a kernel goes behind its copy
+    h2d = sum(1 for op in PlanAdaptor.from_bundle(bundle).plan.ops if op.kind == "h2d")
+    assert h2d > 0                           # (4 requests: at least 4 events saved)
+    assert ref_calls.count("cuEventRecord") - calls.count("cuEventRecord") >= 4
+    assert calls.count("cuMemcpyHtoDAsync") == ref_calls.count("cuMemcpyHtoDAsync")
 
 
 def test_a_refused_launch_fails_its_request_with_the_drivers_reason(bundle, stub):

@@ -62,7 +62,7 @@ def run_legacy(plans, policy, lookahead, extra_blocks, times, picks):
 
 
 def run_core(impl, plans, policy, lookahead, extra_blocks, times, picks, client_unit=False,
-             ops=False, classes=False):
+             ops=False, classes=False, implied=True):
     """The same arrivals through a kernel core on the legacy dispatcher's registered
     models (their profiles and buffer sets); every event with its time (``ops``: op
     events too)."""
@@ -70,6 +70,7 @@ def run_core(impl, plans, policy, lookahead, extra_blocks, times, picks, client_
     core = kc.make_core(impl, d.tracker, dev, policy, lookahead=lookahead, group=d.group,
                         fairness_unit="client" if client_unit else "job")
     core.ops = ops
+    core.implied_copies = implied
     models = []
     for mid in mids:
         m = d.models[mid]
@@ -138,17 +139,17 @@ def test_both_cores_serve_plans_as_the_legacy_dispatcher(policy, lookahead, extr
        policy=st.sampled_from(POLICIES), lookahead=st.sampled_from((1, 3)),
        extra_blocks=st.sampled_from((None, 0)), n=st.integers(1, 30),
        gap=st.sampled_from((20e-6, 100e-6, 400e-6)), client=st.booleans(), ops=st.booleans(),
-       classes=st.booleans())
+       classes=st.booleans(), implied=st.booleans())
 def test_the_c_core_matches_the_reference_event_for_event(seeds, policy, lookahead,
                                                           extra_blocks, n, gap, client, ops,
-                                                          classes):
+                                                          classes, implied):
     plans = [random_plan(s) for s in seeds]
     times = arrivals(n, seeds[0], gap)
     picks = [random.Random(k).randrange(len(plans)) for k in range(n)]
     ref = run_core("python", plans, policy, lookahead, extra_blocks, times, picks, client, ops,
-                   classes)
+                   classes, implied)
     c = run_core("c", plans, policy, lookahead, extra_blocks, times, picks, client, ops,
-                 classes)
+                 classes, implied)
     assert c == ref
     assert len(finished(ref[0])) == n
     op_events = [e for e in ref[0] if e[1] in (kc.OP_RELEASED, kc.OP_ENDED)]
@@ -200,6 +201,93 @@ def test_a_refused_launch_fails_its_job_and_the_others_go_on():
         assert (kc.ALMOST, 1) not in kinds        # a failed job wakes nobody
 
 
+def test_implied_copies_follow_the_rule_and_save_two_driver_calls_each():
+    """An input copy followed on its stream by a kernel (or another input copy) and
+    nothing else is implied; an output copy, or one another stream waits on, is not. Both
+    cores charge an implied copy one driver call instead of three, release its kernel
+    behind it at once, and answer the same, event for event."""
+    from paella.dispatcher.devices.base import D2H, H2D
+    plan = fig2_plan()
+    times = arrivals(40, 3, 150e-6)
+    picks = [0] * 40
+    # The rule, on the reference's PlanSpec: fig2's input copy; multi-stream plans' input
+    # copies that another stream waits on are not.
+    dev, d, mids = setup([plan, event_plan(streams=True)], "paella", 1, None)
+    core = kc.make_core("python", d.tracker, dev, "paella", group=d.group)
+    fig2, evs = (core.plans[kc.register_model(core, d.models[m].replay, d.models[m].profile,
+                                              dev).plan] for m in mids)
+    assert [i for i, x in enumerate(fig2.implied) if x] == \
+        [i for i, k in enumerate(fig2.kinds) if k == H2D]
+    for spec in (fig2, evs):
+        for i, x in enumerate(spec.implied):
+            if x:
+                assert spec.kinds[i] == H2D and spec.dstart[i] == spec.dstart[i + 1]
+            elif spec.kinds[i] == D2H:
+                assert not x
+    got = {}
+    for impl in ("python", "c"):
+        for implied in (False, True):
+            events, _ = run_core(impl, [plan], "paella", 1, None, times, picks,
+                                 implied=implied)
+            assert len(finished(events)) == 40
+            got[impl, implied] = events
+    assert got["python", True] == got["c", True] and got["python", False] == got["c", False]
+    # the implied run is not the evented one: kernels go behind their copies at once
+    assert got["c", True] != got["c", False]
+    # the C core and the reference count the same driver calls: 8 kernels + 1 + 3
+    for implied, per_job in ((True, 12), (False, 14)):
+        calls = []
+        for impl in ("python", "c"):
+            dev, d, mids = setup([plan], "paella", 1, None)
+            core = kc.make_core(impl, d.tracker, dev, "paella", group=d.group)
+            core.implied_copies = implied
+            m = d.models[mids[0]]
+            cm = kc.register_model(core, m.replay, m.profile, dev)
+            io = np.zeros(m.adaptor.io_bytes, np.uint8)
+            args, copies = kc.job_operands(cm, m.replay, m.pool.acquire().bound, io, dev.memory)
+            core.admit(0, 0, cm.plan, cm.profile, args=args, copies=copies)
+            while core.jobs:
+                core.step(dev.now())
+                if core.jobs:
+                    dev.run_until(dev.next_event_time())
+            calls.append(core.device_calls)
+        assert calls == [per_job, per_job], implied
+
+
+@pytest.mark.parametrize("impl", ("python", "c"))
+@pytest.mark.parametrize("direct_copies", (False, True))
+def test_a_job_stopped_behind_its_implied_copy_still_drains(impl, direct_copies):
+    """The job's input copy is out (implied: no event) and its kernel waits for room on
+    a full GPU when its client goes away: the kernel is dropped, so an event recorded
+    then tells the copy's completion, and the job finishes; the GPU's other job too."""
+    from paella.dispatcher.adaptor import synthetic_plan
+    big = synthetic_plan("big", [("fill", 22 * 40, 1024, 32, 2e-3)])
+    plans = [big, fig2_plan()]
+    dev, d, mids = setup(plans, "paella", 1, 0)
+    core = kc.make_core(impl, d.tracker, dev, "paella", group=d.group)
+    assert core.implied_copies
+    cms = [kc.register_model(core, d.models[m].replay, d.models[m].profile, dev) for m in mids]
+    handles = {}
+    for k, (mid, cm) in enumerate(zip(mids, cms)):
+        m = d.models[mid]
+        io = np.zeros(max(m.adaptor.io_bytes, 1), np.uint8)
+        args, copies = kc.job_operands(cm, m.replay, m.pool.acquire().bound, io,
+                                       dev.memory if direct_copies else None)
+        handles[k] = core.admit(k, k, cm.plan, cm.profile, args=args, copies=copies)
+        events = list(core.step(dev.now()) or ())
+    before = core.device_calls
+    assert core.queued == 1                  # job 1's kernel waits; its copy went out
+    events += core.abort(handles[1], 1)
+    t_end = dev.now() + 1.0
+    while core.jobs and dev.now() < t_end:
+        events += core.step(dev.now()) or ()
+        if core.jobs:
+            dev.run_until(dev.next_event_time())
+    assert core.jobs == 0, "a job stalled behind its implied copy"
+    assert sorted(e[1] for e in events if e[0] == kc.FINISHED) == [0, 1]
+    assert core.device_calls == before + 2   # the event recorded behind the copy, its query
+
+
 def test_a_plan_spec_that_lies_is_refused_with_a_reason():
     dev, d, mids = setup([fig2_plan()], "paella", 1, None)
     core = kc.make_core("c", d.tracker, dev, "paella", group=d.group)
@@ -230,13 +318,15 @@ def test_a_plan_spec_that_lies_is_refused_with_a_reason():
 
 # -- the dispatcher on the kernel core ------------------------------------------------------
 def serve(kernel_core, policy, lookahead, plans, n=60, cancel_at=None, log=None,
-          add_late=False, classes=False):
+          add_late=False, classes=False, implied=False):
     """Requests of three clients through a Dispatcher; client 1 goes away at request
     ``cancel_at``. Every answer with its time, status and error. ``log``: an OpLog
-    installed from the start (``add_late``: after the profiling runs)."""
+    installed from the start (``add_late``: after the profiling runs). ``implied``: the
+    cores' implied copies (off: the schedule of the dispatcher's own path)."""
     dev = SimDevice("gtx1660s", n_streams=16, notifq_slots=1 << 12, seed=1)
     d = Dispatcher(dev, policy, lookahead=lookahead, profile_runs=1, kernel_core=kernel_core,
-                   instruments=[log.instrument] if log is not None and not add_late else ())
+                   instruments=[log.instrument] if log is not None and not add_late else (),
+                   implied_copies=implied)
     mids = [d.register_model(p.name, PlanAdaptor(p)) for p in plans]
     if log is not None and add_late:         # (after the profiling runs' kernels)
         log.released_before = d.core.released

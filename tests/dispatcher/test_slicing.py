@@ -82,8 +82,8 @@ class LaunchLog(SimDevice):
         super().launch_checked(k, stream, launch_id, args, group, on_complete)
 
 
-def _dispatcher(dev, core, slice_us=100.0):
-    d = Dispatcher(dev, "paella", slice_us=slice_us, kernel_core=core)
+def _dispatcher(dev, core, slice_us=100.0, implied=True):
+    d = Dispatcher(dev, "paella", slice_us=slice_us, kernel_core=core, implied_copies=implied)
     be = d.register_model("be", PlanAdaptor(_offset_plan()))
     hp = d.register_model("hp", PlanAdaptor(synthetic_plan(
         "hp", [(f"k{i}", 40, 128, 32, 30e-6) for i in range(5)], 64, 64)))
@@ -154,9 +154,10 @@ def test_every_path_gives_the_same_schedule_with_classes_and_slices(seed):
     gaps = rng.exponential(400e-6, n)
     pri = rng.choice([1, 0, 200], n)
     results = []
-    for core in CORES:
+    for core, implied in [(c, False) for c in CORES] + [(c, True) for c in CORES if c]:
+        # (implied copies: the cores' own rule; off, the own path's schedule)
         dev = SimDevice("t4", n_streams=64, seed=seed)
-        d, be, hp = _dispatcher(dev, core)
+        d, be, hp = _dispatcher(dev, core, implied=implied)
         out = {}
 
         def done(r, status, err, out=out, dev=dev):
@@ -173,6 +174,7 @@ def test_every_path_gives_the_same_schedule_with_classes_and_slices(seed):
         results.append(out)
     assert len(results[0]) == n and all(s == 0 for s, _ in results[0].values())
     assert results[0] == results[1] == results[2]
+    assert results[3] == results[4] and all(s == 0 for s, _ in results[3].values())
 
 
 class Releases(Instrument):

@@ -20,7 +20,8 @@ from test_kernel_core import arrivals, fig2_plan
 
 def traced_run(kernel_core, policy="paella", n=30, max_events=100_000, lookahead=1):
     dev = SimDevice("gtx1660s", n_streams=16, notifq_slots=1 << 12, seed=1)
-    d = Dispatcher(dev, policy, profile_runs=1, kernel_core=kernel_core, lookahead=lookahead)
+    d = Dispatcher(dev, policy, profile_runs=1, kernel_core=kernel_core, lookahead=lookahead,
+                   implied_copies=False)     # (the own path's schedule, to compare with it)
     mids = [d.register_model(p.name, PlanAdaptor(p)) for p in (fig2_plan(), random_plan(3))]
     rec = TraceRecorder(d, max_events=max_events).start()
     times = arrivals(n, 2, 100e-6)
@@ -135,7 +136,7 @@ def test_a_policy_hold_is_an_instant_and_every_path_reports_the_same():
     seen = []
     for core in CORES:
         dev = SimDevice("t4", n_streams=64, seed=1)
-        d, be, hp = _dispatcher(dev, core, slice_us=0.0)
+        d, be, hp = _dispatcher(dev, core, slice_us=0.0, implied=False)   # (the own path's)
         rec = TraceRecorder(d).start()
         for i in range(4):
             d.submit(Request(10 + i, 1, be, _io(), priority=200))
