@@ -21,7 +21,8 @@
 #include "capi.h"
 
 enum { KERNEL = 0, H2D = 1, D2H = 2, MARKER = 3 };
-enum { WAITING = 0, READY = 1, RELEASED = 2, DONE = 3, DROPPED = 4 };
+enum { WAITING = 0, READY = 1, RELEASED = 2, DONE = 3, DROPPED = 4,
+       IMPLIED = 5 /* a copy released with no event (Plan.implied, launch_copy) */ };
 enum { EV_ALMOST = 1, EV_FINISHED = 2, EV_REFUSED = 3, EV_FAULT = 4,
        EV_OP_RELEASED = 5, EV_OP_ENDED = 6,     /* op events: only while `ops` is set */
        EV_OP_HELD = 7 };                        /* (kind, None, queued, t): a hold */
@@ -947,7 +948,7 @@ static int release_succ(Core *c, int32_t id, Job *j, int i)
 static inline int behind_of(Core *c, Job *j, int i)
 {
     int p = j->plan->pred[i];
-    if (p >= 0 && j->st[p] == RELEASED && (c->lookahead > 1 || (c->implied_on && j->plan->implied[p])))
+    if (p >= 0 && ((j->st[p] == RELEASED && c->lookahead > 1) || j->st[p] == IMPLIED))
         return p;
     return -1;
 }
@@ -1050,7 +1051,7 @@ static int implied_done(Core *c, int32_t id, Job *j, int i)
 {
     Plan *p = j->plan;
     int first = -1;
-    for (int q = p->pred[i]; q >= 0 && p->implied[q] && j->st[q] == RELEASED; q = p->pred[q])
+    for (int q = p->pred[i]; q >= 0 && j->st[q] == IMPLIED; q = p->pred[q])
         first = q;
     while (first >= 0 && first != i) {
         int next = p->succ[first];
@@ -1085,7 +1086,7 @@ static int orphan_before(Core *c, int32_t id, Job *j, int n)
 {
     Plan *p = j->plan;
     int q = p->pred[n];
-    if (!c->implied_on || q < 0 || p->succ[q] != n || !p->implied[q] || j->st[q] != RELEASED)
+    if (q < 0 || p->succ[q] != n || j->st[q] != IMPLIED)
         return 0;
     int s = j->stream[q];
     PyObject *stream = PyLong_FromLong(s);
@@ -1131,7 +1132,13 @@ static void copy_landed(void *ctx, uint64_t tag)
 static int launch_copy(Core *c, int32_t id, Job *j, int i, int behind)
 {
     int s = assign(c, j, i, behind);
-    int imp = c->implied_on && j->plan->implied[i];
+    /* Implied (Plan.implied) while streams are not scarce: in pool mode an implied copy
+       keeps its stream until its successor is seen done, and that successor waits for the
+       policy, so at most half the pool goes to them; with all of it, jobs between two
+       kernels waited for a free stream held by jobs the policy ranks after them (a
+       deadlock, Figure 2 at 50k jobs/s with the CPU charged). */
+    int imp = c->implied_on && j->plan->implied[i]
+              && (c->mode != M_POOL || 2 * c->free_n >= c->n_streams);
     c->progress++;
     /* the copy, its event's record, the query that sees it; an implied copy: the copy */
     c->device_calls += imp ? 1 : 3;
@@ -1151,7 +1158,7 @@ static int launch_copy(Core *c, int32_t id, Job *j, int i, int behind)
             if (refq_push(&c->cev[s], ref) < 0)
                 return -1;
         }
-        j->st[i] = RELEASED;
+        j->st[i] = imp ? IMPLIED : RELEASED;
         if (c->ops && emit_op(c, EV_OP_RELEASED, j, i, 0.0, c->now) < 0)
             return -1;
         if (c->eager || c->lookahead > 1 || imp)
@@ -1193,7 +1200,7 @@ static int launch_copy(Core *c, int32_t id, Job *j, int i, int behind)
         Py_DECREF(ev);
     else if (push_event(c, s, id, j, i, ev) < 0)
         return -1;
-    j->st[i] = RELEASED;
+    j->st[i] = imp ? IMPLIED : RELEASED;
     if (c->ops && emit_op(c, EV_OP_RELEASED, j, i, 0.0, c->now) < 0)
         return -1;
     if (c->eager || c->lookahead > 1 || imp)
@@ -1253,7 +1260,8 @@ static int poll_copies(Core *c)
                 Py_DECREF(x.event);
             }
             Job *j = job_of(c, x.job, x.seq);
-            if (j != NULL && c->implied_on && implied_done(c, x.job, j, x.node) < 0)
+            int q = j != NULL ? j->plan->pred[x.node] : -1;
+            if (q >= 0 && j->st[q] == IMPLIED && implied_done(c, x.job, j, x.node) < 0)
                 return -1;
             if (j != NULL && c->ops && emit_op(c, EV_OP_ENDED, j, x.node, -1.0, c->now) < 0)
                 return -1;
@@ -1281,8 +1289,7 @@ static void kernel_done(void *ctx, int slot, PyObject *tok, double t_first)
     Plan *p = j->plan;
     KSpec *k = &p->ks[p->kernel[i]];
     int q = p->pred[i];
-    if (c->implied_on && q >= 0 && p->implied[q] && j->st[q] == RELEASED
-            && implied_done(c, id, j, i) < 0) {
+    if (q >= 0 && j->st[q] == IMPLIED && implied_done(c, id, j, i) < 0) {
         c->error = 1;
         return;
     }

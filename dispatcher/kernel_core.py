@@ -51,6 +51,9 @@ from .policies.base import class_key
 from .pqueue import IndexedHeap
 from .waitlist import DONE, DROPPED, READY, RELEASED, WAITING
 
+#: A copy released with no event (:func:`implied_copies`); the core's own state.
+IMPLIED = 5
+
 #: Event kinds out of :meth:`KernelCore.step`.
 ALMOST, FINISHED, REFUSED, FAULT = 1, 2, 3, 4
 #: Op events, only while the core's ``ops`` is set (an instrument listens to ops):
@@ -569,8 +572,7 @@ class KernelCore:
 
     def _behind(self, job: CoreJob, i: int) -> int:
         p = job.plan.pred[i]
-        if p >= 0 and job.st[p] == RELEASED and (
-                self.lookahead > 1 or (self._implied_on and job.plan.implied[p])):
+        if p >= 0 and ((job.st[p] == RELEASED and self.lookahead > 1) or job.st[p] == IMPLIED):
             return p
         return -1
 
@@ -697,7 +699,10 @@ class KernelCore:
 
     def _launch_copy(self, job: CoreJob, i: int, behind: int) -> None:
         s = self._assign(job, i, behind)
-        imp = self._implied_on and job.plan.implied[i]
+        # Implied while streams are not scarce: see _kcore.c's launch_copy (at most half
+        # the pool waits behind implied copies; all of it deadlocked Figure 2 at 50k/s).
+        imp = self._implied_on and job.plan.implied[i] and (
+            self.stream_mode != "pool" or 2 * len(self.free) >= self.n_streams)
         self.progress += 1
         self.device_calls += 1 if imp else 3
         job.t_rel[i] = self.now
@@ -724,7 +729,7 @@ class KernelCore:
             return
         if not imp:
             self.copy_events.setdefault(s, deque()).append((ev, job, i))
-        job.st[i] = RELEASED
+        job.st[i] = IMPLIED if imp else RELEASED
         if self.ops:
             self.events.append((OP_RELEASED, job.token, i, s, -1, self.now))
         if self.eager or self.lookahead > 1 or imp:
@@ -746,7 +751,7 @@ class KernelCore:
         now that ``i`` is seen done (stream order: they completed before it started)."""
         plan = job.plan
         first, q = -1, plan.pred[i]
-        while q >= 0 and plan.implied[q] and job.st[q] == RELEASED:
+        while q >= 0 and job.st[q] == IMPLIED:
             first, q = q, plan.pred[q]
         while first >= 0 and first != i:
             nxt = plan.succ[first]
@@ -762,8 +767,7 @@ class KernelCore:
         it does (the two driver calls it had saved)."""
         plan = job.plan
         q = plan.pred[n]
-        if (not self._implied_on or q < 0 or plan.succ[q] != n or not plan.implied[q]
-                or job.st[q] != RELEASED):
+        if q < 0 or plan.succ[q] != n or job.st[q] != IMPLIED:
             return
         s = job.stream[q]
         ev = self.device.record_event(s)
@@ -778,7 +782,8 @@ class KernelCore:
             while q and query(q[0][0]):
                 _, job, i = q.popleft()
                 self.progress += 1
-                if self._implied_on and not job.finished:
+                pred = job.plan.pred[i]
+                if pred >= 0 and job.st[pred] == IMPLIED and not job.finished:
                     self._implied_done(job, i)
                 if self.ops and not job.finished:
                     self.events.append((OP_ENDED, job.token, i, -1.0, self.now))
@@ -791,7 +796,7 @@ class KernelCore:
         plan = job.plan
         k = plan.kernels[plan.kernel[i]]
         q = plan.pred[i]
-        if self._implied_on and q >= 0 and plan.implied[q] and job.st[q] == RELEASED:
+        if q >= 0 and job.st[q] == IMPLIED:
             self._implied_done(job, i)
         job.profile.record_kernel(k.key, self.now - t_first)
         if self.ops:
