@@ -325,6 +325,10 @@ def test_demo_counts_only_its_own_daemons_segments(tmp_path, fresh_daemon):
     assert m["target_echo_paced_ms"] == pytest.approx(1.5 * (m["isolated_ms"] + rtt["paced"] / 1e3))
     assert m["p50_back_to_back_ms"] > 0
     assert m["met"] == (m["p50_back_to_back_ms"] <= m["target_ms"])
+    # issue 36's figure: the back-to-back p50 over (alone + the model's round trip)
+    assert m["back_to_back_ratio"] == pytest.approx(
+        m["p50_back_to_back_ms"] / (m["isolated_ms"] + mine["back_to_back"] / 1e3))
+    assert "back to back, p50 over (alone + the model's round trip): tiny_mlp" in text
     assert m["met_paced"] == (m["p50_ms"] <= m["target_paced_ms"])
     assert "round trip (p50): echo" in text and "with the echo round trip alone" in text
 
