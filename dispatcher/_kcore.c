@@ -1751,6 +1751,9 @@ static PyObject *Core_add_plan(Core *c, PyObject *spec)
     rc = rc ? rc : attr_ints(spec, "almost", n, tmp, 0, 2);
     for (Py_ssize_t i = 0; rc == 0 && i < n; i++)
         p->almost[i] = (uint8_t)tmp[i];
+    rc = rc ? rc : attr_ints(spec, "implied", n, tmp, 0, 2);   /* kernel_core.implied_copies */
+    for (Py_ssize_t i = 0; rc == 0 && i < n; i++)
+        p->implied[i] = (uint8_t)tmp[i];
     PyMem_Free(tmp);
     rc = rc ? rc : attr_ints(spec, "succ", n, p->succ, -1, n);
     rc = rc ? rc : attr_ints(spec, "dstart", n + 1, p->dstart, 0, ndep + 1);
@@ -1761,10 +1764,12 @@ static PyObject *Core_add_plan(Core *c, PyObject *spec)
     rc = rc ? rc : attr_ints(spec, "vstream", n, p->vstream, 0, nv);
     rc = rc ? rc : attr_ints(spec, "pred", n, p->pred, -1, n);
     for (Py_ssize_t i = 0; rc == 0 && i < n; i++) {
-        /* kernel_core.implied_copies: the same rule */
-        int s = p->succ[i];
-        p->implied[i] = p->kind[i] == H2D && s >= 0 && (p->kind[s] == KERNEL || p->kind[s] == H2D)
-                        && p->pred[s] == i && p->dstart[i] == p->dstart[i + 1];
+        int s = p->implied[i] ? p->succ[i] : 0;   /* the rule's shape, checked again */
+        if (p->implied[i] && (p->kind[i] != H2D || s < 0 || p->pred[s] != i
+                              || (p->kind[s] != KERNEL && p->kind[s] != H2D))) {
+            PyErr_Format(PyExc_ValueError, "PlanSpec: node %zd is no implied copy", i);
+            rc = -1;
+        }
         if (p->kind[i] == KERNEL && p->kernel[i] < 0) {
             PyErr_Format(PyExc_ValueError, "PlanSpec: kernel node %zd names no kernel", i);
             rc = -1;

@@ -34,6 +34,7 @@ Decisions (docs/dispatcher.md, "The kernel core"):
 """
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -123,8 +124,9 @@ class PlanSpec:
     kernels: tuple[KernelSpec, ...]
     io_start: tuple[int, ...] = ()      # copies: their bytes of the job's io buffer
     io_end: tuple[int, ...] = ()
-    #: Derived, per node: 1 for an input copy whose completion its stream successor tells
-    #: (:func:`implied_copies`).
+    #: Per node, 1 for an input copy whose completion its stream successor tells
+    #: (:func:`implied_copies`; :func:`plan_spec` bounds their size by the device's link;
+    #: empty: derived here with no bound).
     implied: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
@@ -146,12 +148,16 @@ class PlanSpec:
             raise ValueError("PlanSpec: a node index is out of range")
         if any(not 0 <= v < self.n_vstreams for v in self.vstream):
             raise ValueError("PlanSpec: a virtual stream index is out of range")
-        object.__setattr__(self, "implied", implied_copies(self))
+        if not self.implied:
+            object.__setattr__(self, "implied", implied_copies(self))
+        elif len(self.implied) != n or any(x not in (0, 1) for x in self.implied):
+            raise ValueError("PlanSpec.implied must be 0 or 1 for each node")
 
 
-def implied_copies(spec: "PlanSpec") -> tuple[int, ...]:
-    """Per node, 1 for an *implied* copy: an input (H2D) copy whose stream successor is a
-    kernel or another input copy, with no other dependent.
+def implied_copies(spec: "PlanSpec", max_bytes: float = float("inf")) -> tuple[int, ...]:
+    """Per node, 1 for an *implied* copy: an input (H2D) copy of at most ``max_bytes``
+    (:func:`implied_copy_bytes`) whose stream successor is a kernel or another input
+    copy, with no other dependent.
 
     Why: a copy's completion is otherwise learned from an event recorded behind it and
     queried (two driver calls, charged 2 us each by the experiments, and a round trip
@@ -160,14 +166,34 @@ def implied_copies(spec: "PlanSpec") -> tuple[int, ...]:
     no event, releases its successor at once (behind it on the same stream, whatever the
     lookahead: a copy is not a kernel), and counts the copy done when that successor is
     seen done. A successor that never runs (its job failed or was cancelled first) gets
-    the copy an event then (``_orphan_before``). The C core computes the same rule."""
+    the copy an event then (``_orphan_before``). The C core reads the result
+    (``PlanSpec.implied``).
+
+    Why the size bound: the successor is admitted (the +B rule counts its blocks as
+    waiting) when the copy is released, so it holds its share of the GPU back from
+    everyone else for the copy's whole transfer. Worth it for a copy that lands about as
+    soon as the host could have seen it; not for a 602 KB image (58 us on a T4's link:
+    `paella experiment priority`'s best-effort throughput fell 2.5% without the bound)."""
     kinds, succ, pred, dstart = spec.kinds, spec.succ, spec.pred, spec.dstart
+    sizes = [e - b for b, e in zip(spec.io_start, spec.io_end)] if spec.io_start else None
     out = []
     for i, k in enumerate(kinds):
         s = succ[i]
         out.append(int(k == H2D and s >= 0 and kinds[s] in (KERNEL, H2D) and pred[s] == i
-                       and dstart[i] == dstart[i + 1]))
+                       and dstart[i] == dstart[i + 1]
+                       and (sizes is None or sizes[i] <= max_bytes)))
     return tuple(out)
+
+
+def implied_copy_bytes(gpu: Any) -> float:
+    """The largest implied copy on ``gpu`` (a ``GpuSpec``): the bytes its link moves in
+    its fixed per-copy latency (``pcie_bw * pcie_latency``: 96 KB on the T4's PCIe 3).
+    Up to that, the transfer is at most as long as the part every copy pays anyway; a
+    device that does not say (None) gets the presets' defaults."""
+    from paella.gpus import GpuSpec
+    bw = getattr(gpu, "pcie_bw", None) or GpuSpec.pcie_bw
+    lat = getattr(gpu, "pcie_latency", None) or GpuSpec.pcie_latency
+    return float(bw) * float(lat)
 
 
 def plan_spec(replay: Any, key_of: Callable[[str], int],
@@ -224,10 +250,11 @@ def plan_spec(replay: Any, key_of: Callable[[str], int],
     for ds in g["dependents"]:
         dep.extend(ds)
         dstart.append(len(dep))
-    return PlanSpec(tuple(g["kinds"]), tuple(g["succ"]), tuple(dstart), tuple(dep),
+    spec = PlanSpec(tuple(g["kinds"]), tuple(g["succ"]), tuple(dstart), tuple(dep),
                     tuple(g["deps"]), tuple(g["pp"]), tuple(g["st"]), tuple(g["ready"]),
                     tuple(kernel), tuple(almost), tuple(vstream), tuple(pred),
                     max(len(stream_ids), 1), tuple(specs), tuple(io_start), tuple(io_end))
+    return dataclasses.replace(spec, implied=implied_copies(spec, implied_copy_bytes(gpu)))
 
 
 class Profile:

@@ -218,6 +218,17 @@ def test_implied_copies_follow_the_rule_and_save_two_driver_calls_each():
                                               dev).plan] for m in mids)
     assert [i for i, x in enumerate(fig2.implied) if x] == \
         [i for i, k in enumerate(fig2.kinds) if k == H2D]
+    # Size: only a copy the link moves within its fixed latency (96 KB on the presets'
+    # PCIe 3: pcie_bw * pcie_latency); a larger one would hold its kernel's share of the
+    # GPU for its whole transfer.
+    from paella.dispatcher.adaptor import synthetic_plan
+    assert kc.implied_copy_bytes(dev.props) == dev.props.pcie_bw * dev.props.pcie_latency
+    for nbytes, want in ((96_000, 1), (200_000, 0)):
+        big = synthetic_plan(f"in{nbytes}", [("k", 1, 128, 9, 1e-4)], nbytes, 64)
+        mid = d.register_model(big.name, PlanAdaptor(big))
+        spec = core.plans[kc.register_model(core, d.models[mid].replay, d.models[mid].profile,
+                                            dev).plan]
+        assert [spec.implied[i] for i, k in enumerate(spec.kinds) if k == H2D] == [want]
     for spec in (fig2, evs):
         for i, x in enumerate(spec.implied):
             if x:
