@@ -135,14 +135,19 @@ def _hol_cpu_note(s: dict, ratio: float) -> str:
     if s["cpu_scale"] != 0:
         return (f"{budget}. Charged here at scale {s['cpu_scale']:g}: the C kernel core "
                 "(docs/dispatcher.md, \"The kernel core\") and the control plane's Python take "
-                "about 10-16 us of CPU per job (session 22; 28 us in round 11), and every driver "
-                "call its launches and copies stand for is charged 2 us (14 per job: 8 launches, 2 "
-                "copies with their events' record and query: 28 us), so one job costs about 38-44 us "
-                f"of the dispatcher's core: {ratio:.2f}x (1.01x with the Python per-kernel path, 52.7k "
-                "instructions per kernel; 1.73x in round 11). The driver calls are now most of the "
+                "about 8-15 us of CPU per job (session 25; 28 us in round 11), and every driver "
+                "call its launches and copies stand for is charged 2 us (12 per job: 8 launches, "
+                "the input copy, which records no event since session 25 because the kernel "
+                "behind it tells its completion (\"Implied copies\", docs/dispatcher.md), and the "
+                "output copy with its event's record and query: 24 us; 14 and 28 us before), so "
+                "one job costs about 32-39 us of the dispatcher's core: "
+                f"{ratio:.2f}x (1.01x with the Python per-kernel path, 52.7k instructions per "
+                "kernel; 1.73x in round 11; 2.02x in session 22). The driver calls are most of the "
                 "cost; the paper's 2.2x is a C++ dispatcher on a real driver. Each knee is refined "
                 "by bisection (`refine_knee`), the same for both policies. Scale-1 figures vary "
-                "between runs with the machine's load.")
+                "between runs with the machine's load, by more than the change of session 25 "
+                "here (docs/benchmarks.md, round 15: 1.90-2.08x in four runs; the tail at fixed "
+                "loads near the knee is what moved).")
     return ("With the dispatcher free, the policy and the +B release rule fill the GPU as the ideal "
             f"driver does. {budget}; with its CPU charged (the next section) the dispatcher's own "
             "cost per job, not the policy, sets the goodput.")
