@@ -30,7 +30,7 @@ from typing import Any, Protocol, Sequence
 import greenlet
 import numpy as np
 
-from paella.dispatcher.devices.base import D2H, H2D, KERNEL, Function, OutOfMemory, dim3
+from paella.dispatcher.devices.base import D2H, H2D, KERNEL, Function, OutOfMemory
 from paella.plugins import PLUGIN_ERRORS
 from paella.wire import DEFAULT_PRIORITY as DEFAULT_LEVEL
 
