@@ -53,7 +53,7 @@ from paella.dispatcher.devices.base import KERNEL
 from paella.dispatcher.devices.sim import SimDevice
 from paella.dispatcher.instruments import HOOKS, Instrument
 from paella.dispatcher.virtual_time import VirtualDriver
-from paella.experiments.harness import adaptor_for
+from paella.experiments.harness import adaptor_for, clock_overhead
 from paella.experiments.workload import lognormal_arrivals
 from paella.models.synthetic import figure2_job
 
@@ -179,15 +179,6 @@ for _hook in HOOKS:
     setattr(EveryHook, _hook, lambda self, *a: None)
 
 
-def _clock_overhead(clock: Callable[[], float] = _clock, n: int = 2000) -> float:
-    """What a ``clock()`` pair adds to the window it brackets: back-to-back calls."""
-    d = []
-    for _ in range(n):
-        c0 = clock()
-        d.append(clock() - c0)
-    return float(np.median(d))
-
-
 def _setup(policy: str, seed: int, device: type = MeteredSim) -> tuple[Any, Dispatcher, int]:
     dev = device("gtx1660s", n_streams=1024, seed=seed)
     d = Dispatcher(dev, policy)
@@ -223,7 +214,7 @@ class _TimedSteps:
         self.dev, self.d, self.mid = dev, d, mid
         self.io = np.zeros(max(d.models[mid].adaptor.io_bytes, 1), np.uint8)
         self.on_step, self.fixed, self.clock = on_step, fixed, clock
-        self.overhead = _clock_overhead(clock)
+        self.overhead = clock_overhead(clock)
         self.arrived: list[Request] = []
 
     def arrive(self, due: range) -> None:

@@ -2,7 +2,8 @@
 
 One process, one clock. Each loop iteration submits the requests that have arrived,
 runs one :meth:`Dispatcher.step`, measures the CPU time that step took
-(``time.thread_time``) and advances the simulated GPU by that much (times
+(``time.thread_time``, less the clock's own share of the window) and advances the
+simulated GPU by that much (times
 ``cpu_scale``): the dispatcher's own overhead costs simulated latency, as it would on a
 real machine, while the GPU keeps running underneath. Time spent *inside* the
 simulator's methods (placing blocks, scheduling its events) is not the dispatcher's: it
@@ -207,11 +208,27 @@ class DeviceMeter:
         return n
 
 
+def clock_overhead(clock: Callable[[], float] = time.thread_time, n: int = 2000) -> float:
+    """What a ``clock()`` pair adds to the window it brackets: the median of back-to-back
+    calls. ``time.thread_time`` is a system call; the end of the first call and the start
+    of the second fall inside the window (0.44 us here), on every step measured."""
+    d = []
+    for _ in range(n):
+        c0 = clock()
+        d.append(clock() - c0)
+    return float(np.median(d))
+
+
 class CpuCharge:
     """The driver's ``charge`` hook when the dispatcher's CPU is charged: a step costs its
-    CPU time (``time.thread_time``, the simulator's own time taken out by ``meter``)
+    CPU time (``time.thread_time``, the simulator's own time taken out by ``meter``, and
+    the clock's own share of the window, :func:`clock_overhead`, measured once here)
     times ``cpu_scale``, plus ``decision_delay`` per kernel it released (Figure 9's
-    synthetic delay). ``total``: the CPU seconds measured so far."""
+    synthetic delay). ``total``: the CPU seconds measured so far.
+
+    The clock's share is the meter's cost, not the dispatcher's: uncorrected it charged
+    0.44 us to every step, about 1 us per Figure 2 job near its knee (session 25;
+    ``benchmarks/bench_dispatcher`` corrects its own windows the same way)."""
 
     def __init__(self, meter: "DeviceMeter | CoreMeter", cpu_scale: float,
                  decision_delay: float = 0.0):
@@ -219,6 +236,7 @@ class CpuCharge:
         self.cpu_scale = cpu_scale
         self.decision_delay = decision_delay
         self.total = 0.0
+        self.overhead = clock_overhead()
 
     def __call__(self, step: Callable[[], None]) -> float:
         meter, clock = self.meter, time.thread_time
@@ -226,7 +244,7 @@ class CpuCharge:
         meter.take_launches()
         c0 = clock()
         step()
-        spent = max(clock() - c0 - meter.take(), 0.0)
+        spent = max(clock() - c0 - self.overhead - meter.take(), 0.0)
         self.total += spent
         return spent * self.cpu_scale + meter.take_launches() * self.decision_delay
 
