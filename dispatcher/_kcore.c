@@ -533,6 +533,22 @@ static void prof_job(Prof *p, int32_t *counts)
 }
 
 /* -- streams -------------------------------------------------------------------------- */
+/* `s`, or the next stream after it that holds no gate (the simulated device holding a
+   kernel whose answer is still being computed): a new job, or a job's new virtual
+   stream, goes there, not behind the held kernel (issue 37). Streams with gates are
+   real time only; a core not launching into the engine sees none. */
+static int ungated(Core *c, int s)
+{
+    if (c->engine == Py_None)
+        return s;
+    for (int k = 0; k < c->n_streams; k++) {
+        int t = (s + k) % c->n_streams;
+        if (!EAPI->stream_gated(c->engine, t))
+            return t;
+    }
+    return s;                    /* (every stream held: wait behind the first) */
+}
+
 static int assign(Core *c, Job *j, int i, int behind)
 {
     int s;
@@ -546,14 +562,16 @@ static int assign(Core *c, Job *j, int i, int behind)
             c->free_head = (c->free_head + 1) % c->n_streams;
             c->free_n--;
         }
-    } else if (c->mode == M_SINGLE)
-        s = 0;
-    else {
+    } else if (c->mode == M_SINGLE) {
+        s = j->real[0];          /* every op of a job on one stream: 0 unless held */
+        if (s < 0)
+            s = j->real[0] = ungated(c, 0);
+    } else {
         int v = j->plan->vstream[i];
         s = j->real[v];
         if (s < 0) {
-            s = j->real[v] = c->rr_stream;
-            c->rr_stream = (c->rr_stream + 1) % c->n_streams;
+            s = j->real[v] = ungated(c, c->rr_stream);
+            c->rr_stream = (s + 1) % c->n_streams;
         }
     }
     c->busy[s]++;

@@ -668,16 +668,33 @@ class KernelCore:
         elif mode == "pool":
             s = job.stream[behind] if behind >= 0 else self.free.popleft()
         elif mode == "single":
-            s = 0
+            s = job.real[0]                  # every op of a job on one stream: 0 unless held
+            if s < 0:
+                s = job.real[0] = self._ungated(0)
         else:
             v = job.plan.vstream[i]
             s = job.real[v]
             if s < 0:
-                s = job.real[v] = self.rr_stream
-                self.rr_stream = (self.rr_stream + 1) % self.n_streams
+                s = job.real[v] = self._ungated(self.rr_stream)
+                self.rr_stream = (s + 1) % self.n_streams
         self.busy[s] += 1
         job.stream[i] = s
         return s
+
+    def _ungated(self, s: int) -> int:
+        """``s``, or the next stream after it that holds no gate (the simulated device
+        holding a kernel whose answer is still being computed): a new job, or a job's new
+        virtual stream, goes there, not behind the held kernel (issue 37). Real time
+        only; a core not launching into the engine sees none."""
+        engine = self.engine
+        if engine is None:
+            return s
+        n = self.n_streams
+        for k in range(n):
+            t = (s + k) % n
+            if not engine.stream_gated(t):
+                return t
+        return s                             # (every stream held: wait behind the first)
 
     def _stream_done(self, s: int) -> None:
         self.busy[s] -= 1

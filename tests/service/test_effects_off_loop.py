@@ -89,6 +89,19 @@ def wait_for(cond, timeout: float, what: str, dp) -> None:
         time.sleep(0.02)
 
 
+def others_served_promptly(other, reference, shape: tuple, n: int) -> None:
+    """``n`` rounds of another client's echo and the tiny MLP's warm-up input (zeros,
+    cached), each answered right and within a generous second."""
+    zeros = np.zeros(shape, np.float32)
+    for i in range(n):
+        t = time.monotonic()
+        e = np.full(256, i, np.float32)
+        np.testing.assert_array_equal(other.infer("echo", {"x": e}, timeout=5)["y"], e)
+        np.testing.assert_array_equal(other.infer("tiny_mlp", {"x": zeros}, timeout=5)["output0"],
+                                      reference(zeros))
+        assert time.monotonic() - t < 1.0, "a request waited behind another client's answer"
+
+
 def configured_daemon(tmp_path, mlp, fresh_daemon, settings: str, fault: str):
     """A daemon serving the tiny MLP with ``[daemon]`` ``settings`` and the workers'
     ``fault`` (PAELLA_SIM_EFFECT_FAULT); returns it and its repository."""
@@ -122,14 +135,7 @@ def test_a_slow_new_input_does_not_stall_the_others(tmp_path, mlp, reference, fr
     assert st["awaiting_jobs"] == 1 and st["held_kernels"] == 0, st
     assert "1 computing, 1 job(s) and 0 kernel(s) waiting" in format_status(daemon_status(dp.socket))
     # Meanwhile: echo, and the same model with the input it warmed up with (cached).
-    zeros = np.zeros(X_SHAPE, np.float32)
-    for i in range(20):
-        t = time.monotonic()
-        e = np.full(256, i, np.float32)
-        np.testing.assert_array_equal(other.infer("echo", {"x": e}, timeout=5)["y"], e)
-        np.testing.assert_array_equal(other.infer("tiny_mlp", {"x": zeros}, timeout=5)["output0"],
-                                      reference(zeros))
-        assert time.monotonic() - t < 1.0, "a request waited behind another client's answer"
+    others_served_promptly(other, reference, X_SHAPE, 20)
     assert time.monotonic() - t0 < 2.9, "the others were not served while it computed"
     assert slow.read_result(timeout=30) == rid
     assert time.monotonic() - t0 >= 2.9                  # it did wait for its answer
@@ -295,3 +301,49 @@ def test_orca_tokens_come_from_the_workers_and_its_kv_segment_goes_with_the_daem
     assert effects_status(dp)["completed"] - before >= 10      # an iteration per token
     assert dp.stop() == 0
     assert not os.path.exists(f"/dev/shm/{kv[0]}")
+
+
+@pytest.fixture(scope="module")
+def mlp8(tmp_path_factory) -> Path:
+    """The tiny MLP at batch 8: a 512-byte input, larger than the lookup ahead's coarse
+    key (two runs of 128 bytes), so an input can pass it as a cached one's."""
+    from paella.compiler_pass.build import compile_bundle
+    from paella.models.tiny import tiny_mlp as model
+    dest = tmp_path_factory.mktemp("mlp8") / "tiny_mlp"
+    compile_bundle(model(8), str(dest))
+    return dest
+
+
+@pytest.mark.parametrize("policy", ["fifo", "paella"])
+def test_a_kernel_held_for_its_answer_does_not_hold_the_others(tmp_path, mlp8, fresh_daemon,
+                                                               policy):
+    """An input equal to a cached one where the lookup ahead reads (its first and middle
+    128 bytes) passes as a likely hit and starts; its kernels then find no answer, and the
+    simulated device holds its last kernel in its stream until the workers have computed
+    it (SimDevice._hold). Under fifo every job used that one stream, so everyone waited
+    for that answer (issue 37's remaining gap, session 24). The kernel cores now give a
+    new job a stream that holds no gate, so the others are served meanwhile."""
+    from paella.bundle import load_bundle
+    b = load_bundle(mlp8)
+    ref = lambda x: b.run_cpu({"x": x})["output0"]         # noqa: E731
+    repo = repo_with(tmp_path, mlp8, "tiny_mlp")
+    dp = fresh_daemon("--models", str(repo), "--no-noop", "--policy", policy,
+                      env={"PAELLA_SIM_EFFECT_FAULT": "delay:3"})
+    slow, other = connect(dp.socket), connect(dp.socket)
+    x = np.random.default_rng(7).standard_normal((8, 16)).astype(np.float32)
+    rid = submit(slow, x)                    # computed ahead, in 3 s, then cached
+    assert slow.read_result(timeout=30) == rid
+    np.testing.assert_array_equal(output_of(slow, rid), ref(x))
+    crafted = x.copy()
+    crafted[7] += 1.0                        # bytes 448..511: outside the coarse key
+    t0 = time.monotonic()
+    rid = submit(slow, crafted)
+    wait_for(lambda: effects_status(dp)["held_kernels"] == 1, 10,
+             "the crafted input's kernel was never held", dp)
+    others_served_promptly(other, ref, (8, 16), 10)
+    assert time.monotonic() - t0 < 2.9, "the others were not served while it was held"
+    assert slow.read_result(timeout=30) == rid
+    np.testing.assert_array_equal(output_of(slow, rid), ref(crafted))
+    slow.close()
+    other.close()
+    assert dp.stop() == 0

@@ -39,11 +39,14 @@ def test_kernel_behind_a_closed_gate_waits_for_open_while_other_queues_run(kerne
     assert dev.gpu.peek() == INF and dev.gpu.resident == 0
     assert dev.gpu.busy() and not dev.gpu.stream_idle(0) and not dev.gpu.stream_idle(2)
     assert dev.gpu.stream_idle(1) and dev.gpu.gates == 1
+    # the gate is stream 0's alone (the kernel cores steer new jobs off it: issue 37)
+    assert [dev.gpu.stream_gated(s) for s in range(4)] == [True, False, False, False]
 
     t_open = 500 * US
     assert dev.run_until(t_open) is False and dev.now() == t_open
     assert dev.gpu.open(h) is True
     assert dev.gpu.gates == 0 and dev.now() == t_open   # completed at the engine's time
+    assert not dev.gpu.stream_gated(0)
     dev.run()
     # issued when the gate completed, one launch latency before placement; the kernel of
     # stream 2 sat behind the held one in queue 0 until it was placed (head-of-line)

@@ -122,6 +122,7 @@ typedef struct {
     /* queues, streams, engines, placeable heads */
     int nq, n_streams;
     int *qhead, *qtail, *shead, *stail, *scount, *sprio;
+    int *sgates;                   /* per stream: gates submitted and not completed */
     int ehead[3], etail[3];
     int *active, nactive;
     /* event heap */
@@ -540,8 +541,10 @@ static int complete(Gpu *g, int i)
              && gate_reached(g, g->shead[st]) < 0)
         return -1;
     g->scount[st]--;
-    if (o->kind == K_GATE)
+    if (o->kind == K_GATE) {
         g->ngates--;
+        g->sgates[st]--;
+    }
     if (o->kind == K_KERNEL && g->record && record_kernel(g, o) < 0)
         return -1;
     if (defer_op(g, i) < 0)
@@ -1396,6 +1399,7 @@ static PyObject *Gpu_gate(Gpu *g, PyObject *args)
     o->stream = stream;
     o->notify = (uint8_t)notify;
     g->ngates++;
+    g->sgates[stream]++;
     if (submit(g, i) < 0)
         return NULL;
     if (g->ops[i].notify && g->shead[stream] == i && gate_reached(g, i) < 0)
@@ -1760,14 +1764,32 @@ static PyObject *Gpu_set_priority(Gpu *g, PyObject *args)
     Py_RETURN_NONE;
 }
 
-static PyObject *Gpu_stream_idle(Gpu *g, PyObject *arg)
+/* A stream argument: its index, or -1 with an exception set. */
+static int stream_arg(Gpu *g, PyObject *arg)
 {
     long s = PyLong_AsLong(arg);
     if (s == -1 && PyErr_Occurred())
-        return NULL;
-    if (check_stream(g, (int)s) < 0)
-        return NULL;
-    return PyBool_FromLong(g->scount[s] == 0);
+        return -1;
+    if (s < 0 || s >= g->n_streams) {        /* (compared as a long: no wrap to a valid int) */
+        PyErr_Format(PyExc_ValueError, "stream %ld is not one of the engine's %d streams", s,
+                     g->n_streams);
+        return -1;
+    }
+    return (int)s;
+}
+
+/* Whether a gate is in `stream` (an answer the host is waiting for holds what is behind
+   it): the kernel cores give new jobs another stream meanwhile (issue 37). */
+static PyObject *Gpu_stream_gated(Gpu *g, PyObject *arg)
+{
+    int s = stream_arg(g, arg);
+    return s < 0 ? NULL : PyBool_FromLong(g->sgates[s] > 0);
+}
+
+static PyObject *Gpu_stream_idle(Gpu *g, PyObject *arg)
+{
+    int s = stream_arg(g, arg);
+    return s < 0 ? NULL : PyBool_FromLong(g->scount[s] == 0);
 }
 
 static PyObject *Gpu_mean_resident(Gpu *g, PyObject *args)
@@ -1927,6 +1949,8 @@ static PyMethodDef Gpu_methods[] = {
      "fire events up to t, stopping after the first one a host could observe"},
     {"busy", (PyCFunction)Gpu_busy, METH_NOARGS, "any stream has work"},
     {"stream_idle", (PyCFunction)Gpu_stream_idle, METH_O, "the stream has no work"},
+    {"stream_gated", (PyCFunction)Gpu_stream_gated, METH_O,
+     "a gate is in the stream (the host holds what is behind it)"},
     {"set_priority", (PyCFunction)Gpu_set_priority, METH_VARARGS,
      "set_priority(stream, priority): lower is more urgent (CUDA's convention), 0 the default"},
     {"mean_resident", (PyCFunction)Gpu_mean_resident, METH_VARARGS, "time-averaged resident blocks"},
@@ -2011,6 +2035,7 @@ static int Gpu_init(Gpu *g, PyObject *args, PyObject *kw)
     g->shead = PyMem_Malloc(n_streams * sizeof(int));
     g->stail = PyMem_Malloc(n_streams * sizeof(int));
     g->scount = PyMem_Calloc(n_streams, sizeof(int));
+    g->sgates = PyMem_Calloc(n_streams, sizeof(int));
     g->sprio = PyMem_Calloc(n_streams, sizeof(int));
     g->touched = PyMem_Calloc(n_sm, sizeof(int));
     g->is_touched = PyMem_Calloc(n_sm, 1);
@@ -2019,7 +2044,7 @@ static int Gpu_init(Gpu *g, PyObject *args, PyObject *kw)
     g->sm_end = PyMem_Malloc(n_sm * sizeof(double));
     if (!g->fblocks || !g->fwarps || !g->mwarps || !g->fsmem || !g->fregs || !g->is_dirty
         || !g->dirty || !g->qhead || !g->qtail || !g->active || !g->shead || !g->stail
-        || !g->scount || !g->sprio || !g->touched || !g->is_touched || !g->sm_head || !g->sm_ver || !g->sm_end) {
+        || !g->scount || !g->sgates || !g->sprio || !g->touched || !g->is_touched || !g->sm_head || !g->sm_ver || !g->sm_end) {
         PyErr_NoMemory();
         return -1;
     }
@@ -2081,7 +2106,7 @@ static void Gpu_dealloc(Gpu *g)
         PyBuffer_Release(&g->ring);
     void *arrays[] = {g->fblocks, g->fwarps, g->mwarps, g->fsmem, g->fregs, g->is_dirty, g->dirty,
                       g->sh_warps, g->sh_rpw, g->sh_per_sm, g->sh_smem, g->ops, g->grps, g->qhead,
-                      g->qtail, g->shead, g->stail, g->scount, g->sprio, g->active, g->heap, g->pend,
+                      g->qtail, g->shead, g->stail, g->scount, g->sgates, g->sprio, g->active, g->heap, g->pend,
                       g->defer, g->b_t, g->b_stream, g->b_lid, g->touched, g->is_touched,
                       g->sm_head, g->sm_ver, g->sm_end, g->lg_ops, g->lg_sim};
     for (size_t i = 0; i < sizeof(arrays) / sizeof(arrays[0]); i++)
@@ -2207,8 +2232,15 @@ static int api_host_pending(PyObject *o)
     return ((Gpu *)o)->reached != NULL;
 }
 
+static int api_stream_gated(PyObject *o, int stream)
+{
+    Gpu *g = (Gpu *)o;
+    return stream >= 0 && stream < g->n_streams && g->sgates[stream] > 0;
+}
+
 static PaellaEngineAPI engine_api = {api_check, api_launch, api_copy,
-                                     api_sync_wall, api_next_time, api_host_pending};
+                                     api_sync_wall, api_next_time, api_host_pending,
+                                     api_stream_gated};
 
 PyMODINIT_FUNC PyInit__engine(void)
 {
