@@ -9,10 +9,14 @@ from pathlib import Path
 from setuptools import Extension, setup
 
 _FLAGS = ["-O2", "-Wall", "-Werror"]
+#: The C-to-C interfaces every module may include: a change rebuilds them all (without
+#: it, an in-place rebuild kept an engine built against the old struct, and the kernel
+#: core read another function's pointer).
+_HEADERS = ["dispatcher/capi.h"]
 
 setup(ext_modules=[Extension(f"paella.dispatcher.{c.stem}", [f"dispatcher/{c.name}"],
-                             extra_compile_args=_FLAGS)
+                             extra_compile_args=_FLAGS, depends=_HEADERS)
                    for c in sorted(Path(__file__).parent.joinpath("dispatcher").glob("*.c"))]
       + [Extension(f"paella.dispatcher.devices.sim.{name}", [f"dispatcher/devices/sim/{name}.c"],
-                   extra_compile_args=_FLAGS)
+                   extra_compile_args=_FLAGS, depends=_HEADERS)
          for name in ("_engine", "_offload")])

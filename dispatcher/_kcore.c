@@ -420,6 +420,7 @@ typedef struct {
     long long landed, py_events;
     int realtime;                /* the engine follows the wall clock: sync before submitting */
     int implied_on;              /* implied_copies: Plan.implied copies record no event */
+    const int *gates;            /* the engine's gates per stream (direct), else NULL */
     double wall_t0, wall_speed;
 } Core;
 
@@ -536,17 +537,27 @@ static void prof_job(Prof *p, int32_t *counts)
 /* `s`, or the next stream after it that holds no gate (the simulated device holding a
    kernel whose answer is still being computed): a new job, or a job's new virtual
    stream, goes there, not behind the held kernel (issue 37). Streams with gates are
-   real time only; a core not launching into the engine sees none. */
-static int ungated(Core *c, int s)
+   real time only; a core not launching into the engine sees none. It reads the
+   engine's own counts (`gates`: no call per job). */
+static inline int ungated(Core *c, int s)
 {
-    if (c->engine == Py_None)
+    if (c->gates == NULL)
         return s;
     for (int k = 0; k < c->n_streams; k++) {
         int t = (s + k) % c->n_streams;
-        if (!EAPI->stream_gated(c->engine, t))
+        if (!c->gates[t])
             return t;
     }
     return s;                    /* (every stream held: wait behind the first) */
+}
+
+/* The engine's gate counts, read by ungated (none without an engine, or from one with
+   fewer streams than the core). */
+static void bind_gates(Core *c)
+{
+    int n = 0;
+    const int *g = c->engine != Py_None ? EAPI->stream_gates(c->engine, &n) : NULL;
+    c->gates = n >= c->n_streams ? g : NULL;
 }
 
 static int assign(Core *c, Job *j, int i, int behind)
@@ -1083,17 +1094,19 @@ static int implied_done(Core *c, int32_t id, Job *j, int i)
     return 0;
 }
 
-/* Copy i's completion is told by the device event `ev` (a new reference, taken over). */
-static int push_event(Core *c, int s, int32_t id, Job *j, int i, PyObject *ev)
+/* Copy i's completion is told by the device event `ev` (a new reference, taken over),
+   or, ev NULL, by the engine's landing flag (a direct copy: copy_landed). */
+static inline int push_event(Core *c, int s, int32_t id, Job *j, int i, PyObject *ev)
 {
     if (c->cev[s].n == 0)        /* a stream with no events yet goes last (a dict's order) */
         c->cev_order[c->ncev++] = s;
     Ref ref = {id, j->seq, i, ev};
     if (refq_push(&c->cev[s], ref) < 0) {
-        Py_DECREF(ev);
+        Py_XDECREF(ev);
         return -1;
     }
-    c->py_events++;
+    if (ev != NULL)
+        c->py_events++;
     return 0;
 }
 
@@ -1166,16 +1179,13 @@ static int launch_copy(Core *c, int32_t id, Job *j, int i, int behind)
         /* Direct: the engine moves the bytes at the copy's completion and flags it. */
         if (c->realtime && EAPI->sync_wall(c->engine, c->wall_t0, c->wall_speed) < 0)
             return -1;
+        /* (an implied copy: nobody looks at its landing, so no flag, no look at the
+           queues for it) */
         if (EAPI->copy(c->engine, j->plan->kind[i], s, j->cbytes[i], j->cdst[i], j->csrc[i],
-                       copy_landed, c, ((uint64_t)id << 32) | (uint32_t)i) < 0)
+                       imp ? NULL : copy_landed, c, ((uint64_t)id << 32) | (uint32_t)i) < 0)
             return -1;
-        if (!imp) {
-            if (c->cev[s].n == 0)
-                c->cev_order[c->ncev++] = s;
-            Ref ref = {id, j->seq, i, NULL};
-            if (refq_push(&c->cev[s], ref) < 0)
-                return -1;
-        }
+        if (!imp && push_event(c, s, id, j, i, NULL) < 0)
+            return -1;
         j->st[i] = imp ? IMPLIED : RELEASED;
         if (c->ops && emit_op(c, EV_OP_RELEASED, j, i, 0.0, c->now) < 0)
             return -1;
@@ -2725,6 +2735,7 @@ static int Core_init(Core *c, PyObject *args, PyObject *kw)
     c->device = Py_NewRef(device);
     c->engine = Py_NewRef(engine);
     c->engine_given = Py_NewRef(engine);
+    bind_gates(c);
     c->err_cls = Py_NewRef(err);
     c->lost_cls = Py_NewRef(lost);
     c->faults = PyObject_GetAttrString(device, "faults");
@@ -2766,16 +2777,23 @@ static PyObject *get_device_calls(Core *c, void *x)
 
 static PyObject *get_direct(Core *c, void *x) { return PyBool_FromLong(c->engine != Py_None); }
 static PyObject *get_ops(Core *c, void *x) { return PyBool_FromLong(c->ops); }
+/* A boolean attribute's new value: 1, 0, or -1 with an exception (deleted, no truth). */
+static int truth(PyObject *v, const char *name)
+{
+    if (v == NULL) {
+        PyErr_Format(PyExc_TypeError, "%s cannot be deleted", name);
+        return -1;
+    }
+    return PyObject_IsTrue(v);
+}
+
 static PyObject *get_implied(Core *c, void *x) { return PyBool_FromLong(c->implied_on); }
 
 static int set_implied(Core *c, PyObject *v, void *x)
 {
-    int on = v != NULL ? PyObject_IsTrue(v) : -1;
-    if (on < 0) {
-        if (!PyErr_Occurred())
-            PyErr_SetString(PyExc_TypeError, "implied_copies cannot be deleted");
+    int on = truth(v, "implied_copies");
+    if (on < 0)
         return -1;
-    }
     if (c->live) {               /* (released copies were launched under the other rule) */
         PyErr_SetString(PyExc_ValueError, "implied_copies can change only with no job live");
         return -1;
@@ -2786,12 +2804,9 @@ static int set_implied(Core *c, PyObject *v, void *x)
 
 static int set_ops(Core *c, PyObject *v, void *x)
 {
-    int on = v != NULL ? PyObject_IsTrue(v) : -1;
-    if (on < 0) {
-        if (!PyErr_Occurred())
-            PyErr_SetString(PyExc_TypeError, "ops cannot be deleted");
+    int on = truth(v, "ops");
+    if (on < 0)
         return -1;
-    }
     c->ops = on;
     return 0;
 }
@@ -2801,13 +2816,11 @@ static int set_ops(Core *c, PyObject *v, void *x)
    the engine, if the core was given one. Jobs admitted with direct copies keep them. */
 static int set_direct(Core *c, PyObject *v, void *x)
 {
-    int on = v != NULL ? PyObject_IsTrue(v) : -1;
-    if (on < 0) {
-        if (!PyErr_Occurred())
-            PyErr_SetString(PyExc_TypeError, "direct cannot be deleted");
+    int on = truth(v, "direct");
+    if (on < 0)
         return -1;
-    }
     Py_SETREF(c->engine, Py_NewRef(on ? c->engine_given : Py_None));
+    bind_gates(c);
     return bind_device(c);       /* (the methods as the device has them now) */
 }
 
@@ -2819,7 +2832,8 @@ static PyGetSetDef Core_getset[] = {
     {"free_streams", (getter)get_free_streams, NULL, "pool mode: real streams free", NULL},
     {"progress", (getter)get_progress, NULL, "things done so far (a driver's idle test)", NULL},
     {"device_calls", (getter)get_device_calls, NULL,
-     "driver calls its launches and copies stand for (1 a kernel, 3 a copy)", NULL},
+     "driver calls its launches and copies stand for (1 a kernel, 3 a copy, 1 an implied "
+     "copy and 2 more if its successor never runs)", NULL},
     {"ops", (getter)get_ops, (setter)set_ops,
      "report op events: (5, job, node, stream, launch id, t) released, "
      "(6, job, node, t_started, t) ended (t_started < 0: a copy)", NULL},

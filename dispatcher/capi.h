@@ -65,8 +65,9 @@ typedef struct {
        notifying gate), else 0: a loop spinning in C returns to let the device's host
        side see it. */
     int (*host_pending)(PyObject *g);
-    /* 1 if a gate is in `stream` (Gpu.stream_gated), else 0. */
-    int (*stream_gated)(PyObject *g, int stream);
+    /* Per stream, the gates in it (Gpu.stream_gated): an array the engine owns, of *n
+       entries, valid as long as the engine. */
+    const int *(*stream_gates)(PyObject *g, int *n);
 } PaellaEngineAPI;
 
 #define PAELLA_TRACKER_CAPSULE "paella.dispatcher._tracker._C_API"

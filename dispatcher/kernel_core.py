@@ -384,7 +384,8 @@ class KernelCore:
         self.plans: list[PlanSpec] = []
         self.handles: dict[int, CoreJob] = {}
         #: The driver calls its launches and copies stand for (1 a kernel; 3 a copy: the
-        #: copy, its event's record, the query that sees it): a harness charges them.
+        #: copy, its event's record, the query that sees it; 1 an implied copy, and 2
+        #: more if its successor never runs): a harness charges them.
         self.device_calls = 0
         #: Implied copies record no event (:func:`implied_copies`); set with no job live.
         self._implied_on = True

@@ -520,3 +520,33 @@ def test_implied_copies_never_hold_every_stream_of_the_pool(impl):
             assert t < np.inf, f"stalled with {core.jobs} jobs in flight ({len(done)} done)"
             dev.run_until(t)
     assert len(done) == 60
+
+
+@pytest.mark.parametrize("impl", ("python", "c"))
+@pytest.mark.parametrize("policy", ("fifo", "ms-jbj"))
+def test_a_new_job_goes_to_a_stream_that_holds_no_gate(impl, policy):
+    """The simulated device holds a kernel whose answer is still being computed behind a
+    gate in its stream (SimDevice._hold). Under fifo every job would go to that stream
+    (ms-jbj: the next one round robin), and wait behind it; the cores give a new job the
+    next stream with no gate (issue 37). All of a job's ops stay on that one stream."""
+    from paella.dispatcher.adaptor import synthetic_plan
+    plan = synthetic_plan("two", [("a", 1, 128, 9, 50e-6), ("b", 1, 128, 9, 50e-6)], 64, 64)
+    dev = SimDevice("gtx1660s", n_streams=8, notifq_slots=1 << 12, seed=1)
+    d = Dispatcher(dev, policy, profile_runs=1, kernel_core=impl)
+    mid = d.register_model("two", PlanAdaptor(plan))
+    handle = dev.gpu.gate(0)
+    gated = {s: dev.gpu.stream_gated(s) for s in range(8)}
+    assert gated[0] and not any(v for s, v in gated.items() if s)
+    done = {}
+    m = d.models[mid]
+    d.submit(Request(1, 1, mid, np.zeros(m.adaptor.io_bytes, np.uint8),
+                     on_complete=lambda r, s, e: done.__setitem__(r.req_id, s)))
+    d.step()
+    if policy == "fifo":                                # the stream after the held one
+        assert not dev.gpu.stream_idle(1) and dev.gpu.stream_idle(2)
+    t_end = dev.now() + 0.1
+    while 1 not in done and dev.now() < t_end:          # it finishes with stream 0 held
+        d.step()
+        dev.run_until(min(dev.next_event_time(), t_end))
+    assert done == {1: STATUS_OK} and dev.gpu.stream_gated(0)
+    assert dev.gpu.open(handle)

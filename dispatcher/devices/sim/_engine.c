@@ -2232,15 +2232,16 @@ static int api_host_pending(PyObject *o)
     return ((Gpu *)o)->reached != NULL;
 }
 
-static int api_stream_gated(PyObject *o, int stream)
+static const int *api_stream_gates(PyObject *o, int *n)
 {
     Gpu *g = (Gpu *)o;
-    return stream >= 0 && stream < g->n_streams && g->sgates[stream] > 0;
+    *n = g->n_streams;
+    return g->sgates;
 }
 
 static PaellaEngineAPI engine_api = {api_check, api_launch, api_copy,
                                      api_sync_wall, api_next_time, api_host_pending,
-                                     api_stream_gated};
+                                     api_stream_gates};
 
 PyMODINIT_FUNC PyInit__engine(void)
 {
