@@ -103,6 +103,9 @@ class Request:
     #: Streaming (a scheduler's partial results): ``(req, n)`` says n outputs are valid
     #: in ``io`` so far; set by the front end for requests that asked to stream.
     on_progress: Callable[["Request", int], None] | None = None
+    #: Its client's tenant (the front end: the peer's uid; -1 unknown): whose share of
+    #: the simulated GPU's answer workers a new input takes (:meth:`Dispatcher.owner_of`).
+    tenant: int = -1
 
 
 @dataclass(eq=False)
@@ -127,7 +130,7 @@ class Model:
     # of a less urgent class than the most urgent seen run; a twin names its model here.
     sliced: "Model | None" = None
     parent: "Model | None" = None
-    # Its adaptor's ``answer_ahead(io) -> Future | None`` (None: it has none): on the
+    # Its adaptor's ``answer_ahead(io, owner) -> Future | None`` (None: it has none): on the
     # simulated GPU, a job whose answer is new waits for it before it takes anything.
     answer_ahead: Any = None
 
@@ -244,6 +247,8 @@ class Dispatcher:
         #: whose answer came in (appended by the effect workers' thread): see
         #: :meth:`_await_answer`.
         self._answering: dict[Job, Any] = {}
+        #: Client id -> tenant, as the front end told (:meth:`note_tenant`).
+        self.tenants: dict[int, int] = {}
         self._answered: deque[Job] = deque()
         #: Greenlet jobs whose own malloc found the device full: resumed as a job ends.
         self._memory_blocked: list[Job] = []
@@ -895,8 +900,9 @@ class Dispatcher:
         then find the answer cached; the device's own hold (``SimDevice._hold``) stays
         for what this does not cover. Real time only in effect: with answers computed
         in the loop's thread (virtual time) ``ahead`` returns None. True if it waits."""
+        owner = self.owner_of(job.requests[0].client_id) if job.requests else None
         try:
-            future = ahead(job.io)
+            future = ahead(job.io, owner)
         except Exception:  # noqa: BLE001 - a hint only: the device's path decides
             log.exception("answer_ahead of model %r failed; the job runs as usual", job.model.name)
             future = None
@@ -904,6 +910,21 @@ class Dispatcher:
             return False
         self._wait_for(job, future)
         return True
+
+    def note_tenant(self, req: Request) -> None:
+        """Remember ``req``'s client's tenant (until :meth:`cancel_client`): the jobs of
+        that client, batched ones included, take that tenant's share of the answer
+        workers' queue."""
+        if req.tenant >= 0:
+            self.tenants[req.client_id] = req.tenant
+
+    def owner_of(self, client_id: int) -> tuple[str, int]:
+        """Whose share of the simulated GPU's answer workers a job of ``client_id``'s
+        new input takes (``effects.submit(owner=)``, a FairQueue): its tenant when the
+        front end said (a tenant opening many connections is still one), else the
+        client."""
+        tenant = self.tenants.get(client_id)
+        return ("client", client_id) if tenant is None else ("tenant", tenant)
 
     def _wait_for(self, job: Job, future: Any) -> None:
         """``job`` starts once ``future`` is done (:meth:`_take_answered`), holding
@@ -1536,6 +1557,7 @@ class Dispatcher:
         live requests of other clients is marked cancelled: the job goes on for the
         others, and it completes as STATUS_CANCELLED (without its wake-up) with them."""
         reason = f"cancelled: client {client_id} disconnected"
+        self.tenants.pop(client_id, None)
         n = 0
         for job in [j for j in self.jobs if any(r.client_id == client_id for r in j.requests)]:
             for req in job.requests:

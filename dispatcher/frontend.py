@@ -1006,7 +1006,7 @@ class Frontend:
         self.class_inflight[priority] = self.class_inflight.get(priority, 0) + 1
         req = Request(req_id, c.cid, model_id, c.seg.arena[off:off + ln],  # type: ignore[union-attr]
                       variant, self._woken, self._completed, rows=rows, seq_len=seq_len,
-                      layout=slots, priority=priority)
+                      layout=slots, priority=priority, tenant=c.uid)
         if options & wire.STREAM and shape is None:
             req.on_progress = self._progressed
         self.executor.submit(req)   # type: ignore[union-attr]

@@ -617,7 +617,14 @@ class StageContext:
 
     @property
     def effects(self) -> Any:
-        return getattr(self.stage.disp.device, "effects", None)
+        """The device's answer workers, with this model as the owner of what its
+        scheduler submits (``OwnedEffects``: its share of their queue is its own, apart
+        from the tenants' new inputs)."""
+        effects = getattr(self.stage.disp.device, "effects", None)
+        if effects is None or getattr(effects, "max_queue", None) is None:
+            return effects                   # (computed in this thread: no queue to share)
+        from paella.dispatcher.devices.sim.effect_workers import OwnedEffects
+        return OwnedEffects(effects, ("model", self.name))
 
     def progress(self, req: Any, n: int) -> bool:
         if id(req) not in self.model.waiting:

@@ -223,7 +223,7 @@ class FunctionalCache:
         return outs
 
     def ahead(self, name: str, bundle, coarse: tuple,
-              inputs: Callable[[], dict[str, np.ndarray]], variant: int = 0):
+              inputs: Callable[[], dict[str, np.ndarray]], variant: int = 0, owner=None):
         """Before a job takes any device resource (a buffer set, a stream, a kernel
         slot: ``Dispatcher._await_answer``): start computing ``inputs``' answer when
         nothing is cached under their key. ``coarse``: their coarse key, ``(name,
@@ -232,7 +232,8 @@ class FunctionalCache:
         dispatcher keeps the job back until it is done; its outputs are cached by then,
         so the job's own lookup at its kernels hits), else None: a likely hit, or answers
         computed in this thread (virtual time), both left to the device's path. A job
-        with the same new input as one being computed shares its future.
+        with the same new input as one being computed shares its future. ``owner``: whose
+        share of the workers' queue the computation takes (``Dispatcher.owner_of``).
 
         ``inputs`` are the job's host inputs (views of its io), which its input copies
         will carry to the device. A client that rewrites them meanwhile only makes its
@@ -261,7 +262,7 @@ class FunctionalCache:
                 if self._same(inputs, seen):
                     return future
         answer = Answer(key, [], None)
-        self._compute(answer, bundle, variant, inputs)
+        self._compute(answer, bundle, variant, inputs, owner=owner)
         future = answer.future
         if future.done() and future.exception() is not None:
             from concurrent.futures import Future
@@ -328,7 +329,7 @@ class FunctionalCache:
         return None
 
     def _compute(self, answer: "Answer", bundle, variant: int, inputs: dict[str, np.ndarray],
-                 bound: bool = True) -> None:
+                 bound: bool = True, owner=None) -> None:
         # A private copy: what is computed and cached is exactly these bytes. (Views of
         # a client's arena could be rewritten at any moment; device memory cannot, but
         # the copy is what travels to the worker anyway.)
@@ -339,7 +340,7 @@ class FunctionalCache:
         from paella.dispatcher.devices.sim.effect_workers import InlineEffects, submit_or_fail
         target = bundle if isinstance(self.effects, InlineEffects) else BundleRef.of(bundle)
         answer.future = submit_or_fail(self.effects, bundle_outputs, target, variant,
-                                       answer.inputs, bound=bound)
+                                       answer.inputs, bound=bound, owner=owner)
 
     def _log_compute(self, name: str, answer: "Answer") -> None:
         held = self._log.admit()             # (a client sending new inputs in a loop
@@ -515,11 +516,11 @@ def functional_adaptor(bundle, name: str, cache: FunctionalCache | None = None,
     spans = [(t.offset + a, t.offset + e) for t in sorted(v.inputs, key=lambda t: t.name)
              for a, e in coarse_spans(t.nbytes)]
 
-    def ahead(io: np.ndarray):
+    def ahead(io: np.ndarray, owner=None):
         if not cache.off_loop or io.size < plan.io_bytes:
             return None                      # (virtual time, or another layout: the device's)
         return cache.ahead(key, bundle, (key, coarse_digest([io[a:e] for a, e in spans])),
-                           lambda: host_inputs(io), variant)
+                           lambda: host_inputs(io), variant, owner)
 
     return FunctionalBundleAdaptor(plan.with_effect(effect, operands, start if early_lookup else None,
                                                     start_operands), warm,
@@ -537,7 +538,7 @@ class FunctionalBundleAdaptor(PlanAdaptor):
     def __init__(self, plan, warm: Callable[[], None], ahead: Callable[[np.ndarray], Any] | None = None):
         super().__init__(plan)
         self._warm = warm
-        #: ``answer_ahead(io) -> Future | None``: the dispatcher asks it before a job
+        #: ``answer_ahead(io, owner) -> Future | None``: the dispatcher asks it before a job
         #: takes any device resource (``FunctionalCache.ahead``); None: never asked.
         self.answer_ahead = ahead
 

@@ -240,21 +240,26 @@ class DispatcherExecutor:
         self.stage.remove_model(model_id)
 
     def submit(self, req: Request) -> None:
+        self.disp.note_tenant(req)
         if req.model_id in self.stage.models:
-            if req.model_id not in self._asks_ahead and self._effects_full():
+            if req.model_id not in self._asks_ahead and self._effects_full(req):
                 self._overloaded(req)
                 return
             self.stage.submit(req)
         else:
             self.disp.submit(req)
 
-    def _effects_full(self) -> bool:
-        """The simulated GPU's answer workers have a full queue: a model that computes
-        its answers there (every bundle and scheduler of the stage; not the built-in
-        noop) takes no more requests until it drains, so memory stays bounded."""
+    def _effects_full(self, req: Request) -> bool:
+        """The simulated GPU's answer workers have a full queue, and ``req``'s tenant
+        holds the largest share of it: a model that computes its answers there (every
+        bundle and scheduler of the stage; not the built-in noop) takes no more of that
+        tenant's requests until it drains, so memory stays bounded, while a tenant with
+        less waiting is still served (``FairQueue``: one tenant's flood of new inputs is
+        its own problem)."""
         effects = getattr(self.device, "effects", None)
-        bound = getattr(effects, "max_queue", None)
-        return bound is not None and effects.queued >= bound
+        if getattr(effects, "max_queue", None) is None:
+            return False                     # (none, or computed in the loop's thread)
+        return effects.refuses(self.disp.owner_of(req.client_id))
 
     def _overloaded(self, req: Request) -> None:
         from paella.dispatcher.devices.sim.effect_workers import overloaded_reason

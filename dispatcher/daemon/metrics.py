@@ -292,7 +292,9 @@ class DaemonCollector:
                 ("paella_effect_failed", "Answers that failed (raised, crashed, timed out)",
                  "failed"),
                 ("paella_effect_worker_restarts", "Workers started again after a crash or a "
-                 "deadline", "restarts")))
+                 "deadline", "restarts"),
+                ("paella_effect_evicted", "New inputs refused from a full queue to make room "
+                 "for another tenant's (theirs held the most)", "evicted")))
         policy = GaugeMetricFamily("paella_policy", "The scheduling policy in use (1)",
                                    labels=["policy"])
         policy.add_metric([disp["policy"]], 1)

@@ -27,7 +27,7 @@ class HandDriven:
         self.auto = True
         self.waiting: list[tuple[Future, object, tuple]] = []
 
-    def submit(self, fn, *args, bound=True) -> Future:
+    def submit(self, fn, *args, bound=True, owner=None) -> Future:
         f: Future = Future()
         if self.auto:
             f.set_result(fn(*args))

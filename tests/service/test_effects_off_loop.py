@@ -217,6 +217,80 @@ def test_a_full_queue_refuses_as_overloaded_and_answers_each_once(tmp_path, mlp,
     assert dp.stop() == 0
 
 
+def _flood(sock: str, uid: int, n: int, report: int) -> None:
+    """(A forked child.) As ``uid``: send ``n`` never-seen inputs in a burst, then write
+    what each got to the ``report`` pipe, one line per request."""
+    import json
+    os.setgroups([])
+    os.setgid(uid)
+    os.setuid(uid)
+    c = connect(sock)
+    for seed in range(n):
+        submit(c, fresh(1000 + seed))
+        time.sleep(0.02)             # (the first is running before the queue fills)
+    got = read_all(c)
+    os.write(report, json.dumps([v if v == [rings.OK] else [list(x) for x in v]
+                                 for v in got.values()]).encode())
+    c.close()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="a client of another uid needs root")
+def test_one_tenants_flood_of_new_inputs_neither_refuses_nor_stalls_anothers(
+        tmp_path, mlp, reference, fresh_daemon):
+    """A tenant (another uid) fills the answer workers' queue with never-seen inputs;
+    another tenant's new inputs are still taken (the flood's newest is refused in their
+    place: the queue is shared fairly, FairQueue) and computed next, not after the
+    flood. A first-come queue refused them as overloaded (the fuzzer's failure at
+    da5c533)."""
+    import json
+    nobody = 65534
+    repo = repo_with(tmp_path, mlp, "tiny_mlp")
+    conf = tmp_path / "paella.toml"
+    conf.write_text("[daemon]\neffect_workers = 1\neffect_queue = 4\n")
+    import tempfile
+    sock_dir = tempfile.mkdtemp(prefix="plsflood", dir="/tmp")
+    os.chmod(sock_dir, 0o711)                 # (the other uid reaches the socket)
+    dp = fresh_daemon("--config", str(conf), "--models", str(repo), "--no-noop",
+                      "--allow-user", str(nobody), sock_dir=str(sock_dir),
+                      env={"PAELLA_SIM_EFFECT_FAULT": "delay:1"})
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:                              # never returns into pytest
+        code = 0
+        try:
+            _flood(dp.socket, nobody, 16, w)
+        except BaseException:  # noqa: BLE001
+            import traceback
+            traceback.print_exc()
+            code = 1
+        finally:
+            os._exit(code)
+    os.close(w)
+    try:
+        wait_for(lambda: effects_status(dp)["queued"] == 4, 20, "the flood never filled the queue", dp)
+        with connect(dp.socket) as c:
+            for seed in range(2):
+                x = fresh(50 + seed)
+                t0 = time.monotonic()
+                out = c.infer("tiny_mlp", {"x": x}, timeout=30)["output0"]
+                took = time.monotonic() - t0
+                np.testing.assert_array_equal(out, reference(x))
+                # one task of the flood runs before it at most (1 s each), not the four
+                # waiting ahead of it (>= 5 s)
+                assert took < 4.5, took
+    finally:
+        _, status = os.waitpid(pid, 0)
+    flood = json.loads(os.read(r, 1 << 20))
+    os.close(r)
+    assert status == 0 and len(flood) == 16
+    refused = [v[0] for v in flood if v != [rings.OK]]
+    assert all(len(v) == 1 for v in flood)                # each answered once
+    assert len(refused) >= 11, flood                      # 1 running + 4 waiting at most
+    assert all(st == rings.E_FAILED and why.startswith("overloaded") for st, why in refused)
+    assert effects_status(dp)["evicted"] >= 1
+    assert dp.stop() == 0
+
+
 def test_a_model_loaded_while_the_queue_is_full_is_served(tmp_path, mlp, reference,
                                                            fresh_daemon):
     """A model's warm-up (its profiling input's answer) goes past a full queue: clients

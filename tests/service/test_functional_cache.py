@@ -169,7 +169,7 @@ def test_a_computation_still_running_is_handed_to_the_device_and_cached_when_don
         def __init__(self):
             self.futures, self.max_queue, self.queued = [], None, 0
 
-        def submit(self, fn, *args, bound=True):
+        def submit(self, fn, *args, bound=True, owner=None):
             f = Future()
             self.futures.append((f, fn, args))
             return f
@@ -190,7 +190,7 @@ def test_a_computation_still_running_is_handed_to_the_device_and_cached_when_don
     class Full:
         max_queue, queued = 1, 1
 
-        def submit(self, fn, *args, bound=True):
+        def submit(self, fn, *args, bound=True, owner=None):
             raise EffectQueueFull("1 task is already waiting")
     cache = FunctionalCache(effects=Full())
     answer = cache.begin("m", b, {"x": x})

@@ -114,7 +114,7 @@ def test_results_come_back(pools):
     np.testing.assert_array_equal(pool.submit(square, a).result(WAIT), a * a)
     st = pool.stats()
     assert st == {"workers": 1, "alive": 1, "queued": 0, "running": 0, "completed": 2,
-                  "failed": 0, "crashed": 0, "timed_out": 0, "restarts": 0}
+                  "failed": 0, "crashed": 0, "timed_out": 0, "restarts": 0, "evicted": 0}
     assert pool.queued == 0 and pool.running == 0
 
 
@@ -198,6 +198,34 @@ def test_a_hanging_task_is_killed_at_the_deadline(pools):
     assert after.result(WAIT) == 36
     st = pool.stats()
     assert (st["timed_out"], st["failed"], st["crashed"], st["restarts"]) == (1, 1, 0, 1)
+
+
+def test_one_owners_flood_neither_refuses_nor_delays_another_owners_task(pools):
+    """The queue is shared by owners (FairQueue): a full queue of one owner's tasks
+    evicts its newest for another owner's (told as an overload, a refusal), refuses
+    only the owner holding the most, and the other owner's task runs next."""
+    from paella.dispatcher.devices.sim.effect_workers import Evicted, OwnedEffects
+    pool = pools(1, max_queue=3)
+    first = pool.submit(sleep, 0.5, owner="flood")
+    wait_until(lambda: pool.running == 1)
+    flood = [pool.submit(pid_and_square, i, owner="flood") for i in range(3)]
+    with pytest.raises(EffectQueueFull):
+        pool.submit(square, 9, owner="flood")
+    assert pool.refuses("flood") and not pool.refuses("tenant")
+    done_order: list = []
+    mine = pool.submit(pid_and_square, 5, owner="tenant")
+    with pytest.raises(Evicted, match="^overloaded: .*effect_queue") as e:
+        flood[2].result(WAIT)
+    assert e.value.refusal
+    for f in (mine, flood[0], flood[1]):
+        f.add_done_callback(lambda f: done_order.append(f))
+    assert mine.result(WAIT)[1] == 25 and first.result(WAIT) == 0.5
+    assert [f.result(WAIT)[1] for f in flood[:2]] == [0, 1]
+    assert done_order[0] is mine                  # next after the running one, not last
+    assert pool.stats()["evicted"] == 1 and pool.stats()["failed"] == 0
+    # a scheduler's view submits as its own owner
+    view = OwnedEffects(pool, ("model", "m"))
+    assert view.submit(square, 4).result(WAIT) == 16 and view.max_queue == 3
 
 
 def test_a_full_queue_refuses_and_close_fails_what_waits(pools):

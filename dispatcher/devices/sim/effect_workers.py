@@ -17,6 +17,10 @@ Guarantees of :class:`EffectWorkers`:
   tasks queued behind it run on;
 * memory is bounded: :meth:`~EffectWorkers.submit` refuses (:class:`EffectQueueFull`)
   beyond ``max_queue`` waiting tasks;
+* the queue is shared fairly by the tasks' owners (:class:`~.fair_queue.FairQueue`): a
+  full queue refuses, or evicts the newest task of, the owner holding the most, and
+  workers take the owners' tasks in turn, so one tenant's flood of new inputs neither
+  refuses nor delays another's beyond a task;
 * no worker outlives the pool: :meth:`~EffectWorkers.close` ends them, and a worker also
   ends when its parent dies (``PR_SET_PDEATHSIG``, as :mod:`paella.parent_death`) or
   closes its pipe.
@@ -38,15 +42,16 @@ import signal
 import threading
 import time
 import weakref
-from collections import deque
 from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
 from multiprocessing.process import BaseProcess
 from multiprocessing.reduction import ForkingPickler
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Hashable, Mapping
 
 from paella.log_throttle import LogThrottle
+
+from .fair_queue import FairQueue
 
 log = logging.getLogger("paella.effects")
 
@@ -93,6 +98,13 @@ class EffectQueueFull(RuntimeError):
     """:meth:`EffectWorkers.submit` refused a task: ``max_queue`` tasks are waiting."""
 
 
+class Evicted(EffectQueueFull):
+    """A waiting task taken out of a full queue to make room for another owner's (its
+    owner held the most waiting tasks): a refusal, told the client as an overload."""
+
+    refusal = True
+
+
 class Overloaded(RuntimeError):
     """A request refused because the answer workers' queue is full; its text is what
     the client is told (:func:`overloaded_reason`), and ``refusal`` says so to the
@@ -117,13 +129,15 @@ def default_workers() -> int:
     return max(1, min(4, (os.cpu_count() or 2) - 1))
 
 
-def submit_or_fail(effects: Any, fn: Callable[..., Any], *args: Any, bound: bool = True) -> Future:
+def submit_or_fail(effects: Any, fn: Callable[..., Any], *args: Any, bound: bool = True,
+                   owner: Hashable = None) -> Future:
     """``effects.submit(fn, *args)``, or a future already failed with the pool's reason
     when it refuses (its queue is full, or it stopped): the request that wanted the
     answer fails with that reason through the same path as any other failure.
-    ``bound=False``: past a full queue (a model's warm-up)."""
+    ``bound=False``: past a full queue (a model's warm-up). ``owner``: whose share of
+    the queue it takes (:class:`~.fair_queue.FairQueue`)."""
     try:
-        return effects.submit(fn, *args, bound=bound)
+        return effects.submit(fn, *args, bound=bound, owner=owner)
     except RuntimeError as e:
         f: Future = Future()
         f.set_exception(e)
@@ -191,6 +205,7 @@ class _Task:
     fn: Callable[..., Any]
     args: tuple
     future: Future
+    owner: Hashable = None
 
 
 @dataclass(eq=False)
@@ -210,6 +225,7 @@ class _Counters:
     crashed: int = 0
     timed_out: int = 0
     restarts: int = 0
+    evicted: int = 0
 
 
 def _settle(future: Future, *, value: Any = None, error: BaseException | None = None) -> None:
@@ -293,7 +309,7 @@ class EffectWorkers:
         self.n, self.deadline, self.max_queue, self.name, self.env = n, float(deadline), max_queue, name, env
         self._ctx = multiprocessing.get_context("spawn")
         self._lock = threading.Lock()
-        self._queue: deque[_Task] = deque()
+        self._queue: FairQueue[_Task] = FairQueue(max_queue)
         self._workers: list[_Worker] = []        # the manager thread's; read under the lock
         self._running = 0
         self._count = _Counters()
@@ -329,30 +345,49 @@ class EffectWorkers:
             self._wanted = True
             self._wake()
 
-    def submit(self, fn: Callable[..., Any], *args: Any, bound: bool = True) -> Future:
-        """Queue ``fn(*args)`` for a worker; the future completes with its value or with
-        :class:`EffectFailed`. Raises :class:`EffectQueueFull` when ``max_queue`` tasks
-        are waiting (unless ``bound`` is False: a model's warm-up at a reload, which the
-        clients' new inputs must not make fail), RuntimeError after :meth:`close`."""
+    def submit(self, fn: Callable[..., Any], *args: Any, bound: bool = True,
+               owner: Hashable = None) -> Future:
+        """Queue ``fn(*args)`` for a worker, as ``owner``'s (the tenant whose share of the
+        queue it takes: :class:`~.fair_queue.FairQueue`); the future completes with its
+        value or with :class:`EffectFailed`. When ``max_queue`` tasks are waiting, the
+        newest task of an owner holding more (see :meth:`FairQueue.victim`) is evicted
+        (its future fails with :class:`Evicted`), else this raises
+        :class:`EffectQueueFull`; ``bound=False`` goes past a full queue (a model's
+        warm-up at a reload, which the clients' new inputs must not make fail).
+        RuntimeError after :meth:`close`."""
         if self._thread is None:
             self.start()
         future: Future = Future()
+        evicted = None
         with self._lock:
             if self._closed:
                 raise RuntimeError("the effect workers are closed (the daemon is stopping)")
             if self._broken is not None:
                 raise RuntimeError(self._broken)
-            if bound and len(self._queue) >= self.max_queue:
+            queue = self._queue
+            if bound and queue.full():
                 self._drop_cancelled()
-            if bound and len(self._queue) >= self.max_queue:
-                raise EffectQueueFull(
-                    f"{len(self._queue)} tasks are already waiting for the {self.n} effect "
-                    f"worker(s), the most allowed (max_queue; the daemon's [daemon] "
-                    f"effect_queue setting raises it, effect_workers adds workers)")
-            self._queue.append(_Task(fn, args, future))
+            if bound and queue.full():
+                victim = queue.victim(owner)
+                if victim is None:
+                    raise EffectQueueFull(
+                        f"{len(queue)} tasks are already waiting for the {self.n} effect "
+                        f"worker(s), the most allowed (max_queue; the daemon's [daemon] "
+                        f"effect_queue setting raises it, effect_workers adds workers)")
+                evicted = queue.evict_newest(victim)
+                self._count.evicted += 1
+            queue.push(owner, _Task(fn, args, future, owner))
             self._wanted = True
             self._wake()
+        if evicted is not None:
+            _fail_unstarted(evicted.future, Evicted(overloaded_reason(self)))
         return future
+
+    def refuses(self, owner: Hashable = None) -> bool:
+        """A bounded :meth:`submit` of ``owner``'s would raise :class:`EffectQueueFull`
+        now (the queue is full and ``owner`` holds the largest share)."""
+        with self._lock:
+            return self._queue.refuses(owner)
 
     @property
     def queued(self) -> int:
@@ -368,12 +403,14 @@ class EffectWorkers:
         """The counters, consistent with each other; callable from any thread.
         ``failed`` counts every failure but those at :meth:`close` (raised, crashed,
         timed out, not sendable); ``crashed`` and ``timed_out`` are among them;
-        ``restarts`` counts the workers started beyond the first ``n``."""
+        ``restarts`` counts the workers started beyond the first ``n``; ``evicted`` the
+        waiting tasks taken out for another owner's (not among ``failed``)."""
         with self._lock:
             c = self._count
             return {"workers": self.n, "alive": len(self._workers), "queued": len(self._queue),
                     "running": self._running, "completed": c.completed, "failed": c.failed,
-                    "crashed": c.crashed, "timed_out": c.timed_out, "restarts": c.restarts}
+                    "crashed": c.crashed, "timed_out": c.timed_out, "restarts": c.restarts,
+                    "evicted": c.evicted}
 
     def close(self, timeout: float = 5.0) -> None:
         """Fail every waiting and running task (:class:`EffectFailed`, "the daemon is
@@ -393,8 +430,7 @@ class EffectWorkers:
                     w.proc.kill()
                 thread.join(timeout)
         with self._lock:
-            tasks = [w.task for w in self._workers if w.task is not None] + list(self._queue)
-            self._queue.clear()
+            tasks = [w.task for w in self._workers if w.task is not None] + self._queue.clear()
             self._running = 0
             workers, self._workers = self._workers, []
         stopping = "the effect workers were closed before computing this: the daemon is stopping"
@@ -486,6 +522,7 @@ class EffectWorkers:
             return
         with self._lock:
             self._running -= 1
+            self._queue.ended(task.owner)
             if kind == "ok":
                 self._count.completed += 1
             else:
@@ -503,6 +540,7 @@ class EffectWorkers:
             self._workers.remove(w)
             if task is not None:
                 self._running -= 1
+                self._queue.ended(task.owner)
                 self._count.failed += 1
                 self._count.crashed += 1
         if task is not None:
@@ -523,10 +561,8 @@ class EffectWorkers:
             k = self._startup_failures
             self._next_spawn = time.monotonic() + min(MAX_BACKOFF, 0.25 * 2 ** (k - 1))
             serving = any(w.ready for w in self._workers)
-            doomed = list(self._queue) if k >= MAX_STARTUP_FAILURES and not serving else []
-            if doomed:
-                self._queue.clear()
-                self._count.failed += len(doomed)
+            doomed = self._queue.clear() if k >= MAX_STARTUP_FAILURES and not serving else []
+            self._count.failed += len(doomed)
         self._log_death(f"an effect worker {how} as it started ({k} in a row); trying again")
         err = EffectFailed(f"the effect workers cannot start: {k} in a row {how} before "
                            f"they were ready (see the daemon's log)")
@@ -545,6 +581,7 @@ class EffectWorkers:
             with self._lock:
                 self._workers.remove(w)
                 self._running -= 1
+                self._queue.ended(task.owner)
                 self._count.failed += 1
                 self._count.timed_out += 1
             self._log_death(f"effect worker (pid {w.pid}) killed: "
@@ -581,15 +618,19 @@ class EffectWorkers:
         it can no longer be)."""
         while True:
             with self._lock:
-                if not self._queue:
+                got = self._queue.pop()
+                if got is None:
                     return None
-                task = self._queue.popleft()
+                task = got[1]
             if task.future.set_running_or_notify_cancel():
                 return task
+            with self._lock:
+                self._queue.ended(task.owner)
 
     def _unsendable(self, task: _Task, e: Exception) -> None:
         with self._lock:
             self._count.failed += 1
+            self._queue.ended(task.owner)
         _settle(task.future, error=EffectFailed(
             f"the task could not be sent to an effect worker ({_describe(e)})"))
 
@@ -648,15 +689,13 @@ class EffectWorkers:
         (:meth:`close` still ends the workers)."""
         with self._lock:
             self._broken = why
-            tasks = [w.task for w in self._workers if w.task is not None] + list(self._queue)
-            self._queue.clear()
+            tasks = [w.task for w in self._workers if w.task is not None] + self._queue.clear()
         for t in tasks:
             _fail_unstarted(t.future, EffectFailed(why))
 
     def _drop_cancelled(self) -> None:
         """(Under the lock.) Forget waiting tasks whose callers cancelled them."""
-        if any(t.future.cancelled() for t in self._queue):
-            self._queue = deque(t for t in self._queue if not t.future.cancelled())
+        self._queue.remove_if(lambda t: t.future.cancelled())
 
     def _wake(self) -> None:
         """(Under the lock, so that close cannot have closed the descriptor.)"""
@@ -678,6 +717,28 @@ class EffectWorkers:
             log.warning("%s%s", text, f" ({held} more such events since the last line)" if held else "")
 
 
+class OwnedEffects:
+    """A pool's interface whose every task is ``owner``'s: what a step scheduler is
+    given (``SchedulerContext.effects``). Its iterations serve all its clients at once,
+    so the scheduler is one owner of the workers' queue, apart from the tenants' new
+    inputs: a tenant's flood can neither evict nor refuse the iterations of everyone's
+    generations beyond the scheduler's own share."""
+
+    def __init__(self, effects: "EffectWorkers", owner: Hashable):
+        self._effects, self.owner = effects, owner
+
+    def submit(self, fn: Callable[..., Any], *args: Any, bound: bool = True,
+               owner: Hashable = None) -> Future:
+        """The pool's :meth:`EffectWorkers.submit`, as this view's owner."""
+        return self._effects.submit(fn, *args, bound=bound, owner=self.owner)
+
+    def refuses(self, owner: Hashable = None) -> bool:
+        return self._effects.refuses(self.owner)
+
+    def __getattr__(self, name: str) -> Any:          # queued, stats, max_queue, ...
+        return getattr(self._effects, name)
+
+
 class InlineEffects:
     """:class:`EffectWorkers`' interface, computing ``fn(*args)`` in the calling thread at
     :meth:`submit`: the future it returns is already complete (its done-callbacks run at
@@ -693,7 +754,8 @@ class InlineEffects:
     def start(self) -> None:
         """Nothing to start."""
 
-    def submit(self, fn: Callable[..., Any], *args: Any, bound: bool = True) -> Future:
+    def submit(self, fn: Callable[..., Any], *args: Any, bound: bool = True,
+               owner: Hashable = None) -> Future:
         if self._closed:
             raise RuntimeError("the effects are closed (the daemon is stopping)")
         future: Future = Future()
@@ -710,6 +772,10 @@ class InlineEffects:
             future.set_result(value)
         return future
 
+    def refuses(self, owner: Hashable = None) -> bool:
+        """Never: nothing waits."""
+        return False
+
     @property
     def queued(self) -> int:
         return 0
@@ -721,10 +787,11 @@ class InlineEffects:
     def stats(self) -> dict[str, int]:
         return {"workers": 0, "alive": 0, "queued": 0, "running": 0,
                 "completed": self._completed, "failed": self._failed, "crashed": 0,
-                "timed_out": 0, "restarts": 0}
+                "timed_out": 0, "restarts": 0, "evicted": 0}
 
     def close(self, timeout: float = 5.0) -> None:
         self._closed = True
 
 
-__all__ = ["EffectWorkers", "InlineEffects", "EffectFailed", "EffectQueueFull", "default_workers"]
+__all__ = ["EffectWorkers", "InlineEffects", "OwnedEffects", "EffectFailed", "EffectQueueFull", "Evicted",
+           "default_workers"]
