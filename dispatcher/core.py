@@ -231,6 +231,9 @@ class Dispatcher:
         check_declared(self.policy)
         self._bind_policy()
         self.streams = StreamMap(len(device.streams), self.policy.stream_mode)
+        gpu = getattr(device, "gpu", None)
+        if getattr(device, "realtime", False) and hasattr(gpu, "stream_gated"):
+            self.streams.gated = gpu.stream_gated    # (issue 37: held streams, see streams.py)
         self.models: dict[int, Model] = {}   # by model id
         self.jobs: set[Job] = set()
         self.in_flight = 0

@@ -107,7 +107,7 @@ class Job:
                  "glet", "state", "returned", "error", "wait_op", "wait_all", "blocked",
                  "almost_sent", "almost_next", "cancelled", "allocations", "bindings",
                  "t_arrival", "t_start", "pin", "waited_memory", "waiting_memory", "core",
-                 "level", "answered", "__weakref__")
+                 "level", "answered", "home", "__weakref__")
 
     def __init__(self, host: JobHost, model: Any, requests: list[Any], io: np.ndarray,
                  seq: int):
@@ -156,6 +156,9 @@ class Job:
         #: The real stream its ops go to (-1: the dispatcher's stream map chooses);
         #: set by ``Dispatcher.submit_group(stream=...)``.
         self.pin = -1
+        #: In ``single`` stream mode, the real stream all its ops go to (-1: not chosen
+        #: yet): stream 0, unless the device holds a kernel there (StreamMap.ungated).
+        self.home = -1
         #: Its handle in the dispatcher's kernel core (-1: not run by one).
         self.core = -1
         #: Its answer was computed before it started (the dispatcher's ``answer_ahead``):

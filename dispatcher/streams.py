@@ -13,6 +13,12 @@ Three mappings, one per kind of policy:
   created per job would. Jobs beyond the pool size share streams, as on the GPU.
 * ``single`` (CUDA-SS / Paella-SS, ``fifo``): everything goes to real stream 0.
 
+A held stream (``gated``: the simulated device holds a kernel there until its answer is
+computed, issue 37) gets no new job in ``single`` mode and no new virtual stream in
+``sticky`` mode: they go to the next stream without a gate, as in the kernel cores
+(``kernel_core._ungated``), so one client's held kernel does not hold everyone. A job's
+ops stay on one stream. (``pool`` never hands out a held stream: it is not free.)
+
 Named streams (:meth:`StreamMap.pin`): a submitter may bind its jobs to a real stream
 of their own, reserved under a name (DVABatch binds each stage executor to one, as the
 paper does), in ``pool`` and ``sticky`` mode; ``single`` keeps everything on stream 0.
@@ -23,6 +29,7 @@ the caller), so the pool never runs dry.
 from __future__ import annotations
 
 from collections import deque
+from typing import Callable
 
 from .ops import Op
 
@@ -30,7 +37,7 @@ MODES = ("pool", "sticky", "single")
 
 
 class StreamMap:
-    __slots__ = ("n", "mode", "free", "busy", "_rr", "pinned")
+    __slots__ = ("n", "mode", "free", "busy", "_rr", "pinned", "gated")
 
     def __init__(self, n_streams: int, mode: str = "pool"):
         self.n = n_streams
@@ -38,6 +45,9 @@ class StreamMap:
         self.busy = [0] * n_streams          # ops in flight per real stream
         self._rr = 0
         self.pinned: dict[str, int] = {}     # name -> its reserved real stream
+        #: ``gated(s) -> bool``: the device holds a kernel in stream ``s`` (the real-time
+        #: simulator's ``Gpu.stream_gated``); None: no device holds any.
+        self.gated: Callable[[int], bool] | None = None
         self.set_mode(mode)
 
     def set_mode(self, mode: str) -> None:
@@ -92,14 +102,31 @@ class StreamMap:
             s = behind.stream if behind is not None else self.free.popleft()
         elif mode == "single":
             s = 0
+            job = op.job
+            if self.gated is not None and job is not None:
+                s = job.home
+                if s < 0:
+                    s = job.home = self.ungated(0)
         else:
             vs = op.vstream
             s = vs.real
             if s < 0:
-                s = vs.real = self._rr
-                self._rr = (self._rr + 1) % self.n
+                s = vs.real = self.ungated(self._rr)
+                self._rr = (s + 1) % self.n
         self.busy[s] += 1
         op.stream = s
+        return s
+
+    def ungated(self, s: int) -> int:
+        """``s``, or the next stream after it that holds no gate (every stream held: ``s``)."""
+        gated = self.gated
+        if gated is None:
+            return s
+        n = self.n
+        for k in range(n):
+            t = (s + k) % n
+            if not gated(t):
+                return t
         return s
 
     def done(self, op: Op) -> None:

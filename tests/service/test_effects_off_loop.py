@@ -388,7 +388,9 @@ def mlp8(tmp_path_factory) -> Path:
     return dest
 
 
-@pytest.mark.parametrize("policy", ["fifo", "paella"])
+@pytest.mark.parametrize("policy", [("fifo",), ("paella",), ("fifo", "--kernel-core", "off"),
+                                    ("ms-jbj", "--kernel-core", "off")],
+                         ids=["fifo", "paella", "fifo-own-path", "ms-jbj-own-path"])
 def test_a_kernel_held_for_its_answer_does_not_hold_the_others(tmp_path, mlp8, fresh_daemon,
                                                                policy):
     """An input equal to a cached one where the lookup ahead reads (its first and middle
@@ -396,12 +398,14 @@ def test_a_kernel_held_for_its_answer_does_not_hold_the_others(tmp_path, mlp8, f
     simulated device holds its last kernel in its stream until the workers have computed
     it (SimDevice._hold). Under fifo every job used that one stream, so everyone waited
     for that answer (issue 37's remaining gap, session 24). The kernel cores now give a
-    new job a stream that holds no gate, so the others are served meanwhile."""
+    new job a stream that holds no gate, so the others are served meanwhile; so does the
+    dispatcher's own path (``--kernel-core off``, as Python plug-in policies run), in
+    ``single`` (fifo) and ``sticky`` (ms-jbj) stream mode (StreamMap.ungated)."""
     from paella.bundle import load_bundle
     b = load_bundle(mlp8)
     ref = lambda x: b.run_cpu({"x": x})["output0"]         # noqa: E731
     repo = repo_with(tmp_path, mlp8, "tiny_mlp")
-    dp = fresh_daemon("--models", str(repo), "--no-noop", "--policy", policy,
+    dp = fresh_daemon("--models", str(repo), "--no-noop", "--policy", *policy,
                       env={"PAELLA_SIM_EFFECT_FAULT": "delay:3"})
     slow, other = connect(dp.socket), connect(dp.socket)
     x = np.random.default_rng(7).standard_normal((8, 16)).astype(np.float32)
