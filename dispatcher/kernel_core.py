@@ -50,6 +50,7 @@ from .policies import get_policy
 from .policies.paella import DEFAULT_FAIRNESS_THRESHOLD, DEFAULT_HOLD_FACTOR
 from .policies.base import class_key
 from .pqueue import IndexedHeap
+from .streams import next_ungated
 from .waitlist import DONE, DROPPED, READY, RELEASED, WAITING
 
 #: A copy released with no event (:func:`implied_copies`); the core's own state.
@@ -688,14 +689,7 @@ class KernelCore:
         virtual stream, goes there, not behind the held kernel (issue 37). Real time
         only; a core not launching into the engine sees none."""
         engine = self.engine
-        if engine is None:
-            return s
-        n = self.n_streams
-        for k in range(n):
-            t = (s + k) % n
-            if not engine.stream_gated(t):
-                return t
-        return s                             # (every stream held: wait behind the first)
+        return next_ungated(None if engine is None else engine.stream_gated, s, self.n_streams)
 
     def _stream_done(self, s: int) -> None:
         self.busy[s] -= 1

@@ -36,6 +36,18 @@ from .ops import Op
 MODES = ("pool", "sticky", "single")
 
 
+def next_ungated(gated: Callable[[int], bool] | None, s: int, n: int) -> int:
+    """``s``, or the next of the ``n`` streams after it for which ``gated`` is false (a
+    device holding none: ``gated`` None; every stream held: ``s``, behind the first)."""
+    if gated is None:
+        return s
+    for k in range(n):
+        t = (s + k) % n
+        if not gated(t):
+            return t
+    return s
+
+
 class StreamMap:
     __slots__ = ("n", "mode", "free", "busy", "_rr", "pinned", "gated")
 
@@ -118,16 +130,8 @@ class StreamMap:
         return s
 
     def ungated(self, s: int) -> int:
-        """``s``, or the next stream after it that holds no gate (every stream held: ``s``)."""
-        gated = self.gated
-        if gated is None:
-            return s
-        n = self.n
-        for k in range(n):
-            t = (s + k) % n
-            if not gated(t):
-                return t
-        return s
+        """``s``, or the next stream after it that holds no gate (:func:`next_ungated`)."""
+        return next_ungated(self.gated, s, self.n)
 
     def done(self, op: Op) -> None:
         """``op`` finished on its real stream."""
