@@ -75,6 +75,16 @@ FALLBACK_POLICY = "fifo"
 #: nothing in flight is stalled (real time; a virtual clock cannot advance meanwhile,
 #: so there it counts as stalled at once). No useful policy idles the GPU for a second.
 POLICY_STALL_SECONDS = 1.0
+#: Per-request buffer sets a model's pool makes at its registration, by default where
+#: requests are served (the daemon, the experiments): see ``Dispatcher._reserve_sets``.
+#: 1,024 covers Figure 2's bursts near its knee (512 did too; 256 not for every seed).
+DEFAULT_SETS_AHEAD = 1024
+#: The most of them: a model with bigger sets makes fewer (``SETS_AHEAD_BYTES``).
+MAX_SETS_AHEAD = 1 << 16
+#: Device bytes of sets made ahead per model, at most (a BERT-base's 11-40 MB sets: 1 or
+#: none; ResNet-50's: a few); and in all, at most this fraction of the device's memory.
+SETS_AHEAD_BYTES = 16 << 20
+SETS_AHEAD_SHARE = 1 / 16
 
 
 @dataclass(eq=False)
@@ -172,10 +182,17 @@ class Dispatcher:
                  instruments: "list[Instrument] | tuple[Instrument, ...]" = (),
                  lookahead: int = 1, compiled_replay: bool = True, wake_lead: float = 0.0,
                  kernel_core: str | None = None, slice_us: float = 0.0,
-                 implied_copies: bool = True):
+                 implied_copies: bool = True, buffer_sets_ahead: int = DEFAULT_SETS_AHEAD):
         if type(lookahead) is not int or lookahead < 1:
             raise ValueError(f"lookahead must be an int >= 1 (kernels of one stream released "
                              f"and not completed), got {lookahead!r}")
+        if type(buffer_sets_ahead) is not int or not 0 <= buffer_sets_ahead <= MAX_SETS_AHEAD:
+            raise ValueError(f"buffer_sets_ahead must be an int 0..{MAX_SETS_AHEAD} (buffer sets "
+                             f"a model's pool makes when it is registered), got "
+                             f"{buffer_sets_ahead!r}")
+        #: Buffer sets each model's pool makes at registration (:meth:`_reserve_sets`).
+        self.buffer_sets_ahead = buffer_sets_ahead
+        self._ahead_bytes = 0                # device bytes of the sets it made ahead, in all
         if type(wake_lead) not in (int, float) or not 0.0 <= wake_lead <= 1.0:
             raise ValueError(f"wake_lead must be 0..1 seconds (the client's wake-up goes out "
                              f"when a job's estimated unreleased work drops to it; 0: only at "
@@ -1244,12 +1261,14 @@ class Dispatcher:
     # The public contract.
     # ======================================================================================
     def register_model(self, name: str, adaptor: JobAdaptor, *, profile_runs: int | None = None,
-                       model_id: int | None = None) -> int:
+                       model_id: int | None = None, sets_ahead: int | None = None) -> int:
         """Initialize ``adaptor`` and run ``profile_runs`` jobs (default: the
         dispatcher's ``profile_runs``) to seed the model's kernel statistics. Profiling
         drives the loop itself: call it before serving. ``model_id``: the id requests
         name it by (default: the next free one); an id registered again serves new
-        requests with the new adaptor while running jobs finish on the old one."""
+        requests with the new adaptor while running jobs finish on the old one.
+        ``sets_ahead``: buffer sets made now (default: ``buffer_sets_ahead``; a model a
+        scheduler registers while serving passes 0, see :meth:`_reserve_sets`)."""
         if not isinstance(adaptor, JobAdaptor):
             raise TypeError(f"model {name!r}: adaptor must be a JobAdaptor, got {type(adaptor).__name__}")
         if (self.core is not None and adaptor.plan is None
@@ -1328,11 +1347,44 @@ class Dispatcher:
                     self._close_adaptor(model)
                 raise RuntimeError(f"profiling run of model {name!r} failed: {failed[0]}")
         self.sync_profiles()                 # (the core's statistics after profiling)
+        self._reserve_sets(model, self.buffer_sets_ahead if sets_ahead is None else sets_ahead)
         if self.slicer is not None:
             self._add_sliced(model)
         if old is not None:
             self.retire_model(old)           # its running jobs finish on it, then it goes
         return model.model_id
+
+    def _reserve_sets(self, model: Model, ahead: int) -> None:
+        """Make the model's pool hold ``buffer_sets_ahead`` per-request buffer sets now, at its
+        registration, not on the serving path: a burst of requests larger than any
+        before makes a set per job (its device buffers, its bound plan, the kernel
+        core's operands: ~8 us of the loop's CPU each), just when the loop is busiest.
+        On Figure 2 near its knee, with the CPU charged, those sets were the difference
+        between a seed within the SLO and one at 30-120 ms (docs/benchmarks.md, round
+        16). Bounded: at most ``SETS_AHEAD_BYTES`` per model, ``SETS_AHEAD_SHARE`` of the
+        device's memory for all models together (a bundle of many variants registers
+        each), and an eighth of the free memory; idle sets go back when the memory is
+        needed (``trim``).
+        Not for the models a step scheduler registers as it serves (``ahead`` 0): making
+        their sets then would stall the loop it is trying to spare."""
+        pool = model.pool
+        if not ahead or pool is None or not hasattr(pool, "reserve"):
+            return
+        size = pool.set_bytes
+        if size <= 0:
+            return
+        n = min(ahead, SETS_AHEAD_BYTES // size)
+        capacity = (getattr(getattr(self.device, "memory", None), "capacity", 0)
+                    or getattr(getattr(self.device, "props", None), "mem_bytes", 0) or 0)
+        if capacity:
+            n = min(n, (capacity - self.device.allocated_bytes) // 8 // size,
+                    (int(capacity * SETS_AHEAD_SHARE) - self._ahead_bytes) // size)
+        made = pool.reserve(n - pool.created)     # (the profiling runs made some)
+        self._ahead_bytes += len(made) * size
+        cm, replay = model.core, model.replay
+        if cm is not None and replay is not None:
+            for b in made:                   # the core's operands too (_core_admit's)
+                b.core = (cm, *kc.set_operands(cm, replay, b.bound, self._core_memory))
 
     def _attach_core(self, model: Model) -> None:
         """Register a model's compiled plan with the kernel core, if one runs."""

@@ -1087,12 +1087,14 @@ class _Unit:
 class CoreModel:
     """A model registered with a core: its plan and profile indices there, its spec, the
     kernel names in profile order, and where each node's operands come from (per node:
-    its plan step, -1 for MARKERs)."""
+    its plan step, -1 for MARKERs); ``operands``: :func:`set_operands` compiled for it
+    (:func:`compile_operands`)."""
     plan: int
     profile: int
     spec: PlanSpec
     names: tuple[str, ...]
     steps: tuple[int, ...]
+    operands: Callable[[Sequence[Any], Any], tuple] | None = None
 
 
 def register_model(core: Any, replay: Any, profile: Any, device: Any,
@@ -1117,11 +1119,59 @@ def register_model(core: Any, replay: Any, profile: Any, device: Any,
     for i, node in enumerate(replay._nodes):
         if node >= 0:
             steps[node] = i
-    return CoreModel(pi, fi, spec, tuple(names), tuple(steps))
+    return CoreModel(pi, fi, spec, tuple(names), tuple(steps),
+                     compile_operands(tuple(steps), replay))
+
+
+def compile_operands(steps: tuple[int, ...], replay: Any) -> Callable[[Sequence[Any], Any], tuple]:
+    """``(bound, view) -> (args, copies)``: :func:`set_operands_reference` for one
+    model, with ``view`` its ``memory.view`` (None: no device views).
+
+    Speed (a trick, labelled): generated once per model and run by ``exec``, as
+    ``PlanAdaptor``'s binder (``adaptor.compile_binder``, which says why a buffer set's
+    making is worth it): the nodes' kinds and the copies' sizes are read here, not per
+    set. Only integers and fixed names go into the code."""
+    args, copies, views = [], [], []
+    for node, i in enumerate(steps):
+        if i < 0:
+            args.append("None")
+            copies.append("None")
+            continue
+        step = replay.steps[i]
+        if step.kind == KERNEL:
+            args.append(f"b[{int(i)}]")
+            copies.append("None")
+            continue
+        args.append("None")
+        n = int(step.io_end - step.io_start)
+        views.append(f"    v{node} = view(b[{int(i)}], {n})\n")
+        copies.append(f"(b[{int(i)}], None, v{node}, v{node}.ctypes.data, v{node}.nbytes)")
+    plain = [c if c == "None" else c.split(", None, ")[0] + ", None, None)" for c in copies]
+    src = ("def operands(b, view):\n"
+           "    if view is None:\n"
+           f"        return ({''.join(a + ', ' for a in args)}), ({''.join(c + ', ' for c in plain)})\n"
+           + "".join(views) +
+           f"    return ({''.join(a + ', ' for a in args)}), ({''.join(c + ', ' for c in copies)})\n")
+    scope: dict[str, Any] = {}
+    exec(src, scope)                         # noqa: S102 - integers and fixed names only
+    return scope["operands"]
 
 
 def set_operands(model: CoreModel, replay: Any, bound: Sequence[Any],
                  memory: Any = None) -> tuple:
+    """:func:`set_operands_reference`, by the model's compiled ``operands``; where a
+    copy's range is not on the device (a view refused), by the reference."""
+    from paella.dispatcher.devices.base import DeviceError
+    if model.operands is not None:
+        try:
+            return model.operands(bound, None if memory is None else memory.view)
+        except DeviceError:
+            pass
+    return set_operands_reference(model, replay, bound, memory)
+
+
+def set_operands_reference(model: CoreModel, replay: Any, bound: Sequence[Any],
+                           memory: Any = None) -> tuple:
     """``(args, copies)`` of one buffer set for :meth:`KernelCore.admit` (made once per
     set and model: the same for every job on it): per node, a kernel's bound arguments,
     and a copy's ``(dptr, None, device view[, its address, its bytes])``: the host side is the job's io buffer at

@@ -30,7 +30,7 @@ from typing import Any, Callable
 import numpy as np
 
 from paella.dispatcher.adaptor import JobAdaptor, PlanAdaptor, synthetic_plan
-from paella.dispatcher.core import STATUS_OK, Dispatcher, Request
+from paella.dispatcher.core import DEFAULT_SETS_AHEAD, STATUS_OK, Dispatcher, Request
 from paella.dispatcher.devices.sim import SimDevice
 from paella.dispatcher.virtual_time import VirtualDriver
 from paella.experiments.workload import arrival_rate, latency_summary, lognormal_arrivals
@@ -69,6 +69,7 @@ class PointConfig:
     decision_delay: float = 0.0         # seconds added per kernel release (Figure 9's synthetic delay)
     profile_runs: int = 2
     warmup: float = 0.1                 # fraction of requests excluded from statistics
+    buffer_sets_ahead: int = DEFAULT_SETS_AHEAD   # (Dispatcher(buffer_sets_ahead=), the daemon's)
 
 
 def adaptor_for(job: Any, in_bytes: int = 4096, out_bytes: int = 4096) -> Callable[[], JobAdaptor]:
@@ -84,7 +85,7 @@ def run_point(cfg: PointConfig, workloads: list[Workload]) -> dict:
     d = Dispatcher(dev, cfg.policy, extra_blocks=cfg.extra_blocks, group=cfg.group,
                    fairness_threshold=cfg.fairness_threshold,
                    policy_options=dict(cfg.policy_options), profile_runs=cfg.profile_runs,
-                   kernel_core=cfg.kernel_core)
+                   kernel_core=cfg.kernel_core, buffer_sets_ahead=cfg.buffer_sets_ahead)
     mids = [d.register_model(w.name, w.make_adaptor()) for w in workloads]
     ios = [np.zeros(max(d.models[m].adaptor.io_bytes, 1), np.uint8) for m in mids]
     n = cfg.n_requests

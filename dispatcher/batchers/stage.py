@@ -559,8 +559,9 @@ class StageContext:
         mid = self.stage.new_model_id()
         # Named with its id: a reloaded model's scheduler registers its models again
         # while the old one's still run.
+        # (No buffer sets made ahead: a scheduler registers its models as it serves.)
         disp.register_model(f"{self.name}/{name}@{mid}", adaptor, profile_runs=profile_runs,
-                            model_id=mid)
+                            model_id=mid, sets_ahead=0)
         self._own_models.add(mid)
         return mid
 

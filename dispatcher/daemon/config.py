@@ -59,6 +59,7 @@ class DaemonConfig:
     wake_lead_us: int = 0               # hybrid clients' wake-up this far ahead (0: at the mark)
     slice_us: int = 100                 # kernel slicing's bound on a more urgent class's wait (0: off)
     kernel_core: str = "auto"           # auto | c | python | off (docs/dispatcher.md)
+    buffer_sets_ahead: int = 1024       # per-request buffer sets a model makes at load
     effect_workers: int = 0             # sim: processes computing answers (0: auto)
     effect_deadline_seconds: float = 120.0  # sim: an answer computing longer fails its job
     effect_queue: int = 64              # sim: answers waiting for a worker, at most
@@ -153,6 +154,11 @@ class DaemonConfig:
             raise ConfigError(f"wake_lead_us must be an int 0..1000000 (microseconds of "
                               f"estimated work left when a hybrid client is woken; 0: only "
                               f"before the job's last copy), got {shown(self.wake_lead_us)}")
+        if type(self.buffer_sets_ahead) is not int or not 0 <= self.buffer_sets_ahead <= 1 << 16:
+            raise ConfigError(f"buffer_sets_ahead must be an int 0..{1 << 16} (per-request "
+                              f"buffer sets each model makes when it is loaded, at most 16 "
+                              f"MiB of them; 0: made as requests need them), got "
+                              f"{shown(self.buffer_sets_ahead)}")
         if type(self.slice_us) is not int or not 0 <= self.slice_us <= 1_000_000:
             raise ConfigError(f"slice_us must be an int 0..1000000 (microseconds: the longest "
                               f"a kernel slice of a less urgent class may make more urgent "
@@ -223,7 +229,7 @@ class DaemonConfig:
 
 SECTIONS = {
     "daemon": ("socket", "models", "backend", "gpu", "sim_mode", "cpu", "rt_priority", "idle",
-               "idle_spin_us", "drain_seconds", "plugin_timeout_seconds", "lookahead", "wake_lead_us", "slice_us", "kernel_core",
+               "idle_spin_us", "drain_seconds", "plugin_timeout_seconds", "lookahead", "wake_lead_us", "slice_us", "kernel_core", "buffer_sets_ahead",
                "effect_workers", "effect_deadline_seconds", "effect_queue", "echo", "noop", "log_level", "metrics_port",
                "metrics_addr"),
     "access": ("allowed_users", "allowed_groups", "socket_mode", "trace_users", "control_users",

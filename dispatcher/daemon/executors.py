@@ -155,6 +155,7 @@ class DispatcherExecutor:
                                    instruments=instruments, lookahead=cfg.lookahead,
                                    wake_lead=cfg.wake_lead_us * 1e-6,
                                    slice_us=cfg.slice_us,
+                                   buffer_sets_ahead=cfg.buffer_sets_ahead,
                                    kernel_core=None if cfg.kernel_core == "off"
                                    else cfg.kernel_core)
         except PolicyError as e:           # the policy refused its parameters

@@ -82,7 +82,7 @@ def expected(op, ptrs):
 
 def test_params_are_uploaded_and_synchronized_before_the_first_request(bundle, gpu):
     drv, dev, _ = gpu
-    d = Dispatcher(dev, "paella", counter_pairs=PAIRS, profile_runs=0)
+    d = Dispatcher(dev, "paella", counter_pairs=PAIRS, profile_runs=0, buffer_sets_ahead=0)
     adaptor = PlanAdaptor.from_bundle(bundle)
     d.register_model("tiny", adaptor)
     params = bundle.param_bytes()
@@ -101,7 +101,7 @@ def test_params_are_uploaded_and_synchronized_before_the_first_request(bundle, g
 
 def test_every_launch_gets_the_plans_pointers_then_notifq_and_launch_id(bundle, gpu):
     drv, dev, ids = gpu
-    d = Dispatcher(dev, "paella", counter_pairs=PAIRS, profile_runs=0)
+    d = Dispatcher(dev, "paella", counter_pairs=PAIRS, profile_runs=0, buffer_sets_ahead=0)
     adaptor = PlanAdaptor.from_bundle(bundle)
     mid = d.register_model("tiny", adaptor)
     assert d.models[mid].replay is not None              # the replayed plan, bindings and all
@@ -147,7 +147,7 @@ def test_a_bundle_whose_kernels_disagree_with_the_compiled_ones_is_refused(bundl
                          regs=x.registers, smem=x.static_smem) for x in bundle.kernels]
     cubin.unlink()
     cubin.write_bytes(fake_cubin(75, specs))
-    d = Dispatcher(dev, "paella", counter_pairs=PAIRS, profile_runs=0)
+    d = Dispatcher(dev, "paella", counter_pairs=PAIRS, profile_runs=0, buffer_sets_ahead=0)
     mid = d.register_model("tiny", PlanAdaptor.from_bundle(load_bundle(bundle.path)))
     done = {}
     submit(bundle, d, mid, 0, done)
@@ -168,7 +168,7 @@ def test_a_bundle_posting_by_another_group_is_refused_at_registration(bundle, gp
     m = json.loads(path.read_text())
     m.update(edit)
     path.write_text(json.dumps(m))
-    d = Dispatcher(dev, "paella", counter_pairs=PAIRS, profile_runs=0)
+    d = Dispatcher(dev, "paella", counter_pairs=PAIRS, profile_runs=0, buffer_sets_ahead=0)
     with pytest.raises(ValueError, match=f"{why}, and this dispatcher reads notifications in "
                                          f"groups of 16: recompile it"):
         d.register_model("tiny", PlanAdaptor.from_bundle(load_bundle(bundle.path)))
@@ -199,7 +199,7 @@ def test_a_retired_model_frees_its_memory_and_unloads_its_module(bundle, gpu):
     """What a reload does to the model it replaces (Dispatcher.retire_model): once its
     last request is done, its params and buffer sets are freed and its module unloaded."""
     drv, dev, _ = gpu
-    d = Dispatcher(dev, "paella", counter_pairs=PAIRS, profile_runs=0)
+    d = Dispatcher(dev, "paella", counter_pairs=PAIRS, profile_runs=0, buffer_sets_ahead=0)
     before = dict(drv.device_mem)           # (the notifQ's own, if any)
     mid = d.register_model("tiny", PlanAdaptor.from_bundle(bundle))
     done = {}

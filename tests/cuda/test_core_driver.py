@@ -62,7 +62,7 @@ def serve(bundle, kernel_core, stub=None, n=4, plan=None, implied=False, calls=N
         lib.stub_reset()
         lib.stub_set_hook(hook)
     d = Dispatcher(dev, "paella", counter_pairs=PAIRS, profile_runs=0, kernel_core=kernel_core,
-                   implied_copies=implied)
+                   implied_copies=implied, buffer_sets_ahead=4)    # (4 made at registration)
     mid = d.register_model("tiny", PlanAdaptor(plan) if plan is not None
                            else PlanAdaptor.from_bundle(bundle))
     done = {}
@@ -131,7 +131,8 @@ def test_a_refused_launch_fails_its_request_with_the_drivers_reason(bundle, stub
         return int(r[0])
     hook = HOOK(refuse_second)
     lib.stub_set_hook(hook)
-    d = Dispatcher(dev, "paella", counter_pairs=PAIRS, profile_runs=0, kernel_core="c")
+    d = Dispatcher(dev, "paella", counter_pairs=PAIRS, profile_runs=0, kernel_core="c",
+                   buffer_sets_ahead=0)
     mid = d.register_model("tiny", PlanAdaptor.from_bundle(bundle))
     done = {}
     for i in range(3):

@@ -49,7 +49,7 @@ def drive(d, drv, until, limit=20_000):
 
 def test_iterations_run_the_compiled_plans_on_the_gpu(compiled, dev, drv):
     from paella.stepsched.generation import GenerationEngine
-    d = Dispatcher(dev, "paella", counter_pairs=PAIRS, profile_runs=0)
+    d = Dispatcher(dev, "paella", counter_pairs=PAIRS, profile_runs=0, buffer_sets_ahead=0)
     eng = GenerationEngine(scheduler_context(d, "gpt"), CFG, max_bs=2, n_slots=16, compiled=compiled)
     assert eng.kv_host is not None and eng.kv_ptr is None     # the cache: host memory
     ran = []                                  # each iteration's variant, in order
@@ -89,7 +89,7 @@ def test_the_orca_plugin_serves_a_checkpoint_on_cuda(compiled, dev, drv, tmp_pat
     sched = make_batcher("orca", model, {"checkpoint": "m.safetensors", "folder": str(tmp_path),
                                          "n_head": 2, "max_bs": 2, "n_slots": 16})
     sched.compiled = compiled                  # (the same bundle, its cubin the stand-in's)
-    d = Dispatcher(dev, "paella", counter_pairs=PAIRS, profile_runs=0)
+    d = Dispatcher(dev, "paella", counter_pairs=PAIRS, profile_runs=0, buffer_sets_ahead=0)
     stage = BatchingStage(d)
     stage.add_model(5, ServedModel("gpt", model, {}, sched))
     io_info = generation_io(CFG)

@@ -32,7 +32,7 @@ def test_three_variants_upload_the_weights_once(bundle):
     drv = FakeDriver()
     dev = CudaDevice(driver=drv, n_streams=4, notifq_slots=256, counter_pairs=64)
     try:
-        d = Dispatcher(dev, "paella", counter_pairs=64, profile_runs=0)
+        d = Dispatcher(dev, "paella", counter_pairs=64, profile_runs=0, buffer_sets_ahead=0)
         weights = bundle.param_bytes(0)
         before = len(drv.calls)
         ads = [PlanAdaptor.from_bundle(bundle, k, name=f"mlp/b{b}") for k, b in enumerate(SIZES)]

@@ -51,7 +51,7 @@ def bundle(tmp_path_factory):
 
 def setup(bundle, cls=PlanAdaptor, **options):
     dev = RecordingSim("gtx1660s", n_streams=16, seed=0)
-    d = Dispatcher(dev, "paella", profile_runs=0)
+    d = Dispatcher(dev, "paella", profile_runs=0, buffer_sets_ahead=0)
     adaptor = cls.from_bundle(bundle, **options)
     mid = d.register_model("tiny", adaptor)
     return dev, d, adaptor, mid
@@ -223,7 +223,7 @@ def offset_plan() -> Plan:
 
 def test_scalars_keep_their_dtype_and_copies_their_buffer_offset():
     dev = RecordingSim("gtx1660s", n_streams=8)
-    d = Dispatcher(dev, "paella", profile_runs=0)
+    d = Dispatcher(dev, "paella", profile_runs=0, buffer_sets_ahead=0)
     adaptor = PlanAdaptor(offset_plan())
     mid = d.register_model("o", adaptor)
     io = np.zeros(32, np.uint8)
@@ -275,7 +275,7 @@ def test_daemon_serves_bundles_functionally_on_sim_and_plainly_elsewhere(bundle)
     plain = daemon.bundle_adaptor(bundle, "tiny#1", OtherDevice())
     assert type(plain) is PlanAdaptor and plain.plan.params and not plain.plan.effects
     # The sim's functional outputs still equal the CPU build's, through the Dispatcher.
-    d = Dispatcher(dev, "paella", profile_runs=0)
+    d = Dispatcher(dev, "paella", profile_runs=0, buffer_sets_ahead=0)
     mid = d.register_model("tiny", functional)
     done = {}
     io = request(bundle, d, mid, 5, done)

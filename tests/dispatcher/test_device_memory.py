@@ -36,7 +36,7 @@ def model(name: str, set_kib: int, param_kib: int = 0, kernels: int = 3) -> Plan
 
 def setup(capacity_kib: int):
     dev = SimDevice(preset("t4").with_(mem_bytes=capacity_kib * KIB))
-    return dev, Dispatcher(dev, "paella", profile_runs=1)
+    return dev, Dispatcher(dev, "paella", profile_runs=1, buffer_sets_ahead=0)
 
 
 def submit(disp, rec, mid, ad, ids, client=0):
@@ -143,7 +143,7 @@ def test_abandon_all_answers_the_jobs_waiting_for_memory():
 
 def test_chunked_memory_gives_its_slot_back_when_a_chunk_does_not_fit():
     dev = SimDevice(preset("t4").with_(mem_bytes=100 * KIB))
-    disp = Dispatcher(dev, "paella", profile_runs=0)
+    disp = Dispatcher(dev, "paella", profile_runs=0, buffer_sets_ahead=0)
     shared = ChunkedMemory("m", limit=4, chunk_size=8 * KIB)
     ad = model("m", 40)
     ad.memory = shared
@@ -166,7 +166,7 @@ def test_a_request_failed_before_its_job_started_counts_as_queueing_in_the_metri
     counts = MetricsCounts()
     jobs, _, _ = counts.instruments()
     dev = SimDevice(preset("t4").with_(mem_bytes=100 * KIB))
-    disp = Dispatcher(dev, "paella", profile_runs=0, instruments=[jobs])
+    disp = Dispatcher(dev, "paella", profile_runs=0, instruments=[jobs], buffer_sets_ahead=0)
     small, big = model("small", 10), model("big", 120)
     ms, mid = disp.register_model("small", small), disp.register_model("big", big)
     rec = Recorder()

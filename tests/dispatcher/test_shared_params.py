@@ -51,7 +51,7 @@ def test_the_variants_of_a_bundle_share_one_params_file_and_its_bytes(bundle):
 
 def test_every_variant_reads_one_device_copy_of_the_weights(bundle):
     dev = SimDevice("gtx1660s", n_streams=8, seed=0)
-    d = Dispatcher(dev, "paella", profile_runs=0)
+    d = Dispatcher(dev, "paella", profile_runs=0, buffer_sets_ahead=0)
     base = dev.allocated_bytes
     ads = [PlanAdaptor.from_bundle(bundle, k, name=f"mlp/b{b}") for k, b in enumerate(SIZES)]
     mids = [d.register_model(f"mlp/b{b}", a) for a, b in zip(ads, SIZES)]
@@ -85,7 +85,7 @@ def test_a_device_of_its_own_gets_its_own_copy(bundle):
     """Pointers belong to one device: another device uploads its own copy."""
     for dev in [SimDevice("gtx1660s", n_streams=8, seed=0) for _ in range(2)]:
         base = dev.allocated_bytes
-        Dispatcher(dev, "paella", profile_runs=0).register_model(
+        Dispatcher(dev, "paella", profile_runs=0, buffer_sets_ahead=0).register_model(
             "mlp", PlanAdaptor.from_bundle(bundle, 0))
         assert dev.allocated_bytes - base == weights_bytes(bundle)
 

@@ -66,10 +66,12 @@ def test_status_lists_models_clients_and_occupancy(metrics_daemon):
     assert st["dispatcher"]["device_memory_total_bytes"] == 16 << 30   # the T4's 16 GB
     assert st["dispatcher"]["memory_waits"] == st["dispatcher"]["memory_failures"] == 0
     assert "1 dispatcher model(s)" in text and "device memory" in text and "of 16.0 GiB" in text
-    # per model: noop holds all of it (its buffer set), echo (a host model) nothing
+    # per model: noop holds all of it (its buffer sets, made at load: buffer_sets_ahead),
+    # echo (a host model) nothing
     mem = {m["name"]: m["device_memory_bytes"] for m in st["models"]}
     assert mem == {"echo": 0, "noop": st["dispatcher"]["device_memory_bytes"]}
-    assert " B on the GPU" in text.split("noop", 1)[1].splitlines()[0]
+    assert mem["noop"] == 1024 * 64                  # 1,024 sets of its 64-byte input
+    assert " KiB on the GPU" in text.split("noop", 1)[1].splitlines()[0]
 
 
 def test_a_clients_status_counts_the_requests_it_had_answered(metrics_daemon):
