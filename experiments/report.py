@@ -140,14 +140,18 @@ def _hol_cpu_note(s: dict, ratio: float) -> str:
                 "the input copy, which records no event since session 25 because the kernel "
                 "behind it tells its completion (\"Implied copies\", docs/dispatcher.md), and the "
                 "output copy with its event's record and query: 24 us; 14 and 28 us before), so "
-                "one job costs about 32-39 us of the dispatcher's core: "
+                "one job costs about 30-39 us of the dispatcher's core: "
                 f"{ratio:.2f}x (1.01x with the Python per-kernel path, 52.7k instructions per "
-                "kernel; 1.73x in round 11; 2.02x in session 22). The driver calls are most of the "
+                "kernel; 1.73x in round 11; 2.02x in session 22; 2.08x in session 25). Since "
+                "session 26 each model's per-request buffer sets are made when it is registered "
+                "(docs/dispatcher.md, \"Sets made ahead\"), as the daemon does at load: before, a "
+                "burst larger than any before made a set per job on the loop (8-10 us each), and "
+                "near the knee that pushed a load point past the SLO in some runs (the parent "
+                "tree, alternated with this one: 2.24x, 2.08x, 2.48x against 2.58x, 2.59x, "
+                "2.59x; docs/benchmarks.md, round 16). The driver calls are most of the "
                 "cost; the paper's 2.2x is a C++ dispatcher on a real driver. Each knee is refined "
                 "by bisection (`refine_knee`), the same for both policies. Scale-1 figures vary "
-                "between runs with the machine's load, by more than the change of session 25 "
-                "here (docs/benchmarks.md, round 15: 1.90-2.08x in four runs; the tail at fixed "
-                "loads near the knee is what moved).")
+                "between runs with the machine's load (this tree: 2.44-2.59x in ten runs).")
     return ("With the dispatcher free, the policy and the +B release rule fill the GPU as the ideal "
             f"driver does. {budget}; with its CPU charged (the next section) the dispatcher's own "
             "cost per job, not the policy, sets the goodput.")
@@ -476,7 +480,8 @@ MOVES: list[tuple[str, str, list, str, str]] = [
      "measured CPU time: varies with the host's load from run to run (then 1.01; 1.73 on the C kernel "
      "core of issue 36, docs/benchmarks.md round 11, and from the full grid of 16 loads; 2.02 in "
      "session 22: the core's cheaper passes, round 14, and each knee refined by bisection, where "
-     "the grid jumped from 20k to 30k jobs/s and rounded paella's goodput down to 19.7k)"),
+     "the grid jumped from 20k to 30k jobs/s and rounded paella's goodput down to 19.7k; 2.08 in "
+     "session 25; from session 26 the buffer sets are made at registration, not in the bursts)"),
     ("short_long", "Figure 12: ResNet-18 p99, ms-jbj over paella", ["summary", "short_p99_speedup"],
      "synthetic kernels keep their Table 2 times; 0.5 us launch latency per kernel",
      "an InceptionV3 kernel that cannot start no longer waits in a hardware queue ahead of ResNet-18's next kernel"),
