@@ -29,6 +29,7 @@ from typing import Any, Callable
 
 import numpy as np
 
+from paella.cpu_clock import clock_overhead
 from paella.dispatcher.adaptor import JobAdaptor, PlanAdaptor, synthetic_plan
 from paella.dispatcher.core import DEFAULT_SETS_AHEAD, STATUS_OK, Dispatcher, Request
 from paella.dispatcher.devices.sim import SimDevice
@@ -207,17 +208,6 @@ class DeviceMeter:
     def take_launches(self) -> int:
         n, self.launches = self.launches, 0
         return n
-
-
-def clock_overhead(clock: Callable[[], float] = time.thread_time, n: int = 2000) -> float:
-    """What a ``clock()`` pair adds to the window it brackets: the median of back-to-back
-    calls. ``time.thread_time`` is a system call; the end of the first call and the start
-    of the second fall inside the window (0.44 us here), on every step measured."""
-    d = []
-    for _ in range(n):
-        c0 = clock()
-        d.append(clock() - c0)
-    return float(np.median(d))
 
 
 class CpuCharge:

@@ -148,3 +148,18 @@ def _completions(skip: bool, policy: str) -> list[float]:
 @pytest.mark.parametrize("policy", ["paella", "fifo"])
 def test_skipping_unobserved_events_is_exact_for_a_built_in_policy(policy):
     assert _completions(True, policy) == _completions(False, policy)
+
+
+def test_clock_overhead_is_what_a_pair_of_reads_adds():
+    """A clock read that itself takes 3 ticks puts 3 into any window it brackets; the
+    median of back-to-back pairs finds it (the harness and the step runtime subtract it)."""
+    from paella.cpu_clock import clock_overhead
+    t = [0.0]
+
+    def clock() -> float:
+        t[0] += 3.0
+        return t[0]
+    assert clock_overhead(clock, n=50) == 3.0
+    import time
+    assert 0.0 < clock_overhead(time.thread_time, n=200) < 1e-4
+
