@@ -75,7 +75,9 @@ def format_status(st: dict) -> str:
                          f"queued, {e['running']} computing, {e.get('awaiting_jobs', 0)} job(s) "
                          f"and {e['held_kernels']} kernel(s) waiting for theirs; "
                          f"{e['completed']} computed, {e['failed']} failed "
-                         f"({e['crashed']} crashed, {e['timed_out']} timed out)")
+                         f"({e['crashed']} crashed, {e['timed_out']} timed out)"
+                         + (f", {e['evicted']} refused for another tenant's"
+                            if e.get("evicted") else ""))
     return "\n".join(lines)
 
 

@@ -288,6 +288,7 @@ def test_one_tenants_flood_of_new_inputs_neither_refuses_nor_stalls_anothers(
     assert len(refused) >= 11, flood                      # 1 running + 4 waiting at most
     assert all(st == rings.E_FAILED and why.startswith("overloaded") for st, why in refused)
     assert effects_status(dp)["evicted"] >= 1
+    assert "refused for another tenant's" in format_status(daemon_status(dp.socket))
     assert dp.stop() == 0
 
 
