@@ -389,6 +389,44 @@ def mlp8(tmp_path_factory) -> Path:
     return dest
 
 
+def test_kernels_held_for_answers_never_take_more_than_half_the_streams(tmp_path, mlp8,
+                                                                      fresh_daemon):
+    """Inputs made to miss at their kernels (equal to a cached one where the lookup ahead
+    reads) are held on the device, each on its stream, until its answer is computed.
+    Enough of them in flight held every stream, and so every client (issue 37's gap
+    under the default policy). Beyond half the streams the device refuses to hold one:
+    that request fails as overloaded, each is answered once, and the others are served
+    meanwhile."""
+    from paella.bundle import load_bundle
+    b = load_bundle(mlp8)
+    ref = lambda x: b.run_cpu({"x": x})["output0"]         # noqa: E731
+    dp, _ = configured_daemon(tmp_path, mlp8, fresh_daemon, "effect_workers = 4", "delay:1.5")
+    slow, other = connect(dp.socket), connect(dp.socket)
+    x = np.random.default_rng(7).standard_normal((8, 16)).astype(np.float32)
+    rid = submit(slow, x)                    # computed ahead, in 1.5 s, then cached
+    assert slow.read_result(timeout=30) == rid
+    sent = {}
+    for k in range(40):                      # 40 > the T4's 32 streams
+        crafted = x.copy()
+        crafted[7] += 1.0 + k                # bytes 448..511: outside the coarse key
+        sent[submit(slow, crafted)] = crafted
+    wait_for(lambda: effects_status(dp)["held_kernels"] >= 8, 10, "nothing was held", dp)
+    others_served_promptly(other, ref, (8, 16), 5)
+    assert effects_status(dp)["held_kernels"] <= 16
+    got = read_all(slow)
+    assert sorted(got) == sorted(sent) and all(len(v) == 1 for v in got.values()), got
+    refused = [v[0] for v in got.values() if v[0] != rings.OK]
+    assert 24 <= len(refused) < 40, got      # at most 16 held at once
+    for status, reason in refused:
+        assert reason.startswith("overloaded") and "wait for their answers" in reason, reason
+    for r, v in got.items():
+        if v[0] == rings.OK:
+            np.testing.assert_array_equal(output_of(slow, r), ref(sent[r]))
+    slow.close()
+    other.close()
+    assert dp.stop() == 0
+
+
 @pytest.mark.parametrize("policy", [("fifo",), ("paella",), ("fifo", "--kernel-core", "off"),
                                     ("ms-jbj", "--kernel-core", "off")],
                          ids=["fifo", "paella", "fifo-own-path", "ms-jbj-own-path"])

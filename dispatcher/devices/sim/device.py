@@ -267,8 +267,23 @@ class SimDevice(Device):
             self._deferred[self.gpu.gate(stream, True)] = (pending, args, launch_id)
             return
         answer = self._ask(pending, args, launch_id)
-        if answer is not None and self.realtime:
+        if answer is not None and self.realtime and not self._refuse_hold(launch_id):
             self._hold(stream, answer)
+
+    def _refuse_hold(self, launch_id: int) -> bool:
+        """Too many kernels are held already (half the streams): this one is not held but
+        fails its job as overloaded (its kernel runs; its effect is skipped). Why: a
+        held kernel keeps its stream, and a client able to make inputs miss at their
+        kernels (equal to a cached one where the lookup ahead reads, or rewritten after
+        submitting) could otherwise hold every stream, and so everyone. The answer still
+        goes on being computed, and is cached. True if refused."""
+        limit = max(1, len(self.streams) // 2)
+        if self.gpu.gates < limit:
+            return False
+        self.faults[launch_id] = (f"overloaded: {self.gpu.gates} kernels on the simulated GPU "
+                                  f"already wait for their answers (half its {len(self.streams)} "
+                                  f"streams); retry later")
+        return True
 
     def _ask(self, pending: Callable, args: tuple, launch_id: int) -> Any:
         """The effect's answer (a future still running, or None: ready), None after
@@ -288,7 +303,7 @@ class SimDevice(Device):
             if entry is None:
                 continue
             answer = self._ask(*entry)
-            if answer is None:
+            if answer is None or self._refuse_hold(entry[2]):
                 self.gpu.open(handle)
                 continue
             answered = self._answered
