@@ -474,7 +474,9 @@ class PlanAdaptor(JobAdaptor):
         self.buffer_pool = None
         self.device: Device | None = None
         self._binder: Callable[[dict[str, int]], list] | None = None
-        self._set_bytes = sum(plan.request_buffers.values())
+        #: (name, bytes) of each per-request buffer (Plan.request_buffers is made per call)
+        self._request_buffers = tuple(plan.request_buffers.items())
+        self._set_bytes = sum(n for _, n in self._request_buffers)
         if max_buffer_sets is None:
             max_buffer_sets = max(1, buffer_budget // self._set_bytes) if self._set_bytes else 1
         self.max_buffer_sets = max_buffer_sets
@@ -539,7 +541,7 @@ class PlanAdaptor(JobAdaptor):
         ptrs = dict(self.buffers)
         own: list[int] = []
         try:
-            for name, nbytes in self.plan.request_buffers.items():
+            for name, nbytes in self._request_buffers:
                 ptrs[name] = p = device.alloc(nbytes)
                 own.append(p)
         except Exception:

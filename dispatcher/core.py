@@ -77,8 +77,9 @@ FALLBACK_POLICY = "fifo"
 POLICY_STALL_SECONDS = 1.0
 #: Per-request buffer sets a model's pool makes at its registration, by default where
 #: requests are served (the daemon, the experiments): see ``Dispatcher._reserve_sets``.
-#: 1,024 covers Figure 2's bursts near its knee (512 did too; 256 not for every seed).
-DEFAULT_SETS_AHEAD = 1024
+#: 512 covers Figure 2's bursts near its knee (as 1,024 did; 256 not for every seed), and
+#: costs a model's registration about 4 ms.
+DEFAULT_SETS_AHEAD = 512
 #: The most of them: a model with bigger sets makes fewer (``SETS_AHEAD_BYTES``).
 MAX_SETS_AHEAD = 1 << 16
 #: Device bytes of sets made ahead per model, at most (a BERT-base's 11-40 MB sets: 1 or

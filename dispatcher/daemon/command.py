@@ -53,7 +53,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    "c while every model is a launch plan under a built-in policy)")
     p.add_argument("--buffer-sets-ahead", type=int, dest="buffer_sets_ahead",
                    help="per-request buffer sets each model makes when it is loaded, not while "
-                   "serving (default 1024, at most 16 MiB of them per model and 1/16 of the "
+                   "serving (default 512, at most 16 MiB of them per model and 1/16 of the "
                    "device memory in all; 0: made as requests need them)")
     p.add_argument("--effect-workers", type=int, dest="effect_workers",
                    help="sim backend: worker processes computing the answers, off the loop "

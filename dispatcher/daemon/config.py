@@ -59,7 +59,7 @@ class DaemonConfig:
     wake_lead_us: int = 0               # hybrid clients' wake-up this far ahead (0: at the mark)
     slice_us: int = 100                 # kernel slicing's bound on a more urgent class's wait (0: off)
     kernel_core: str = "auto"           # auto | c | python | off (docs/dispatcher.md)
-    buffer_sets_ahead: int = 1024       # per-request buffer sets a model makes at load
+    buffer_sets_ahead: int = 512        # per-request buffer sets a model makes at load
     effect_workers: int = 0             # sim: processes computing answers (0: auto)
     effect_deadline_seconds: float = 120.0  # sim: an answer computing longer fails its job
     effect_queue: int = 64              # sim: answers waiting for a worker, at most

@@ -70,7 +70,7 @@ def test_status_lists_models_clients_and_occupancy(metrics_daemon):
     # echo (a host model) nothing
     mem = {m["name"]: m["device_memory_bytes"] for m in st["models"]}
     assert mem == {"echo": 0, "noop": st["dispatcher"]["device_memory_bytes"]}
-    assert mem["noop"] == 1024 * 64                  # 1,024 sets of its 64-byte input
+    assert mem["noop"] == 512 * 64                   # 512 sets of its 64-byte input
     assert " KiB on the GPU" in text.split("noop", 1)[1].splitlines()[0]
 
 
