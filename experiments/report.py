@@ -151,7 +151,7 @@ def _hol_cpu_note(s: dict, ratio: float) -> str:
                 "2.59x; docs/benchmarks.md, round 16). The driver calls are most of the "
                 "cost; the paper's 2.2x is a C++ dispatcher on a real driver. Each knee is refined "
                 "by bisection (`refine_knee`), the same for both policies. Scale-1 figures vary "
-                "between runs with the machine's load (this tree: 2.44-2.59x in ten runs).")
+                "between runs with the machine's load (this tree: 2.44-2.59x in fifteen runs, at 512 and 1,024 sets made ahead).")
     return ("With the dispatcher free, the policy and the +B release rule fill the GPU as the ideal "
             f"driver does. {budget}; with its CPU charged (the next section) the dispatcher's own "
             "cost per job, not the policy, sets the goodput.")
