@@ -370,7 +370,7 @@ class Dispatcher:
             b = job.bindings
             ops = b.core                     # (made once per buffer set and model)
             if ops is None or ops[0] is not cm:
-                ops = b.core = (cm, *kc.set_operands(cm, replay, b.bound, self._core_memory))
+                ops = self._set_core_operands(b, cm, replay)
             job.core = self.core.admit(job, job.seq, cm.plan, cm.profile, job.client_id,
                                        job.level, job.pin, ops[1], ops[2], job.io)
         except Exception as e:               # as the plan's checks: fail this job only
@@ -1385,7 +1385,13 @@ class Dispatcher:
         cm, replay = model.core, model.replay
         if cm is not None and replay is not None:
             for b in made:                   # the core's operands too (_core_admit's)
-                b.core = (cm, *kc.set_operands(cm, replay, b.bound, self._core_memory))
+                self._set_core_operands(b, cm, replay)
+
+    def _set_core_operands(self, b: Any, cm: Any, replay: ReplayPlan) -> tuple:
+        """What the kernel core needs of buffer set ``b`` for model ``cm``, made once per
+        set and model and kept on the set (``b.core``)."""
+        ops = b.core = (cm, *kc.set_operands(cm, replay, b.bound, self._core_memory))
+        return ops
 
     def _attach_core(self, model: Model) -> None:
         """Register a model's compiled plan with the kernel core, if one runs."""

@@ -126,3 +126,14 @@ def test_the_compiled_binder_and_operands_equal_the_reference(cnn):
         # without device views (a core that does not copy directly)
         assert kc.set_operands(m.core, m.replay, b.bound, None) == \
             kc.set_operands_reference(m.core, m.replay, b.bound, None)
+
+
+def test_the_daemons_setting_has_the_dispatchers_default_and_bound():
+    """[daemon] buffer_sets_ahead repeats the dispatcher's numbers (its config module
+    stays light to import): they must agree."""
+    from paella.dispatcher.core import DEFAULT_SETS_AHEAD, MAX_SETS_AHEAD
+    from paella.dispatcher.daemon.config import ConfigError, DaemonConfig
+    assert DaemonConfig().buffer_sets_ahead == DEFAULT_SETS_AHEAD
+    DaemonConfig(buffer_sets_ahead=MAX_SETS_AHEAD).check()
+    with pytest.raises(ConfigError, match=f"0..{MAX_SETS_AHEAD}"):
+        DaemonConfig(buffer_sets_ahead=MAX_SETS_AHEAD + 1).check()

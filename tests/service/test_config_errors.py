@@ -43,6 +43,8 @@ CASES = [
      "effect_queue must be an int 1..1048576 (answers waiting for a worker"),
     ("buffer-sets-ahead-file", [], "[daemon]\nbuffer_sets_ahead = -1\n",
      "buffer_sets_ahead must be an int 0..65536 (per-request buffer sets each model makes"),
+    ("buffer-sets-ahead-flag", ["--buffer-sets-ahead", "70000"], None,
+     "buffer_sets_ahead must be an int 0..65536"),
     ("buffer-sets-ahead-type", [], '[daemon]\nbuffer_sets_ahead = "many"\n',
      "setting buffer_sets_ahead must be int, got 'many'"),
     ("effect-deadline-file", [], "[daemon]\neffect_deadline_seconds = 0.5\n",

@@ -95,7 +95,7 @@ def test_a_flood_neither_refuses_nor_delays_another_owners_task():
     assert q3.pop() == ("flood", 1)
     q3.ended("flood")
     # nothing is remembered of owners with nothing waiting or running
-    assert (q3._waiting, q3._running, q3._served, list(q3._turns)) == ({}, {}, {}, [])
+    assert (q3._waiting, q3._running, q3._served, q3.busy) == ({}, {}, {}, 0)
 
 
 def test_owners_take_turns_and_clear_forgets_everything():

@@ -311,7 +311,6 @@ class EffectWorkers:
         self._lock = threading.Lock()
         self._queue: FairQueue[_Task] = FairQueue(max_queue)
         self._workers: list[_Worker] = []        # the manager thread's; read under the lock
-        self._running = 0
         self._count = _Counters()
         self._spawned = 0
         self._wanted = False                     # a task was submitted: keep n workers
@@ -397,7 +396,7 @@ class EffectWorkers:
     @property
     def running(self) -> int:
         """Tasks a worker holds."""
-        return self._running
+        return self._queue.busy
 
     def stats(self) -> dict[str, int]:
         """The counters, consistent with each other; callable from any thread.
@@ -408,7 +407,7 @@ class EffectWorkers:
         with self._lock:
             c = self._count
             return {"workers": self.n, "alive": len(self._workers), "queued": len(self._queue),
-                    "running": self._running, "completed": c.completed, "failed": c.failed,
+                    "running": self._queue.busy, "completed": c.completed, "failed": c.failed,
                     "crashed": c.crashed, "timed_out": c.timed_out, "restarts": c.restarts,
                     "evicted": c.evicted}
 
@@ -431,7 +430,6 @@ class EffectWorkers:
                 thread.join(timeout)
         with self._lock:
             tasks = [w.task for w in self._workers if w.task is not None] + self._queue.clear()
-            self._running = 0
             workers, self._workers = self._workers, []
         stopping = "the effect workers were closed before computing this: the daemon is stopping"
         for t in tasks:
@@ -521,7 +519,6 @@ class EffectWorkers:
         if task is None:
             return
         with self._lock:
-            self._running -= 1
             self._queue.ended(task.owner)
             if kind == "ok":
                 self._count.completed += 1
@@ -539,7 +536,6 @@ class EffectWorkers:
         with self._lock:
             self._workers.remove(w)
             if task is not None:
-                self._running -= 1
                 self._queue.ended(task.owner)
                 self._count.failed += 1
                 self._count.crashed += 1
@@ -580,7 +576,6 @@ class EffectWorkers:
             self._stop(w, kill=True)
             with self._lock:
                 self._workers.remove(w)
-                self._running -= 1
                 self._queue.ended(task.owner)
                 self._count.failed += 1
                 self._count.timed_out += 1
@@ -606,8 +601,6 @@ class EffectWorkers:
                 self._unsendable(task, e)
                 continue
             w.task, w.since = task, time.monotonic()
-            with self._lock:
-                self._running += 1
             try:
                 w.conn.send_bytes(data)
             except OSError:

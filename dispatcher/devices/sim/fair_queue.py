@@ -38,12 +38,13 @@ class FairQueue(Generic[T]):
         if type(bound) is not int or bound < 1:
             raise ValueError(f"FairQueue's bound must be an int >= 1, got {bound!r}")
         self.bound = bound
+        # owners with waiting items, in the order they came (dicts keep it)
         self._waiting: dict[Hashable, deque[T]] = {}
         self._running: dict[Hashable, int] = {}
-        self._turns: deque[Hashable] = deque()      # owners with waiting items, in turn
         self._served: dict[Hashable, int] = {}      # owner -> its last pop's tick (while
         self._tick = 0                              # it has items waiting or running)
         self._n = 0
+        self.busy = 0                               # items popped and not ended, in all
 
     def __len__(self) -> int:
         return self._n
@@ -71,8 +72,8 @@ class FairQueue(Generic[T]):
         one more, when it holds none)."""
         mine = self.waiting(owner)
         best, most = None, 0
-        for other in self._turns:
-            n = len(self._waiting[other])
+        for other, q in self._waiting.items():
+            n = len(q)
             if n > most and other != owner:
                 best, most = other, n
         if best is not None and (most >= mine + 2 or (mine == 0 and most >= 1)):
@@ -88,7 +89,6 @@ class FairQueue(Generic[T]):
         q = self._waiting.get(owner)
         if q is None:
             q = self._waiting[owner] = deque()
-            self._turns.append(owner)
         q.append(item)
         self._n += 1
 
@@ -104,26 +104,25 @@ class FairQueue(Generic[T]):
     def pop(self) -> tuple[Hashable, T] | None:
         """The next item and its owner (now counted running until :meth:`ended`): the
         oldest of the owner with the fewest running, among equals the one served
-        longest ago (then earliest in turn). None when nothing waits."""
+        longest ago (then the one waiting longest). None when nothing waits."""
         if not self._n:
             return None
         running, served = self._running, self._served
-        owner = min(self._turns, key=lambda o: (running.get(o, 0), served.get(o, -1)))
+        owner = min(self._waiting, key=lambda o: (running.get(o, 0), served.get(o, -1)))
         self._tick += 1
         served[owner] = self._tick
         q = self._waiting[owner]
         item = q.popleft()
         self._n -= 1
-        self._turns.remove(owner)
-        if q:
-            self._turns.append(owner)
-        else:
+        if not q:
             del self._waiting[owner]
         running[owner] = running.get(owner, 0) + 1
+        self.busy += 1
         return owner, item
 
     def ended(self, owner: Hashable) -> None:
         """An item :meth:`pop` gave out is finished (done, failed or abandoned)."""
+        self.busy -= 1
         n = self._running.get(owner, 0) - 1
         if n > 0:
             self._running[owner] = n
@@ -135,8 +134,7 @@ class FairQueue(Generic[T]):
     def remove_if(self, drop: Callable[[T], bool]) -> list[T]:
         """Take out every waiting item ``drop`` accepts; returns them."""
         gone: list[T] = []
-        for owner in list(self._turns):
-            q = self._waiting[owner]
+        for owner, q in list(self._waiting.items()):
             kept: deque[T] = deque()
             for x in q:
                 (gone if drop(x) else kept).append(x)
@@ -152,15 +150,13 @@ class FairQueue(Generic[T]):
         """Take out everything waiting (running counts too); returns the waiting items."""
         items = list(self)
         self._waiting.clear()
-        self._turns.clear()
         self._running.clear()
         self._served.clear()
-        self._n = 0
+        self._n = self.busy = 0
         return items
 
     def _forget(self, owner: Hashable) -> None:
         del self._waiting[owner]
-        self._turns.remove(owner)
         if owner not in self._running:
             self._served.pop(owner, None)
 
