@@ -1557,10 +1557,11 @@ static int release_loop(Core *c)
         if (ok < 0)
             return -1;
         if (ok) {
-            if (c->ops && emit_op(c, EV_OP_RELEASED, j, i, 0.0, c->now) < 0)
-                return -1;
+            /* (the wake-up first, as on the dispatcher's own path and for copies) */
             if ((p->almost[i] || (c->lead && left <= c->lead && !j->almost_sent
                                   && j->estimate > 0)) && almost(c, j) < 0)
+                return -1;
+            if (c->ops && emit_op(c, EV_OP_RELEASED, j, i, 0.0, c->now) < 0)
                 return -1;
             j->st[i] = RELEASED;
             if (c->eager) {
@@ -2516,8 +2517,16 @@ static int probe_changed(const uint64_t *addr, const uint64_t *seen, Py_ssize_t 
    sleep). Why: each pass of the Python loop costs microseconds, and at every kernel
    boundary of a job the GPU waits for the pass that sees its kernel complete; here a
    pass costs tens of nanoseconds when nothing happens.
+   Every SPIN_SIGNAL_PERIOD of spinning, between two passes, the spin runs the signal
+   handlers due (their exception, if any, ends it), so a signal waits no longer than
+   that however long the caller lets it spin. (The daemon's other threads get the GIL
+   when the spin returns: CPython hands it over in its eval loop, on a request the
+   waiting thread makes after 5 ms; a release and retake here would not hand it over,
+   the retake counting as a switch, and would starve them. Hence the daemon's 1 ms
+   bound on a spin.)
    Safety: the probe's addresses are the caller's (mappings it keeps alive for the
    call). */
+#define SPIN_SIGNAL_PERIOD 100e-6
 static PyObject *Core_spin(Core *c, PyObject *const *args, Py_ssize_t nargs)
 {
     if (nargs != 3) {
@@ -2552,6 +2561,7 @@ static PyObject *Core_spin(Core *c, PyObject *const *args, Py_ssize_t nargs)
     }
     PyObject *r = NULL;
     int changed = 0;
+    double signals_at = monotonic_s() + SPIN_SIGNAL_PERIOD;
     for (;;) {
         if (EAPI->sync_wall(c->engine, c->wall_t0, c->wall_speed) < 0)
             goto done;
@@ -2575,6 +2585,11 @@ static PyObject *Core_spin(Core *c, PyObject *const *args, Py_ssize_t nargs)
                 goto done;
             if (next - now > near * c->wall_speed)
                 break;                           /* far: the loop may sleep */
+        }
+        if (mono >= signals_at) {                /* (above) */
+            signals_at = mono + SPIN_SIGNAL_PERIOD;
+            if (PyErr_CheckSignals() < 0)
+                goto done;
         }
     }
     r = Py_NewRef(changed ? EMPTY : Py_None);

@@ -644,11 +644,11 @@ class KernelCore:
             self.released += 1
             self.held = False
             if self._launch(job, i, k, s, lid):
-                if self.ops:
-                    self.events.append((OP_RELEASED, job.token, i, s, lid, self.now))
                 if plan.almost[i] or (self.lead and left <= self.lead and not job.almost_sent
                                       and job.estimate > 0):
-                    self._almost(job)
+                    self._almost(job)        # (before the release's event, as for copies)
+                if self.ops:
+                    self.events.append((OP_RELEASED, job.token, i, s, lid, self.now))
                 job.st[i] = RELEASED
                 if self.eager:
                     self._release_succ(job, i)

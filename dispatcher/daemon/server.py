@@ -103,12 +103,16 @@ def open_device_for(cfg: DaemonConfig):
 _EPOLL_TICK = 1e-3
 
 #: While work is in flight the loop looks at the sockets (new clients, control frames,
-#: signals, hang-ups) at most this often (seconds) instead of every pass: see run().
-_IO_PERIOD_BUSY = 100e-6
+#: hang-ups) at most this often (seconds) instead of every pass: see run().
+_IO_PERIOD_BUSY = 1e-3
 
 #: The longest the kernel core spins in C at a time (seconds) before the loop's Python
-#: runs again (signals, the effect workers' answers, which need the GIL): see run().
-_SPIN_MAX = 100e-6
+#: runs again: the daemon's other threads (the effect workers' answers, the watchdog)
+#: get the GIL then, on the request CPython makes them wait 5 ms for, so 1 ms adds
+#: little to that; signals are handled within the spin (_kcore.c, Core_spin). Why not
+#: shorter: each return is a pass of the Python loop (microseconds), which delays the
+#: successor of a kernel that ends meanwhile (docs/benchmarks.md, round 17).
+_SPIN_MAX = 1e-3
 
 #: The most the model list may take: it travels in every client's WELCOME (and MODELS)
 #: frame, whose payload is at most ``wire.MAX_PAYLOAD``; the rest is room for the other

@@ -155,3 +155,30 @@ def test_the_engine_logs_its_ops_and_its_own_work_when_asked():
     assert len(sim) >= 5 and np.all(sim[:, 1] >= sim[:, 0]) and sim[0, 0] >= t0
     assert dev.gpu.log_take() == (b"", b"")               # taken: cleared
     dev.gpu.logging = False
+
+
+def test_a_signal_handler_runs_in_the_spin_and_its_exception_ends_it():
+    """Signals are handled within the spin's 100 us turns: a handler that raises ends
+    the spin with its exception at once, not at the spin's deadline."""
+    import signal
+
+    class Stop(Exception):
+        pass
+
+    def handler(signum, frame):
+        raise Stop()
+    d, done = _long_job()
+    old = signal.signal(signal.SIGALRM, handler)
+    try:
+        signal.setitimer(signal.ITIMER_REAL, 0.02)
+        t = time.monotonic()
+        with pytest.raises(Stop):
+            d.core.spin(t + 5.0, None, 1.0)
+        assert time.monotonic() - t < 1.0 and not done
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+    # The core goes on: its job still completes.
+    while not done:
+        d.step()
+    assert done == [0]

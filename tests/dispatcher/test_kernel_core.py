@@ -62,13 +62,13 @@ def run_legacy(plans, policy, lookahead, extra_blocks, times, picks):
 
 
 def run_core(impl, plans, policy, lookahead, extra_blocks, times, picks, client_unit=False,
-             ops=False, classes=False, implied=True):
+             ops=False, classes=False, implied=True, lead=0.0):
     """The same arrivals through a kernel core on the legacy dispatcher's registered
     models (their profiles and buffer sets); every event with its time (``ops``: op
-    events too)."""
+    events too; ``lead``: the wake-up's lead, seconds)."""
     dev, d, mids = setup(plans, policy, lookahead, extra_blocks)
     core = kc.make_core(impl, d.tracker, dev, policy, lookahead=lookahead, group=d.group,
-                        fairness_unit="client" if client_unit else "job")
+                        fairness_unit="client" if client_unit else "job", wake_lead=lead)
     core.ops = ops
     core.implied_copies = implied
     models = []
@@ -139,17 +139,18 @@ def test_both_cores_serve_plans_as_the_legacy_dispatcher(policy, lookahead, extr
        policy=st.sampled_from(POLICIES), lookahead=st.sampled_from((1, 3)),
        extra_blocks=st.sampled_from((None, 0)), n=st.integers(1, 30),
        gap=st.sampled_from((20e-6, 100e-6, 400e-6)), client=st.booleans(), ops=st.booleans(),
-       classes=st.booleans(), implied=st.booleans())
+       classes=st.booleans(), implied=st.booleans(),
+       lead=st.sampled_from((0.0, 100e-6)))
 def test_the_c_core_matches_the_reference_event_for_event(seeds, policy, lookahead,
                                                           extra_blocks, n, gap, client, ops,
-                                                          classes, implied):
+                                                          classes, implied, lead):
     plans = [random_plan(s) for s in seeds]
     times = arrivals(n, seeds[0], gap)
     picks = [random.Random(k).randrange(len(plans)) for k in range(n)]
     ref = run_core("python", plans, policy, lookahead, extra_blocks, times, picks, client, ops,
-                   classes, implied)
+                   classes, implied, lead)
     c = run_core("c", plans, policy, lookahead, extra_blocks, times, picks, client, ops,
-                 classes, implied)
+                 classes, implied, lead)
     assert c == ref
     assert len(finished(ref[0])) == n
     op_events = [e for e in ref[0] if e[1] in (kc.OP_RELEASED, kc.OP_ENDED)]

@@ -15,6 +15,9 @@ from paella.dispatcher.instruments import Instrument
 from dispatch_helpers import chain
 
 KERNELS = 8                  # of 50 us each (dispatch_helpers.chain)
+#: Every path decides the same: the dispatcher's own (None), the reference kernel core and
+#: the C one.
+CORES = [None, "python", "c"]
 
 
 class Woken(Instrument):
@@ -45,16 +48,18 @@ def serve(make, **kw):
     return next(row for row in w.log[woken[0]:] if row[0] == "rel"), d
 
 
-def test_without_a_lead_the_wake_up_goes_with_the_last_copy(make):
-    by, _ = serve(make)
+@pytest.mark.parametrize("core", CORES)
+def test_without_a_lead_the_wake_up_goes_with_the_last_copy(make, core):
+    by, _ = serve(make, kernel_core=core)
     assert by[1] == D2H
 
 
+@pytest.mark.parametrize("core", CORES)
 @pytest.mark.parametrize("lookahead", [1, 3])
-def test_a_lead_wakes_the_client_when_that_much_work_is_left(make, lookahead):
+def test_a_lead_wakes_the_client_when_that_much_work_is_left(make, lookahead, core):
     # Each kernel's profiled time is about 50 us: with a 120 us lead the wake-up goes at
     # the release that leaves two kernels (100 us <= 120 us) unreleased, not before.
-    by, d = serve(make, wake_lead=120e-6, lookahead=lookahead)
+    by, d = serve(make, wake_lead=120e-6, lookahead=lookahead, kernel_core=core)
     prof = d.models[next(iter(d.models))].profile
     times = sorted(k.time for k in prof.kernels.values())
     assert 40e-6 < times[0] and times[-1] < 60e-6       # the premise of the arithmetic
@@ -62,8 +67,9 @@ def test_a_lead_wakes_the_client_when_that_much_work_is_left(make, lookahead):
     # ... and once only: the marked D2H copy does not send a second one (serve checks).
 
 
-def test_a_lead_longer_than_the_job_wakes_at_the_first_release(make):
-    by, _ = serve(make, wake_lead=1.0)
+@pytest.mark.parametrize("core", CORES)
+def test_a_lead_longer_than_the_job_wakes_at_the_first_release(make, core):
+    by, _ = serve(make, wake_lead=1.0, kernel_core=core)
     assert by[1] == KERNEL and by[2] == "c_k0"
 
 
