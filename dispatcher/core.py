@@ -922,11 +922,15 @@ class Dispatcher:
         for what this does not cover. Real time only in effect: with answers computed
         in the loop's thread (virtual time) ``ahead`` returns None. True if it waits."""
         owner = self.owner_of(job.requests[0].client_id) if job.requests else None
+        timed = "answer_looked_up" in self.instruments
+        t0 = time.perf_counter() if timed else 0.0
         try:
             future = ahead(job.io, owner)
         except Exception:  # noqa: BLE001 - a hint only: the device's path decides
             log.exception("answer_ahead of model %r failed; the job runs as usual", job.model.name)
             future = None
+        if timed:
+            self.instruments.call("answer_looked_up", job, t0, time.perf_counter())
         if future is None:
             return False
         self._wait_for(job, future)

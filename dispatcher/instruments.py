@@ -25,6 +25,10 @@ Every hook is called synchronously from the dispatcher loop, with the device clo
   only while someone listens to this hook);
 * ``op_ended(op, t)``           the op completed on the device, as seen at ``t``
   (a kernel's last COMPLETION notification, a copy's event);
+* ``answer_looked_up(job, t0, t1)`` the simulated GPU's answer lookup ahead of ``job``
+  (``Dispatcher._await_answer``) ran on the loop from ``t0`` to ``t1``
+  (``time.perf_counter`` seconds): the simulated device's functional work, which a real
+  GPU does not have (``paella experiment overhead`` counts it as device time);
 * ``model_removed(model)``      a retired model (``Dispatcher.retire_model``: a reload
   replaced it) had no job left and was removed, its adaptor closed.
 
@@ -43,7 +47,7 @@ log = logging.getLogger(__name__)
 
 HOOKS = ("request_admitted", "request_started", "request_woken", "request_finished",
          "request_retried", "job_finished", "op_issued", "op_released", "op_started", "op_ended",
-         "policy_held", "model_removed")
+         "policy_held", "model_removed", "answer_looked_up")
 
 
 class Instrument:
@@ -66,6 +70,10 @@ class Instrument:
 
     def job_finished(self, job: Any) -> None:
         """``job`` ended (completed, failed or cancelled)."""
+
+    def answer_looked_up(self, job: Any, t0: float, t1: float) -> None:
+        """The simulated GPU's answer lookup ahead of ``job`` ran from ``t0`` to ``t1``
+        (``time.perf_counter`` seconds)."""
 
     def model_removed(self, model: Any) -> None:
         """A retired model's last job ended; its adaptor is closed (Dispatcher.retire_model)."""

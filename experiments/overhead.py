@@ -14,7 +14,10 @@ latency, predict() to wait() returning, is split into:
   to be pushed);
 * **device**: the simulated GPU's busy time for the request (union of its copies'
   and kernels' intervals on the device clock, first H2D start to last D2H end minus
-  idle gaps), plus the simulator's own CPU time that falls in the GPU's idle gaps.
+  idle gaps), plus the simulator's own CPU time that falls in the GPU's idle gaps: its
+  engine's work, and its functional model's answer lookup ahead of each job (the
+  dispatcher's ``answer_looked_up`` hook; session 27: before, about 2.5 us of it per
+  request counted as the job's start, though a real GPU has no such lookup).
 
 The simulator runs *stepped* inside the daemon's loop (``--sim-mode stepped``, the
 default). Its CPU time (advancing the event loop, placing blocks, posting notifQ words,
@@ -97,7 +100,7 @@ class _Trace(Instrument):
         # to scan as they grow over thousands of requests.
         self.ops = array("d")            # start, end, kind of each GPU operation
         self.sim = array("d")            # start, end of each simulator call
-        self.functional = array("d")     # start, end of each run of the CPU build
+        self.functional = array("d")     # start, end of each answer lookup ahead of a job
         self.device: Any = None          # the traced simulator (traced_sim)
 
     # -- the instruments: a request's admission, wake-up and delivered completion --------
@@ -113,6 +116,11 @@ class _Trace(Instrument):
             rec = self.open.get((req.client_id, req.req_id))
             if rec is not None:
                 rec[2] = t
+
+    def answer_looked_up(self, job: Any, t0: float, t1: float) -> None:
+        """The simulated GPU's answer lookup ahead of a job (its functional model, on the
+        loop before the job starts): device work that a real GPU does not have."""
+        self.functional.extend((t0, t1))
 
     def request_woken(self, req: Any) -> None:
         rec = self.open.get((req.client_id, req.req_id))
@@ -151,7 +159,8 @@ def traced_sim(trace: _Trace, gpu: str) -> Any:
     interval (a kernel from its issue, so its launch latency is device time; a copy from
     its start) and each stretch of its own work (firing due events, taking a launch or a
     copy: the simulator's CPU, which includes the CPU build when it runs as the plan's
-    last kernel's effect, so ``functional`` stays empty and the "CPU build" component 0).
+    last kernel's effect). ``functional`` holds the answer lookups ahead of jobs, which
+    run outside the engine (``_Trace.answer_looked_up``).
     Nothing on the device is replaced in Python, so the daemon runs as it does untraced:
     its kernel core launches into the engine directly and spins in C (``Core.spin``).
     Before session 22 the device's methods were wrapped in Python, which took the core
@@ -514,7 +523,7 @@ def _summary(data: dict) -> dict:
 LABELS = {"communication": "communication", "sched_start": "sched.: job start",
           "sched_gaps": "sched.: releases", "sched_completion": "sched.: completion",
           "device_busy": "device: GPU busy", "sim_cpu_idle": "device: simulator CPU",
-          "functional_cpu_idle": "device: CPU build"}
+          "functional_cpu_idle": "device: answer lookup"}
 COLORS = {"communication": "#4c72b0", "sched_start": "#dd8452", "sched_gaps": "#e8a877",
           "sched_completion": "#c44e52", "device_busy": "#55a868", "sim_cpu_idle": "#8fd19e",
           "functional_cpu_idle": "#b8e0c0"}

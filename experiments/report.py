@@ -241,7 +241,7 @@ def _overhead(d: dict) -> list[str]:
              ("sched_gaps", "- releases (GPU idle between the job's operations)"),
              ("sched_completion", "- completion"), ("device", "**device**"),
              ("device_busy", "- simulated GPU busy"), ("sim_cpu_idle", "- simulator CPU while the GPU idles"),
-             ("functional_cpu_idle", "- CPU build standing in for the kernels' arithmetic")]
+             ("functional_cpu_idle", "- the simulator's answer lookup ahead of the job")]
     for k, label in names:
         rows.append(f"| {label} | " + " | ".join(
             f"{d['cases'][c]['stats_us'][k]['p50']:.0f} / {d['cases'][c]['stats_us'][k]['p99']:.0f}" for c in cases) + " |")

@@ -115,6 +115,43 @@ def test_an_instrument_that_raises_is_removed_and_serving_goes_on(make, caplog):
     assert "probe bug" in caplog.text
 
 
+def test_the_answer_lookup_ahead_of_each_job_is_reported_with_its_interval(make):
+    """``answer_looked_up``: the simulated GPU's functional lookup ahead of a job (a model
+    whose adaptor has ``answer_ahead``), timed on the loop, once per job; the experiment
+    that splits a request's latency counts it as device time."""
+    import time
+    asked = []
+
+    class Ahead(type(chain("c", 2))):
+        def answer_ahead(self, io, owner=None):
+            asked.append(len(io))
+            return None                            # a likely hit: the job runs at once
+
+    class Looked(Instrument):
+        def __init__(self):
+            self.rows = []
+
+        def answer_looked_up(self, job, t0, t1):
+            self.rows.append((job.requests[0].req_id, t0, t1))
+    base = chain("c", 2)
+    adaptor = Ahead(base.plan)
+    dev, d = make("paella")
+    mid = d.register_model("c", adaptor)
+    looked = Looked()
+    d.instruments.add(looked)
+    rec = Recorder()
+    t = time.perf_counter()
+    for k in (1, 2):
+        d.submit(rec.request(k, mid, adaptor.io_bytes))
+    d.run_until_idle()
+    assert [r[0] for r in looked.rows] == [1, 2] and len(asked) >= 2
+    assert all(t <= t0 <= t1 <= time.perf_counter() for _, t0, t1 in looked.rows)
+    d.instruments.remove(looked)                   # nobody listens: not timed, still asked
+    d.submit(rec.request(3, mid, adaptor.io_bytes))
+    d.run_until_idle()
+    assert len(looked.rows) == 2 and len(asked) >= 3
+
+
 def test_hooks_nobody_overrides_are_not_listed():
     class OnlyEnds(Instrument):
         def op_ended(self, op, t):
