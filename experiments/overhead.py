@@ -159,8 +159,11 @@ def traced_sim(trace: _Trace, gpu: str) -> Any:
     interval (a kernel from its issue, so its launch latency is device time; a copy from
     its start) and each stretch of its own work (firing due events, taking a launch or a
     copy: the simulator's CPU, which includes the CPU build when it runs as the plan's
-    last kernel's effect). ``functional`` holds the answer lookups ahead of jobs, which
-    run outside the engine (``_Trace.answer_looked_up``).
+    last kernel's effect), and the device's own Python work for its functional model as
+    an effect kernel is launched (its answer lookup: ``Gpu.log_work``; session 27: before,
+    it went uncounted, and as it can outlast the kernel, the GPU's idle gap after that
+    kernel was put down to the scheduler). ``functional`` holds the answer lookups ahead
+    of jobs, which run outside the device (``_Trace.answer_looked_up``).
     Nothing on the device is replaced in Python, so the daemon runs as it does untraced:
     its kernel core launches into the engine directly and spins in C (``Core.spin``).
     Before session 22 the device's methods were wrapped in Python, which took the core

@@ -182,3 +182,20 @@ def test_a_signal_handler_runs_in_the_spin_and_its_exception_ends_it():
     while not done:
         d.step()
     assert done == [0]
+
+
+def test_the_devices_python_work_goes_into_its_self_log_while_logging():
+    """``Gpu.log_work(t0)``: the simulated device's functional model (its answer lookup as
+    an effect kernel is launched, in Python) joins the engine's self-log, so that
+    ``paella experiment overhead`` counts it as the simulator's, not the scheduler's."""
+    dev = SimDevice("t4", realtime=True)
+    t0 = time.perf_counter()
+    dev.gpu.log_work(t0)                                  # not logging: nothing kept
+    dev.gpu.logging = True
+    dev.gpu.log_work(t0)
+    _, sim_b = dev.gpu.log_take()
+    sim = np.frombuffer(sim_b).reshape(-1, 2)
+    assert len(sim) == 1 and sim[0, 0] == t0 and t0 <= sim[0, 1] <= time.perf_counter()
+    with pytest.raises(TypeError):
+        dev.gpu.log_work("soon")
+    dev.gpu.logging = False

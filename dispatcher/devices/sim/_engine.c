@@ -956,6 +956,8 @@ static int dispatch(Gpu *g)
 
 /* Settle this instant's placements before time moves on: every block placed at the same
    virtual instant, by any event or submission, sees the others when its duration is set. */
+/* Returns 1 if it finalized (the timing model's work: the self-log counts it), 0 if
+   there was nothing to settle, -1 on error. */
 static inline int settle(Gpu *g)
 {
     clean_top(g);
@@ -963,6 +965,7 @@ static inline int settle(Gpu *g)
         if (finalize(g) < 0)
             return -1;
         clean_top(g);
+        return 1;
     }
     return 0;
 }
@@ -1887,6 +1890,18 @@ static int Gpu_set_logging(Gpu *g, PyObject *v, void *c)
     return 0;
 }
 
+static PyObject *Gpu_log_work(Gpu *g, PyObject *arg)
+{
+    /* log_work(t0): the simulated device worked, in Python, from t0 (CLOCK_MONOTONIC,
+       time.perf_counter on Linux) until now: into the self-log (while logging). */
+    double t0 = PyFloat_AsDouble(arg);
+    if (t0 == -1.0 && PyErr_Occurred())
+        return NULL;
+    if (g->logging && lg_sim(g, t0) < 0)
+        return NULL;
+    Py_RETURN_NONE;
+}
+
 static PyObject *Gpu_log_take(Gpu *g, PyObject *Py_UNUSED(x))
 {
     PyObject *r = Py_BuildValue("(y#y#)", (const char *)g->lg_ops,
@@ -1925,6 +1940,9 @@ static PyMethodDef Gpu_methods[] = {
      "returns its handle; notify: Gpu.reached() lists it once it is its stream's head"},
     {"open", (PyCFunction)Gpu_open, METH_O,
      "open a gate by handle: True if it was live, False if it had already completed"},
+    {"log_work", (PyCFunction)Gpu_log_work, METH_O,
+     "log_work(t0): the device's own work in Python (its functional model) from t0 "
+     "(CLOCK_MONOTONIC) until now, into the self-log while logging"},
     {"log_take", (PyCFunction)Gpu_log_take, METH_NOARGS,
      "the self-log since the last call, as (ops, sim) bytes of float64: (start, end, kind) "
      "per completed kernel and copy, device time; (start, end) per stretch of the "
@@ -2202,18 +2220,21 @@ static int api_sync_wall(PyObject *o, double t0, double speed)
     double t = (entry - t0) * speed;
     if (t < g->now)
         t = g->now;
-    int fired = 0;
+    int worked = 0;
     for (;;) {
-        if (settle(g) < 0)
+        int s = settle(g);
+        if (s < 0)
             return -1;
+        worked |= s;
         if (!g->nheap || g->heap[0].t > t)
             break;
         if (fire(g) < 0)
             return -1;
-        fired = 1;
+        worked = 1;
     }
     g->now = t;
-    if (fired && g->logging && lg_sim(g, entry) < 0)  /* (nothing fired: the host's poll) */
+    /* (nothing fired or settled: the host's poll, not the simulator's work) */
+    if (worked && g->logging && lg_sim(g, entry) < 0)
         return -1;
     return 0;
 }
@@ -2221,8 +2242,11 @@ static int api_sync_wall(PyObject *o, double t0, double speed)
 static double api_next_time(PyObject *o)
 {
     Gpu *g = (Gpu *)o;
-    if ((g->npend || g->ntouched) && finalize(g) < 0)   /* as Gpu.peek */
-        return NAN;
+    if (g->npend || g->ntouched) {                      /* as Gpu.peek */
+        double t0 = g->logging ? mono_now() : 0.0;
+        if (finalize(g) < 0 || (g->logging && lg_sim(g, t0) < 0))
+            return NAN;
+    }
     clean_top(g);
     return g->nheap ? g->heap[0].t : INFINITY;
 }

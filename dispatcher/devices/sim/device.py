@@ -9,6 +9,7 @@ daemon can run against it with no thread or process of its own.
 from __future__ import annotations
 
 import logging
+import time
 from collections import deque
 from typing import Any, Callable, Sequence
 
@@ -243,7 +244,12 @@ class SimDevice(Device):
             args = tuple(args)
             pending = getattr(effect, "pending", None)
             if pending is not None:
-                self._prepare_effect(pending, args, stream, launch_id)
+                if self.gpu.logging:         # (the functional model's work: the self-log's)
+                    t0 = time.perf_counter()
+                    self._prepare_effect(pending, args, stream, launch_id)
+                    self.gpu.log_work(t0)
+                else:
+                    self._prepare_effect(pending, args, stream, launch_id)
             on_complete = _with_effect(effect, self.memory.view, args, on_complete, self,
                                        launch_id)
         self.gpu.launch(shape, blocks, flops, nbytes, duration, stream, launch_id, instrumented,
