@@ -955,8 +955,8 @@ static int dispatch(Gpu *g)
 }
 
 /* Settle this instant's placements before time moves on: every block placed at the same
-   virtual instant, by any event or submission, sees the others when its duration is set. */
-/* Returns 1 if it finalized (the timing model's work: the self-log counts it), 0 if
+   virtual instant, by any event or submission, sees the others when its duration is set.
+   Returns 1 if it finalized (the timing model's work: the self-log counts it), 0 if
    there was nothing to settle, -1 on error. */
 static inline int settle(Gpu *g)
 {

@@ -244,12 +244,11 @@ class SimDevice(Device):
             args = tuple(args)
             pending = getattr(effect, "pending", None)
             if pending is not None:
-                if self.gpu.logging:         # (the functional model's work: the self-log's)
-                    t0 = time.perf_counter()
-                    self._prepare_effect(pending, args, stream, launch_id)
+                # (the functional model's work, into the self-log while logging)
+                t0 = time.perf_counter() if self.gpu.logging else None
+                self._prepare_effect(pending, args, stream, launch_id)
+                if t0 is not None:
                     self.gpu.log_work(t0)
-                else:
-                    self._prepare_effect(pending, args, stream, launch_id)
             on_complete = _with_effect(effect, self.memory.view, args, on_complete, self,
                                        launch_id)
         self.gpu.launch(shape, blocks, flops, nbytes, duration, stream, launch_id, instrumented,
