@@ -10,13 +10,17 @@ kernels, a D2H copy) and **multi** (a fork-join on four streams with events, 11
 kernels). Jobs arrive 4 at a time on the simulated GTX 1660 SUPER in virtual time; the
 clock jumps to the next device event whenever a step has nothing to do.
 
-* **us per kernel**: the loop's thread CPU (``core.admit`` + ``core.step``: everything
-  per kernel: notifQ drain, completion, plan walk, SRPT estimate, policy, tracker,
-  stream map, the launch into the simulated engine, the copies; and this benchmark's
-  own Python loop around them) per kernel, median over windows of 500 jobs, the two
-  cores alternated ``--repeat`` times; the median of the runs' medians. The simulated
-  GPU's own work between steps (``run_until``) is taken out: it stands in for the
-  hardware.
+* **us per kernel, alone**: the time inside the core's two entry points
+  (``core.admit`` + ``core.step``: everything per kernel: notifQ drain, completion, plan
+  walk, SRPT estimate, policy, tracker, stream map, the launch into the simulated
+  engine, the copies), as the core meters it (``core.meter``: ``CLOCK_MONOTONIC`` at
+  each entry and exit in C, ``perf_counter`` in the reference), per kernel, median over
+  windows of 500 jobs, the two cores alternated ``--repeat`` times; the median of the
+  runs' medians. These are the two functions callgrind's count toggles on, below.
+* **us per kernel, with the loop**: the same windows' thread CPU of this benchmark's
+  whole loop: the core's calls and the Python around them (the calls themselves, the
+  events' loop, the clock jumps and their timing wrapper). The simulated GPU's own work
+  between steps (``run_until``) is taken out: it stands in for the hardware.
 * **instructions per kernel** (``--instructions``): ``valgrind --tool=callgrind
   --toggle-collect=Core_step --toggle-collect=Core_admit_fast`` (the C core's two entry
   points, with everything they call) on a run of ``--small`` and one of ``--large``
@@ -84,9 +88,10 @@ def drive(dev: SimDevice, core: Any, m: Any, cm: Any, n_jobs: int, batch: int = 
             dev.run_until(dev.next_event_time())
 
 
-def us_per_kernel(plan: str, impl: str, n_jobs: int) -> float:
-    """Median over windows of the loop's thread CPU per kernel, the simulated GPU's own
-    work (``run_until``, timed with ``perf_counter``: no system call) taken out."""
+def us_per_kernel(plan: str, impl: str, n_jobs: int) -> tuple[float, float]:
+    """Medians over windows, per kernel: the core alone (its metered entry points), and
+    the loop's thread CPU with the simulated GPU's own work (``run_until``, timed with
+    ``perf_counter``: no system call) taken out."""
     dev, core, m, cm, kernels = setup(plan, impl)
     gpu = [0.0]
     run_until, clock = dev.run_until, time.perf_counter
@@ -98,15 +103,19 @@ def us_per_kernel(plan: str, impl: str, n_jobs: int) -> float:
         finally:
             gpu[0] += clock() - c0
     dev.run_until = timed_run_until
-    out = []
-    c0 = [time.thread_time()]
+    alone: list[float] = []
+    loop: list[float] = []
+    core.meter = True
+    c0 = [time.thread_time(), 0.0]
 
     def window(jobs: int) -> None:
-        c1 = time.thread_time()
-        out.append((c1 - c0[0] - gpu[0]) / (jobs * kernels))
-        c0[0], gpu[0] = c1, 0.0
+        c1, inside = time.thread_time(), core.metered[0]
+        loop.append((c1 - c0[0] - gpu[0]) / (jobs * kernels))
+        alone.append((inside - c0[1]) / (jobs * kernels))
+        c0[:] = c1, inside
+        gpu[0] = 0.0
     drive(dev, core, m, cm, n_jobs, on_window=window)
-    return float(np.median(out) * 1e6)
+    return float(np.median(alone) * 1e6), float(np.median(loop) * 1e6)
 
 
 def instructions_per_kernel(plan: str, small: int, large: int) -> float:
@@ -129,14 +138,16 @@ def main() -> None:
         return
     print(f"kernel core alone, policy paella, {a.jobs} jobs per run, {a.repeat} alternated runs")
     for plan in PLANS:
-        runs: dict[str, list[float]] = {c: [] for c in CORES}
+        runs: dict[str, list[tuple[float, float]]] = {c: [] for c in CORES}
         for _ in range(a.repeat):
             for impl in CORES:
                 runs[impl].append(us_per_kernel(plan, impl, a.jobs))
-        py, c = (float(np.median(runs[i])) for i in CORES)
-        print(f"  {plan:6s} us/kernel   python {py:6.2f}  c {c:6.3f}  ({py / c:.1f}x faster)   "
-              f"runs: " + " / ".join(f"{x:.2f}|{y:.3f}" for x, y in zip(*runs.values())),
-              flush=True)
+        for k, what in enumerate(("alone", "with the loop")):
+            py, c = (float(np.median([r[k] for r in runs[i]])) for i in CORES)
+            print(f"  {plan:6s} us/kernel {what:13s} python {py:6.2f}  c {c:6.3f}  "
+                  f"({py / c:.1f}x faster)   runs: "
+                  + " / ".join(f"{x[k]:.2f}|{y[k]:.3f}" for x, y in zip(*runs.values())),
+                  flush=True)
         if a.instructions:
             ci = instructions_per_kernel(plan, a.small, a.large)
             print(f"  {plan:6s} instr/kernel c {ci:,.0f} (Core_step + Core_admit_fast, callgrind)",

@@ -412,6 +412,8 @@ typedef struct {
     PyObject *cu_failed;         /* device.launch_failed(code, name): raises its error */
     long long progress;          /* things done: a driver's "did this step change anything" */
     long long device_calls;      /* the driver calls its launches and copies stand for */
+    int meter;                   /* time the entry points (step, admit) into metered_ns */
+    long long metered_ns, metered_calls;
     /* Speed (a trick, labelled): the copies' queues are looked at only when something can
        have changed there: a direct copy landed since the last look (the engine's
        callback counts it), or a queue holds a copy whose completion only a device event
@@ -2095,8 +2097,8 @@ static PyObject *Core_admit(Core *c, PyObject *args, PyObject *kw)
 
 /* Speed: admit with positional arguments only (the control plane's call, once per job)
    skips the keyword parser (~1k instructions); keywords take the general path. */
-static PyObject *Core_admit_fast(Core *c, PyObject *const *args, Py_ssize_t nargs,
-                                 PyObject *kwnames)
+static PyObject *admit_fast(Core *c, PyObject *const *args, Py_ssize_t nargs,
+                            PyObject *kwnames)
 {
     if (kwnames != NULL || nargs < 4 || nargs > 10) {
         PyObject *tup = PyTuple_New(nargs), *kw = NULL;
@@ -2229,6 +2231,38 @@ static PyObject *admit(Core *c, PyObject *token, long long seq, int plan, int pr
     }
     c->live++;
     return PyLong_FromLong(id);
+}
+
+static long long monotonic_ns(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (long long)ts.tv_sec * 1000000000LL + ts.tv_nsec;
+}
+
+/* With `meter` on, the wall time inside the two entry points a driver calls per kernel
+   (step and admit) adds up in metered_ns: the kernel core's own cost, apart from the
+   loop that calls it (a benchmark's measure, as callgrind's toggles on the same two
+   functions are). Off, it costs one branch. */
+static PyObject *__attribute__((noinline))
+metered_admit(Core *c, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames)
+{
+    long long t0 = monotonic_ns();
+    PyObject *r = admit_fast(c, args, nargs, kwnames);
+    c->metered_ns += monotonic_ns() - t0;
+    c->metered_calls++;
+    return r;
+}
+
+/* Speed (labelled): the metered paths are functions of their own, so that unmetered the
+   entry points stay a test and a tail call (metering inline cost ~20 instructions per
+   kernel: a frame for every call). */
+static PyObject *Core_admit_fast(Core *c, PyObject *const *args, Py_ssize_t nargs,
+                                 PyObject *kwnames)
+{
+    if (__builtin_expect(c->meter, 0))
+        return metered_admit(c, args, nargs, kwnames);
+    return admit_fast(c, args, nargs, kwnames);
 }
 
 /* abort(handle, token) -> events: the job stops (its client went away): its unreleased
@@ -2478,13 +2512,27 @@ fail:
     return NULL;
 }
 
+static PyObject *__attribute__((noinline)) metered_pass(Core *c, double now)
+{
+    long long t0 = monotonic_ns();
+    PyObject *r = core_pass(c, now);
+    c->metered_ns += monotonic_ns() - t0;
+    c->metered_calls++;
+    return r;
+}
+
 /* step(now) -> events, or None when the pass changed nothing (a driver's idle test) */
 static PyObject *Core_step(Core *c, PyObject *arg)
 {
-    /* (an exact float, the drivers' clock, is read without the conversion's call) */
-    double now = PyFloat_CheckExact(arg) ? PyFloat_AS_DOUBLE(arg) : PyFloat_AsDouble(arg);
-    if (now == -1.0 && PyErr_Occurred())
+    /* (an exact float, the drivers' clock, is read without the conversion's call or
+       its error test) */
+    double now;
+    if (PyFloat_CheckExact(arg))
+        now = PyFloat_AS_DOUBLE(arg);
+    else if ((now = PyFloat_AsDouble(arg)) == -1.0 && PyErr_Occurred())
         return NULL;
+    if (__builtin_expect(c->meter, 0))            /* (meter: above Core_admit_fast) */
+        return metered_pass(c, now);
     return core_pass(c, now);
 }
 
@@ -2802,6 +2850,24 @@ static int truth(PyObject *v, const char *name)
     return PyObject_IsTrue(v);
 }
 
+static PyObject *get_meter(Core *c, void *x) { return PyBool_FromLong(c->meter); }
+static PyObject *get_metered(Core *c, void *x)
+{
+    return Py_BuildValue("(dL)", 1e-9 * (double)c->metered_ns, c->metered_calls);
+}
+
+/* meter = True starts the count afresh; False stops it (the count stays readable). */
+static int set_meter(Core *c, PyObject *v, void *x)
+{
+    int on = truth(v, "meter");
+    if (on < 0)
+        return -1;
+    if (on && !c->meter)
+        c->metered_ns = c->metered_calls = 0;
+    c->meter = on;
+    return 0;
+}
+
 static PyObject *get_implied(Core *c, void *x) { return PyBool_FromLong(c->implied_on); }
 
 static int set_implied(Core *c, PyObject *v, void *x)
@@ -2855,6 +2921,10 @@ static PyGetSetDef Core_getset[] = {
     {"implied_copies", (getter)get_implied, (setter)set_implied,
      "an input copy followed on its stream by a kernel or copy records no event: that op "
      "tells its completion (kernel_core.implied_copies)", NULL},
+    {"meter", (getter)get_meter, (setter)set_meter,
+     "time step() and admit() (True starts afresh): the core's own cost", NULL},
+    {"metered", (getter)get_metered, NULL,
+     "(seconds inside step() and admit() while metered, calls)", NULL},
     {"direct", (getter)get_direct, (setter)set_direct,
      "launches and copies go into the engine directly (else through the device)", NULL},
     {NULL},

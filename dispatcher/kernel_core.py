@@ -503,6 +503,41 @@ class KernelCore:
     def pending_arrivals(self) -> int:
         return len(self.arrivals)
 
+    @property
+    def meter(self) -> bool:
+        """Time :meth:`step` and :meth:`admit` (True starts afresh): the core's own cost,
+        apart from the loop that calls it (``metered``). Off, the methods are the
+        class's own: no cost."""
+        return "step" in self.__dict__
+
+    @meter.setter
+    def meter(self, on: bool) -> None:
+        if not on:
+            self.__dict__.pop("step", None)
+            self.__dict__.pop("admit", None)
+            return
+        if self.meter:
+            return
+        self._metered = [0.0, 0]
+        clock, tally = time.perf_counter, self._metered
+
+        def timed(method: Callable) -> Callable:
+            def call(*args: Any, **kw: Any) -> Any:
+                t0 = clock()
+                try:
+                    return method(*args, **kw)
+                finally:
+                    tally[0] += clock() - t0
+                    tally[1] += 1
+            return call
+        self.step, self.admit = timed(self.step), timed(self.admit)
+
+    @property
+    def metered(self) -> tuple[float, int]:
+        """(seconds inside :meth:`step` and :meth:`admit` while metered, calls)."""
+        t, n = getattr(self, "_metered", (0.0, 0))
+        return (t, n)
+
     def spin(self, until: float, probe: Any, near: float) -> list[tuple] | None:
         """The C core's spin (passes until the control plane is due, real time): the
         reference makes one pass, which the daemon's loop repeats; the same events come

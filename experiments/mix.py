@@ -44,9 +44,8 @@ saturation (the highest any load reached) under ``saturation``; ``summary.claims
 says which of the paper's claims each reproduces.
 
 Running time (2 cores shared with other work): a point of 2,000 requests takes a few
-seconds straight to the device and 10-40 s through the dispatcher (its Python, about
-8.5 us per released kernel, dominates; the simulator costs about 4 ms of CPU per
-MobileNetV2 request). ``--quick`` (paella, ms-jbj and CUDA-MS; sigma 1.5; three loads)
+seconds straight to the device and 10-40 s through the dispatcher (the simulator costs
+about 4 ms of CPU per MobileNetV2 request). ``--quick`` (paella, ms-jbj and CUDA-MS; sigma 1.5; three loads)
 takes a few minutes.
 """
 from __future__ import annotations

@@ -10,8 +10,10 @@ proportional to size) under the ``paella`` policy, over a sweep of offered load.
 
 The summary states the *headroom*: the largest delay per decision whose p99 (of the
 whole mix and of ResNet-18 alone) stays within 10% of the undelayed run's at every
-load, with no load saturating, beside what a kernel costs this
-dispatcher (about 8.5 us of CPU per kernel, everything included, docs/dispatcher.md).
+load, with no load saturating, beside what a released kernel costs the dispatcher as the
+experiments and the daemon run it, on the C kernel core (about 4.5 us as ``--cpu-scale
+1`` charges it: ~2 us of measured CPU and 2 us per driver call, docs/benchmarks.md round
+18), and on its own Python path (about 8.5 us of CPU, docs/dispatcher.md).
 """
 from __future__ import annotations
 
@@ -28,6 +30,7 @@ FULL_RATES = [150, 300, 450]
 QUICK_RATES = [200, 400]
 TOLERANCE = 1.10
 PYTHON_DECISION_US = 8.5       # measured: docs/dispatcher.md, "Cost" (bench_dispatcher, whole)
+CORE_DECISION_US = 4.5         # measured: docs/benchmarks.md, round 18 (the harness's charge)
 
 
 def run(delays_us: list[float], rates: list[float], sigma: float, n: int, seed: int,
@@ -60,7 +63,8 @@ def run(delays_us: list[float], rates: list[float], sigma: float, n: int, seed: 
             "summary": {"delays_us": delays_us, "p99_ratio_to_no_delay": ratio,
                         "throughput": {k: [p["throughput"] for p in pts] for k, pts in points.items()},
                         "headroom_us": headroom, "tolerance": TOLERANCE,
-                        "python_decision_us": PYTHON_DECISION_US}}
+                        "python_decision_us": PYTHON_DECISION_US,
+                        "core_decision_us": CORE_DECISION_US}}
 
 
 def plot(data: dict, path: str) -> None:
@@ -102,6 +106,7 @@ def main(args: argparse.Namespace) -> int:
     data = run(delays, rates, args.sigma, n, args.seed, progress)
     s = data["summary"]
     print(f"headroom: up to {s['headroom_us']:g} us per decision keeps p99 within "
-          f"{(TOLERANCE - 1):.0%} of the undelayed run; this Python dispatcher spends about "
-          f"{PYTHON_DECISION_US:g} us per kernel")
+          f"{(TOLERANCE - 1):.0%} of the undelayed run; a released kernel costs the dispatcher "
+          f"about {CORE_DECISION_US:g} us on the C kernel core (charged at --cpu-scale 1), "
+          f"{PYTHON_DECISION_US:g} us on its own Python path")
     return finish(data, args, plot, t0)

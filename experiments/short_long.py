@@ -8,7 +8,7 @@ summary's ``short_p99_speedup`` is the largest ratio, over the loads at which
 ``paella`` is below saturation, of ``ms-jbj``'s ResNet-18 p99 to ``paella``'s.
 
 The default ``--cpu-scale`` is 0, a free dispatcher, so that runs are deterministic;
-with the dispatcher's cost charged in full (``--cpu-scale 1``, ~8.5 us per kernel)
+with the dispatcher's cost charged in full (``--cpu-scale 1``, ~4.5 us per kernel on the C kernel core)
 paella keeps its lead (docs/policies.md gives the measured figures for both).
 
 Kernel lists are synthetic until compiled bundles are swapped in: one kernel per

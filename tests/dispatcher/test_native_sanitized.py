@@ -86,6 +86,9 @@ import test_core_spin as cs                 # the core's loop in C (real time)
 cs.test_spinning_answers_every_request_once_as_single_passes_do("c")
 cs.test_an_unchanged_probe_lets_the_spin_run_to_its_deadline()
 cs.test_the_spin_ends_at_its_deadline_while_a_kernel_runs()
+import test_core_meter as cm                # the metered entry points
+cm.test_metering_counts_every_entry_call_and_changes_no_event("c")
+cm.test_the_c_step_takes_a_time_of_any_real_type_and_refuses_what_is_not_one()
 print("sanitized run ok")
 '''
 
