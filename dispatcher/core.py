@@ -144,6 +144,9 @@ class Model:
     # Its adaptor's ``answer_ahead(io, owner) -> Future | None`` (None: it has none): on the
     # simulated GPU, a job whose answer is new waits for it before it takes anything.
     answer_ahead: Any = None
+    # Its adaptor's ``answer_owner(bindings, owner)`` (None: it has none): told whose job
+    # takes a buffer set, for the answers computed at that job's kernels.
+    answer_owner: Any = None
 
 
 def _no_wake() -> None:
@@ -887,6 +890,9 @@ class Dispatcher:
                     pool.waiting.append(job)
                     continue
                 job.bindings = bindings
+            tell = job.model.answer_owner
+            if tell is not None and job.requests:    # (whose answers its kernels compute)
+                tell(job.bindings, self.owner_of(job.requests[0].client_id))
             replay = job.model.replay
             if self.core is None:
                 try:
@@ -1311,7 +1317,8 @@ class Dispatcher:
         weights = self._reclaiming(init) if isinstance(adaptor, PlanAdaptor) else init()
         old = self.models.get(model_id)
         model = Model(model_id, name, adaptor, pool=adaptor.buffer_pool, weights_bytes=weights,
-                      answer_ahead=getattr(adaptor, "answer_ahead", None))
+                      answer_ahead=getattr(adaptor, "answer_ahead", None),
+                      answer_owner=getattr(adaptor, "answer_owner", None))
         if adaptor.plan is not None:         # a plan is replayed, never run() in a greenlet
             model.replay = ReplayPlan(adaptor.plan, adaptor.funcs, self.kernel_launch,
                                       compiled=self.compiled_replay)
@@ -1434,7 +1441,8 @@ class Dispatcher:
         before, after = _launch_counts(plan), _launch_counts(sliced)
         twin = Model(model.model_id, f"{model.name} (sliced)", twin_adaptor,
                      profile=model.profile.split({k: after[k] / n for k, n in before.items()}),
-                     pool=twin_adaptor.buffer_pool, parent=model)
+                     pool=twin_adaptor.buffer_pool, parent=model,
+                     answer_ahead=model.answer_ahead, answer_owner=model.answer_owner)
         twin.replay = ReplayPlan(sliced, twin_adaptor.funcs, self.kernel_launch,
                                  compiled=self.compiled_replay)
         self._attach_core(twin)

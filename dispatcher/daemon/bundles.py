@@ -63,6 +63,9 @@ KEY_SAMPLE_BYTES = 4096
 #: Distinct inputs kept under one key (see FunctionalCache): a lookup compares at most
 #: this many whole inputs.
 MAX_PER_KEY = 4
+#: Buffer sets a model remembers the owner of (functional_adaptor's answer_owner): more
+#: than a pool keeps at once; beyond it the oldest entry goes.
+MAX_OWNED_SETS = 4096
 #: The lookup ahead's coarse key (FunctionalCache.ahead): two runs of this many bytes
 #: of each input, at its start and at its middle (see coarse_spans).
 AHEAD_SPAN = 128
@@ -161,7 +164,8 @@ class FunctionalCache:
     def _same(a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> bool:
         return all(np.array_equal(_words(a[k]), _words(b[k])) for k in a)
 
-    def begin(self, name: str, bundle, inputs: dict[str, np.ndarray], variant: int = 0) -> "Answer":
+    def begin(self, name: str, bundle, inputs: dict[str, np.ndarray], variant: int = 0,
+              owner=None) -> "Answer":
         """Start on ``inputs`` (views of device memory that nothing changes until the
         request's outputs are copied back): an input under a key nothing is cached under
         is sent to be computed at once; otherwise its comparison with the cached inputs
@@ -172,13 +176,14 @@ class FunctionalCache:
         input is in device memory and collects it when the model's last kernel is
         launched (:func:`~paella.dispatcher.devices.sim.functional.model_effects`), so
         the compare (100-150 us of memory traffic with cold caches) and any computation
-        run elsewhere while the kernels run, off the dispatcher loop."""
+        run elsewhere while the kernels run, off the dispatcher loop. ``owner``: whose
+        share of the workers' queue a computation takes (as :meth:`ahead`'s)."""
         key = self._key(name, inputs)
         with self._lock:
             candidates = list(self._entries.get(key, ()))
         answer = Answer(key, candidates, None)
         if not candidates:
-            self._compute(answer, bundle, variant, inputs)
+            self._compute(answer, bundle, variant, inputs, owner=owner)
             return answer
         names = sorted(inputs)
         try:
@@ -189,13 +194,14 @@ class FunctionalCache:
         return answer
 
     def prepare(self, name: str, bundle, inputs: dict[str, np.ndarray], variant: int = 0,
-                answer: "Answer | None" = None, bound: bool = True) -> "tuple[Answer, object | None]":
+                answer: "Answer | None" = None, bound: bool = True,
+                owner=None) -> "tuple[Answer, object | None]":
         """``inputs``' answer as far as it can be known now (the request's last kernel is
         being launched): a hit, or a computation under way. Returns the answer and the
         computation's future while it is not done (the device holds the kernel back
         until it is), else None. ``answer``: what :meth:`begin` started (None: it did
         not run; everything happens here). ``bound=False``: a computation goes past a
-        full queue (:meth:`outputs`)."""
+        full queue (:meth:`outputs`). ``owner``: as :meth:`ahead`'s."""
         if answer is None:
             answer = Answer(self._key(name, inputs), [], None)
         if answer.outputs is None and answer.future is None:
@@ -203,7 +209,7 @@ class FunctionalCache:
             if outs is not None:
                 answer.outputs = outs
             else:
-                self._compute(answer, bundle, variant, inputs, bound)
+                self._compute(answer, bundle, variant, inputs, bound, owner=owner)
         f = answer.future
         return answer, (f if f is not None and not f.done() else None)
 
@@ -496,14 +502,28 @@ def functional_adaptor(bundle, name: str, cache: FunctionalCache | None = None,
     # input is sent to be computed then), the last kernel's launch waits for the answer
     # (the device holds it back meanwhile) and its effect writes it: see
     # FunctionalCache.begin.
+    # Whose share of the workers' queue a computation started at a kernel takes, by the
+    # request's input pointers (its buffer set's): told by the dispatcher as the job
+    # takes the set (answer_owner below). One entry per buffer set, bounded.
+    owners: dict[tuple, Any] = {}
     effect, start = model_effects(
-        v.inputs, v.outputs, lambda x: cache.begin(key, bundle, x, variant),
+        v.inputs, v.outputs, lambda x, who: cache.begin(key, bundle, x, variant, owner=who),
         lambda x, started: cache.finish(key, bundle, x, variant, started),
         len(launches[-1].args),
-        prepare=(lambda x, started: cache.prepare(key, bundle, x, variant, started))
-        if answers_at_launch else None)
+        prepare=(lambda x, started, who: cache.prepare(key, bundle, x, variant, started,
+                                                       owner=who))
+        if answers_at_launch else None, owner=owners.get)
     operands = [BufferArg(str(t.buffer), t.buffer_offset) for t in (*v.inputs, *v.outputs)]
     start_operands = operands[:len(v.inputs)]
+
+    def answer_owner(bindings, owner) -> None:
+        if not cache.off_loop or bindings is None:
+            return                           # (virtual time: nothing queues for workers)
+        ptrs = tuple(bindings.ptrs[a.buffer] + a.offset for a in start_operands)
+        owners.pop(ptrs, None)
+        if len(owners) >= MAX_OWNED_SETS:    # (sets freed and made again elsewhere)
+            del owners[next(iter(owners))]
+        owners[ptrs] = owner
 
     def host_inputs(io: np.ndarray) -> dict[str, np.ndarray]:
         return {t.name: io[t.offset:t.offset + t.nbytes].view(t.dtype).reshape(t.shape)
@@ -524,7 +544,7 @@ def functional_adaptor(bundle, name: str, cache: FunctionalCache | None = None,
 
     return FunctionalBundleAdaptor(plan.with_effect(effect, operands, start if early_lookup else None,
                                                     start_operands), warm,
-                                   ahead if answers_at_launch else None)
+                                   ahead if answers_at_launch else None, answer_owner)
 
 
 class FunctionalBundleAdaptor(PlanAdaptor):
@@ -535,12 +555,19 @@ class FunctionalBundleAdaptor(PlanAdaptor):
     which only the cyclic collector frees, and the daemon freezes its heap after a
     reload (system.freeze_new_objects), so a retired version would never go."""
 
-    def __init__(self, plan, warm: Callable[[], None], ahead: Callable[[np.ndarray], Any] | None = None):
+    def __init__(self, plan, warm: Callable[[], None], ahead: Callable[[np.ndarray], Any] | None = None,
+                 owner: Callable[[Any, Any], None] | None = None):
         super().__init__(plan)
         self._warm = warm
         #: ``answer_ahead(io, owner) -> Future | None``: the dispatcher asks it before a job
         #: takes any device resource (``FunctionalCache.ahead``); None: never asked.
         self.answer_ahead = ahead
+        #: ``answer_owner(bindings, owner)``: the dispatcher tells it whose job takes the
+        #: buffer set ``bindings``, so that an answer computed at that job's kernels (what
+        #: the lookup ahead did not cover: an input rewritten after its submission, or
+        #: made equal to a cached one where the lookup reads) takes that owner's share of
+        #: the workers' queue, as the lookup ahead's computations do.
+        self.answer_owner = owner
 
     def warm(self) -> None:
         """Off the loop, before registration: load the CPU build and answer the

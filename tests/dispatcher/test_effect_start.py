@@ -121,3 +121,30 @@ def test_an_end_without_its_start_gets_none_and_starts_stay_bounded():
     assert log[-1] == ("compute", None)
     end(view, (0, 2 * (MAX_STARTED + 9), 2))
     assert log[-1][0] == "compute" and log[-1][1] is not None
+
+
+def test_an_owner_hook_names_whose_computation_each_part_starts():
+    # The owner is looked up by the request's input pointers, at the start and at the
+    # last kernel's launch; begin and prepare then get it as one more argument.
+    log = []
+    owners = {(4,): ("tenant", 7)}
+
+    def begin(inputs, who):
+        log.append(("begin", who))
+
+    def prepare(inputs, started, who):
+        log.append(("prepare", who))
+        return started, None
+    end, make_start = model_effects([T("x")], [T("y")], begin, lambda x, s: {"y": x["x"]},
+                                    own_args=1, prepare=prepare, owner=owners.get)
+    start = make_start(1)
+    mem = {p: np.zeros(NB, np.uint8) for p in (4, 6, 8)}
+
+    def view(p, n):
+        return mem[p][:n]
+    start(view, (0, 4))
+    assert end.pending(view, (0, 4, 6)) is None
+    start(view, (0, 8))                                # a set nobody was told about
+    end.pending(view, (0, 8, 6))
+    assert log == [("begin", ("tenant", 7)), ("prepare", ("tenant", 7)),
+                   ("begin", None), ("prepare", None)]

@@ -217,21 +217,55 @@ def test_a_full_queue_refuses_as_overloaded_and_answers_each_once(tmp_path, mlp,
     assert dp.stop() == 0
 
 
-def _flood(sock: str, uid: int, n: int, report: int) -> None:
-    """(A forked child.) As ``uid``: send ``n`` never-seen inputs in a burst, then write
-    what each got to the ``report`` pipe, one line per request."""
+def _flood(sock: str, uid: int, n: int, report: int, inputs=None) -> None:
+    """(A forked child.) As ``uid``: send ``n`` never-seen inputs in a burst (``inputs``,
+    else fresh ones), then write what each got to the ``report`` pipe, one line per
+    request."""
     import json
     os.setgroups([])
     os.setgid(uid)
     os.setuid(uid)
     c = connect(sock)
     for seed in range(n):
-        submit(c, fresh(1000 + seed))
+        submit(c, fresh(1000 + seed) if inputs is None else inputs[seed])
         time.sleep(0.02)             # (the first is running before the queue fills)
     got = read_all(c)
     os.write(report, json.dumps([v if v == [rings.OK] else [list(x) for x in v]
                                  for v in got.values()]).encode())
     c.close()
+
+
+NOBODY = 65534
+
+
+def _flooded_daemon(tmp_path, bundle, fresh_daemon):
+    """A daemon serving ``bundle`` as ``tiny_mlp`` to root and to uid ``NOBODY`` (the
+    flooding tenant), with one answer worker taking 1 s an answer and a queue of 4."""
+    import tempfile
+    repo = repo_with(tmp_path, bundle, "tiny_mlp")
+    conf = tmp_path / "paella.toml"
+    conf.write_text("[daemon]\neffect_workers = 1\neffect_queue = 4\n")
+    sock_dir = tempfile.mkdtemp(prefix="plsflood", dir="/tmp")
+    os.chmod(sock_dir, 0o711)                 # (the other uid reaches the socket)
+    return fresh_daemon("--config", str(conf), "--models", str(repo), "--no-noop",
+                        "--allow-user", str(NOBODY), sock_dir=str(sock_dir),
+                        env={"PAELLA_SIM_EFFECT_FAULT": "delay:1"})
+
+
+def _forked(fn, *args) -> int:
+    """Run ``fn(*args)`` in a forked child that never returns into pytest; its pid."""
+    pid = os.fork()
+    if pid == 0:
+        code = 0
+        try:
+            fn(*args)
+        except BaseException:  # noqa: BLE001
+            import traceback
+            traceback.print_exc()
+            code = 1
+        finally:
+            os._exit(code)
+    return pid
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="a client of another uid needs root")
@@ -243,28 +277,9 @@ def test_one_tenants_flood_of_new_inputs_neither_refuses_nor_stalls_anothers(
     flood. A first-come queue refused them as overloaded (the fuzzer's failure at
     da5c533)."""
     import json
-    nobody = 65534
-    repo = repo_with(tmp_path, mlp, "tiny_mlp")
-    conf = tmp_path / "paella.toml"
-    conf.write_text("[daemon]\neffect_workers = 1\neffect_queue = 4\n")
-    import tempfile
-    sock_dir = tempfile.mkdtemp(prefix="plsflood", dir="/tmp")
-    os.chmod(sock_dir, 0o711)                 # (the other uid reaches the socket)
-    dp = fresh_daemon("--config", str(conf), "--models", str(repo), "--no-noop",
-                      "--allow-user", str(nobody), sock_dir=str(sock_dir),
-                      env={"PAELLA_SIM_EFFECT_FAULT": "delay:1"})
+    dp = _flooded_daemon(tmp_path, mlp, fresh_daemon)
     r, w = os.pipe()
-    pid = os.fork()
-    if pid == 0:                              # never returns into pytest
-        code = 0
-        try:
-            _flood(dp.socket, nobody, 16, w)
-        except BaseException:  # noqa: BLE001
-            import traceback
-            traceback.print_exc()
-            code = 1
-        finally:
-            os._exit(code)
+    pid = _forked(_flood, dp.socket, NOBODY, 16, w)
     os.close(w)
     try:
         wait_for(lambda: effects_status(dp)["queued"] == 4, 20, "the flood never filled the queue", dp)
@@ -424,6 +439,53 @@ def test_kernels_held_for_answers_never_take_more_than_half_the_streams(tmp_path
             np.testing.assert_array_equal(output_of(slow, r), ref(sent[r]))
     slow.close()
     other.close()
+    assert dp.stop() == 0
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="a client of another uid needs root")
+def test_a_flood_of_answers_computed_at_their_kernels_takes_its_tenants_share_only(
+        tmp_path, mlp8, fresh_daemon):
+    """The answers the lookup ahead does not cover (inputs equal to a cached one where it
+    reads) are computed when their kernels run. They take their job's tenant's share of
+    the workers' queue, as the lookup ahead's do: a tenant (another uid) flooding such
+    inputs fills the queue, and another tenant's input of the same kind is still taken
+    (the flood's newest refused in its place) and computed next. When these shared one
+    owner whoever sent them, the other tenant's was refused as overloaded."""
+    import json
+    from paella.bundle import load_bundle
+    b = load_bundle(mlp8)
+    ref = lambda x: b.run_cpu({"x": x})["output0"]         # noqa: E731
+    dp = _flooded_daemon(tmp_path, mlp8, fresh_daemon)
+    x = np.random.default_rng(7).standard_normal((8, 16)).astype(np.float32)
+    with connect(dp.socket) as c:
+        np.testing.assert_array_equal(c.infer("tiny_mlp", {"x": x}, timeout=30)["output0"], ref(x))
+    crafted = []
+    for k in range(10):
+        y = x.copy()
+        y[7] += 1.0 + k                       # bytes 448..511: outside the coarse key
+        crafted.append(y)
+    r, w = os.pipe()
+    pid = _forked(_flood, dp.socket, NOBODY, len(crafted), w, crafted)
+    os.close(w)
+    try:
+        wait_for(lambda: effects_status(dp)["queued"] == 4, 20, "the flood never filled the queue", dp)
+        mine = x.copy()
+        mine[7] -= 50.0
+        with connect(dp.socket) as c:
+            t0 = time.monotonic()
+            out = c.infer("tiny_mlp", {"x": mine}, timeout=30)["output0"]
+            took = time.monotonic() - t0
+        np.testing.assert_array_equal(out, ref(mine))
+        assert took < 4.5, took               # one of the flood's first (1 s each), not four
+    finally:
+        _, status = os.waitpid(pid, 0)
+    flood = json.loads(os.read(r, 1 << 20))
+    os.close(r)
+    assert status == 0 and len(flood) == len(crafted)
+    assert all(len(v) == 1 for v in flood)                # each answered once
+    refused = [v[0] for v in flood if v != [rings.OK]]
+    assert refused and all(st == rings.E_FAILED and "overloaded" in why for st, why in refused)
+    assert effects_status(dp)["evicted"] >= 1
     assert dp.stop() == 0
 
 

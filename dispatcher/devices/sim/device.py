@@ -24,7 +24,7 @@ from paella.occupancy import Footprint, wave_blocks
 
 from .clock import EventLoop, RealTimeLoop
 from .cost import CostModel, slice_cost
-from .effect_workers import EffectFailed, EffectQueueFull, InlineEffects
+from .effect_workers import EffectFailed, EffectQueueFull, Evicted, InlineEffects, overloaded_reason
 from .hardware import D2H, H2D, Shapes, SMView, build_engine
 from .memory import SimMemory
 
@@ -430,9 +430,12 @@ def _with_effect(effect, view, args: tuple, then: Callback, device: SimDevice,
 def _record_fault(device: SimDevice, launch_id: int, e: BaseException) -> None:
     # (A client sees the first 120 bytes: the workers' failures say it all themselves.)
     worker = isinstance(e, (EffectFailed, EffectQueueFull))
-    reason = (f"answer not computed: {str(e)[:300]}" if worker else
-              f"the simulated GPU could not compute this request's outputs "
-              f"({type(e).__name__}: {str(e)[:300]})")
+    if isinstance(e, EffectQueueFull):       # a refusal: told as the overload it is, as
+        reason = str(e) if isinstance(e, Evicted) else overloaded_reason(device.effects)
+    else:                                    # the lookup ahead's refusals are
+        reason = (f"answer not computed: {str(e)[:300]}" if worker else
+                  f"the simulated GPU could not compute this request's outputs "
+                  f"({type(e).__name__}: {str(e)[:300]})")
     device.faults[launch_id] = reason
     held = _FAULT_LOG.admit()
     if held is not None:

@@ -62,6 +62,7 @@ def model_effects(inputs: Sequence[Any], outputs: Sequence[Any],
                   compute: Callable[[dict[str, np.ndarray], Any], dict[str, np.ndarray]],
                   own_args: int, *,
                   prepare: Callable[[dict[str, np.ndarray], Any], tuple[Any, Any]] | None = None,
+                  owner: Callable[[tuple], Any] | None = None,
                   ) -> tuple[KernelEffect, Callable[[int], KernelEffect]]:
     """A model's effect in two parts. ``end`` (for the last kernel, as
     :func:`model_effect`) passes ``compute(inputs, started)`` what ``begin(inputs)``
@@ -85,7 +86,12 @@ def model_effects(inputs: Sequence[Any], outputs: Sequence[Any],
     launches it sooner: the device then asks when a gate ahead of it reaches the
     stream's head; SimDevice._prepare_effect). When the start has not run yet at that
     point (a plan whose start kernel is on another stream), the kernel is held on a
-    placeholder the start completes."""
+    placeholder the start completes.
+
+    ``owner(input_pointers)`` (optional): whose share of the answer workers' queue a
+    computation started here takes (the request's tenant: the dispatcher tells the
+    model when the job takes its buffers). Given, ``begin`` and ``prepare`` get it as
+    one more argument: ``begin(inputs, owner)``, ``prepare(inputs, started, owner)``."""
     n_in = len(inputs)
     want_end = own_args + n_in + len(outputs)
     started: dict[tuple, Any] = {}
@@ -104,6 +110,14 @@ def model_effects(inputs: Sequence[Any], outputs: Sequence[Any],
         return {t.name: view(p, t.nbytes).view(t.dtype).reshape(t.shape)
                 for t, p in zip(inputs, ptrs)}
 
+    def begun(view: Callable[[int, int], np.ndarray], ptrs: tuple) -> Any:
+        x = values(view, ptrs)
+        return begin(x) if owner is None else begin(x, owner(ptrs))
+
+    def prepared(view: Callable[[int, int], np.ndarray], ptrs: tuple) -> tuple[Any, Any]:
+        x, st = values(view, ptrs), started.pop(ptrs, None)
+        return prepare(x, st) if owner is None else prepare(x, st, owner(ptrs))
+
     def make_start(start_own_args: int) -> KernelEffect:
         nonlocal has_start
         has_start = True
@@ -112,12 +126,12 @@ def model_effects(inputs: Sequence[Any], outputs: Sequence[Any],
             if len(args) != start_own_args + n_in:
                 return                       # a launch of this kernel without the operands
             ptrs = tuple(args[start_own_args:])
-            remember(ptrs, begin(values(view, ptrs)))
+            remember(ptrs, begun(view, ptrs))
             placeholder = waiting.pop(ptrs, None)
             if placeholder is not None and prepare is not None:
                 # The last kernel was launched before this start ran (released ahead):
                 # its gate waits on the placeholder, done when the answer is.
-                value, future = prepare(values(view, ptrs), started.pop(ptrs, None))
+                value, future = prepared(view, ptrs)
                 remember(ptrs, value)
                 if future is None:
                     placeholder.set_result(None)
@@ -145,7 +159,7 @@ def model_effects(inputs: Sequence[Any], outputs: Sequence[Any],
                     waiting.pop(next(iter(waiting))).set_result(None)
                 waiting[ptrs] = placeholder
                 return placeholder
-            value, future = prepare(values(view, ptrs), started.pop(ptrs, None))
+            value, future = prepared(view, ptrs)
             remember(ptrs, value)
             return future
         end.pending = pending                # type: ignore[attr-defined]
