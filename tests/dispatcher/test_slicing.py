@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from paella.dispatcher.adaptor import Plan, PlanAdaptor, PlanOp, ScalarArg, synthetic_plan
-from paella.dispatcher.core import Dispatcher, Request
+from paella.dispatcher.core import STATUS_OK, Dispatcher, Request
 from paella.dispatcher.devices.base import KernelInfo
 from paella.dispatcher.devices.sim import SimDevice
 from paella.dispatcher.instruments import Instrument
@@ -210,3 +210,41 @@ def test_no_less_urgent_kernel_goes_while_an_urgent_job_is_live(core):
 def test_a_bad_slice_bound_is_refused_with_the_range(bad):
     with pytest.raises(ValueError, match=r"slice_us must be 0\.\.1000000 microseconds"):
         Dispatcher(SimDevice("t4", n_streams=8), "paella", slice_us=bad)
+
+
+def test_a_sliced_twin_looks_answers_up_and_names_owners_as_its_model_does():
+    # A job of the less urgent class runs on the twin: without its model's hooks it
+    # skipped the lookup ahead (its new input then computed at its kernels, held on the
+    # device) and its computations named no owner.
+    from concurrent.futures import Future
+    asked, told = [], []
+    answer: Future = Future()
+    armed = False
+
+    class Answered(PlanAdaptor):
+        def answer_ahead(self, io, owner=None):
+            if not armed:
+                return None                                     # (the profiling runs)
+            asked.append(owner)
+            return answer
+
+        def answer_owner(self, bindings, owner):
+            told.append(owner)
+    dev = SimDevice("t4", n_streams=64, seed=1)
+    d = Dispatcher(dev, "paella", slice_us=100.0, kernel_core="c")
+    be = d.register_model("be", Answered(_offset_plan()))
+    hp = d.register_model("hp", PlanAdaptor(synthetic_plan(
+        "hp", [(f"k{i}", 40, 128, 32, 30e-6) for i in range(5)], 64, 64)))
+    twin = d.models[be].sliced
+    assert twin.answer_ahead == d.models[be].answer_ahead
+    d.submit(Request(0, 0, hp, _io(), priority=1))              # a more urgent class exists
+    d.run_until_idle()
+    armed, told[:] = True, []
+    done = []
+    d.submit(Request(1, 7, be, _io(), priority=200,
+                     on_complete=lambda r, st, err: done.append(st)))
+    d.step()
+    assert asked == [("client", 7)] and not done and d.answers_awaited == 1
+    answer.set_result(None)
+    d.run_until_idle()
+    assert done == [STATUS_OK] and told == [("client", 7)]
