@@ -490,8 +490,10 @@ def test_a_flood_of_answers_computed_at_their_kernels_takes_its_tenants_share_on
 
 
 @pytest.mark.parametrize("policy", [("fifo",), ("paella",), ("fifo", "--kernel-core", "off"),
-                                    ("ms-jbj", "--kernel-core", "off")],
-                         ids=["fifo", "paella", "fifo-own-path", "ms-jbj-own-path"])
+                                    ("ms-jbj", "--kernel-core", "off"),
+                                    ("paella", "--sim-mode", "process")],
+                         ids=["fifo", "paella", "fifo-own-path", "ms-jbj-own-path",
+                              "simulator-process"])
 def test_a_kernel_held_for_its_answer_does_not_hold_the_others(tmp_path, mlp8, fresh_daemon,
                                                                policy):
     """An input equal to a cached one where the lookup ahead reads (its first and middle

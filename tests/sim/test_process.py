@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import time
 import signal
 
 import numpy as np
@@ -55,3 +56,39 @@ def test_a_dead_simulator_process_is_reported_clearly(dev):
     dev._proc.wait()
     with pytest.raises(DeviceError, match="simulator process exited"):
         dev.launch(f, 1, 32, 0, 1)
+
+
+def test_a_kernel_whose_answer_is_computing_holds_only_what_reads_its_output(dev):
+    # The effect's answer is still being computed when the child reports the kernel
+    # done: the copy that reads its output (on another stream, as the core's stream pool
+    # places it) and the event after that copy wait; another job's copy and the child's
+    # clock go on. Once the answer is in, the effect writes it before the copy lands.
+    from concurrent.futures import Future
+    answer: Future = Future()
+
+    def effect(view, args):
+        view(args[1], 4)[:] = 7
+    effect.pending = lambda view, args: None if answer.done() else answer
+    effect.writes = lambda args: ((args[1], 4),)
+    mod = dev.load_module(ModuleImage("m", [KernelInfo("k", 32, duration=1e-3)],
+                                      effects={"k": effect}))
+    held, free = dev.alloc(4096), dev.alloc(4096)
+    out, other = np.zeros(4, np.uint8), np.zeros(4, np.uint8)
+    log = []
+    dev.launch(mod["k"], 1, 32, 0, 1, args=(0, held))
+    deadline = time.monotonic() + 10
+    while dev.gates == 0 and time.monotonic() < deadline:     # (reported done, held)
+        dev.poll()
+    dev.memcpy_dtoh(out, held, 1, on_complete=lambda: log.append("held copy"))
+    ev = dev.record_event(1)
+    dev.memcpy_htod(free, np.full(4, 3, np.uint8), 2)
+    dev.memcpy_dtoh(other, free, 2, on_complete=lambda: log.append("other copy"))
+    while ("other copy" not in log or dev._pending) and time.monotonic() < deadline:
+        dev.poll()
+    assert log == ["other copy"] and dev.gates == 1 and not dev.event_query(ev)
+    np.testing.assert_array_equal(other, 3)
+    answer.set_result(None)
+    assert dev.open_answered() == 1 and dev.gates == 0
+    assert log == ["other copy", "held copy"] and dev.event_query(ev)
+    np.testing.assert_array_equal(out, 7)
+    dev.synchronize()

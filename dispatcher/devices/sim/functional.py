@@ -49,6 +49,15 @@ def model_effect(inputs: Sequence[Any], outputs: Sequence[Any], compute: Callabl
         for t, p in zip(outputs, ptrs[n_in:]):
             view(p, t.nbytes)[:] = np.ascontiguousarray(result[t.name], dtype=t.dtype) \
                 .view(np.uint8).reshape(-1)
+
+    def writes(args: tuple) -> tuple[tuple[int, int], ...]:
+        """The device bytes the effect writes for a launch with ``args``: its outputs'
+        ``(pointer, nbytes)`` (none for a launch without the operands). A device that
+        applies the effect late keeps what reads them waiting for it (SimProcessDevice)."""
+        if len(args) != want:
+            return ()
+        return tuple((int(p), t.nbytes) for t, p in zip(outputs, args[own_args + n_in:]))
+    effect.writes = writes                   # type: ignore[attr-defined]
     return effect
 
 

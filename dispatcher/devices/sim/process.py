@@ -10,7 +10,9 @@ event or the next command, so it never busy-polls a core that clients need:
   the tokens of completed operations, which the parent collects in :meth:`poll`;
 * both processes read the same monotonic clock, so device time agrees;
 * device memory and the functional callbacks stay in the parent: the child only keeps
-  time, so bytes never cross the pipe.
+  time, so bytes never cross the pipe. A kernel whose answer is still being computed
+  when the child reports it done is held in the parent with what reads its output,
+  never waited for (:meth:`SimProcessDevice._arrived`).
 
 The child exits when the parent closes the pipe, so a dead dispatcher leaves no
 simulator behind.
@@ -23,6 +25,7 @@ import subprocess
 import sys
 import time
 from collections import deque
+from functools import partial
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -43,12 +46,34 @@ from .memory import SimMemory
 _LOAD, _LAUNCH, _COPY, _MARK, _STOP = range(5)
 
 
-class _Pending:
-    """A parent-side record of an op the child runs: what to do when it completes."""
-    __slots__ = ("stream", "action", "on_complete", "done")
+def _nothing() -> None:
+    """No loop to wake (a device used outside the daemon)."""
 
-    def __init__(self, stream: int, action, on_complete):
+
+class _Pending:
+    """A parent-side record of an op the child runs: what to do when it completes.
+    ``spans``: the device bytes its completion reads or writes, ``(start, end)`` pairs
+    (a copy's, a kernel's effect's operands); ``ask``: a kernel's effect's ``pending``
+    hook, bound to the launch's arguments (None: no effect, or one with no hook)."""
+    __slots__ = ("stream", "action", "on_complete", "done", "spans", "ask")
+
+    def __init__(self, stream: int, action, on_complete, spans: tuple = (), ask=None):
         self.stream, self.action, self.on_complete, self.done = stream, action, on_complete, False
+        self.spans, self.ask = spans, ask
+
+
+class _Held:
+    """A kernel whose completion waits for its answer (``head``), and the completions
+    that touch the bytes its effect writes, waiting behind it in arrival order."""
+    __slots__ = ("spans", "queue")
+
+    def __init__(self, head: _Pending):
+        self.spans = head.spans
+        self.queue: deque[_Pending] = deque([head])
+
+
+def _overlaps(a: tuple, b: tuple) -> bool:
+    return any(s < f and t < e for s, e in a for t, f in b)
 
 
 def _effect_action(effect, view, args: tuple, launch_id: int):
@@ -90,6 +115,16 @@ class SimProcessDevice(Device):
         self._t0 = time.perf_counter()
         self._pending: dict[int, _Pending] = {}
         self._per_stream = [0] * len(self.streams)
+        #: The kernels whose answer is still being computed, each with the completions
+        #: held behind it; and those whose answer came in (the workers' thread appends).
+        self._held: list[_Held] = []
+        self._answered: deque[_Held] = deque()
+        #: Per stream with completions held (behind a held kernel), the held kernel its
+        #: latest waits behind: what comes next on that stream waits there too.
+        self._behind: dict[int, _Held] = {}
+        #: Called (from the workers' thread) when a held kernel's answer is in: the
+        #: daemon wakes its loop, whose housekeeping calls :meth:`open_answered`.
+        self.effect_ready = _nothing
         self._token = 0
         # A fresh interpreter (not fork): the child inherits none of the daemon's sockets.
         mine, theirs = socket.socketpair()
@@ -110,17 +145,96 @@ class SimProcessDevice(Device):
 
     def poll(self) -> None:
         """Collect completions the child has reported (non-blocking)."""
+        if self._answered:
+            self.open_answered()
         conn = self._conn
         try:
             while conn.poll():
                 for token in conn.recv():
-                    self._finish(token)
+                    self._arrived(self._pending.pop(token))
         except (EOFError, ConnectionResetError):
             raise DeviceError(f"the simulator process exited (code {self._proc.poll()}); "
                               f"see its error above, then restart the daemon") from None
 
-    def _finish(self, token: int) -> None:
-        p = self._pending.pop(token)
+    def _arrived(self, p: _Pending) -> None:
+        """A completion the child reported: applied now; or held behind a kernel whose
+        answer is still being computed, when it touches the bytes that kernel's effect
+        writes (the job's output copy, on whatever stream the core gave it); or held
+        itself when it is such a kernel (what the lookup ahead did not cover: an input
+        rewritten after its submission, or equal to a cached one where the lookup
+        reads). Why: applying it means writing the answer, and waiting for it here
+        stopped the loop, and every other client with it, for the whole computation.
+        Held, the job waits alone: its output copy cannot land, so it cannot finish,
+        while every other completion is applied and the child keeps time. What
+        follows a held copy on its stream waits behind it too (stream order: the event
+        the core records after the copy says it landed), so that stream stays busy in
+        the core's eyes and is not given to another job meanwhile. (The dispatcher has
+        seen the kernel done in the notifQ already: on a GPU too a kernel's completion
+        says nothing to the host until a copy reads its output.)"""
+        if self._held:
+            h = self._behind.get(p.stream)
+            if h is None and p.spans:        # (few held: kernels waiting for answers)
+                h = next((x for x in self._held if _overlaps(p.spans, x.spans)), None)
+            if h is not None:
+                h.queue.append(p)
+                self._behind[p.stream] = h
+                return
+        if p.ask is not None and self._hold_for_answer(p):
+            return
+        self._finish(p)
+
+    def _hold_for_answer(self, p: _Pending) -> bool:
+        """Ask ``p``'s effect for its answer (its inputs have landed: the core released
+        the kernel after its input copies completed); True if it is still being
+        computed: ``p`` is then held until it is in. A failure to ask is left to the
+        effect itself (DeviceLost, as before)."""
+        try:
+            future = p.ask()
+        except Exception:  # noqa: BLE001 - applying the effect reports it (_effect_action)
+            return False
+        if future is None or future.done():
+            return False
+        h = _Held(p)
+        self._held.append(h)
+        answered = self._answered
+
+        def done(_f: Any) -> None:           # (the workers' thread)
+            answered.append(h)
+            self.effect_ready()
+        future.add_done_callback(done)
+        return True
+
+    def open_answered(self) -> int:
+        """Apply the held kernels whose answer came in (the loop's thread), then what
+        waited behind each, in arrival order (some may wait on another held kernel);
+        returns how many kernels were let go."""
+        n = 0
+        while self._answered:
+            h = self._answered.popleft()
+            self._held.remove(h)
+            n += 1
+            queue = h.queue
+            head = queue.popleft()
+            for stream in {q.stream for q in queue}:     # (re-held below if they must)
+                if self._behind.get(stream) is h:
+                    other = next((x for x in self._held
+                                  if any(q.stream == stream for q in list(x.queue)[1:])), None)
+                    if other is None:
+                        del self._behind[stream]
+                    else:
+                        self._behind[stream] = other
+            self._finish(head)               # (its answer is in: the effect writes it)
+            while queue:
+                self._arrived(queue.popleft())
+        return n
+
+    @property
+    def gates(self) -> int:
+        """Kernels whose completion is held until their answer is in (``paella status``'s
+        held kernels, as the stepped simulator's gates)."""
+        return len(self._held)
+
+    def _finish(self, p: _Pending) -> None:
         p.done = True
         self._per_stream[p.stream] -= 1
         if p.action is not None:
@@ -128,12 +242,13 @@ class SimProcessDevice(Device):
         if p.on_complete is not None:
             p.on_complete()
 
-    def _send(self, msg: tuple, stream: int, action=None, on_complete: Callback = None) -> _Pending:
+    def _send(self, msg: tuple, stream: int, action=None, on_complete: Callback = None,
+              spans: tuple = (), ask=None) -> _Pending:
         if self._proc.poll() is not None:
             raise DeviceError(f"the simulator process exited (code {self._proc.returncode}); "
                               f"see its error above, then restart the daemon")
         self._token += 1
-        p = self._pending[self._token] = _Pending(stream, action, on_complete)
+        p = self._pending[self._token] = _Pending(stream, action, on_complete, spans, ask)
         self._per_stream[stream] += 1
         self._conn.send(msg + (self._token,))
         return p
@@ -150,8 +265,11 @@ class SimProcessDevice(Device):
                 on_complete: Callback) -> None:
         effect = func.handle
         action = None if effect is None else _effect_action(effect, self.memory.view, args, launch_id)
+        hook, writes = getattr(effect, "pending", None), getattr(effect, "writes", None)
+        ask = None if hook is None else partial(hook, self.memory.view, tuple(args))
+        spans = () if writes is None else tuple((p, p + n) for p, n in writes(tuple(args)))
         self._send((_LAUNCH, func.name, grid, block, stream, launch_id, dyn_smem, instrumented, group),
-                   stream, action, on_complete)
+                   stream, action, on_complete, spans, ask)
 
     # -- memory (kept here: the child only keeps time) -------------------------------------
     def _alloc(self, nbytes: int) -> int:
@@ -163,12 +281,14 @@ class SimProcessDevice(Device):
     def _memcpy_htod(self, dst: int, src: np.ndarray, stream: int, on_complete: Callback) -> None:
         target = self.memory.view(dst, src.size)
         self._send((_COPY, H2D, stream, src.size), stream,
-                   lambda: target.__setitem__(slice(None), src), on_complete)
+                   lambda: target.__setitem__(slice(None), src), on_complete,
+                   ((dst, dst + src.size),))
 
     def _memcpy_dtoh(self, dst: np.ndarray, src: int, stream: int, on_complete: Callback) -> None:
         source = self.memory.view(src, dst.size)
         self._send((_COPY, D2H, stream, dst.size), stream,
-                   lambda: dst.__setitem__(slice(None), source), on_complete)
+                   lambda: dst.__setitem__(slice(None), source), on_complete,
+                   ((src, src + dst.size),))
 
     # -- ordering -------------------------------------------------------------------
     def _record_event(self, stream: int) -> _Pending:
@@ -183,7 +303,11 @@ class SimProcessDevice(Device):
         return self._per_stream[stream] == 0
 
     def _synchronize(self) -> None:
-        while self._pending:
+        while self._pending or self._held:
+            if not self._pending:            # (only answers to wait for)
+                time.sleep(0.0005)
+                self.poll()
+                continue
             if not self._conn.poll(5.0):
                 raise DeviceError("synchronize: the simulator process answered nothing for 5 s")
             self.poll()
