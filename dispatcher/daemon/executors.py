@@ -167,6 +167,10 @@ class DispatcherExecutor:
                               f"{type(e).__name__}: {e}; fix the plug-in or choose another "
                               f"policy (--policy, [policy] name)") from None
         self._next_event = getattr(device, "next_event_time", None)
+        #: A device that cannot tell its next event may still tell it has nothing that
+        #: can complete (``quiet``: the simulator in its own process with no op there).
+        self._quiet = None if self._next_event is not None else \
+            (lambda: getattr(device, "quiet", False))
         self.stage = BatchingStage(self.disp, stage_instruments)
         self._next_vid = self.VARIANT_IDS
         self.stage.new_model_id = self._new_vid      # schedulers' internal models
@@ -297,7 +301,13 @@ class DispatcherExecutor:
         batch_at = self.stage.deadline()
         if self.disp.in_flight == 0 and batch_at is None:
             return None
-        if self.disp.in_flight and (not self.disp.idle or self._next_event is None):
+        if self.disp.in_flight and (not self.disp.idle or self._next_event is None) \
+                and not (self.disp.idle and self._quiet is not None and self._quiet()):
+            # (Runnable, or a device that may complete something at any moment. One that
+            # is quiet while jobs wait for their answers lets the loop sleep below: the
+            # workers wake it. Spinning there kept the SCHED_FIFO loop busy for whole
+            # seconds, and the kernel's real-time throttling, 50 ms in every second by
+            # default, then stalled every client: session 28.)
             return 0.0
         at = min(self._next_event() if self.disp.in_flight and self._next_event else float("inf"),
                  float("inf") if batch_at is None else batch_at)

@@ -650,7 +650,10 @@ class Daemon:
         if self.draining:
             raise StartupInterrupted()
         log.info("froze %d start-up objects out of the garbage collector's way", freeze_heap())
-        pin_and_prioritize(self.cfg.cpu, self.cfg.rt_priority)
+        core = pin_and_prioritize(self.cfg.cpu, self.cfg.rt_priority)
+        keep_off = getattr(self.device, "keep_off_core", None)
+        if core is not None and keep_off is not None:
+            keep_off(core)                   # (the simulator's own process: not the loop's core)
         fds = raise_fd_limit()
         log.info("listening on %s (idle mode %s, %d file descriptors)", self.cfg.socket,
                  self.cfg.idle, fds)

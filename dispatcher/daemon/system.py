@@ -64,8 +64,10 @@ def sd_notify(message: str) -> bool:
     return True
 
 
-def pin_and_prioritize(cpu: str, rt_priority: int) -> None:
-    """Pin the loop to its core and ask for SCHED_FIFO; say what was granted."""
+def pin_and_prioritize(cpu: str, rt_priority: int) -> int | None:
+    """Pin the loop to its core and ask for SCHED_FIFO; say what was granted. Returns
+    the loop's core (None: not pinned)."""
+    core = None
     if cpu != "none":
         allowed = sorted(os.sched_getaffinity(0))
         core = allowed[-1] if cpu == "auto" else int(cpu)
@@ -77,13 +79,14 @@ def pin_and_prioritize(cpu: str, rt_priority: int) -> None:
         log.info("dispatcher loop not pinned (cpu = none)")
     if rt_priority <= 0:
         log.info("real-time priority off (rt_priority = 0): normal scheduling")
-        return
+        return core
     try:
         os.sched_setscheduler(0, os.SCHED_FIFO, os.sched_param(rt_priority))
         log.info("running SCHED_FIFO priority %d", rt_priority)
     except PermissionError:
         log.warning("SCHED_FIFO priority %d not permitted (needs CAP_SYS_NICE or "
                     "LimitRTPRIO); running with normal scheduling", rt_priority)
+    return core
 
 
 def raise_fd_limit() -> int:

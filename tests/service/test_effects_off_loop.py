@@ -147,6 +147,36 @@ def test_a_slow_new_input_does_not_stall_the_others(tmp_path, mlp, reference, fr
     assert dp.stop() == 0
 
 
+def _loop_cpu_seconds(pid: int) -> float:
+    """The daemon's main thread's CPU time (user + system), from /proc."""
+    fields = open(f"/proc/{pid}/task/{pid}/stat").read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+@pytest.mark.parametrize("mode", [(), ("--sim-mode", "process")], ids=["stepped", "process"])
+def test_the_loop_sleeps_while_its_jobs_only_wait_for_answers(tmp_path, mlp, fresh_daemon,
+                                                              mode):
+    """A job waiting for its answer holds nothing on the device, so nothing can happen
+    until the workers (or a client) speak: the loop sleeps. With the simulator in its own
+    process it spun instead (that device cannot tell its next event), keeping the
+    SCHED_FIFO loop busy for as long as answers were computed; past 0.95 s in every
+    second the kernel's real-time throttling then stopped it for 50 ms, and every
+    client with it (echo p99 28-71 ms beside fresh inputs, session 28)."""
+    repo = repo_with(tmp_path, mlp, "tiny_mlp")
+    dp = fresh_daemon("--models", str(repo), "--no-noop", *mode,
+                      env={"PAELLA_SIM_EFFECT_FAULT": "delay:3"})
+    slow = connect(dp.socket)
+    rid = submit(slow, fresh(11))
+    wait_for(lambda: effects_status(dp)["running"] == 1, 10, "the answer never ran", dp)
+    c0, t0 = _loop_cpu_seconds(dp.pid), time.monotonic()
+    time.sleep(1.5)
+    busy = (_loop_cpu_seconds(dp.pid) - c0) / (time.monotonic() - t0)
+    assert busy < 0.5, f"the loop used {busy:.0%} of a core while only an answer was awaited"
+    assert slow.read_result(timeout=30) == rid
+    slow.close()
+    assert dp.stop() == 0
+
+
 def test_a_crashing_worker_fails_only_its_request(tmp_path, mlp, reference, fresh_daemon):
     repo = repo_with(tmp_path, mlp, "tiny_mlp")
     dp = fresh_daemon("--models", str(repo), "--no-noop",

@@ -65,6 +65,12 @@ MAX_STARTUP_FAILURES = 3
 MAX_BACKOFF = 30.0
 
 _PR_SET_PDEATHSIG = 1            # <linux/prctl.h>; as paella.parent_death
+#: The workers' niceness: an answer is batch work, while the round trips of every
+#: client depend on the processes it competes with for a core (the clients, the
+#: simulator's own process under ``--sim-mode process``). At 10, CFS gives a worker
+#: about a tenth of a core it shares with a busy process of niceness 0, and the
+#: worker runs at full speed on a core nobody else wants.
+WORKER_NICE = 10
 
 
 #: The pools started and not closed yet, closed at interpreter exit (see below).
@@ -176,6 +182,10 @@ def _worker_main(conn: Connection, env: dict[str, str], parent_pid: int) -> None
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     _end_with_parent(parent_pid)
+    try:
+        os.nice(WORKER_NICE)
+    except OSError:                                  # (not permitted: run as is)
+        pass
     conn.send(("ready", os.getpid()))
     while True:
         try:
