@@ -301,14 +301,17 @@ class DispatcherExecutor:
         batch_at = self.stage.deadline()
         if self.disp.in_flight == 0 and batch_at is None:
             return None
-        if self.disp.in_flight and (not self.disp.idle or self._next_event is None) \
-                and not (self.disp.idle and self._quiet is not None and self._quiet()):
-            # (Runnable, or a device that may complete something at any moment. One that
-            # is quiet while jobs wait for their answers lets the loop sleep below: the
-            # workers wake it. Spinning there kept the SCHED_FIFO loop busy for whole
-            # seconds, and the kernel's real-time throttling, 50 ms in every second by
-            # default, then stalled every client: session 28.)
-            return 0.0
+        if self.disp.in_flight:
+            idle = self.disp.idle
+            # A device that cannot tell its next event may complete something at any
+            # moment: spin, unless it is quiet while the jobs wait for their answers
+            # (the workers wake the loop). Spinning there kept the SCHED_FIFO loop busy
+            # for whole seconds, and the kernel's real-time throttling, 50 ms in every
+            # second by default, then stalled every client (session 28).
+            unknown = self._next_event is None and not (idle and self._quiet is not None
+                                                        and self._quiet())
+            if not idle or unknown:
+                return 0.0
         at = min(self._next_event() if self.disp.in_flight and self._next_event else float("inf"),
                  float("inf") if batch_at is None else batch_at)
         wait = (at - self.device.now()) / getattr(self.device, "speed", 1.0)

@@ -436,7 +436,8 @@ class Daemon:
             # The compiled models' answers only: a new input is computed before its job
             # starts (Dispatcher._await_answer), and found cached when the simulator's
             # completion applies the effect; one the lookup ahead did not cover holds
-            # its stream's completions until it is in (SimProcessDevice._arrived).
+            # that kernel's completion, and what reads its output, until it is in
+            # (SimProcessDevice._arrived).
             self._own_workers = workers
         else:
             dev.effects = workers
