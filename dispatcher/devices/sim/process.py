@@ -203,10 +203,13 @@ class SimProcessDevice(Device):
         self._finish(p)
 
     def _hold_for_answer(self, p: _Pending) -> bool:
-        """Ask ``p``'s effect for its answer (its inputs have landed: the core released
-        the kernel after its input copies completed); True if it is still being
+        """Ask ``p``'s effect for its answer (its inputs have landed: what the kernel
+        waited for completed before it in the child, which reports completions in
+        order, and their copies are applied here first); True if it is still being
         computed: ``p`` is then held until it is in. A failure to ask is left to the
-        effect itself (DeviceLost, as before)."""
+        effect itself (DeviceLost, as before). (The held kernels are not bounded here
+        as the stepped simulator bounds its gates: each holds only its own job's
+        completions, no stream.)"""
         try:
             future = p.ask()
         except Exception:  # noqa: BLE001 - applying the effect reports it (_effect_action)
