@@ -423,6 +423,8 @@ typedef struct {
     int realtime;                /* the engine follows the wall clock: sync before submitting */
     int implied_on;              /* implied_copies: Plan.implied copies record no event */
     const int *gates;            /* the engine's gates per stream (direct), else NULL */
+    Py_buffer gates_view;        /* else the device's own counts (stream_gates: an int32
+                                    array; the process simulator's), if it has them */
     double wall_t0, wall_speed;
 } Core;
 
@@ -553,12 +555,38 @@ static inline int ungated(Core *c, int s)
     return s;                    /* (every stream held: wait behind the first) */
 }
 
+/* Whether op i must wait before its release: it would take its job's first real stream
+   (or, sticky, its virtual stream's) while every stream holds a gate, in the modes where
+   jobs share streams (single, sticky). In real time the simulator puts a gate ahead of a
+   kernel whose answer it asks for when the kernel reaches its stream's head (released
+   ahead: an eager policy submits all of a job's work at its start), and such a gate can
+   hold the stream for the whole computation of another client's answer. So a job goes
+   only where no gate is, and waits for such a stream when there is none (with more jobs
+   in flight than streams): waiting, it is released as soon as a job passes its gate;
+   queued behind one, it would have waited for that answer (issue 37). Pool mode never
+   shares a stream between jobs. One test per op once the job has its stream. */
+static inline int must_wait(Core *c, Job *j, int i)
+{
+    if (c->gates == NULL || c->mode == M_POOL || (j->pin >= 0 && c->mode != M_SINGLE))
+        return 0;
+    if (j->real[c->mode == M_SINGLE ? 0 : j->plan->vstream[i]] >= 0)
+        return 0;
+    for (int t = 0; t < c->n_streams; t++)
+        if (!c->gates[t])
+            return 0;
+    return 1;
+}
+
 /* The engine's gate counts, read by ungated (none without an engine, or from one with
    fewer streams than the core). */
 static void bind_gates(Core *c)
 {
     int n = 0;
     const int *g = c->engine != Py_None ? EAPI->stream_gates(c->engine, &n) : NULL;
+    if (g == NULL && c->gates_view.obj != NULL) {
+        g = (const int *)c->gates_view.buf;
+        n = (int)(c->gates_view.len / (Py_ssize_t)sizeof(int));
+    }
     c->gates = n >= c->n_streams ? g : NULL;
 }
 
@@ -1250,6 +1278,8 @@ static int flush_copies(Core *c)
         int b = behind_of(c, j, r->node);
         if (b < 0 && c->mode == M_POOL && !c->free_n)
             return 0;
+        if (b < 0 && must_wait(c, j, r->node))
+            return 0;
         int32_t id = r->job;
         int node = r->node;
         refq_pop(&c->copies);
@@ -1534,6 +1564,8 @@ static int release_loop(Core *c)
                               : TAPI->flow_ok(c->tracker, k->d.entries)))
             return 0;
         else if (pool && !c->free_n && b < 0 && j->pin < 0)
+            return 0;
+        else if (!pool && b < 0 && must_wait(c, j, i))
             return 0;
         j->rq_head = (j->rq_head + 1) % p->n;
         j->rq_n--;
@@ -2295,6 +2327,29 @@ static PyObject *Core_abort(Core *c, PyObject *const *args, Py_ssize_t nargs)
     return out;
 }
 
+/* job_of(launch_id) -> the token of the live job whose kernel was released as
+   `launch_id`, or None. For a kernel that failed after its completion was reported
+   (Device.late_faults: the process simulator's answer failed at the completion): the
+   dispatcher fails that job with the reason. Rare, so a scan of the job slots, not an
+   index kept per release. */
+static PyObject *Core_job_of(Core *c, PyObject *arg)
+{
+    long long lid = PyLong_AsLongLong(arg);
+    if (lid == -1 && PyErr_Occurred())
+        return NULL;
+    for (int id = 0; id < c->njobs_cap; id++) {
+        Job *j = c->jobs[id];
+        if (j == NULL || j->finished)
+            continue;
+        const Plan *p = j->plan;
+        for (int i = 0; i < p->n; i++)
+            if (p->kind[i] == KERNEL && j->lid[i] == lid
+                    && (j->st[i] == RELEASED || j->st[i] == DONE))
+                return Py_NewRef(j->token);
+    }
+    Py_RETURN_NONE;
+}
+
 /* reserve(stream): a named stream (Dispatcher.stream_named) leaves the pool for good: a
    sentinel count keeps it busy, so it never returns to the free list. */
 static PyObject *Core_reserve(Core *c, PyObject *arg)
@@ -2652,6 +2707,8 @@ done:
 static void Core_dealloc(Core *c)
 {
     PyObject_GC_UnTrack(c);
+    if (c->gates_view.obj != NULL)
+        PyBuffer_Release(&c->gates_view);
     for (int i = 0; i < c->njobs_cap; i++) {
         if (c->jobs[i] != NULL) {
             if (!c->jobs[i]->finished)
@@ -2798,6 +2855,22 @@ static int Core_init(Core *c, PyObject *args, PyObject *kw)
     c->device = Py_NewRef(device);
     c->engine = Py_NewRef(engine);
     c->engine_given = Py_NewRef(engine);
+    /* A device that is no engine may count its own gates (stream_gates, an int32 array:
+       the process simulator's kernels that may be held for their answers). */
+    PyObject *sg = PyObject_GetAttrString(device, "stream_gates");
+    if (sg == NULL)
+        PyErr_Clear();
+    else {
+        if (c->gates_view.obj != NULL)
+            PyBuffer_Release(&c->gates_view);
+        if (PyObject_GetBuffer(sg, &c->gates_view, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0)
+            PyErr_Clear();
+        else if (c->gates_view.itemsize != (Py_ssize_t)sizeof(int) || c->gates_view.format == NULL
+                 || (strcmp(c->gates_view.format, "i") != 0 && strcmp(c->gates_view.format, "=i") != 0
+                     && strcmp(c->gates_view.format, "<i") != 0))
+            PyBuffer_Release(&c->gates_view);
+        Py_DECREF(sg);
+    }
     bind_gates(c);
     c->err_cls = Py_NewRef(err);
     c->lost_cls = Py_NewRef(lost);
@@ -2952,6 +3025,8 @@ static PyMethodDef Core_methods[] = {
      "cuda_kernels(plan, [(fn, grid, block, smem, sizes, instrumented, name) | None])"},
     {"abort", (PyCFunction)(void (*)(void))Core_abort, METH_FASTCALL,
      "abort(handle, token) -> [events]: drop the job's unreleased ops"},
+    {"job_of", (PyCFunction)Core_job_of, METH_O,
+     "job_of(launch_id) -> the live job's token that released that kernel, or None"},
     {NULL},
 };
 

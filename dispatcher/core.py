@@ -35,6 +35,7 @@ from __future__ import annotations
 import logging
 import operator
 import time
+import weakref
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable, TypeVar
@@ -211,6 +212,13 @@ class Dispatcher:
         self.device = device
         #: The device's failed kernels (launch id -> reason; Device.faults), the same dict.
         self._faults: dict[int, str] = getattr(device, "faults", {})
+        #: ... and those that failed after their completion was reported
+        #: (``Device.late_faults``), taken at the start of each pass; on this object's
+        #: own path, the job of each kernel released on such a device, by launch id (the
+        #: kernel cores find it themselves: ``job_of``).
+        self._late_faults: dict[int, str] = getattr(device, "late_faults", {})
+        self._late_jobs: weakref.WeakValueDictionary | None = (
+            weakref.WeakValueDictionary() if getattr(device, "late_effects", False) else None)
         #: Kernels of one job's stream that may be released and not yet completed (1: a
         #: kernel goes when its predecessor has completed; see "Lookahead" in the docs).
         self.lookahead = lookahead
@@ -255,6 +263,8 @@ class Dispatcher:
         gpu = getattr(device, "gpu", None)
         if getattr(device, "realtime", False) and hasattr(gpu, "stream_gated"):
             self.streams.gated = gpu.stream_gated    # (issue 37: held streams, see streams.py)
+        elif hasattr(device, "stream_gated"):        # (the process simulator's own counts)
+            self.streams.gated = device.stream_gated
         self.models: dict[int, Model] = {}   # by model id
         self.jobs: set[Job] = set()
         self.in_flight = 0
@@ -536,6 +546,8 @@ class Dispatcher:
         dev.poll()
         if self._answered:
             self._take_answered()
+        if self._late_faults:
+            self._take_late_faults()
         self.now = now = dev.now()
         core = self.core
         if core is not None:
@@ -591,6 +603,8 @@ class Dispatcher:
             behind = self._behind(op)
             if behind is None and not streams.available():
                 return                       # (a copy behind its predecessor needs none)
+            if behind is None and streams.gated is not None and streams.must_wait(op):
+                return
             copies.popleft()
             self._launch_copy(op, behind)
 
@@ -657,6 +671,8 @@ class Dispatcher:
                     return
             elif not admits(k.demand) or (pool and not free and not behind and job.pin < 0):
                 return
+            elif not pool and not behind and streams.gated is not None and streams.must_wait(op):
+                return
             ready.popleft()
             job.in_policy = False
             self._queued -= 1
@@ -684,6 +700,8 @@ class Dispatcher:
                 s = streams.assign(op)
             op.launch_id = lid = tracker.release(k.demand, op)
             op.t_release = now
+            if self._late_jobs is not None:
+                self._late_jobs[lid] = job
             self._progress += 1
             self._hold_reported = False
             try:
@@ -1191,6 +1209,28 @@ class Dispatcher:
         job = op.job
         if job.state != FINISHED and job.error is None:
             self._abort(job, reason, cancelled=False)
+
+    def _take_late_faults(self) -> None:
+        """Kernels that failed after the device reported them done (``late_faults``:
+        the process simulator's answers that failed): each one's job fails with the
+        reason, before this pass applies anything else, so that the output copy behind
+        the kernel, whose completion the device reports in the same poll or later, ends
+        the job as failed, never as answered with stale bytes. (A job gone meanwhile,
+        cancelled, is skipped.)"""
+        faults = self._late_faults
+        while faults:
+            lid, reason = faults.popitem()
+            if self.core is not None:
+                job = self.core.job_of(lid)
+                if job is not None and job.error is None:
+                    job.cancelled, job.error = False, reason
+                    self._core_events(self.core.abort(job.core, job))
+                continue
+            job = self._late_jobs.get(lid) if self._late_jobs is not None else None
+            if job is not None and job.state != FINISHED and job.error is None:
+                self._abort(job, reason, cancelled=False)
+                if job.waitlist.pending == 0:
+                    self._finish(job)
 
     def _device_refused(self, op: Op, exc: DeviceError) -> None:
         """The device rejected a released op (a bad pointer, say): fail its job.

@@ -478,6 +478,19 @@ class KernelCore:
         self.progress += 1
         return events
 
+    def job_of(self, launch_id: int) -> Any:
+        """The token of the live job whose kernel was released as ``launch_id``, or
+        None. For a kernel that failed after its completion was reported
+        (``Device.late_faults``): the dispatcher fails that job. Rare, so a scan."""
+        for job in self.handles.values():
+            if job.finished:
+                continue
+            kinds = job.plan.kinds
+            for i, lid in enumerate(job.lid):
+                if lid == launch_id and kinds[i] == KERNEL and job.st[i] in (RELEASED, DONE):
+                    return job.token
+        return None
+
     def real_time(self, t0: float, speed: float) -> None:
         """The engine follows the wall clock: each direct launch first fires what is due."""
         self.wall = (t0, speed)
@@ -664,6 +677,8 @@ class KernelCore:
                 return
             elif pool and not self.free and p < 0 and job.pin < 0:
                 return
+            elif not pool and p < 0 and self._must_wait(job, i):
+                return
             job.ready.popleft()
             job.in_policy = False
             self.queued -= 1
@@ -718,13 +733,31 @@ class KernelCore:
         job.stream[i] = s
         return s
 
+    def _must_wait(self, job: CoreJob, i: int) -> bool:
+        """Op ``i`` would take its job's first real stream (sticky: its virtual
+        stream's) while every stream holds a gate, where jobs share streams (single,
+        sticky): it waits for a stream with none rather than queue behind a gate that may
+        hold for another client's answer (_kcore.c's must_wait says why)."""
+        mode = self.stream_mode
+        if mode == "pool" or (job.pin >= 0 and mode != "single"):
+            return False
+        if job.real[0 if mode == "single" else job.plan.vstream[i]] >= 0:
+            return False
+        gated = self._gated()
+        return gated is not None and all(gated(t) for t in range(self.n_streams))
+
     def _ungated(self, s: int) -> int:
         """``s``, or the next stream after it that holds no gate (the simulated device
         holding a kernel whose answer is still being computed): a new job, or a job's new
         virtual stream, goes there, not behind the held kernel (issue 37). Real time
         only; a core not launching into the engine sees none."""
+        return next_ungated(self._gated(), s, self.n_streams)
+
+    def _gated(self) -> Callable[[int], bool] | None:
+        """Whether a stream holds a gate: the engine's counts (direct), else the device's
+        own if it keeps them (the process simulator: ``stream_gated``), else None."""
         engine = self.engine
-        return next_ungated(None if engine is None else engine.stream_gated, s, self.n_streams)
+        return engine.stream_gated if engine is not None else getattr(self.device, "stream_gated", None)
 
     def _stream_done(self, s: int) -> None:
         self.busy[s] -= 1
@@ -767,6 +800,8 @@ class KernelCore:
                 continue
             p = self._behind(job, i)
             if p < 0 and self.stream_mode == "pool" and not self.free:
+                return
+            if p < 0 and self._must_wait(job, i):
                 return
             copies.popleft()
             self._launch_copy(job, i, p)

@@ -129,6 +129,20 @@ class StreamMap:
         op.stream = s
         return s
 
+    def must_wait(self, op: Op) -> bool:
+        """``op`` would take its job's first real stream (sticky: its virtual stream's)
+        while every stream holds a gate, in the modes where jobs share streams (single,
+        sticky): the dispatcher holds it until a stream has none, rather than queue it
+        behind a gate that may hold for another client's answer (issue 37; the kernel
+        cores' ``must_wait`` says why)."""
+        gated, mode = self.gated, self.mode
+        job = op.job
+        if gated is None or mode == "pool" or job is None or (job.pin >= 0 and mode != "single"):
+            return False
+        if (job.home if mode == "single" else op.vstream.real) >= 0:
+            return False
+        return all(gated(t) for t in range(self.n))
+
     def ungated(self, s: int) -> int:
         """``s``, or the next stream after it that holds no gate (:func:`next_ungated`)."""
         return next_ungated(self.gated, s, self.n)

@@ -156,6 +156,13 @@ class Device:
         #: complete and fails the kernel's job with the reason, so one request's failure
         #: is not the daemon's.
         self.faults: dict[int, str] = {}
+        #: Kernels that failed after their completion was reported, without losing the
+        #: device: launch id -> the reason. Only the simulator in its own process fills it
+        #: (an answer that failed once the child had reported the kernel done; the
+        #: dispatcher may have read its notifications already, so ``faults`` comes too
+        #: late). What reads the kernel's output is not applied before the dispatcher's
+        #: next pass, which pops each entry first and fails that kernel's job.
+        self.late_faults: dict[int, str] = {}
 
     # -- kernels ---------------------------------------------------------------
     def load_module(self, image: ModuleImage) -> dict[str, Function]:

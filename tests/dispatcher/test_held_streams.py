@@ -54,3 +54,26 @@ def test_pool_mode_never_hands_out_a_busy_stream():
     a = m.assign(op(job()))
     b = m.assign(op(job()))
     assert {a, b} == {0, 1} and not m.available()
+
+
+def test_a_new_job_or_virtual_stream_waits_while_every_stream_holds_a_gate():
+    held = set(range(4))
+    for mode in ("single", "sticky"):
+        m = StreamMap(4, mode)
+        m.gated = held.__contains__
+        j = job()
+        first = op(j, SimpleNamespace(real=-1))
+        assert m.must_wait(first)                 # nowhere without a gate: it waits
+        held.discard(2)
+        assert not m.must_wait(first) and m.assign(first) == 2
+        held.add(2)
+        # Once it has its stream, its later ops go there, gate or not (stream order).
+        assert not m.must_wait(op(j, first.vstream))
+    pool = StreamMap(4, "pool")
+    pool.gated = held.__contains__
+    assert not pool.must_wait(op(job()))          # (pool never shares a stream)
+    pinned = StreamMap(4, "sticky")
+    pinned.gated = held.__contains__
+    named = SimpleNamespace(pin=3, home=-1)
+    assert not pinned.must_wait(op(named, SimpleNamespace(real=-1)))   # its named stream
+    assert not StreamMap(4, "single").must_wait(op(job()))             # a device without gates

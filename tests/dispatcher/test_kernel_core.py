@@ -551,3 +551,41 @@ def test_a_new_job_goes_to_a_stream_that_holds_no_gate(impl, policy):
         dev.run_until(min(dev.next_event_time(), t_end))
     assert done == {1: STATUS_OK} and dev.gpu.stream_gated(0)
     assert dev.gpu.open(handle)
+
+
+@pytest.mark.parametrize("impl", ("python", "c", None))
+@pytest.mark.parametrize("policy", ("fifo", "ms-jbj"))
+def test_with_a_gate_in_every_stream_a_new_job_waits_for_a_stream_without_one(impl, policy):
+    """Released ahead (an eager policy submits all of a job's work at its start), every
+    job with an answer to ask puts a gate in its stream; with more such jobs in flight
+    than streams, every stream holds one, and a gate may hold for the whole computation
+    of another client's answer. A new job then waits for a stream without a gate instead
+    of queueing behind one (issue 37's last gap, session 29): here it is released only
+    once one stream's gate opens, and goes there. Both cores and the dispatcher's own
+    path (None: Python plug-in policies)."""
+    from paella.dispatcher.adaptor import synthetic_plan
+    plan = synthetic_plan("two", [("a", 1, 128, 9, 50e-6), ("b", 1, 128, 9, 50e-6)], 64, 64)
+    dev = SimDevice("gtx1660s", n_streams=8, notifq_slots=1 << 12, seed=1)
+    d = Dispatcher(dev, policy, profile_runs=1, kernel_core=impl)
+    if impl is None:                      # (the own path reads gates in real time only)
+        d.streams.gated = dev.gpu.stream_gated
+    mid = d.register_model("two", PlanAdaptor(plan))
+    handles = [dev.gpu.gate(s) for s in range(8)]
+    done = {}
+    m = d.models[mid]
+    d.submit(Request(1, 1, mid, np.zeros(m.adaptor.io_bytes, np.uint8),
+                     on_complete=lambda r, s, e: done.__setitem__(r.req_id, s)))
+    for _ in range(5):
+        d.step()
+        dev.run_until(dev.now() + 1e-3)
+    assert not done and all(dev.gpu.stream_idle(s) is False for s in range(8))
+    assert dev.gpu.busy() and dev.gpu.gates == 8          # nothing of the job went in
+    assert dev.gpu.open(handles[5])
+    t_end = dev.now() + 0.1
+    while 1 not in done and dev.now() < t_end:
+        d.step()
+        dev.run_until(min(dev.next_event_time(), t_end))
+    assert done == {1: STATUS_OK} and dev.gpu.gates == 7
+    assert all(dev.gpu.stream_gated(s) for s in range(8) if s != 5)
+    for h in handles:
+        dev.gpu.open(h)

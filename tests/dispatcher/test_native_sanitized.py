@@ -89,6 +89,9 @@ cs.test_the_spin_ends_at_its_deadline_while_a_kernel_runs()
 import test_core_meter as cm                # the metered entry points
 cm.test_metering_counts_every_entry_call_and_changes_no_event("c")
 cm.test_the_c_step_takes_a_time_of_any_real_type_and_refuses_what_is_not_one()
+import test_core_job_of as jo               # a launch id's live job (late faults)
+jo.test_a_released_kernel_names_its_live_job_and_none_once_it_has_finished("c")
+jo.test_the_c_core_refuses_a_launch_id_that_is_not_an_int()
 print("sanitized run ok")
 '''
 

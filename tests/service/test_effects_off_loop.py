@@ -521,9 +521,12 @@ def test_a_flood_of_answers_computed_at_their_kernels_takes_its_tenants_share_on
 
 @pytest.mark.parametrize("policy", [("fifo",), ("paella",), ("fifo", "--kernel-core", "off"),
                                     ("ms-jbj", "--kernel-core", "off"),
-                                    ("paella", "--sim-mode", "process")],
+                                    ("paella", "--sim-mode", "process"),
+                                    ("fifo", "--sim-mode", "process"),
+                                    ("ms-jbj", "--sim-mode", "process", "--kernel-core", "off")],
                          ids=["fifo", "paella", "fifo-own-path", "ms-jbj-own-path",
-                              "simulator-process"])
+                              "simulator-process", "fifo-simulator-process",
+                              "ms-jbj-own-path-simulator-process"])
 def test_a_kernel_held_for_its_answer_does_not_hold_the_others(tmp_path, mlp8, fresh_daemon,
                                                                policy):
     """An input equal to a cached one where the lookup ahead reads (its first and middle
@@ -557,4 +560,39 @@ def test_a_kernel_held_for_its_answer_does_not_hold_the_others(tmp_path, mlp8, f
     np.testing.assert_array_equal(output_of(slow, rid), ref(crafted))
     slow.close()
     other.close()
+    assert dp.stop() == 0
+
+
+@pytest.mark.parametrize("mode", [(), ("--sim-mode", "process"),
+                                  ("--sim-mode", "process", "--kernel-core", "off")],
+                         ids=["stepped", "process", "process-own-path"])
+def test_an_answer_failing_at_its_kernel_fails_only_its_request(tmp_path, mlp8, fresh_daemon,
+                                                                mode):
+    """An input the lookup ahead passes as a cached one's (equal where it reads) is
+    computed when its kernel runs; here its worker crashes. Only that request fails,
+    with the reason, and the daemon goes on serving. In process mode the child has
+    reported the kernel done by then, so the failure comes after the dispatcher saw the
+    kernel complete (``Device.late_faults``): it used to be a sticky device error, and
+    the daemon answered everyone and exited, so one tenant's crafted input restarted it
+    (session 28's open gap)."""
+    from paella.bundle import load_bundle
+    b = load_bundle(mlp8)
+    ref = lambda x: b.run_cpu({"x": x})["output0"]         # noqa: E731
+    repo = repo_with(tmp_path, mlp8, "tiny_mlp")
+    dp = fresh_daemon("--models", str(repo), "--no-noop", *mode,
+                      env={"PAELLA_SIM_EFFECT_FAULT": "crash"})
+    zeros = np.zeros((8, 16), np.float32)      # (the warm-up's: computed, cached)
+    with connect(dp.socket) as c:
+        for k in range(2):
+            crafted = zeros.copy()
+            crafted[7] = 1.0 + k                 # bytes 448..511: outside the coarse key
+            with pytest.raises(RequestFailed) as e:
+                c.infer("tiny_mlp", {"x": crafted}, timeout=30)
+            assert e.value.status == rings.E_FAILED and "SIGSEGV" in e.value.reason, e.value.reason
+            np.testing.assert_array_equal(c.infer("tiny_mlp", {"x": zeros}, timeout=10)["output0"],
+                                          ref(zeros))
+            e1 = np.full(256, k, np.float32)
+            np.testing.assert_array_equal(c.infer("echo", {"x": e1}, timeout=10)["y"], e1)
+    assert dp.proc.poll() is None, dp.log()
+    assert effects_status(dp)["crashed"] == 2
     assert dp.stop() == 0

@@ -296,7 +296,7 @@ class SimDevice(Device):
         try:
             return pending(self.memory.view, args)
         except Exception as e:  # noqa: BLE001 - any failure of the stand-in computation
-            _record_fault(self, launch_id, e)
+            record_fault(self, launch_id, e)
             return None
 
     def _ask_reached(self) -> None:
@@ -421,22 +421,27 @@ def _with_effect(effect, view, args: tuple, then: Callback, device: SimDevice,
             try:
                 effect(view, args)
             except Exception as e:  # noqa: BLE001 - any failure of the stand-in computation
-                _record_fault(device, launch_id, e)
+                record_fault(device, launch_id, e)
         if then is not None:
             then()
     return done
 
 
-def _record_fault(device: SimDevice, launch_id: int, e: BaseException) -> None:
+def record_fault(device: Device, launch_id: int, e: BaseException,
+                 into: dict[int, str] | None = None) -> None:
+    """Record why kernel ``launch_id``'s effect failed, in ``device.faults`` (or
+    ``into``: the process simulator's ``late_faults``), logging it rate-limited."""
     # (A client sees the first 120 bytes: the workers' failures say it all themselves.)
     worker = isinstance(e, (EffectFailed, EffectQueueFull))
+    effects = getattr(device, "effects", None)
     if isinstance(e, EffectQueueFull):       # a refusal: told as the overload it is, as
-        reason = str(e) if isinstance(e, Evicted) else overloaded_reason(device.effects)
+        reason = (str(e) if isinstance(e, Evicted) or not hasattr(effects, "queued")
+                  else overloaded_reason(effects))
     else:                                    # the lookup ahead's refusals are
         reason = (f"answer not computed: {str(e)[:300]}" if worker else
                   f"the simulated GPU could not compute this request's outputs "
                   f"({type(e).__name__}: {str(e)[:300]})")
-    device.faults[launch_id] = reason
+    (device.faults if into is None else into)[launch_id] = reason
     held = _FAULT_LOG.admit()
     if held is not None:
         log.warning("kernel launch %d: %s%s", launch_id, reason,

@@ -35,13 +35,14 @@ import numpy as np
 import posix_ipc
 
 from paella import protocol
-from paella.dispatcher.devices.base import (Callback, Device, DeviceError, DeviceLost, Dim3,
+from paella.dispatcher.devices.base import (Callback, Device, DeviceError, Dim3,
                                             Function, KernelInfo, ModuleImage)
 from paella.gpus import GpuSpec, preset
 from paella.occupancy import Footprint
 from paella.segments import segment_name
 
 from .cost import CostModel
+from .device import record_fault
 from .hardware import D2H, H2D
 from .memory import SimMemory
 
@@ -80,20 +81,23 @@ def _overlaps(a: tuple, b: tuple) -> bool:
     return any(s < f and t < e for s, e in a for t, f in b)
 
 
-def _effect_action(effect, view, args: tuple, launch_id: int):
-    """A kernel's functional effect, applied when the child reports the kernel done. In
-    this mode the dispatcher may have read the kernel's notifications already, so a
-    failure can no longer be given to that kernel's job alone (``Device.faults``, as the
-    stepped simulator does): it is a sticky error, as a faulting kernel is on a GPU. The
-    daemon then answers every request in flight with the reason and exits for its
-    service manager to restart it, instead of answering this one with stale outputs."""
+def _effect_action(effect, device: "SimProcessDevice", args: tuple, launch_id: int):
+    """A kernel's functional effect, applied when the child reports the kernel done. A
+    failure (the answer's worker crashed or hung, the answer was evicted from a full
+    queue, the computation raised) is that kernel's job's alone, as in the stepped
+    simulator; but the dispatcher may have read the kernel's notifications already, so
+    it goes in ``late_faults``, which the dispatcher takes before anything else this
+    device reports (nothing reading the kernel's output lands before: it completes in a
+    later report, or later in this one), and fails that job with the reason. (It was a
+    sticky error once, as a faulting kernel is on a GPU: the daemon then answered every
+    request in flight and exited, so one tenant's bad input restarted everyone's.)"""
+    view = device.memory.view
+
     def action() -> None:
         try:
             effect(view, args)
         except Exception as e:  # noqa: BLE001 - any failure of the stand-in computation
-            raise DeviceLost(f"the simulated GPU (in its own process) could not compute the "
-                             f"outputs of kernel launch {launch_id}: {type(e).__name__}: "
-                             f"{str(e)[:300]}") from e
+            record_fault(device, launch_id, e, into=device.late_faults)
     return action
 
 
@@ -119,6 +123,12 @@ class SimProcessDevice(Device):
         self._t0 = time.perf_counter()
         self._pending: dict[int, _Pending] = {}
         self._per_stream = [0] * len(self.streams)
+        #: Per stream, kernels launched with an answer to ask and not applied yet: each
+        #: may be held for its answer when the child reports it done. The kernel cores
+        #: read it as the stepped simulator's gates (an int32 array, read in place), so
+        #: that where jobs share streams (fifo, ms-jbj) a new job goes to a stream with
+        #: none, or waits for one, and never completes behind another client's answer.
+        self.stream_gates = np.zeros(len(self.streams), np.int32)
         #: The kernels whose answer is still being computed, each with the completions
         #: held behind it; and those whose answer came in (the workers' thread appends).
         self._held: list[_Held] = []
@@ -207,7 +217,7 @@ class SimProcessDevice(Device):
         waited for completed before it in the child, which reports completions in
         order, and their copies are applied here first); True if it is still being
         computed: ``p`` is then held until it is in. A failure to ask is left to the
-        effect itself (DeviceLost, as before). (The held kernels are not bounded here
+        effect itself (``late_faults``). (The held kernels are not bounded here
         as the stepped simulator bounds its gates: each holds only its own job's
         completions, no stream.)"""
         try:
@@ -263,9 +273,15 @@ class SimProcessDevice(Device):
         held kernels, as the stepped simulator's gates)."""
         return len(self._held)
 
+    def stream_gated(self, stream: int) -> bool:
+        """A kernel that may be held for its answer is in ``stream`` (``stream_gates``)."""
+        return bool(self.stream_gates[stream])
+
     def _finish(self, p: _Pending) -> None:
         p.done = True
         self._per_stream[p.stream] -= 1
+        if p.ask is not None:
+            self.stream_gates[p.stream] -= 1
         if p.action is not None:
             p.action()
         if p.on_complete is not None:
@@ -293,12 +309,14 @@ class SimProcessDevice(Device):
                 args: tuple, stream: int, launch_id: int, instrumented: bool, group: int,
                 on_complete: Callback) -> None:
         effect = func.handle
-        action = None if effect is None else _effect_action(effect, self.memory.view, args, launch_id)
+        action = None if effect is None else _effect_action(effect, self, args, launch_id)
         hook, writes = getattr(effect, "pending", None), getattr(effect, "writes", None)
         ask = None if hook is None else partial(hook, self.memory.view, tuple(args))
         spans = () if writes is None else tuple((p, p + n) for p, n in writes(tuple(args)))
         self._send((_LAUNCH, func.name, grid, block, stream, launch_id, dyn_smem, instrumented, group),
                    stream, action, on_complete, spans, ask)
+        if ask is not None:
+            self.stream_gates[stream] += 1
 
     # -- memory (kept here: the child only keeps time) -------------------------------------
     def _alloc(self, nbytes: int) -> int:
