@@ -217,6 +217,13 @@ class Dispatcher:
         #: own path, the job of each kernel released on such a device, by launch id (the
         #: kernel cores find it themselves: ``job_of``).
         self._late_faults: dict[int, str] = getattr(device, "late_faults", {})
+        #: A device that may still write a finished job's buffers (the process
+        #: simulator applies a held kernel's answer after the dispatcher saw the kernel
+        #: done: a job cancelled meanwhile finishes first): ``writes_pending(pointers)``;
+        #: such a job's buffer set waits in ``_held_sets`` until the device lets go, so
+        #: that the next job on it never gets (or loses) the old job's answer.
+        self._writes_pending: Callable[[Any], bool] | None = getattr(device, "writes_pending", None)
+        self._held_sets: list[tuple[Any, Any]] = []
         self._late_jobs: weakref.WeakValueDictionary | None = (
             weakref.WeakValueDictionary() if getattr(device, "late_effects", False) else None)
         #: Kernels of one job's stream that may be released and not yet completed (1: a
@@ -548,6 +555,8 @@ class Dispatcher:
             self._take_answered()
         if self._late_faults:
             self._take_late_faults()
+        if self._held_sets:
+            self._release_held_sets()
         self.now = now = dev.now()
         core = self.core
         if core is not None:
@@ -1115,6 +1124,41 @@ class Dispatcher:
             except PLUGIN_ERRORS as e:
                 self._policy_failed("job_finished", e)
 
+    def _give_back(self, pool: Any, bindings: Any) -> None:
+        """A finished job's buffer set goes back: to the oldest job waiting for one, or
+        to the pool."""
+        if pool.waiting and self._memory_waiting:
+            # Jobs wait for memory: the set goes back, to be reclaimed if one of them
+            # is older (below), instead of straight to this model's queue, which
+            # would starve them under a steady load of this model.
+            pool.release(bindings)
+            self._memory_waiting.extend(pool.waiting)
+            pool.waiting.clear()
+        elif pool.waiting:                   # straight to the oldest job waiting for one
+            nxt = pool.waiting.popleft()
+            try:                             # (variants may share a pool)
+                nxt.bindings = nxt.model.pool.rebind(bindings)
+            except OutOfMemory:              # the set went back: nxt acquires anew
+                pass
+            self._arrivals.append(nxt)
+        else:
+            pool.release(bindings)
+
+    def _release_held_sets(self) -> None:
+        """The buffer sets of finished jobs that the device still writes (the process
+        simulator's kernels held for their answers: ``writes_pending``) go back once it
+        no longer does."""
+        held, self._held_sets = self._held_sets, []
+        for pool, bindings in held:
+            if self._writes_pending(bindings.ptrs.values()):
+                self._held_sets.append((pool, bindings))
+            else:
+                self._give_back(pool, bindings)
+                if self._memory_waiting:     # (as _finish: what it held may be reclaimed)
+                    waiting = sorted(self._memory_waiting, key=_BY_SEQ)
+                    self._memory_waiting.clear()
+                    self._arrivals.extend(waiting)
+
     def _finish(self, job: Job) -> None:
         job.state = FINISHED
         self.jobs.discard(job)
@@ -1124,23 +1168,10 @@ class Dispatcher:
         bindings = job.bindings
         if bindings is not None:             # its released ops have all completed
             job.bindings = None
-            pool = job.model.pool
-            if pool.waiting and self._memory_waiting:
-                # Jobs wait for memory: the set goes back, to be reclaimed if one of them
-                # is older (below), instead of straight to this model's queue, which
-                # would starve them under a steady load of this model.
-                pool.release(bindings)
-                self._memory_waiting.extend(pool.waiting)
-                pool.waiting.clear()
-            elif pool.waiting:               # straight to the oldest job waiting for one
-                nxt = pool.waiting.popleft()
-                try:                         # (variants may share a pool)
-                    nxt.bindings = nxt.model.pool.rebind(bindings)
-                except OutOfMemory:          # the set went back: nxt acquires anew
-                    pass
-                self._arrivals.append(nxt)
+            if self._writes_pending is not None and self._writes_pending(bindings.ptrs.values()):
+                self._held_sets.append((job.model.pool, bindings))
             else:
-                pool.release(bindings)
+                self._give_back(job.model.pool, bindings)
         if self._memory_waiting:             # what this job held may now be reclaimed:
             waiting = sorted(self._memory_waiting, key=_BY_SEQ)  # all try, oldest first
             self._memory_waiting.clear()

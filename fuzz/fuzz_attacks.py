@@ -4,7 +4,8 @@ Each *family* below is one way a tenant can misbehave: random and boundary contr
 frames, HELLO variants, hostile request-ring entries, ring indices written with
 garbage or torn, a segment truncated or remapped under the daemon, attempts to open
 other clients' segments, connections that never say HELLO, clients that vanish in the
-middle of a request, clients that never read their socket. An episode is short (well
+middle of a request, clients that never read their socket, clients that rewrite their
+inputs after submitting them. An episode is short (well
 under a second) and returns how many inputs it tried; the engine
 (``paella.fuzz.fuzz_daemon``) runs episodes in attacker processes, as another
 uid when it can, while legitimate clients check every answer.
@@ -768,6 +769,45 @@ def attack_no_read(ctx: Context) -> int:
     return tried
 
 
+def attack_rewrite(ctx: Context) -> int:
+    """A client that keeps rewriting its inputs after submitting them: the daemon looks
+    a compiled model's answer up (or has it computed) from the bytes it read at arrival,
+    and the device then finds other bytes at the kernel, whose answer is computed there
+    (issue 37): that job must wait for it alone, and its failure or refusal must be its
+    own. Valid requests to the models without a step scheduler, then rewrites of their
+    io with random bytes for a while (each rewrite a new never-seen input)."""
+    rng = ctx.rng
+    c = raw_connect(ctx, {"version": 1, "mode": rng.choice(wire.MODES), "arena_bytes": 1 << 20})
+    if c is None:
+        return 0
+    tried = 0
+    try:
+        plain = [(mid, ln) for mid, ln in c.models.values() if mid not in c.step_inputs and ln > 0]
+        if not plain:
+            return 0
+        n = min(rng.choice([1, 4, 16, 64]), c.room())
+        slots = []
+        for i in range(n):
+            mid, ln = rng.choice(plain)
+            off = i * (c.layout.arena_bytes // max(1, n))
+            if off + ln > c.layout.arena_bytes:
+                break
+            slots.append((c.layout.arena_offset + off, ln))
+            if c.touchable:
+                c.mm[slots[-1][0]:slots[-1][0] + ln] = os.urandom(ln)
+            c.push(i + 1, mid, off, ln)
+            tried += 1
+        c.kick()
+        end = time.monotonic() + rng.choice([0.002, 0.02, 0.2, 1.0])
+        while time.monotonic() < end and not ctx.stop() and c.touchable:
+            at, ln = rng.choice(slots)
+            c.mm[at:at + ln] = os.urandom(ln)
+            c.consume_completions()
+    finally:
+        c.close()
+    return tried
+
+
 def _peer_closed(s: socket.socket) -> bool:
     """True once the daemon dropped us, without reading what it queued (a Unix socket
     whose peer closed polls POLLHUP)."""
@@ -787,4 +827,5 @@ FAMILIES: dict[str, Callable[[Context], int]] = {
     "no_hello": attack_no_hello,
     "vanish": attack_vanish,
     "no_read": attack_no_read,
+    "rewrite": attack_rewrite,
 }

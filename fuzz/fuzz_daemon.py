@@ -924,6 +924,14 @@ def run_fuzz(cfg: FuzzConfig, progress=None) -> dict:
             *(("--allow-user", str(uid)) if cross else ()), *cfg.daemon_args)
     daemon = DaemonUnderTest(workdir, args, cfg.nofile)
     daemon.start()
+    # The honest clients send to the models the daemon serves (in `--sim-mode process`
+    # the step plug-ins' models are refused at load, by design): the others are reported.
+    with connect(daemon.socket, timeout=5) as c:
+        served = set(c.models)
+    not_served = sorted({r.name for r in refs} - served)
+    if not_served:
+        say(f"not served by this daemon (see its log): {', '.join(not_served)}")
+    legit_refs = [r for r in refs if r.name in served]
     base = holdings(daemon.pid)
     held_at_ready = _held(daemon.socket)
     reloads = 0
@@ -958,7 +966,8 @@ def run_fuzz(cfg: FuzzConfig, progress=None) -> dict:
 
     try:
         for i in range(cfg.legit):
-            legit_pids.append(_fork(legit_worker, board, i, daemon.socket, cfg, refs, legit_ev[i]))
+            legit_pids.append(_fork(legit_worker, board, i, daemon.socket, cfg, legit_refs,
+                                    legit_ev[i]))
         for i in range(cfg.attackers):
             attack_pids.append(spawn_attacker(i))
         end = t0 + cfg.seconds
@@ -1015,7 +1024,7 @@ def run_fuzz(cfg: FuzzConfig, progress=None) -> dict:
     events = [e for ev in legit_ev + attack_ev for e in ev.read()]
     report = _report(cfg, uid, cross, board, crashes, events, leaks, final, base,
                      time.monotonic() - t0, daemon, stop_status, left_after_stop,
-                     attackers_killed, legit_killed, respawned, refs)
+                     attackers_killed, legit_killed, respawned, refs, not_served)
     if failures(report):
         report["workdir"] = workdir           # the daemon's log and the workers' events
     else:
@@ -1137,7 +1146,7 @@ def _leaks(daemon: DaemonUnderTest, base: Holdings, cfg: FuzzConfig) -> dict:
 
 def _report(cfg, uid, cross, board, crashes, events, leaks, final, base, wall, daemon,
             stop_status, left_after_stop, attackers_killed, legit_killed, respawned,
-            refs: list[Reference] = ()) -> dict:
+            refs: list[Reference] = (), not_served: list[str] = ()) -> dict:
     fam_names = list(fuzz_attacks.FAMILIES)
     inputs = {n: int(board.attack[:, i].sum()) for i, n in enumerate(fam_names)
               if n in cfg.families}
@@ -1189,7 +1198,8 @@ def _report(cfg, uid, cross, board, crashes, events, leaks, final, base, wall, d
         "legit": {n: board.legit_total(n) for n in Board.LEGIT},
         # the legitimate answers checked (ok), wrong and lost, per model (noop's are
         # checked for their status only: it has no reference)
-        "legit_by_model": _by_model(board, refs),
+        "legit_by_model": _by_model(board, [r for r in refs if r.name not in not_served]),
+        "models_not_served": list(not_served),
         "leaks": leaks, "fds_at_ready": base.fds,
         "segments_left_by_crashes": sum(c.leftover_segments for c in crashes),
         "segments_left_after_stop": left_after_stop,
@@ -1274,7 +1284,9 @@ def format_report(r: dict) -> str:
                  if s["refused_own_uid"] else ""),
               "  by model: " + ", ".join(
                   f"{m} {d['ok']}" + "".join(f" ({k} {d[k]})" for k in ("wrong", "lost") if d[k])
-                  for m, d in r.get("legit_by_model", {}).items()),
+                  for m, d in r.get("legit_by_model", {}).items())
+              + (f"; not served by this daemon: {', '.join(r['models_not_served'])}"
+                 if r.get("models_not_served") else ""),
               f"breaches (another tenant's memory opened): {s['breaches']}"
               + ("" if r["cross_uid"] else " (not checked: attackers share the uid)"),
               (f"leaked after every client left: fds {s['fds_leaked']}, client mappings "

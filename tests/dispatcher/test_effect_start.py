@@ -123,6 +123,26 @@ def test_an_end_without_its_start_gets_none_and_starts_stay_bounded():
     assert log[-1][0] == "compute" and log[-1][1] is not None
 
 
+def test_a_thousand_requests_in_flight_each_end_with_their_own_start():
+    # A flood of a tiny model puts hundreds of requests between their two kernels at
+    # once; an entry dropped for a live request left its last kernel waiting for a start
+    # that had run already (never answered: the fuzzer, session 29, with a bound of 256).
+    log = []
+    end, make_start = effects(log)
+    start = make_start(1)
+    mem = {p: np.full(N, p, np.float32).view(np.uint8) for p in range(0, 2000, 2)}
+
+    def view(p, n):
+        return mem[p][:n]
+    for p in mem:
+        start(view, (0, p))
+    for p in mem:
+        end(view, (0, p, p + 1 if p + 1 in mem else p))
+    ended = [x for kind, x in log if kind == "compute"]
+    assert len(ended) == len(mem) and all(x is not None for x in ended)
+    assert [float(x[0]) for x in ended] == [float(p) for p in mem]
+
+
 def test_an_owner_hook_names_whose_computation_each_part_starts():
     # The owner is looked up by the request's input pointers, at the start and at the
     # last kernel's launch; begin and prepare then get it as one more argument.

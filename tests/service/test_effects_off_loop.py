@@ -596,3 +596,45 @@ def test_an_answer_failing_at_its_kernel_fails_only_its_request(tmp_path, mlp8, 
     assert dp.proc.poll() is None, dp.log()
     assert effects_status(dp)["crashed"] == 2
     assert dp.stop() == 0
+
+
+def test_a_job_cancelled_while_its_kernel_is_held_hands_its_buffers_on_clean(tmp_path, mlp8,
+                                                                           fresh_daemon):
+    """In process mode the dispatcher sees a held kernel done before its answer is
+    written (the child wrote its notifications). A client that vanishes then ends its job
+    at once (its output copy was never released), and the job's buffer set went to the
+    next job while the held answer was still to be written into it: that write then
+    landed in another request's buffers, and took its lookup's place (which left that
+    request's last kernel waiting for ever). The fuzzer found it (session 29). Now the
+    set waits until the device no longer writes it (``writes_pending``), and every
+    other request is answered, right, meanwhile."""
+    from paella.bundle import load_bundle
+    b = load_bundle(mlp8)
+    ref = lambda x: b.run_cpu({"x": x})["output0"]         # noqa: E731
+    repo = repo_with(tmp_path, mlp8, "tiny_mlp")
+    dp = fresh_daemon("--models", str(repo), "--no-noop", "--sim-mode", "process",
+                      env={"PAELLA_SIM_EFFECT_FAULT": "delay:2"})
+    x = np.random.default_rng(7).standard_normal((8, 16)).astype(np.float32)
+    with connect(dp.socket) as c:                # computed ahead (2 s), then cached
+        np.testing.assert_array_equal(c.infer("tiny_mlp", {"x": x}, timeout=30)["output0"], ref(x))
+    gone = connect(dp.socket)
+    crafted = x.copy()
+    crafted[7] += 1.0                            # bytes 448..511: outside the coarse key
+    submit(gone, crafted)
+    wait_for(lambda: effects_status(dp)["held_kernels"] == 1, 10,
+             "the crafted input's kernel was never held", dp)
+    gone.close()                                 # vanishes while its kernel is held
+    zeros = np.zeros((8, 16), np.float32)
+    with connect(dp.socket) as c:
+        t_end = time.monotonic() + 3.0           # past the held answer's 2 s
+        n = 0
+        while time.monotonic() < t_end or effects_status(dp)["held_kernels"]:
+            for v in (x, zeros):
+                np.testing.assert_array_equal(c.infer("tiny_mlp", {"x": v}, timeout=5)["output0"],
+                                              ref(v))
+            n += 1
+            assert time.monotonic() < t_end + 10, "the held kernel was never let go"
+    assert n > 10
+    st = daemon_status(dp.socket)
+    assert st["in_flight"] == 0 and st["dispatcher"]["effects"]["held_kernels"] == 0
+    assert dp.stop() == 0

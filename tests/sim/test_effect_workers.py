@@ -380,3 +380,54 @@ def test_a_pool_never_closed_does_not_hang_the_interpreters_exit():
                          timeout=60)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip() == "3"
+
+
+def _refused_with(effects, x) -> "object":
+    from paella.dispatcher.devices.sim.effect_workers import submit_or_fail
+    return submit_or_fail(effects, np.negative, x)
+
+
+def test_a_refusal_keeps_no_frame_and_so_none_of_the_callers_memory_alive():
+    """A refused submission is a future failed with the refusal. Its exception carries no
+    traceback: one would keep the refusing call's frames, and through them the caller's
+    (whose locals are views of a client's memory), alive in a reference cycle that only
+    the cyclic collector frees; an idle daemon may not run it for minutes, and the
+    fuzzer found a refused client's segment still mapped after it left (session 29)."""
+    import gc
+    import weakref
+
+    class Full:
+        def submit(self, fn, *args, bound=True, owner=None):
+            raise RuntimeError("overloaded: the queue is full")
+
+    gc.disable()
+    try:
+        x = np.zeros(16)
+        alive = weakref.ref(x)
+        f = _refused_with(Full(), x)
+        del x
+        assert alive() is None, "the refusal keeps the caller's array alive"
+        assert "queue is full" in str(f.exception())
+        assert f.exception().__traceback__ is None
+    finally:
+        gc.enable()
+
+
+def test_an_inline_failure_keeps_no_frame_alive():
+    import gc
+    import weakref
+    from paella.dispatcher.devices.sim.effect_workers import EffectFailed, InlineEffects
+
+    def boom(a):
+        raise ValueError("bad input")
+
+    gc.disable()
+    try:
+        x = np.zeros(16)
+        alive = weakref.ref(x)
+        f = InlineEffects().submit(boom, x)
+        del x
+        assert alive() is None
+        assert isinstance(f.exception(), EffectFailed) and "bad input" in str(f.exception())
+    finally:
+        gc.enable()

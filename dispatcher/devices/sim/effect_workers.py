@@ -146,7 +146,12 @@ def submit_or_fail(effects: Any, fn: Callable[..., Any], *args: Any, bound: bool
         return effects.submit(fn, *args, bound=bound, owner=owner)
     except RuntimeError as e:
         f: Future = Future()
-        f.set_exception(e)
+        # Without its traceback: it would keep this call's frames alive, and through
+        # them (f_back) the caller's, whose locals are views of the client's memory;
+        # as a reference cycle, only the cyclic collector frees them, which an idle
+        # daemon may not run for minutes: a refused client's segment stayed mapped
+        # after it left (the fuzzer's leak check, session 29).
+        f.set_exception(e.with_traceback(None))
         return f
 
 
@@ -768,7 +773,7 @@ class InlineEffects:
         except Exception as e:  # noqa: BLE001 - the task's failure, whatever it is
             self._failed += 1
             err = EffectFailed(_describe(e))
-            err.__cause__ = e
+            err.__cause__ = e.with_traceback(None)      # (frames: see submit_or_fail)
             future.set_exception(err)
         else:
             self._completed += 1

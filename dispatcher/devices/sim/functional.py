@@ -62,8 +62,14 @@ def model_effect(inputs: Sequence[Any], outputs: Sequence[Any], compute: Callabl
 
 
 #: Lookups started and not yet collected, per effect pair, beyond which the oldest is
-#: dropped (a request cancelled between its two kernels never collects its own).
-MAX_STARTED = 256
+#: dropped (a request cancelled between its two kernels never collects its own; the next
+#: request on the same buffer set replaces it, so they number at most the model's buffer
+#: sets). Above any number of requests a model has in flight at once: a live request's
+#: entry dropped makes its last kernel wait for a start that has run already (a
+#: placeholder never completed: the request was never answered, and its client's
+#: segment stayed mapped; the fuzzer found it with 256, a flood of a tiny model having
+#: hundreds in flight, session 29).
+MAX_STARTED = 1 << 16
 
 
 def model_effects(inputs: Sequence[Any], outputs: Sequence[Any],

@@ -26,6 +26,7 @@ import socket
 import subprocess
 import sys
 import time
+from bisect import bisect_left, bisect_right, insort
 from collections import deque
 from functools import partial
 from multiprocessing.connection import Connection
@@ -49,6 +50,7 @@ from .memory import SimMemory
 log = logging.getLogger(__name__)
 
 _LOAD, _LAUNCH, _COPY, _MARK, _STOP = range(5)
+_INF = float("inf")
 
 
 def _nothing() -> None:
@@ -60,11 +62,12 @@ class _Pending:
     ``spans``: the device bytes its completion reads or writes, ``(start, end)`` pairs
     (a copy's, a kernel's effect's operands); ``ask``: a kernel's effect's ``pending``
     hook, bound to the launch's arguments (None: no effect, or one with no hook)."""
-    __slots__ = ("stream", "action", "on_complete", "done", "spans", "ask")
+    __slots__ = ("stream", "action", "on_complete", "done", "spans", "ask", "token")
 
-    def __init__(self, stream: int, action, on_complete, spans: tuple = (), ask=None):
+    def __init__(self, stream: int, action, on_complete, spans: tuple = (), ask=None,
+                 token: int = 0):
         self.stream, self.action, self.on_complete, self.done = stream, action, on_complete, False
-        self.spans, self.ask = spans, ask
+        self.spans, self.ask, self.token = spans, ask, token
 
 
 class _Held:
@@ -129,6 +132,9 @@ class SimProcessDevice(Device):
         #: that where jobs share streams (fifo, ms-jbj) a new job goes to a stream with
         #: none, or waits for one, and never completes behind another client's answer.
         self.stream_gates = np.zeros(len(self.streams), np.int32)
+        #: The bytes those kernels' effects will write: ``(start, end, token)``, sorted
+        #: (:meth:`writes_pending`).
+        self._writes: list[tuple[int, int, int]] = []
         #: The kernels whose answer is still being computed, each with the completions
         #: held behind it; and those whose answer came in (the workers' thread appends).
         self._held: list[_Held] = []
@@ -260,6 +266,23 @@ class SimProcessDevice(Device):
                 self._arrived(queue.popleft())
         return n
 
+    def writes_pending(self, pointers) -> bool:
+        """Whether a kernel's effect not applied yet (in the child still, or held for its
+        answer) will write at any of ``pointers``: a finished job's buffers. The
+        dispatcher sees a kernel done in the notifQ before its completion is applied
+        here, so a job cancelled meanwhile (its output copy never released) finishes
+        before its answer is written; the dispatcher keeps its buffer set from the next
+        job until this is False. (The spans of those effects, sorted by start: a
+        lookup per pointer.)"""
+        w = self._writes
+        if not w:
+            return False
+        for p in pointers:
+            i = bisect_right(w, (p, _INF, _INF)) - 1
+            if i >= 0 and w[i][1] > p:
+                return True
+        return False
+
     @property
     def quiet(self) -> bool:
         """Nothing can complete until the loop sends something or an answer comes in:
@@ -282,6 +305,9 @@ class SimProcessDevice(Device):
         self._per_stream[p.stream] -= 1
         if p.ask is not None:
             self.stream_gates[p.stream] -= 1
+            w = self._writes
+            for a, e in p.spans:
+                del w[bisect_left(w, (a, e, p.token))]
         if p.action is not None:
             p.action()
         if p.on_complete is not None:
@@ -293,7 +319,8 @@ class SimProcessDevice(Device):
             raise DeviceError(f"the simulator process exited (code {self._proc.returncode}); "
                               f"see its error above, then restart the daemon")
         self._token += 1
-        p = self._pending[self._token] = _Pending(stream, action, on_complete, spans, ask)
+        p = self._pending[self._token] = _Pending(stream, action, on_complete, spans, ask,
+                                                  self._token)
         self._per_stream[stream] += 1
         self._conn.send(msg + (self._token,))
         return p
@@ -313,10 +340,12 @@ class SimProcessDevice(Device):
         hook, writes = getattr(effect, "pending", None), getattr(effect, "writes", None)
         ask = None if hook is None else partial(hook, self.memory.view, tuple(args))
         spans = () if writes is None else tuple((p, p + n) for p, n in writes(tuple(args)))
-        self._send((_LAUNCH, func.name, grid, block, stream, launch_id, dyn_smem, instrumented, group),
-                   stream, action, on_complete, spans, ask)
+        p = self._send((_LAUNCH, func.name, grid, block, stream, launch_id, dyn_smem, instrumented,
+                        group), stream, action, on_complete, spans, ask)
         if ask is not None:
             self.stream_gates[stream] += 1
+            for a, e in p.spans:
+                insort(self._writes, (a, e, p.token))
 
     # -- memory (kept here: the child only keeps time) -------------------------------------
     def _alloc(self, nbytes: int) -> int:
