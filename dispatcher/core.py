@@ -168,6 +168,12 @@ _T = TypeVar("_T")
 _BY_SEQ = operator.attrgetter("seq")
 
 
+def _extents(bindings: Any) -> Any:
+    """What a buffer set holds, for ``Device.writes_pending``: its own allocations, or
+    (a set carved from shared memory) its buffers' pointers."""
+    return bindings.own or bindings.ptrs.values()
+
+
 def _sim_device_class() -> type:
     """The simulated GPU's device class, whose own methods a kernel core may bypass."""
     from paella.dispatcher.devices.sim import SimDevice
@@ -1150,7 +1156,7 @@ class Dispatcher:
         no longer does."""
         held, self._held_sets = self._held_sets, []
         for pool, bindings in held:
-            if self._writes_pending(bindings.ptrs.values()):
+            if self._writes_pending(_extents(bindings)):
                 self._held_sets.append((pool, bindings))
             else:
                 self._give_back(pool, bindings)
@@ -1168,7 +1174,7 @@ class Dispatcher:
         bindings = job.bindings
         if bindings is not None:             # its released ops have all completed
             job.bindings = None
-            if self._writes_pending is not None and self._writes_pending(bindings.ptrs.values()):
+            if self._writes_pending is not None and self._writes_pending(_extents(bindings)):
                 self._held_sets.append((job.model.pool, bindings))
             else:
                 self._give_back(job.model.pool, bindings)

@@ -794,14 +794,16 @@ def attack_rewrite(ctx: Context) -> int:
                 break
             slots.append((c.layout.arena_offset + off, ln))
             if c.touchable:
-                c.mm[slots[-1][0]:slots[-1][0] + ln] = os.urandom(ln)
+                c.mm[slots[-1][0]:slots[-1][0] + ln] = rng.randbytes(ln)
             c.push(i + 1, mid, off, ln)
             tried += 1
+        if not slots:
+            return tried
         c.kick()
         end = time.monotonic() + rng.choice([0.002, 0.02, 0.2, 1.0])
         while time.monotonic() < end and not ctx.stop() and c.touchable:
             at, ln = rng.choice(slots)
-            c.mm[at:at + ln] = os.urandom(ln)
+            c.mm[at:at + ln] = rng.randbytes(ln)
             c.consume_completions()
     finally:
         c.close()

@@ -924,6 +924,7 @@ def run_fuzz(cfg: FuzzConfig, progress=None) -> dict:
             *(("--allow-user", str(uid)) if cross else ()), *cfg.daemon_args)
     daemon = DaemonUnderTest(workdir, args, cfg.nofile)
     daemon.start()
+    base = holdings(daemon.pid)              # (before any client: the leak check's baseline)
     # The honest clients send to the models the daemon serves (in `--sim-mode process`
     # the step plug-ins' models are refused at load, by design): the others are reported.
     with connect(daemon.socket, timeout=5) as c:
@@ -932,7 +933,6 @@ def run_fuzz(cfg: FuzzConfig, progress=None) -> dict:
     if not_served:
         say(f"not served by this daemon (see its log): {', '.join(not_served)}")
     legit_refs = [r for r in refs if r.name in served]
-    base = holdings(daemon.pid)
     held_at_ready = _held(daemon.socket)
     reloads = 0
     next_reload = time.monotonic() + cfg.reload_seconds

@@ -102,6 +102,9 @@ class StepAdaptor(JobAdaptor):
             if rt.pending is not None:
                 effect.pending = lambda view, args: (    # type: ignore[attr-defined]
                     rt._pending(args[0]) if len(args) == 1 else None)
+                # A step serves a batch of many clients' requests, a few at a time: its
+                # hold is never refused for the device's bound (SimDevice._refuse_hold).
+                effect.step_hold = True                  # type: ignore[attr-defined]
             effects = {last: effect}
             funcs = self.device.load_module(ModuleImage(sk.name, sk.kernels, effects=effects))
             self._modules[sk.name] = funcs

@@ -14,7 +14,7 @@ import pytest
 
 from paella.dispatcher.adaptor import BufferArg, Plan, PlanAdaptor, PlanOp
 from paella.dispatcher.core import STATUS_CANCELLED, STATUS_OK, Dispatcher, Request
-from paella.dispatcher.devices.base import KernelInfo
+from paella.dispatcher.devices.base import KernelInfo, ModuleImage
 from paella.dispatcher.devices.sim import SimProcessDevice
 
 NB = 64
@@ -77,5 +77,36 @@ def test_a_cancelled_jobs_buffers_wait_while_the_device_still_writes_them(core):
             d.step()
             assert time.monotonic() < end
         assert held in d.models[mid].pool.free
+    finally:
+        dev.close()
+
+
+def test_an_effect_writing_inside_a_buffer_keeps_that_whole_allocation():
+    # A compiled plan's output may sit at an offset inside its buffer: the set is still
+    # the device's to write while that effect is not applied.
+    answer: Future = Future()
+
+    def effect(view, args):
+        view(args[0] + 1024, 64)[:] = 1
+    effect.pending = lambda view, args: answer
+    effect.writes = lambda args: ((args[0] + 1024, 64),)
+    dev = SimProcessDevice("t4", n_streams=4)
+    try:
+        mod = dev.load_module(ModuleImage("m", [KernelInfo("k", 16, duration=1e-3)],
+                                          effects={"k": effect}))
+        buf, other = dev.alloc(4096), dev.alloc(4096)
+        assert not dev.writes_pending([buf, other])
+        dev.launch(mod["k"], 1, 32, 0, 1, args=(buf,))
+        assert dev.writes_pending([buf]) and dev.writes_pending([other, buf])
+        assert not dev.writes_pending([other])
+        end = time.monotonic() + 10
+        while dev.gates == 0:                    # reported done, held for its answer
+            dev.poll()
+            assert time.monotonic() < end
+        assert dev.writes_pending([buf])
+        answer.set_result(None)
+        dev.open_answered()
+        assert not dev.writes_pending([buf])
+        assert np.all(dev.memory.view(buf + 1024, 64) == 1)
     finally:
         dev.close()

@@ -145,3 +145,61 @@ def test_a_failing_effect_is_that_kernels_late_fault_in_the_simulator_process():
         assert done == ["k", "d2h"] and out[1] == 3.0 and set(dev.late_faults) == {77}
     finally:
         dev.close()
+
+
+def test_gates_ahead_of_kernels_not_yet_reached_do_not_count_against_the_hold_bound():
+    """Released ahead (an eager policy), every kernel with an answer to ask gets a gate
+    in front of it until it reaches its stream's head; only a gate whose answer is still
+    being computed holds anything. Counting the others against the bound (half the
+    streams) refused the step plug-ins' holds as overloaded under fifo/ms-jbj (the
+    fuzzer, session 29: orca's and cellular's honest requests failed)."""
+    from concurrent.futures import Future
+    dev = SimDevice("t4", n_streams=8, realtime=True, speed=1e-3)
+    ready, computing = Future(), Future()
+    ready.set_result(None)
+
+    def effect(view, args):
+        pass
+    effect.pending = lambda view, args: computing if args and args[0] == "slow" else ready
+    mod = dev.load_module(ModuleImage("m", [KernelInfo("long", 16, duration=1.0),
+                                            KernelInfo("k", 16, duration=1e-6)],
+                                      effects={"k": effect}))
+    for s in range(4):                       # busy streams: each k's gate waits its turn
+        dev.launch(mod["long"], 1, 32, s, 10 + s, instrumented=False)
+        dev.launch(mod["k"], 1, 32, s, 20 + s, args=("fast",), instrumented=False)
+    assert dev.gpu.gates == 4 and dev.gates == 0
+    dev.launch(mod["k"], 1, 32, 6, 99, args=("slow",), instrumented=False)
+    assert 99 not in dev.faults, dev.faults.get(99)
+    assert dev.gates == 1                    # held, not refused
+    computing.set_result(None)
+    assert dev.open_answered() == 1 and dev.gates == 0
+    dev.close()
+
+
+def test_a_scheduler_steps_hold_is_not_refused_when_the_bound_is_full():
+    """A step of a scheduler plug-in (``step_hold``: orca's iteration, a batch of cells)
+    serves many clients' requests at once; a tenant's uncovered inputs filling the bound
+    must not fail them all (the fuzzer, session 29)."""
+    from concurrent.futures import Future
+    dev = SimDevice("t4", n_streams=4, realtime=True, speed=1e-3)
+    computing = Future()
+
+    def effect(view, args):
+        pass
+
+    def step(view, args):
+        pass
+    effect.pending = step.pending = lambda view, args: computing
+    step.step_hold = True
+    mod = dev.load_module(ModuleImage("m", [KernelInfo("k", 16, duration=1e-6),
+                                            KernelInfo("s", 16, duration=1e-6)],
+                                      effects={"k": effect, "s": step}))
+    dev.launch(mod["k"], 1, 32, 0, 1, args=(1,), instrumented=False)
+    dev.launch(mod["k"], 1, 32, 1, 2, args=(2,), instrumented=False)
+    dev.launch(mod["k"], 1, 32, 2, 3, args=(3,), instrumented=False)
+    assert dev.gates == 2 and 3 in dev.faults and "overloaded" in dev.faults[3]
+    dev.launch(mod["s"], 1, 32, 3, 4, args=(4,), instrumented=False)
+    assert 4 not in dev.faults and dev.gates == 3
+    computing.set_result(None)
+    assert dev.open_answered() == 3
+    dev.close()

@@ -151,8 +151,22 @@ def submit_or_fail(effects: Any, fn: Callable[..., Any], *args: Any, bound: bool
         # as a reference cycle, only the cyclic collector frees them, which an idle
         # daemon may not run for minutes: a refused client's segment stayed mapped
         # after it left (the fuzzer's leak check, session 29).
-        f.set_exception(e.with_traceback(None))
+        f.set_exception(_bare(e))
         return f
+
+
+def _bare(e: BaseException) -> BaseException:
+    """``e`` and the exceptions chained to it, without their tracebacks (what a stored
+    failure keeps alive: see :func:`submit_or_fail`)."""
+    seen = set()
+    x: BaseException | None = e
+    while x is not None and id(x) not in seen:
+        seen.add(id(x))
+        x.__traceback__ = None
+        if x.__cause__ is not None:
+            _bare(x.__cause__)
+        x = x.__context__
+    return e
 
 
 # -- the worker process ---------------------------------------------------------------------
@@ -773,7 +787,7 @@ class InlineEffects:
         except Exception as e:  # noqa: BLE001 - the task's failure, whatever it is
             self._failed += 1
             err = EffectFailed(_describe(e))
-            err.__cause__ = e.with_traceback(None)      # (frames: see submit_or_fail)
+            err.__cause__ = _bare(e)                    # (frames: see submit_or_fail)
             future.set_exception(err)
         else:
             self._completed += 1

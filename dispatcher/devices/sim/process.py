@@ -26,7 +26,7 @@ import socket
 import subprocess
 import sys
 import time
-from bisect import bisect_left, bisect_right, insort
+from bisect import bisect_left, insort
 from collections import deque
 from functools import partial
 from multiprocessing.connection import Connection
@@ -50,7 +50,6 @@ from .memory import SimMemory
 log = logging.getLogger(__name__)
 
 _LOAD, _LAUNCH, _COPY, _MARK, _STOP = range(5)
-_INF = float("inf")
 
 
 def _nothing() -> None:
@@ -268,18 +267,21 @@ class SimProcessDevice(Device):
 
     def writes_pending(self, pointers) -> bool:
         """Whether a kernel's effect not applied yet (in the child still, or held for its
-        answer) will write at any of ``pointers``: a finished job's buffers. The
+        answer) will write into any of the allocations at ``pointers`` (a finished
+        job's buffers; a pointer that is no allocation's start counts as one byte). The
         dispatcher sees a kernel done in the notifQ before its completion is applied
         here, so a job cancelled meanwhile (its output copy never released) finishes
         before its answer is written; the dispatcher keeps its buffer set from the next
-        job until this is False. (The spans of those effects, sorted by start: a
-        lookup per pointer.)"""
+        job until this is False. (The spans of those effects, sorted by start: a lookup
+        per allocation. An effect may write at an offset inside a buffer.)"""
         w = self._writes
         if not w:
             return False
+        sizes = self._sizes
         for p in pointers:
-            i = bisect_right(w, (p, _INF, _INF)) - 1
-            if i >= 0 and w[i][1] > p:
+            end = p + sizes.get(p, 1)
+            i = bisect_left(w, (end,))       # the spans starting before the allocation ends
+            if i and w[i - 1][1] > p:
                 return True
         return False
 
