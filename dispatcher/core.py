@@ -1160,10 +1160,15 @@ class Dispatcher:
                 self._held_sets.append((pool, bindings))
             else:
                 self._give_back(pool, bindings)
-                if self._memory_waiting:     # (as _finish: what it held may be reclaimed)
-                    waiting = sorted(self._memory_waiting, key=_BY_SEQ)
-                    self._memory_waiting.clear()
-                    self._arrivals.extend(waiting)
+                self._retry_memory_waiting()
+
+    def _retry_memory_waiting(self) -> None:
+        """A job let go of device memory: the jobs that found it full all try again,
+        oldest first (what it held may now be reclaimed)."""
+        if self._memory_waiting:
+            waiting = sorted(self._memory_waiting, key=_BY_SEQ)
+            self._memory_waiting.clear()
+            self._arrivals.extend(waiting)
 
     def _finish(self, job: Job) -> None:
         job.state = FINISHED
@@ -1178,10 +1183,7 @@ class Dispatcher:
                 self._held_sets.append((job.model.pool, bindings))
             else:
                 self._give_back(job.model.pool, bindings)
-        if self._memory_waiting:             # what this job held may now be reclaimed:
-            waiting = sorted(self._memory_waiting, key=_BY_SEQ)  # all try, oldest first
-            self._memory_waiting.clear()
-            self._arrivals.extend(waiting)
+        self._retry_memory_waiting()
         if self._memory_blocked:             # greenlets in malloc try again, oldest first
             self._resume.extend(sorted(self._memory_blocked, key=_BY_SEQ))
             self._memory_blocked.clear()
@@ -1259,12 +1261,14 @@ class Dispatcher:
             lid, reason = faults.popitem()
             if self.core is not None:
                 job = self.core.job_of(lid)
-                if job is not None and job.error is None:
-                    job.cancelled, job.error = False, reason
-                    self._core_events(self.core.abort(job.core, job))
+            else:
+                job = self._late_jobs.get(lid) if self._late_jobs is not None else None
+            if job is None or job.state == FINISHED or job.error is not None:
                 continue
-            job = self._late_jobs.get(lid) if self._late_jobs is not None else None
-            if job is not None and job.state != FINISHED and job.error is None:
+            if job.core >= 0:                # in the kernel core: it drains there
+                job.cancelled, job.error = False, reason
+                self._core_events(self.core.abort(job.core, job))
+            else:
                 self._abort(job, reason, cancelled=False)
                 if job.waitlist.pending == 0:
                     self._finish(job)

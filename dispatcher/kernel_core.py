@@ -50,7 +50,7 @@ from .policies import get_policy
 from .policies.paella import DEFAULT_FAIRNESS_THRESHOLD, DEFAULT_HOLD_FACTOR
 from .policies.base import class_key
 from .pqueue import IndexedHeap
-from .streams import next_ungated
+from .streams import every_stream_gated, next_ungated
 from .waitlist import DONE, DROPPED, READY, RELEASED, WAITING
 
 #: A copy released with no event (:func:`implied_copies`); the core's own state.
@@ -743,8 +743,7 @@ class KernelCore:
             return False
         if job.real[0 if mode == "single" else job.plan.vstream[i]] >= 0:
             return False
-        gated = self._gated()
-        return gated is not None and all(gated(t) for t in range(self.n_streams))
+        return every_stream_gated(self._gated(), self.n_streams)
 
     def _ungated(self, s: int) -> int:
         """``s``, or the next stream after it that holds no gate (the simulated device

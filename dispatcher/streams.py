@@ -48,6 +48,12 @@ def next_ungated(gated: Callable[[int], bool] | None, s: int, n: int) -> int:
     return s
 
 
+def every_stream_gated(gated: Callable[[int], bool] | None, n: int) -> bool:
+    """Whether each of the ``n`` streams holds a gate (False for a device holding none:
+    ``gated`` None): a job that needs a stream of its own then waits (``must_wait``)."""
+    return gated is not None and all(gated(t) for t in range(n))
+
+
 class StreamMap:
     __slots__ = ("n", "mode", "free", "busy", "_rr", "pinned", "gated")
 
@@ -141,7 +147,7 @@ class StreamMap:
             return False
         if (job.home if mode == "single" else op.vstream.real) >= 0:
             return False
-        return all(gated(t) for t in range(self.n))
+        return every_stream_gated(gated, self.n)
 
     def ungated(self, s: int) -> int:
         """``s``, or the next stream after it that holds no gate (:func:`next_ungated`)."""
