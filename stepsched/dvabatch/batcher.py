@@ -100,7 +100,9 @@ class DvaBatcher(SchedulerBatcher):
     """Options (``[batching]`` keys):
 
     * ``pairs``            buffer pairs (1: stages serial; 2+: pipelined), default 2;
-    * ``bs_max``           most queries in a batch (0: the largest compiled batch size);
+    * ``bs_max``           most queries in a batch (0: the largest compiled batch size;
+                           "preferred": the model's preferred batch size, the smallest
+                           compiled size within 3% of the best profiled throughput);
     * ``window_us``        batching window before a *new* batch, default 0;
     * ``stretch``          policy III on/off; ``t_comp_wait_us`` its bound (0: none);
     * ``stretch_idle_only`` stretch only when the first stage can start the catch-up now;
@@ -126,7 +128,7 @@ class DvaBatcher(SchedulerBatcher):
     # variants' profiled times (policy II) are read in start(), after registration.
     needs_costs = False
 
-    def __init__(self, model: ModelVariants, pairs: int = 2, bs_max: int = 0,
+    def __init__(self, model: ModelVariants, pairs: int = 2, bs_max: int | str = 0,
                  window_us: float = 0.0, stretch: bool = True, t_comp_wait_us: float = 0.0,
                  stretch_idle_only: bool = False, split: bool = True, split_factor: float = 2.0,
                  own_streams: bool = True, early_exits: list | None = None,
@@ -140,9 +142,10 @@ class DvaBatcher(SchedulerBatcher):
         if type(pairs) is not int or not 1 <= pairs <= 8:
             raise BatcherError(f"pairs must be an integer 1..8 (buffer pairs: 1 runs the "
                                f"stages serially, 2 pipelines them), got {pairs!r}")
-        if type(bs_max) is not int or not 0 <= bs_max <= 1024:
+        if bs_max != "preferred" and (type(bs_max) is not int or not 0 <= bs_max <= 1024):
             raise BatcherError(f"bs_max must be an integer 0..1024 (0: the largest compiled "
-                               f"batch size), got {bs_max!r}")
+                               f"batch size) or \"preferred\" (the smallest compiled size "
+                               f"within 3% of the best throughput), got {bs_max!r:.40}")
         for key, val in (("window_us", window_us), ("t_comp_wait_us", t_comp_wait_us)):
             if isinstance(val, bool) or not isinstance(val, (int, float)) or \
                     not 0 <= val < math.inf:
@@ -189,7 +192,7 @@ class DvaBatcher(SchedulerBatcher):
                     if sv.spec.stage >= 0 and (not served or sv.spec.seq_len in served)]
         self.stages = sm = StageModel(ctx.name, variants)
         self.model_ids = {k: sv.model_id for k, sv in ctx.variants.items()}
-        bs_max = self.bs_max or sm.max_rows
+        bs_max = self._bs_max(sm)
         self.data = PairData(sm, self.pairs, bs_max)
         self._open_handoff(ctx, sm, bs_max)
         split = self.split
@@ -220,6 +223,17 @@ class DvaBatcher(SchedulerBatcher):
                  f", length buckets {list(sm.buckets)}" if self.bucket_rows else "",
                  self.pairs, bs_max, sum(nb for (_, ln), ts in sm.boundaries.items()
                                          for _, nb in ts) * bs_max * self.pairs / 1024)
+
+    def _bs_max(self, sm: StageModel) -> int:
+        """The batch bound: ``bs_max``, the largest compiled size (0), or the model's
+        preferred size ("preferred"; the largest compiled size when unprofiled)."""
+        if self.bs_max != "preferred":
+            return self.bs_max or sm.max_rows
+        rows = sm.preferred_rows()
+        if not rows:
+            log.warning("dvabatch %s: bs_max = \"preferred\" needs the stage variants "
+                        "profiled ([policy] profile_runs >= 1); using %d", sm.name, sm.max_rows)
+        return rows or sm.max_rows
 
     def _open_handoff(self, ctx: Any, sm: StageModel, bs_max: int) -> None:
         """The device hand-off (``handoff`` "device" or "auto"): the pairs' device memory

@@ -134,6 +134,20 @@ class StageModel:
         ln = self.bucket(seq_len) if self.buckets != (0,) else 0
         return sum(self.by_key[(stage, b, ln)].cost_s for _, b in split_rows(0, rows, self.sizes))
 
+    def preferred_rows(self, within: float = 0.03) -> int:
+        """The model's preferred batch size (the paper's "smallest batch size that fully
+        uses the GPU", taken for the whole model): the smallest compiled size whose
+        profiled throughput through every stage, at the longest bucket, is within
+        ``within`` of the best compiled size's. A larger batch only delays its own first
+        rows. 0 when the variants are not profiled."""
+        ln = self.max_seq_len
+        total = {b: sum(self.by_key[(s, b, ln)].cost_s for s in range(self.n_stages))
+                 for b in self.sizes}
+        if not all(t > 0 for t in total.values()):
+            return 0
+        best = max(b / t for b, t in total.items())
+        return min(b for b, t in total.items() if b / t >= (1 - within) * best)
+
     # -- copies ---------------------------------------------------------------------------
     def load(self, data: "PairData", v: StageVariant, pair: int, row: int,
              io: np.ndarray) -> None:

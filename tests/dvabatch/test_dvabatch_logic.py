@@ -282,3 +282,42 @@ def test_a_stretch_never_puts_a_longer_query_behind_one_that_exits_earlier():
     assert [(a.batch, a.stage, a.num) for a in pipe.accesses] == [
         (0, 0, 1), (1, 0, 2), (0, 1, 1), (1, 1, 2), (1, 2, 1), (1, 3, 1)]
     assert [q.done for q in done] == pytest.approx([2.0, 5.0, 3.0])
+
+
+def _staged(costs: dict[int, list[float]]):
+    """A StageModel of len(costs[1]) stages with the given per-stage profiled times."""
+    from paella.stepsched.dvabatch.stage_io import StageModel, StageVariant
+    vs = [StageVariant(i, s, b, 0, (), (), 0, t)
+          for i, (b, ts) in enumerate(costs.items()) for s, t in enumerate(ts)]
+    return StageModel("m", vs)
+
+
+def test_preferred_rows_is_the_smallest_size_within_3_percent_of_the_best_throughput():
+    # whole-model times 3.7, 4.2, 7.7, 13.6, 27.2, 56.0, 109 ms (the compiled ResNet-152's)
+    times = {1: 3.7, 2: 4.2, 4: 7.7, 8: 13.6, 16: 27.2, 32: 56.0, 64: 109.0}
+    sm = _staged({b: [t / 2, t / 2] for b, t in times.items()})
+    assert sm.preferred_rows() == 8                    # 588/s, within 3% of 16's 588/s
+    faster16 = _staged({b: [t / 2, t / 2] for b, t in {**times, 16: 27.0}.items()})
+    assert faster16.preferred_rows(within=0.0) == 16   # the very best
+    assert faster16.preferred_rows() == 8
+    # A model that keeps gaining up to its largest size prefers the largest.
+    assert _staged({b: [0.01 * b ** 0.5] for b in times}).preferred_rows() == 64
+    # Unprofiled variants: no preference (the batcher then uses the largest size).
+    assert _staged({b: [0.0, 0.0] for b in times}).preferred_rows() == 0
+
+
+def test_bs_max_preferred_bounds_the_batch_and_a_bad_value_is_a_clear_error():
+    from paella.dispatcher.batchers.base import BatcherError
+    from paella.stepsched.dvabatch.batcher import DvaBatcher
+    from paella.dispatcher.batchers.base import ModelVariants, VariantSpec
+    specs = tuple(VariantSpec(i, b, 0, f"s{s}b{b}", cost_s=t, stage=s)
+                  for i, (b, t, s) in enumerate((b, t, s) for b, t in
+                                                ((1, 1.0), (2, 1.0), (4, 2.0), (8, 4.0)) for s in (0, 1)))
+    model = ModelVariants("m", specs)
+    b = DvaBatcher(model, bs_max="preferred")
+    sm = _staged({1: [1.0, 1.0], 2: [1.0, 1.0], 4: [2.0, 2.0], 8: [4.0, 4.0]})
+    assert b._bs_max(sm) == 2
+    assert DvaBatcher(model, bs_max=4)._bs_max(sm) == 4
+    assert DvaBatcher(model)._bs_max(sm) == 8
+    with pytest.raises(BatcherError, match='or "preferred"'):
+        DvaBatcher(model, bs_max="largest")

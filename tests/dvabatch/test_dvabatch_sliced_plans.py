@@ -161,16 +161,33 @@ def _op(name: str, pref: int, t: float) -> OpProfile:
     return OpProfile(name, tuple((b, t * max(b, pref) / pref) for b in (1, 2, 4, 8, 16, 32, 64)))
 
 
-def test_slicing_skips_a_preference_change_that_leaves_a_sliver():
-    """A compiled net's first operator often prefers another batch size than the rest;
-    cutting there would make a stage of almost nothing: the cut goes to the next change."""
+def test_slicing_is_even_in_time_and_moves_a_cut_to_a_preference_change_within_tolerance():
+    """The paper's rule first: stages even in time. A cut moves to where the preferred
+    batch size changes only if the longest stage stays within the tolerance."""
     ops = [_op("stem", 64, 0.01)] + [_op(f"a{i}", 8, 1) for i in range(4)] + \
           [_op(f"b{i}", 2, 1) for i in range(4)]
     assert [preferred_batch(o) for o in ops] == [64] + [8] * 4 + [2] * 4
-    assert slice_stages(ops, 2) == [range(0, 5), range(5, 9)]
-    # Allowed to cut slivers, it takes the change that best balances, then the midpoint.
-    assert slice_stages(ops, 2, min_share=0.0) == [range(0, 5), range(5, 9)]
-    assert slice_stages(ops, 3, min_share=0.0)[:2] == [range(0, 1), range(1, 5)]
+    # at batch 64: a_i 8, b_i 32; the change (index 5) would leave stages of 32 and 128
+    assert slice_stages(ops, 2) == [range(0, 6), range(6, 9)]            # 64 | 96
+    assert slice_stages(ops, 2, tolerance=0.4) == [range(0, 5), range(5, 9)]
+    # A run of identical operators (ResNet's third stage) is cut evenly, not left whole.
+    blocks = [_op("stem", 64, 10)] + [_op(f"r{i}", 4, 1) for i in range(30)]   # 10, 16 x 30
+    stages = slice_stages(blocks, 4)
+    times = [sum(blocks[i].time(64) for i in r) for r in stages]
+    assert times == [122, 112, 128, 128]
+    with pytest.raises(ValueError):
+        slice_stages(ops, 2, tolerance=-1)
+
+
+def test_even_cuts_minimise_the_longest_stage():
+    from paella.compiler_pass.stages import even_cuts
+    import itertools
+    t = [5.0, 1.0, 1.0, 7.0, 2.0, 2.0, 3.0, 1.0]
+    best = min(max(sum(t[a:b]) for a, b in zip((0, *c), (*c, len(t))))
+               for c in itertools.combinations(range(1, len(t)), 2))
+    cuts = even_cuts(t, 3)
+    assert max(sum(t[a:b]) for a, b in zip((0, *cuts), (*cuts, len(t)))) == best
+    assert even_cuts(t, 1) == [] and len(even_cuts(t, len(t))) == len(t) - 1
 
 
 def _kernel(name: str, access: list[str]) -> KernelSpec:

@@ -229,8 +229,10 @@ def test_sigterm_answers_every_accepted_request_exactly_once(tmp_path, built):
      "of [0] (bert has 2 stages, 0..1; leaving after the last is the whole model), got [1]"),
     ("[batching]\nbatcher = 'dvabatch'\nlength_buckets = [16]\n",
      "length_buckets must be a list of distinct compiled length buckets, each one of [8]"),
+    ("[batching]\nbatcher = 'dvabatch'\nbs_max = 'largest'\n",
+     'bs_max must be an integer 0..1024 (0: the largest compiled batch size) or "preferred"'),
 ], ids=["pairs", "split-factor", "handoff", "unknown-option", "exit-past-the-last-stage",
-        "bucket-not-compiled"])
+        "bucket-not-compiled", "bs-max"])
 def test_a_bad_dvabatch_option_is_a_clean_error(tmp_path, built, config, expected):
     repo = repo_with(tmp_path, built, config)
     r, sock = serve(tmp_path, ["--models", str(repo), "--no-noop"])
