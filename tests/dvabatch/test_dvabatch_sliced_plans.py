@@ -188,6 +188,28 @@ def test_even_cuts_minimise_the_longest_stage():
     cuts = even_cuts(t, 3)
     assert max(sum(t[a:b]) for a, b in zip((0, *cuts), (*cuts, len(t)))) == best
     assert even_cuts(t, 1) == [] and len(even_cuts(t, len(t))) == len(t) - 1
+    with pytest.raises(ValueError):
+        even_cuts(t, len(t) + 1)
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_even_cuts_match_brute_force_on_random_profiles(seed):
+    """The shortest longest stage, then the least sum of squares, as exhaustive search
+    finds them (times with ties and zeros included)."""
+    from paella.compiler_pass.stages import even_cuts
+    import itertools
+    import random
+    rng = random.Random(seed)
+    t = [rng.choice([0.0, 1.0, 2.0, rng.random() * 5]) for _ in range(rng.randint(1, 9))]
+    n = rng.randint(1, len(t))
+
+    def cost(c):
+        segs = [sum(t[a:b]) for a, b in zip((0, *c), (*c, len(t)))]
+        return max(segs), sum(x * x for x in segs)
+    want = min(cost(c) for c in itertools.combinations(range(1, len(t)), n - 1))
+    got = cost(tuple(even_cuts(t, n)))
+    assert got[0] == pytest.approx(want[0], abs=1e-9)
+    assert got[1] == pytest.approx(want[1], abs=1e-9)
 
 
 def _kernel(name: str, access: list[str]) -> KernelSpec:
