@@ -1577,7 +1577,8 @@ static int release_loop(Core *c)
         if (released(c, id, j) < 0)
             return -1;
         int s = assign(c, j, i, b);
-        long long lid = TAPI->release(c->tracker, &k->d, Py_None);
+        long long lid = TAPI->release(c->tracker, &k->d, Py_None,
+                                      b >= 0 && p->kind[b] == KERNEL ? j->lid[b] : -1);
         if (lid < 0)
             return -1;
         int slot = (int)(lid & (c->npairs - 1));

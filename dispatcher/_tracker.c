@@ -121,6 +121,13 @@ typedef struct {
     PyObject **tok;              /* the caller's token of each launch in flight */
     int64_t *lid, *gen, *blocks, *fw, *fr, *fs, *entries, *placed, *ended;
     double *t_first;             /* when its first block was reported placed */
+    /* Deferred launches (release(..., behind=)): a launch queued behind a running kernel
+     * of its own stream cannot start before that kernel ends, so its demand does not
+     * count as unplaced work until then (or until a block of it is reported placed).
+     * pred_of[slot]: the launch it waits behind (-1: not deferred); succ[slot]: the
+     * launch deferred behind it (-1: none; a stream's FIFO has one next launch). */
+    int32_t *pred_of, *succ;
+    int64_t deferred;            /* blocks of deferred launches */
     int32_t *freeq;
     int free_head, free_count;
 } Tracker;
@@ -189,10 +196,13 @@ static int Tracker_init(Tracker *self, PyObject *args, PyObject *kwds)
     self->tok = PyMem_Calloc(npairs, sizeof(PyObject *));
     self->t_first = PyMem_Calloc(npairs, sizeof(double));
     self->freeq = PyMem_Calloc(npairs, sizeof(int32_t));
+    self->pred_of = PyMem_Calloc(npairs, sizeof(int32_t));
+    self->succ = PyMem_Calloc(npairs, sizeof(int32_t));
     self->slot_sm = PyMem_Calloc((size_t)npairs * nsm, sizeof(int64_t));
     int64_t **arrays[] = {&self->lid, &self->gen, &self->blocks, &self->fw, &self->fr,
                           &self->fs, &self->entries, &self->placed, &self->ended, &self->resid};
-    int ok = self->sm && self->tok && self->t_first && self->freeq && self->slot_sm;
+    int ok = self->sm && self->tok && self->t_first && self->freeq && self->slot_sm &&
+             self->pred_of && self->succ;
     for (size_t i = 0; i < sizeof arrays / sizeof arrays[0]; i++) {
         *arrays[i] = PyMem_Calloc(npairs, sizeof(int64_t));
         ok = ok && *arrays[i];
@@ -205,6 +215,7 @@ static int Tracker_init(Tracker *self, PyObject *args, PyObject *kwds)
     for (int i = 0; i < npairs; i++) {
         self->freeq[i] = i;
         self->lid[i] = -1;
+        self->pred_of[i] = self->succ[i] = -1;
     }
     self->free_head = 0;
     self->free_count = npairs;
@@ -254,6 +265,8 @@ static void Tracker_dealloc(Tracker *self)
     PyMem_Free(self->tok);
     PyMem_Free(self->t_first);
     PyMem_Free(self->freeq);
+    PyMem_Free(self->pred_of);
+    PyMem_Free(self->succ);
     PyMem_Free(self->slot_sm);
     int64_t *arrays[] = {self->lid, self->gen, self->blocks, self->fw, self->fr, self->fs,
                          self->entries, self->placed, self->ended, self->resid};
@@ -399,20 +412,51 @@ static void finish_slot(Tracker *self, int slot)
     self->free_count++;
 }
 
-/* Undo a release whose blocks have not started: its demand and entries go back. */
+/* Add (sign 1) or take back (sign -1) a launch's demand as unplaced work. */
+static void count_demand(Tracker *self, int slot, int64_t sign)
+{
+    int64_t n = sign * self->blocks[slot];
+    self->demand[B] += n;
+    self->demand[W] += n * self->fw[slot];
+    self->demand[R] += n * self->fr[slot];
+    self->demand[S] += n * self->fs[slot];
+}
+
+/* A deferred launch's predecessor ended (or it was placed first): its demand counts. */
+static void activate(Tracker *self, int slot)
+{
+    int p = self->pred_of[slot];
+    if (p < 0)
+        return;
+    self->succ[p] = -1;
+    self->pred_of[slot] = -1;
+    self->deferred -= self->blocks[slot];
+    count_demand(self, slot, 1);
+}
+
+/* Undo a release whose blocks have not started: its demand and entries go back; a launch
+   deferred behind it counts from now on (nothing holds it back any more). */
 static void withdraw(Tracker *self, int slot)
 {
-    int64_t n = self->blocks[slot];
-    self->demand[B] -= n;
-    self->demand[W] -= n * self->fw[slot];
-    self->demand[R] -= n * self->fr[slot];
-    self->demand[S] -= n * self->fs[slot];
+    int p = self->pred_of[slot];
+    if (p >= 0) {                /* deferred: its demand was never counted */
+        self->succ[p] = -1;
+        self->pred_of[slot] = -1;
+        self->deferred -= self->blocks[slot];
+    } else {
+        count_demand(self, slot, -1);
+    }
+    if (self->succ[slot] >= 0)
+        activate(self, self->succ[slot]);
     self->reserved -= self->entries[slot];
     finish_slot(self, slot);
 }
 
-/* The launch id of a new launch, or -1 with RuntimeError (no counter pair free). */
-static long long release_raw(Tracker *self, const PaellaDemand *dm, PyObject *tok)
+/* The launch id of a new launch, or -1 with RuntimeError (no counter pair free).
+   `behind` (-1: none): the launch id of a kernel on the same stream that this one is
+   queued behind; while that kernel runs, this one's demand is deferred (see Tracker). */
+static long long release_raw(Tracker *self, const PaellaDemand *dm, PyObject *tok,
+                             long long behind)
 {
     if (!self->free_count) {
         PyErr_SetString(PyExc_RuntimeError, "release() with every counter pair in flight: "
@@ -434,26 +478,39 @@ static long long release_raw(Tracker *self, const PaellaDemand *dm, PyObject *to
     self->entries[slot] = dm->entries;
     self->placed[slot] = self->ended[slot] = 0;
     self->t_first[slot] = 0.0;
-    self->demand[B] += n;
-    self->demand[W] += n * w;
-    self->demand[R] += n * r;
-    self->demand[S] += n * s;
+    self->succ[slot] = self->pred_of[slot] = -1;
+    int p = behind >= 0 ? (int)(behind & (self->npairs - 1)) : -1;
+    if (p >= 0 && p != slot && self->tok[p] != NULL && self->lid[p] == behind
+            && self->ended[p] < self->blocks[p] && self->succ[p] < 0) {
+        self->succ[p] = slot;
+        self->pred_of[slot] = p;
+        self->deferred += n;
+    } else {
+        self->demand[B] += n;
+        self->demand[W] += n * w;
+        self->demand[R] += n * r;
+        self->demand[S] += n * s;
+    }
     self->reserved += dm->entries;
     return lid;
 }
 
-/* release(demand, token) -> launch id. No Python code runs here. */
+/* release(demand, token, behind=-1) -> launch id. No Python code runs here. */
 static PyObject *Tracker_release(Tracker *self, PyObject *const *args, Py_ssize_t nargs)
 {
-    if (nargs != 2) {
-        PyErr_SetString(PyExc_TypeError, "release(demand, token) takes 2 arguments");
+    if (nargs != 2 && nargs != 3) {
+        PyErr_SetString(PyExc_TypeError, "release(demand, token, behind=-1) takes 2 or 3 "
+                        "arguments");
         return NULL;
     }
     Demand *dm = as_demand(args[0]);
     if (!ready(self) || dm == NULL)
         return NULL;
+    long long behind = -1;
+    if (nargs == 3 && (behind = PyLong_AsLongLong(args[2])) == -1 && PyErr_Occurred())
+        return NULL;
     PaellaDemand d = raw(dm);
-    long long lid = release_raw(self, &d, args[1]);
+    long long lid = release_raw(self, &d, args[1], behind);
     return lid < 0 ? NULL : PyLong_FromLongLong(lid);
 }
 
@@ -609,6 +666,8 @@ static int64_t apply_entries(Tracker *self, double now, DrainSink *sink, uint64_
         int64_t *usm = self->sm + 4 * sm;
         int64_t *here = self->slot_sm + (size_t)slot * self->nsm + sm;
         if (placing) {
+            if (self->pred_of[slot] >= 0)        /* placed before its predecessor's end */
+                activate(self, slot);            /* was read: it counts from here */
             if (!self->placed[slot]) {
                 self->t_first[slot] = now;
                 if (sink->start != NULL)
@@ -634,6 +693,8 @@ static int64_t apply_entries(Tracker *self, double now, DrainSink *sink, uint64_
             if ((self->ended[slot] += n) == self->blocks[slot]) {
                 if (self->resid[slot])
                     take_rest(self, slot);
+                if (self->succ[slot] >= 0)       /* the launch behind it may start now */
+                    activate(self, self->succ[slot]);
                 double t0 = self->t_first[slot];
                 PyObject *tok = self->tok[slot];
                 finish_slot(self, slot);                 /* its reference is ours now */
@@ -741,9 +802,10 @@ static int api_fits(PyObject *t, const PaellaDemand *d, int whole)
     return fits_raw((Tracker *)t, d, whole);
 }
 
-static long long api_release(PyObject *t, const PaellaDemand *d, PyObject *tok)
+static long long api_release(PyObject *t, const PaellaDemand *d, PyObject *tok,
+                             long long behind)
 {
-    return release_raw((Tracker *)t, d, tok);
+    return release_raw((Tracker *)t, d, tok, behind);
 }
 
 static int api_unrelease(PyObject *t, long long lid)
@@ -864,6 +926,7 @@ GETTER(warps, self->used[W])
 GETTER(regs, self->used[R])
 GETTER(smem, self->used[S])
 GETTER(unplaced, self->demand[B])
+GETTER(deferred, self->deferred)
 GETTER(d_warps, self->demand[W])
 GETTER(d_regs, self->demand[R])
 GETTER(d_smem, self->demand[S])
@@ -905,7 +968,10 @@ static PyGetSetDef Tracker_getset[] = {
     {"warps", (getter)get_warps, NULL, "resident warps"},
     {"regs", (getter)get_regs, NULL, "resident registers"},
     {"smem", (getter)get_smem, NULL, "resident shared memory (bytes)"},
-    {"unplaced", (getter)get_unplaced, NULL, "blocks released, not yet placed"},
+    {"unplaced", (getter)get_unplaced, NULL, "blocks released, not yet placed (deferred "
+     "ones excluded)"},
+    {"deferred", (getter)get_deferred, NULL, "blocks released behind a running kernel of "
+     "their stream, not counted as unplaced until it ends"},
     {"d_warps", (getter)get_d_warps, NULL, "warps released, not yet placed"},
     {"d_regs", (getter)get_d_regs, NULL, "registers released, not yet placed"},
     {"d_smem", (getter)get_d_smem, NULL, "shared memory released, not yet placed"},

@@ -33,8 +33,10 @@ typedef struct {
     int (*flow_ok)(PyObject *t, long long entries);
     /* Would all (whole=1) or one (whole=0) of its blocks fit in what is free now? */
     int (*fits)(PyObject *t, const PaellaDemand *d, int whole);
-    /* The launch id, or -1 with an exception set; the tracker keeps a reference to tok. */
-    long long (*release)(PyObject *t, const PaellaDemand *d, PyObject *tok);
+    /* The launch id, or -1 with an exception set; the tracker keeps a reference to tok.
+       behind (-1: none): the launch id of the running kernel this one is queued behind on
+       its stream; its demand is deferred until that kernel ends. */
+    long long (*release)(PyObject *t, const PaellaDemand *d, PyObject *tok, long long behind);
     int (*unrelease)(PyObject *t, long long lid);
     /* Entries consumed, or -1 with an exception set (a malformed entry: the launches
        before it are reported first). */

@@ -713,7 +713,8 @@ class Dispatcher:
                 busy[s] += 1
             else:
                 s = streams.assign(op)
-            op.launch_id = lid = tracker.release(k.demand, op)
+            op.launch_id = lid = tracker.release(
+                k.demand, op, pred.launch_id if behind and pred.kind == KERNEL else -1)
             op.t_release = now
             if self._late_jobs is not None:
                 self._late_jobs[lid] = job

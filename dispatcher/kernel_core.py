@@ -687,7 +687,8 @@ class KernelCore:
             job.kcount[k.key] = c + 1
             self._released(job)
             s = self._assign(job, i, p)
-            lid = tracker.release(k.demand, (job, i))
+            lid = tracker.release(k.demand, (job, i),
+                                  job.lid[p] if p >= 0 and plan.kinds[p] == KERNEL else -1)
             job.lid[i] = lid
             self.progress += 1
             job.t_rel[i] = self.now

@@ -45,6 +45,15 @@ lets a policy keep B's slack from reordering its choices (``paella``'s order rul
 ``pred`` on its stream (the dispatcher's lookahead): it cannot start before ``pred``
 ends, so ``pred``'s resources count as free and its blocks as no longer unplaced.
 
+**Deferred launches** (the lookahead). ``release(demand, token, behind=lid)`` names the
+running kernel that the new launch is queued behind on its stream: it cannot start
+before that kernel ends, so its blocks are not work waiting for free resources yet. They
+stay out of ``unplaced`` (and of the +B rule, ``fits_now`` and ``starts_now``) until that
+kernel's last block completes, or until a block of the new launch is reported placed,
+whichever the notifQ shows first. Counted at once, every job's looked-ahead kernel held
+the other jobs' releases back: ``paella`` at lookahead 2 served 561 of Figure 11's 800
+requests/s (docs/dispatcher.md, "Lookahead").
+
 **Flow control.** A launch of n blocks posts at most ``2*ceil(n/g)`` entries. The
 tracker admits a launch only while the entries not yet consumed, plus the new ones,
 fit in the ring, so the device can never overrun an unread slot. Launch ids carry a
@@ -84,7 +93,8 @@ class Tracker(TrackerCore):
     """Resident usage from the notifQ, the +B rule and flow control (module docstring).
 
     Per kernel, on a :class:`Demand`: ``admits(d)`` / ``flow_ok(d)`` / ``fits_now(d)`` /
-    ``starts_now(d)`` -> bool, ``release(d, token)`` -> launch id, ``unrelease(launch_id)``,
+    ``starts_now(d)`` -> bool, ``release(d, token, behind=-1)`` -> launch id,
+    ``unrelease(launch_id)``,
     and ``drain(now, on_done, on_start=None)`` -> entries consumed, which calls, after the
     whole batch is applied, ``on_start(token)`` for each launch whose first block was
     reported placed (only when ``on_start`` is given: nothing is collected otherwise) and
@@ -99,7 +109,8 @@ class Tracker(TrackerCore):
     t_first)``. Every method refuses a tracker whose ``__init__`` failed.
     Read-only figures: ``head``, ``slots``, ``blocks``/``warps``/``regs``/``smem``
     (resident), ``unplaced``/``d_warps``/``d_regs``/``d_smem`` (released, not placed),
-    ``cap``, ``pending_entries``; ``extra_blocks`` (B) may be changed."""
+    ``deferred`` (blocks released behind a running kernel, module docstring), ``cap``,
+    ``pending_entries``; ``extra_blocks`` (B) may be changed."""
 
     def __init__(self, spec: GpuSpec, notifq, *, extra_blocks: int, group: int,
                  counter_pairs: int = protocol.DEFAULT_COUNTER_PAIRS):

@@ -62,6 +62,7 @@ t.test_the_graph_and_the_run_refuse_what_does_not_fit()
 t.test_a_compiled_job_drops_its_ops_when_done()
 import test_tracker
 assert test_tracker.serve_uneven_conv(16, requests=2) == (0, {0})
+test_tracker.test_a_launch_behind_a_running_kernel_is_not_unplaced_work_until_that_kernel_ends()
 import test_kernel_core as k
 from paella.dispatcher import kernel_core
 assert kernel_core.load("_kcore").KernelCore.__module__ == "paella.dispatcher._kcore"

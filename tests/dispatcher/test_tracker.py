@@ -335,6 +335,69 @@ def test_unrelease_returns_the_launch_and_its_demand():
         t.unrelease(lid)
 
 
+def test_a_launch_behind_a_running_kernel_is_not_unplaced_work_until_that_kernel_ends():
+    """Lookahead: a kernel queued behind its stream's running kernel cannot start before
+    that one ends, so it does not hold other releases back under the +B rule meanwhile
+    (it made paella at lookahead 2 serve 561 of Figure 11's 800 requests/s). Its demand
+    counts once the kernel ahead ends, or as soon as a block of it is reported placed;
+    withdrawing either one leaves the accounting whole."""
+    spec = preset("gtx1660s")               # 176 blocks of 128 threads fit
+    ring = np.zeros(1 << 12, np.uint64)
+    t = Tracker(spec, ring, extra_blocks=10, group=1)
+    first = kernel_op(spec, 176, group=1)
+    a = release(t, first)
+    ring[0] = protocol.encode(protocol.PLACEMENT, 0, 1, a)          # one block of it placed
+    t.drain(0.0, lambda op, t0: None)
+    nxt = kernel_op(spec, 150, group=1)
+    b = t.release(nxt, nxt, a)                                      # behind `a`
+    assert t.unplaced == 175 and t.deferred == 150
+    assert t.admits(kernel_op(spec, 1, group=1))                    # 175 + 1 within 176 + 10
+    # Without the deferral the same release would have held everything back.
+    u = Tracker(spec, np.zeros(1 << 12, np.uint64), extra_blocks=10, group=1)
+    release(u, first)
+    release(u, nxt)
+    assert u.deferred == 0 and not u.admits(kernel_op(spec, 1, group=1))
+    # The kernel ahead placed and ended: the one behind counts from then on.
+    t2 = Tracker(spec, np.zeros(1024, np.uint64), extra_blocks=10, group=1)
+    x = release(t2, first)
+    y = t2.release(nxt, nxt, x)
+    r2 = t2.ring
+    for k in range(176):
+        r2[k] = protocol.encode(protocol.PLACEMENT, k % spec.sm_count, 1, x)
+    t2.drain(0.0, lambda op, t0: None)
+    assert t2.unplaced == 0 and t2.deferred == 150
+    for k in range(176):
+        r2[176 + k] = protocol.encode(protocol.COMPLETION, k % spec.sm_count, 1, x)
+    done = []
+    t2.drain(1.0, lambda op, t0: done.append(op))
+    assert done == [first] and t2.unplaced == 150 and t2.deferred == 0
+    r2[352] = protocol.encode(protocol.PLACEMENT, 0, 1, y)
+    t2.drain(2.0, lambda op, t0: None)
+    assert t2.unplaced == 149
+    # Placed before its predecessor's end was read: it counts at its first placement.
+    t3 = Tracker(spec, np.zeros(64, np.uint64), extra_blocks=10, group=1)
+    p = release(t3, kernel_op(spec, 4, group=1))
+    q = t3.release(kernel_op(spec, 3, group=1), "q", p)
+    assert t3.unplaced == 4 and t3.deferred == 3
+    t3.ring[0] = protocol.encode(protocol.PLACEMENT, 0, 1, q)
+    t3.drain(0.0, lambda op, t0: None)
+    assert t3.unplaced == 4 + 3 - 1 and t3.deferred == 0
+    # Withdrawn: the deferred one's demand was never counted; withdrawing the kernel
+    # ahead lets the one behind count.
+    t4 = Tracker(spec, np.zeros(64, np.uint64), extra_blocks=10, group=1)
+    p = release(t4, kernel_op(spec, 4, group=1))
+    q = t4.release(kernel_op(spec, 3, group=1), "q", p)
+    t4.unrelease(q)
+    assert t4.unplaced == 4 and t4.deferred == 0
+    q = t4.release(kernel_op(spec, 3, group=1), "q", p)
+    t4.unrelease(p)
+    assert t4.unplaced == 3 and t4.deferred == 0
+    # Behind a launch not in flight (or itself): released as usual.
+    r = t4.release(kernel_op(spec, 2, group=1), "r", p)
+    assert t4.unplaced == 5 and t4.deferred == 0
+    del b, r
+
+
 def test_a_finished_dispatcher_is_garbage_collected(make):
     """The C half holds references to the ops in flight (and they to their jobs and
     the dispatcher): the cycle must be visible to the garbage collector."""
