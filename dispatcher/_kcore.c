@@ -1558,9 +1558,9 @@ static int release_loop(Core *c)
         KSpec *k = &p->ks[p->kernel[i]];
         int b = behind_of(c, j, i);
         if (b >= 0 && c->gated && p->kind[b] == KERNEL) {
-            if (!TAPI->admits(c->tracker, &k->d, &p->ks[p->kernel[b]].d))
+            if (!TAPI->admits(c->tracker, &k->d, &p->ks[p->kernel[b]].d, j->lid[b]))
                 return 0;
-        } else if (!(c->gated ? TAPI->admits(c->tracker, &k->d, NULL)
+        } else if (!(c->gated ? TAPI->admits(c->tracker, &k->d, NULL, -1)
                               : TAPI->flow_ok(c->tracker, k->d.entries)))
             return 0;
         else if (pool && !c->free_n && b < 0 && j->pin < 0)

@@ -28,8 +28,10 @@ typedef void (*paella_done_fn)(void *ctx, int slot, PyObject *tok, double t_firs
 typedef struct {
     /* 0 if `t` is a ready Tracker, else -1 with an exception set. */
     int (*check)(PyObject *t);
-    /* The +B rule; `pred` (may be NULL): the launch queued ahead on the same stream. */
-    int (*admits)(PyObject *t, const PaellaDemand *d, const PaellaDemand *pred);
+    /* The +B rule; `pred` (may be NULL): the launch queued ahead on the same stream,
+       `pred_lid` its launch id (-1: unknown). */
+    int (*admits)(PyObject *t, const PaellaDemand *d, const PaellaDemand *pred,
+                  long long pred_lid);
     int (*flow_ok)(PyObject *t, long long entries);
     /* Would all (whole=1) or one (whole=0) of its blocks fit in what is free now? */
     int (*fits)(PyObject *t, const PaellaDemand *d, int whole);

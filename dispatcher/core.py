@@ -682,7 +682,7 @@ class Dispatcher:
                 # resources that predecessor frees (without this credit, lookahead held a
                 # large kernel's successor until the loop saw the predecessor complete).
                 # (A copy frees no SM: behind one, the usual rule.)
-                if not tracker.admits_after(k.demand, pred.launch.demand):
+                if not tracker.admits_after(k.demand, pred.launch.demand, pred.launch_id):
                     return
             elif not admits(k.demand) or (pool and not free and not behind and job.pin < 0):
                 return

@@ -671,7 +671,8 @@ class KernelCore:
             k = plan.kernels[plan.kernel[i]]
             p = self._behind(job, i)
             if p >= 0 and self.gated and plan.kinds[p] == KERNEL:
-                if not tracker.admits_after(k.demand, plan.kernels[plan.kernel[p]].demand):
+                if not tracker.admits_after(k.demand, plan.kernels[plan.kernel[p]].demand,
+                                            job.lid[p]):
                     return
             elif not (tracker.admits(k.demand) if self.gated else tracker.flow_ok(k.demand)):
                 return
