@@ -357,6 +357,11 @@ def test_a_launch_behind_a_running_kernel_is_not_unplaced_work_until_that_kernel
     release(u, first)
     release(u, nxt)
     assert u.deferred == 0 and not u.admits(kernel_op(spec, 1, group=1))
+    # A third kernel behind the deferred one is judged as if that one counted (a lone
+    # job's lookahead as before deferral); without the launch id, against what counts.
+    third = kernel_op(spec, 150, group=1)
+    assert not t.admits_after(third, nxt, b)
+    assert t.admits_after(third, nxt)
     # The kernel ahead placed and ended: the one behind counts from then on.
     t2 = Tracker(spec, np.zeros(1024, np.uint64), extra_blocks=10, group=1)
     x = release(t2, first)
