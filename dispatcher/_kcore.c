@@ -1558,9 +1558,9 @@ static int release_loop(Core *c)
         KSpec *k = &p->ks[p->kernel[i]];
         int b = behind_of(c, j, i);
         if (b >= 0 && c->gated && p->kind[b] == KERNEL) {
-            if (!TAPI->admits(c->tracker, &k->d, &p->ks[p->kernel[b]].d, j->lid[b]))
+            if (!TAPI->admits_behind(c->tracker, &k->d, &p->ks[p->kernel[b]].d, j->lid[b]))
                 return 0;
-        } else if (!(c->gated ? TAPI->admits(c->tracker, &k->d, NULL, -1)
+        } else if (!(c->gated ? TAPI->admits(c->tracker, &k->d, NULL)
                               : TAPI->flow_ok(c->tracker, k->d.entries)))
             return 0;
         else if (pool && !c->free_n && b < 0 && j->pin < 0)
@@ -1577,8 +1577,9 @@ static int release_loop(Core *c)
         if (released(c, id, j) < 0)
             return -1;
         int s = assign(c, j, i, b);
-        long long lid = TAPI->release(c->tracker, &k->d, Py_None,
-                                      b >= 0 && p->kind[b] == KERNEL ? j->lid[b] : -1);
+        long long lid = b >= 0 && p->kind[b] == KERNEL
+            ? TAPI->release_behind(c->tracker, &k->d, Py_None, j->lid[b])
+            : TAPI->release(c->tracker, &k->d, Py_None);
         if (lid < 0)
             return -1;
         int slot = (int)(lid & (c->npairs - 1));

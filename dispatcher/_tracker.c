@@ -292,37 +292,24 @@ static PyObject *Tracker_flow_ok(Tracker *self, PyObject *arg)
    `pd` (may be NULL): a launch in flight on the candidate's own stream, which the
    candidate cannot start before: its resources, resident or still unplaced, count as
    free and its blocks as no longer waiting (admits_after). */
-static int admits_raw(Tracker *self, const PaellaDemand *dm, const PaellaDemand *pd,
-                      long long pred_lid)
+static int admits_raw(Tracker *self, const PaellaDemand *dm, const PaellaDemand *pd)
 {
     if (!flow_ok(self, dm->entries))
         return 0;
     int64_t n = dm->blocks, p = pd != NULL ? pd->blocks : 0;
-    /* A predecessor that is itself deferred (lookahead 3+: it waits behind the kernel
-       before it) is judged as if counted: its blocks are unplaced work from the moment
-       it may start, and without this a chain's third kernel was admitted earlier than
-       before deferral, which cost the daemon's back-to-back latency (paella demo:
-       SqueezeNet 1.08-1.14x before deferral, up to 1.45x with it). */
-    int64_t add[4] = {0, 0, 0, 0};
-    if (pd != NULL && pred_lid >= 0) {
-        int ps = (int)(pred_lid & (self->npairs - 1));
-        if (self->lid[ps] == pred_lid && self->pred_of[ps] >= 0) {
-            add[0] = p, add[1] = p * pd->warps, add[2] = p * pd->regs, add[3] = p * pd->smem;
-        }
-    }
     int64_t need[4] = {n, n * dm->warps, n * dm->regs, n * dm->smem};
     int64_t credit[4] = {p, pd != NULL ? p * pd->warps : 0, pd != NULL ? p * pd->regs : 0,
                          pd != NULL ? p * pd->smem : 0};
     double excess = 0.0;
     for (int k = 0; k < 4; k++) {
-        int64_t d = self->demand[k] + add[k] + need[k];
+        int64_t d = self->demand[k] + need[k];
         if (d) {
             double frac = (double)(d - (self->cap[k] - self->used[k] + credit[k])) / (double)d;
             if (frac > excess)
                 excess = frac;
         }
     }
-    int64_t u = self->demand[B] + add[0] - p;
+    int64_t u = self->demand[B] - p;
     if (u < 0)
         u = 0;
     if ((double)(u + n) * excess <= (double)self->extra_blocks)
@@ -330,6 +317,31 @@ static int admits_raw(Tracker *self, const PaellaDemand *dm, const PaellaDemand 
     if (u == 0 && (self->extra_blocks > 0 || self->used[B] - p <= 0))
         return 1;
     return 0;
+}
+
+/* admits_raw behind the same-stream launch `pred_lid` (-1: unknown). A predecessor that
+   is itself deferred (lookahead 3+: it waits behind the kernel before it) is judged as
+   if counted: its blocks are unplaced work from the moment it may start. Without this a
+   chain's third kernel went earlier than before deferral, and the daemon's back-to-back
+   latency suffered (paella demo: SqueezeNet 1.08-1.14x before deferral, up to 1.45x with
+   it alone). Its demand is added for the test and taken back: the common path, no
+   predecessor, is admits_raw unchanged. */
+static int admits_behind(Tracker *self, const PaellaDemand *dm, const PaellaDemand *pd,
+                         long long pred_lid)
+{
+    if (pd == NULL || pred_lid < 0)
+        return admits_raw(self, dm, pd);
+    int ps = (int)(pred_lid & (self->npairs - 1));
+    if (self->lid[ps] != pred_lid || self->pred_of[ps] < 0)
+        return admits_raw(self, dm, pd);
+    int64_t add[4] = {pd->blocks, pd->blocks * pd->warps, pd->blocks * pd->regs,
+                      pd->blocks * pd->smem};
+    for (int k = 0; k < 4; k++)
+        self->demand[k] += add[k];
+    int ok = admits_raw(self, dm, pd);
+    for (int k = 0; k < 4; k++)
+        self->demand[k] -= add[k];
+    return ok;
 }
 
 /* A Demand's fields, without the object header. */
@@ -344,7 +356,7 @@ static int admits_rule(Tracker *self, Demand *dm, Demand *pd, long long pred_lid
     PaellaDemand d = raw(dm), q;
     if (pd != NULL)
         q = raw(pd);
-    return admits_raw(self, &d, pd != NULL ? &q : NULL, pred_lid);
+    return admits_behind(self, &d, pd != NULL ? &q : NULL, pred_lid);
 }
 
 static PyObject *Tracker_admits(Tracker *self, PyObject *arg)
@@ -469,11 +481,24 @@ static void withdraw(Tracker *self, int slot)
     finish_slot(self, slot);
 }
 
-/* The launch id of a new launch, or -1 with RuntimeError (no counter pair free).
-   `behind` (-1: none): the launch id of a kernel on the same stream that this one is
-   queued behind; while that kernel runs, this one's demand is deferred (see Tracker). */
-static long long release_raw(Tracker *self, const PaellaDemand *dm, PyObject *tok,
-                             long long behind)
+/* Defer `slot`'s demand behind launch `behind` if that one is a launch in flight whose
+   blocks have not all ended and that has no launch deferred behind it yet: 1 if done.
+   The launch behind `behind` on its stream, released just now: its demand is counted;
+   the caller takes it back. */
+static int defer(Tracker *self, int slot, long long behind)
+{
+    int p = (int)(behind & (self->npairs - 1));
+    if (p == slot || self->tok[p] == NULL || self->lid[p] != behind
+            || self->ended[p] >= self->blocks[p] || self->succ[p] >= 0)
+        return 0;
+    self->succ[p] = slot;
+    self->pred_of[slot] = p;
+    self->deferred += self->blocks[slot];
+    return 1;
+}
+
+/* The launch id of a new launch, or -1 with RuntimeError (no counter pair free). */
+static long long release_raw(Tracker *self, const PaellaDemand *dm, PyObject *tok)
 {
     if (!self->free_count) {
         PyErr_SetString(PyExc_RuntimeError, "release() with every counter pair in flight: "
@@ -495,20 +520,27 @@ static long long release_raw(Tracker *self, const PaellaDemand *dm, PyObject *to
     self->entries[slot] = dm->entries;
     self->placed[slot] = self->ended[slot] = 0;
     self->t_first[slot] = 0.0;
-    /* (a free slot has succ and pred_of -1: set at init, cleared where they are set) */
-    int p = behind >= 0 ? (int)(behind & (self->npairs - 1)) : -1;
-    if (p >= 0 && p != slot && self->tok[p] != NULL && self->lid[p] == behind
-            && self->ended[p] < self->blocks[p] && self->succ[p] < 0) {
-        self->succ[p] = slot;
-        self->pred_of[slot] = p;
-        self->deferred += n;
-    } else {
-        self->demand[B] += n;
-        self->demand[W] += n * w;
-        self->demand[R] += n * r;
-        self->demand[S] += n * s;
-    }
+    self->demand[B] += n;
+    self->demand[W] += n * w;
+    self->demand[R] += n * r;
+    self->demand[S] += n * s;
     self->reserved += dm->entries;
+    return lid;
+}
+
+/* release_raw behind launch `behind` (-1: none): the new launch's demand is deferred if
+   `behind` qualifies (defer). A function of its own, so that release_raw, the common
+   path, is what it was. (A free slot has succ and pred_of -1: set at init, cleared
+   where they are set.) */
+static long long release_behind_raw(Tracker *self, const PaellaDemand *dm, PyObject *tok,
+                                    long long behind)
+{
+    long long lid = release_raw(self, dm, tok);
+    if (lid >= 0 && behind >= 0) {
+        int slot = (int)(lid & (self->npairs - 1));
+        if (defer(self, slot, behind))
+            count_demand(self, slot, -1);
+    }
     return lid;
 }
 
@@ -527,7 +559,7 @@ static PyObject *Tracker_release(Tracker *self, PyObject *const *args, Py_ssize_
     if (nargs == 3 && (behind = PyLong_AsLongLong(args[2])) == -1 && PyErr_Occurred())
         return NULL;
     PaellaDemand d = raw(dm);
-    long long lid = release_raw(self, &d, args[1], behind);
+    long long lid = release_behind_raw(self, &d, args[1], behind);
     return lid < 0 ? NULL : PyLong_FromLongLong(lid);
 }
 
@@ -684,8 +716,8 @@ static int64_t apply_entries(Tracker *self, double now, DrainSink *sink, uint64_
         int64_t *here = self->slot_sm + (size_t)slot * self->nsm + sm;
         if (placing) {
             if (!self->placed[slot]) {
-                if (self->pred_of[slot] >= 0)    /* placed before its predecessor's end */
-                    activate(self, slot);        /* was read: it counts from here */
+                if (self->deferred && self->pred_of[slot] >= 0)   /* placed before its */
+                    activate(self, slot);        /* predecessor's end was read: it counts */
                 self->t_first[slot] = now;
                 if (sink->start != NULL)
                     sink->start(sink, self->tok[slot], now);
@@ -710,8 +742,8 @@ static int64_t apply_entries(Tracker *self, double now, DrainSink *sink, uint64_
             if ((self->ended[slot] += n) == self->blocks[slot]) {
                 if (self->resid[slot])
                     take_rest(self, slot);
-                if (self->succ[slot] >= 0)       /* the launch behind it may start now */
-                    activate(self, self->succ[slot]);
+                if (self->deferred && self->succ[slot] >= 0)   /* the one behind it may */
+                    activate(self, self->succ[slot]);         /* start now */
                 double t0 = self->t_first[slot];
                 PyObject *tok = self->tok[slot];
                 finish_slot(self, slot);                 /* its reference is ours now */
@@ -804,10 +836,15 @@ static int api_check(PyObject *t)
     return ready((Tracker *)t) ? 0 : -1;
 }
 
-static int api_admits(PyObject *t, const PaellaDemand *d, const PaellaDemand *pred,
-                      long long pred_lid)
+static int api_admits(PyObject *t, const PaellaDemand *d, const PaellaDemand *pred)
 {
-    return admits_raw((Tracker *)t, d, pred, pred_lid);
+    return admits_raw((Tracker *)t, d, pred);
+}
+
+static int api_admits_behind(PyObject *t, const PaellaDemand *d, const PaellaDemand *pred,
+                             long long pred_lid)
+{
+    return admits_behind((Tracker *)t, d, pred, pred_lid);
 }
 
 static int api_flow_ok(PyObject *t, long long entries)
@@ -820,10 +857,15 @@ static int api_fits(PyObject *t, const PaellaDemand *d, int whole)
     return fits_raw((Tracker *)t, d, whole);
 }
 
-static long long api_release(PyObject *t, const PaellaDemand *d, PyObject *tok,
-                             long long behind)
+static long long api_release(PyObject *t, const PaellaDemand *d, PyObject *tok)
 {
-    return release_raw((Tracker *)t, d, tok, behind);
+    return release_raw((Tracker *)t, d, tok);
+}
+
+static long long api_release_behind(PyObject *t, const PaellaDemand *d, PyObject *tok,
+                                    long long behind)
+{
+    return release_behind_raw((Tracker *)t, d, tok, behind);
 }
 
 static int api_unrelease(PyObject *t, long long lid)
@@ -875,7 +917,7 @@ static int api_pairs(PyObject *t)
 
 static PaellaTrackerAPI tracker_api = {
     api_check, api_admits, api_flow_ok, api_fits, api_release, api_unrelease, api_drain,
-    api_pairs,
+    api_pairs, api_admits_behind, api_release_behind,
 };
 
 /* -- inspection ------------------------------------------------------------------------ */

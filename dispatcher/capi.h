@@ -28,22 +28,26 @@ typedef void (*paella_done_fn)(void *ctx, int slot, PyObject *tok, double t_firs
 typedef struct {
     /* 0 if `t` is a ready Tracker, else -1 with an exception set. */
     int (*check)(PyObject *t);
-    /* The +B rule; `pred` (may be NULL): the launch queued ahead on the same stream,
-       `pred_lid` its launch id (-1: unknown). */
-    int (*admits)(PyObject *t, const PaellaDemand *d, const PaellaDemand *pred,
-                  long long pred_lid);
+    /* The +B rule; `pred` (may be NULL): the launch queued ahead on the same stream. */
+    int (*admits)(PyObject *t, const PaellaDemand *d, const PaellaDemand *pred);
     int (*flow_ok)(PyObject *t, long long entries);
     /* Would all (whole=1) or one (whole=0) of its blocks fit in what is free now? */
     int (*fits)(PyObject *t, const PaellaDemand *d, int whole);
-    /* The launch id, or -1 with an exception set; the tracker keeps a reference to tok.
-       behind (-1: none): the launch id of the running kernel this one is queued behind on
-       its stream; its demand is deferred until that kernel ends. */
-    long long (*release)(PyObject *t, const PaellaDemand *d, PyObject *tok, long long behind);
+    /* The launch id, or -1 with an exception set; the tracker keeps a reference to tok. */
+    long long (*release)(PyObject *t, const PaellaDemand *d, PyObject *tok);
     int (*unrelease)(PyObject *t, long long lid);
     /* Entries consumed, or -1 with an exception set (a malformed entry: the launches
        before it are reported first). */
     long long (*drain)(PyObject *t, double now, paella_done_fn done, void *ctx);
     int (*pairs)(PyObject *t);
+    /* The lookahead's twins of admits and release (apart, so that the common path keeps
+       its cost): `pred_lid` / `behind` is the launch id of the kernel queued ahead on
+       the same stream. A kernel behind a deferred one is admitted as if that one
+       counted; a released kernel's demand is deferred until the one ahead ends. */
+    int (*admits_behind)(PyObject *t, const PaellaDemand *d, const PaellaDemand *pred,
+                         long long pred_lid);
+    long long (*release_behind)(PyObject *t, const PaellaDemand *d, PyObject *tok,
+                                long long behind);
 } PaellaTrackerAPI;
 
 typedef struct {
