@@ -41,9 +41,10 @@ else is unplaced and then runs in waves, holding further releases back until its
 unplaced blocks fall below B. :meth:`starts_now` (would one block be placed at once?)
 lets a policy keep B's slack from reordering its choices (``paella``'s order rule).
 
-:meth:`admits_after` (``demand``, ``pred``) is the same rule for a launch queued behind
-``pred`` on its stream (the dispatcher's lookahead): it cannot start before ``pred``
-ends, so ``pred``'s resources count as free and its blocks as no longer unplaced.
+:meth:`admits_after` (``demand``, ``pred``, ``pred_launch_id=-1``) is the same rule for a
+launch queued behind ``pred`` on its stream (the dispatcher's lookahead): it cannot start
+before ``pred`` ends, so ``pred``'s resources count as free and its blocks as no longer
+unplaced. If ``pred`` is itself deferred (below), it is judged as if it counted.
 
 **Deferred launches** (the lookahead). ``release(demand, token, behind=lid)`` names the
 running kernel that the new launch is queued behind on its stream: it cannot start
