@@ -23,6 +23,7 @@ grows (nearly) in proportion to the batch.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import accumulate
 from typing import Sequence
 
 
@@ -70,9 +71,7 @@ def even_cuts(t: Sequence[float], n: int) -> list[int]:
     size = len(t)
     if not 1 <= n <= size:
         raise ValueError(f"cannot cut {size} operators into {n} stages")
-    pre = [0.0]
-    for x in t:
-        pre.append(pre[-1] + x)
+    pre = [0.0, *accumulate(t)]
     lo, hi = max(t, default=0.0), pre[-1]
     for _ in range(100):                 # to float resolution: the bound is a sum of t
         mid = (lo + hi) / 2
@@ -113,9 +112,7 @@ def slice_stages(ops: Sequence[OpProfile], n: int, tolerance: float = 0.1) -> li
     t = [op.time(bs) for op in ops]
     prefs = [preferred_batch(op) for op in ops]
     changes = [i for i in range(1, len(ops)) if prefs[i] != prefs[i - 1]]
-    pre = [0.0]
-    for x in t:
-        pre.append(pre[-1] + x)
+    pre = [0.0, *accumulate(t)]
 
     def longest(cuts: list[int]) -> float:
         b = [0, *cuts, len(ops)]

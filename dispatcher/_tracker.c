@@ -284,6 +284,16 @@ static PyObject *Tracker_flow_ok(Tracker *self, PyObject *arg)
     return PyBool_FromLong(flow_ok(self, d->entries));
 }
 
+/* Add (sign 1) or take back (sign -1) a launch's demand as unplaced work. */
+static void count_demand(Tracker *self, int slot, int64_t sign)
+{
+    int64_t n = sign * self->blocks[slot];
+    self->demand[B] += n;
+    self->demand[W] += n * self->fw[slot];
+    self->demand[R] += n * self->fr[slot];
+    self->demand[S] += n * self->fs[slot];
+}
+
 /* The +B rule (paella.dispatcher.tracker explains it): the blocks of the unplaced work
    plus this launch that the free resources cannot hold now, estimated on GPU-wide totals,
    must stay within B. A launch past that goes only when nothing else waits: with B > 0
@@ -334,13 +344,9 @@ static int admits_behind(Tracker *self, const PaellaDemand *dm, const PaellaDema
     int ps = (int)(pred_lid & (self->npairs - 1));
     if (self->lid[ps] != pred_lid || self->pred_of[ps] < 0)
         return admits_raw(self, dm, pd);
-    int64_t add[4] = {pd->blocks, pd->blocks * pd->warps, pd->blocks * pd->regs,
-                      pd->blocks * pd->smem};
-    for (int k = 0; k < 4; k++)
-        self->demand[k] += add[k];
+    count_demand(self, ps, 1);
     int ok = admits_raw(self, dm, pd);
-    for (int k = 0; k < 4; k++)
-        self->demand[k] -= add[k];
+    count_demand(self, ps, -1);
     return ok;
 }
 
@@ -441,25 +447,20 @@ static void finish_slot(Tracker *self, int slot)
     self->free_count++;
 }
 
-/* Add (sign 1) or take back (sign -1) a launch's demand as unplaced work. */
-static void count_demand(Tracker *self, int slot, int64_t sign)
+/* A deferred launch is no longer: unlinked from the launch it waited behind. */
+static void undefer(Tracker *self, int slot)
 {
-    int64_t n = sign * self->blocks[slot];
-    self->demand[B] += n;
-    self->demand[W] += n * self->fw[slot];
-    self->demand[R] += n * self->fr[slot];
-    self->demand[S] += n * self->fs[slot];
+    self->succ[self->pred_of[slot]] = -1;
+    self->pred_of[slot] = -1;
+    self->deferred -= self->blocks[slot];
 }
 
 /* A deferred launch's predecessor ended (or it was placed first): its demand counts. */
 static void activate(Tracker *self, int slot)
 {
-    int p = self->pred_of[slot];
-    if (p < 0)
+    if (self->pred_of[slot] < 0)
         return;
-    self->succ[p] = -1;
-    self->pred_of[slot] = -1;
-    self->deferred -= self->blocks[slot];
+    undefer(self, slot);
     count_demand(self, slot, 1);
 }
 
@@ -467,24 +468,19 @@ static void activate(Tracker *self, int slot)
    deferred behind it counts from now on (nothing holds it back any more). */
 static void withdraw(Tracker *self, int slot)
 {
-    int p = self->pred_of[slot];
-    if (p >= 0) {                /* deferred: its demand was never counted */
-        self->succ[p] = -1;
-        self->pred_of[slot] = -1;
-        self->deferred -= self->blocks[slot];
-    } else {
+    if (self->pred_of[slot] >= 0)    /* deferred: its demand was never counted */
+        undefer(self, slot);
+    else
         count_demand(self, slot, -1);
-    }
     if (self->succ[slot] >= 0)
         activate(self, self->succ[slot]);
     self->reserved -= self->entries[slot];
     finish_slot(self, slot);
 }
 
-/* Defer `slot`'s demand behind launch `behind` if that one is a launch in flight whose
-   blocks have not all ended and that has no launch deferred behind it yet: 1 if done.
-   The launch behind `behind` on its stream, released just now: its demand is counted;
-   the caller takes it back. */
+/* Link `slot` (released just now, its demand counted) as deferred behind launch
+   `behind`, if that one is in flight, has blocks not ended yet and no launch deferred
+   behind it already: 1 if linked (the caller then takes its demand back), else 0. */
 static int defer(Tracker *self, int slot, long long behind)
 {
     int p = (int)(behind & (self->npairs - 1));

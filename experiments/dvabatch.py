@@ -614,7 +614,7 @@ def report_section(d: dict) -> list[str]:
         "buffer pairs (the paper: two at peak load) and a batch bounded by the model's preferred "
         "batch size (the paper: 64, with policy II splitting toward the preferred sizes; our "
         "split rule rarely fires on a batch of 64, whose halves cost more than it on the "
-        "compiled ResNet-152, 56.0 ms at 32 against 109.0 at 64); together the best of the "
+        "compiled ResNet-152: docs/dvabatch.md); together the best of the "
         "settings tried on the three models (three pairs: U-Net-like 28.6 ms against 34.9 at "
         "high load, the others within 3%; the bound: ResNet-152 23.7 against 29.3), the paper's "
         "policy-I window and time-only stretches worse (docs/dvabatch.md has the measurements).",

@@ -397,6 +397,13 @@ def test_a_launch_behind_a_running_kernel_is_not_unplaced_work_until_that_kernel
     q = t4.release(kernel_op(spec, 3, group=1), "q", p)
     t4.unrelease(p)
     assert t4.unplaced == 3 and t4.deferred == 0
+    # A launch id that is not an int is a TypeError, and nothing is released.
+    before = t4.in_flight()
+    with pytest.raises(TypeError):
+        t4.release(kernel_op(spec, 2, group=1), "x", "not an id")
+    with pytest.raises(TypeError):
+        t4.admits_after(kernel_op(spec, 2, group=1), kernel_op(spec, 2, group=1), 1.5)
+    assert t4.unplaced == 3 and t4.in_flight() == before
     # Behind a launch not in flight (or itself): released as usual.
     r = t4.release(kernel_op(spec, 2, group=1), "r", p)
     assert t4.unplaced == 5 and t4.deferred == 0

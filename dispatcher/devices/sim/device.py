@@ -83,7 +83,7 @@ class SimDevice(Device):
         #: Gates (engine handles) ahead of a kernel launched behind unfinished work of its
         #: stream, whose answer is asked when they reach the stream's head (then its input
         #: has landed): handle -> (pending, args, launch id, step hold). See _prepare_effect.
-        self._deferred: dict[int, tuple[Callable, tuple, int]] = {}
+        self._deferred: dict[int, tuple[Callable, tuple, int, bool]] = {}
         #: Gates that hold a kernel whose answer is being computed (not those ahead of a
         #: kernel that has not reached its stream's head: released ahead, an eager
         #: policy puts one in front of every kernel with an answer to ask, and those
