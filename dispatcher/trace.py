@@ -35,7 +35,7 @@ import heapq
 import json
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import IO, Any, Iterator
+from typing import IO, Any, Callable, Iterator
 
 from .devices.base import KERNEL, KIND_NAMES
 from .instruments import Instrument
@@ -66,7 +66,8 @@ class TraceRecorder(Instrument):
     occupancy and the policy's fallbacks). Install with ``dispatcher.instruments.add``;
     :meth:`stop` removes it. Hooks run on the loop: each appends one tuple."""
 
-    def __init__(self, dispatcher: Any, max_events: int = DEFAULT_MAX_EVENTS):
+    def __init__(self, dispatcher: Any, max_events: int = DEFAULT_MAX_EVENTS,
+                 request_model: Callable[[int], str | None] | None = None):
         if type(max_events) is not int or max_events < 16:
             raise ValueError(f"max_events must be an int >= 16, got {max_events!r}")
         self.dispatcher = dispatcher
@@ -76,6 +77,10 @@ class TraceRecorder(Instrument):
         self.stopped = False
         self._fallbacks = dispatcher.policy_fallbacks
         self._names: dict[int, str] = {}
+        #: A request's model id -> its name, where the request's ids are not the
+        #: dispatcher's (the daemon's front end numbers its models itself): names a
+        #: request whose job's ops the trace never saw (released before it started).
+        self._request_model = request_model
         #: (client, request id) -> its job's model name, from its ops (a request's own
         #: model id may be the front end's, not the dispatcher's).
         self._model_of: dict[tuple[int, int], str] = {}
@@ -108,8 +113,12 @@ class TraceRecorder(Instrument):
     def _model(self, model_id: int) -> str:
         name = self._names.get(model_id)
         if name is None:
-            m = self.dispatcher.models.get(model_id)
-            name = self._names[model_id] = m.name if m is not None else f"model {model_id}"
+            if self._request_model is not None:
+                name = self._request_model(model_id)
+            else:
+                m = self.dispatcher.models.get(model_id)
+                name = m.name if m is not None else None
+            name = self._names[model_id] = name if name is not None else f"model {model_id}"
         return name
 
     # -- hooks (on the loop: one tuple each) ---------------------------------------------

@@ -63,12 +63,17 @@ class TraceSessions:
             self.front.send(client, wire.error("busy", f"{MAX_SESSIONS} traces are being taken "
                                                        f"already; try again when they end"))
             return
-        rec = TraceRecorder(dispatcher, self.max_events).start()
+        rec = TraceRecorder(dispatcher, self.max_events, self._model_name).start()
         timer = threading.Timer(seconds, self.wake)
         timer.daemon = True
         self.sessions.append(_Session(client, rec, time.monotonic() + seconds, timer))
         timer.start()
         log.info("client %d (uid %d) takes a trace of %.3g s", client.cid, client.uid, seconds)
+
+    def _model_name(self, model_id: int) -> str | None:
+        """A request's model (its id is the front end's, not the dispatcher's)."""
+        m = self.front.models.by_id.get(model_id)
+        return m.name if m is not None else None
 
     def service(self) -> None:
         """On the loop: stop the traces whose time is up and start writing them; send

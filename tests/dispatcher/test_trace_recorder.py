@@ -147,3 +147,25 @@ def test_a_policy_hold_is_an_instant_and_every_path_reports_the_same():
         seen.append(holds)
     assert seen[0] and all(q >= 1 for _, q in seen[0])
     assert seen[0] == seen[1] == seen[2]
+
+
+@pytest.mark.parametrize("names", ("dispatcher", "front end"))
+def test_a_request_in_flight_when_the_trace_starts_is_named_by_its_model(names):
+    """A request whose job's ops were all released before the trace started is named
+    from its model id: the dispatcher's model, or (the daemon, whose requests carry the
+    front end's ids) the name the given lookup returns, never ``model N``."""
+    dev = SimDevice("gtx1660s", n_streams=16, notifq_slots=1 << 12, seed=1)
+    d = Dispatcher(dev, "paella", profile_runs=1, implied_copies=False)
+    mid = d.register_model("fig2", PlanAdaptor(fig2_plan()))
+    m = d.models[mid]
+    front_id = mid + 40                   # the front end's numbering differs
+    lookup = {front_id: "served-name"}.get
+    # (a request answered while the trace records, whose job's ops were released
+    # before it started: the recorder sees its end only)
+    req = Request(7, 1, front_id if names == "front end" else mid,
+                  np.zeros(m.adaptor.io_bytes, np.uint8), t_submit=0.0, t_done=1e-3, status=0)
+    rec = TraceRecorder(d, request_model=lookup if names == "front end" else None).start()
+    rec.request_finished(req)
+    rec.stop()
+    got = [e["args"]["model"] for e in rec.events() if e.get("cat") == "request"]
+    assert got == (["served-name"] if names == "front end" else [m.name])
