@@ -244,6 +244,9 @@ def test_fuzzer_finds_no_fault():
     assert {"echo", "noop", "tiny_mlp", "tiny_mlp (fresh)", "gpt_tiny", *new} <= set(by_model)
     for name, d in by_model.items():
         assert d["wrong"] == d["lost"] == 0, (name, d)
+        # (late answers, past the 8 s deadline on a loaded machine, are reported, not
+        # failures: each answered model's slowest answer is measured)
+        assert d["ok"] == 0 or 0 < d["slowest_s"] < 3 * cfg.deadline, (name, d)
     for name in new:
         assert by_model[name]["ok"] >= 5, f"{name} served too little: {format_report(report)}"
     assert report["attacker_errors"] == 0, report["events"].get("attacker_error")
