@@ -826,6 +826,20 @@ def table(points: list[Point], open_loop: bool, pids: Sequence[int]) -> str:
     return "\n".join(lines)
 
 
+def _check_plot_format(path: str) -> None:
+    """``--plot``'s file type, checked before the run (not after it, in matplotlib)."""
+    from paella.cli import CLIError
+    try:
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+    except ImportError:
+        raise CLIError("--plot needs matplotlib: pip install 'paella-py[plots]'") from None
+    kinds = FigureCanvasAgg.get_supported_filetypes()
+    ext = os.path.splitext(path)[1].lstrip(".").lower()
+    if ext not in kinds:
+        raise CLIError(f"--plot {path}: the file name must end in one of "
+                       f"{', '.join('.' + k for k in sorted(kinds))} (the image's format)")
+
+
 def plot(path: str, points: list[Point], title: str) -> None:
     try:
         import matplotlib
@@ -941,6 +955,8 @@ def _check(args: argparse.Namespace) -> None:
         out = getattr(args, opt)
         if out and (os.path.isdir(out) or not os.path.isdir(os.path.dirname(os.path.abspath(out)))):
             raise CLIError(f"--{opt} {out}: not a file in an existing directory")
+    if args.plot:
+        _check_plot_format(args.plot)
     if not 0 <= args.priority <= wire.MAX_PRIORITY:
         raise CLIError(f"--priority must be 1 (most urgent) .. {wire.MAX_PRIORITY}, or 0 for "
                        f"none; got {args.priority}")

@@ -48,6 +48,9 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 #: The variants an ONNX model with a dynamic batch axis gets without --batch-sizes.
 DEFAULT_BATCH_SIZES = (1, 2, 4, 8)
+#: The largest batch size or length bucket a variant may have: past it a tensor's element
+#: count leaves TVM's 32-bit indices, and a kernel's work the bundle's sanity bounds.
+MAX_SIZE = 65536
 
 
 def _sizes(text: str) -> tuple[int, ...]:
@@ -57,7 +60,10 @@ def _sizes(text: str) -> tuple[int, ...]:
         sizes = ()
     if not sizes or sizes[0] < 1:
         raise argparse.ArgumentTypeError(f"expected positive integers separated by commas "
-                                         f"(e.g. 1,2,4,8), got {text!r}")
+                                         f"(e.g. 1,2,4,8), got {text!r:.80}")
+    if sizes[-1] > MAX_SIZE:
+        raise argparse.ArgumentTypeError(f"{sizes[-1]} is too large: each size must be at most "
+                                         f"{MAX_SIZE}")
     return sizes
 
 
@@ -97,6 +103,7 @@ def _stages(args: argparse.Namespace) -> int:
 
 
 def _compile(args: argparse.Namespace) -> int:
+    from paella.bundle import BundleError
     from paella.cli import CLIError
     from paella.models import zoo
     from paella.models.onnx_models import ModelSourceError
@@ -130,7 +137,7 @@ def _compile(args: argparse.Namespace) -> int:
             compile_bundle(model, out, arch=args.arch, options=options, progress=progress,
                            cache_dir=args.cache_dir, force=args.force, streams=args.streams,
                            stages=stages, stage_gpu=args.stage_gpu)
-        except (CompileError, ModelSourceError, zoo.UnknownModel, ValueError) as e:
+        except (CompileError, ModelSourceError, zoo.UnknownModel, ValueError, BundleError) as e:
             raise CLIError(str(e)) from None
         manifest = json.loads((out / "manifest.json").read_text())
         for v in manifest["variants"]:

@@ -376,6 +376,8 @@ typedef struct {
     Job **jobs;
     int njobs_cap, nfree, *free_slots;
     int live, queued;
+    int backlog;                 /* the saturation rule: past this many queued jobs the
+                                    occupancy gate is lifted (0: never; saturated()) */
     long long released;
     RefQ arrivals, copies;
     /* streams */
@@ -823,6 +825,15 @@ static int32_t oldest(Core *c, Fifo *f)
 }
 
 /* The job whose next kernel goes, -1 for none, -2 on error. */
+/* The saturation rule (docs/dispatcher.md, "Saturation"): with more jobs waiting for a
+   release than `backlog`, their latency is queueing that only the GPU's throughput
+   shortens, so the occupancy gate (the +B rule, paella's order and hold rules) is
+   lifted and only flow control applies: the hardware queues stay full. */
+static inline int saturated(const Core *c)
+{
+    return c->backlog > 0 && c->queued > c->backlog;
+}
+
 static int32_t pick(Core *c)
 {
     if (c->policy != P_PAELLA) {
@@ -857,6 +868,8 @@ static int32_t pick(Core *c)
         return -1;
     int32_t other = ih_top(&c->inflight);
     if (other == id)
+        return id;
+    if (saturated(c))
         return id;
     if (!TAPI->fits(c->tracker, &k->d, 0))
         return -1;
@@ -1557,11 +1570,12 @@ static int release_loop(Core *c)
         int i = j->rq[j->rq_head];
         KSpec *k = &p->ks[p->kernel[i]];
         int b = behind_of(c, j, i);
-        if (b >= 0 && c->gated && p->kind[b] == KERNEL) {
+        int gated = c->gated && !saturated(c);
+        if (b >= 0 && gated && p->kind[b] == KERNEL) {
             if (!TAPI->admits_behind(c->tracker, &k->d, &p->ks[p->kernel[b]].d, j->lid[b]))
                 return 0;
-        } else if (!(c->gated ? TAPI->admits(c->tracker, &k->d, NULL)
-                              : TAPI->flow_ok(c->tracker, k->d.entries)))
+        } else if (!(gated ? TAPI->admits(c->tracker, &k->d, NULL)
+                           : TAPI->flow_ok(c->tracker, k->d.entries)))
             return 0;
         else if (pool && !c->free_n && b < 0 && j->pin < 0)
             return 0;
@@ -2814,23 +2828,23 @@ static int bind_device(Core *c)
 }
 
 /* KernelCore(tracker, device, engine|None, n_streams, policy, lookahead, group, wake_lead,
-              threshold, by_client, hold, device_error, device_lost) */
+              threshold, by_client, hold, device_error, device_lost, backlog=0) */
 static int Core_init(Core *c, PyObject *args, PyObject *kw)
 {
     static char *kws[] = {"tracker", "device", "engine", "n_streams", "policy", "lookahead",
                           "group", "wake_lead", "threshold", "by_client", "hold",
-                          "device_error", "device_lost", NULL};
+                          "device_error", "device_lost", "backlog", NULL};
     PyObject *tracker, *device, *engine, *err, *lost;
     const char *policy;
-    int n_streams, lookahead, group, by_client;
+    int n_streams, lookahead, group, by_client, backlog = 0;
     double lead, threshold, hold;
     if (c->tracker != NULL) {
         PyErr_SetString(PyExc_RuntimeError, "a KernelCore is initialised once");
         return -1;
     }
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "OOOisiiddpdOO", kws, &tracker, &device,
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OOOisiiddpdOO|i", kws, &tracker, &device,
                                      &engine, &n_streams, &policy, &lookahead, &group, &lead,
-                                     &threshold, &by_client, &hold, &err, &lost))
+                                     &threshold, &by_client, &hold, &err, &lost, &backlog))
         return -1;
     if (TAPI->check(tracker) < 0 || (engine != Py_None && EAPI->check(engine) < 0))
         return -1;
@@ -2846,6 +2860,11 @@ static int Core_init(Core *c, PyObject *args, PyObject *kw)
         PyErr_SetString(PyExc_ValueError, "n_streams, lookahead and group must be >= 1");
         return -1;
     }
+    if (backlog < 0) {
+        PyErr_SetString(PyExc_ValueError, "backlog must be >= 0 (0: no saturation rule)");
+        return -1;
+    }
+    c->backlog = backlog;
     c->policy = pol;
     c->gated = pol <= P_PRIORITY;
     c->mode = pol == P_FIFO ? M_SINGLE : pol == P_MSJBJ ? M_STICKY : M_POOL;

@@ -83,6 +83,9 @@ POLICY_STALL_SECONDS = 1.0
 DEFAULT_SETS_AHEAD = 512
 #: The most of them: a model with bigger sets makes fewer (``SETS_AHEAD_BYTES``).
 MAX_SETS_AHEAD = 1 << 16
+#: The most kernels of one stream that may be released and not completed (``lookahead``):
+#: far past any use, and within the kernel cores' int.
+MAX_LOOKAHEAD = 1 << 16
 #: Device bytes of sets made ahead per model, at most (a BERT-base's 11-40 MB sets: 1 or
 #: none; ResNet-50's: a few); and in all, at most this fraction of the device's memory.
 SETS_AHEAD_BYTES = 16 << 20
@@ -193,9 +196,10 @@ class Dispatcher:
                  instruments: "list[Instrument] | tuple[Instrument, ...]" = (),
                  lookahead: int = 1, compiled_replay: bool = True, wake_lead: float = 0.0,
                  kernel_core: str | None = None, slice_us: float = 0.0,
-                 implied_copies: bool = True, buffer_sets_ahead: int = DEFAULT_SETS_AHEAD):
-        if type(lookahead) is not int or lookahead < 1:
-            raise ValueError(f"lookahead must be an int >= 1 (kernels of one stream released "
+                 implied_copies: bool = True, buffer_sets_ahead: int = DEFAULT_SETS_AHEAD,
+                 saturation_backlog: int | None = None):
+        if type(lookahead) is not int or not 1 <= lookahead <= MAX_LOOKAHEAD:
+            raise ValueError(f"lookahead must be an int 1..{MAX_LOOKAHEAD} (kernels of one stream released "
                              f"and not completed), got {lookahead!r}")
         if type(buffer_sets_ahead) is not int or not 0 <= buffer_sets_ahead <= MAX_SETS_AHEAD:
             raise ValueError(f"buffer_sets_ahead must be an int 0..{MAX_SETS_AHEAD} (buffer sets "
@@ -263,6 +267,17 @@ class Dispatcher:
         #: (the daemon's: SIGTERM during start-up or a reload), as it does after 60 s.
         self.profile_stop: Callable[[], bool] | None = None
         self.extra_blocks = device.props.sm_count if extra_blocks is None else extra_blocks
+        if saturation_backlog is not None and (type(saturation_backlog) is not int
+                                               or saturation_backlog < 0):
+            raise ValueError(f"saturation_backlog must be an int >= 0 (jobs waiting for a "
+                             f"release past which the occupancy gate is lifted; 0: never), "
+                             f"got {saturation_backlog!r}")
+        #: The saturation rule (docs/dispatcher.md, "Saturation"): with more jobs waiting
+        #: for a release than this, the occupancy gate (the +B rule, paella's order and
+        #: hold rules) is lifted and only flow control applies (0: never). Default: half
+        #: the GPU's SM count (Figure 11's mix: docs/dispatcher.md has what each measured).
+        self.saturation_backlog = (max(1, device.props.sm_count // 2) if saturation_backlog is None
+                                   else saturation_backlog)
         self.tracker = Tracker(device.props, device.notifq, extra_blocks=self.extra_blocks,
                                group=group, counter_pairs=counter_pairs)
         opts = dict(policy_options or {})
@@ -374,7 +389,8 @@ class Dispatcher:
             impl, self.tracker, dev, name, lookahead=self.lookahead, group=self.group,
             wake_lead=self.wake_lead, fairness_threshold=getattr(pol, "threshold", None),
             fairness_unit="client" if getattr(pol, "by_client", False) else "job",
-            hold_factor=getattr(pol, "hold", None), direct=self._core_direct)
+            hold_factor=getattr(pol, "hold", None), direct=self._core_direct,
+            saturation_backlog=self.saturation_backlog)
         self.core.implied_copies = self.implied_copies
         if self._core_direct:
             self._check_direct()
@@ -631,6 +647,14 @@ class Dispatcher:
             return pred
         return None
 
+    @property
+    def saturated(self) -> bool:
+        """The saturation rule holds now: more jobs wait for a release than
+        ``saturation_backlog``. Their latency is then queueing, which only the GPU's
+        throughput shortens: the occupancy gate is lifted (policies' own holds too:
+        ``paella``'s order and hold rules ask this)."""
+        return 0 < self.saturation_backlog < self._queued
+
     def _release(self) -> None:
         if self._copies:
             self._flush_copies()
@@ -647,6 +671,7 @@ class Dispatcher:
         hooked = "op_released" in instr      # Speed: one lookup per pass, not per kernel
         ahead = self.lookahead
         lead = self.wake_lead
+        backlog = self.saturation_backlog
         while self._queued:
             try:
                 job = policy.pick()
@@ -677,14 +702,16 @@ class Dispatcher:
             # free one).
             pred = op.pred                   # (_behind, inlined: once per kernel)
             behind = ahead > 1 and pred is not None and pred.state == RELEASED
-            if behind and policy.gated and pred.kind == KERNEL:
+            gated = policy.gated and not 0 < backlog < self._queued   # (the saturation rule)
+            if behind and gated and pred.kind == KERNEL:
                 # It cannot start before its predecessor ends: admitted against the
                 # resources that predecessor frees (without this credit, lookahead held a
                 # large kernel's successor until the loop saw the predecessor complete).
                 # (A copy frees no SM: behind one, the usual rule.)
                 if not tracker.admits_after(k.demand, pred.launch.demand, pred.launch_id):
                     return
-            elif not admits(k.demand) or (pool and not free and not behind and job.pin < 0):
+            elif not (admits(k.demand) if gated else tracker.flow_ok(k.demand)) \
+                    or (pool and not free and not behind and job.pin < 0):
                 return
             elif not pool and not behind and streams.gated is not None and streams.must_wait(op):
                 return

@@ -238,19 +238,21 @@ class TenantClasses:
     gets that group's rights); else ``*``'s; else no default (0) and no bound (1)."""
 
     def __init__(self, defaults: dict[str, int], highest: dict[str, int]):
-        self.tables = [self._resolve(defaults), self._resolve(highest)]
+        self.tables = [self._resolve(defaults, "class_default"),
+                       self._resolve(highest, "class_highest")]
         self.groups = any(t[1] for t in self.tables)
 
     @staticmethod
-    def _resolve(table: dict[str, int]) -> tuple[dict[int, int], dict[int, int], int | None]:
+    def _resolve(table: dict[str, int], setting: str
+                 ) -> tuple[dict[int, int], dict[int, int], int | None]:
         users, groups, anyone = {}, {}, None
         for who, n in table.items():
             if who == "*":
                 anyone = n
             elif who.startswith("@"):
-                groups[_resolve_id(who[1:], grp.getgrnam, 'gr_gid', 'group')] = n
+                groups[_resolve_id(who[1:], grp.getgrnam, 'gr_gid', 'group', setting)] = n
             else:
-                users[_resolve_id(who, pwd.getpwnam, 'pw_uid', 'user')] = n
+                users[_resolve_id(who, pwd.getpwnam, 'pw_uid', 'user', setting)] = n
         return users, groups, anyone
 
     def of(self, uid: int, pid: int, gid: int) -> tuple[int, int]:
@@ -374,7 +376,7 @@ class Frontend:
         self.class_inflight: dict[int, int] = {}
         self._clamp_log = LogThrottle(cfg.log_interval, burst=SESSION_LOG_BURST)
         #: Who may take a trace: it shows every tenant's kernels and timing.
-        self.trace_uids = {_resolve_id(u, pwd.getpwnam, 'pw_uid', 'user')
+        self.trace_uids = {_resolve_id(u, pwd.getpwnam, 'pw_uid', 'user', 'trace_users')
                            for u in cfg.trace_users} | {os.geteuid(), 0}
         #: Who may load and unload models: that changes what every tenant is served.
         self.control_uids, self.control_gids = resolve_users(cfg.control_users,

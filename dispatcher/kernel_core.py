@@ -366,8 +366,14 @@ class KernelCore:
 
     def __init__(self, tracker: Any, device: Any, engine: Any, n_streams: int, policy: str,
                  lookahead: int, group: int, wake_lead: float, threshold: float,
-                 by_client: bool, hold: float, device_error: type, device_lost: type):
+                 by_client: bool, hold: float, device_error: type, device_lost: type,
+                 backlog: int = 0):
         # The C type's signature, positional as there: make_core() is the friendly door.
+        if type(backlog) is not int or backlog < 0:
+            raise ValueError("backlog must be >= 0 (0: no saturation rule)")
+        #: The saturation rule (docs/dispatcher.md, "Saturation"): past this many queued
+        #: jobs the occupancy gate is lifted (0: never).
+        self.backlog = backlog
         self.tracker = tracker
         self.device = device
         self.engine = self.engine_given = engine
@@ -670,11 +676,12 @@ class KernelCore:
             plan = job.plan
             k = plan.kernels[plan.kernel[i]]
             p = self._behind(job, i)
-            if p >= 0 and self.gated and plan.kinds[p] == KERNEL:
+            gated = self.gated and not self._saturated()
+            if p >= 0 and gated and plan.kinds[p] == KERNEL:
                 if not tracker.admits_after(k.demand, plan.kernels[plan.kernel[p]].demand,
                                             job.lid[p]):
                     return
-            elif not (tracker.admits(k.demand) if self.gated else tracker.flow_ok(k.demand)):
+            elif not (tracker.admits(k.demand) if gated else tracker.flow_ok(k.demand)):
                 return
             elif pool and not self.free and p < 0 and job.pin < 0:
                 return
@@ -1018,6 +1025,13 @@ class KernelCore:
             if unit.nready == 1:
                 self.dheap.push(unit, -unit.s, unit.seq)
 
+    def _saturated(self) -> bool:
+        """The saturation rule: more jobs wait for a release than ``backlog``. Their
+        latency is then queueing, which only the GPU's throughput shortens, so the
+        occupancy gate (the +B rule, paella's order and hold rules) is lifted and only
+        flow control applies."""
+        return 0 < self.backlog < self.queued
+
     def _pick(self) -> CoreJob | None:
         pol = self.policy
         if pol != "paella":
@@ -1045,6 +1059,8 @@ class KernelCore:
             return None
         other = self.inflight.top()
         if other is job:
+            return job
+        if self._saturated():
             return job
         if not t.starts_now(k.demand):
             return None
@@ -1287,10 +1303,12 @@ def job_operands(model: CoreModel, replay: Any, bound: Sequence[Any], io: Any,
 def make_core(impl: str, tracker: Any, device: Any, policy: str = "paella", *,
               lookahead: int = 1, group: int = 16, wake_lead: float = 0.0,
               fairness_threshold: float | None = None, fairness_unit: str = "job",
-              hold_factor: float | None = DEFAULT_HOLD_FACTOR, direct: bool = True) -> Any:
+              hold_factor: float | None = DEFAULT_HOLD_FACTOR, direct: bool = True,
+              saturation_backlog: int = 0) -> Any:
     """A kernel core: ``impl`` "c" (``_kcore.KernelCore``) or "python" (the reference).
     ``direct``: launch kernels into the simulated engine by a direct call (a SimDevice
-    in virtual time); otherwise every launch goes through ``device.launch_checked``."""
+    in virtual time); otherwise every launch goes through ``device.launch_checked``.
+    ``saturation_backlog``: the saturation rule's backlog (0: off; ``KernelCore``)."""
     from paella.dispatcher.devices.base import DeviceError, DeviceLost
     if policy not in POLICIES:
         raise ValueError(f"the kernel core has no built-in policy {policy!r}; it has "
@@ -1310,7 +1328,7 @@ def make_core(impl: str, tracker: Any, device: Any, policy: str = "paella", *,
         raise ValueError(f"kernel core implementation must be 'c' or 'python', got {impl!r}")
     return cls(tracker, device, engine, len(device.streams), policy, lookahead, group,
                float(wake_lead), threshold, fairness_unit == "client",
-               float(hold_factor or 0.0), DeviceError, DeviceLost)
+               float(hold_factor or 0.0), DeviceError, DeviceLost, saturation_backlog)
 
 
 __all__ = ["make_core", "set_operands", "job_operands", "register_model", "CoreModel", "ALMOST", "FINISHED", "REFUSED", "FAULT", "OP_RELEASED", "OP_ENDED", "OP_HELD", "POLICIES", "KernelSpec", "PlanSpec",

@@ -115,10 +115,20 @@ def load_checkpoint(path: str | Path, n_head: int = 0) -> tuple[GPTConfig, dict[
                                   f"{tuple(raw[key].shape)}; expected 2 dimensions")
     vocab, d = raw["wte.weight"].shape
     n_ctx = raw["wpe.weight"].shape[0]
+    if vocab < 1 or d < 1 or n_ctx < 1:
+        raise CheckpointError(f"checkpoint {path}: vocabulary {vocab}, d {d} and context {n_ctx} "
+                              f"(from 'wte.weight' and 'wpe.weight') must each be at least 1")
     layers = {int(m.group(1)) for k in raw if (m := re.match(r"^h\.(\d+)\.", k))}
-    n_layer = max(layers) + 1 if layers else 0
+    n_layer = len(layers)
     if n_layer == 0:
         raise CheckpointError(f"checkpoint {path} has no transformer blocks (no 'h.0.*' tensors)")
+    if layers != set(range(n_layer)):
+        # (checked before anything is sized by the largest index: h.99999999999 alone
+        # would otherwise make the expected names of that many layers)
+        missing = min(set(range(n_layer)) - layers)
+        raise CheckpointError(f"checkpoint {path}: its transformer blocks are not numbered "
+                              f"h.0 .. h.{n_layer - 1} ({n_layer} blocks; h.{missing} is missing, "
+                              f"the largest index is h.{max(layers)})")
     heads = n_head or d // 64
     if heads < 1 or d % heads:
         raise CheckpointError(f"checkpoint {path}: n_head = {heads} does not divide d = {d}; set "

@@ -83,9 +83,11 @@ class OrcaScheduler(SchedulerBatcher):
         super().__init__(model)
         if config not in CONFIGS:
             raise ValueError(f"config must be one of {', '.join(CONFIGS)}, got {config!r}")
-        if max_bs < 1 or n_slots < 0 or fairness_threshold < 0 or n_head < 0:
+        if max_bs < 1 or n_slots < 0 or not fairness_threshold >= 0 or n_head < 0:   # (nan too)
             raise ValueError(f"max_bs must be >= 1, n_slots >= 0, fairness_threshold >= 0 and "
                              f"n_head >= 0; got {max_bs}, {n_slots}, {fairness_threshold}, {n_head}")
+        if not 0 <= seed < 2 ** 32:
+            raise ValueError(f"seed must be 0 .. 2**32 - 1 (the built-in weights' seed), got {seed}")
         self.compiled = None
         # The weights (and the compiled iteration) here, not in start(): a reload builds
         # the scheduler off the loop.

@@ -55,6 +55,11 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, ClassVar, Protocol
 
 
+#: The longest wait any batcher's option may ask for (microseconds): a wait past a day is
+#: none (a request that waits it is as good as never served).
+MAX_DELAY_US = 86400e6
+
+
 class BatcherError(ValueError):
     """An unknown batcher, a bad batcher option, or a batch a variant cannot take."""
 

@@ -42,14 +42,13 @@ import math
 from collections import deque
 from typing import Any, Callable
 
-from .base import Batch, Batcher, BatcherError, ModelVariants
+from .base import MAX_DELAY_US, Batch, Batcher, BatcherError, ModelVariants
 from .registry import register_batcher
 
 log = logging.getLogger(__name__)
 
 #: Bounds of the options (the queues are scanned per batch; a delay past a day is none).
 MAX_PRIORITY_LEVELS = 64
-MAX_DELAY_US = 86400e6
 MAX_QUEUE_SIZE = 2 ** 32 - 1                  # Triton's uint32
 #: Triton's ModelQueuePolicy, by its names; the values of ``timeout_action``.
 POLICY_KEYS = ("allow_timeout_override", "default_timeout_microseconds", "max_queue_size",

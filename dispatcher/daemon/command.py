@@ -58,6 +58,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--effect-workers", type=int, dest="effect_workers",
                    help="sim backend: worker processes computing the answers, off the loop "
                    "(default 0: one per core but the loop's, at most 4)")
+    p.add_argument("--effect-deadline-seconds", type=float, dest="effect_deadline_seconds",
+                   help="sim backend: an answer computing longer than this fails its request "
+                   "(default 120)")
+    p.add_argument("--effect-queue", type=int, dest="effect_queue",
+                   help="sim backend: answers waiting for a worker, at most; past it new "
+                   "requests needing one are refused as overloaded (default 64)")
     p.add_argument("--slice-us", type=int, dest="slice_us",
                    help="kernel slicing: a less urgent class's long kernels run in slices of at "
                    "most this many microseconds while a more urgent class is around (default "

@@ -18,6 +18,7 @@ from typing import Any
 
 from paella import rings
 from paella.gpus import preset
+from paella.dispatcher.core import MAX_LOOKAHEAD
 from paella.dispatcher.policies import PolicyError, check_options
 
 
@@ -146,8 +147,10 @@ class DaemonConfig:
                               f"{MAX_SECONDS}] (a connection that sends no HELLO by then is "
                               f"closed; less would close every client's), got "
                               f"{self.handshake_seconds}")
-        if type(self.lookahead) is not int or self.lookahead < 1:
-            raise ConfigError(f"lookahead must be an int >= 1 (kernels of one stream released "
+        if "\0" in self.socket:
+            raise ConfigError(f"socket {self.socket!r:.120} contains a NUL byte; a path cannot")
+        if type(self.lookahead) is not int or not 1 <= self.lookahead <= MAX_LOOKAHEAD:
+            raise ConfigError(f"lookahead must be an int 1..{MAX_LOOKAHEAD} (kernels of one stream released "
                               f"and not completed; 1 releases a kernel when its predecessor "
                               f"has completed), got {shown(self.lookahead)}")
         if type(self.wake_lead_us) is not int or not 0 <= self.wake_lead_us <= 1_000_000:
@@ -218,13 +221,15 @@ class DaemonConfig:
         """The policy exists and takes these parameters, of these types (the policy's
         own checks of the values run when the dispatcher builds it)."""
         try:
-            check_options(self.policy, self.policy_params, {"extra_blocks": int})
+            check_options(self.policy, self.policy_params,
+                          {"extra_blocks": int, "saturation_backlog": int})
         except PolicyError as e:
             raise ConfigError(str(e)) from None
-        extra = self.policy_params.get("extra_blocks")
-        if extra is not None and not 0 <= extra < 2 ** 31:
-            raise ConfigError(f"policy parameter extra_blocks must be >= 0 (and below 2**31), "
-                              f"got {extra}")
+        for name in ("extra_blocks", "saturation_backlog"):
+            value = self.policy_params.get(name)
+            if value is not None and not 0 <= value < 2 ** 31:
+                raise ConfigError(f"policy parameter {name} must be >= 0 (and below 2**31), "
+                                  f"got {value}")
 
 
 SECTIONS = {

@@ -146,11 +146,13 @@ class DispatcherExecutor:
         from paella.dispatcher.core import Dispatcher
         params = dict(cfg.policy_params)
         extra = params.pop("extra_blocks", None)
+        backlog = params.pop("saturation_backlog", None)
         fair = params.pop("fairness_threshold", None)
         self.front = front
         self.device = device
         try:
             self.disp = Dispatcher(device, cfg.policy, extra_blocks=extra,
+                                   saturation_backlog=backlog,
                                    fairness_threshold=fair, policy_options=params or None,
                                    instruments=instruments, lookahead=cfg.lookahead,
                                    wake_lead=cfg.wake_lead_us * 1e-6,

@@ -25,6 +25,7 @@ checked against the batcher's own parameters (:mod:`paella.dispatcher.batchers`)
 """
 from __future__ import annotations
 
+import os
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -58,8 +59,11 @@ def load_model_config(folder: str | Path) -> ModelConfig:
     """``folder/config.toml`` (defaults if there is none)."""
     path = Path(folder) / CONFIG
     cfg = ModelConfig()
-    if not path.exists():
+    if not os.path.lexists(path):
         return cfg
+    if not path.exists():                    # a dangling symlink or a loop: not "no file"
+        raise ModelConfigError(f"{path} is a symlink that leads to no file (dangling, or a "
+                               f"loop); point it at the model's TOML settings or remove it")
     if not path.is_file():                   # a fifo would block the load, a directory is
         raise ModelConfigError(f"{path} is not a regular file; make it the model's TOML "
                                f"settings or remove it")   # (was: its settings ignored)
@@ -69,6 +73,8 @@ def load_model_config(folder: str | Path) -> ModelConfig:
         raise ModelConfigError(f"{path}: cannot read it ({e})") from None
     except tomllib.TOMLDecodeError as e:
         raise ModelConfigError(f"{path} is not valid TOML: {e}") from None
+    except RecursionError:
+        raise ModelConfigError(f"{path} is not valid TOML: nested too deeply to read") from None
     cfg.mtime = path.stat().st_mtime
     for key in data:
         if key not in TOP_KEYS:

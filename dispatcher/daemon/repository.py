@@ -263,6 +263,9 @@ def scan(path: str, known: dict[str, tuple], make_adaptor: Callable[[Any, str, i
                 # A scheduler that defines its own io (Orca): a config.toml and no bundle.
                 options = dict(cfg.batcher_options)
                 if getattr(kind, "wants_folder", False):   # (files it names are the folder's)
+                    if "folder" in options:
+                        raise ValueError("[batching] folder is the model's own folder, which "
+                                         "the daemon passes; remove it from config.toml")
                     options["folder"] = folder
                 batcher = make_batcher(cfg.batcher, ModelVariants(model, (VariantSpec(0, 1, 0, model),)),
                                        options)

@@ -43,6 +43,9 @@ deficit counters.
   not fit in the resources free now, ``pick()`` returns None until that job is done.
   The fairness path is never held, so deficits still bound starvation. Cost: every
   live job sits in one more heap, re-keyed at each of its releases.
+* **The saturation rule** (the dispatcher's, ``saturation_backlog``): while more jobs
+  wait for a release than that backlog, neither rule above holds anything back
+  (``Dispatcher.saturated``), as the +B rule does not: see docs/dispatcher.md.
 
 Decisions on the paper's open points (docs/policies.md): deficits are charged per
 kernel, not per block (a batched job serving several clients charges each client its
@@ -225,6 +228,10 @@ class Paella(Policy):
         # A live job comes before the pick in SRPT order and is between two of its
         # kernels (it is not queued, or it would be the pick). The pick's kernel must not
         # take the resources that job's next kernel will want:
+        # (0) The saturation rule (Dispatcher.saturated): past the backlog, neither rule
+        # below holds anything: the hardware queues are kept full.
+        if getattr(self.dispatcher, "saturated", False):
+            return job
         # (1) The order rule: a kernel that cannot start now would wait in a hardware
         # queue, and the hardware's FIFO would place it ahead of that job's next kernel.
         # Hold it; it goes once it can start, or once it is the most urgent live job.

@@ -37,8 +37,8 @@ from paella.bundle import split_rows
 from paella.shapes import layout as request_layout
 from paella.wire import DEFAULT_PRIORITY
 
-from paella.dispatcher.batchers.base import (BatcherError, ModelVariants, RequestRefused,
-                                             SchedulerBatcher, SchedulerContext)
+from paella.dispatcher.batchers.base import (MAX_DELAY_US, BatcherError, ModelVariants,
+                                             RequestRefused, SchedulerBatcher, SchedulerContext)
 from .handoff import HandoffAdaptor, HandoffUnavailable, handoff_plan, make_handoff
 from .pipeline import DvaConfig, DvaPipeline
 from .stage_io import PairData, StageModel, StageVariant, gather_request, scatter_request
@@ -148,8 +148,9 @@ class DvaBatcher(SchedulerBatcher):
                                f"within 3% of the best throughput), got {bs_max!r:.40}")
         for key, val in (("window_us", window_us), ("t_comp_wait_us", t_comp_wait_us)):
             if isinstance(val, bool) or not isinstance(val, (int, float)) or \
-                    not 0 <= val < math.inf:
-                raise BatcherError(f"{key} must be a number of microseconds >= 0, got {val!r}")
+                    not 0 <= val <= MAX_DELAY_US:     # (a wait past a day is none: nan, inf too)
+                raise BatcherError(f"{key} must be a number of microseconds 0..{MAX_DELAY_US:.0f} "
+                                   f"(a day), got {val!r}")
         if isinstance(split_factor, bool) or not isinstance(split_factor, (int, float)) or \
                 not 0 <= split_factor < math.inf:
             raise BatcherError(f"split_factor must be a number >= 0 (the paper's 2: split when "

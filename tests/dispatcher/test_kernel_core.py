@@ -36,15 +36,16 @@ def arrivals(n: int, seed: int, gap: float) -> list[tuple[float, int]]:
     return out
 
 
-def setup(plans, policy, lookahead, extra_blocks):
+def setup(plans, policy, lookahead, extra_blocks, backlog=None):
     dev = SimDevice("gtx1660s", n_streams=16, notifq_slots=1 << 12, seed=1)
-    d = Dispatcher(dev, policy, lookahead=lookahead, extra_blocks=extra_blocks, profile_runs=1)
+    d = Dispatcher(dev, policy, lookahead=lookahead, extra_blocks=extra_blocks, profile_runs=1,
+                   saturation_backlog=backlog)
     mids = [d.register_model(p.name, PlanAdaptor(p)) for p in plans]
     return dev, d, mids
 
 
-def run_legacy(plans, policy, lookahead, extra_blocks, times, picks):
-    dev, d, mids = setup(plans, policy, lookahead, extra_blocks)
+def run_legacy(plans, policy, lookahead, extra_blocks, times, picks, backlog=None):
+    dev, d, mids = setup(plans, policy, lookahead, extra_blocks, backlog)
     t0 = dev.now()
     done = {}
     i = 0
@@ -62,13 +63,15 @@ def run_legacy(plans, policy, lookahead, extra_blocks, times, picks):
 
 
 def run_core(impl, plans, policy, lookahead, extra_blocks, times, picks, client_unit=False,
-             ops=False, classes=False, implied=True, lead=0.0):
+             ops=False, classes=False, implied=True, lead=0.0, backlog=None):
     """The same arrivals through a kernel core on the legacy dispatcher's registered
     models (their profiles and buffer sets); every event with its time (``ops``: op
-    events too; ``lead``: the wake-up's lead, seconds)."""
-    dev, d, mids = setup(plans, policy, lookahead, extra_blocks)
+    events too; ``lead``: the wake-up's lead, seconds; ``backlog``: the saturation rule's,
+    None: the dispatcher's default)."""
+    dev, d, mids = setup(plans, policy, lookahead, extra_blocks, backlog)
     core = kc.make_core(impl, d.tracker, dev, policy, lookahead=lookahead, group=d.group,
-                        fairness_unit="client" if client_unit else "job", wake_lead=lead)
+                        fairness_unit="client" if client_unit else "job", wake_lead=lead,
+                        saturation_backlog=d.saturation_backlog)
     core.ops = ops
     core.implied_copies = implied
     models = []
@@ -117,15 +120,20 @@ def finished(events):
 
 
 @pytest.mark.parametrize("policy", POLICIES)
-@pytest.mark.parametrize("lookahead,extra_blocks", [(1, None), (3, None), (1, 0)])
-def test_both_cores_serve_plans_as_the_legacy_dispatcher(policy, lookahead, extra_blocks):
+@pytest.mark.parametrize("lookahead,extra_blocks,backlog,gap",
+                         [(1, None, None, 150e-6), (3, None, None, 150e-6), (1, 0, None, 150e-6),
+                          (1, None, 2, 20e-6), (3, 0, 2, 20e-6)])
+def test_both_cores_serve_plans_as_the_legacy_dispatcher(policy, lookahead, extra_blocks,
+                                                         backlog, gap):
+    """(backlog 2 with arrivals 20 us apart: the saturation rule lifts the gate often.)"""
     plans = [fig2_plan(), event_plan(streams=True)]
-    times = arrivals(60, 1, 150e-6)
+    times = arrivals(60, 1, gap)
     picks = [random.Random(k).randrange(2) for k in range(len(times))]
-    legacy = run_legacy(plans, policy, lookahead, extra_blocks, times, picks)
+    legacy = run_legacy(plans, policy, lookahead, extra_blocks, times, picks, backlog)
     assert all(s == STATUS_OK for _, s in legacy.values())
     for impl in ("python", "c"):
-        events, _ = run_core(impl, plans, policy, lookahead, extra_blocks, times, picks)
+        events, _ = run_core(impl, plans, policy, lookahead, extra_blocks, times, picks,
+                             backlog=backlog)
         got = finished(events)
         assert sorted(got) == sorted(legacy)
         assert all(got[k] == legacy[k][0] for k in got), impl
@@ -140,17 +148,17 @@ def test_both_cores_serve_plans_as_the_legacy_dispatcher(policy, lookahead, extr
        extra_blocks=st.sampled_from((None, 0)), n=st.integers(1, 30),
        gap=st.sampled_from((20e-6, 100e-6, 400e-6)), client=st.booleans(), ops=st.booleans(),
        classes=st.booleans(), implied=st.booleans(),
-       lead=st.sampled_from((0.0, 100e-6)))
+       lead=st.sampled_from((0.0, 100e-6)), backlog=st.sampled_from((None, 0, 2)))
 def test_the_c_core_matches_the_reference_event_for_event(seeds, policy, lookahead,
                                                           extra_blocks, n, gap, client, ops,
-                                                          classes, implied, lead):
+                                                          classes, implied, lead, backlog):
     plans = [random_plan(s) for s in seeds]
     times = arrivals(n, seeds[0], gap)
     picks = [random.Random(k).randrange(len(plans)) for k in range(n)]
     ref = run_core("python", plans, policy, lookahead, extra_blocks, times, picks, client, ops,
-                   classes, implied, lead)
+                   classes, implied, lead, backlog)
     c = run_core("c", plans, policy, lookahead, extra_blocks, times, picks, client, ops,
-                 classes, implied, lead)
+                 classes, implied, lead, backlog)
     assert c == ref
     assert len(finished(ref[0])) == n
     op_events = [e for e in ref[0] if e[1] in (kc.OP_RELEASED, kc.OP_ENDED)]

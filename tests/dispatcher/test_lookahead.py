@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from paella.dispatcher.core import STATUS_OK, Request
+from paella.dispatcher.core import STATUS_OK, Request, MAX_LOOKAHEAD
 from paella.dispatcher.devices.base import D2H, H2D, KERNEL
 from paella.dispatcher.instruments import Instrument
 
@@ -89,9 +89,10 @@ def test_lookahead_keeps_every_job_correct_under_load(make):
         assert fl.most <= lookahead
 
 
-def test_lookahead_must_be_at_least_one(make):
-    with pytest.raises(ValueError, match="lookahead must be an int >= 1"):
-        make("paella", lookahead=0)
+@pytest.mark.parametrize("bad", (0, MAX_LOOKAHEAD + 1, 10 ** 20))
+def test_lookahead_must_be_one_to_its_bound(make, bad):
+    with pytest.raises(ValueError, match=f"lookahead must be an int 1..{MAX_LOOKAHEAD}"):
+        make("paella", lookahead=bad)
 
 
 def test_a_kernel_that_fills_the_gpu_has_its_successor_queued_behind_it(make):

@@ -67,7 +67,8 @@ import test_kernel_core as k
 from paella.dispatcher import kernel_core
 assert kernel_core.load("_kcore").KernelCore.__module__ == "paella.dispatcher._kcore"
 for policy, ahead in (("paella", 3), ("paella", 1), ("fifo", 1), ("ms-jbj", 3), ("priority", 1)):
-    k.test_both_cores_serve_plans_as_the_legacy_dispatcher(policy, ahead, None)
+    k.test_both_cores_serve_plans_as_the_legacy_dispatcher(policy, ahead, None, None, 150e-6)
+    k.test_both_cores_serve_plans_as_the_legacy_dispatcher(policy, ahead, 0, 2, 20e-6)   # saturated
 plans = [t.random_plan(s) for s in (3, 4)]
 times = k.arrivals(25, 3, 50e-6)
 picks = [i % 2 for i in range(25)]

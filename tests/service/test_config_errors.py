@@ -22,9 +22,10 @@ CASES = [
      "rr, sjf"),
     ("unknown-policy-parameter", ["--policy-param", "bogus=1"], None,
      "policy 'paella' has no parameter 'bogus'; valid parameters: extra_blocks, "
-     "fairness_threshold, fairness_unit, hold_factor"),
+     "fairness_threshold, fairness_unit, hold_factor, saturation_backlog"),
     ("parameter-of-another-policy", ["--policy", "fifo", "--policy-param", "hold_factor=1"], None,
-     "policy 'fifo' has no parameter 'hold_factor'; valid parameters: extra_blocks"),
+     "policy 'fifo' has no parameter 'hold_factor'; valid parameters: extra_blocks, "
+     "saturation_backlog"),
     ("parameter-type", [], '[policy]\nfairness_threshold = "abc"\n',
      "policy parameter fairness_threshold must be a number, got 'abc'"),
     ("parameter-value", ["--policy-param", "fairness_threshold=-1"], None,
@@ -33,12 +34,22 @@ CASES = [
      "policy parameter extra_blocks must be >= 0 (and below 2**31), got -3"),
     ("extra-blocks-huge", ["--policy-param", "extra_blocks=100000000000000000000"], None,
      "policy parameter extra_blocks must be >= 0 (and below 2**31), got 100000000000000000000"),
+    ("lookahead-huge", ["--lookahead", "99999999999999999999"], None,
+     "lookahead must be an int 1..65536"),
+    ("saturation-backlog", ["--policy-param", "saturation_backlog=-1"], None,
+     "policy parameter saturation_backlog must be >= 0 (and below 2**31), got -1"),
+    ("saturation-backlog-type", [], '[policy]\nsaturation_backlog = "many"\n',
+     "policy parameter saturation_backlog must be an int, got 'many'"),
     ("socket-mode-file", [], '[access]\nsocket_mode = "999"\n',
      'socket_mode must be an octal file mode such as "0660", got \'999\''),
     ("socket-mode-flag", ["--socket-mode", "999"], None,
      'socket_mode must be an octal file mode such as "0660", got \'999\''),
     ("effect-workers-flag", ["--effect-workers", "-1"], None,
      "effect_workers must be an int 0..256 (processes computing the simulated GPU's answers"),
+    ("effect-queue-flag", ["--effect-queue", "0"], None,
+     "effect_queue must be an int 1..1048576 (answers waiting for a worker"),
+    ("effect-deadline-flag", ["--effect-deadline-seconds", "0.5"], None,
+     "effect_deadline_seconds must be in [1, 86400.0]"),
     ("effect-queue-file", [], "[daemon]\neffect_queue = 0\n",
      "effect_queue must be an int 1..1048576 (answers waiting for a worker"),
     ("buffer-sets-ahead-file", [], "[daemon]\nbuffer_sets_ahead = -1\n",
@@ -112,6 +123,10 @@ CASES = [
     ("control-user-unknown", ["--control-user", "no_such_user_x"], None,
      "[access] control_users: there is no user 'no_such_user_x' on this system; correct the "
      "name or remove it"),
+    ("trace-user-unknown", ["--trace-user", "no_such_user_x"], None,
+     "[access] trace_users: there is no user 'no_such_user_x' on this system"),
+    ("class-default-unknown", ["--class-default", "no_such_user_x=2"], None,
+     "[access] class_default: there is no user 'no_such_user_x' on this system"),
     ("control-group-unknown", ["--control-user", "@no_such_group_x"], None,
      "[access] control_users: there is no group 'no_such_group_x' on this system"),
     # TOML reads 440 and 0o670 alike: an integer mode was taken as 0o670 (rw-rwx---).
@@ -149,6 +164,16 @@ def assert_clean_error(r: subprocess.CompletedProcess, sock: str, expected: str)
 def test_a_bad_setting_is_a_clean_error(tmp_path, args, config, expected):
     r, sock = serve(tmp_path, args, config)
     assert_clean_error(r, sock, expected)
+
+
+def test_a_socket_path_with_a_nul_byte_is_a_clean_error(tmp_path):
+    """(Only a config file can carry one: a command line cannot.)"""
+    (tmp_path / "paella.toml").write_text(f'[daemon]\nsocket = "{tmp_path}/a\\u0000b.sock"\n')
+    r = subprocess.run([*PAELLA_CLI, "serve", "--config", str(tmp_path / "paella.toml"),
+                        "--cpu", "none", "--rt-priority", "0"],
+                       capture_output=True, text=True, timeout=120)
+    assert_clean_error(r, str(tmp_path / "a"), "contains a NUL byte; a path cannot")
+    assert os.listdir(tmp_path) == ["paella.toml"]
 
 
 def test_what_is_not_the_daemons_own_is_never_replaced(tmp_path):

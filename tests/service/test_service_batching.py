@@ -213,12 +213,23 @@ def test_model_folders_that_cannot_be_read_are_reported_not_skipped(tmp_path):
     (repo / "fifo_config").mkdir()
     os.mkfifo(repo / "fifo_config" / "config.toml")
     (repo / "new\nline").mkdir()
+    (repo / "dangling_config").mkdir()                # (these two were served with defaults)
+    os.symlink(repo / "nowhere.toml", repo / "dangling_config" / "config.toml")
+    (repo / "loop_config").mkdir()
+    os.symlink("x", repo / "loop_config" / "config.toml")
+    os.symlink("config.toml", repo / "loop_config" / "x")
+    (repo / "deep_config").mkdir()                    # (a RecursionError, naming no file)
+    (repo / "deep_config" / "config.toml").write_text("a = " + "[" * 5000 + "]" * 5000 + "\n")
     out = scan(str(repo), {}, lambda *a: None)
     failed = {os.path.basename(k): v for k, v in out.failed.items()}
     assert "manifest.json is not a regular file" in failed["dir_manifest"]
     assert "is not a version number of at most 18 digits" in failed["long_version"]
     assert "config.toml is not a regular file" in failed["fifo_config"]
     assert "control characters or surrounding spaces" in failed["new\nline"]
+    for name in ("dangling_config", "loop_config"):
+        assert "config.toml is a symlink that leads to no file (dangling, or a loop)" in \
+            failed[name], failed
+    assert "config.toml is not valid TOML: nested too deeply to read" in failed["deep_config"]
     assert not out.prepared
 
 
@@ -386,3 +397,23 @@ def test_a_bad_priority_is_refused_by_the_client(served):
         for bad in (-1, 256, 1.0):
             with pytest.raises(ValueError, match=r"priority must be an int 0..255"):
                 c.infer("mlp", {"x": np.zeros((1, 16), np.float32)}, rows=1, priority=bad)
+
+
+@pytest.mark.parametrize("line, reason", [
+    ("seed = -1", "seed must be 0 .. 2**32 - 1 (the built-in weights' seed), got -1"),
+    ("fairness_threshold = nan", "fairness_threshold >= 0"),
+    ('folder = "/etc"', "[batching] folder is the model's own folder, which the daemon "
+                        "passes; remove it from config.toml"),
+])
+def test_orca_options_a_user_cannot_mean_are_refused(tmp_path, line, reason):
+    """Found by review: a negative seed was refused by numpy's words, a NaN fairness
+    threshold was accepted, and ``folder`` (the daemon's own argument, the base of a
+    relative checkpoint path) could be set from config.toml."""
+    from paella.dispatcher.daemon.repository import scan
+    repo = tmp_path / "models"
+    (repo / "g").mkdir(parents=True)
+    (repo / "g" / "config.toml").write_text(f'[batching]\nbatcher = "orca"\nconfig = "tiny"\n{line}\n')
+    out = scan(str(repo), {}, lambda *a: None)
+    failed = {os.path.basename(k): v for k, v in out.failed.items()}
+    assert reason in failed["g"], failed
+    assert not out.prepared

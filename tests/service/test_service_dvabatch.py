@@ -231,8 +231,10 @@ def test_sigterm_answers_every_accepted_request_exactly_once(tmp_path, built):
      "length_buckets must be a list of distinct compiled length buckets, each one of [8]"),
     ("[batching]\nbatcher = 'dvabatch'\nbs_max = 'largest'\n",
      'bs_max must be an integer 0..1024 (0: the largest compiled batch size) or "preferred"'),
+    ("[batching]\nbatcher = 'dvabatch'\nwindow_us = 1e30\n",        # (a request never served)
+     "window_us must be a number of microseconds 0..86400000000 (a day), got 1e+30"),
 ], ids=["pairs", "split-factor", "handoff", "unknown-option", "exit-past-the-last-stage",
-        "bucket-not-compiled", "bs-max"])
+        "bucket-not-compiled", "bs-max", "window-past-a-day"])
 def test_a_bad_dvabatch_option_is_a_clean_error(tmp_path, built, config, expected):
     repo = repo_with(tmp_path, built, config)
     r, sock = serve(tmp_path, ["--models", str(repo), "--no-noop"])

@@ -50,6 +50,17 @@ def test_checkpoint_round_trip(tmp_path):
     (lambda t: t.pop("wte.weight"), "'wte.weight' is missing"),
     (lambda t: t.__setitem__("lm_head.weight", np.zeros((64, 32), np.float32)), "not tied"),
     (lambda t: t.__setitem__("score.weight", np.zeros(2, np.float32)), "unexpected tensors"),
+    # a hostile layer index: refused at once, before anything is sized by it (before,
+    # the expected names of 10**20 layers were made until memory ran out)
+    (lambda t: t.__setitem__("h.99999999999999999999.ln_1.weight", np.ones(32, np.float32)),
+     r"not numbered h.0 .. h.2 \(3 blocks; h.2 is missing, the largest index is "
+     r"h.99999999999999999999\)"),
+    (lambda t: [t.pop(k) for k in list(t) if k.startswith("h.0.")],
+     r"h.0 is missing, the largest index is h.1"),
+    (lambda t: t.__setitem__("wte.weight", np.zeros((0, 32), np.float32)),
+     "vocabulary 0, d 32 and context 16"),
+    (lambda t: t.__setitem__("wpe.weight", np.zeros((0, 32), np.float32)),
+     "vocabulary 64, d 32 and context 0"),
 ])
 def test_bad_checkpoints_name_the_reason(tmp_path, edit, reason):
     write_checkpoint(tmp_path / "bad.safetensors", edit=edit)
