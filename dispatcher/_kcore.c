@@ -13,6 +13,7 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <math.h>
+#include <limits.h>
 #include <stdint.h>
 #include <string.h>
 #include <time.h>
@@ -378,6 +379,9 @@ typedef struct {
     int live, queued;
     int backlog;                 /* the saturation rule: past this many queued jobs the
                                     occupancy gate is lifted (0: never; saturated()) */
+    int class0, mixed;           /* the first job's class; whether another has been seen */
+    int sat_at;                  /* saturated() past this many queued jobs (INT_MAX: never):
+                                    backlog, while it is set and one class was seen */
     long long released;
     RefQ arrivals, copies;
     /* streams */
@@ -828,13 +832,15 @@ static int32_t oldest(Core *c, Fifo *f)
 /* The saturation rule (docs/dispatcher.md, "Saturation"): with more jobs waiting for a
    release than `backlog`, their latency is queueing that only the GPU's throughput
    shortens, so the occupancy gate (the +B rule, paella's order and hold rules) is
-   lifted and only flow control applies: the hardware queues stay full. */
+   lifted and only flow control applies: the hardware queues stay full. Only while every
+   job admitted so far was of one class: a more urgent class's bounded wait needs the
+   gate (a flood of less urgent blocks in the hardware queues would delay its kernels). */
 static inline int saturated(const Core *c)
 {
-    return c->backlog > 0 && c->queued > c->backlog;
+    return c->queued > c->sat_at;       /* Speed: one compare (sat_at folds the rest) */
 }
 
-static int32_t pick(Core *c)
+static int32_t pick(Core *c, int sat)
 {
     if (c->policy != P_PAELLA) {
         int32_t id = ih_top(&c->heap);
@@ -869,7 +875,7 @@ static int32_t pick(Core *c)
     int32_t other = ih_top(&c->inflight);
     if (other == id)
         return id;
-    if (saturated(c))
+    if (sat)
         return id;
     if (!TAPI->fits(c->tracker, &k->d, 0))
         return -1;
@@ -1548,7 +1554,8 @@ static int release_loop(Core *c)
         return -1;
     int pool = c->mode == M_POOL;
     while (c->queued) {
-        int32_t id = pick(c);
+        int sat = saturated(c);
+        int32_t id = pick(c, sat);
         if (id == -2)
             return -1;
         if (id < 0) {
@@ -1570,7 +1577,7 @@ static int release_loop(Core *c)
         int i = j->rq[j->rq_head];
         KSpec *k = &p->ks[p->kernel[i]];
         int b = behind_of(c, j, i);
-        int gated = c->gated && !saturated(c);
+        int gated = c->gated && !sat;
         if (b >= 0 && gated && p->kind[b] == KERNEL) {
             if (!TAPI->admits_behind(c->tracker, &k->d, &p->ks[p->kernel[b]].d, j->lid[b]))
                 return 0;
@@ -2267,6 +2274,12 @@ static PyObject *admit(Core *c, PyObject *token, long long seq, int plan, int pr
         return NULL;
     }
     j->seq = seq, j->plan = p, j->prof = pr, j->level = level, j->pin = pin;
+    if (c->class0 < 0)
+        c->class0 = level;
+    else if (level != c->class0 && !c->mixed) {
+        c->mixed = 1;
+        c->sat_at = INT_MAX;
+    }
     j->unit = -1;
     j->pending = p->pending0;
     j->estimate = j->remaining = prof_total(pr);
@@ -2865,6 +2878,8 @@ static int Core_init(Core *c, PyObject *args, PyObject *kw)
         return -1;
     }
     c->backlog = backlog;
+    c->class0 = -1, c->mixed = 0;
+    c->sat_at = backlog > 0 ? backlog : INT_MAX;
     c->policy = pol;
     c->gated = pol <= P_PRIORITY;
     c->mode = pol == P_FIFO ? M_SINGLE : pol == P_MSJBJ ? M_STICKY : M_POOL;

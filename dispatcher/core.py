@@ -86,6 +86,10 @@ MAX_SETS_AHEAD = 1 << 16
 #: The most kernels of one stream that may be released and not completed (``lookahead``):
 #: far past any use, and within the kernel cores' int.
 MAX_LOOKAHEAD = 1 << 16
+#: The saturation rule's default backlog is never below this many jobs: a burst of a few
+#: jobs on a small GPU (Figure 1's four tasks on two SMs) is not saturation, and its order
+#: is the ideal schedule's only with the gate.
+MIN_SATURATION_BACKLOG = 16
 #: Device bytes of sets made ahead per model, at most (a BERT-base's 11-40 MB sets: 1 or
 #: none; ResNet-50's: a few); and in all, at most this fraction of the device's memory.
 SETS_AHEAD_BYTES = 16 << 20
@@ -275,9 +279,13 @@ class Dispatcher:
         #: The saturation rule (docs/dispatcher.md, "Saturation"): with more jobs waiting
         #: for a release than this, the occupancy gate (the +B rule, paella's order and
         #: hold rules) is lifted and only flow control applies (0: never). Default: half
-        #: the GPU's SM count (Figure 11's mix: docs/dispatcher.md has what each measured).
-        self.saturation_backlog = (max(1, device.props.sm_count // 2) if saturation_backlog is None
-                                   else saturation_backlog)
+        #: the GPU's SM count, at least :data:`MIN_SATURATION_BACKLOG` (Figure 11's mix:
+        #: docs/dispatcher.md has what each measured).
+        self.saturation_backlog = (
+            max(MIN_SATURATION_BACKLOG, device.props.sm_count // 2) if saturation_backlog is None
+            else saturation_backlog)
+        self._class0: int | None = None
+        self._mixed_classes = False
         self.tracker = Tracker(device.props, device.notifq, extra_blocks=self.extra_blocks,
                                group=group, counter_pairs=counter_pairs)
         opts = dict(policy_options or {})
@@ -647,13 +655,23 @@ class Dispatcher:
             return pred
         return None
 
+    def _saw_class(self, level: int) -> None:
+        """The saturation rule's class check: the first job's class, and whether any
+        other has been seen since."""
+        if self._class0 is None:
+            self._class0 = level
+        elif level != self._class0:
+            self._mixed_classes = True
+
     @property
     def saturated(self) -> bool:
         """The saturation rule holds now: more jobs wait for a release than
         ``saturation_backlog``. Their latency is then queueing, which only the GPU's
         throughput shortens: the occupancy gate is lifted (policies' own holds too:
-        ``paella``'s order and hold rules ask this)."""
-        return 0 < self.saturation_backlog < self._queued
+        ``paella``'s order and hold rules ask this). Only while every job so far was of
+        one class: a more urgent class's bounded wait needs the gate (a flood of less
+        urgent blocks in the hardware queues would delay its kernels)."""
+        return 0 < self.saturation_backlog < self._queued and not self._mixed_classes
 
     def _release(self) -> None:
         if self._copies:
@@ -702,7 +720,8 @@ class Dispatcher:
             # free one).
             pred = op.pred                   # (_behind, inlined: once per kernel)
             behind = ahead > 1 and pred is not None and pred.state == RELEASED
-            gated = policy.gated and not 0 < backlog < self._queued   # (the saturation rule)
+            gated = policy.gated and not (0 < backlog < self._queued    # (the saturation rule)
+                                          and not self._mixed_classes)
             if behind and gated and pred.kind == KERNEL:
                 # It cannot start before its predecessor ends: admitted against the
                 # resources that predecessor frees (without this credit, lookahead held a
@@ -1639,6 +1658,7 @@ class Dispatcher:
         if self.slicer is not None:
             model = self._runs_on(model, req.priority or DEFAULT_LEVEL)
         job = Job(self, model, [req], io, self._seq)
+        self._saw_class(job.level)
         self.jobs.add(job)
         model.jobs += 1
         if model.parent is not None:
@@ -1719,6 +1739,7 @@ class Dispatcher:
         if self.slicer is not None:
             model = self._runs_on(model, min((r.priority or DEFAULT_LEVEL) for r in requests))
         job = Job(self, model, list(requests), io, self._seq)
+        self._saw_class(job.level)
         if stream is not None:
             job.pin = self.stream_named(stream)
         if bindings is not None:

@@ -374,6 +374,8 @@ class KernelCore:
         #: The saturation rule (docs/dispatcher.md, "Saturation"): past this many queued
         #: jobs the occupancy gate is lifted (0: never).
         self.backlog = backlog
+        self.class0: int | None = None      # the first job's class
+        self.mixed = False                  # another class seen since: the rule is off
         self.tracker = tracker
         self.device = device
         self.engine = self.engine_given = engine
@@ -462,6 +464,10 @@ class KernelCore:
                            for n, c in enumerate(copies))
         job = CoreJob(token, seq, spec, self.profiles[profile], client, level,
                       pin, args, copies)
+        if self.class0 is None:
+            self.class0 = level
+        elif level != self.class0:
+            self.mixed = True
         self.arrivals.append(job)
         self.jobs += 1
         job.handle = self.next_handle
@@ -1029,8 +1035,9 @@ class KernelCore:
         """The saturation rule: more jobs wait for a release than ``backlog``. Their
         latency is then queueing, which only the GPU's throughput shortens, so the
         occupancy gate (the +B rule, paella's order and hold rules) is lifted and only
-        flow control applies."""
-        return 0 < self.backlog < self.queued
+        flow control applies. Only while every job admitted so far was of one class: a
+        more urgent class's bounded wait needs the gate."""
+        return 0 < self.backlog < self.queued and not self.mixed
 
     def _pick(self) -> CoreJob | None:
         pol = self.policy

@@ -63,6 +63,8 @@ class PointConfig:
     group: int = 16
     extra_blocks: int | None = None
     fairness_threshold: float | None = None
+    #: The dispatcher's saturation rule (None: its default; 0: off; docs/dispatcher.md).
+    saturation_backlog: int | None = None
     policy_options: dict[str, Any] = field(default_factory=dict)
     cpu_scale: float = 1.0              # 0: a free dispatcher; 1: charge what it costs here
     kernel_core: str | None = "auto"    # what runs the per-kernel path (Dispatcher(kernel_core=))
@@ -85,6 +87,7 @@ def run_point(cfg: PointConfig, workloads: list[Workload]) -> dict:
     dev = SimDevice(cfg.gpu, n_streams=cfg.n_streams, seed=cfg.seed)
     d = Dispatcher(dev, cfg.policy, extra_blocks=cfg.extra_blocks, group=cfg.group,
                    fairness_threshold=cfg.fairness_threshold,
+                   saturation_backlog=cfg.saturation_backlog,
                    policy_options=dict(cfg.policy_options), profile_runs=cfg.profile_runs,
                    kernel_core=cfg.kernel_core, buffer_sets_ahead=cfg.buffer_sets_ahead)
     mids = [d.register_model(w.name, w.make_adaptor()) for w in workloads]

@@ -11,7 +11,7 @@ import pytest
 
 from paella.dispatcher import kernel_core as kc
 from paella.dispatcher.adaptor import PlanAdaptor
-from paella.dispatcher.core import Dispatcher, Request
+from paella.dispatcher.core import MIN_SATURATION_BACKLOG, Dispatcher, Request
 from paella.dispatcher.devices.sim import SimDevice
 
 from paella.experiments.harness import adaptor_for
@@ -26,7 +26,7 @@ def wide_plan():
     return adaptor_for(chain_job("wide", 4, 48, 256, 32, 50e-6), 64, 64)().plan
 
 
-def serve(backlog, policy="paella", kernel_core=None, n=60, gap=20e-6):
+def serve(backlog, policy="paella", kernel_core=None, n=60, gap=20e-6, classes=False):
     """``n`` jobs of :func:`wide_plan` arriving ``gap`` apart, at B = 0: (the most unplaced blocks the
     tracker held at any pass, the largest queue seen, the last completion's time)."""
     dev = SimDevice("gtx1660s", n_streams=64, notifq_slots=1 << 12, seed=1)
@@ -41,6 +41,7 @@ def serve(backlog, policy="paella", kernel_core=None, n=60, gap=20e-6):
     while i < n or d.in_flight or d.pending_arrivals:
         while i < n and t0 + times[i] <= dev.now():
             d.submit(Request(i, i % 4, mid, np.zeros(m.adaptor.io_bytes, np.uint8),
+                             priority=(1 + i % 2) if classes else 0,
                              on_complete=lambda r, s, e: done.__setitem__(r.req_id, dev.now())))
             i += 1
         d.step()
@@ -69,15 +70,30 @@ def test_past_the_backlog_the_gate_is_lifted(kernel_core):
     assert t_lifted < 0.8 * t_gated, (t_lifted, t_gated)
 
 
+@pytest.mark.parametrize("kernel_core", (None, "python", "c"))
+@pytest.mark.parametrize("policy", ("paella", "priority"))
+def test_with_two_classes_the_gate_stays(kernel_core, policy):
+    """A more urgent class's bounded wait needs the gate: once jobs of two classes have
+    been seen, the rule never fires (the same burst, alternate requests urgent)."""
+    assert serve(2, policy, kernel_core, classes=True) == serve(0, policy, kernel_core,
+                                                                  classes=True)
+
+
 def test_the_property_says_when_the_rule_holds():
     dev = SimDevice("gtx1660s", n_streams=16, seed=1)
     d = Dispatcher(dev, "paella", profile_runs=1)
-    assert d.saturation_backlog == dev.props.sm_count // 2   # the default: half the SMs
+    # the default: half the SMs, at least 16 (the GTX 1660 SUPER has 22)
+    assert d.saturation_backlog == max(MIN_SATURATION_BACKLOG, dev.props.sm_count // 2) == 16
     d._queued = d.saturation_backlog
     assert not d.saturated
     d._queued += 1
     assert d.saturated
     d.saturation_backlog = 0                                  # off
+    assert not d.saturated
+    d.saturation_backlog = 1
+    d._saw_class(128)
+    assert d.saturated
+    d._saw_class(1)                                           # a second class: off for good
     assert not d.saturated
     d._queued = 0
 
