@@ -957,6 +957,9 @@ def _check(args: argparse.Namespace) -> None:
             raise CLIError(f"--{opt} {out}: not a file in an existing directory")
     if args.plot:
         _check_plot_format(args.plot)
+    if args.rate is not None and min(args.rate) * args.seconds < 1:
+        raise CLIError(f"--rate {min(args.rate):g} for --seconds {args.seconds:g} sends no "
+                       f"request: raise one of them (rate x seconds must be at least 1)")
     if not 0 <= args.priority <= wire.MAX_PRIORITY:
         raise CLIError(f"--priority must be 1 (most urgent) .. {wire.MAX_PRIORITY}, or 0 for "
                        f"none; got {args.priority}")

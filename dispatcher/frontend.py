@@ -202,11 +202,18 @@ class ModelTable:
         return [m.to_dict() for m in sorted(self.by_id.values(), key=lambda m: m.model_id)]
 
 
+#: The largest uid or gid (uid_t is 32 bits; (uid_t)-1 means "none").
+MAX_ID = 2 ** 32 - 2
+
+
 def _resolve_id(name: str | int, lookup, field: str, what: str,
                 setting: str | None = None) -> int:
     """A user or group name (or number) as its numeric id; unknown names are errors
     (naming ``setting``, the [access] setting that lists it, when given)."""
     if isinstance(name, int) or (str(name).isascii() and str(name).isdigit()):
+        if not 0 <= int(name) <= MAX_ID:
+            where = f"[access] {setting}" if setting else f"allowed {what}"
+            raise FrontendError(f"{where}: {str(name)[:40]} is not a {what} id (0..{MAX_ID})")
         return int(name)
     try:
         return getattr(lookup(name), field)

@@ -787,6 +787,9 @@ def load_bundle(path: str | Path) -> Bundle:
     except RecursionError:
         raise BundleError(f"{mpath} is not a manifest (JSON nested too deeply to read); the "
                           f"bundle is corrupt, recompile it") from None
+    if not isinstance(d, dict):
+        raise BundleError(f"{mpath} is not a manifest (JSON {type(d).__name__}, not an object); "
+                          f"the bundle is corrupt or from another tool, recompile it")
     try:
         m = manifest_from_dict(d)
         for key, name in [*m.files.items(), *(kv for v in m.variants for kv in v.files.items())]:

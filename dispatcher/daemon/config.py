@@ -19,6 +19,7 @@ from typing import Any
 from paella import rings
 from paella.gpus import preset
 from paella.dispatcher.core import MAX_LOOKAHEAD
+from paella.dispatcher.frontend import MAX_ID
 from paella.dispatcher.policies import PolicyError, check_options
 
 
@@ -29,6 +30,8 @@ class ConfigError(ValueError):
 #: The longest a time setting may be (a day): longer ones overflow epoll's timeout or
 #: make a stop that never ends.
 MAX_SECONDS = 86400.0
+#: The most clients, requests in flight per client or clients per uid a limit may allow.
+MAX_COUNT = 1 << 20
 #: The shortest handshake_seconds: a client's HELLO takes about a millisecond, on a
 #: loaded machine tens of them; below this, every connection would be closed.
 MIN_HANDSHAKE_SECONDS = 0.1
@@ -122,12 +125,12 @@ class DaemonConfig:
                                   f"theirs would be clamped; give a default of {h} or more")
         for name in ("allowed_users", "allowed_groups", "trace_users"):
             for v in getattr(self, name):
-                if not ((type(v) is int and v >= 0)
+                if not ((type(v) is int and 0 <= v <= MAX_ID)
                         or (type(v) is str and _NAME.fullmatch(v))):
                     raise ConfigError(f"{name} must list user or group names or numeric "
                                       f"ids, got {shown(v)}")
         for v in self.control_users:
-            if not ((type(v) is int and v >= 0)
+            if not ((type(v) is int and 0 <= v <= MAX_ID)
                     or (type(v) is str and _NAME.fullmatch(v.removeprefix("@")))):
                 raise ConfigError(f"control_users must list user names, uids or \"@group\" "
                                   f"names (who may load and unload models besides the "
@@ -186,8 +189,8 @@ class DaemonConfig:
         if not 0 <= self.socket_mode <= 0o777:
             raise ConfigError(f"socket_mode must be a file mode 0000..0777, got {self.socket_mode:#o}")
         for name in ("max_clients", "max_inflight_per_client", "max_clients_per_uid"):
-            if getattr(self, name) <= 0:
-                raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
+            if not 0 < getattr(self, name) <= MAX_COUNT:
+                raise ConfigError(f"{name} must be 1..{MAX_COUNT}, got {getattr(self, name)}")
         for name in ("arena_bytes", "max_arena_bytes"):
             if getattr(self, name) < MIN_ARENA_BYTES:
                 raise ConfigError(f"{name} must be at least {MIN_ARENA_BYTES} (one page; a "

@@ -118,6 +118,10 @@ def test_loader_refuses_foreign_json(bundle_copy):
     (bundle_copy / "manifest.json").write_text("{truncated")
     with pytest.raises(BundleError, match="not valid JSON"):
         load_bundle(bundle_copy)
+    for text, kind in (("[1, 2]", "list"), ('"x"', "str"), ("3", "int")):
+        (bundle_copy / "manifest.json").write_text(text)
+        with pytest.raises(BundleError, match=f"is not a manifest \\(JSON {kind}, not an object"):
+            load_bundle(bundle_copy)
 
 
 def test_loader_refuses_missing_files(bundle_copy, tmp_path):

@@ -123,6 +123,12 @@ CASES = [
     ("control-user-unknown", ["--control-user", "no_such_user_x"], None,
      "[access] control_users: there is no user 'no_such_user_x' on this system; correct the "
      "name or remove it"),
+    ("allow-user-huge", ["--allow-user", "99999999999"], None,
+     "allowed user: 99999999999 is not a user id (0..4294967294)"),
+    ("allowed-users-huge", [], "[access]\nallowed_users = [99999999999]\n",
+     "allowed_users must list user or group names or numeric ids, got 99999999999"),
+    ("max-clients-huge", ["--max-clients", "99999999999999999999"], None,
+     "max_clients must be 1..1048576, got 99999999999999999999"),
     ("trace-user-unknown", ["--trace-user", "no_such_user_x"], None,
      "[access] trace_users: there is no user 'no_such_user_x' on this system"),
     ("class-default-unknown", ["--class-default", "no_such_user_x=2"], None,

@@ -97,7 +97,8 @@ def test_bad_targets_are_clear_errors(daemon, tmp_path):
                        (["--seconds", "nan"], "must be positive"),
                        (["--csv", str(tmp_path / "no" / "x.csv")], "not a file in an existing"),
                        (["--json", str(tmp_path)], "not a file in an existing directory"),
-                       (["--plot", str(tmp_path / "x.xyz")], "the file name must end in one of")):
+                       (["--plot", str(tmp_path / "x.xyz")], "the file name must end in one of"),
+                       (["--rate", "0.5", "--seconds", "0.5"], "sends no request: raise one")):
         r = perf("echo", "--socket", daemon.socket, *args, "-q")
         assert r.returncode == 2 and text in r.stderr and "Traceback" not in r.stderr, r.stderr
     r = perf("echo", "--kserve", "127.0.0.1:\u00b2", "-q")      # str.isdigit takes "²"
