@@ -487,7 +487,9 @@ MOVES: list[tuple[str, str, list, str, str]] = [
      "one-block kernels that fit never wait; the +B slack counts the candidate, a little less lookahead "
      "at the highest loads (then 4.97; 5.00 on the kernel core of issue 36, whose copies complete as "
      "one engine event instead of a copy and a marker; since session 22 each knee is refined by "
-     "bisection, which finds ms-jbj's goodput at 12.9k jobs/s where the grid gave 12.2k)"),
+     "bisection, which finds ms-jbj's goodput at 12.9k jobs/s where the grid gave 12.2k; 4.71 "
+     "before session 31's saturation rule: past 16 queued jobs the gate is lifted, and paella's "
+     "knee moves from 60.7k to 59.5k jobs/s)"),
     ("hol_dispatcher_cpu1", "... with its CPU charged", ["goodput_ratio"],
      "the same, within the run-to-run noise of measured CPU time",
      "measured CPU time: varies with the host's load from run to run (then 1.01; 1.73 on the C kernel "
