@@ -377,11 +377,9 @@ typedef struct {
     Job **jobs;
     int njobs_cap, nfree, *free_slots;
     int live, queued;
-    int backlog;                 /* the saturation rule: past this many queued jobs the
-                                    occupancy gate is lifted (0: never; saturated()) */
-    int class0, mixed;           /* the first job's class; whether another has been seen */
-    int sat_at;                  /* saturated() past this many queued jobs (INT_MAX: never):
-                                    backlog, while it is set and one class was seen */
+    int class0;                  /* the first job's class (-1: none yet) */
+    int sat_at;                  /* saturated() past this many queued jobs: the backlog,
+                                    INT_MAX once off (backlog 0, or a second class seen) */
     long long released;
     RefQ arrivals, copies;
     /* streams */
@@ -828,7 +826,6 @@ static int32_t oldest(Core *c, Fifo *f)
     return -2;
 }
 
-/* The job whose next kernel goes, -1 for none, -2 on error. */
 /* The saturation rule (docs/dispatcher.md, "Saturation"): with more jobs waiting for a
    release than `backlog`, their latency is queueing that only the GPU's throughput
    shortens, so the occupancy gate (the +B rule, paella's order and hold rules) is
@@ -840,6 +837,7 @@ static inline int saturated(const Core *c)
     return c->queued > c->sat_at;       /* Speed: one compare (sat_at folds the rest) */
 }
 
+/* The job whose next kernel goes, -1 for none, -2 on error (`sat`: saturated()). */
 static int32_t pick(Core *c, int sat)
 {
     if (c->policy != P_PAELLA) {
@@ -2276,10 +2274,8 @@ static PyObject *admit(Core *c, PyObject *token, long long seq, int plan, int pr
     j->seq = seq, j->plan = p, j->prof = pr, j->level = level, j->pin = pin;
     if (c->class0 < 0)
         c->class0 = level;
-    else if (level != c->class0 && !c->mixed) {
-        c->mixed = 1;
+    else if (level != c->class0)
         c->sat_at = INT_MAX;
-    }
     j->unit = -1;
     j->pending = p->pending0;
     j->estimate = j->remaining = prof_total(pr);
@@ -2877,8 +2873,7 @@ static int Core_init(Core *c, PyObject *args, PyObject *kw)
         PyErr_SetString(PyExc_ValueError, "backlog must be >= 0 (0: no saturation rule)");
         return -1;
     }
-    c->backlog = backlog;
-    c->class0 = -1, c->mixed = 0;
+    c->class0 = -1;
     c->sat_at = backlog > 0 ? backlog : INT_MAX;
     c->policy = pol;
     c->gated = pol <= P_PRIORITY;

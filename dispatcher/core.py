@@ -689,7 +689,6 @@ class Dispatcher:
         hooked = "op_released" in instr      # Speed: one lookup per pass, not per kernel
         ahead = self.lookahead
         lead = self.wake_lead
-        backlog = self.saturation_backlog
         while self._queued:
             try:
                 job = policy.pick()
@@ -720,8 +719,7 @@ class Dispatcher:
             # free one).
             pred = op.pred                   # (_behind, inlined: once per kernel)
             behind = ahead > 1 and pred is not None and pred.state == RELEASED
-            gated = policy.gated and not (0 < backlog < self._queued    # (the saturation rule)
-                                          and not self._mixed_classes)
+            gated = policy.gated and not self.saturated
             if behind and gated and pred.kind == KERNEL:
                 # It cannot start before its predecessor ends: admitted against the
                 # resources that predecessor frees (without this credit, lookahead held a
